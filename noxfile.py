@@ -1,0 +1,141 @@
+"""Every developer task of the Slipstream monorepo: tests per package, lint, typecheck, demo, build.
+
+Sessions create their virtualenvs with ``--system-site-packages`` so that a torch installed in the
+base interpreter (as ``.ci/run`` does) is reused instead of being installed again per session;
+where the base has no torch, it is installed once per venv from ``SLIPSTREAM_TORCH_SPEC``
+(default ``torch==2.13.0``). Venvs are reused between runs (``-R`` is implied).
+"""
+
+from __future__ import annotations
+
+import enum
+import os
+from pathlib import Path
+
+import nox
+
+ROOT = Path(__file__).parent
+nox.options.reuse_existing_virtualenvs = True
+nox.options.default_venv_backend = "venv"
+nox.options.sessions = ["lint", "typecheck", "tests"]
+
+TORCH_SPEC = os.environ.get("SLIPSTREAM_TORCH_SPEC", "torch==2.13.0")
+VENV_PARAMS = ["--system-site-packages"]
+TEST_TOOLS = ["pytest>=8", "pytest-timeout", "hatchling>=1.18", "editables"]
+
+
+class Package(enum.Enum):
+    """Distributions in dependency order: each may import only those before it."""
+
+    kernels = "kernels"
+    comm = "packages/comm"
+    slipstream = "packages/slipstream"
+
+    @property
+    def path(self) -> Path:
+        return ROOT / self.value
+
+    def with_dependencies(self) -> list[Package]:
+        members = list(Package)
+        return members[: members.index(self) + 1]
+
+
+def _install_torch(session: nox.Session) -> None:
+    """Install torch only where the venv (or the base interpreter it sees) lacks it."""
+    probe = "import importlib.util, sys; sys.exit(importlib.util.find_spec('torch') is None)"
+    try:
+        session.run("python", "-c", probe, silent=True, log=False)
+    except nox.command.CommandFailed:
+        session.install(TORCH_SPEC)
+
+
+def _install(session: nox.Session, packages: list[Package], *extra: str) -> None:
+    """Install torch, the test tools and `packages` (editable) into the session's venv."""
+    _install_torch(session)
+    session.install(*TEST_TOOLS, "numpy", "safetensors>=0.4", *extra)
+    editable: list[str] = []
+    for package in packages:
+        editable += ["-e", str(package.path)]
+    session.install("--no-build-isolation", "--no-deps", *editable)
+
+
+@nox.session(venv_params=VENV_PARAMS)
+@nox.parametrize("package", [*(p.name for p in Package), "integration"])
+def tests(session: nox.Session, package: str) -> None:
+    """Run one package's unit tests (or the cross-package integration tests) on CPU."""
+    if package == "integration":
+        _install(session, list(Package))
+        test_dir = ROOT / "integration-tests"
+    else:
+        member = Package[package]
+        _install(session, member.with_dependencies())
+        test_dir = member.path / "tests"
+    args = session.posargs or ["-m", "not gpu"]
+    session.run("python", "-m", "pytest", str(test_dir), *args, env={"OMP_NUM_THREADS": "1"})
+
+
+@nox.session(venv_params=VENV_PARAMS)
+def gpu(session: nox.Session) -> None:
+    """Run every package's tests marked `gpu` (needs a CUDA or ROCm device; never in CI)."""
+    _install(session, list(Package))
+    dirs = [str(p.path / "tests") for p in Package] + [str(ROOT / "integration-tests")]
+    session.run("python", "-m", "pytest", *dirs, "-m", "gpu", *session.posargs)
+
+
+@nox.session(venv_params=VENV_PARAMS)
+def lint(session: nox.Session) -> None:
+    """Ruff: lint rules and formatting."""
+    session.install("ruff>=0.6")
+    session.run("ruff", "check", ".")
+    session.run("ruff", "format", "--check", ".")
+
+
+@nox.session(venv_params=VENV_PARAMS)
+def typecheck(session: nox.Session) -> None:
+    """Mypy over every distribution's sources."""
+    _install(session, list(Package), "mypy>=1.10")
+    sources = [str(p.path / "src") for p in Package]
+    # Sources are checked from their src/ folders (PEP 420 namespace `slipstream`), so that a
+    # package's imports of its siblings resolve to their code rather than to `Any`.
+    session.run("python", "-m", "mypy", *sources, env={"MYPYPATH": os.pathsep.join(sources)})
+
+
+@nox.session(venv_params=VENV_PARAMS)
+def demo(session: nox.Session) -> None:
+    """The README's main job: a small GPT trained on 2 processes, checkpointed and resumed.
+
+    Two processes on the CPU (gloo) or on two GPUs (NCCL/RCCL); one on a single-GPU machine,
+    since NCCL does not allow two ranks on one device.
+    """
+    _install(session, list(Package))
+    count = "import torch; print(torch.cuda.device_count() if torch.cuda.is_available() else 0)"
+    gpus = int(str(session.run("python", "-c", count, silent=True)).strip().splitlines()[-1])
+    procs = 1 if gpus == 1 else 2
+    out = ROOT / "runs" / "demo"
+    session.run(
+        "slipstream",
+        "run",
+        "--num_procs",
+        str(procs),
+        "--module",
+        "slipstream.examples.gpt",
+        "--out",
+        str(out),
+        *session.posargs,
+    )
+
+
+@nox.session(venv_params=VENV_PARAMS)
+def build(session: nox.Session) -> None:
+    """Build a wheel and an sdist of every distribution into dist/."""
+    session.install("build", "hatchling>=1.18")
+    for package in Package:
+        session.run(
+            "python",
+            "-m",
+            "build",
+            "--no-isolation",
+            "--outdir",
+            str(ROOT / "dist"),
+            str(package.path),
+        )
