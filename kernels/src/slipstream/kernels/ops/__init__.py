@@ -1,0 +1,27 @@
+"""Built-in ops; importing this registers every op's backends (one folder per op).
+
+Each op folder holds ``reference.py`` (pure torch, backend ``"reference"``, priority 0) and an
+``__init__.py`` that registers its backends and exposes a function dispatching through the
+registry. Faster backends (Triton, CUDA/HIP C++, CPU C++) are added beside the reference in
+the same folder.
+"""
+
+from __future__ import annotations
+
+from slipstream.kernels.ops.adam import adam
+from slipstream.kernels.ops.cross_entropy import cross_entropy
+from slipstream.kernels.ops.layer_norm import layer_norm
+from slipstream.kernels.ops.rms_norm import rms_norm
+from slipstream.kernels.ops.rotary_embedding import rotary_cos_sin, rotary_embedding
+from slipstream.kernels.ops.softmax import causal_keep_mask, softmax
+
+__all__ = [
+    "adam",
+    "causal_keep_mask",
+    "cross_entropy",
+    "layer_norm",
+    "rms_norm",
+    "rotary_cos_sin",
+    "rotary_embedding",
+    "softmax",
+]
