@@ -1,0 +1,36 @@
+"""Slipstream: DeepSpeed-compatible training and serving of large models on PyTorch."""
+
+from __future__ import annotations
+
+# `slipstream` is shared by every Slipstream distribution. Only this umbrella ships an
+# `__init__.py`; extending `__path__` keeps sibling packages (slipstream.kernels,
+# slipstream.comm, ...) importable when they are installed into other site directories
+# or as editable installs, where each lives under its own `src/` folder.
+from pkgutil import extend_path
+
+__path__ = extend_path(__path__, __name__)
+
+__version__ = "0.1.0"
+
+# The public names load lazily: `import slipstream.kernels` runs this file too, and must stay
+# cheap for users who installed one package alone.
+_LAZY = {
+    "initialize": ("slipstream.entry", "initialize"),
+    "add_config_arguments": ("slipstream.arguments", "add_config_arguments"),
+    "init_distributed": ("slipstream.comm", "init_distributed"),
+    "SlipstreamEngine": ("slipstream.runtime.engine", "SlipstreamEngine"),
+    "load_config": ("slipstream.config", "load_config"),
+}
+
+__all__ = ["__version__", *_LAZY]
+
+
+def __getattr__(name: str):
+    if name in _LAZY:
+        import importlib
+
+        module_name, attr = _LAZY[name]
+        value = getattr(importlib.import_module(module_name), attr)
+        globals()[name] = value
+        return value
+    raise AttributeError(f"module 'slipstream' has no attribute {name!r}")

@@ -1,0 +1,65 @@
+"""Small top-level blocks: ``optimizer``, ``scheduler`` and ``amd_specific``."""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import Any
+
+from slipstream.kernels.config_schema import ConfigBlock, config_fail, key_path
+
+__all__ = ["AmdSpecificConfig", "OptimizerConfig", "SchedulerConfig"]
+
+
+def _check_type_name(path: str, name: str) -> None:
+    if not name.strip():
+        config_fail(key_path(path, "type"), name, 'a non-empty name such as "AdamW"')
+
+
+@dataclasses.dataclass(kw_only=True)
+class OptimizerConfig(ConfigBlock):
+    """The ``optimizer`` block: which optimizer to build and its keyword arguments.
+
+    Attributes:
+        type: the optimizer name, case-insensitive (``"Adam"``, ``"AdamW"``, ``"Lamb"``, ...).
+        params: keyword arguments for its constructor; the optimizer builder validates them.
+        legacy_fusion: accepted for older DeepSpeed configs; has no effect.
+    """
+
+    type: str
+    params: dict[str, Any] = dataclasses.field(default_factory=dict)
+    legacy_fusion: bool = False
+
+    def validate(self, path: str) -> None:
+        """Require a non-empty optimizer name."""
+        _check_type_name(path, self.type)
+
+
+@dataclasses.dataclass(kw_only=True)
+class SchedulerConfig(ConfigBlock):
+    """The ``scheduler`` block: a learning-rate schedule and its keyword arguments.
+
+    Attributes:
+        type: the schedule name (``"WarmupLR"``, ``"WarmupDecayLR"``, ``"OneCycle"``, ...).
+        params: keyword arguments for it; the scheduler builder validates them.
+    """
+
+    type: str
+    params: dict[str, Any] = dataclasses.field(default_factory=dict)
+
+    def validate(self, path: str) -> None:
+        """Require a non-empty scheduler name."""
+        _check_type_name(path, self.type)
+
+
+@dataclasses.dataclass(kw_only=True)
+class AmdSpecificConfig(ConfigBlock):
+    """ROCm-only settings (``"amd_specific": {...}``; a Slipstream block, not DeepSpeed's).
+
+    Attributes:
+        rocm_mem_pool_init: pre-initialise the HIP memory pool at start-up.
+        rocm_stream_priority: priority of Slipstream's side streams on ROCm (0 = default;
+            lower numbers are higher priority, as in ``torch.cuda.Stream(priority=...)``).
+    """
+
+    rocm_mem_pool_init: bool = False
+    rocm_stream_priority: int = 0

@@ -1,0 +1,407 @@
+"""DeepSpeed top-level keys that are recognised but not implemented yet, and when they are inert.
+
+Each entry says what the key switches on, which package will bring it, and how to tell an
+inert value (``{"enabled": false}``, all defaults) from one that asks for the feature. Inert
+values are accepted and kept; active ones raise NotImplementedFeatureError. When a package
+implements a feature, it replaces its entry here with a typed ConfigBlock field on
+SlipstreamConfig.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Mapping
+from typing import Any
+
+from slipstream.config.feature_rules import (
+    ActivePredicate,
+    always,
+    any_nested_enabled,
+    data_types_active,
+    enabled_flag,
+    non_default,
+    present_unless_false,
+    scalar,
+    tensor_parallel_active,
+)
+from slipstream.kernels.config_schema import (
+    ConfigError,
+    NotImplementedFeatureError,
+    key_path,
+    show_value,
+)
+
+__all__ = ["RECOGNISED_FEATURES", "RecognisedFeature", "check_recognised_features"]
+
+
+@dataclasses.dataclass(frozen=True)
+class RecognisedFeature:
+    """A DeepSpeed top-level key that Slipstream knows but does not implement yet.
+
+    Attributes:
+        key: the top-level config key.
+        feature: what the key switches on, in words.
+        provider: the package or release that will implement it; None for a retired
+            DeepSpeed key that will not come back (``replacement`` says what to use).
+        is_active: ``(value, path) -> bool``; validates the value and says whether it asks
+            for the feature (an inert value is accepted).
+        inert: the inert form, for the docs and error messages.
+        replacement: for retired keys, what to write instead.
+    """
+
+    key: str
+    feature: str
+    provider: str | None
+    is_active: ActivePredicate
+    inert: str
+    replacement: str = ""
+
+
+_UMBRELLA_LATER = "a later release of the slipstream package"
+_OFF = '{"enabled": false}'
+
+
+_MONITOR = "slipstream's monitors (" + _UMBRELLA_LATER + ")"
+
+RECOGNISED_FEATURES: dict[str, RecognisedFeature] = {
+    entry.key: entry
+    for entry in [
+        RecognisedFeature(
+            "activation_checkpointing",
+            "activation checkpointing",
+            "slipstream.checkpointing (" + _UMBRELLA_LATER + ")",
+            non_default(
+                {
+                    "partition_activations": False,
+                    "contiguous_memory_optimization": False,
+                    "cpu_checkpointing": False,
+                    "number_checkpoints": None,
+                    "synchronize_checkpoint_boundary": False,
+                    "profile": False,
+                }
+            ),
+            "all keys at their defaults (false / null)",
+        ),
+        RecognisedFeature(
+            "flops_profiler",
+            "the flops profiler",
+            "slipstream's profiler (" + _UMBRELLA_LATER + ")",
+            enabled_flag(),
+            _OFF,
+        ),
+        RecognisedFeature("tensorboard", "TensorBoard monitoring", _MONITOR, enabled_flag(), _OFF),
+        RecognisedFeature("wandb", "Weights & Biases monitoring", _MONITOR, enabled_flag(), _OFF),
+        RecognisedFeature("csv_monitor", "CSV monitoring", _MONITOR, enabled_flag(), _OFF),
+        RecognisedFeature("comet", "Comet monitoring", _MONITOR, enabled_flag(), _OFF),
+        RecognisedFeature(
+            "pipeline",
+            "pipeline parallelism settings",
+            "the slipstream-pipeline package",
+            non_default(
+                {
+                    "stages": "auto",
+                    "partition": "best",
+                    "seed_layers": False,
+                    "activation_checkpoint_interval": 0,
+                    "pipe_partitioned": True,
+                    "grad_partitioned": True,
+                },
+                strict=False,
+            ),
+            "all keys at DeepSpeed's defaults",
+        ),
+        RecognisedFeature(
+            "compression_training",
+            "compression-aware training",
+            "the slipstream-compression package",
+            any_nested_enabled,
+            "every technique disabled",
+        ),
+        RecognisedFeature(
+            "quantize_training",
+            "quantization-aware training (MoQ)",
+            "the slipstream-compression package",
+            enabled_flag(),
+            _OFF,
+        ),
+        RecognisedFeature(
+            "weight_quantization",
+            "weight quantization",
+            "the slipstream-compression package",
+            enabled_flag(default=True),
+            _OFF,
+        ),
+        RecognisedFeature(
+            "eigenvalue",
+            "eigenvalue computation (for MoQ)",
+            "the slipstream-compression package",
+            enabled_flag(),
+            _OFF,
+        ),
+        RecognisedFeature(
+            "data_efficiency",
+            "the data efficiency library",
+            "the slipstream-data-efficiency package",
+            enabled_flag(),
+            _OFF,
+        ),
+        RecognisedFeature(
+            "curriculum_learning",
+            "curriculum learning",
+            "the slipstream-data-efficiency package",
+            enabled_flag(),
+            _OFF,
+        ),
+        RecognisedFeature(
+            "progressive_layer_drop",
+            "progressive layer drop",
+            "the slipstream-data-efficiency package",
+            enabled_flag(),
+            _OFF,
+        ),
+        RecognisedFeature("elasticity", "elastic training", _UMBRELLA_LATER, enabled_flag(), _OFF),
+        RecognisedFeature("autotuning", "the autotuner", _UMBRELLA_LATER, enabled_flag(), _OFF),
+        RecognisedFeature(
+            "sparse_attention",
+            "sparse attention",
+            "the slipstream-kernels package (a later release)",
+            always(True),
+            "(none: remove the block)",
+        ),
+        RecognisedFeature(
+            "aio",
+            "asynchronous I/O settings (used only by NVMe offload)",
+            "the slipstream-offload-io package",
+            always(False),
+            "any value",
+        ),
+        RecognisedFeature(
+            "checkpoint",
+            "checkpoint options",
+            "slipstream's checkpointing (" + _UMBRELLA_LATER + ")",
+            non_default(
+                {
+                    "tag_validation": "Warn",
+                    "load_universal": False,
+                    "use_node_local_storage": False,
+                    "parallel_write": {"pipeline_stage": False},
+                },
+                strict=False,
+            ),
+            'all keys at their defaults ("tag_validation": "Warn", the rest false)',
+        ),
+        RecognisedFeature(
+            "data_types",
+            "per-tensor data types",
+            _UMBRELLA_LATER,
+            data_types_active,
+            '{"grad_accum_dtype": null} or "fp32"',
+        ),
+        RecognisedFeature(
+            "compile",
+            "DeepCompile",
+            _UMBRELLA_LATER,
+            enabled_flag(key="deepcompile"),
+            '{"deepcompile": false}',
+        ),
+        RecognisedFeature(
+            "hybrid_engine",
+            "the RLHF hybrid engine",
+            "the slipstream-inference package",
+            enabled_flag(),
+            _OFF,
+        ),
+        RecognisedFeature(
+            "nebula", "Nebula asynchronous checkpointing", _UMBRELLA_LATER, enabled_flag(), _OFF
+        ),
+        RecognisedFeature(
+            "datastates_ckpt",
+            "DataStates asynchronous checkpointing",
+            _UMBRELLA_LATER,
+            present_unless_false,
+            "false",
+        ),
+        RecognisedFeature(
+            "casync_ckpt",
+            "asynchronous checkpointing",
+            _UMBRELLA_LATER,
+            present_unless_false,
+            "false",
+        ),
+        RecognisedFeature(
+            "torch_autocast",
+            "torch.autocast mixed precision",
+            _UMBRELLA_LATER,
+            enabled_flag(),
+            _OFF,
+        ),
+        RecognisedFeature(
+            "tensor_parallel",
+            "AutoTP tensor parallelism",
+            "the slipstream-comm package (tensor-parallel layers)",
+            tensor_parallel_active,
+            '{} or {"autotp_size": 0}',
+        ),
+        RecognisedFeature(
+            "expert_parallel",
+            "AutoEP expert parallelism",
+            "the slipstream-moe package",
+            enabled_flag(),
+            _OFF,
+        ),
+        RecognisedFeature(
+            "sequence_parallel_size",
+            "Ulysses sequence parallelism",
+            "the slipstream-comm package",
+            scalar(1, (int,), "an integer"),
+            "1",
+        ),
+        RecognisedFeature(
+            "seq_parallel_communication_data_type",
+            "a sequence-parallel communication dtype",
+            "the slipstream-comm package",
+            scalar("fp32", (str,), "a dtype name"),
+            '"fp32"',
+        ),
+        RecognisedFeature(
+            "seq_parallel_comm_data_type",
+            "a sequence-parallel communication dtype",
+            "the slipstream-comm package",
+            scalar("fp32", (str,), "a dtype name"),
+            '"fp32"',
+        ),
+        RecognisedFeature(
+            "use_data_before_expert_parallelism",
+            "data-before-expert process-group order",
+            "the slipstream-moe package",
+            scalar(False, (bool,), "a boolean"),
+            "false",
+        ),
+        RecognisedFeature(
+            "disable_allgather",
+            "disabling the ZeRO all-gather",
+            "the slipstream-zero package",
+            scalar(False, (bool,), "a boolean"),
+            "false",
+        ),
+        RecognisedFeature(
+            "sparse_gradients",
+            "sparse (CSR) gradients",
+            _UMBRELLA_LATER,
+            scalar(False, (bool,), "a boolean"),
+            "false",
+        ),
+        RecognisedFeature(
+            "memory_breakdown",
+            "the memory breakdown report",
+            _UMBRELLA_LATER,
+            scalar(False, (bool,), "a boolean"),
+            "false",
+        ),
+        RecognisedFeature(
+            "graph_harvesting",
+            "graph harvesting",
+            _UMBRELLA_LATER,
+            scalar(False, (bool,), "a boolean"),
+            "false",
+        ),
+        RecognisedFeature(
+            "disable_python_gc",
+            "disabling Python's cyclic garbage collector",
+            _UMBRELLA_LATER,
+            scalar(False, (bool,), "a boolean"),
+            "false",
+        ),
+        RecognisedFeature(
+            "managed_gradient_accumulation",
+            "client-managed gradient accumulation (false)",
+            _UMBRELLA_LATER,
+            scalar(True, (bool,), "a boolean"),
+            "true",
+        ),
+        RecognisedFeature(
+            "gradient_allreduce_op",
+            'summed gradients ("sum")',
+            _UMBRELLA_LATER,
+            scalar("mean", (str,), '"mean" or "sum"'),
+            '"mean"',
+        ),
+        RecognisedFeature(
+            "log_level",
+            "DeepSpeed's log-level setting",
+            _UMBRELLA_LATER,
+            scalar(None, (str, int, type(None)), "a log level name or number"),
+            "null",
+        ),
+        RecognisedFeature(
+            "timers",
+            "throughput-timer settings",
+            _UMBRELLA_LATER,
+            non_default({"throughput": {"enabled": True, "synchronized": True}}),
+            'the defaults ({"throughput": {"enabled": true, "synchronized": true}})',
+        ),
+        RecognisedFeature(
+            "vocabulary_size",
+            "a vocabulary-size hint (DeepSpeed only warns about it)",
+            None,
+            always(False),
+            "any integer",
+        ),
+        RecognisedFeature(
+            "allgather_size",
+            'the legacy companion of "zero_optimization": true',
+            None,
+            always(False),
+            "any integer",
+        ),
+        RecognisedFeature(
+            "amp",
+            "NVIDIA Apex AMP",
+            None,
+            enabled_flag(),
+            _OFF,
+            'Apex AMP is not supported; use "fp16": {"enabled": true} or "bf16": {"enabled": true}.',
+        ),
+        RecognisedFeature(
+            "fp32_allreduce",
+            "fp32 gradient all-reduce",
+            None,
+            scalar(False, (bool,), "a boolean"),
+            "false",
+            'this older DeepSpeed key was replaced by "communication_data_type": "fp32"; use that.',
+        ),
+    ]
+}
+
+
+def check_recognised_features(blocks: Mapping[str, Any], path: str = "") -> dict[str, Any]:
+    """Check the recognised-but-unimplemented keys of a config; return the inert ones.
+
+    Raises:
+        NotImplementedFeatureError: one or more keys ask for a feature this release lacks
+            (all of them are listed, each with the package that will provide it).
+        ConfigError: a retired DeepSpeed key is switched on, or a value has the wrong shape.
+    """
+    active: list[str] = []
+    first_active: str | None = None
+    for key, value in blocks.items():
+        entry = RECOGNISED_FEATURES[key]
+        where = key_path(path, key)
+        if not entry.is_active(value, where):
+            continue
+        if entry.provider is None:
+            raise ConfigError(f"{where} = {show_value(value)}: {entry.replacement}", where)
+        first_active = first_active or where
+        active.append(
+            f"{where} = {show_value(value)} asks for {entry.feature}, which will come with "
+            f"{entry.provider} (accepted meanwhile: {entry.inert})"
+        )
+    if active:
+        noun = "this key is" if len(active) == 1 else "these keys are"
+        raise NotImplementedFeatureError(
+            f"{noun} recognised but not implemented yet in this release of Slipstream: "
+            + "; ".join(active)
+            + ". Remove them or set them to the accepted inert value.",
+            first_active,
+        )
+    return {key: value for key, value in blocks.items()}

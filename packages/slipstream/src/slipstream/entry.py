@@ -1,0 +1,109 @@
+"""`slipstream.initialize`: DeepSpeed's front door, returning (engine, optimizer, loader, scheduler)."""
+
+from __future__ import annotations
+
+import argparse
+from typing import Any
+
+import torch
+from torch.utils.data import DataLoader, Dataset
+from torch.utils.data.distributed import DistributedSampler
+
+from slipstream import comm
+from slipstream.config import SlipstreamConfig, load_config
+from slipstream.logging_setup import setup_logging
+from slipstream.runtime.engine import SlipstreamEngine
+
+_ARG_NAMES = ("deepspeed_config", "slipstream_config", "deepscale_config")
+
+
+def _config_source(args: argparse.Namespace | None, config: Any) -> Any:
+    from_args = None
+    if args is not None:
+        for name in _ARG_NAMES:
+            value = getattr(args, name, None)
+            if value is not None:
+                from_args = value
+                break
+    if from_args is not None and config is not None:
+        raise ValueError(
+            "a config was given twice: in the command-line arguments "
+            f"(--deepspeed_config {from_args!r}) and as initialize(config=...). Pass only one."
+        )
+    source = config if config is not None else from_args
+    if source is None:
+        raise ValueError(
+            "no Slipstream/DeepSpeed config: pass initialize(config=<dict or path>) or "
+            "--deepspeed_config <path> (see slipstream.add_config_arguments)"
+        )
+    return source
+
+
+def initialize(
+    args: argparse.Namespace | None = None,
+    model: torch.nn.Module | None = None,
+    optimizer: Any = None,
+    model_parameters: Any = None,
+    training_data: Dataset | None = None,
+    lr_scheduler: Any = None,
+    mpu: Any = None,
+    dist_init_required: bool | None = None,
+    collate_fn: Any = None,
+    config: Any = None,
+    config_params: Any = None,
+) -> tuple[SlipstreamEngine, torch.optim.Optimizer | None, DataLoader | None, Any]:
+    """Wrap ``model`` for training as ``deepspeed.initialize`` does.
+
+    Returns ``(engine, optimizer, training_dataloader, lr_scheduler)``; the loader is None
+    unless ``training_data`` is given, the scheduler None unless one is configured or passed.
+
+    >>> engine, optimizer, loader, scheduler = slipstream.initialize(
+    ...     model=model, model_parameters=model.parameters(), config="ds_config.json")
+    """
+    if model is None:
+        raise ValueError("initialize() needs model=<torch.nn.Module>")
+    if not isinstance(model, torch.nn.Module):
+        raise TypeError(f"model must be a torch.nn.Module, got {type(model).__name__}")
+    if config is not None and config_params is not None:
+        raise ValueError("pass the config as config= or config_params=, not both")
+    source = _config_source(args, config if config is not None else config_params)
+
+    if dist_init_required is None or dist_init_required:
+        comm.init_distributed()
+    setup_logging(comm.get_rank())
+
+    dp_world = mpu.get_data_parallel_world_size() if mpu is not None else comm.get_world_size()
+    parsed: SlipstreamConfig = load_config(source, world_size=dp_world)
+    engine = SlipstreamEngine(
+        model=model,
+        config=parsed,
+        optimizer=optimizer,
+        model_parameters=model_parameters,
+        lr_scheduler=lr_scheduler,
+        mpu=mpu,
+    )
+    loader = None
+    if training_data is not None:
+        loader = _build_dataloader(training_data, parsed, collate_fn, mpu)
+    return engine, engine.optimizer, loader, engine.lr_scheduler
+
+
+def _build_dataloader(
+    dataset: Dataset, config: SlipstreamConfig, collate_fn: Any, mpu: Any
+) -> DataLoader:
+    """A loader that gives each data-parallel rank its own micro-batches (DistributedSampler)."""
+    if mpu is not None:
+        replicas, rank = mpu.get_data_parallel_world_size(), mpu.get_data_parallel_rank()
+    else:
+        replicas, rank = comm.get_world_size(), comm.get_rank()
+    drop_last = bool(config.raw.get("dataloader_drop_last", False))
+    sampler: DistributedSampler = DistributedSampler(
+        dataset, num_replicas=replicas, rank=rank, shuffle=True, drop_last=drop_last
+    )
+    return DataLoader(
+        dataset,
+        batch_size=config.train_micro_batch_size_per_gpu,
+        sampler=sampler,
+        collate_fn=collate_fn,
+        drop_last=drop_last,
+    )

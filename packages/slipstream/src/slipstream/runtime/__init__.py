@@ -1,0 +1,1 @@
+"""The training runtime: engine, optimizers, LR schedules, precision and checkpoints."""

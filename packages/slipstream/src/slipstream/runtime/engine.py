@@ -1,0 +1,467 @@
+"""The training engine behind `slipstream.initialize`: DeepSpeed's loop over a plain module."""
+
+from __future__ import annotations
+
+import logging
+import math
+from collections.abc import Iterator
+from contextlib import contextmanager
+from pathlib import Path
+from typing import Any
+
+import torch
+import torch.distributed as dist
+
+from slipstream import comm
+from slipstream.config import SlipstreamConfig
+from slipstream.kernels import get_accelerator
+from slipstream.kernels.loss_scaler import LossScaler, grads_have_inf_or_nan
+from slipstream.runtime import checkpoint as checkpointing
+from slipstream.runtime.data_parallel import GradientReducer, ReduceSettings, register_ready_hooks
+from slipstream.runtime.lr_schedules import resolve_scheduler
+from slipstream.runtime.optimizers import resolve_optimizer
+from slipstream.runtime.precision import MasterWeights
+from slipstream.runtime.throughput import ProgressReport, ThroughputMeter, count_tokens, peak_tflops
+from slipstream.runtime.timers import WallClockTimers
+
+logger = logging.getLogger(__name__)
+
+# DDP's default bucket (25 MiB of fp32) keeps several all-reduces in flight during backward;
+# DeepSpeed's 5e8-element default would make one bucket and no overlap. An explicit
+# `zero_optimization.reduce_bucket_size` in the user's config wins.
+_DEFAULT_STAGE0_BUCKET_NUMEL = 25 * 1024 * 1024 // 4
+
+
+class SlipstreamEngine(torch.nn.Module):
+    """Wraps a model, its optimizer and schedule, and runs DeepSpeed's training loop.
+
+    >>> engine, optimizer, _, _ = slipstream.initialize(model=model, config=config)
+    >>> for batch in loader:
+    ...     loss = engine(batch)
+    ...     engine.backward(loss)
+    ...     engine.step()
+
+    The engine composes, in order: placement and precision of the module (cast to fp16/bf16
+    with fp32 master weights), the optimizer and LR schedule (by name from the config or the
+    client's), a bucketed gradient all-reduce across the data-parallel group (stage 0), and the
+    loss scaler for fp16.
+    """
+
+    def __init__(
+        self,
+        *,
+        model: torch.nn.Module,
+        config: SlipstreamConfig,
+        optimizer: Any = None,
+        model_parameters: Any = None,
+        lr_scheduler: Any = None,
+        mpu: Any = None,
+    ) -> None:
+        super().__init__()
+        self.config = config
+        self.accelerator = get_accelerator()
+        self.dp_group = mpu.get_data_parallel_group() if mpu is not None else None
+        self.dp_world_size = comm.get_world_size(self.dp_group)
+        self.global_rank = comm.get_rank()
+        # load_config() has resolved the batch triple; keep it as plain ints for the hot path.
+        self._micro_batch, self._gas, self._train_batch = _resolved_batch_triple(config)
+
+        # 1. Placement and precision. DeepSpeed keeps the whole module in fp16/bf16 and the
+        # optimizer on fp32 masters; the same here.
+        self.compute_dtype = (
+            torch.float16
+            if config.fp16.enabled
+            else torch.bfloat16
+            if config.bf16.enabled
+            else None
+        )
+        self.module = model
+        self._device = self._place_module(model)
+        self._broadcast_module_from_rank0()
+
+        named = [(n, p) for n, p in model.named_parameters() if p.requires_grad]
+        self._param_names = [n for n, _ in named]
+        self._params = [p for _, p in named]
+        self.masters = MasterWeights(self._params) if self.compute_dtype is not None else None
+
+        # 2. Optimizer and schedule.
+        if model_parameters is None:
+            model_parameters = self._params
+        self.optimizer = resolve_optimizer(optimizer, config.optimizer, model_parameters)
+        if self.masters is not None and self.optimizer is not None:
+            self.masters.swap_into(self.optimizer)
+        self.lr_scheduler = resolve_scheduler(lr_scheduler, config.scheduler, self.optimizer)
+
+        # 3. fp16 loss scaling.
+        self.loss_scaler = LossScaler.from_config(config.fp16) if config.fp16.enabled else None
+
+        # 4. Gradient reduction across the data-parallel group, overlapped with backward.
+        self._grad_sources: list[torch.Tensor] = (
+            list(self.masters.masters) if self.masters is not None else list(self._params)
+        )
+        self.reducer: GradientReducer | None = None
+        if self.dp_world_size > 1:
+            self.reducer = GradientReducer(
+                self._grad_sources, self._reduce_settings(), group=self.dp_group
+            )
+        self._hooks = register_ready_hooks(self._params, self._on_grad_ready)
+
+        # Loop state, named as in DeepSpeed.
+        self.global_steps = 0
+        self.global_samples = 0
+        self.micro_steps = 0
+        self.skipped_steps = 0
+        self._boundary_override: bool | None = None
+        self._inside_no_sync = False
+        self._last_grad_norm: torch.Tensor | None = None
+        self._loss_sum: torch.Tensor | None = None
+        self._loss_count = 0
+        self.last_report: ProgressReport | None = None  # the numbers of the latest log line
+
+        self.timers = WallClockTimers(config.wall_clock_breakdown, self.accelerator.synchronize)
+        n_params = sum(p.numel() for p in self._params)
+        device_name = (
+            self.accelerator.device_name(self._device.index or 0)
+            if self._device.type != "cpu"
+            else None
+        )
+        # 6·N per token: forward and backward matmuls over every trainable weight. Attention's
+        # sequence-dependent FLOPs are left out; set_flops_per_token() takes an exact figure.
+        self.throughput = ThroughputMeter(
+            dp_world_size=self.dp_world_size,
+            flops_per_token=6.0 * n_params,
+            peak=peak_tflops(device_name, self.compute_dtype or torch.float32),
+        )
+        if self.global_rank == 0:
+            logger.info(
+                "Slipstream engine: %s trainable parameters, %s, data-parallel size %d, "
+                "micro-batch %d × GAS %d × DP %d = batch %d, %d gradient bucket(s)",
+                f"{n_params:,}",
+                self._precision_name(),
+                self.dp_world_size,
+                config.train_micro_batch_size_per_gpu,
+                config.gradient_accumulation_steps,
+                self.dp_world_size,
+                config.train_batch_size,
+                self.reducer.num_buckets if self.reducer else 0,
+            )
+
+    # ------------------------------------------------------------------ set-up helpers
+    def _place_module(self, model: torch.nn.Module) -> torch.device:
+        device = self.accelerator.device()
+        model.to(device)
+        if self.compute_dtype is not None:
+            model.to(self.compute_dtype)
+        return device
+
+    def _broadcast_module_from_rank0(self) -> None:
+        # Every rank starts from rank 0's weights, as DeepSpeed and DDP do.
+        if self.dp_world_size == 1:
+            return
+        src = dist.get_global_rank(self.dp_group, 0) if self.dp_group is not None else 0
+        with torch.no_grad():
+            for tensor in [*self.module.parameters(), *self.module.buffers()]:
+                comm.broadcast(tensor.data, src=src, group=self.dp_group)
+
+    def _reduce_settings(self) -> ReduceSettings:
+        config = self.config
+        explicit = (config.raw.get("zero_optimization") or {}).get("reduce_bucket_size")
+        bucket = int(explicit) if explicit is not None else _DEFAULT_STAGE0_BUCKET_NUMEL
+        return ReduceSettings(
+            bucket_numel=bucket,
+            prescale_gradients=config.prescale_gradients,
+            gradient_predivide_factor=config.gradient_predivide_factor,
+            communication_dtype=config.communication_data_type,
+        )
+
+    def _precision_name(self) -> str:
+        if self.config.fp16.enabled:
+            kind = (
+                "dynamic" if self.loss_scaler is not None and self.loss_scaler.dynamic else "static"
+            )
+            return f"fp16 ({kind} loss scale) with fp32 master weights"
+        if self.config.bf16.enabled:
+            return "bf16 with fp32 master weights"
+        return "fp32"
+
+    # ------------------------------------------------------------------ DeepSpeed accessors
+    @property
+    def device(self) -> torch.device:
+        """The device the module lives on."""
+        return self._device
+
+    def train_batch_size(self) -> int:
+        """Global batch: micro-batch × gradient accumulation × data-parallel size."""
+        return self._train_batch
+
+    def train_micro_batch_size_per_gpu(self) -> int:
+        """Samples per forward on one rank."""
+        return self._micro_batch
+
+    def gradient_accumulation_steps(self) -> int:
+        """Micro-batches per optimizer step."""
+        return self._gas
+
+    def get_lr(self) -> list[float]:
+        """The current learning rate of each parameter group."""
+        if self.optimizer is None:
+            return []
+        return [group["lr"] for group in self.optimizer.param_groups]
+
+    def get_global_grad_norm(self) -> float | None:
+        """The gradient norm of the last optimizer step, before clipping (None before any step)."""
+        if self._last_grad_norm is None:
+            return None
+        return float(self._last_grad_norm)  # host sync: only when the caller asks
+
+    def set_flops_per_token(self, flops: float) -> None:
+        """Replace the 6·N estimate used for MFU (e.g. to count attention exactly)."""
+        self.throughput.flops_per_token = float(flops)
+
+    def is_gradient_accumulation_boundary(self) -> bool:
+        """Whether the current micro-step ends an accumulation cycle (the next step() updates)."""
+        if self._boundary_override is not None:
+            return self._boundary_override
+        return (self.micro_steps + 1) % self._gas == 0
+
+    def set_gradient_accumulation_boundary(self, is_boundary: bool) -> None:
+        """Override the boundary (for loops that drive accumulation themselves)."""
+        self._boundary_override = bool(is_boundary)
+
+    @contextmanager
+    def no_sync(self) -> Iterator[None]:
+        """Skip the gradient all-reduce of backward passes inside the block.
+
+        Gradients keep accumulating locally and are reduced by the first backward outside the
+        block that ends an accumulation cycle. ``step()`` may not be called inside.
+        """
+        previous = self._inside_no_sync
+        self._inside_no_sync = True
+        try:
+            yield
+        finally:
+            self._inside_no_sync = previous
+
+    # ------------------------------------------------------------------ the loop
+    def forward(self, *args: Any, **kwargs: Any) -> Any:
+        """Run the wrapped module (casting float inputs to fp16 when `fp16.auto_cast` is set)."""
+        if self.config.fp16.enabled and self.config.fp16.auto_cast:
+            args, kwargs = _cast_floats((args, kwargs), torch.float16)
+        if self.module.training:
+            self.throughput.add(self._micro_batch, count_tokens(args, kwargs))
+        with self.timers.region("forward"):
+            return self.module(*args, **kwargs)
+
+    def backward(
+        self, loss: torch.Tensor, retain_graph: bool = False, scale_wrt_gas: bool = True
+    ) -> torch.Tensor:
+        """Backpropagate ``loss`` / GAS; all-reduce gradients when this ends an accumulation cycle.
+
+        Returns the loss divided by the gradient-accumulation steps, as DeepSpeed does.
+        """
+        if not isinstance(loss, torch.Tensor) or loss.numel() != 1:
+            raise TypeError(
+                f"engine.backward() takes the scalar loss tensor, got {type(loss).__name__}"
+                + (f" of shape {tuple(loss.shape)}" if isinstance(loss, torch.Tensor) else "")
+                + "; reduce it to a scalar (e.g. loss.mean()) first"
+            )
+        self._record_loss(loss)
+        scaled = loss / self._gas if scale_wrt_gas else loss
+        reduce_now = (
+            self.reducer is not None
+            and self.is_gradient_accumulation_boundary()
+            and not self._inside_no_sync
+        )
+        if reduce_now:
+            assert self.reducer is not None
+            self.reducer.start()
+        with self.timers.region("backward"):
+            to_backprop = scaled * self.loss_scaler.loss_scale if self.loss_scaler else scaled
+            to_backprop.backward(retain_graph=retain_graph)
+            if reduce_now:
+                assert self.reducer is not None
+                self.reducer.finish()
+        return scaled.detach()
+
+    def _on_grad_ready(self, index: int, param: torch.nn.Parameter) -> None:
+        if self.masters is not None:
+            self.masters.accumulate(index)
+        if self.reducer is not None:
+            self.reducer.mark_ready(index)
+
+    def _record_loss(self, loss: torch.Tensor) -> None:
+        value = loss.detach().float().reshape(())
+        self._loss_sum = value if self._loss_sum is None else self._loss_sum + value
+        self._loss_count += 1
+
+    def step(self, lr_kwargs: dict[str, Any] | None = None) -> None:
+        """Advance one micro-step; at an accumulation boundary, update the weights."""
+        if self._inside_no_sync:
+            raise RuntimeError(
+                "engine.step() was called inside engine.no_sync(): gradients have not been "
+                "reduced across ranks yet. Leave the no_sync() block before stepping."
+            )
+        if self.is_gradient_accumulation_boundary():
+            if self.optimizer is None:
+                raise RuntimeError(
+                    "engine.step() has no optimizer to run: pass initialize(optimizer=...) or "
+                    "add an 'optimizer' block to the config"
+                )
+            with self.timers.region("step"):
+                self._take_optimizer_step(lr_kwargs)
+            self.global_steps += 1
+            self.global_samples += self._train_batch
+            if self.global_steps % self.config.steps_per_print == 0:
+                self._log_progress()
+        self.micro_steps += 1
+        self._boundary_override = None
+
+    def _take_optimizer_step(self, lr_kwargs: dict[str, Any] | None) -> None:
+        assert self.optimizer is not None  # checked by step()
+        grads = [s.grad for s in self._grad_sources if s.grad is not None]
+        overflow = False
+        if self.loss_scaler is not None:
+            # One host sync per step: the skip decision must be known before stepping.
+            overflow = grads_have_inf_or_nan(grads)
+        if overflow:
+            assert self.loss_scaler is not None
+            old_scale = self.loss_scaler.loss_scale
+            self.loss_scaler.update(True)
+            self.skipped_steps += 1
+            if self.global_rank == 0:
+                logger.info(
+                    "fp16 overflow at step %d: skipping the update; loss scale %g -> %g",
+                    self.global_steps + 1,
+                    old_scale,
+                    self.loss_scaler.loss_scale,
+                )
+        else:
+            if self.loss_scaler is not None and grads:
+                torch._foreach_mul_(grads, 1.0 / self.loss_scaler.loss_scale)
+            self._last_grad_norm = _clip_grad_norm(grads, self.config.gradient_clipping)
+            self.optimizer.step()
+            if self.loss_scaler is not None:
+                self.loss_scaler.update(False)
+            if self.masters is not None:
+                self.masters.copy_to_model()
+            if self.lr_scheduler is not None:
+                self.lr_scheduler.step(**(lr_kwargs or {}))
+        self.zero_grad()
+
+    def zero_grad(self, set_to_none: bool = True) -> None:
+        """Drop all gradients (model and master); they are always set to None."""
+        for param in self._params:
+            param.grad = None
+        for source in self._grad_sources:
+            source.grad = None
+
+    def _log_progress(self) -> None:
+        loss = None
+        if self._loss_sum is not None:
+            mean = self._loss_sum / max(self._loss_count, 1)
+            if self.dp_world_size > 1:
+                # One scalar all-reduce every steps_per_print steps, so the logged loss is the
+                # mean over all ranks' micro-batches.
+                comm.all_reduce(mean, group=self.dp_group)
+                mean = mean / self.dp_world_size
+            loss = float(mean)  # host sync, once per log line
+        samples_per_s, tokens_per_s, mfu = self.throughput.rates()
+        report = ProgressReport(
+            step=self.global_steps,
+            loss=loss,
+            lr=self.get_lr(),
+            loss_scale=self.loss_scaler.loss_scale if self.loss_scaler else None,
+            grad_norm=self.get_global_grad_norm(),
+            samples_per_s=samples_per_s,
+            tokens_per_s=tokens_per_s,
+            mfu=mfu,
+            skipped_steps=self.skipped_steps,
+        )
+        self.last_report = report
+        self._loss_sum, self._loss_count = None, 0
+        if self.global_rank == 0:
+            logger.info(report.format())
+            if self.timers.enabled:
+                logger.info(
+                    "time per %d steps: %s", self.config.steps_per_print, self.timers.report()
+                )
+
+    # ------------------------------------------------------------------ checkpoints
+    def save_checkpoint(
+        self,
+        save_dir: str | Path,
+        tag: str | None = None,
+        client_state: dict[str, Any] | None = None,
+        save_latest: bool = True,
+    ) -> Path:
+        """Save model, optimizer, schedule, loss scale, counters and RNG under ``save_dir/tag``."""
+        return checkpointing.save(self, save_dir, tag, client_state or {}, save_latest)
+
+    def load_checkpoint(
+        self,
+        load_dir: str | Path,
+        tag: str | None = None,
+        load_module_strict: bool = True,
+        load_optimizer_states: bool = True,
+        load_lr_scheduler_states: bool = True,
+        load_module_only: bool = False,
+    ) -> tuple[Path, dict[str, Any]]:
+        """Restore a checkpoint; returns ``(path, client_state)``. Raises if it is missing or bad."""
+        return checkpointing.load(
+            self,
+            load_dir,
+            tag,
+            load_module_strict=load_module_strict,
+            load_optimizer_states=load_optimizer_states and not load_module_only,
+            load_lr_scheduler_states=load_lr_scheduler_states and not load_module_only,
+            load_module_only=load_module_only,
+        )
+
+    # Internal views used by the checkpoint module.
+    @property
+    def named_trainable_parameters(self) -> list[tuple[str, torch.nn.Parameter]]:
+        """(name, parameter) for every trainable parameter, in optimizer order."""
+        return list(zip(self._param_names, self._params))
+
+
+def _resolved_batch_triple(config: SlipstreamConfig) -> tuple[int, int, int]:
+    sizes = (
+        config.train_micro_batch_size_per_gpu,
+        config.gradient_accumulation_steps,
+        config.train_batch_size,
+    )
+    if any(size is None for size in sizes):
+        raise ValueError(
+            "the engine needs a config whose batch sizes are resolved: build it with "
+            "slipstream.load_config(source, world_size=...)"
+        )
+    micro, gas, batch = (int(size) for size in sizes)  # type: ignore[arg-type]
+    return micro, gas, batch
+
+
+def _clip_grad_norm(grads: list[torch.Tensor], max_norm: float) -> torch.Tensor | None:
+    """Global L2 norm of ``grads``; scales them to ``max_norm`` when it is > 0.
+
+    Same arithmetic as ``torch.nn.utils.clip_grad_norm_`` (coefficient max/(norm+1e-6),
+    clamped at 1) so that clipped runs match a plain PyTorch reference exactly.
+    """
+    if not grads:
+        return None
+    norms = torch._foreach_norm(grads, 2.0)
+    total = torch.linalg.vector_norm(torch.stack([n.float() for n in norms]), 2.0)
+    if max_norm > 0 and not math.isinf(max_norm):
+        coefficient = torch.clamp(max_norm / (total + 1e-6), max=1.0)
+        torch._foreach_mul_(grads, coefficient.to(grads[0].device))
+    return total
+
+
+def _cast_floats(value: Any, dtype: torch.dtype) -> Any:
+    if isinstance(value, torch.Tensor):
+        return value.to(dtype) if value.is_floating_point() else value
+    if isinstance(value, tuple):
+        return tuple(_cast_floats(v, dtype) for v in value)
+    if isinstance(value, list):
+        return [_cast_floats(v, dtype) for v in value]
+    if isinstance(value, dict):
+        return {k: _cast_floats(v, dtype) for k, v in value.items()}
+    return value
