@@ -24,6 +24,7 @@ import torch.nn.functional as F
 from torch import nn
 
 import slipstream
+from slipstream import comm
 from slipstream.examples.corpus import generate
 
 logger = logging.getLogger("slipstream.examples.gpt")
@@ -191,6 +192,7 @@ def main(argv: list[str] | None = None) -> int:
         engine.global_steps,
         "falling, as it should" if fell else "NOT falling",
     )
+    comm.destroy()
     return 0 if fell else 1
 
 
