@@ -126,6 +126,20 @@ def demo(session: nox.Session) -> None:
 
 
 @nox.session(venv_params=VENV_PARAMS)
+def bench(session: nox.Session) -> None:
+    """Training throughput beside DDP and FSDP2 (tools/bench/run_all.py; needs GPUs, never in CI).
+
+    ``nox -s bench -- --gpus 2 ddp@1.3b/4 fsdp2@1.3b/4 slipstream:2@1.3b/4`` runs each spec in turn
+    and prints a markdown table for docs/benchmarks.md (with the command, date and machine).
+    """
+    _install(session, list(Package))
+    specs = session.posargs or [
+        "--gpus", "2", "ddp@1.3b/4", "fsdp2@1.3b/4", "slipstream:0@1.3b/4",
+    ]  # fmt: skip
+    session.run("python", str(ROOT / "tools" / "bench" / "run_all.py"), *specs)
+
+
+@nox.session(venv_params=VENV_PARAMS)
 def build(session: nox.Session) -> None:
     """Build a wheel and an sdist of every distribution into dist/."""
     session.install("build", "hatchling>=1.18")

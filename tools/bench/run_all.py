@@ -1,0 +1,89 @@
+"""Run several training benchmarks side by side and print a markdown table of the results.
+
+Each spec is ``IMPL[:STAGE]@MODEL/MICRO`` (e.g. ``fsdp2@1.3b/4``, ``slipstream:3@7b/2``); every
+run is a fresh ``torchrun`` of train_bench.py on ``--gpus`` processes, one after the other on
+the same machine, so the rows compare like with like.
+
+    python tools/bench/run_all.py --gpus 2 ddp@1.3b/4 fsdp2@1.3b/4 slipstream:2@1.3b/4
+"""
+
+from __future__ import annotations
+
+import argparse
+import datetime
+import json
+import os
+import platform
+import subprocess
+import sys
+from pathlib import Path
+
+HERE = Path(__file__).resolve().parent
+ROOT = HERE.parents[1]
+
+
+def _parse(spec: str) -> list[str]:
+    try:
+        impl, rest = spec.split("@")
+        model, micro = rest.split("/")
+    except ValueError:
+        raise SystemExit(f"bad spec {spec!r}: expected IMPL[:STAGE]@MODEL/MICRO") from None
+    impl, _, stage = impl.partition(":")
+    args = ["--impl", impl, "--model", model, "--micro", micro]
+    return args + (["--stage", stage] if stage else [])
+
+
+def main(argv: list[str] | None = None) -> int:
+    """Run each spec in turn; print a table and write raw results to ``--out``."""
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("specs", nargs="+")
+    parser.add_argument("--gpus", type=int, default=2, help="processes per run")
+    parser.add_argument("--out", type=Path, default=Path("bench-results.jsonl"))
+    parser.add_argument("--steps", type=int, default=12)
+    parser.add_argument("--warmup", type=int, default=4)
+    parser.add_argument("--seq", type=int, default=2048)
+    args = parser.parse_args(argv)
+
+    env = dict(os.environ)
+    src = [ROOT / "kernels" / "src", *sorted((ROOT / "packages").glob("*/src"))]
+    env["PYTHONPATH"] = os.pathsep.join([*map(str, src), env.get("PYTHONPATH", "")])
+    env.setdefault("NCCL_NVLS_ENABLE", "0")
+    rows = []
+    for spec in args.specs:
+        command = [
+            sys.executable, "-m", "torch.distributed.run", "--standalone",
+            f"--nproc_per_node={args.gpus}", str(HERE / "train_bench.py"), *_parse(spec),
+            "--steps", str(args.steps), "--warmup", str(args.warmup), "--seq", str(args.seq),
+            "--out", str(args.out),
+        ]  # fmt: skip
+        print("$", " ".join(command), flush=True)
+        done = subprocess.run(command, env=env, capture_output=True, text=True)
+        lines = [line for line in done.stdout.splitlines() if line.startswith("BENCH ")]
+        if done.returncode != 0 or not lines:
+            tail = (done.stdout + done.stderr)[-3000:]
+            print(f"FAILED {spec} (exit {done.returncode}):\n{tail}", flush=True)
+            rows.append({"impl": spec, "error": tail.strip().splitlines()[-1] if tail else "?"})
+            continue
+        result = json.loads(lines[-1][len("BENCH ") :])
+        print(json.dumps(result), flush=True)
+        rows.append(result)
+
+    device = next((r["device"] for r in rows if "device" in r), "?")
+    print(f"\n{datetime.date.today()} · {device} × {args.gpus} · {platform.node()}")
+    print(
+        "| run | model, micro-batch | TFLOP/s per GPU | tokens/s (all GPUs) | peak GiB per GPU (alloc / reserved) |"
+    )
+    print("|---|---|---|---|---|")
+    for r in rows:
+        if "error" in r:
+            print(f"| {r['impl']} | failed: {r['error'][:80]} | | | |")
+            continue
+        print(
+            f"| {r['impl']} | {r['model']}, {r['micro']} | {r['tflops_per_gpu']} | "
+            f"{r['tokens_per_s']:,.0f} | {r['peak_alloc_gib']} / {r['peak_reserved_gib']} |"
+        )
+    return 0 if all("error" not in r for r in rows) else 1
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

@@ -1,0 +1,199 @@
+"""Training throughput of one implementation on the benchmark model, as BENCHMARKS.md measures it.
+
+Launch one process per GPU (``torchrun --nproc_per_node 2 tools/bench/train_bench.py --impl fsdp2``);
+rank 0 prints one ``BENCH {json}`` line with tokens/s, TFLOP/s per GPU and peak memory, and
+appends it to ``--out`` when given. Implementations:
+
+- ``ddp``: PyTorch DDP, fp32 weights, bf16 autocast, fused AdamW.
+- ``fsdp2``: ``fully_shard`` per block and on the root, bf16 params, fp32 gradient reduction.
+- ``slipstream``: ``slipstream.initialize`` with a DeepSpeed-style bf16 config at ``--stage``
+  (``overlap_comm``, ``contiguous_gradients``, 5e8 buckets, AdamW), the loop users write.
+
+Every run: AdamW (lr 1e-4), gradient clipping at 1.0, a fixed random batch, ``--warmup`` untimed
+steps then ``--steps`` timed ones between device synchronisations.
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import json
+import os
+import sys
+import time
+from pathlib import Path
+from typing import Any
+
+import torch
+import torch.distributed as dist
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from llama import SHAPES, Llama
+
+
+def _setup() -> tuple[torch.device, int, int]:
+    backend = "nccl" if torch.cuda.is_available() else "gloo"
+    if "RANK" not in os.environ:
+        os.environ.update(RANK="0", WORLD_SIZE="1", LOCAL_RANK="0")
+        os.environ.setdefault("MASTER_ADDR", "127.0.0.1")
+        os.environ.setdefault("MASTER_PORT", "29511")
+    local_rank = int(os.environ.get("LOCAL_RANK", "0"))
+    if torch.cuda.is_available():
+        torch.cuda.set_device(local_rank)
+        device = torch.device("cuda", local_rank)
+    else:
+        device = torch.device("cpu")
+    dist.init_process_group(backend)
+    return device, dist.get_rank(), dist.get_world_size()
+
+
+def _slipstream_config(args: argparse.Namespace) -> dict[str, Any]:
+    return {
+        "train_micro_batch_size_per_gpu": args.micro,
+        "gradient_accumulation_steps": 1,
+        "gradient_clipping": 1.0,
+        "steps_per_print": 10**9,
+        "bf16": {"enabled": True},
+        "optimizer": {"type": "AdamW", "params": {"lr": 1e-4, "weight_decay": 0.0}},
+        "zero_optimization": {
+            "stage": args.stage,
+            "overlap_comm": True,
+            "contiguous_gradients": True,
+            "reduce_bucket_size": 5e8,
+            "allgather_bucket_size": 5e8,
+        },
+    }
+
+
+def _build(args: argparse.Namespace, device: torch.device) -> tuple[Any, Any, Any]:
+    """Returns (step_fn(input_ids, labels) -> loss, model, parameter count)."""
+    shape = SHAPES[args.model]
+    amp_dtype = torch.bfloat16
+    if args.impl == "slipstream":
+        import slipstream
+
+        config = _slipstream_config(args)
+        init: Any = contextlib.nullcontext()
+        if args.stage == 3:
+            import slipstream.zero as zero
+
+            init = zero.Init(config_dict_or_path=config)
+        with init:
+            model = Llama(shape)
+        params = sum(getattr(p, "ds_numel", p.numel()) for p in model.parameters())
+        engine, *_ = slipstream.initialize(model=model, config=config)
+
+        def step(input_ids: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
+            loss = engine(input_ids, labels)
+            engine.backward(loss)
+            engine.step()
+            return loss
+
+        return step, engine, params
+
+    with torch.device(device):
+        model = Llama(shape)
+    params = sum(p.numel() for p in model.parameters())
+    if args.impl == "ddp":
+        from torch.nn.parallel import DistributedDataParallel
+
+        wrapped = DistributedDataParallel(
+            model, device_ids=[device.index] if device.type == "cuda" else None
+        )
+    elif args.impl == "fsdp2":
+        from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
+
+        policy = MixedPrecisionPolicy(param_dtype=amp_dtype, reduce_dtype=torch.float32)
+        for block in model.blocks:
+            fully_shard(block, mp_policy=policy)
+        fully_shard(model, mp_policy=policy)
+        wrapped = model
+    else:
+        raise SystemExit(f"--impl {args.impl!r}: expected ddp, fsdp2 or slipstream")
+    fused = device.type == "cuda"
+    optimizer = torch.optim.AdamW(model.parameters(), lr=1e-4, weight_decay=0.0, fused=fused)
+    autocast = args.impl == "ddp"
+
+    def step(input_ids: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
+        with torch.autocast(device.type, dtype=amp_dtype, enabled=autocast):
+            loss = wrapped(input_ids, labels)
+        loss.backward()
+        torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
+        optimizer.step()
+        optimizer.zero_grad(set_to_none=True)
+        return loss
+
+    return step, wrapped, params
+
+
+def main(argv: list[str] | None = None) -> int:
+    """Run one benchmark; rank 0 prints and records the result."""
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--impl", required=True, choices=["ddp", "fsdp2", "slipstream"])
+    parser.add_argument("--stage", type=int, default=0, help="ZeRO stage for --impl slipstream")
+    parser.add_argument("--model", default="1.3b", choices=sorted(SHAPES))
+    parser.add_argument("--micro", type=int, default=4, help="micro-batch per GPU")
+    parser.add_argument("--seq", type=int, default=2048)
+    parser.add_argument("--warmup", type=int, default=4)
+    parser.add_argument("--steps", type=int, default=12)
+    parser.add_argument("--out", type=Path, default=None, help="append the JSON result here")
+    args = parser.parse_args(argv)
+
+    device, rank, world = _setup()
+    torch.manual_seed(0)
+    step, _, params = _build(args, device)
+    shape = SHAPES[args.model]
+    generator = torch.Generator(device="cpu").manual_seed(1234 + rank)
+    tokens = torch.randint(0, shape.vocab, (args.micro, args.seq + 1), generator=generator)
+    input_ids, labels = tokens[:, :-1].to(device), tokens[:, 1:].to(device)
+
+    sync = torch.cuda.synchronize if device.type == "cuda" else (lambda: None)
+    for _ in range(args.warmup):
+        step(input_ids, labels)
+    sync()
+    if device.type == "cuda":
+        torch.cuda.reset_peak_memory_stats()
+    dist.barrier()
+    start = time.perf_counter()
+    for _ in range(args.steps):
+        loss = step(input_ids, labels)
+    sync()
+    elapsed = time.perf_counter() - start
+    final_loss = float(loss)  # host sync once, after timing
+
+    tokens_per_s = args.steps * args.micro * args.seq * world / elapsed
+    flops = shape.flops_per_token(args.seq, params)
+    peak = torch.tensor(
+        [
+            torch.cuda.max_memory_allocated() / 2**30 if device.type == "cuda" else 0.0,
+            torch.cuda.max_memory_reserved() / 2**30 if device.type == "cuda" else 0.0,
+        ],
+        device=device,
+    )
+    dist.all_reduce(peak, op=dist.ReduceOp.MAX)
+    result = {
+        "impl": args.impl if args.impl != "slipstream" else f"slipstream-zero{args.stage}",
+        "model": args.model,
+        "params": params,
+        "micro": args.micro,
+        "seq": args.seq,
+        "world": world,
+        "tokens_per_s": round(tokens_per_s, 1),
+        "tflops_per_gpu": round(tokens_per_s / world * flops / 1e12, 1),
+        "peak_alloc_gib": round(float(peak[0]), 2),
+        "peak_reserved_gib": round(float(peak[1]), 2),
+        "loss": round(final_loss, 4),
+        "device": torch.cuda.get_device_name(device) if device.type == "cuda" else "cpu",
+        "torch": torch.__version__,
+    }
+    if rank == 0:
+        print("BENCH " + json.dumps(result), flush=True)
+        if args.out is not None:
+            with args.out.open("a") as handle:
+                handle.write(json.dumps(result) + "\n")
+    dist.destroy_process_group()
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
