@@ -89,6 +89,11 @@ def _child_main(
         LOCAL_WORLD_SIZE=str(world_size),
     )
     os.environ.setdefault("OMP_NUM_THREADS", "1")
+    # torch was imported (by this module) before the variable was set, so it is not read any
+    # more: apply it directly. Without this, N ranks on fewer cores oversubscribe every op.
+    import torch
+
+    torch.set_num_threads(max(1, int(os.environ["OMP_NUM_THREADS"])))
     initialised = False
     try:
         from slipstream.comm.distributed import destroy, init_distributed
