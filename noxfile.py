@@ -22,6 +22,8 @@ nox.options.sessions = ["lint", "typecheck", "tests"]
 TORCH_SPEC = os.environ.get("SLIPSTREAM_TORCH_SPEC", "torch==2.13.0")
 VENV_PARAMS = ["--system-site-packages"]
 TEST_TOOLS = ["pytest>=8", "pytest-timeout", "hatchling>=1.18", "editables"]
+# What a package's tests need beyond the package itself (real HF models for MoE conversion).
+TEST_EXTRAS: dict[str, list[str]] = {"moe": ["transformers>=4.40"]}
 
 
 class Package(enum.Enum):
@@ -29,6 +31,7 @@ class Package(enum.Enum):
 
     kernels = "kernels"
     comm = "packages/comm"
+    moe = "packages/moe"
     slipstream = "packages/slipstream"
 
     @property
@@ -63,12 +66,13 @@ def _install(session: nox.Session, packages: list[Package], *extra: str) -> None
 @nox.parametrize("package", [*(p.name for p in Package), "integration"])
 def tests(session: nox.Session, package: str) -> None:
     """Run one package's unit tests (or the cross-package integration tests) on CPU."""
+    extras = TEST_EXTRAS.get(package, [])
     if package == "integration":
-        _install(session, list(Package))
+        _install(session, list(Package), *extras)
         test_dir = ROOT / "integration-tests"
     else:
         member = Package[package]
-        _install(session, member.with_dependencies())
+        _install(session, member.with_dependencies(), *extras)
         test_dir = member.path / "tests"
     args = session.posargs or ["-m", "not gpu"]
     session.run("python", "-m", "pytest", str(test_dir), *args, env={"OMP_NUM_THREADS": "1"})

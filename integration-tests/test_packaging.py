@@ -14,10 +14,33 @@ import tomllib
 
 ROOT = Path(__file__).resolve().parents[1]
 DISTRIBUTIONS = {
-    "slipstream-kernels": ROOT / "kernels",
-    "slipstream-comm": ROOT / "packages" / "comm",
-    "slipstream": ROOT / "packages" / "slipstream",
+    tomllib.loads((folder / "pyproject.toml").read_text())["project"]["name"]: folder
+    for folder in [
+        ROOT / "kernels",
+        *sorted(p.parent for p in ROOT.glob("packages/*/pyproject.toml")),
+    ]
 }
+# Import names that differ from the distribution's suffix (ARCHITECTURE.md's package map).
+IMPORT_NAMES = {"slipstream-offload-io": "offload", "slipstream-data-efficiency": "data"}
+
+
+def _import_name(distribution: str) -> str:
+    return IMPORT_NAMES.get(distribution, distribution.removeprefix("slipstream-"))
+
+
+def _sibling_requirements(distribution: str) -> list[str]:
+    """The Slipstream distributions `distribution` needs, transitively."""
+    folder = DISTRIBUTIONS[distribution]
+    project = tomllib.loads((folder / "pyproject.toml").read_text())["project"]
+    direct = [
+        r.split("==")[0] for r in project.get("dependencies", []) if r.startswith("slipstream")
+    ]
+    needed: list[str] = []
+    for name in direct:
+        for sub in [*_sibling_requirements(name), name]:
+            if sub not in needed:
+                needed.append(sub)
+    return needed
 
 
 def _python_with_path(code: str, *src_dirs: Path) -> subprocess.CompletedProcess[str]:
@@ -63,6 +86,22 @@ def test_comm_with_kernels_only() -> None:
     )
     assert result.returncode == 0, result.stderr
     assert result.stdout.strip() == "1"
+
+
+@pytest.mark.parametrize(
+    "distribution", [d for d in DISTRIBUTIONS if d not in ("slipstream", "slipstream-kernels")]
+)
+def test_each_package_imports_with_only_its_declared_siblings(distribution: str) -> None:
+    # What `pip install <distribution>` alone gives: the package and the siblings it pins.
+    needed = [*_sibling_requirements(distribution), distribution]
+    result = _python_with_path(
+        f"import slipstream.{_import_name(distribution)}\n"
+        "import importlib.util\n"
+        "print(importlib.util.find_spec('slipstream.runtime') is None)\n",
+        *(DISTRIBUTIONS[name] / "src" for name in needed),
+    )
+    assert result.returncode == 0, result.stderr
+    assert result.stdout.split() == ["True"]
 
 
 def test_umbrella_extends_namespace_across_separate_folders() -> None:
@@ -117,15 +156,16 @@ def test_wheels_ship_the_namespace_correctly(tmp_path: Path) -> None:
             check=True,
         )
     wheels = {w.name.split("-0")[0]: w for w in tmp_path.glob("*.whl")}
-    assert set(wheels) == {"slipstream_kernels", "slipstream_comm", "slipstream"}, wheels
+    stems = {name.replace("-", "_"): name for name in DISTRIBUTIONS}
+    assert set(wheels) == set(stems), wheels
     for stem, wheel in wheels.items():
         names = zipfile.ZipFile(wheel).namelist()
         has_root_init = "slipstream/__init__.py" in names
         assert has_root_init == (stem == "slipstream"), (
             f"{wheel.name}: root __init__ {has_root_init}"
         )
-        package = {"slipstream_kernels": "kernels", "slipstream_comm": "comm"}.get(stem)
-        if package:
+        if stem != "slipstream":
+            package = _import_name(stems[stem])
             assert f"slipstream/{package}/__init__.py" in names
             assert not any(
                 n.startswith("slipstream/") and not n.startswith(f"slipstream/{package}/")
