@@ -2,12 +2,26 @@
 
 from __future__ import annotations
 
+import os
 from collections.abc import Iterator
 
 import pytest
 import torch
 
 from slipstream.kernels.accelerator import ACCELERATOR_ENV, set_accelerator
+
+# Without a GPU, Triton kernels run in Triton's CPU interpreter. The switch is read when a
+# @triton.jit function is defined, so it must be set before any kernel module is imported.
+if not torch.cuda.is_available():
+    os.environ.setdefault("TRITON_INTERPRET", "1")
+
+
+def pytest_configure(config: pytest.Config) -> None:
+    """Register this package's extra marker (the root config lists the shared ones)."""
+    config.addinivalue_line(
+        "markers", "aot: compiles Triton kernels for GPU targets ahead of time (nox -s kernels)"
+    )
+
 
 _CUDA = pytest.param(
     "cuda",
@@ -31,3 +45,29 @@ def fresh_accelerator(monkeypatch: pytest.MonkeyPatch) -> Iterator[None]:
     set_accelerator(None)
     yield
     set_accelerator(None)
+
+
+@pytest.fixture(params=["cpu", _CUDA])
+def triton_device(request: pytest.FixtureRequest) -> torch.device:
+    """Triton kernel tests: the CPU under TRITON_INTERPRET=1, and the GPU under ``-m gpu``."""
+    pytest.importorskip("triton", reason="the Triton backends need `pip install triton`")
+    if request.param == "cpu":
+        if os.environ.get("TRITON_INTERPRET") != "1":
+            pytest.skip("Triton kernels run on the CPU only under TRITON_INTERPRET=1")
+        _skip_broken_interpreter()
+    return torch.device(request.param)
+
+
+def _skip_broken_interpreter() -> None:
+    import numpy
+
+    from slipstream.kernels.triton_support import triton_version
+
+    version = triton_version() or (0,)
+    numpy_version = tuple(int(part) for part in numpy.__version__.split(".")[:2])
+    # Triton < 3.9's interpreter calls int() on one-element arrays, which NumPy 2.4 rejects.
+    if version < (3, 9) and numpy_version >= (2, 4):
+        pytest.skip(
+            f"the interpreter of triton {'.'.join(map(str, version))} fails with NumPy "
+            f"{numpy.__version__}; install triton>=3.9 to run Triton kernels on the CPU"
+        )

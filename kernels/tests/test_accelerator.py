@@ -228,3 +228,31 @@ def test_gpu_accelerator_end_to_end() -> None:
         value = torch.ones(4, device=acc.device()) * 3
     stream.synchronize()
     assert value.sum().item() == 12.0
+
+
+@pytest.mark.parametrize(
+    ("mem_pool_init", "stream_priority", "message"),
+    [
+        ("yes", 0, "rocm_mem_pool_init must be true or false, got str 'yes'"),
+        (True, 1.5, "rocm_stream_priority must be an integer"),
+        (False, True, "rocm_stream_priority must be an integer"),
+    ],
+)
+def test_amd_specific_validates_arguments_everywhere(mem_pool_init, stream_priority, message):
+    for acc in (CpuAccelerator(), RocmAccelerator()):  # a bad config fails on CPU too
+        with pytest.raises(TypeError, match=message):
+            acc.apply_amd_specific(mem_pool_init=mem_pool_init, stream_priority=stream_priority)
+    assert RocmAccelerator().default_stream_priority == 0  # nothing applied on error
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(torch.version.hip is None or not torch.cuda.is_available(), reason="ROCm")
+def test_amd_specific_warms_the_allocator_and_sets_priority_on_rocm() -> None:
+    acc = RocmAccelerator()
+    acc.empty_cache()
+    before = acc.memory_reserved()
+    applied = acc.apply_amd_specific(mem_pool_init=True, stream_priority=-1)
+    assert applied["mem_pool_init"] is True
+    assert acc.memory_reserved() >= before + 20 * 1024 * 1024  # the block stays cached
+    assert acc.memory_allocated() == 0 or acc.memory_allocated() < acc.memory_reserved()
+    assert acc.create_stream().priority == -1

@@ -273,8 +273,10 @@ class Accelerator(abc.ABC):
         """Apply the ``amd_specific`` config block; outside ROCm this changes nothing.
 
         Returns what was applied: ``{"mem_pool_init": bool, "stream_priority": int | None,
-        "note": str}``.
+        "note": str}``. The arguments are checked on every accelerator (a bad config value is
+        an error on CPU too), then ignored here: only :class:`RocmAccelerator` applies them.
         """
+        check_amd_specific(mem_pool_init, stream_priority)
         return {
             "mem_pool_init": False,
             "stream_priority": None,
@@ -470,6 +472,21 @@ class CudaAccelerator(Accelerator):
         return self.current_device_index() if index is None else index
 
 
+def check_amd_specific(mem_pool_init: Any, stream_priority: Any) -> None:
+    """Raise TypeError unless ``mem_pool_init`` is a bool and ``stream_priority`` an int."""
+    if not isinstance(mem_pool_init, bool):
+        raise TypeError(
+            "amd_specific.rocm_mem_pool_init must be true or false, got "
+            f"{type(mem_pool_init).__name__} {mem_pool_init!r}"
+        )
+    if isinstance(stream_priority, bool) or not isinstance(stream_priority, int):
+        raise TypeError(
+            "amd_specific.rocm_stream_priority must be an integer (0 is the default priority, "
+            f"negative numbers are higher), got {type(stream_priority).__name__} "
+            f"{stream_priority!r}"
+        )
+
+
 def parse_gcn_arch(gcn_arch_name: str) -> str:
     """The bare target from a ROCm arch name: ``"gfx942:sramecc+:xnack-"`` -> ``"gfx942"``."""
     return gcn_arch_name.split(":", 1)[0].strip()
@@ -501,6 +518,7 @@ class RocmAccelerator(CudaAccelerator):
         before the first step; ``stream_priority`` becomes the default of
         :meth:`create_stream` (lower is higher priority; torch clamps it to what HIP allows).
         """
+        check_amd_specific(mem_pool_init, stream_priority)
         if mem_pool_init:
             block = torch.empty(_ROCM_WARMUP_BYTES, dtype=torch.uint8, device=self.device())
             del block  # freed into the cache, not back to the driver

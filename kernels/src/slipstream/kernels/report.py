@@ -113,9 +113,12 @@ def environment_report() -> dict[str, Any]:
     """Everything ``slipstream report`` shows, as a JSON-ready dict.
 
     Keys: ``python``, ``platform``, ``torch``, ``accelerator``, ``distributed``, ``triton``,
-    ``compilers`` (nvcc, hipcc), ``cpu`` and ``ops`` (one row per op backend, with whether it
-    is selected on this accelerator's device type).
+    ``compilers`` (nvcc, hipcc), ``cpu``, ``extensions`` (each C++/CUDA extension: built in the
+    cache, or not) and ``ops`` (one row per op backend, with whether it is selected on this
+    accelerator's device type).
     """
+    from slipstream.kernels.build_ops import build_status
+
     accelerator = _accelerator_section()
     info = cpu_info()
     return {
@@ -136,6 +139,7 @@ def environment_report() -> dict[str, Any]:
             "usable_cores": info.usable_cores,
             "simd": list(info.simd),
         },
+        "extensions": build_status(),
         "ops": _ops_section(accelerator.get("device_type", "cpu")),
     }
 
@@ -225,6 +229,10 @@ def format_report(report: dict[str, Any]) -> str:
             ("cores", f"{cpu['usable_cores']} usable of {cpu['logical_cores']} logical"),
             ("SIMD", " ".join(cpu["simd"]) or "-"),
         ],
+    )
+    lines += _section(
+        "C++ extensions (prebuild: python -m slipstream.kernels.build_ops)",
+        sorted(report.get("extensions", {}).items()),
     )
     op_rows = [
         [

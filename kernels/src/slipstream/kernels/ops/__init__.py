@@ -2,24 +2,35 @@
 
 Each op folder holds ``reference.py`` (pure torch, backend ``"reference"``, priority 0) and an
 ``__init__.py`` that registers its backends and exposes a function dispatching through the
-registry. Faster backends (Triton, CUDA/HIP C++, CPU C++) are added beside the reference in
-the same folder.
+registry. Faster backends sit beside the reference in the same folder: ``triton.py`` (backend
+``"triton"``, CUDA and ROCm GPUs) and, for the CPU optimizers, the C++ extension in
+``cpu_optim/`` (backend ``"cpp"``).
 """
 
 from __future__ import annotations
 
+from slipstream.kernels.ops.adagrad import adagrad
 from slipstream.kernels.ops.adam import adam
 from slipstream.kernels.ops.cross_entropy import cross_entropy
+from slipstream.kernels.ops.lamb import lamb
 from slipstream.kernels.ops.layer_norm import layer_norm
+from slipstream.kernels.ops.lion import lion
+from slipstream.kernels.ops.quantize import QuantizedTensor, dequantize, quantize
 from slipstream.kernels.ops.rms_norm import rms_norm
 from slipstream.kernels.ops.rotary_embedding import rotary_cos_sin, rotary_embedding
 from slipstream.kernels.ops.softmax import causal_keep_mask, softmax
 
 __all__ = [
+    "QuantizedTensor",
+    "adagrad",
     "adam",
     "causal_keep_mask",
     "cross_entropy",
+    "dequantize",
+    "lamb",
     "layer_norm",
+    "lion",
+    "quantize",
     "rms_norm",
     "rotary_cos_sin",
     "rotary_embedding",

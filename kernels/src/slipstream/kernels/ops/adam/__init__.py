@@ -6,6 +6,8 @@ from collections.abc import Sequence
 
 import torch
 
+from slipstream.kernels.build_ops import fused_adam_cuda_probe
+from slipstream.kernels.ops.backends import register_cpp, register_triton
 from slipstream.kernels.registry import ANY_DEVICE, get_op, register_op
 
 OP_NAME = "adam"
@@ -16,6 +18,18 @@ register_op(
     "slipstream.kernels.ops.adam.reference:adam",
     device_types=(ANY_DEVICE,),
     priority=0,
+)
+register_triton(OP_NAME, "slipstream.kernels.ops.adam.triton:adam")
+register_cpp(OP_NAME, "slipstream.kernels.ops.cpu_optim:adam")
+# CUDA C++ (hipified on ROCm): below Triton, for GPU machines without it.
+register_op(
+    OP_NAME,
+    "cuda",
+    "slipstream.kernels.ops.adam.cuda:adam",
+    device_types=("cuda",),
+    dtypes=(torch.float32, torch.float16, torch.bfloat16),
+    priority=5,
+    available=fused_adam_cuda_probe,
 )
 
 
@@ -33,6 +47,7 @@ def adam(
     adam_w_mode: bool,
     bias_correction: bool,
     step: int,
+    param_copies: Sequence[torch.Tensor] | None = None,
 ) -> None:
     """Run the best available ``adam`` backend for the params' device and dtype.
 
@@ -54,4 +69,5 @@ def adam(
         adam_w_mode=adam_w_mode,
         bias_correction=bias_correction,
         step=step,
+        param_copies=param_copies,
     )

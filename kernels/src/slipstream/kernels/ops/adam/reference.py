@@ -10,10 +10,37 @@ import torch
 _LOW_PRECISION = (torch.float16, torch.bfloat16)
 
 
-def _working_copy(tensor: torch.Tensor) -> torch.Tensor:
+def working_copy(tensor: torch.Tensor) -> torch.Tensor:
+    """``tensor`` itself when fp32/fp64, else an fp32 copy (updated, then rounded once)."""
     # Half-precision tensors are updated in fp32 and rounded once at the end, as FusedAdam's
     # kernel does; fp32/fp64 tensors are updated in place (no copy).
     return tensor.float() if tensor.dtype in _LOW_PRECISION else tensor
+
+
+def copy_back(original: torch.Tensor, work: torch.Tensor) -> None:
+    """Write a working copy made by :func:`working_copy` back into its original (if a copy)."""
+    if work is not original:
+        original.copy_(work)
+
+
+def check_lists(
+    op: str,
+    params: Sequence[torch.Tensor],
+    *others: Sequence[torch.Tensor],
+    param_copies: Sequence[torch.Tensor] | None = None,
+) -> None:
+    """Raise ValueError unless the tensor lists have equal lengths and each row equal shapes."""
+    lists = (params, *others) + (() if param_copies is None else (param_copies,))
+    lengths = [len(tensors) for tensors in lists]
+    if len(set(lengths)) > 1:
+        raise ValueError(f"{op}: every tensor list must have the same length, got {lengths}")
+    for index, row in enumerate(zip(*lists)):
+        shapes = [tuple(t.shape) for t in row]
+        if len(set(shapes)) > 1:
+            raise ValueError(
+                f"{op}: tensor {index} has mismatched shapes {shapes} (params, grads, states"
+                f"{', copies' if param_copies is not None else ''})"
+            )
 
 
 def adam(
@@ -30,6 +57,7 @@ def adam(
     adam_w_mode: bool,
     bias_correction: bool,
     step: int,
+    param_copies: Sequence[torch.Tensor] | None = None,
 ) -> None:
     """One Adam (or AdamW) step over lists of tensors, in place.
 
@@ -46,6 +74,8 @@ def adam(
     ``step`` is the step being taken, counted from 1 (the caller increments it first). Grads
     may have a different dtype from their params; fp16/bf16 params and moments are updated
     in fp32 and rounded once. Params with no grad must be left out of the lists.
+    ``param_copies``, when given, receive the updated params (for instance the bf16 model
+    weights beside fp32 master weights, as in ZeRO-Offload's copy-back).
     """
     count = len(params)
     if not (len(grads) == len(exp_avgs) == len(exp_avg_sqs) == count):
@@ -67,9 +97,9 @@ def adam(
     bias_correction1 = 1.0 - beta1**step if bias_correction else 1.0
     bias_correction2 = 1.0 - beta2**step if bias_correction else 1.0
 
-    work_params = [_working_copy(p) for p in params]
-    work_avgs = [_working_copy(m) for m in exp_avgs]
-    work_avg_sqs = [_working_copy(v) for v in exp_avg_sqs]
+    work_params = [working_copy(p) for p in params]
+    work_avgs = [working_copy(m) for m in exp_avgs]
+    work_avg_sqs = [working_copy(v) for v in exp_avg_sqs]
     work_grads = [g if g.dtype == p.dtype else g.to(p.dtype) for g, p in zip(grads, work_params)]
 
     with torch.no_grad():
@@ -94,5 +124,7 @@ def adam(
             (exp_avg_sqs, work_avg_sqs),
         ):
             for original, work in zip(originals, working):
-                if work is not original:
-                    original.copy_(work)
+                copy_back(original, work)
+        if param_copies is not None:
+            check_lists("adam", params, param_copies)
+            torch._foreach_copy_(list(param_copies), list(params))

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import torch
 
+from slipstream.kernels.ops.backends import register_triton
 from slipstream.kernels.registry import ANY_DEVICE, get_op, register_op
 
 OP_NAME = "layer_norm"
@@ -15,6 +16,7 @@ register_op(
     device_types=(ANY_DEVICE,),
     priority=0,
 )
+register_triton(OP_NAME, "slipstream.kernels.ops.layer_norm.triton:layer_norm")
 
 
 def layer_norm(

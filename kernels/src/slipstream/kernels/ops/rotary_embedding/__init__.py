@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import torch
 
+from slipstream.kernels.ops.backends import register_triton
 from slipstream.kernels.ops.rotary_embedding.reference import rotary_cos_sin
 from slipstream.kernels.registry import ANY_DEVICE, get_op, register_op
 
@@ -16,6 +17,7 @@ register_op(
     device_types=(ANY_DEVICE,),
     priority=0,
 )
+register_triton(OP_NAME, "slipstream.kernels.ops.rotary_embedding.triton:rotary_embedding")
 
 __all__ = ["OP_NAME", "rotary_cos_sin", "rotary_embedding"]
 

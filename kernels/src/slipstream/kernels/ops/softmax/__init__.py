@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import torch
 
+from slipstream.kernels.ops.backends import register_triton
 from slipstream.kernels.ops.softmax.reference import causal_keep_mask
 from slipstream.kernels.registry import ANY_DEVICE, get_op, register_op
 
@@ -16,6 +17,7 @@ register_op(
     device_types=(ANY_DEVICE,),
     priority=0,
 )
+register_triton(OP_NAME, "slipstream.kernels.ops.softmax.triton:softmax")
 
 __all__ = ["OP_NAME", "causal_keep_mask", "softmax"]
 

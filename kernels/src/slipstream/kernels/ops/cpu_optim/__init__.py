@@ -1,0 +1,128 @@
+"""CPU optimizer steps in C++ (Adam/AdamW, Adagrad, Lion): the ``cpp`` backends on ``cpu``.
+
+The extension (``cpu_optim.cpp``) is built by :mod:`slipstream.kernels.build_ops` into a
+cache; these wrappers match the reference ops' signatures. Params and states must be fp32 and
+contiguous on the CPU; grads fp32, bf16 or fp16; ``param_copies`` (bf16, fp16 or fp32) receive
+the updated params in the same pass. ``SLIPSTREAM_CPU_ISA=avx512|avx2|generic`` forces a
+vector path (tests; comparing paths); the default is the best the CPU supports.
+"""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Sequence
+from types import ModuleType
+
+import torch
+
+from slipstream.kernels.build_ops import load_cpu_optimizer
+
+ISA_ENV = "SLIPSTREAM_CPU_ISA"
+
+
+def _extension() -> ModuleType:
+    # Loaded (or built into the cache, see build_ops) on the first step, not on import: the
+    # registry imports this module to check the backend, and `slipstream report` must not
+    # start a compiler.
+    return load_cpu_optimizer()
+
+
+def _isa() -> str:
+    return os.environ.get(ISA_ENV, "auto").strip() or "auto"
+
+
+def _copies(param_copies: Sequence[torch.Tensor] | None) -> list[torch.Tensor]:
+    return [] if param_copies is None else list(param_copies)
+
+
+def supported_isas() -> list[str]:
+    """The vector paths this CPU can run, best first (``"generic"`` is always last)."""
+    return list(_extension().supported_isas())
+
+
+def max_threads() -> int:
+    """OpenMP threads one optimizer step uses (``OMP_NUM_THREADS``)."""
+    return int(_extension().max_threads())
+
+
+def adam(
+    params: Sequence[torch.Tensor],
+    grads: Sequence[torch.Tensor],
+    exp_avgs: Sequence[torch.Tensor],
+    exp_avg_sqs: Sequence[torch.Tensor],
+    *,
+    lr: float,
+    beta1: float,
+    beta2: float,
+    eps: float,
+    weight_decay: float,
+    adam_w_mode: bool,
+    bias_correction: bool,
+    step: int,
+    param_copies: Sequence[torch.Tensor] | None = None,
+) -> None:
+    """C++ Adam/AdamW with the semantics of :func:`slipstream.kernels.ops.adam.reference.adam`."""
+    _extension().adam_step(
+        list(params),
+        list(grads),
+        list(exp_avgs),
+        list(exp_avg_sqs),
+        _copies(param_copies),
+        float(lr),
+        float(beta1),
+        float(beta2),
+        float(eps),
+        float(weight_decay),
+        bool(adam_w_mode),
+        bool(bias_correction),
+        int(step),
+        _isa(),
+    )
+
+
+def adagrad(
+    params: Sequence[torch.Tensor],
+    grads: Sequence[torch.Tensor],
+    exp_avg_sqs: Sequence[torch.Tensor],
+    *,
+    lr: float,
+    eps: float,
+    weight_decay: float,
+    param_copies: Sequence[torch.Tensor] | None = None,
+) -> None:
+    """C++ Adagrad with the semantics of :func:`slipstream.kernels.ops.adagrad.reference.adagrad`."""
+    _extension().adagrad_step(
+        list(params),
+        list(grads),
+        list(exp_avg_sqs),
+        _copies(param_copies),
+        float(lr),
+        float(eps),
+        float(weight_decay),
+        _isa(),
+    )
+
+
+def lion(
+    params: Sequence[torch.Tensor],
+    grads: Sequence[torch.Tensor],
+    exp_avgs: Sequence[torch.Tensor],
+    *,
+    lr: float,
+    beta1: float,
+    beta2: float,
+    weight_decay: float,
+    param_copies: Sequence[torch.Tensor] | None = None,
+) -> None:
+    """C++ Lion with the semantics of :func:`slipstream.kernels.ops.lion.reference.lion`."""
+    _extension().lion_step(
+        list(params),
+        list(grads),
+        list(exp_avgs),
+        _copies(param_copies),
+        float(lr),
+        float(beta1),
+        float(beta2),
+        float(weight_decay),
+        _isa(),
+    )

@@ -1,0 +1,450 @@
+// CPU optimizer steps (Adam/AdamW, Adagrad, Lion) for ZeRO-Offload-style training.
+//
+// fp32 params and states; grads in fp32, bf16 or fp16; optional fused copy-back of the updated
+// params into bf16/fp16 (or fp32) tensors, done chunk by chunk right after each chunk's update
+// while it is still in cache, instead of in a second sweep over memory.
+//
+// Vectorisation: the element loops are written once (inline templates) and instantiated inside
+// wrappers compiled for AVX-512 and AVX2+FMA with GCC/Clang target attributes, plus a generic
+// build (SSE2 on x86-64, NEON on aarch64, where NEON is the baseline ISA). The compiler
+// vectorises each wrapper for its ISA (`#pragma omp simd`); the wrapper is chosen at run time
+// from the CPU's flags (`__builtin_cpu_supports`), or forced by name for tests.
+// Threads: one OpenMP parallel region per step over fixed-size chunks of every tensor, so
+// many small tensors and a few huge ones both spread evenly over the cores.
+
+#include <torch/extension.h>
+
+#include <algorithm>
+#include <cmath>
+#include <cstdint>
+#include <cstring>
+#include <string>
+#include <type_traits>
+#include <vector>
+
+#ifdef _OPENMP
+#include <omp.h>
+#endif
+
+namespace {
+
+// Everything the per-ISA runners call is force-inlined: a helper the inliner leaves out of line
+// would be compiled for the baseline ISA only, losing the AVX2/AVX-512 code for that loop.
+#define SLIPSTREAM_INLINE inline __attribute__((always_inline))
+
+constexpr int64_t kChunk = 1 << 14;  // elements per work item (64 KiB of fp32 per stream)
+
+enum class Kind : int { kF32 = 0, kBF16 = 1, kF16 = 2, kNone = 3 };
+
+SLIPSTREAM_INLINE float bf16_to_float(uint16_t bits) {
+  uint32_t wide = static_cast<uint32_t>(bits) << 16;
+  float out;
+  std::memcpy(&out, &wide, sizeof(out));
+  return out;
+}
+
+SLIPSTREAM_INLINE uint16_t float_to_bf16(float value) {
+  uint32_t bits;
+  std::memcpy(&bits, &value, sizeof(bits));
+  // Round to nearest even; NaN stays NaN (quiet bit set) instead of rounding into infinity.
+  uint32_t rounded = bits + 0x7FFFu + ((bits >> 16) & 1u);
+  uint32_t nan = (bits >> 16) | 0x40u;
+  return static_cast<uint16_t>((bits & 0x7FFFFFFFu) > 0x7F800000u ? nan : (rounded >> 16));
+}
+
+#if defined(__FLT16_MAX__)
+// _Float16 conversions compile to F16C / AVX-512 conversion instructions and vectorise.
+SLIPSTREAM_INLINE float half_to_float(uint16_t bits) {
+  _Float16 value;
+  std::memcpy(&value, &bits, sizeof(value));
+  return static_cast<float>(value);
+}
+
+SLIPSTREAM_INLINE uint16_t float_to_half(float value) {
+  _Float16 half = static_cast<_Float16>(value);
+  uint16_t bits;
+  std::memcpy(&bits, &half, sizeof(bits));
+  return bits;
+}
+#else
+SLIPSTREAM_INLINE float half_to_float(uint16_t bits) {
+  return static_cast<float>(c10::Half(bits, c10::Half::from_bits()));
+}
+
+SLIPSTREAM_INLINE uint16_t float_to_half(float value) { return c10::Half(value).x; }
+#endif
+
+// Storage of a grad or a param copy: fp32 as float, bf16/fp16 as their 16-bit patterns.
+template <Kind K>
+using Storage = std::conditional_t<K == Kind::kF32, float, uint16_t>;
+
+template <Kind K>
+SLIPSTREAM_INLINE float load(const Storage<K>* __restrict base, int64_t i) {
+  if constexpr (K == Kind::kF32) {
+    return base[i];
+  } else if constexpr (K == Kind::kBF16) {
+    return bf16_to_float(base[i]);
+  } else {
+    return half_to_float(base[i]);
+  }
+}
+
+template <Kind K>
+SLIPSTREAM_INLINE void store(Storage<K>* __restrict base, int64_t i, float value) {
+  if constexpr (K == Kind::kF32) {
+    base[i] = value;
+  } else if constexpr (K == Kind::kBF16) {
+    base[i] = float_to_bf16(value);
+  } else if constexpr (K == Kind::kF16) {
+    base[i] = float_to_half(value);
+  }
+}
+
+// The copy-back as a second, simple loop over the span just updated (64 KiB of fp32, still in
+// L2): the compiler vectorises this loop reliably, where one extra 16-bit store stream inside
+// the optimizer loop can make it give up on the whole loop. fp16 goes through _Float16 /
+// c10::Half conversions, which vectorise only on CPUs with AVX-512 FP16, so fp16 copies are
+// slower than bf16 ones.
+template <Kind C>
+SLIPSTREAM_INLINE void copy_span(const float* __restrict p, Storage<C>* __restrict copy, int64_t n) {
+  if constexpr (C != Kind::kNone) {
+#pragma omp simd
+    for (int64_t i = 0; i < n; ++i) store<C>(copy, i, p[i]);
+  }
+}
+
+struct AdamArgs {
+  float beta1, beta2, eps, weight_decay, step_size, inv_sqrt_bc2, decay_factor;
+  bool adam_w;
+};
+
+struct AdagradArgs {
+  float lr, eps, weight_decay;
+};
+
+struct LionArgs {
+  float lr, beta1, beta2, decay_factor;
+};
+
+// One contiguous span of one tensor; the element loops below run over a span.
+struct Span {
+  float* param;
+  const void* grad;
+  float* state1;
+  float* state2;
+  void* copy;
+  int64_t length;
+  Kind grad_kind;
+  Kind copy_kind;
+};
+
+template <Kind G, Kind C>
+SLIPSTREAM_INLINE void adam_span(const Span& s, const AdamArgs& a) {
+  float* __restrict p = s.param;
+  float* __restrict m = s.state1;
+  float* __restrict v = s.state2;
+  const Storage<G>* __restrict grad = static_cast<const Storage<G>*>(s.grad);
+  Storage<C>* __restrict copy = static_cast<Storage<C>*>(s.copy);
+#pragma omp simd
+  for (int64_t i = 0; i < s.length; ++i) {
+    float g = load<G>(grad, i);
+    float w = p[i];
+    if (!a.adam_w) g += a.weight_decay * w;  // L2 mode: the moments see the decay
+    float mi = a.beta1 * m[i] + (1.0f - a.beta1) * g;
+    float vi = a.beta2 * v[i] + (1.0f - a.beta2) * g * g;
+    float denom = std::sqrt(vi) * a.inv_sqrt_bc2 + a.eps;
+    if (a.adam_w) w *= a.decay_factor;
+    w -= a.step_size * (mi / denom);
+    m[i] = mi;
+    v[i] = vi;
+    p[i] = w;
+  }
+  copy_span<C>(p, copy, s.length);
+}
+
+template <Kind G, Kind C>
+SLIPSTREAM_INLINE void adagrad_span(const Span& s, const AdagradArgs& a) {
+  float* __restrict p = s.param;
+  float* __restrict sum = s.state1;
+  const Storage<G>* __restrict grad = static_cast<const Storage<G>*>(s.grad);
+  Storage<C>* __restrict copy = static_cast<Storage<C>*>(s.copy);
+#pragma omp simd
+  for (int64_t i = 0; i < s.length; ++i) {
+    float w = p[i];
+    float g = load<G>(grad, i) + a.weight_decay * w;
+    float acc = sum[i] + g * g;
+    w -= a.lr * (g / (std::sqrt(acc) + a.eps));
+    sum[i] = acc;
+    p[i] = w;
+  }
+  copy_span<C>(p, copy, s.length);
+}
+
+template <Kind G, Kind C>
+SLIPSTREAM_INLINE void lion_span(const Span& s, const LionArgs& a) {
+  float* __restrict p = s.param;
+  float* __restrict m = s.state1;
+  const Storage<G>* __restrict grad = static_cast<const Storage<G>*>(s.grad);
+  Storage<C>* __restrict copy = static_cast<Storage<C>*>(s.copy);
+#pragma omp simd
+  for (int64_t i = 0; i < s.length; ++i) {
+    float g = load<G>(grad, i);
+    float mi = m[i];
+    float direction = a.beta1 * mi + (1.0f - a.beta1) * g;
+    float sign = direction > 0.0f ? 1.0f : (direction < 0.0f ? -1.0f : 0.0f);
+    float w = p[i] * a.decay_factor - a.lr * sign;
+    m[i] = a.beta2 * mi + (1.0f - a.beta2) * g;
+    p[i] = w;
+  }
+  copy_span<C>(p, copy, s.length);
+}
+
+// Picks the template instance for a span's (grad kind, copy kind): 3 x 4 combinations.
+#define SLIPSTREAM_DISPATCH(FN, SPAN, ARGS)                                              \
+  do {                                                                                   \
+    switch (static_cast<int>((SPAN).grad_kind) * 4 + static_cast<int>((SPAN).copy_kind)) { \
+      case 0: FN<Kind::kF32, Kind::kF32>(SPAN, ARGS); break;                             \
+      case 1: FN<Kind::kF32, Kind::kBF16>(SPAN, ARGS); break;                            \
+      case 2: FN<Kind::kF32, Kind::kF16>(SPAN, ARGS); break;                             \
+      case 3: FN<Kind::kF32, Kind::kNone>(SPAN, ARGS); break;                            \
+      case 4: FN<Kind::kBF16, Kind::kF32>(SPAN, ARGS); break;                            \
+      case 5: FN<Kind::kBF16, Kind::kBF16>(SPAN, ARGS); break;                           \
+      case 6: FN<Kind::kBF16, Kind::kF16>(SPAN, ARGS); break;                            \
+      case 7: FN<Kind::kBF16, Kind::kNone>(SPAN, ARGS); break;                           \
+      case 8: FN<Kind::kF16, Kind::kF32>(SPAN, ARGS); break;                             \
+      case 9: FN<Kind::kF16, Kind::kBF16>(SPAN, ARGS); break;                            \
+      case 10: FN<Kind::kF16, Kind::kF16>(SPAN, ARGS); break;                            \
+      default: FN<Kind::kF16, Kind::kNone>(SPAN, ARGS); break;                           \
+    }                                                                                    \
+  } while (0)
+
+// The parallel loop over every span, compiled once per ISA by the macro below.
+#define SLIPSTREAM_DEFINE_RUNNERS(SUFFIX, ATTRIBUTE)                                          \
+  ATTRIBUTE void adam_run_##SUFFIX(const std::vector<Span>& spans, const AdamArgs& a) {       \
+    const int64_t count = static_cast<int64_t>(spans.size());                                 \
+    _Pragma("omp parallel for schedule(static)") for (int64_t k = 0; k < count; ++k) {        \
+      SLIPSTREAM_DISPATCH(adam_span, spans[k], a);                                            \
+    }                                                                                         \
+  }                                                                                           \
+  ATTRIBUTE void adagrad_run_##SUFFIX(const std::vector<Span>& spans, const AdagradArgs& a) { \
+    const int64_t count = static_cast<int64_t>(spans.size());                                 \
+    _Pragma("omp parallel for schedule(static)") for (int64_t k = 0; k < count; ++k) {        \
+      SLIPSTREAM_DISPATCH(adagrad_span, spans[k], a);                                         \
+    }                                                                                         \
+  }                                                                                           \
+  ATTRIBUTE void lion_run_##SUFFIX(const std::vector<Span>& spans, const LionArgs& a) {       \
+    const int64_t count = static_cast<int64_t>(spans.size());                                 \
+    _Pragma("omp parallel for schedule(static)") for (int64_t k = 0; k < count; ++k) {        \
+      SLIPSTREAM_DISPATCH(lion_span, spans[k], a);                                            \
+    }                                                                                         \
+  }
+
+SLIPSTREAM_DEFINE_RUNNERS(generic, )
+#if defined(__x86_64__) && (defined(__GNUC__) || defined(__clang__))
+#define SLIPSTREAM_HAS_X86_CLONES 1
+SLIPSTREAM_DEFINE_RUNNERS(avx2, __attribute__((target("avx2,fma,f16c"))))
+SLIPSTREAM_DEFINE_RUNNERS(avx512,
+                          __attribute__((target("avx512f,avx512bw,avx512vl,avx512dq,fma,f16c"))))
+#endif
+
+std::vector<std::string> supported_isas() {
+  std::vector<std::string> isas;
+#ifdef SLIPSTREAM_HAS_X86_CLONES
+  __builtin_cpu_init();
+  if (__builtin_cpu_supports("avx512f") && __builtin_cpu_supports("avx512bw") &&
+      __builtin_cpu_supports("avx512vl") && __builtin_cpu_supports("avx512dq")) {
+    isas.push_back("avx512");
+  }
+  if (__builtin_cpu_supports("avx2") && __builtin_cpu_supports("fma")) isas.push_back("avx2");
+#endif
+  isas.push_back("generic");
+  return isas;
+}
+
+std::string resolve_isa(const std::string& requested) {
+  auto isas = supported_isas();
+  if (requested.empty() || requested == "auto") return isas.front();
+  if (std::find(isas.begin(), isas.end(), requested) == isas.end()) {
+    std::string known;
+    for (const auto& name : isas) known += (known.empty() ? "" : ", ") + name;
+    TORCH_CHECK(false, "CPU optimizer ISA '", requested, "' is not supported on this CPU (or ",
+                "this build); supported: ", known);
+  }
+  return requested;
+}
+
+Kind kind_of(const at::Tensor& t, const char* what, bool allow_f32) {
+  switch (t.scalar_type()) {
+    case at::kFloat:
+      TORCH_CHECK(allow_f32, what, " must be bf16 or fp16");
+      return Kind::kF32;
+    case at::kBFloat16:
+      return Kind::kBF16;
+    case at::kHalf:
+      return Kind::kF16;
+    default:
+      TORCH_CHECK(false, what, " must be float32, bfloat16 or float16, got ", t.scalar_type());
+  }
+  return Kind::kNone;
+}
+
+void check_tensor(const at::Tensor& t, const char* what, int64_t numel, size_t index) {
+  TORCH_CHECK(t.device().is_cpu(), what, " ", index, " must be on the CPU, got ", t.device());
+  TORCH_CHECK(t.is_contiguous(), what, " ", index, " must be contiguous");
+  TORCH_CHECK(t.numel() == numel, what, " ", index, " has ", t.numel(),
+              " elements but its param has ", numel);
+}
+
+void check_fp32(const at::Tensor& t, const char* what, size_t index) {
+  TORCH_CHECK(t.scalar_type() == at::kFloat, what, " ", index,
+              " must be float32 (the CPU optimizers keep fp32 params and states), got ",
+              t.scalar_type());
+}
+
+// Splits every tensor into kChunk-element spans (the unit of parallel work).
+std::vector<Span> make_spans(const std::vector<at::Tensor>& params,
+                             const std::vector<at::Tensor>& grads,
+                             const std::vector<at::Tensor>& state1,
+                             const std::vector<at::Tensor>* state2,
+                             const std::vector<at::Tensor>& copies) {
+  const size_t count = params.size();
+  TORCH_CHECK(grads.size() == count && state1.size() == count &&
+                  (state2 == nullptr || state2->size() == count) &&
+                  (copies.empty() || copies.size() == count),
+              "CPU optimizer: params, grads, states (and copies) must have equal lengths");
+  std::vector<Span> spans;
+  for (size_t t = 0; t < count; ++t) {
+    const int64_t n = params[t].numel();
+    check_fp32(params[t], "param", t);
+    check_tensor(params[t], "param", n, t);
+    check_tensor(grads[t], "grad", n, t);
+    check_fp32(state1[t], "state", t);
+    check_tensor(state1[t], "state", n, t);
+    if (state2 != nullptr) {
+      check_fp32((*state2)[t], "state", t);
+      check_tensor((*state2)[t], "state", n, t);
+    }
+    Kind grad_kind = kind_of(grads[t], "grad", true);
+    Kind copy_kind = Kind::kNone;
+    char* copy_base = nullptr;
+    if (!copies.empty()) {
+      check_tensor(copies[t], "param copy", n, t);
+      copy_kind = kind_of(copies[t], "param copy", true);
+      copy_base = static_cast<char*>(copies[t].data_ptr());
+    }
+    float* p = params[t].data_ptr<float>();
+    const char* g = static_cast<const char*>(grads[t].data_ptr());
+    float* s1 = state1[t].data_ptr<float>();
+    float* s2 = state2 == nullptr ? nullptr : (*state2)[t].data_ptr<float>();
+    const int64_t grad_size = grads[t].element_size();
+    const int64_t copy_size = copies.empty() ? 0 : copies[t].element_size();
+    for (int64_t start = 0; start < n; start += kChunk) {
+      Span span;
+      span.param = p + start;
+      span.grad = g + start * grad_size;
+      span.state1 = s1 + start;
+      span.state2 = s2 == nullptr ? nullptr : s2 + start;
+      span.copy = copy_base == nullptr ? nullptr : copy_base + start * copy_size;
+      span.length = std::min(kChunk, n - start);
+      span.grad_kind = grad_kind;
+      span.copy_kind = copy_kind;
+      spans.push_back(span);
+    }
+  }
+  return spans;
+}
+
+}  // namespace
+
+std::string adam_step(const std::vector<at::Tensor>& params, const std::vector<at::Tensor>& grads,
+                      const std::vector<at::Tensor>& exp_avgs,
+                      const std::vector<at::Tensor>& exp_avg_sqs,
+                      const std::vector<at::Tensor>& copies, double lr, double beta1,
+                      double beta2, double eps, double weight_decay, bool adam_w_mode,
+                      bool bias_correction, int64_t step, const std::string& isa) {
+  TORCH_CHECK(step >= 1, "adam: step must be >= 1 (the step being taken), got ", step);
+  const std::string chosen = resolve_isa(isa);
+  auto spans = make_spans(params, grads, exp_avgs, &exp_avg_sqs, copies);
+  // Scalars in double on the host, then one rounding to float, as torch's CPU kernels do.
+  const double bc1 = bias_correction ? 1.0 - std::pow(beta1, static_cast<double>(step)) : 1.0;
+  const double bc2 = bias_correction ? 1.0 - std::pow(beta2, static_cast<double>(step)) : 1.0;
+  AdamArgs a{static_cast<float>(beta1),        static_cast<float>(beta2),
+             static_cast<float>(eps),          static_cast<float>(weight_decay),
+             static_cast<float>(lr / bc1),     static_cast<float>(1.0 / std::sqrt(bc2)),
+             static_cast<float>(1.0 - lr * weight_decay), adam_w_mode};
+  pybind11::gil_scoped_release no_gil;
+#ifdef SLIPSTREAM_HAS_X86_CLONES
+  if (chosen == "avx512") {
+    adam_run_avx512(spans, a);
+    return chosen;
+  }
+  if (chosen == "avx2") {
+    adam_run_avx2(spans, a);
+    return chosen;
+  }
+#endif
+  adam_run_generic(spans, a);
+  return chosen;
+}
+
+std::string adagrad_step(const std::vector<at::Tensor>& params,
+                         const std::vector<at::Tensor>& grads,
+                         const std::vector<at::Tensor>& sums, const std::vector<at::Tensor>& copies,
+                         double lr, double eps, double weight_decay, const std::string& isa) {
+  const std::string chosen = resolve_isa(isa);
+  auto spans = make_spans(params, grads, sums, nullptr, copies);
+  AdagradArgs a{static_cast<float>(lr), static_cast<float>(eps), static_cast<float>(weight_decay)};
+  pybind11::gil_scoped_release no_gil;
+#ifdef SLIPSTREAM_HAS_X86_CLONES
+  if (chosen == "avx512") {
+    adagrad_run_avx512(spans, a);
+    return chosen;
+  }
+  if (chosen == "avx2") {
+    adagrad_run_avx2(spans, a);
+    return chosen;
+  }
+#endif
+  adagrad_run_generic(spans, a);
+  return chosen;
+}
+
+std::string lion_step(const std::vector<at::Tensor>& params, const std::vector<at::Tensor>& grads,
+                      const std::vector<at::Tensor>& exp_avgs,
+                      const std::vector<at::Tensor>& copies, double lr, double beta1,
+                      double beta2, double weight_decay, const std::string& isa) {
+  const std::string chosen = resolve_isa(isa);
+  auto spans = make_spans(params, grads, exp_avgs, nullptr, copies);
+  LionArgs a{static_cast<float>(lr), static_cast<float>(beta1), static_cast<float>(beta2),
+             static_cast<float>(1.0 - lr * weight_decay)};
+  pybind11::gil_scoped_release no_gil;
+#ifdef SLIPSTREAM_HAS_X86_CLONES
+  if (chosen == "avx512") {
+    lion_run_avx512(spans, a);
+    return chosen;
+  }
+  if (chosen == "avx2") {
+    lion_run_avx2(spans, a);
+    return chosen;
+  }
+#endif
+  lion_run_generic(spans, a);
+  return chosen;
+}
+
+int max_threads() {
+#ifdef _OPENMP
+  return omp_get_max_threads();
+#else
+  return 1;
+#endif
+}
+
+PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
+  m.doc() = "Slipstream CPU optimizers: Adam/AdamW, Adagrad, Lion (SIMD + OpenMP)";
+  m.def("adam_step", &adam_step, "Adam/AdamW step over lists of CPU tensors; returns the ISA used");
+  m.def("adagrad_step", &adagrad_step, "Adagrad step over lists of CPU tensors");
+  m.def("lion_step", &lion_step, "Lion step over lists of CPU tensors");
+  m.def("supported_isas", &supported_isas, "ISAs usable on this CPU, best first");
+  m.def("max_threads", &max_threads, "OpenMP threads a step uses");
+}

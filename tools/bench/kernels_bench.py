@@ -1,0 +1,275 @@
+"""Benchmark Slipstream's kernels against the PyTorch they replace.
+
+CPU (always): the C++ CPU Adam (``slipstream.kernels.ops.cpu_optim.adam``, the ZeRO-Offload
+optimizer) against ``torch.optim.AdamW(foreach=True)`` on ``--cpu-params`` fp32 parameters
+split into model-like tensors; with and without the fused bf16 copy-back.
+
+GPU (only where CUDA/ROCm is available): the Triton multi-tensor AdamW's bandwidth against the
+device's measured copy bandwidth; RMSNorm, LayerNorm and cross-entropy (forward + backward)
+against eager PyTorch.
+
+    PYTHONPATH=kernels/src python tools/bench/kernels_bench.py                 # 100M params
+    PYTHONPATH=kernels/src python tools/bench/kernels_bench.py --cpu-params 2e8 --json out.json
+
+Timings are medians of ``--steps`` timed repetitions after one warm-up; a shared or noisy
+machine shows up as a wide min-max spread, which is printed beside each median.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import platform
+import statistics
+import time
+from collections.abc import Callable
+from typing import Any
+
+import torch
+
+
+def _time(
+    fn: Callable[[], Any], steps: int, sync: Callable[[], None] = lambda: None
+) -> list[float]:
+    fn()  # warm-up: first-touch page faults, kernel compilation, allocator growth
+    sync()
+    times = []
+    for _ in range(steps):
+        start = time.perf_counter()
+        fn()
+        sync()
+        times.append(time.perf_counter() - start)
+    return times
+
+
+def _summary(times: list[float]) -> dict[str, float]:
+    return {
+        "median_s": statistics.median(times),
+        "min_s": min(times),
+        "max_s": max(times),
+    }
+
+
+def _model_like_sizes(total: int) -> list[int]:
+    # A decoder's mix: large matrices plus many small vectors (norm weights, biases).
+    sizes = []
+    remaining = total
+    big = 4096 * 4096
+    while remaining > big:
+        sizes.append(big)
+        sizes.extend([4096] * 4)
+        remaining -= big + 4 * 4096
+    if remaining > 0:
+        sizes.append(remaining)
+    return sizes
+
+
+def bench_cpu_adam(total_params: int, steps: int) -> dict[str, Any]:
+    """torch.optim.AdamW(foreach=True) vs the C++ CPU Adam on the same sizes, one after the other."""
+    from slipstream.kernels.ops import cpu_optim
+
+    sizes = _model_like_sizes(total_params)
+    options = dict(lr=1e-3, betas=(0.9, 0.999), eps=1e-8, weight_decay=0.01)
+    result: dict[str, Any] = {
+        "params": sum(sizes),
+        "tensors": len(sizes),
+        "threads": torch.get_num_threads(),
+        "omp_threads": cpu_optim.max_threads(),
+        "isa": cpu_optim.supported_isas()[0],
+    }
+
+    # torch first, then freed, so peak memory holds one copy of the states.
+    params = [torch.nn.Parameter(torch.randn(n)) for n in sizes]
+    for param in params:
+        param.grad = torch.randn_like(param)
+    optimizer = torch.optim.AdamW(params, foreach=True, **options)  # type: ignore[arg-type]
+    result["torch_adamw_foreach"] = _summary(_time(optimizer.step, steps))
+    del optimizer, params
+
+    params_data = [torch.randn(n) for n in sizes]
+    grads = [torch.randn(n) for n in sizes]
+    exp_avgs = [torch.zeros(n) for n in sizes]
+    exp_avg_sqs = [torch.zeros(n) for n in sizes]
+    copies = [torch.empty(n, dtype=torch.bfloat16) for n in sizes]
+    counter = {"step": 0}
+
+    def ours(with_copies: bool) -> Callable[[], None]:
+        def step() -> None:
+            counter["step"] += 1
+            cpu_optim.adam(
+                params_data,
+                grads,
+                exp_avgs,
+                exp_avg_sqs,
+                lr=1e-3,
+                beta1=0.9,
+                beta2=0.999,
+                eps=1e-8,
+                weight_decay=0.01,
+                adam_w_mode=True,
+                bias_correction=True,
+                step=counter["step"],
+                param_copies=copies if with_copies else None,
+            )
+
+        return step
+
+    result["slipstream_cpu_adam"] = _summary(_time(ours(False), steps))
+    result["slipstream_cpu_adam_bf16_copy"] = _summary(_time(ours(True), steps))
+    torch_median = result["torch_adamw_foreach"]["median_s"]
+    ours_median = result["slipstream_cpu_adam"]["median_s"]
+    result["speedup"] = torch_median / ours_median
+    # 28 bytes per element: read p, g, m, v (16) and write p, m, v (12).
+    result["slipstream_gbps"] = 28 * sum(sizes) / ours_median / 1e9
+    return result
+
+
+def _cuda_sync() -> None:
+    torch.cuda.synchronize()
+
+
+def _fwd_bwd(fn: Callable[[], torch.Tensor], inputs: list[torch.Tensor]) -> Callable[[], None]:
+    def run() -> None:
+        out = fn()
+        torch.autograd.grad(out, inputs, torch.ones_like(out))
+
+    return run
+
+
+def _copy_bandwidth(steps: int) -> float:
+    numel = 256 * 1024 * 1024  # 1 GiB of fp32 per buffer
+    source = torch.empty(numel, device="cuda")
+    target = torch.empty_like(source)
+    copy = _summary(_time(lambda: target.copy_(source), steps, _cuda_sync))
+    return 2 * 4 * numel / copy["median_s"] / 1e9  # read + write
+
+
+def _adamw(steps: int) -> dict[str, Any]:
+    from slipstream.kernels.ops.adam.triton import adam as triton_adam
+
+    sizes = _model_like_sizes(200_000_000)
+    params = [torch.randn(n, device="cuda") for n in sizes]
+    grads = [torch.randn(n, device="cuda") for n in sizes]
+    exp_avgs = [torch.zeros(n, device="cuda") for n in sizes]
+    exp_avg_sqs = [torch.zeros(n, device="cuda") for n in sizes]
+
+    def adam_step() -> None:
+        triton_adam(params, grads, exp_avgs, exp_avg_sqs, lr=1e-3, beta1=0.9, beta2=0.999,
+                    eps=1e-8, weight_decay=0.01, adam_w_mode=True, bias_correction=True, step=1)  # fmt: skip
+
+    triton_times = _summary(_time(adam_step, steps, _cuda_sync))
+    torch_params = [torch.nn.Parameter(p.clone()) for p in params]
+    for param, grad in zip(torch_params, grads):
+        param.grad = grad
+    fused = torch.optim.AdamW(torch_params, lr=1e-3, fused=True)
+    return {
+        "params": sum(sizes),
+        "triton_gbps": 28 * sum(sizes) / triton_times["median_s"] / 1e9,  # 28 bytes/element
+        "triton": triton_times,
+        "torch_fused": _summary(_time(fused.step, steps, _cuda_sync)),
+    }
+
+
+def _norms(steps: int) -> dict[str, Any]:
+    import torch.nn.functional as F
+
+    from slipstream.kernels.ops.layer_norm.triton import layer_norm as triton_ln
+    from slipstream.kernels.ops.rms_norm.triton import rms_norm as triton_rms
+
+    tokens, hidden = 16384, 4096
+    x = torch.randn(tokens, hidden, device="cuda", dtype=torch.bfloat16, requires_grad=True)
+    weight = torch.ones(hidden, device="cuda", dtype=torch.bfloat16, requires_grad=True)
+    bias = torch.zeros(hidden, device="cuda", dtype=torch.bfloat16, requires_grad=True)
+    return {
+        "rms_norm": {
+            "triton": _summary(_time(_fwd_bwd(lambda: triton_rms(x, weight), [x, weight]), steps, _cuda_sync)),
+            "eager": _summary(_time(_fwd_bwd(lambda: F.rms_norm(x, (hidden,), weight), [x, weight]), steps, _cuda_sync)),
+        },
+        "layer_norm": {
+            "triton": _summary(_time(_fwd_bwd(lambda: triton_ln(x, weight, bias), [x, weight, bias]), steps, _cuda_sync)),
+            "eager": _summary(_time(_fwd_bwd(lambda: F.layer_norm(x, (hidden,), weight, bias), [x, weight, bias]), steps, _cuda_sync)),
+        },
+    }  # fmt: skip
+
+
+def _cross_entropy(steps: int) -> dict[str, Any]:
+    import torch.nn.functional as F
+
+    from slipstream.kernels.ops.cross_entropy.triton import cross_entropy as triton_ce
+
+    tokens, vocab = 8192, 128256
+    logits = torch.randn(tokens, vocab, device="cuda", dtype=torch.bfloat16, requires_grad=True)
+    labels = torch.randint(0, vocab, (tokens,), device="cuda")
+    return {
+        "shape": [tokens, vocab],
+        "triton": _summary(_time(_fwd_bwd(lambda: triton_ce(logits, labels), [logits]), steps, _cuda_sync)),
+        "eager": _summary(_time(_fwd_bwd(lambda: F.cross_entropy(logits.float(), labels), [logits]), steps, _cuda_sync)),
+    }  # fmt: skip
+
+
+def bench_gpu(steps: int) -> dict[str, Any]:
+    """Triton AdamW bandwidth vs copy bandwidth; norms and cross-entropy vs eager PyTorch."""
+    result: dict[str, Any] = {"device": torch.cuda.get_device_name(0)}
+    copy_gbps = _copy_bandwidth(steps)
+    adam = _adamw(steps)
+    adam["copy_gbps"] = copy_gbps
+    adam["fraction_of_copy"] = adam["triton_gbps"] / copy_gbps
+    result["adamw"] = adam
+    torch.cuda.empty_cache()
+    result.update(_norms(steps))
+    torch.cuda.empty_cache()
+    result["cross_entropy"] = _cross_entropy(steps)
+    return result
+
+
+def main(argv: list[str] | None = None) -> int:
+    """Run the CPU benchmark (and the GPU one where a GPU exists); print and optionally save."""
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--cpu-params", type=float, default=1e8, help="fp32 params (default 1e8)")
+    parser.add_argument("--steps", type=int, default=5, help="timed repetitions")
+    parser.add_argument("--skip-cpu", action="store_true")
+    parser.add_argument("--skip-gpu", action="store_true")
+    parser.add_argument("--json", help="write the results here")
+    args = parser.parse_args(argv)
+
+    results: dict[str, Any] = {
+        "date": time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime()),
+        "machine": platform.processor() or platform.machine(),
+        "cpu_count": os.cpu_count(),
+        "torch": torch.__version__,
+    }
+    if not args.skip_cpu:
+        cpu = bench_cpu_adam(int(args.cpu_params), args.steps)
+        results["cpu_adam"] = cpu
+        torch_s, ours_s = cpu["torch_adamw_foreach"], cpu["slipstream_cpu_adam"]
+        copy_s = cpu["slipstream_cpu_adam_bf16_copy"]
+        print(f"CPU Adam, {cpu['params'] / 1e6:.0f}M fp32 params in {cpu['tensors']} tensors, "
+              f"{cpu['omp_threads']} threads, ISA {cpu['isa']}:")  # fmt: skip
+        for name, row in (("torch AdamW(foreach=True)", torch_s), ("slipstream cpp", ours_s),
+                          ("slipstream cpp + bf16 copy", copy_s)):  # fmt: skip
+            print(f"  {name:28s} {row['median_s'] * 1e3:9.1f} ms/step "
+                  f"(min {row['min_s'] * 1e3:.1f}, max {row['max_s'] * 1e3:.1f})")  # fmt: skip
+        print(f"  speedup {cpu['speedup']:.2f}x; {cpu['slipstream_gbps']:.1f} GB/s effective")
+    if not args.skip_gpu and torch.cuda.is_available():
+        gpu = bench_gpu(args.steps)
+        results["gpu"] = gpu
+        adam = gpu["adamw"]
+        print(f"GPU {gpu['device']}: Triton AdamW {adam['triton_gbps']:.0f} GB/s = "
+              f"{adam['fraction_of_copy']:.0%} of copy ({adam['copy_gbps']:.0f} GB/s); "
+              f"torch fused {adam['torch_fused']['median_s'] * 1e3:.2f} ms vs "
+              f"triton {adam['triton']['median_s'] * 1e3:.2f} ms")  # fmt: skip
+        for op in ("rms_norm", "layer_norm", "cross_entropy"):
+            row = gpu[op]
+            print(f"  {op:14s} triton {row['triton']['median_s'] * 1e3:8.2f} ms  "
+                  f"eager {row['eager']['median_s'] * 1e3:8.2f} ms")  # fmt: skip
+    elif not args.skip_gpu:
+        print("no CUDA/ROCm GPU here: GPU benchmarks skipped")
+    if args.json:
+        with open(args.json, "w") as handle:
+            json.dump(results, handle, indent=2)
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
