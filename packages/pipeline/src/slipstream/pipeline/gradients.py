@@ -1,0 +1,117 @@
+"""Gradient work after a pipelined batch: tied-weight sums, data-parallel means, global clipping.
+
+Apply in this order after :meth:`PipelineExecutor.run`: :func:`reduce_tied_gradients` (each
+stage holds only its share of a tied weight's gradient), then
+:func:`allreduce_data_parallel_gradients` (the replicas of a stage average), then
+:func:`clip_grad_norm_across_stages` (the norm spans every stage, so it needs the final
+gradients), then the optimizer.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+import torch
+import torch.distributed as dist
+
+from slipstream import comm
+from slipstream.pipeline.module import PipelineModule
+
+__all__ = [
+    "allreduce_data_parallel_gradients",
+    "clip_grad_norm_across_stages",
+    "reduce_tied_gradients",
+]
+
+# 25 MiB of fp32 per all-reduce, DDP's default bucket: large enough to reach bandwidth, small
+# enough that the flat copy stays cheap.
+_DEFAULT_BUCKET_NUMEL = 25 * 1024 * 1024 // 4
+
+
+def reduce_tied_gradients(module: PipelineModule) -> None:
+    """Sum each tied weight's gradient across the stages that share it (collective over the
+    tie groups: every rank of the pipeline must call it)."""
+    module.allreduce_tied_weight_gradients()
+
+
+def allreduce_data_parallel_gradients(
+    params: Sequence[torch.Tensor],
+    group: dist.ProcessGroup | None,
+    bucket_numel: int = _DEFAULT_BUCKET_NUMEL,
+) -> None:
+    """Average the gradients of ``params`` across the data-parallel ``group``.
+
+    Gradients are flattened into buckets of about ``bucket_numel`` elements per dtype (one
+    all-reduce each). A parameter without a gradient contributes zeros, so every replica
+    issues the same collectives. Does nothing when the group has one rank.
+
+    >>> allreduce_data_parallel_gradients(model.parameters(), grid.get_data_parallel_group())  # doctest: +SKIP
+    """
+    world = comm.get_world_size(group) if group is not None else 1
+    if world == 1:
+        return
+    trainable = [p for p in params if p.requires_grad]
+    for p in trainable:
+        if p.grad is None:
+            p.grad = torch.zeros_like(p)
+    by_dtype: dict[torch.dtype, list[torch.Tensor]] = {}
+    for p in trainable:
+        grad = p.grad
+        assert grad is not None
+        by_dtype.setdefault(grad.dtype, []).append(grad)
+    for grads in by_dtype.values():
+        bucket: list[torch.Tensor] = []
+        size = 0
+        for grad in grads:
+            bucket.append(grad)
+            size += grad.numel()
+            if size >= bucket_numel:
+                _reduce_bucket(bucket, group, world)
+                bucket, size = [], 0
+        if bucket:
+            _reduce_bucket(bucket, group, world)
+
+
+def _reduce_bucket(grads: list[torch.Tensor], group: dist.ProcessGroup | None, world: int) -> None:
+    flat = torch.cat([g.reshape(-1) for g in grads])
+    comm.all_reduce(flat, group=group)
+    flat.div_(world)
+    offset = 0
+    for grad in grads:
+        grad.copy_(flat[offset : offset + grad.numel()].view_as(grad))
+        offset += grad.numel()
+
+
+def clip_grad_norm_across_stages(
+    module: PipelineModule,
+    max_norm: float,
+    pipe_group: dist.ProcessGroup | None,
+    params: Sequence[torch.Tensor] | None = None,
+    device: torch.device | None = None,
+) -> torch.Tensor:
+    """The L2 norm of the whole model's gradient; scale every stage's gradients to
+    ``max_norm`` when it is larger (``max_norm <= 0``: only measure).
+
+    Each tied weight counts once (on its lowest stage). The squares are summed across
+    ``pipe_group`` in fp32, so every stage gets the same norm and the same coefficient,
+    ``max_norm / (norm + 1e-6)`` clamped at 1, as ``torch.nn.utils.clip_grad_norm_``.
+    Collective over the pipeline. ``device``: where to sum (default: the gradients'; give it
+    for a stage that may have no gradients under NCCL). Returns the norm before clipping.
+    """
+    params = [
+        p for p in (params if params is not None else module.parameters()) if p.grad is not None
+    ]
+    if device is None:
+        device = params[0].grad.device if params else torch.device("cpu")  # type: ignore[union-attr]
+    squares = torch.zeros((), dtype=torch.float32, device=device)
+    for p in params:
+        if module.tied_weight_owner(p):
+            squares += p.grad.detach().float().pow(2).sum()  # type: ignore[union-attr]
+    if pipe_group is not None and comm.get_world_size(pipe_group) > 1:
+        comm.all_reduce(squares, group=pipe_group)
+    total = squares.sqrt()
+    if max_norm > 0:
+        coefficient = torch.clamp(max_norm / (total + 1e-6), max=1.0)
+        for p in params:
+            p.grad.detach().mul_(coefficient.to(p.grad.dtype))  # type: ignore[union-attr]
+    return total
