@@ -38,49 +38,63 @@ pytestmark = pytest.mark.skipif(
 #   ("no_batch", None): a template with no batch size; loads once one is added.
 #   ("not_implemented", key): NotImplementedFeatureError whose message names `key`.
 #   ("auto", None): AutoValueError (Hugging Face "auto" placeholders).
-STAGE = "zero_optimization.stage"
 EXPECTED: dict[str, tuple[str, str | None]] = {
     "ds_deepspeed_autotuning_config_templates_template_zero0.json": ("no_batch", None),
-    "ds_deepspeed_autotuning_config_templates_template_zero1.json": ("not_implemented", STAGE),
-    "ds_deepspeed_autotuning_config_templates_template_zero2.json": ("not_implemented", STAGE),
-    "ds_deepspeed_autotuning_config_templates_template_zero3.json": ("not_implemented", STAGE),
-    "ds_examples_sdma_allgather_ds_config_zero3.json": ("not_implemented", STAGE),
+    "ds_deepspeed_autotuning_config_templates_template_zero1.json": ("no_batch", None),
+    "ds_deepspeed_autotuning_config_templates_template_zero2.json": ("no_batch", None),
+    "ds_deepspeed_autotuning_config_templates_template_zero3.json": ("no_batch", None),
+    "ds_examples_sdma_allgather_ds_config_zero3.json": ("load", None),
     "ds_tests_accelerator_ds_config.json": ("load", None),
     "ds_tests_hybrid_engine_hybrid_engine_config.json": (
         "not_implemented",
         "zero_optimization.offload_param.device",
     ),
-    "ds_tests_model_BingBertSquad_deepspeed_bsz24_fp16_config.json": ("not_implemented", STAGE),
-    "ds_tests_model_BingBertSquad_deepspeed_bsz24_fp16_zero2_config.json": (
-        "not_implemented",
-        STAGE,
-    ),
+    "ds_tests_model_BingBertSquad_deepspeed_bsz24_fp16_config.json": ("load", None),
+    "ds_tests_model_BingBertSquad_deepspeed_bsz24_fp16_zero2_config.json": ("load", None),
     "ds_tests_model_BingBertSquad_deepspeed_bsz24_fp32_config.json": ("load", None),
-    "ds_tests_model_Megatron_GPT2_ds_config_func_bs4_zero1.json": ("not_implemented", STAGE),
-    "ds_tests_model_Megatron_GPT2_ds_config_func_bs4_zero2.json": ("not_implemented", STAGE),
+    "ds_tests_model_Megatron_GPT2_ds_config_func_bs4_zero1.json": ("load", None),
+    "ds_tests_model_Megatron_GPT2_ds_config_func_bs4_zero2.json": ("load", None),
     "ds_tests_model_Megatron_GPT2_ds_config_func_bs4_zero2_offload.json": (
         "not_implemented",
-        STAGE,
+        "zero_optimization.cpu_offload",
     ),
     "ds_tests_model_Megatron_GPT2_ds_config_func_bs8_no_zero.json": ("load", None),
     "ds_tests_model_Megatron_GPT2_ds_config_func_bs8_zero0_gas3.json": (
         "not_implemented",
         "activation_checkpointing",
     ),
-    "ds_tests_model_Megatron_GPT2_ds_config_func_bs8_zero1.json": ("not_implemented", STAGE),
-    "ds_tests_model_Megatron_GPT2_ds_config_func_bs8_zero2.json": ("not_implemented", STAGE),
-    "ds_tests_model_Megatron_GPT2_ds_config_func_bs8_zero2_gas3.json": ("not_implemented", STAGE),
+    "ds_tests_model_Megatron_GPT2_ds_config_func_bs8_zero1.json": ("load", None),
+    "ds_tests_model_Megatron_GPT2_ds_config_func_bs8_zero2.json": (
+        "not_implemented",
+        "activation_checkpointing",
+    ),
+    "ds_tests_model_Megatron_GPT2_ds_config_func_bs8_zero2_gas3.json": (
+        "not_implemented",
+        "activation_checkpointing",
+    ),
     "ds_tests_model_Megatron_GPT2_ds_config_func_bs8_zero2_offload.json": (
         "not_implemented",
-        STAGE,
+        "zero_optimization.cpu_offload",
     ),
-    "ds_tests_model_Megatron_GPT2_ds_config_func_scheduler.json": ("not_implemented", STAGE),
-    "ds_tests_model_Megatron_GPT2_ds_config_perf_bs16.json": ("not_implemented", STAGE),
-    "ds_tests_model_Megatron_GPT2_ds_config_perf_bs32.json": ("not_implemented", STAGE),
-    "ds_tests_model_Megatron_GPT2_ds_config_perf_bs8.json": ("not_implemented", STAGE),
-    "ds_tests_torch_compile_ds_config_z2.json": ("not_implemented", STAGE),
-    "ds_tests_torch_compile_ds_config_z3.json": ("not_implemented", STAGE),
-    "ds_tests_torch_compile_ds_config_z3_deepcompile_no_persist.json": ("not_implemented", STAGE),
+    "ds_tests_model_Megatron_GPT2_ds_config_func_scheduler.json": ("load", None),
+    "ds_tests_model_Megatron_GPT2_ds_config_perf_bs16.json": (
+        "not_implemented",
+        "disable_allgather",
+    ),
+    "ds_tests_model_Megatron_GPT2_ds_config_perf_bs32.json": (
+        "not_implemented",
+        "disable_allgather",
+    ),
+    "ds_tests_model_Megatron_GPT2_ds_config_perf_bs8.json": (
+        "not_implemented",
+        "disable_allgather",
+    ),
+    "ds_tests_torch_compile_ds_config_z2.json": ("load", None),
+    "ds_tests_torch_compile_ds_config_z3.json": ("load", None),
+    "ds_tests_torch_compile_ds_config_z3_deepcompile_no_persist.json": (
+        "not_implemented",
+        "compile",
+    ),
     "ds_tests_unit_ds_batch_config.json": ("load", None),
     "hf_examples_deepspeed_config_templates_zero_stage1_config.json": ("auto", None),
     "hf_examples_deepspeed_config_templates_zero_stage2_config.json": ("auto", None),

@@ -1,4 +1,4 @@
-"""The `slipstream` command: `run` (launcher) and `report` (environment and ops)."""
+"""The `slipstream` command: `run` (launcher), `report`, `estimate` (memory) and `convert`."""
 
 from __future__ import annotations
 
@@ -43,6 +43,87 @@ def _report(_: argparse.Namespace) -> int:
     return 0
 
 
+def _estimate(args: argparse.Namespace) -> int:
+    from slipstream.runtime.estimate import (
+        estimate_activations,
+        format_estimate,
+        transformer_params,
+    )
+
+    shape = (args.hidden, args.layers)
+    if args.params is None and None in shape:
+        print("slipstream estimate: give --params, or --hidden and --layers", file=sys.stderr)
+        return 2
+    params = (
+        int(float(args.params))
+        if args.params is not None
+        else transformer_params(args.hidden, args.layers, args.vocab)
+    )
+    activations = None
+    if None not in (args.hidden, args.layers, args.seq, args.micro_batch, args.heads):
+        activations = estimate_activations(
+            args.hidden,
+            args.layers,
+            args.seq,
+            args.micro_batch,
+            args.heads,
+            bytes_per_value=4 if args.dtype == "fp32" else 2,
+        )
+    world = args.num_gpus * args.num_nodes
+    print(format_estimate(params, world, 4 if args.dtype == "fp32" else 2, activations))
+    return 0
+
+
+def _convert(args: argparse.Namespace) -> int:
+    from slipstream.runtime.model_export import convert_to_hf_safetensors, parse_size
+
+    written = convert_to_hf_safetensors(
+        args.checkpoint_dir,
+        args.out_dir,
+        tag=args.tag,
+        max_shard_bytes=parse_size(args.max_shard_size),
+        dtype=args.dtype,
+        progress=not args.quiet,
+    )
+    for path in written:
+        print(path)
+    return 0
+
+
+def _add_tool_commands(sub: argparse._SubParsersAction) -> None:
+    estimate = sub.add_parser(
+        "estimate",
+        help="memory per rank for model states at each ZeRO stage, and activations",
+        description="Bytes per rank for parameters, gradients and Adam states at ZeRO stages "
+        "0-3 (as this implementation allocates them), and transformer activation memory.",
+    )
+    estimate.add_argument("--params", help="parameter count (e.g. 1.3e9); default from the shape")
+    estimate.add_argument("--hidden", type=int, help="hidden size")
+    estimate.add_argument("--layers", type=int, help="transformer layers")
+    estimate.add_argument("--heads", type=int, help="attention heads")
+    estimate.add_argument("--seq", type=int, help="sequence length")
+    estimate.add_argument("--micro-batch", type=int, help="micro-batch per rank")
+    estimate.add_argument("--vocab", type=int, default=50304, help="vocabulary (default 50304)")
+    estimate.add_argument("--num-gpus", type=int, default=1, help="ranks per node")
+    estimate.add_argument("--num-nodes", type=int, default=1, help="nodes")
+    estimate.add_argument("--dtype", choices=["bf16", "fp16", "fp32"], default="bf16")
+    estimate.set_defaults(handler=_estimate)
+
+    convert = sub.add_parser(
+        "convert",
+        help="consolidate a (ZeRO) checkpoint into Hugging Face-style safetensors",
+        description="Stream a Slipstream checkpoint of any world size and stage into "
+        "model.safetensors (or model-0000i-of-0000n.safetensors + an index past the size limit).",
+    )
+    convert.add_argument("checkpoint_dir", help="the save_checkpoint directory")
+    convert.add_argument("out_dir", help="where to write the safetensors files")
+    convert.add_argument("--tag", help="checkpoint tag (default: the one in 'latest')")
+    convert.add_argument("--max-shard-size", default="5GB", help="per output file (default 5GB)")
+    convert.add_argument("--dtype", choices=["fp32", "bf16", "fp16"], default="fp32")
+    convert.add_argument("--quiet", action="store_true", help="no progress bar")
+    convert.set_defaults(handler=_convert)
+
+
 def main(argv: list[str] | None = None) -> int:
     """Entry point of the `slipstream` console script."""
     argv = list(sys.argv[1:] if argv is None else argv)
@@ -51,6 +132,11 @@ def main(argv: list[str] | None = None) -> int:
         from slipstream.comm.launcher import main as launcher_main
 
         return launcher_main(argv[1:])
+    if argv and argv[0] == "build-ops":
+        # Prebuild the C++ ops into the extension cache (slipstream.kernels owns the options).
+        from slipstream.kernels.build_ops import main as build_ops_main
+
+        return build_ops_main(argv[1:])
 
     parser = argparse.ArgumentParser(
         prog="slipstream",
@@ -63,10 +149,16 @@ def main(argv: list[str] | None = None) -> int:
         help="launch a training script on one or many nodes (see `slipstream run --help`)",
         add_help=False,
     )
+    sub.add_parser(
+        "build-ops",
+        help="prebuild the C++ ops into the extension cache (see `slipstream build-ops --help`)",
+        add_help=False,
+    )
     report = sub.add_parser(
         "report", help="show torch, accelerators, backends and each op's kernels"
     )
     report.set_defaults(handler=_report)
+    _add_tool_commands(sub)
     args = parser.parse_args(argv)
     if getattr(args, "handler", None) is None:
         parser.print_help()

@@ -1,4 +1,4 @@
-"""The ``zero_optimization`` block: every DeepSpeed ZeRO key, typed; stage 0 implemented."""
+"""The ``zero_optimization`` block: every DeepSpeed ZeRO key, typed; stages 0-3 implemented."""
 
 from __future__ import annotations
 
@@ -67,13 +67,24 @@ class OffloadOptimizerConfig(ConfigBlock):
 STAGE0_EFFECTIVE_KEYS = frozenset({"stage", "reduce_bucket_size"})
 
 
+# ZeRO++ / MiCS switches: (field, inert value, what it asks for).
+_ZERO_PLUS_PLUS: tuple[tuple[str, Any, str], ...] = (
+    ("zero_quantized_weights", False, "ZeRO++ quantized weight all-gather (qwZ)"),
+    ("zero_quantized_nontrainable_weights", False, "ZeRO++ quantized frozen weights"),
+    ("zero_quantized_gradients", False, "ZeRO++ quantized gradient reduction (qgZ)"),
+    ("zero_hpz_partition_size", 1, "ZeRO++ hierarchical partitioning (hpZ)"),
+    ("mics_shard_size", -1, "MiCS sharding within sub-groups"),
+)
+
+
 @dataclasses.dataclass(kw_only=True)
 class ZeroConfig(ConfigBlock):
     """ZeRO settings (``"zero_optimization": {...}``), with DeepSpeed's keys and defaults.
 
-    Only ``stage`` 0 (plain data parallelism) runs in this release; stages 1-3, offload and
-    ZeRO++/MiCS/ZenFlow options come with the slipstream-zero package. Every key is typed and
-    checked now so a config keeps working unchanged when they arrive. The ``stage3_*`` keys
+    Stages 0 (plain data parallelism) to 3 run (stages 1-3 through the slipstream-zero
+    package; docs/zero.md says which key does what). Offload, ZeRO++ (quantized weights and
+    gradients, hpZ), MiCS and ZenFlow are recognised and rejected with a clear error; every
+    key is typed and checked so a config keeps working unchanged when they arrive. The ``stage3_*`` keys
     also accept DeepSpeed's Python names without the prefix (``prefetch_bucket_size``).
     ``overlap_comm`` left unset means DeepSpeed's default: on at stage 3, off otherwise.
     """
@@ -170,15 +181,17 @@ class ZeroConfig(ConfigBlock):
         return inert
 
     def validate(self, path: str) -> None:
-        """Raise NotImplementedFeatureError for ZeRO stages 1-3, offload and ZenFlow."""
-        if self.stage != 0:
-            not_implemented(
-                key_path(path, "stage"),
-                self.stage,
-                "ZeRO stages 1-3 (optimizer-state, gradient and parameter sharding)",
-                _ZERO,
-                'Set "stage": 0 (plain data parallelism) or remove zero_optimization for now.',
-            )
+        """Raise NotImplementedFeatureError for offload, ZeRO++, MiCS and ZenFlow."""
+        for name, inert, feature in _ZERO_PLUS_PLUS:
+            value = getattr(self, name)
+            if value != inert and value is not None:
+                not_implemented(
+                    key_path(path, name),
+                    value,
+                    feature,
+                    "a later release of " + _ZERO,
+                    f"Remove it or set it to {inert!r}.",
+                )
         if self.zenflow is not None:
             not_implemented(
                 key_path(path, "zenflow"), self.zenflow, "ZenFlow", _ZERO, "Remove the block."
@@ -193,7 +206,7 @@ class ZeroConfig(ConfigBlock):
                     block.device,
                     f"{name.replace('_', ' ')} (ZeRO-Offload / ZeRO-Infinity)",
                     f"{_ZERO} (with slipstream-offload-io for NVMe)",
-                    'ZeRO stage 0 cannot offload: set "device": "none" or remove the block.',
+                    'Set "device": "none" or remove the block.',
                 )
         for name in ("cpu_offload", "cpu_offload_param"):
             if getattr(self, name):

@@ -224,6 +224,10 @@ def save(
     save_latest: bool,
 ) -> Path:
     """Save ``engine`` under ``save_dir/tag`` (collective: every rank must call it)."""
+    if engine.zero is not None:
+        from slipstream.runtime import zero_checkpoint
+
+        return zero_checkpoint.save(engine, save_dir, tag, client_state, save_latest)
     tag = _check_tag(str(tag) if tag is not None else f"global_step{engine.global_steps}")
     save_dir = Path(save_dir)
     rank, world = comm.get_rank(), comm.get_world_size()
@@ -454,8 +458,27 @@ def load(
     load_module_only: bool,
 ) -> tuple[Path, dict[str, Any]]:
     """Restore ``engine`` from a checkpoint; returns ``(path, client_state)``."""
+    if engine.zero is not None:
+        from slipstream.runtime import zero_checkpoint
+
+        return zero_checkpoint.load(
+            engine,
+            load_dir,
+            tag,
+            load_module_strict=load_module_strict,
+            load_optimizer_states=load_optimizer_states,
+            load_lr_scheduler_states=load_lr_scheduler_states,
+            load_module_only=load_module_only,
+        )
     path = _resolve(load_dir, tag)
     manifest = read_manifest(path)
+    if manifest.get("zero_stage", 0) > 0:
+        raise CheckpointError(
+            f"{str(path)!r} is a ZeRO stage-{manifest['zero_stage']} checkpoint (sharded over "
+            f"{manifest.get('dp_world_size')} ranks); load it with zero_optimization.stage >= 1 "
+            "(any world size), or consolidate it first with "
+            "slipstream.runtime.zero_checkpoint.get_fp32_state_dict_from_zero_checkpoint"
+        )
     device = engine.device
 
     model_state = load_file(str(path / "model.safetensors"), device=str(device))
@@ -480,6 +503,19 @@ def load(
         assert optimizer_tensors is not None
         _restore_optimizer(engine, manifest["optimizer"], optimizer_tensors, path)
 
+    return path, restore_engine_state(
+        engine, path, manifest, load_lr_scheduler_states, load_module_only
+    )
+
+
+def restore_engine_state(
+    engine: SlipstreamEngine,
+    path: Path,
+    manifest: dict[str, Any],
+    load_lr_scheduler_states: bool,
+    load_module_only: bool,
+) -> dict[str, Any]:
+    """Restore schedule, counters, loss scale, RNG and client state; return the client state."""
     if (
         load_lr_scheduler_states
         and engine.lr_scheduler is not None
@@ -510,7 +546,7 @@ def load(
             client_state = _load_object(path, manifest["client_state_file"])
     if comm.get_rank() == 0:
         logger.info("loaded checkpoint %s (step %d)", path, manifest["engine"]["global_steps"])
-    return path, client_state
+    return client_state
 
 
 def _restore_masters(

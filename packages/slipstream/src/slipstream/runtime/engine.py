@@ -17,12 +17,15 @@ from slipstream.config import SlipstreamConfig
 from slipstream.kernels import get_accelerator
 from slipstream.kernels.loss_scaler import LossScaler, grads_have_inf_or_nan
 from slipstream.runtime import checkpoint as checkpointing
+from slipstream.runtime import zero_setup
 from slipstream.runtime.data_parallel import GradientReducer, ReduceSettings, register_ready_hooks
 from slipstream.runtime.lr_schedules import resolve_scheduler
 from slipstream.runtime.optimizers import resolve_optimizer
 from slipstream.runtime.precision import MasterWeights
 from slipstream.runtime.throughput import ProgressReport, ThroughputMeter, count_tokens, peak_tflops
 from slipstream.runtime.timers import WallClockTimers
+from slipstream.runtime.zero_setup import ZeroGradientPath
+from slipstream.zero import DataParallelGroup
 
 logger = logging.getLogger(__name__)
 
@@ -43,8 +46,10 @@ class SlipstreamEngine(torch.nn.Module):
 
     The engine composes, in order: placement and precision of the module (cast to fp16/bf16
     with fp32 master weights), the optimizer and LR schedule (by name from the config or the
-    client's), a bucketed gradient all-reduce across the data-parallel group (stage 0), and the
-    loss scaler for fp16.
+    client's), a bucketed gradient all-reduce across the data-parallel group (stage 0) or
+    slipstream.zero's sharding (``zero_optimization.stage`` 1-3: the optimizer on fp32 master
+    shards, gradients reduce-scattered; at stage 3 the parameters sharded first), and the loss
+    scaler for fp16.
     """
 
     def __init__(
@@ -76,13 +81,34 @@ class SlipstreamEngine(torch.nn.Module):
             else None
         )
         self.module = model
-        self._device = self._place_module(model)
-        self._broadcast_module_from_rank0()
+        self.zero_stage = config.zero_optimization.stage
+        self.zero: ZeroGradientPath | None = None
+        self._stage3: Any = None
+        if self.zero_stage == 3:
+            # Stage 3 places and casts each parameter as it shards it (the whole module never
+            # sits on the device at once), broadcasting rank 0's values first.
+            self._device = self.accelerator.device()
+            self._stage3 = zero_setup.shard_module_for_stage3(
+                model,
+                zero_setup.zero_settings(config),
+                self._zero_group(),
+                self._device,
+                self.compute_dtype,
+            )
+        else:
+            _refuse_partitioned(model, self.zero_stage)
+            self._device = self._place_module(model)
+            self._broadcast_module_from_rank0()
 
         named = [(n, p) for n, p in model.named_parameters() if p.requires_grad]
+        _refuse_expert_parallel(named, self.dp_world_size)
         self._param_names = [n for n, _ in named]
         self._params = [p for _, p in named]
-        self.masters = MasterWeights(self._params) if self.compute_dtype is not None else None
+        self.masters = (
+            MasterWeights(self._params)
+            if self.compute_dtype is not None and self.zero_stage == 0
+            else None
+        )
 
         # 2. Optimizer and schedule.
         if model_parameters is None:
@@ -90,6 +116,22 @@ class SlipstreamEngine(torch.nn.Module):
         self.optimizer = resolve_optimizer(optimizer, config.optimizer, model_parameters)
         if self.masters is not None and self.optimizer is not None:
             self.masters.swap_into(self.optimizer)
+        if self.zero_stage > 0:
+            # ZeRO: the optimizer is re-homed onto this rank's fp32 master shards; gradients
+            # are reduce-scattered into them (slipstream.zero), replacing step 4's all-reduce.
+            if self.optimizer is None:
+                raise ValueError(
+                    f"zero_optimization.stage = {self.zero_stage} shards the optimizer's state, "
+                    "but there is no optimizer: pass initialize(optimizer=...) or add an "
+                    "'optimizer' block to the config"
+                )
+            self.zero = zero_setup.attach_optimizer(
+                zero_setup.zero_settings(config),
+                self._zero_group(),
+                self._params,
+                self.optimizer,
+                self._stage3,
+            )
         self.lr_scheduler = resolve_scheduler(lr_scheduler, config.scheduler, self.optimizer)
 
         # 3. fp16 loss scaling.
@@ -100,11 +142,15 @@ class SlipstreamEngine(torch.nn.Module):
             list(self.masters.masters) if self.masters is not None else list(self._params)
         )
         self.reducer: GradientReducer | None = None
-        if self.dp_world_size > 1:
-            self.reducer = GradientReducer(
-                self._grad_sources, self._reduce_settings(), group=self.dp_group
-            )
-        self._hooks = register_ready_hooks(self._params, self._on_grad_ready)
+        self._hooks: list[Any] = []
+        if self.zero is not None:
+            self._grad_sources = list(self.zero.masters.masters)
+        else:
+            if self.dp_world_size > 1:
+                self.reducer = GradientReducer(
+                    self._grad_sources, self._reduce_settings(), group=self.dp_group
+                )
+            self._hooks = register_ready_hooks(self._params, self._on_grad_ready)
 
         # Loop state, named as in DeepSpeed.
         self.global_steps = 0
@@ -163,6 +209,9 @@ class SlipstreamEngine(torch.nn.Module):
             for tensor in [*self.module.parameters(), *self.module.buffers()]:
                 comm.broadcast(tensor.data, src=src, group=self.dp_group)
 
+    def _zero_group(self) -> DataParallelGroup:
+        return DataParallelGroup.of(self.dp_group)
+
     def _reduce_settings(self) -> ReduceSettings:
         config = self.config
         explicit = (config.raw.get("zero_optimization") or {}).get("reduce_bucket_size")
@@ -175,6 +224,10 @@ class SlipstreamEngine(torch.nn.Module):
         )
 
     def _precision_name(self) -> str:
+        name = self._dtype_name()
+        return name if self.zero_stage == 0 else f"{name}, ZeRO stage {self.zero_stage}"
+
+    def _dtype_name(self) -> str:
         if self.config.fp16.enabled:
             kind = (
                 "dynamic" if self.loss_scaler is not None and self.loss_scaler.dynamic else "static"
@@ -267,6 +320,10 @@ class SlipstreamEngine(torch.nn.Module):
             )
         self._record_loss(loss)
         scaled = loss / self._gas if scale_wrt_gas else loss
+        to_backprop = scaled * self.loss_scaler.loss_scale if self.loss_scaler else scaled
+        if self.zero is not None:
+            self._zero_backward(to_backprop, retain_graph)
+            return scaled.detach()
         reduce_now = (
             self.reducer is not None
             and self.is_gradient_accumulation_boundary()
@@ -276,12 +333,26 @@ class SlipstreamEngine(torch.nn.Module):
             assert self.reducer is not None
             self.reducer.start()
         with self.timers.region("backward"):
-            to_backprop = scaled * self.loss_scaler.loss_scale if self.loss_scaler else scaled
             to_backprop.backward(retain_graph=retain_graph)
             if reduce_now:
                 assert self.reducer is not None
                 self.reducer.finish()
         return scaled.detach()
+
+    def _zero_backward(self, to_backprop: torch.Tensor, retain_graph: bool) -> None:
+        assert self.zero is not None
+        if self._inside_no_sync and self.zero_stage >= 2:
+            raise RuntimeError(
+                f"engine.no_sync() cannot be used at ZeRO stage {self.zero_stage}: gradients are "
+                "reduce-scattered into their owners' shards on every backward (only the owner "
+                "keeps them), so there is no local gradient to accumulate. Use stage 0 or 1, "
+                "or accumulate with gradient_accumulation_steps."
+            )
+        boundary = self.is_gradient_accumulation_boundary() and not self._inside_no_sync
+        self.zero.prepare_backward(boundary)
+        with self.timers.region("backward"):
+            to_backprop.backward(retain_graph=retain_graph)
+            self.zero.finish_backward(boundary)
 
     def _on_grad_ready(self, index: int, param: torch.nn.Parameter) -> None:
         if self.masters is not None:
@@ -318,6 +389,9 @@ class SlipstreamEngine(torch.nn.Module):
 
     def _take_optimizer_step(self, lr_kwargs: dict[str, Any] | None) -> None:
         assert self.optimizer is not None  # checked by step()
+        if self.zero is not None:
+            self._take_zero_step(lr_kwargs)
+            return
         grads = [s.grad for s in self._grad_sources if s.grad is not None]
         overflow = False
         if self.loss_scaler is not None:
@@ -348,8 +422,38 @@ class SlipstreamEngine(torch.nn.Module):
                 self.lr_scheduler.step(**(lr_kwargs or {}))
         self.zero_grad()
 
+    def _take_zero_step(self, lr_kwargs: dict[str, Any] | None) -> None:
+        assert self.zero is not None
+        scaler = self.loss_scaler
+        outcome = self.zero.optimizer.step(
+            loss_scale=scaler.loss_scale if scaler is not None else None,
+            max_grad_norm=self.config.gradient_clipping,
+        )
+        if outcome.overflow:
+            assert scaler is not None
+            old_scale = scaler.loss_scale
+            scaler.update(True)
+            self.skipped_steps += 1
+            if self.global_rank == 0:
+                logger.info(
+                    "fp16 overflow at step %d (on some rank): skipping the update; loss scale "
+                    "%g -> %g",
+                    self.global_steps + 1,
+                    old_scale,
+                    scaler.loss_scale,
+                )
+        else:
+            self._last_grad_norm = outcome.grad_norm
+            if scaler is not None:
+                scaler.update(False)
+            if self.lr_scheduler is not None:
+                self.lr_scheduler.step(**(lr_kwargs or {}))
+        self.zero_grad()
+
     def zero_grad(self, set_to_none: bool = True) -> None:
         """Drop all gradients (model and master); they are always set to None."""
+        if self.zero is not None:
+            self.zero.zero_grad()
         for param in self._params:
             param.grad = None
         for source in self._grad_sources:
@@ -417,11 +521,59 @@ class SlipstreamEngine(torch.nn.Module):
             load_module_only=load_module_only,
         )
 
+    def save_16bit_model(
+        self, save_dir: str | Path, save_filename: str = "model.safetensors"
+    ) -> bool:
+        """Save the module's weights in its dtype as one safetensors file (rank 0 writes).
+
+        At ZeRO stage 3 every rank must call it, and it needs
+        ``zero_optimization.stage3_gather_16bit_weights_on_model_save`` (else it warns and
+        returns False, as DeepSpeed does).
+        """
+        from slipstream.runtime.model_export import save_16bit_model
+
+        return save_16bit_model(self, save_dir, save_filename)
+
     # Internal views used by the checkpoint module.
     @property
     def named_trainable_parameters(self) -> list[tuple[str, torch.nn.Parameter]]:
         """(name, parameter) for every trainable parameter, in optimizer order."""
         return list(zip(self._param_names, self._params))
+
+
+def _refuse_partitioned(model: torch.nn.Module, stage: int) -> None:
+    from slipstream.zero import sharded_state_of
+
+    for name, param in model.named_parameters():
+        if sharded_state_of(param) is not None:
+            raise ValueError(
+                f"parameter {name!r} was partitioned by slipstream.zero.Init, which only ZeRO "
+                f"stage 3 can train; this config has zero_optimization.stage = {stage}. Set "
+                '"stage": 3, or build the model outside zero.Init.'
+            )
+
+
+def _refuse_expert_parallel(
+    named: list[tuple[str, torch.nn.Parameter]], dp_world_size: int
+) -> None:
+    """Expert-parallel MoE parameters (``allreduce = False`` with experts split over ranks) need
+    their gradients reduced over their expert-data-parallel group and a norm summed over the
+    expert-parallel group; the engine's all-reduce over every rank would average different
+    experts together. Until the engine composes slipstream.moe's reduction, refuse clearly."""
+    for name, param in named:
+        group_name = getattr(param, "group_name", None)
+        if getattr(param, "allreduce", True) or group_name is None or dp_world_size == 1:
+            continue
+        from slipstream.moe import get_expert_data_parallel_group
+
+        expert_dp = get_expert_data_parallel_group(group_name)
+        if comm.get_world_size(expert_dp) != dp_world_size:
+            raise NotImplementedError(
+                f"parameter {name!r} belongs to an expert-parallel MoE layer ({group_name}); the "
+                "engine does not reduce expert-parallel gradients over their own groups yet. "
+                "Use ep_size=1 with the engine, or train with your own loop and "
+                "slipstream.moe.allreduce_gradients / slipstream.moe.clip_grad_norm_."
+            )
 
 
 def _resolved_batch_triple(config: SlipstreamConfig) -> tuple[int, int, int]:

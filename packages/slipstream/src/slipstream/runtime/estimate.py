@@ -1,0 +1,148 @@
+"""Memory estimates per rank: model states at each ZeRO stage, and transformer activations.
+
+The model-state figures follow what this implementation allocates (not ZeRO paper's ideal):
+with fp16/bf16, every stage keeps fp32 master weights and accumulates gradients in fp32.
+
+==========  =================  ============================  ==========================
+stage       parameters         gradients                     optimizer (masters+states)
+==========  =================  ============================  ==========================
+0           d·Ψ                4·Ψ (fp32)                    (m + k)·Ψ
+1           d·Ψ                4·Ψ accumulators + 4·Ψ/N      (4 + k)·Ψ/N
+2           d·Ψ                4·Ψ/N                         (4 + k)·Ψ/N
+3           d·Ψ/N              4·Ψ/N                         (m + k)·Ψ/N
+==========  =================  ============================  ==========================
+
+Ψ parameters, N data-parallel ranks, d bytes per model parameter (2 for fp16/bf16, 4 for
+fp32), m the master copy (4 with fp16/bf16, 0 in fp32 where the parameters themselves are
+updated), k optimizer-state bytes per parameter (8 for Adam's two fp32 moments). In fp32 at
+stages 1 and 2 the master shard is a separate fp32 copy (4·Ψ/N); at stage 3 it is the shard.
+Stage 1 keeps fp32 full-size gradient accumulators only with fp16/bf16 (in fp32 the
+parameters' own ``.grad`` is that buffer, 4·Ψ).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+__all__ = [
+    "ActivationEstimate",
+    "ModelStateEstimate",
+    "estimate_activations",
+    "estimate_model_states",
+]
+
+
+@dataclass(frozen=True, slots=True)
+class ModelStateEstimate:
+    """Bytes per rank for one ZeRO stage."""
+
+    stage: int
+    params: float
+    grads: float
+    optimizer: float
+
+    @property
+    def total(self) -> float:
+        """Parameters + gradients + optimizer states."""
+        return self.params + self.grads + self.optimizer
+
+
+def estimate_model_states(
+    num_params: int,
+    world_size: int,
+    param_bytes: int = 2,
+    optimizer_state_bytes: int = 8,
+) -> list[ModelStateEstimate]:
+    """Bytes per rank for parameters, gradients and optimizer states at stages 0-3.
+
+    ``param_bytes`` is 2 for fp16/bf16 training (fp32 masters implied) and 4 for fp32;
+    ``optimizer_state_bytes`` is per parameter (Adam/AdamW: 8, SGD with momentum: 4).
+    """
+    if num_params <= 0 or world_size <= 0:
+        raise ValueError(
+            f"num_params={num_params} and world_size={world_size} must both be positive"
+        )
+    if param_bytes not in (2, 4):
+        raise ValueError(f"param_bytes={param_bytes}: use 2 (fp16/bf16) or 4 (fp32)")
+    p, n = float(num_params), float(world_size)
+    mixed = param_bytes == 2
+    master = 4.0 if mixed else 0.0
+    k = float(optimizer_state_bytes)
+    return [
+        ModelStateEstimate(0, param_bytes * p, 4 * p, (master + k) * p),
+        ModelStateEstimate(1, param_bytes * p, 4 * p + 4 * p / n, (4 + k) * p / n),
+        ModelStateEstimate(2, param_bytes * p, 4 * p / n, (4 + k) * p / n),
+        ModelStateEstimate(3, param_bytes * p / n, 4 * p / n, (master + k) * p / n),
+    ]
+
+
+@dataclass(frozen=True, slots=True)
+class ActivationEstimate:
+    """Activation bytes per rank for one micro-batch of a GPT-style transformer."""
+
+    per_layer: float
+    total: float
+    checkpointed_total: float
+
+
+def estimate_activations(
+    hidden: int,
+    layers: int,
+    seq: int,
+    micro_batch: int,
+    heads: int,
+    bytes_per_value: int = 2,
+) -> ActivationEstimate:
+    """Activation memory of a transformer (Korthikanti et al., 2022, no tensor parallelism).
+
+    Per layer ``s·b·h·(34 + 5·a·s/h)`` bytes in 16-bit (attention scores included, no flash
+    attention); ``bytes_per_value=4`` doubles the 16-bit terms. With full activation
+    checkpointing only each layer's input (``2·s·b·h``) is kept, plus one layer's worth
+    recomputed in backward.
+    """
+    for name, value in (
+        ("hidden", hidden),
+        ("layers", layers),
+        ("seq", seq),
+        ("micro_batch", micro_batch),
+        ("heads", heads),
+    ):
+        if value <= 0:
+            raise ValueError(f"{name}={value} must be positive")
+    s, b, h, a = float(seq), float(micro_batch), float(hidden), float(heads)
+    scale = bytes_per_value / 2.0
+    per_layer = s * b * h * (34 + 5 * a * s / h) * scale
+    checkpointed = layers * 2 * s * b * h * scale + per_layer
+    return ActivationEstimate(per_layer, per_layer * layers, checkpointed)
+
+
+def transformer_params(hidden: int, layers: int, vocab: int) -> int:
+    """Parameters of a GPT-style model: 12·L·h² (blocks) + V·h (tied embedding)."""
+    return 12 * layers * hidden * hidden + vocab * hidden
+
+
+def format_estimate(
+    num_params: int,
+    world_size: int,
+    param_bytes: int,
+    activations: ActivationEstimate | None = None,
+) -> str:
+    """The table printed by ``slipstream estimate``."""
+    gib = 1024.0**3
+    lines = [
+        f"{num_params / 1e9:.3f} B parameters, {world_size} data-parallel rank(s), "
+        f"{'fp16/bf16 with fp32 masters' if param_bytes == 2 else 'fp32'}, Adam",
+        f"{'stage':>5} {'params GiB':>11} {'grads GiB':>10} {'optim GiB':>10} {'total GiB':>10}",
+    ]
+    for row in estimate_model_states(num_params, world_size, param_bytes):
+        lines.append(
+            f"{row.stage:>5} {row.params / gib:>11.2f} {row.grads / gib:>10.2f} "
+            f"{row.optimizer / gib:>10.2f} {row.total / gib:>10.2f}"
+        )
+    if activations is not None:
+        lines.append(
+            f"activations per rank: {activations.total / gib:.2f} GiB "
+            f"({activations.per_layer / gib:.3f} GiB per layer); with full activation "
+            f"checkpointing {activations.checkpointed_total / gib:.2f} GiB"
+        )
+    return "\n".join(lines)

@@ -1,0 +1,173 @@
+"""ZeRO checkpoints: per-rank shards, resharding to other world sizes and stages, consolidation."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import torch
+from safetensors.torch import load_file
+
+from slipstream.comm.testing import run_distributed
+
+GLOBAL_BATCH = 8
+
+
+def _engine(stage: int, seed: int):
+    import slipstream
+    from slipstream.zero.testing import TinyTransformer
+
+    torch.manual_seed(seed)
+    model = TinyTransformer()
+    config = {
+        "train_batch_size": GLOBAL_BATCH,
+        "gradient_clipping": 1.0,
+        "steps_per_print": 1000,
+        "optimizer": {"type": "AdamW", "params": {"lr": 0.01, "weight_decay": 0.01}},
+        "scheduler": {"type": "WarmupLR", "params": {"warmup_num_steps": 5, "warmup_max_lr": 0.01}},
+        "zero_optimization": {
+            "stage": stage,
+            "reduce_bucket_size": 2000,
+            "stage3_param_persistence_threshold": 0,
+            "stage3_gather_16bit_weights_on_model_save": True,
+        },
+    }
+    engine, *_ = slipstream.initialize(model=model, config=config)
+    return engine
+
+
+def _train(engine, first: int, last: int) -> list[float]:
+    """Steps ``first..last-1`` on a fixed global batch; returns the global mean losses."""
+    from slipstream import comm
+    from slipstream.zero.testing import batch_for
+
+    world, rank = comm.get_world_size(), comm.get_rank()
+    micro = GLOBAL_BATCH // world
+    losses = []
+    for step in range(first, last):
+        ids, labels = batch_for(step, 0, GLOBAL_BATCH)
+        mine = slice(rank * micro, (rank + 1) * micro)
+        loss = engine(ids[mine], labels[mine])
+        engine.backward(loss)
+        engine.step()
+        total = loss.detach().clone()
+        torch.distributed.all_reduce(total)
+        losses.append(float(total) / world)
+    return losses
+
+
+def _first_run(root: str) -> list[float]:
+    engine = _engine(stage=3, seed=0)
+    _train(engine, 0, 3)
+    engine.save_checkpoint(root, tag="a", client_state={"at": 3})
+    return _train(engine, 3, 6)
+
+
+def _second_run(root: str) -> dict:
+    engine = _engine(stage=2, seed=123)
+    _, client = engine.load_checkpoint(root, tag="a")
+    resumed = _train(engine, 3, 6)
+    engine.save_checkpoint(root, tag="b")
+    return {
+        "client": client,
+        "resumed": resumed,
+        "next": _train(engine, 6, 9),
+        "steps": engine.global_steps,
+    }
+
+
+def _third_run(root: str) -> list[float]:
+    engine = _engine(stage=3, seed=7)
+    engine.load_checkpoint(root)  # `latest` is b
+    losses = _train(engine, 6, 9)
+    assert engine.save_16bit_model(f"{root}/export")
+    engine.save_checkpoint(root, tag="c")
+    return losses
+
+
+def test_reshard_4_to_2_stage3_to_2_and_back(tmp_path: Path) -> None:
+    root = str(tmp_path)
+    uninterrupted = run_distributed(_first_run, 4, root, timeout=300)[0]
+    files = sorted(p.name for p in (tmp_path / "a").iterdir())
+    assert [f"model.rank{r}.safetensors" for r in range(4)] == [
+        f for f in files if f.startswith("model.")
+    ]
+    second = run_distributed(_second_run, 2, root, timeout=300)[0]
+    assert second["client"] == {"at": 3}
+    for ours, ref in zip(second["resumed"], uninterrupted, strict=True):
+        assert abs(ours - ref) <= 1e-5 * max(1.0, abs(ref)), (second["resumed"], uninterrupted)
+    third = run_distributed(_third_run, 4, root, timeout=300)[0]
+    for ours, ref in zip(third, second["next"], strict=True):
+        assert abs(ours - ref) <= 1e-5 * max(1.0, abs(ref)), (third, second["next"])
+
+    # Consolidation needs no process group: the fp32 weights load into a plain module.
+    from slipstream.runtime.zero_checkpoint import get_fp32_state_dict_from_zero_checkpoint
+    from slipstream.zero.testing import TinyTransformer
+
+    state = get_fp32_state_dict_from_zero_checkpoint(root, tag="c")
+    model = TinyTransformer()
+    model.load_state_dict(state)
+    assert model.head.weight is model.embed.weight
+    # save_16bit_model (fp32 run: the module's dtype is fp32) wrote the same weights.
+    exported = load_file(str(tmp_path / "export" / "model.safetensors"))
+    for name, tensor in exported.items():
+        assert torch.equal(tensor, state[name]), name
+
+    # `slipstream convert`: a small size limit forces several files and an index.
+    from slipstream.cli import main
+
+    assert (
+        main(
+            [
+                "convert",
+                root,
+                str(tmp_path / "hf"),
+                "--tag",
+                "c",
+                "--max-shard-size",
+                "8KB",
+                "--quiet",
+            ]
+        )
+        == 0
+    )
+    index = json.loads((tmp_path / "hf" / "model.safetensors.index.json").read_text())
+    files = sorted(set(index["weight_map"].values()))
+    assert len(files) > 1
+    converted: dict[str, torch.Tensor] = {}
+    for file in files:
+        converted.update(load_file(str(tmp_path / "hf" / file)))
+    assert set(converted) == set(index["weight_map"])
+    for name, tensor in converted.items():
+        assert torch.equal(tensor, state[name]), name
+    assert "head.weight" not in converted and index["metadata"]["tied"] == {
+        "head.weight": "embed.weight"
+    }
+
+
+def _stage0_to_zero(root: str) -> dict:
+    """A stage-0 checkpoint (replicated files) loads into a ZeRO engine; the reverse refuses."""
+    from slipstream.runtime.checkpoint import CheckpointError
+
+    plain = _engine(stage=0, seed=0)
+    _train(plain, 0, 2)
+    plain.save_checkpoint(root, tag="plain")
+    uninterrupted = _train(plain, 2, 4)
+    sharded = _engine(stage=3, seed=5)
+    sharded.load_checkpoint(root, tag="plain")
+    resumed = _train(sharded, 2, 4)
+    sharded.save_checkpoint(root, tag="zero")
+    try:
+        _engine(stage=0, seed=0).load_checkpoint(root, tag="zero")
+        refused = ""
+    except CheckpointError as error:
+        refused = str(error)
+    return {"uninterrupted": uninterrupted, "resumed": resumed, "refused": refused}
+
+
+def test_stage0_checkpoint_loads_into_zero(tmp_path: Path) -> None:
+    (result,) = run_distributed(_stage0_to_zero, 1, str(tmp_path), timeout=300)
+    for ours, ref in zip(result["resumed"], result["uninterrupted"], strict=True):
+        assert abs(ours - ref) <= 1e-5 * max(1.0, abs(ref))
+    assert "ZeRO stage-3 checkpoint" in result["refused"]
+    assert "get_fp32_state_dict_from_zero_checkpoint" in result["refused"]

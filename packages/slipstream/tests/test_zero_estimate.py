@@ -1,0 +1,74 @@
+"""`slipstream estimate`: the model-state formulas against bytes measured from real tensors."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from slipstream.cli import main
+from slipstream.runtime.estimate import estimate_activations, estimate_model_states
+
+
+def test_stage0_fp32_estimate_matches_measured_tensors() -> None:
+    model = torch.nn.Sequential(torch.nn.Linear(64, 128), torch.nn.Linear(128, 16))
+    optimizer = torch.optim.AdamW(model.parameters())
+    model(torch.randn(3, 64)).sum().backward()
+    optimizer.step()
+    params = list(model.parameters())
+    measured_params = sum(p.untyped_storage().nbytes() for p in params)
+    measured_grads = sum(p.grad.untyped_storage().nbytes() for p in params)
+    measured_states = sum(
+        v.untyped_storage().nbytes()
+        for state in optimizer.state.values()
+        for v in state.values()
+        if v.dim() > 0
+    )
+    row = estimate_model_states(sum(p.numel() for p in params), 1, param_bytes=4)[0]
+    assert (row.params, row.grads, row.optimizer) == (
+        measured_params,
+        measured_grads,
+        measured_states,
+    )
+
+
+@pytest.mark.parametrize("param_bytes", [2, 4])
+def test_each_stage_needs_less_per_rank(param_bytes: int) -> None:
+    rows = estimate_model_states(1_000_000, 8, param_bytes=param_bytes)
+    assert [r.stage for r in rows] == [0, 1, 2, 3]
+    assert rows[0].total > rows[1].total > rows[2].total > rows[3].total
+    assert rows[3].params == rows[0].params / 8
+
+
+def test_activation_checkpointing_keeps_only_layer_inputs() -> None:
+    full = estimate_activations(hidden=1024, layers=24, seq=1024, micro_batch=2, heads=16)
+    assert full.total == 24 * full.per_layer
+    assert full.checkpointed_total < full.total / 5
+    with pytest.raises(ValueError, match="heads=0"):
+        estimate_activations(hidden=1024, layers=24, seq=1024, micro_batch=2, heads=0)
+
+
+def test_estimate_cli(capsys: pytest.CaptureFixture[str]) -> None:
+    assert (
+        main(
+            [
+                "estimate",
+                "--hidden",
+                "2048",
+                "--layers",
+                "24",
+                "--heads",
+                "16",
+                "--seq",
+                "2048",
+                "--micro-batch",
+                "4",
+                "--num-gpus",
+                "2",
+            ]
+        )
+        == 0
+    )
+    out = capsys.readouterr().out
+    assert "1.311 B parameters, 2 data-parallel rank(s)" in out
+    assert out.count("\n") >= 6 and "activations per rank" in out
+    assert main(["estimate"]) == 2

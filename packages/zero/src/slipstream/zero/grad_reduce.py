@@ -1,0 +1,189 @@
+"""Bucketed reduce-scatter of full gradients into the fp32 gradients of the master shards."""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field
+
+import torch
+import torch.distributed as dist
+
+from slipstream.zero.group import DataParallelGroup
+from slipstream.zero.layout import ShardSpec
+from slipstream.zero.masters import ShardedMasterWeights
+
+__all__ = ["GradientReduceScatter", "plan_buckets"]
+
+
+def plan_buckets(specs: Sequence[ShardSpec], bucket_numel: int) -> list[list[int]]:
+    """Group parameter indices into buckets of at most ``bucket_numel`` (padded) elements.
+
+    Filled in reverse parameter order, roughly the order in which backward produces the
+    gradients; a parameter larger than the bucket gets a bucket of its own.
+    """
+    buckets: list[list[int]] = []
+    current: list[int] = []
+    size = 0
+    for index in reversed(range(len(specs))):
+        numel = specs[index].padded_numel
+        if current and size + numel > bucket_numel:
+            buckets.append(current)
+            current, size = [], 0
+        current.append(index)
+        size += numel
+    if current:
+        buckets.append(current)
+    return buckets
+
+
+@dataclass(slots=True)
+class _Bucket:
+    """Parameters whose gradients travel in one reduce-scatter."""
+
+    indices: list[int]
+    offsets: list[int]  # offset of each parameter's shard inside the bucket's shard
+    shard_numel: int
+    pending: int = 0
+    buffer: torch.Tensor | None = None  # [world, shard_numel]: rank r's pieces in row r
+    output: torch.Tensor | None = None
+    work: dist.Work | None = None
+    filled: set[int] = field(default_factory=set)
+
+
+class GradientReduceScatter:
+    """Reduce-scatters gradients bucket by bucket into ``masters[i].grad`` (accumulating).
+
+    A gradient is copied into its bucket's send buffer as soon as it is ready
+    (:meth:`mark_ready`), and its full-size ``.grad`` is released through ``release(i)``;
+    the buffer is laid out rank-major (``[world, bucket_shard]``: each parameter's rank-``r``
+    piece in row ``r``) so that one ``reduce_scatter_tensor`` hands every rank exactly the
+    pieces it owns. Buckets launch strictly in order (every rank issues the same collectives
+    in the same sequence whatever order the hooks fire in): with ``overlap`` as soon as a
+    bucket and all before it are complete, otherwise all in :meth:`finish`. ``finish`` also
+    reduces zeros for parameters that received no gradient (unused in this backward), so
+    every rank's collectives match, then waits and adds the results into the masters.
+
+    Averaging follows DeepSpeed: divide by ``gradient_predivide_factor`` before and by
+    ``world / factor`` after (or by ``world`` before with ``prescale``).
+    """
+
+    def __init__(
+        self,
+        masters: ShardedMasterWeights,
+        group: DataParallelGroup,
+        bucket_numel: int,
+        *,
+        grad_of: Callable[[int], torch.Tensor | None],
+        release: Callable[[int], None],
+        overlap: bool = True,
+        communication_dtype: torch.dtype | None = None,
+        gradient_predivide_factor: float = 1.0,
+        prescale: bool = False,
+    ) -> None:
+        self.masters = masters
+        self.group = group
+        self.grad_of = grad_of
+        self.release = release
+        self.overlap = overlap
+        self.dtype = communication_dtype or torch.float32
+        self.predivide = gradient_predivide_factor
+        self.prescale = prescale
+        self._buckets: list[_Bucket] = []
+        self._bucket_of: dict[int, int] = {}
+        for indices in plan_buckets(masters.specs, bucket_numel):
+            offsets, total = [], 0
+            for i in indices:
+                offsets.append(total)
+                total += masters.specs[i].shard_numel
+            self._bucket_of.update({i: len(self._buckets) for i in indices})
+            self._buckets.append(_Bucket(indices, offsets, total, pending=len(indices)))
+        self._next = 0
+
+    @property
+    def num_buckets(self) -> int:
+        """Reduce-scatters per reduction."""
+        return len(self._buckets)
+
+    def mark_ready(self, index: int) -> None:
+        """Take parameter ``index``'s finished gradient into its bucket (from a grad hook)."""
+        bucket = self._buckets[self._bucket_of[index]]
+        first = index not in bucket.filled
+        self._copy_in(bucket, index)
+        if first:
+            bucket.pending -= 1
+        if self.overlap:
+            self._launch_ready_prefix()
+
+    def _ensure_buffer(self, bucket: _Bucket) -> torch.Tensor:
+        if bucket.buffer is None:
+            device = self.masters.masters[bucket.indices[0]].device
+            # Zeros: a parameter without a gradient contributes zeros, padding stays zero.
+            bucket.buffer = torch.zeros(
+                self.group.world_size, bucket.shard_numel, dtype=self.dtype, device=device
+            )
+        return bucket.buffer
+
+    def _copy_in(self, bucket: _Bucket, index: int) -> None:
+        grad = self.grad_of(index)
+        if grad is None:
+            return
+        if bucket.output is not None:
+            raise RuntimeError(
+                "a gradient arrived for a bucket whose reduce-scatter is already under way "
+                "(a second backward pass over the same parameters before the gradients were "
+                "reduced); call finish_backward() after each backward pass"
+            )
+        buffer = self._ensure_buffer(bucket)
+        spec = self.masters.specs[index]
+        position = bucket.indices.index(index)
+        offset = bucket.offsets[position]
+        padded = torch.zeros(spec.padded_numel, dtype=self.dtype, device=buffer.device)
+        padded[: spec.numel].copy_(grad.reshape(-1))
+        target = buffer[:, offset : offset + spec.shard_numel]
+        if index in bucket.filled:
+            target.add_(spec.padded_view(padded))  # retain_graph: a second backward pass
+        else:
+            target.copy_(spec.padded_view(padded))
+        bucket.filled.add(index)
+        self.release(index)  # the full-size gradient is no longer needed
+
+    def _launch_ready_prefix(self) -> None:
+        while self._next < len(self._buckets) and self._buckets[self._next].pending <= 0:
+            self._launch(self._buckets[self._next])
+            self._next += 1
+
+    def _launch(self, bucket: _Bucket) -> None:
+        buffer = self._ensure_buffer(bucket)
+        if self.prescale:
+            buffer.mul_(1.0 / self.group.world_size)
+        elif self.predivide != 1.0:
+            buffer.mul_(1.0 / self.predivide)
+        bucket.output = torch.empty(bucket.shard_numel, dtype=self.dtype, device=buffer.device)
+        bucket.work = self.group.reduce_scatter_into(
+            bucket.output, buffer.reshape(-1), async_op=True
+        )
+
+    def finish(self) -> None:
+        """Reduce what is left, wait for every bucket, add the results into the master grads."""
+        for bucket in self._buckets[self._next :]:
+            for index in bucket.indices:
+                if index not in bucket.filled:
+                    self._copy_in(bucket, index)  # a gradient that came without a hook
+        while self._next < len(self._buckets):
+            self._launch(self._buckets[self._next])
+            self._next += 1
+        post = 1.0 if self.prescale else self.predivide / self.group.world_size
+        for bucket in self._buckets:
+            if bucket.work is not None:
+                bucket.work.wait()
+            output = bucket.output
+            assert output is not None
+            if post != 1.0:
+                output.mul_(post)
+            for index, offset in zip(bucket.indices, bucket.offsets):
+                n = self.masters.specs[index].shard_numel
+                self.masters.add_grad_(index, output[offset : offset + n])
+            bucket.buffer = bucket.output = bucket.work = None
+            bucket.pending = len(bucket.indices)
+            bucket.filled.clear()
+        self._next = 0

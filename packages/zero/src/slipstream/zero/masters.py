@@ -1,0 +1,86 @@
+"""ShardedMasterWeights: the fp32 shards of trainable parameters that the optimizer updates."""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+import torch
+
+from slipstream.zero.layout import ShardSpec
+
+__all__ = ["ShardedMasterWeights"]
+
+
+class ShardedMasterWeights:
+    """One fp32 ``nn.Parameter`` per trainable parameter, holding only this rank's shard.
+
+    The optimizer is pointed at these shards (:meth:`swap_into`), so its states (Adam's two
+    moments, ...) are allocated for the shard alone: that is ZeRO stage 1's saving. Their
+    ``.grad`` receives the reduce-scattered, averaged gradient (fp32). A shard that is
+    already an fp32 tensor (stage 3 in fp32) is used in place, not copied.
+
+    Elementwise optimizers (SGD, Adam/AdamW, Lion, Adagrad, ...) give the same update on a
+    shard as on the whole tensor; optimizers that take per-tensor norms (LAMB, LARS) see
+    shard norms instead, as in DeepSpeed.
+    """
+
+    def __init__(
+        self,
+        params: Sequence[torch.nn.Parameter],
+        specs: Sequence[ShardSpec],
+        shards: Sequence[torch.Tensor],
+    ) -> None:
+        self.params = list(params)
+        self.specs = list(specs)
+        self.masters: list[torch.nn.Parameter] = []
+        for shard in shards:
+            data = shard if shard.dtype == torch.float32 else shard.detach().to(torch.float32)
+            self.masters.append(torch.nn.Parameter(data.detach(), requires_grad=True))
+        self.index_of = {id(p): i for i, p in enumerate(self.params)}
+
+    def __len__(self) -> int:
+        return len(self.masters)
+
+    def swap_into(self, optimizer: torch.optim.Optimizer) -> None:
+        """Make ``optimizer`` update the master shards instead of the model parameters.
+
+        Its parameter groups (and their hyper-parameters) are kept; a frozen parameter in a
+        group is dropped from it, since it never has a gradient.
+        """
+        if any(optimizer.state.values()):
+            raise ValueError(
+                "the optimizer already holds state (it has stepped): ZeRO must re-home it onto "
+                "the parameter shards before the first step. Build the optimizer fresh and "
+                "pass it to slipstream.initialize (or shard_optimizer) before training."
+            )
+        for group in optimizer.param_groups:
+            swapped = []
+            for p in group["params"]:
+                index = self.index_of.get(id(p))
+                if index is None:
+                    if not p.requires_grad:
+                        continue
+                    raise ValueError(
+                        "the optimizer holds a parameter that is not a trainable parameter of "
+                        "the model; build the optimizer from model.parameters() (or param "
+                        "groups of them)"
+                    )
+                swapped.append(self.masters[index])
+            group["params"] = swapped
+
+    def add_grad_(self, index: int, shard_grad: torch.Tensor) -> None:
+        """Accumulate a reduced gradient shard (any float dtype) into master ``index``'s fp32 grad."""
+        master = self.masters[index]
+        if master.grad is None:
+            master.grad = shard_grad.to(torch.float32, copy=True)
+        else:
+            master.grad.add_(shard_grad)
+
+    def grads(self) -> list[torch.Tensor]:
+        """The master gradients that exist (every master after a full reduction)."""
+        return [m.grad for m in self.masters if m.grad is not None]
+
+    def zero_grad(self) -> None:
+        """Drop the master gradients."""
+        for master in self.masters:
+            master.grad = None

@@ -1,0 +1,56 @@
+"""Global gradient norm, clipping and the fp16 overflow vote over sharded gradients."""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Sequence
+
+import torch
+
+from slipstream.kernels.loss_scaler import inf_or_nan_flag
+from slipstream.zero.group import DataParallelGroup
+
+__all__ = ["clip_grads_", "global_grad_norm", "overflow_on_any_rank"]
+
+
+def global_grad_norm(
+    shard_grads: Sequence[torch.Tensor], group: DataParallelGroup, device: torch.device
+) -> torch.Tensor:
+    """The L2 norm of the whole (unsharded) gradient from each rank's shards.
+
+    Each rank sums the squares of its own shards; one scalar all-reduce adds them up. Padding
+    elements of a shard are zero (they are reduced zeros), so they add nothing; a tied
+    parameter has one master, so it is counted once.
+    """
+    if shard_grads:
+        squares = torch.stack([g.float().pow(2).sum() for g in shard_grads]).sum()
+    else:
+        squares = torch.zeros((), dtype=torch.float32, device=device)
+    group.sum_(squares)
+    return squares.sqrt()
+
+
+def clip_grads_(
+    shard_grads: Sequence[torch.Tensor], total_norm: torch.Tensor, max_norm: float
+) -> None:
+    """Scale the gradients so the global norm is at most ``max_norm`` (torch's coefficient)."""
+    if not shard_grads or max_norm <= 0 or math.isinf(max_norm):
+        return
+    # Same arithmetic as torch.nn.utils.clip_grad_norm_: max / (norm + 1e-6), clamped at 1.
+    coefficient = torch.clamp(max_norm / (total_norm + 1e-6), max=1.0)
+    torch._foreach_mul_(list(shard_grads), coefficient.to(shard_grads[0].device))
+
+
+def overflow_on_any_rank(
+    shard_grads: Sequence[torch.Tensor], group: DataParallelGroup, device: torch.device
+) -> bool:
+    """Whether any rank's gradient shard holds an inf or nan; every rank gets the same answer.
+
+    With sharded gradients no rank sees them all, so the local flags are max-reduced: all
+    ranks then skip (or take) the step together and their loss scales stay equal.
+    """
+    flag = inf_or_nan_flag(shard_grads)
+    if flag is None:
+        flag = torch.zeros((), dtype=torch.float32, device=device)
+    group.max_(flag)
+    return bool(flag.item())  # host sync: the step must know now whether to skip

@@ -1,0 +1,62 @@
+"""ZeroSettings: the knobs of ZeRO sharding, as plain values (the umbrella maps its config to it)."""
+
+from __future__ import annotations
+
+import sys
+from dataclasses import dataclass
+
+import torch
+
+__all__ = ["ZeroSettings"]
+
+
+@dataclass(frozen=True, kw_only=True, slots=True)
+class ZeroSettings:
+    """How ZeRO shards and communicates; DeepSpeed's ``zero_optimization`` keys, in elements.
+
+    Attributes:
+        stage: 1 (optimizer states), 2 (+ gradients) or 3 (+ parameters).
+        reduce_bucket_numel: elements per gradient reduce-scatter bucket.
+        allgather_bucket_numel: elements per all-gather of updated shards (stages 1-2).
+        overlap_comm: launch gradient reduce-scatters during backward as buckets fill (stage
+            2-3) instead of all at once after it.
+        prefetch_numel: stage 3: elements of upcoming modules' parameters gathered ahead.
+        max_live_numel: stage 3: prefetch stops while more gathered elements than this are live.
+        max_reuse_numel: stage 3: a module's parameters stay gathered after its forward when
+            the recorded trace calls it again before this many other elements are gathered.
+        param_persistence_numel: stage 3: parameters this small stay gathered between modules
+            (until the next optimizer step).
+        model_persistence_numel: stage 3: at most this many elements in all persist.
+        communication_dtype: dtype of gradient reductions (None: the fp32 master-grad dtype).
+        gradient_predivide_factor: divide by this before the reduction and by
+            ``world_size / factor`` after (DeepSpeed's overflow guard for fp16).
+        prescale_gradients: divide by the world size before the reduction instead.
+    """
+
+    stage: int
+    reduce_bucket_numel: int = 500_000_000
+    allgather_bucket_numel: int = 500_000_000
+    overlap_comm: bool = True
+    prefetch_numel: int = 50_000_000
+    max_live_numel: int = 1_000_000_000
+    max_reuse_numel: int = 1_000_000_000
+    param_persistence_numel: int = 100_000
+    model_persistence_numel: int = sys.maxsize
+    communication_dtype: torch.dtype | None = None
+    gradient_predivide_factor: float = 1.0
+    prescale_gradients: bool = False
+
+    def __post_init__(self) -> None:
+        if self.stage not in (1, 2, 3):
+            raise ValueError(
+                f"ZeroSettings.stage={self.stage!r}: slipstream.zero shards at stages 1, 2 or 3; "
+                "stage 0 is plain data parallelism (no slipstream.zero needed)"
+            )
+        for name in ("reduce_bucket_numel", "allgather_bucket_numel"):
+            if getattr(self, name) < 1:
+                raise ValueError(f"ZeroSettings.{name}={getattr(self, name)!r} must be >= 1")
+        if self.gradient_predivide_factor <= 0:
+            raise ValueError(
+                f"ZeroSettings.gradient_predivide_factor={self.gradient_predivide_factor!r} "
+                "must be > 0"
+            )

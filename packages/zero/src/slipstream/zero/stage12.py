@@ -1,0 +1,138 @@
+"""ZeRO stages 1 and 2 over a plain module: sharded optimizer states (1) and gradients (2)."""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+import torch
+
+from slipstream.zero.grad_reduce import GradientReduceScatter
+from slipstream.zero.group import DataParallelGroup
+from slipstream.zero.layout import ShardSpec
+from slipstream.zero.masters import ShardedMasterWeights
+from slipstream.zero.optimizer import ZeroOptimizer
+from slipstream.zero.param_gather import gather_shards_into_params
+from slipstream.zero.settings import ZeroSettings
+
+__all__ = ["ShardedOptimizerStates"]
+
+
+class ShardedOptimizerStates:
+    """ZeRO stage 1 or 2 for ``params`` (the module keeps full, replicated parameters).
+
+    Stage 1: gradients accumulate locally over the gradient-accumulation micro-steps (in
+    fp32 when the module is fp16/bf16, as stage 0 does); at the boundary they are
+    reduce-scattered, bucket by bucket, into the fp32 gradient of this rank's master shard,
+    and the full-size gradients are dropped.
+
+    Stage 2: every backward reduce-scatters each gradient into the owned shard as soon as
+    it is ready (overlapped with the rest of backward when ``overlap_comm``), accumulating
+    there across micro-steps; no full-size gradient outlives its bucket.
+
+    Both: the optimizer updates only the master shards; the updated shards are all-gathered
+    back into the parameters (cast to the module's dtype) after each step.
+
+    >>> zero = ShardedOptimizerStates(list(model.parameters()), optimizer, ZeroSettings(stage=2))
+    >>> loss.backward(); zero.finish_backward(is_boundary=True)
+    >>> zero.optimizer.step(); zero.optimizer.zero_grad()
+    """
+
+    def __init__(
+        self,
+        params: Sequence[torch.nn.Parameter],
+        optimizer: torch.optim.Optimizer,
+        settings: ZeroSettings,
+        group: DataParallelGroup | None = None,
+    ) -> None:
+        if settings.stage not in (1, 2):
+            raise ValueError(
+                f"ShardedOptimizerStates implements stages 1 and 2, got stage {settings.stage}; "
+                "use slipstream.zero.shard_parameters for stage 3"
+            )
+        self.settings = settings
+        self.group = group or DataParallelGroup.of()
+        self.params = [p for p in params if p.requires_grad]
+        rank, world = self.group.rank, self.group.world_size
+        self.specs = [ShardSpec(p.shape, world) for p in self.params]
+        shards = [spec.shard_of(p, rank) for p, spec in zip(self.params, self.specs)]
+        self.masters = ShardedMasterWeights(self.params, self.specs, shards)
+        self.masters.swap_into(optimizer)
+        device = self.params[0].device if self.params else torch.device("cpu")
+        self.optimizer = ZeroOptimizer(optimizer, self.masters, self.group, self._publish, device)
+
+        # Stage 1 under fp16/bf16: fp32 full-size accumulators, so GAS sums in fp32.
+        self._accumulate_fp32 = settings.stage == 1 and any(
+            p.dtype != torch.float32 for p in self.params
+        )
+        self._fp32_grads: list[torch.Tensor | None] = [None] * len(self.params)
+        self.reducer = GradientReduceScatter(
+            self.masters,
+            self.group,
+            settings.reduce_bucket_numel,
+            grad_of=self._grad_of,
+            release=self._release,
+            overlap=settings.overlap_comm,
+            communication_dtype=settings.communication_dtype,
+            gradient_predivide_factor=settings.gradient_predivide_factor,
+            prescale=settings.prescale_gradients,
+        )
+        self._reducing = settings.stage == 2
+        self._hooks = [
+            p.register_post_accumulate_grad_hook(lambda p, i=i: self._on_grad(i))  # type: ignore[misc]
+            for i, p in enumerate(self.params)
+        ]
+
+    # ------------------------------------------------------------------ gradient path
+    def _grad_of(self, index: int) -> torch.Tensor | None:
+        if self._accumulate_fp32:
+            return self._fp32_grads[index]
+        return self.params[index].grad
+
+    def _release(self, index: int) -> None:
+        self.params[index].grad = None
+        self._fp32_grads[index] = None
+
+    def _on_grad(self, index: int) -> None:
+        if self._accumulate_fp32:
+            param = self.params[index]
+            grad = param.grad
+            if grad is not None:
+                acc = self._fp32_grads[index]
+                if acc is None:
+                    self._fp32_grads[index] = grad.to(torch.float32)
+                else:
+                    acc.add_(grad)
+                param.grad = None
+        if self._reducing:
+            self.reducer.mark_ready(index)
+
+    def prepare_backward(self, is_boundary: bool) -> None:
+        """Say whether the next backward ends an accumulation cycle (stage 1 reduces only then)."""
+        self._reducing = self.settings.stage == 2 or is_boundary
+
+    def finish_backward(self, is_boundary: bool = True) -> None:
+        """Complete the gradient reduction after ``loss.backward()`` (waits for the buckets)."""
+        if self.settings.stage == 2 or is_boundary:
+            self.reducer.finish()
+        self._reducing = self.settings.stage == 2
+
+    def _publish(self) -> None:
+        gather_shards_into_params(
+            self.masters.masters,
+            self.params,
+            self.specs,
+            self.group,
+            self.settings.allgather_bucket_numel,
+        )
+
+    def zero_grad(self) -> None:
+        """Drop master gradients and any local full-size gradients."""
+        self.masters.zero_grad()
+        for i in range(len(self.params)):
+            self._release(i)
+
+    def remove_hooks(self) -> None:
+        """Detach from the parameters (the module keeps working as a plain module)."""
+        for handle in self._hooks:
+            handle.remove()
+        self._hooks.clear()

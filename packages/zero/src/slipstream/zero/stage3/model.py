@@ -1,0 +1,345 @@
+"""shard_parameters: ZeRO stage 3 over a plain module (hooks that gather, release and reduce)."""
+
+from __future__ import annotations
+
+import logging
+from typing import Any
+
+import torch
+from torch.utils._pytree import tree_flatten
+
+from slipstream.zero.grad_reduce import GradientReduceScatter
+from slipstream.zero.group import DataParallelGroup
+from slipstream.zero.masters import ShardedMasterWeights
+from slipstream.zero.optimizer import ZeroOptimizer
+from slipstream.zero.settings import ZeroSettings
+from slipstream.zero.stage3.sharded_param import ShardedParameter, sharded_state_of
+from slipstream.zero.stage3.state import ShardState, TrainingState
+from slipstream.zero.stage3.trace import ExecutionTrace
+from slipstream.zero.stage3.unit import ParamUnit
+
+__all__ = ["Stage3Model", "register_external_parameter", "shard_parameters"]
+
+logger = logging.getLogger(__name__)
+
+_UNIT_ATTR = "_slipstream_zero_unit"
+_EXTERNAL_ATTR = "_slipstream_external_params"
+
+
+def register_external_parameter(module: torch.nn.Module, parameter: torch.nn.Parameter) -> None:
+    """Declare that ``module``'s forward reads ``parameter``, which another module owns.
+
+    Stage 3 gathers a module's own parameters around its forward; a parameter it reads
+    from elsewhere (``F.linear(h, self.embed.weight)`` in a parent) must be declared so it is
+    gathered too. May be called before or after :func:`shard_parameters` (e.g. inside the
+    model's ``__init__`` under :class:`slipstream.zero.Init`).
+    """
+    if not isinstance(parameter, torch.nn.Parameter):
+        raise TypeError(
+            f"register_external_parameter takes an nn.Parameter, got {type(parameter).__name__}"
+        )
+    external = module.__dict__.setdefault(_EXTERNAL_ATTR, [])
+    if all(p is not parameter for p in external):
+        external.append(parameter)
+    unit: ParamUnit | None = module.__dict__.get(_UNIT_ATTR)
+    sharded = sharded_state_of(parameter)
+    if unit is not None and sharded is not None:
+        unit.add_member(sharded)
+
+
+class Stage3Model:
+    """The stage-3 state of a module: its sharded parameters, units, hooks and trace.
+
+    Built by :func:`shard_parameters`. Forward: a module's pre-forward hook gathers its unit
+    (prefetching the next ones along the recorded trace), its post-forward hook releases it
+    and hooks the outputs so that the first gradient reaching them re-gathers the unit for
+    backward. Backward: each trainable parameter's gradient goes into a reduce-scatter
+    bucket as soon as autograd has accumulated it (and the full gradient is dropped); when
+    all gradients a unit owns are in, the unit is released. :meth:`finish_backward` flushes
+    the buckets and releases what is left (units without trainable parameters, unused ones).
+    """
+
+    def __init__(
+        self,
+        module: torch.nn.Module,
+        settings: ZeroSettings,
+        group: DataParallelGroup,
+        names: list[str],
+        sharded: list[ShardedParameter],
+        units: list[ParamUnit],
+    ) -> None:
+        self.module = module
+        self.settings = settings
+        self.group = group
+        self.names = names
+        self.sharded = sharded
+        self.units = units
+        self.trace = ExecutionTrace(
+            settings.prefetch_numel, settings.max_live_numel, settings.max_reuse_numel
+        )
+        self.path: Stage3GradientPath | None = None
+        self._handles: list[Any] = []
+        self._in_forward = 0
+        for unit in units:
+            self._install_hooks(unit)
+        self._handles.append(module.register_forward_pre_hook(self._root_pre_forward, prepend=True))
+        self._handles.append(module.register_forward_hook(self._root_post_forward))
+
+    # ------------------------------------------------------------------ hooks
+    def _install_hooks(self, unit: ParamUnit) -> None:
+        def pre_forward(module: torch.nn.Module, args: Any) -> None:
+            unit.state = TrainingState.FORWARD
+            for upcoming in self.trace.on_forward(unit, ExecutionTrace.live_numel(self.units)):
+                upcoming.prefetch()
+            unit.unshard()
+
+        def post_forward(module: torch.nn.Module, args: Any, output: Any) -> Any:
+            if self.trace.reused_soon(unit):
+                unit.keep_for_next_call()
+            else:
+                unit.reshard()
+            unit.state = TrainingState.IDLE
+            if torch.is_grad_enabled():
+                self._hook_outputs(unit, output)
+            return output
+
+        self._handles.append(unit.module.register_forward_pre_hook(pre_forward))
+        self._handles.append(unit.module.register_forward_hook(post_forward))
+
+    def _hook_outputs(self, unit: ParamUnit, output: Any) -> None:
+        def on_output_grad(grad: torch.Tensor) -> None:
+            if unit.pre_backward():
+                live = ExecutionTrace.live_numel(self.units)
+                for upcoming in self.trace.on_backward(unit, live):
+                    upcoming.prefetch()
+
+        tensors, _ = tree_flatten(output)
+        for tensor in tensors:
+            if isinstance(tensor, torch.Tensor) and tensor.requires_grad:
+                tensor.register_hook(on_output_grad)
+
+    def _root_pre_forward(self, module: torch.nn.Module, args: Any) -> None:
+        if self._in_forward == 0:
+            self.trace.begin_iteration()
+        self._in_forward += 1
+
+    def _root_post_forward(self, module: torch.nn.Module, args: Any, output: Any) -> Any:
+        self._in_forward -= 1
+        if self._in_forward == 0:
+            if self.trace.order:
+                self.trace.finish_recording()  # one forward is the trace
+            for unit in self.units:
+                unit.drop_prefetch()  # prefetched for a call that did not come
+        return output
+
+    # ------------------------------------------------------------------ optimizer
+    def attach_optimizer(self, optimizer: torch.optim.Optimizer) -> Stage3GradientPath:
+        """Re-home ``optimizer`` onto the fp32 master shards; install the gradient path."""
+        if self.path is not None:
+            raise RuntimeError("an optimizer is already attached to this stage-3 model")
+        self.path = Stage3GradientPath(self, optimizer)
+        return self.path
+
+    def release_all(self) -> None:
+        """Free every gathered parameter that nobody holds (persistent ones included)."""
+        for sharded in self.sharded:
+            if sharded.holders == 0 and sharded.state is ShardState.UNSHARDED:
+                sharded.free()
+
+    def named_sharded(self) -> list[tuple[str, ShardedParameter]]:
+        """(name, ShardedParameter) for every parameter, tied ones once, in module order."""
+        return list(zip(self.names, self.sharded))
+
+
+class Stage3GradientPath:
+    """The optimizer side of stage 3: masters, the reduce-scatter buckets, publishing."""
+
+    def __init__(self, model: Stage3Model, optimizer: torch.optim.Optimizer) -> None:
+        self.model = model
+        trainable = [s for s in model.sharded if s.param.requires_grad]
+        self.sharded = trainable
+        self.params = [s.param for s in trainable]
+        self.specs = [s.spec for s in trainable]
+        self.masters = ShardedMasterWeights(self.params, self.specs, [s.shard for s in trainable])
+        for sharded, master in zip(trainable, self.masters.masters):
+            sharded.master = master
+            if master.dtype == sharded.shard.dtype:
+                sharded.shard = master.data  # fp32: the master *is* the gathered shard
+        self.masters.swap_into(optimizer)
+        settings = model.settings
+        self.reducer = GradientReduceScatter(
+            self.masters,
+            model.group,
+            settings.reduce_bucket_numel,
+            grad_of=lambda i: self.params[i].grad,
+            release=self._release,
+            overlap=settings.overlap_comm,
+            communication_dtype=settings.communication_dtype,
+            gradient_predivide_factor=settings.gradient_predivide_factor,
+            prescale=settings.prescale_gradients,
+        )
+        owner: dict[int, ParamUnit] = {}
+        for unit in model.units:
+            for member in unit.members:
+                if member.param.requires_grad and id(member) not in owner:
+                    if any(p is member.param for p in unit.module.parameters(recurse=False)):
+                        owner[id(member)] = unit
+                        unit.owned_trainable.add(id(member))
+        self._owner = [owner.get(id(s)) for s in trainable]
+        self._hooks = [
+            p.register_post_accumulate_grad_hook(lambda p, i=i: self._on_grad(i))  # type: ignore[misc]
+            for i, p in enumerate(self.params)
+        ]
+        device = self.params[0].device if self.params else torch.device("cpu")
+        self.optimizer = ZeroOptimizer(optimizer, self.masters, model.group, self._publish, device)
+
+    def _release(self, index: int) -> None:
+        self.params[index].grad = None
+
+    def _on_grad(self, index: int) -> None:
+        self.reducer.mark_ready(index)
+        unit = self._owner[index]
+        if unit is not None:
+            unit.grad_ready()
+
+    def prepare_backward(self, is_boundary: bool) -> None:
+        """Stage 3 reduces every backward; nothing to arm."""
+
+    def finish_backward(self, is_boundary: bool = True) -> None:
+        """Flush the gradient buckets and release every unit still held."""
+        self.reducer.finish()
+        for unit in self.model.units:
+            unit.end_backward()
+
+    def _publish(self) -> None:
+        with torch.no_grad():
+            for sharded in self.sharded:
+                master = sharded.master
+                if master is not None and master.data_ptr() != sharded.shard.data_ptr():
+                    sharded.shard.copy_(master)
+        self.model.trace.finish_recording()
+        # Persistent parameters hold the old values: drop them, the next use re-gathers.
+        self.model.release_all()
+
+    def zero_grad(self) -> None:
+        """Drop master gradients and any full-size gradient left on the parameters."""
+        self.masters.zero_grad()
+        for param in self.params:
+            param.grad = None
+
+
+def shard_parameters(
+    module: torch.nn.Module,
+    settings: ZeroSettings,
+    group: DataParallelGroup | None = None,
+    device: torch.device | None = None,
+    dtype: torch.dtype | None = None,
+) -> Stage3Model:
+    """ZeRO stage 3: shard every parameter of ``module`` in place and install the hooks.
+
+    Each parameter is broadcast from rank 0, cut to this rank's flat padded shard (cast to
+    ``dtype`` and placed on ``device`` if given) and its full storage freed, one parameter at
+    a time. Parameters already partitioned by :class:`slipstream.zero.Init` are adopted.
+    Buffers are moved (and floating ones cast) and broadcast from rank 0. Parameters of at
+    most ``param_persistence_numel`` elements (up to ``model_persistence_numel`` in all) stay
+    gathered once used, until the next optimizer step.
+
+    >>> sharded = shard_parameters(model, ZeroSettings(stage=3))
+    >>> zero = sharded.attach_optimizer(torch.optim.AdamW(model.parameters()))
+    >>> loss = model(x).sum(); loss.backward(); zero.finish_backward(); zero.optimizer.step()
+    """
+    group = group or DataParallelGroup.of()
+    names: list[str] = []
+    sharded: list[ShardedParameter] = []
+    seen: dict[int, ShardedParameter] = {}
+    storages: dict[int, str] = {}
+    for name, param in module.named_parameters():
+        existing = sharded_state_of(param)
+        if existing is None:
+            ptr = param.untyped_storage().data_ptr()
+            if ptr and ptr in storages:
+                raise ValueError(
+                    f"parameters {storages[ptr]!r} and {name!r} share storage but are different "
+                    "nn.Parameter objects; stage 3 frees each parameter's storage on its own. "
+                    "Tie them by assigning the same Parameter (head.weight = embed.weight)."
+                )
+            storages[ptr] = name
+            existing = ShardedParameter.partition(param, group, device, dtype)
+        else:
+            _adopt(existing, group, device, dtype, name)
+        seen[id(param)] = existing
+        names.append(name)
+        sharded.append(existing)
+    _mark_persistent(sharded, settings)
+    _place_buffers(module, group, device, dtype)
+
+    units: list[ParamUnit] = []
+    for name, sub in module.named_modules():
+        members = [seen[id(p)] for p in sub.parameters(recurse=False) if id(p) in seen]
+        for external in sub.__dict__.get(_EXTERNAL_ATTR, []):
+            if id(external) in seen:
+                members.append(seen[id(external)])
+        if not members:
+            continue
+        unit = ParamUnit(sub, name or "<root>", members)
+        sub.__dict__[_UNIT_ATTR] = unit
+        units.append(unit)
+    total = sum(s.spec.numel for s in sharded)
+    if group.rank == 0:
+        logger.info(
+            "ZeRO stage 3: %s parameters in %d units, %d persistent; %s elements per rank",
+            f"{total:,}",
+            len(units),
+            sum(s.persistent for s in sharded),
+            f"{sum(s.spec.shard_numel for s in sharded):,}",
+        )
+    return Stage3Model(module, settings, group, names, sharded, units)
+
+
+def _adopt(
+    sharded: ShardedParameter,
+    group: DataParallelGroup,
+    device: torch.device | None,
+    dtype: torch.dtype | None,
+    name: str,
+) -> None:
+    if sharded.group.world_size != group.world_size or sharded.group.rank != group.rank:
+        raise ValueError(
+            f"parameter {name!r} was partitioned by zero.Init over {sharded.group.world_size} "
+            f"ranks but is being sharded over {group.world_size}; pass the same "
+            "data_parallel_group to zero.Init and the engine"
+        )
+    param = sharded.param
+    target_dtype = dtype if (dtype is not None and param.is_floating_point()) else param.dtype
+    target_device = device or sharded.shard.device
+    if sharded.shard.dtype != target_dtype or sharded.shard.device != target_device:
+        sharded.shard = sharded.shard.to(device=target_device, dtype=target_dtype)
+        with torch.no_grad():
+            param.data = torch.empty(param.shape, dtype=target_dtype, device=target_device)
+        sharded.free()
+
+
+def _mark_persistent(sharded: list[ShardedParameter], settings: ZeroSettings) -> None:
+    budget = settings.model_persistence_numel
+    for item in sharded:
+        numel = item.spec.numel
+        if numel <= settings.param_persistence_numel and numel <= budget:
+            item.persistent = True
+            budget -= numel
+
+
+def _place_buffers(
+    module: torch.nn.Module,
+    group: DataParallelGroup,
+    device: torch.device | None,
+    dtype: torch.dtype | None,
+) -> None:
+    with torch.no_grad():
+        for sub in module.modules():
+            for key, buffer in sub._buffers.items():
+                if buffer is None:
+                    continue
+                target = dtype if (dtype is not None and buffer.is_floating_point()) else None
+                moved = buffer.to(device=device or buffer.device, dtype=target or buffer.dtype)
+                group.broadcast_(moved, src=0)
+                sub._buffers[key] = moved

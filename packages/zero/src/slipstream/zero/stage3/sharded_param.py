@@ -1,0 +1,158 @@
+"""ShardedParameter: one parameter's shard, and the full storage that comes and goes around it."""
+
+from __future__ import annotations
+
+import torch
+import torch.distributed as dist
+
+from slipstream.zero.group import DataParallelGroup
+from slipstream.zero.layout import ShardSpec
+from slipstream.zero.stage3.state import ShardState
+
+__all__ = ["ShardedParameter", "gather_full", "sharded_state_of"]
+
+# The attribute a partitioned nn.Parameter carries its ShardedParameter under.
+ATTR = "_slipstream_zero"
+
+
+def sharded_state_of(param: torch.Tensor) -> ShardedParameter | None:
+    """The ShardedParameter of a ZeRO-3-partitioned parameter, or None for a plain tensor."""
+    return getattr(param, ATTR, None)
+
+
+class ShardedParameter:
+    """A parameter partitioned over the data-parallel group (each rank holds 1/N of it).
+
+    [Note: storage resizing, not ``.data`` swapping] The ``nn.Parameter`` object keeps its
+    shape, dtype and identity for its whole life (optimizers, tied modules and autograd's
+    saved tensors all refer to it). Freeing resizes its *storage* to 0 bytes; gathering
+    resizes it back and copies the gathered values in. Views of the parameter that autograd
+    saved during forward (``weight.t()`` inside ``F.linear``) share that storage, so they
+    are freed with it and see the re-gathered values in backward; swapping ``param.data``
+    instead would leave those views pinning the old memory. The copy goes through
+    ``param.data`` (a separate version counter), so autograd's saved-tensor version check
+    does not see the refill as an in-place modification.
+
+    Attributes:
+        param: the parameter. shard: this rank's shard (flat, padded, the compute dtype; the
+        all-gather input). master: the fp32 master shard once an optimizer is attached (the
+        same tensor as ``shard`` in fp32 training). holders: active uses (a module's forward
+        or backward, a prefetch, GatheredParameters); the storage is freed when it drops to 0,
+        unless ``persistent``.
+    """
+
+    def __init__(
+        self, param: torch.nn.Parameter, shard: torch.Tensor, group: DataParallelGroup
+    ) -> None:
+        self.param = param
+        self.spec = ShardSpec(param.shape, group.world_size)
+        self.shard = shard
+        self.group = group
+        self.master: torch.Tensor | None = None
+        self.holders = 0
+        self.persistent = False
+        self.pending: PendingGather | None = None
+        self.state = ShardState.UNSHARDED
+        setattr(param, ATTR, self)
+
+    @classmethod
+    def partition(
+        cls,
+        param: torch.nn.Parameter,
+        group: DataParallelGroup,
+        device: torch.device | None = None,
+        dtype: torch.dtype | None = None,
+        broadcast: bool = True,
+    ) -> ShardedParameter:
+        """Shard a full parameter in place: broadcast rank 0's value, keep this rank's shard."""
+        device = device or param.device
+        target = dtype if (dtype is not None and param.is_floating_point()) else param.dtype
+        with torch.no_grad():
+            full = param.detach().to(device=device, dtype=target)
+            if broadcast:
+                full = full.contiguous()
+                group.broadcast_(full, src=0)  # every rank starts from rank 0's weights
+            spec = ShardSpec(param.shape, group.world_size)
+            shard = spec.shard_of(full, group.rank)
+            # A fresh storage owned by this parameter alone (it may have been a view).
+            param.data = torch.empty(param.shape, dtype=target, device=device)
+        sharded = cls(param, shard, group)
+        sharded.free()
+        return sharded
+
+    # ------------------------------------------------------------------ storage
+    @property
+    def full_nbytes(self) -> int:
+        """Bytes of the full tensor."""
+        return self.spec.numel * self.param.element_size()
+
+    def free(self) -> None:
+        """Release the full storage (only the shard stays)."""
+        self.param.untyped_storage().resize_(0)
+        self.state = ShardState.SHARDED
+
+    def fill(self, rows: torch.Tensor, offset: int) -> None:
+        """Allocate the full storage and copy this parameter's columns of gathered ``rows`` in."""
+        storage = self.param.untyped_storage()
+        if storage.nbytes() != self.full_nbytes:
+            storage.resize_(self.full_nbytes)
+        spec = self.spec
+        full = rows[:, offset : offset + spec.shard_numel].reshape(-1)[: spec.numel]
+        with torch.no_grad():
+            self.param.data.copy_(full.view(spec.shape))
+        self.state = ShardState.UNSHARDED
+
+    def refresh_shard(self) -> None:
+        """Re-cut this rank's shard (and master) from the full data, after it was edited."""
+        with torch.no_grad():
+            self.shard.copy_(self.spec.shard_of(self.param.data, self.group.rank, self.shard.dtype))
+            if self.master is not None and self.master.data_ptr() != self.shard.data_ptr():
+                self.master.copy_(self.shard)
+
+
+class PendingGather:
+    """An all-gather of several parameters' shards in flight (one collective)."""
+
+    def __init__(self, members: list[ShardedParameter], async_op: bool) -> None:
+        group = members[0].group
+        dtype = members[0].shard.dtype
+        self.members = members
+        self.offsets: list[int] = []
+        total = 0
+        for member in members:
+            self.offsets.append(total)
+            total += member.spec.shard_numel
+        send = (
+            torch.cat([m.shard.to(dtype) for m in members])
+            if len(members) > 1
+            else members[0].shard
+        )
+        self.total = total
+        self.world = group.world_size
+        self.out = torch.empty(self.world * total, dtype=dtype, device=send.device)
+        self.work: dist.Work | None = group.all_gather_into(self.out, send, async_op=async_op)
+        for member in members:
+            member.pending = self
+        self.done = False
+
+    def wait(self) -> None:
+        """Finish the collective and copy each parameter's full value into its storage."""
+        if self.done:
+            return
+        if self.work is not None:
+            self.work.wait()
+        rows = self.out.view(self.world, self.total)
+        for member, offset in zip(self.members, self.offsets):
+            member.fill(rows, offset)
+            member.pending = None
+        self.done = True
+        del self.out
+
+
+def gather_full(members: list[ShardedParameter], async_op: bool = False) -> list[PendingGather]:
+    """Start gathering every SHARDED member not already in flight; one collective per dtype."""
+    need = [m for m in members if m.state is ShardState.SHARDED and m.pending is None]
+    by_dtype: dict[torch.dtype, list[ShardedParameter]] = {}
+    for member in need:
+        by_dtype.setdefault(member.shard.dtype, []).append(member)
+    return [PendingGather(group, async_op) for group in by_dtype.values()]
