@@ -3,7 +3,8 @@
 from __future__ import annotations
 
 import argparse
-from typing import Any
+import logging
+from typing import TYPE_CHECKING, Any
 
 import torch
 from torch.utils.data import DataLoader, Dataset
@@ -13,6 +14,11 @@ from slipstream import comm
 from slipstream.config import SlipstreamConfig, load_config
 from slipstream.logging_setup import setup_logging
 from slipstream.runtime.engine import SlipstreamEngine
+
+if TYPE_CHECKING:
+    from slipstream.runtime.pipeline_engine import PipelineEngine
+
+logger = logging.getLogger(__name__)
 
 _ARG_NAMES = ("deepspeed_config", "slipstream_config", "deepscale_config")
 
@@ -51,7 +57,7 @@ def initialize(
     collate_fn: Any = None,
     config: Any = None,
     config_params: Any = None,
-) -> tuple[SlipstreamEngine, torch.optim.Optimizer | None, DataLoader | None, Any]:
+) -> tuple[SlipstreamEngine | PipelineEngine, torch.optim.Optimizer | None, DataLoader | None, Any]:
     """Wrap ``model`` for training as ``deepspeed.initialize`` does.
 
     Returns ``(engine, optimizer, training_dataloader, lr_scheduler)``; the loader is None
@@ -72,8 +78,29 @@ def initialize(
         comm.init_distributed()
     setup_logging(comm.get_rank())
 
+    from slipstream.pipeline.module import PipelineModule
+
+    if isinstance(model, PipelineModule):
+        # A pipeline trains whole batches (train_batch/eval_batch) on its own engine, whose
+        # data-parallel size comes from the module's topology.
+        from slipstream.runtime.pipeline_engine import initialize_pipeline
+
+        return initialize_pipeline(
+            model=model,
+            config=source,
+            optimizer=optimizer,
+            model_parameters=model_parameters,
+            training_data=training_data,
+            lr_scheduler=lr_scheduler,
+            collate_fn=collate_fn,
+        )
+
     dp_world = mpu.get_data_parallel_world_size() if mpu is not None else comm.get_world_size()
     parsed: SlipstreamConfig = load_config(source, world_size=dp_world)
+    _apply_amd_specific(parsed)
+    from slipstream import checkpointing
+
+    checkpointing.configure(mpu, deepspeed_config=parsed.activation_checkpointing)
     engine = SlipstreamEngine(
         model=model,
         config=parsed,
@@ -86,6 +113,18 @@ def initialize(
     if training_data is not None:
         loader = _build_dataloader(training_data, parsed, collate_fn, mpu)
     return engine, engine.optimizer, loader, engine.lr_scheduler
+
+
+def _apply_amd_specific(config: SlipstreamConfig) -> None:
+    """The ``amd_specific`` block: applied on ROCm, a logged no-op elsewhere (only if set)."""
+    from slipstream.kernels import get_accelerator
+
+    block = config.amd_specific
+    applied = get_accelerator().apply_amd_specific(
+        block.rocm_mem_pool_init, block.rocm_stream_priority
+    )
+    if "amd_specific" in config.raw and comm.get_rank() == 0:
+        logger.info("amd_specific: %s", applied)
 
 
 def _build_dataloader(

@@ -67,22 +67,6 @@ RECOGNISED_FEATURES: dict[str, RecognisedFeature] = {
     entry.key: entry
     for entry in [
         RecognisedFeature(
-            "activation_checkpointing",
-            "activation checkpointing",
-            "slipstream.checkpointing (" + _UMBRELLA_LATER + ")",
-            non_default(
-                {
-                    "partition_activations": False,
-                    "contiguous_memory_optimization": False,
-                    "cpu_checkpointing": False,
-                    "number_checkpoints": None,
-                    "synchronize_checkpoint_boundary": False,
-                    "profile": False,
-                }
-            ),
-            "all keys at their defaults (false / null)",
-        ),
-        RecognisedFeature(
             "flops_profiler",
             "the flops profiler",
             "slipstream's profiler (" + _UMBRELLA_LATER + ")",
@@ -93,23 +77,6 @@ RECOGNISED_FEATURES: dict[str, RecognisedFeature] = {
         RecognisedFeature("wandb", "Weights & Biases monitoring", _MONITOR, enabled_flag(), _OFF),
         RecognisedFeature("csv_monitor", "CSV monitoring", _MONITOR, enabled_flag(), _OFF),
         RecognisedFeature("comet", "Comet monitoring", _MONITOR, enabled_flag(), _OFF),
-        RecognisedFeature(
-            "pipeline",
-            "pipeline parallelism settings",
-            "the slipstream-pipeline package",
-            non_default(
-                {
-                    "stages": "auto",
-                    "partition": "best",
-                    "seed_layers": False,
-                    "activation_checkpoint_interval": 0,
-                    "pipe_partitioned": True,
-                    "grad_partitioned": True,
-                },
-                strict=False,
-            ),
-            "all keys at DeepSpeed's defaults",
-        ),
         RecognisedFeature(
             "compression_training",
             "compression-aware training",

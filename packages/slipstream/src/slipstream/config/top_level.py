@@ -27,6 +27,8 @@ from slipstream.kernels.config_schema import (
     config_fail,
     unknown_keys_error,
 )
+from slipstream.pipeline.checkpointing import ActivationCheckpointingConfig
+from slipstream.pipeline.config import PipelineConfig
 
 __all__ = ["SlipstreamConfig", "load_config"]
 
@@ -75,6 +77,12 @@ class SlipstreamConfig(ConfigBlock):
     zero_force_ds_cpu_optimizer: bool = True
     amd_specific: AmdSpecificConfig = dataclasses.field(default_factory=AmdSpecificConfig)
     comms_logger: CommsLoggerConfig = dataclasses.field(default_factory=CommsLoggerConfig)
+    # Owned by slipstream-pipeline: the PipelineEngine reads `pipeline`; `initialize` hands
+    # `activation_checkpointing` to slipstream.checkpointing.configure() for every model.
+    pipeline: PipelineConfig = dataclasses.field(default_factory=PipelineConfig)
+    activation_checkpointing: ActivationCheckpointingConfig = dataclasses.field(
+        default_factory=ActivationCheckpointingConfig
+    )
     dataloader_drop_last: bool = False
 
     raw: dict[str, Any] = dataclasses.field(

@@ -1,0 +1,397 @@
+"""The engine for a PipelineModule: DeepSpeed's ``train_batch`` / ``eval_batch`` loop.
+
+Composed from ``slipstream.pipeline`` calls, in order: the config's ``pipeline`` and
+``activation_checkpointing`` blocks are parsed; the module goes to its device and its
+data-parallel replicas start from one set of weights; the optimizer and LR schedule are
+resolved as for the plain engine; an executor is wired to the neighbouring stages; and every
+``train_batch`` runs the schedule, then the gradient steps of
+:mod:`slipstream.pipeline.runtime` and the optimizer.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Iterator
+from typing import Any
+
+import torch
+import torch.distributed as dist
+from torch.utils.data import DataLoader, Dataset
+from torch.utils.data.distributed import DistributedSampler
+
+from slipstream import comm
+from slipstream.config import SlipstreamConfig, load_config, read_config_source
+from slipstream.config.loading import ConfigSource
+from slipstream.kernels import get_accelerator
+from slipstream.kernels.config_schema import ConfigError, NotImplementedFeatureError
+from slipstream.pipeline import checkpointing as activation_checkpointing
+from slipstream.pipeline.checkpointing import ActivationCheckpointingConfig
+from slipstream.pipeline.config import PipelineConfig
+from slipstream.pipeline.module import PipelineModule
+from slipstream.pipeline.runtime import build_executor, eval_batch, train_batch
+from slipstream.pipeline.schedules import PipelineSchedule, build_schedule
+from slipstream.runtime.lr_schedules import resolve_scheduler
+from slipstream.runtime.optimizers import resolve_optimizer
+
+__all__ = ["PipelineEngine", "initialize_pipeline", "load_pipeline_config"]
+
+logger = logging.getLogger(__name__)
+
+_OWN_BLOCKS = ("pipeline", "activation_checkpointing")
+
+
+def load_pipeline_config(
+    source: ConfigSource, data_parallel_size: int
+) -> tuple[SlipstreamConfig, PipelineConfig, ActivationCheckpointingConfig]:
+    """Read a DeepSpeed config for a pipelined run.
+
+    The ``pipeline`` and ``activation_checkpointing`` blocks are parsed by
+    slipstream-pipeline's own blocks; the rest by :func:`slipstream.load_config`, whose batch
+    triple is resolved for the ``data_parallel_size`` replicas (not the world size: the
+    stages of one pipeline share a batch).
+
+    >>> config, pipe, ckpt = load_pipeline_config(
+    ...     {"train_batch_size": 8, "gradient_accumulation_steps": 4,
+    ...      "pipeline": {"schedule": "zero_bubble"}}, data_parallel_size=1)
+    >>> config.train_micro_batch_size_per_gpu, pipe.schedule
+    (2, 'zero_bubble')
+    """
+    data, _ = read_config_source(source)
+    pipeline = PipelineConfig.from_dict(data.pop("pipeline", None), "pipeline")
+    checkpointing = ActivationCheckpointingConfig.from_dict(
+        data.pop("activation_checkpointing", None), "activation_checkpointing"
+    )
+    return load_config(data, world_size=data_parallel_size), pipeline, checkpointing
+
+
+class PipelineEngine:
+    """Trains a :class:`PipelineModule` one whole batch at a time, as DeepSpeed's does.
+
+    ``train_batch()`` pulls ``gradient_accumulation_steps`` micro-batches of
+    ``(inputs, labels)`` from the data iterator (only the first and last stages read it),
+    runs them through the configured schedule and takes one optimizer step; it returns the
+    batch's mean loss on every rank. Build it with :func:`initialize_pipeline` (or
+    ``slipstream.initialize`` once it dispatches pipeline modules here).
+
+    >>> engine, _, _, _ = initialize_pipeline(model=pipeline_module, config=ds_config)  # doctest: +SKIP
+    >>> for step in range(steps):  # doctest: +SKIP
+    ...     loss = engine.train_batch(data_iter)
+
+    Precision: ``bf16.enabled`` runs the stages under ``torch.autocast(bfloat16)`` with fp32
+    weights and optimizer (a deviation from DeepSpeed, which casts the module); fp16 and ZeRO
+    stages above 0 are not implemented with pipelines yet and raise.
+    """
+
+    def __init__(
+        self,
+        *,
+        model: PipelineModule,
+        config: SlipstreamConfig,
+        pipeline: PipelineConfig | None = None,
+        checkpointing: ActivationCheckpointingConfig | None = None,
+        optimizer: Any = None,
+        model_parameters: Any = None,
+        lr_scheduler: Any = None,
+    ) -> None:
+        if not isinstance(model, PipelineModule):
+            raise TypeError(
+                f"PipelineEngine needs a slipstream.pipeline.PipelineModule, got "
+                f"{type(model).__name__}; use slipstream.initialize for other modules"
+            )
+        self.config = config
+        self.pipeline_config = pipeline or PipelineConfig()
+        self.module = model
+        self.grid = model.mpu()
+        _check_supported(config)
+        _check_module_matches(self.pipeline_config, model)
+
+        # 1. Activation checkpointing options (process-wide, as in DeepSpeed).
+        activation_checkpointing.configure(
+            mpu_=self.grid, deepspeed_config=checkpointing or ActivationCheckpointingConfig()
+        )
+
+        # 2. Placement; every data-parallel replica of a stage starts from replica 0's weights.
+        self.accelerator = get_accelerator()
+        self._device = self.accelerator.device()
+        model.to(self._device)
+        self._broadcast_from_first_replica()
+
+        # 3. Optimizer and LR schedule, resolved exactly as for the plain engine.
+        params = [p for p in model.parameters() if p.requires_grad]
+        resolved = resolve_optimizer(
+            optimizer,
+            config.optimizer,
+            model_parameters if model_parameters is not None else params,
+        )
+        if resolved is None:
+            raise ValueError(
+                "the pipeline engine needs an optimizer: pass optimizer=... or add an "
+                "'optimizer' block to the config"
+            )
+        self.optimizer: torch.optim.Optimizer = resolved
+        self.lr_scheduler = resolve_scheduler(lr_scheduler, config.scheduler, self.optimizer)
+
+        # 4. The executor (collective: creates the point-to-point groups) and the schedule.
+        autocast = torch.bfloat16 if config.bf16.enabled else None
+        self.executor = build_executor(model, self._device, autocast_dtype=autocast)
+        self._micro_batch = int(config.train_micro_batch_size_per_gpu)  # type: ignore[arg-type]
+        self._gas = int(config.gradient_accumulation_steps)  # type: ignore[arg-type]
+        self._train_batch = int(config.train_batch_size)  # type: ignore[arg-type]
+        self.schedule: PipelineSchedule = build_schedule(
+            self.pipeline_config.schedule, model.num_stages, self._gas, model.num_chunks
+        )
+
+        self.global_steps = 0
+        self.global_samples = 0
+        self.data_iterator: Iterator[Any] | None = None
+        self._last_grad_norm: torch.Tensor | None = None
+        if comm.get_rank() == 0:
+            logger.info(
+                "Slipstream pipeline engine: %d stages × %d chunks, data-parallel size %d, "
+                "schedule %s, micro-batch %d × GAS %d",
+                model.num_stages,
+                model.num_chunks,
+                self.data_parallel_size,
+                self.schedule.name,
+                self._micro_batch,
+                self._gas,
+            )
+
+    # ------------------------------------------------------------------ set-up helpers
+    def _broadcast_from_first_replica(self) -> None:
+        if self.grid is None or self.grid.data_parallel_size == 1:
+            return
+        group = self.grid.get_data_parallel_group()
+        src = self.grid.group_ranks("data")[0]
+        with torch.no_grad():
+            for tensor in [*self.module.parameters(), *self.module.buffers()]:
+                comm.broadcast(tensor.data, src=src, group=group)
+
+    # ------------------------------------------------------------------ DeepSpeed accessors
+    @property
+    def device(self) -> torch.device:
+        """The device this rank's stage lives on."""
+        return self._device
+
+    @property
+    def data_parallel_size(self) -> int:
+        """Replicas of each stage."""
+        return self.grid.data_parallel_size if self.grid is not None else 1
+
+    def train_batch_size(self) -> int:
+        """Samples per optimizer step over all replicas."""
+        return self._train_batch
+
+    def train_micro_batch_size_per_gpu(self) -> int:
+        """Samples per micro-batch."""
+        return self._micro_batch
+
+    def gradient_accumulation_steps(self) -> int:
+        """Micro-batches per ``train_batch``."""
+        return self._gas
+
+    def is_first_stage(self) -> bool:
+        """Whether this rank holds stage 0 (it reads the inputs)."""
+        return self.module.stage_id == 0
+
+    def is_last_stage(self) -> bool:
+        """Whether this rank holds the last stage (it reads the labels, computes the loss)."""
+        return self.module.stage_id == self.module.num_stages - 1
+
+    def get_lr(self) -> list[float]:
+        """The learning rate of each parameter group."""
+        return [group["lr"] for group in self.optimizer.param_groups]
+
+    def get_global_grad_norm(self) -> float | None:
+        """The whole model's gradient norm at the last step, before clipping."""
+        return None if self._last_grad_norm is None else float(self._last_grad_norm)
+
+    def set_dataiterator(self, iterator: Iterator[Any]) -> None:
+        """The iterator ``train_batch()`` reads when called without one."""
+        self.data_iterator = iterator
+
+    # ------------------------------------------------------------------ the loop
+    def train_batch(self, data_iter: Iterator[Any] | None = None) -> torch.Tensor:
+        """Run one batch (``gradient_accumulation_steps`` micro-batches) and one optimizer
+        step; return the mean loss (a 0-dim tensor, the same on every rank)."""
+        iterator = data_iter if data_iter is not None else self.data_iterator
+        loss, grad_norm = train_batch(
+            self.executor,
+            self.schedule,
+            iterator,
+            self.optimizer,
+            max_grad_norm=self.config.gradient_clipping,
+        )
+        self._last_grad_norm = grad_norm
+        if self.lr_scheduler is not None:
+            self.lr_scheduler.step()
+        self.global_steps += 1
+        self.global_samples += self._train_batch
+        if self.global_steps % self.config.steps_per_print == 0 and comm.get_rank() == 0:
+            # float(loss): a host sync, once per log line.
+            logger.info(
+                "step=%d loss=%.4f lr=%s grad_norm=%s",
+                self.global_steps,
+                float(loss),
+                ",".join(f"{lr:.3e}" for lr in self.get_lr()),
+                f"{float(grad_norm):.4f}" if grad_norm is not None else "n/a",
+            )
+        return loss
+
+    def eval_batch(
+        self,
+        data_iter: Iterator[Any],
+        return_logits: bool = False,
+        compute_loss: bool = True,
+        num_micro_batches: int | None = None,
+    ) -> Any:
+        """Forward ``num_micro_batches`` (default: GAS) micro-batches without gradients.
+
+        Returns the mean loss (None when ``compute_loss`` is False); with ``return_logits``,
+        ``(loss, logits)`` where logits are the last stage's outputs per micro-batch (None on
+        other stages), as DeepSpeed does.
+        """
+        loss, logits = eval_batch(
+            self.executor,
+            data_iter,
+            num_micro_batches or self._gas,
+            compute_loss=compute_loss,
+            return_logits=return_logits,
+        )
+        return (loss, logits) if return_logits else loss
+
+    def forward(self, *args: Any, **kwargs: Any) -> Any:
+        """Not available: a pipeline runs whole batches (DeepSpeed raises here too)."""
+        raise RuntimeError(
+            "a PipelineEngine runs whole batches: call engine.train_batch(data_iter) (or "
+            "engine.eval_batch(data_iter)) instead of engine(...), backward() and step()"
+        )
+
+    __call__ = forward
+    backward = forward
+    step = forward
+
+    def save_checkpoint(self, *args: Any, **kwargs: Any) -> None:
+        """Not implemented yet for pipelines."""
+        raise NotImplementedError(
+            "saving a pipelined engine's checkpoint is not implemented yet; save each stage's "
+            "module.state_dict() and optimizer.state_dict() yourself meanwhile (names are "
+            "layer indices, e.g. '3.qkv.weight', the same on every layout)"
+        )
+
+    load_checkpoint = save_checkpoint
+
+
+def _check_supported(config: SlipstreamConfig) -> None:
+    stage = config.zero_optimization.stage
+    if stage > 0:
+        raise NotImplementedFeatureError(
+            f"zero_optimization.stage = {stage} with pipeline parallelism is not implemented "
+            "yet (it will come when slipstream-zero composes with slipstream-pipeline on the "
+            "data axis); use stage 0 with pipelines meanwhile",
+            "zero_optimization.stage",
+        )
+    if config.fp16.enabled:
+        raise NotImplementedFeatureError(
+            "fp16.enabled with pipeline parallelism is not implemented yet (the loss scale "
+            'must be shared by every stage); use "bf16": {"enabled": true} or fp32',
+            "fp16.enabled",
+        )
+
+
+def _check_module_matches(pipeline: PipelineConfig, model: PipelineModule) -> None:
+    """DeepSpeed's module keys in the ``pipeline`` block must agree with the module given."""
+    problems: list[tuple[str, Any, Any, str]] = []
+    if pipeline.stages != "auto" and pipeline.stages != model.num_stages:
+        problems.append(("stages", pipeline.stages, model.num_stages, "num_stages"))
+    if pipeline.partition != "best" and pipeline.partition != model.partition_method:
+        problems.append(
+            ("partition", pipeline.partition, model.partition_method, "partition_method")
+        )
+    if pipeline.seed_layers and not model.seed_layers:
+        problems.append(("seed_layers", True, False, "seed_layers"))
+    interval = pipeline.activation_checkpoint_interval
+    if interval and interval != model.activation_checkpoint_interval:
+        problems.append(
+            (
+                "activation_checkpoint_interval",
+                interval,
+                model.activation_checkpoint_interval,
+                "activation_checkpoint_interval",
+            )
+        )
+    if problems:
+        key, given, actual, argument = problems[0]
+        raise ConfigError(
+            f"pipeline.{key} = {given!r} but the PipelineModule was built with "
+            f"{argument}={actual!r}; the module is built before the engine, so set it there "
+            f"(or remove pipeline.{key})",
+            f"pipeline.{key}",
+        )
+
+
+def initialize_pipeline(
+    model: PipelineModule,
+    config: ConfigSource,
+    optimizer: Any = None,
+    model_parameters: Any = None,
+    training_data: Dataset | None = None,
+    lr_scheduler: Any = None,
+    collate_fn: Any = None,
+) -> tuple[PipelineEngine, torch.optim.Optimizer, DataLoader | None, Any]:
+    """``slipstream.initialize`` for a :class:`PipelineModule`: ``(engine, optimizer, loader,
+    scheduler)``. torch.distributed must be initialised (the module needed it already).
+
+    With ``training_data``, the loader gives each data-parallel replica its own samples and
+    the engine's default data iterator repeats it endlessly.
+    """
+    if not (dist.is_available() and dist.is_initialized()) and model.mpu() is not None:
+        raise RuntimeError("torch.distributed must be initialised before the pipeline engine")
+    grid = model.mpu()
+    dp = grid.data_parallel_size if grid is not None else 1
+    parsed, pipeline, checkpointing = load_pipeline_config(config, dp)
+    engine = PipelineEngine(
+        model=model,
+        config=parsed,
+        pipeline=pipeline,
+        checkpointing=checkpointing,
+        optimizer=optimizer,
+        model_parameters=model_parameters,
+        lr_scheduler=lr_scheduler,
+    )
+    loader = None
+    if training_data is not None:
+        loader = _build_dataloader(training_data, parsed, collate_fn, grid)
+        engine.set_dataiterator(_repeat(loader))
+    return engine, engine.optimizer, loader, engine.lr_scheduler
+
+
+def _build_dataloader(
+    dataset: Dataset, config: SlipstreamConfig, collate_fn: Any, grid: Any
+) -> DataLoader:
+    """Micro-batches for this rank's data-parallel replica (the stages of one pipeline read
+    the same samples: the first for inputs, the last for labels)."""
+    replicas = grid.data_parallel_size if grid is not None else 1
+    replica = grid.data_parallel_id if grid is not None else 0
+    sampler: DistributedSampler = DistributedSampler(
+        dataset, num_replicas=replicas, rank=replica, shuffle=True, drop_last=True
+    )
+    return DataLoader(
+        dataset,
+        batch_size=config.train_micro_batch_size_per_gpu,
+        sampler=sampler,
+        collate_fn=collate_fn,
+        drop_last=True,  # every micro-batch of a batch must have the same shape
+    )
+
+
+def _repeat(loader: DataLoader) -> Iterator[Any]:
+    """Cycle through ``loader`` forever, advancing the sampler's epoch each pass."""
+    epoch = 0
+    while True:
+        sampler = getattr(loader, "sampler", None)
+        set_epoch = getattr(sampler, "set_epoch", None)
+        if set_epoch is not None:
+            set_epoch(epoch)
+        yield from loader
+        epoch += 1
