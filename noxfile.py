@@ -17,13 +17,18 @@ import nox
 ROOT = Path(__file__).parent
 nox.options.reuse_existing_virtualenvs = True
 nox.options.default_venv_backend = "venv"
-nox.options.sessions = ["lint", "typecheck", "tests"]
+nox.options.sessions = ["lint", "typecheck", "tests", "kernels"]
 
 TORCH_SPEC = os.environ.get("SLIPSTREAM_TORCH_SPEC", "torch==2.13.0")
 VENV_PARAMS = ["--system-site-packages"]
 TEST_TOOLS = ["pytest>=8", "pytest-timeout", "hatchling>=1.18", "editables"]
 # What a package's tests need beyond the package itself (real HF models for MoE conversion).
-TEST_EXTRAS: dict[str, list[str]] = {"moe": ["transformers>=4.40"]}
+TEST_EXTRAS: dict[str, list[str]] = {
+    "kernels": [
+        "triton>=3.9"
+    ],  # the CPU interpreter (TRITON_INTERPRET=1); 3.6's breaks on NumPy 2.4
+    "moe": ["transformers>=4.40"],
+}
 
 
 class Package(enum.Enum):
@@ -31,6 +36,8 @@ class Package(enum.Enum):
 
     kernels = "kernels"
     comm = "packages/comm"
+    zero = "packages/zero"
+    pipeline = "packages/pipeline"
     moe = "packages/moe"
     slipstream = "packages/slipstream"
 
@@ -74,8 +81,20 @@ def tests(session: nox.Session, package: str) -> None:
         member = Package[package]
         _install(session, member.with_dependencies(), *extras)
         test_dir = member.path / "tests"
-    args = session.posargs or ["-m", "not gpu"]
+    if package == "kernels":
+        # Build the C++ CPU optimizers once, visibly, instead of inside the first test using them.
+        session.run("python", "-m", "slipstream.kernels.build_ops")
+    args = session.posargs or ["-m", "not gpu and not aot"]
     session.run("python", "-m", "pytest", str(test_dir), *args, env={"OMP_NUM_THREADS": "1"})
+
+
+@nox.session(venv_params=VENV_PARAMS)
+def kernels(session: nox.Session) -> None:
+    """Ahead-of-time builds without a GPU: every Triton kernel for sm_80, sm_90, gfx90a, gfx942
+    and gfx1100, plus the CUDA C++ sources through nvcc and hipify where nvcc is present."""
+    _install(session, [Package.kernels], "triton>=3.9")
+    session.run("python", "-m", "slipstream.kernels.aot", "--out", str(ROOT / "build" / "aot"))
+    session.run("python", "-m", "pytest", str(Package.kernels.path / "tests"), "-m", "aot")
 
 
 @nox.session(venv_params=VENV_PARAMS)

@@ -110,8 +110,7 @@ def test_umbrella_extends_namespace_across_separate_folders() -> None:
         "import slipstream, slipstream.kernels, slipstream.comm\n"
         "print(slipstream.__version__, callable(slipstream.initialize))\n",
         ROOT / "packages" / "slipstream" / "src",
-        ROOT / "kernels" / "src",
-        ROOT / "packages" / "comm" / "src",
+        *(DISTRIBUTIONS[name] / "src" for name in _sibling_requirements("slipstream")),
     )
     assert result.returncode == 0, result.stderr
     assert result.stdout.split() == ["0.1.0", "True"]

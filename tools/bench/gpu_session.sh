@@ -1,0 +1,48 @@
+#!/usr/bin/env bash
+# One GPU-machine session in phases (a device command may run 10 minutes at most):
+#   tests     every package's `gpu` tests, the demo on 2 GPUs, the kernels' GPU benchmark
+#   train     1.3b and 7b training beside DDP and FSDP2 (ZeRO stages, docs/benchmarks.md)
+#   pipeline  the 1.3b model at PP=2, each schedule
+#   scale     weak scaling of the 1.3b model on 1, 2 and 4 GPUs (needs 4 GPUs)
+# Results go to $OUT (or ./gpu-results) as logs and JSON lines. No nox or hatchling needed.
+set -uo pipefail
+cd "$(dirname "$0")/../.."
+export NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1
+export PYTHONUNBUFFERED=1 TORCH_CUDA_ARCH_LIST="9.0"
+src=$(ls -d kernels/src packages/*/src | tr '\n' ':')
+export PYTHONPATH="$src${PYTHONPATH:-}"
+out=${OUT:-gpu-results}
+mkdir -p "$out"
+gpus=$(python3 -c "import torch; print(torch.cuda.device_count())")
+
+for phase in "$@"; do
+  case $phase in
+    tests)
+      nvidia-smi --query-gpu=name,memory.total --format=csv,noheader | tee "$out/gpus.txt"
+      python3 -m pytest kernels/tests packages/*/tests integration-tests -m gpu -q \
+        -p no:cacheprovider 2>&1 | tee "$out/gpu_tests.log" | tail -8
+      python3 -m slipstream.cli run --num_procs "$(( gpus >= 2 ? 2 : 1 ))" \
+        --module slipstream.examples.gpt --out /tmp/demo 2>&1 | tee "$out/demo.log" \
+        | grep -E "engine:|step=(10|160) |at the first"
+      python3 tools/bench/kernels_bench.py --skip-cpu --json "$out/kernels_bench.json" 2>&1 \
+        | tee "$out/kernels_bench.log" | tail -25
+      ;;
+    train)
+      python3 tools/bench/run_all.py --gpus 2 --out "$out/train.jsonl" \
+        ddp@1.3b/4 fsdp2@1.3b/4 slipstream:0@1.3b/4 slipstream:1@1.3b/4 slipstream:2@1.3b/4 \
+        slipstream:3@1.3b/4 fsdp2@7b/2 slipstream:3@7b/2 2>&1 | tee "$out/train.log" | tail -14
+      ;;
+    pipeline)
+      CUDA_VISIBLE_DEVICES=0,1 torchrun --standalone --nproc_per_node 2 \
+        tools/bench/pipeline_bench.py --steps 6 --warmup 2 2>&1 | tee "$out/pipeline.log" | tail -12
+      ;;
+    scale)
+      for n in 1 4; do
+        python3 tools/bench/run_all.py --gpus "$n" --out "$out/scale.jsonl" \
+          fsdp2@1.3b/4 slipstream:1@1.3b/4 slipstream:2@1.3b/4 slipstream:3@1.3b/4 2>&1 \
+          | tee "$out/scale$n.log" | tail -7
+      done
+      ;;
+    *) echo "unknown phase $phase" >&2; exit 2 ;;
+  esac
+done
