@@ -100,8 +100,8 @@ def _check(results: list[dict], tolerance: float) -> None:
 
 @pytest.mark.parametrize(
     ("stage", "world_size"),
-    [(1, 2), (2, 4), (3, 1), (3, 2)],
-    ids=["stage1-w2", "stage2-w4", "stage3-w1", "stage3-w2"],
+    [(1, 2), (1, 4), (2, 2), (2, 4), (3, 1), (3, 2), (3, 4)],
+    ids=["stage1-w2", "stage1-w4", "stage2-w2", "stage2-w4", "stage3-w1", "stage3-w2", "stage3-w4"],
 )
 def test_zero_matches_plain_pytorch_fp32(stage: int, world_size: int) -> None:
     extra = {"stage3_param_persistence_threshold": 0} if world_size > 1 else {}
