@@ -20,7 +20,14 @@ _LAZY = {
     "init_distributed": ("slipstream.comm", "init_distributed"),
     "SlipstreamEngine": ("slipstream.runtime.engine", "SlipstreamEngine"),
     "load_config": ("slipstream.config", "load_config"),
+    "get_fp32_state_dict_from_zero_checkpoint": (
+        "slipstream.runtime.zero_checkpoint",
+        "get_fp32_state_dict_from_zero_checkpoint",
+    ),
 }
+# Sub-packages a DeepSpeed user reaches as attributes after `import slipstream`
+# (`slipstream.zero.Init(...)`, `slipstream.checkpointing.checkpoint(...)`), imported on first use.
+_SUBMODULES = frozenset({"comm", "kernels", "zero", "pipeline", "pipe", "moe", "checkpointing"})
 
 __all__ = ["__version__", *_LAZY]
 
@@ -33,4 +40,8 @@ def __getattr__(name: str):
         value = getattr(importlib.import_module(module_name), attr)
         globals()[name] = value
         return value
+    if name in _SUBMODULES:
+        import importlib
+
+        return importlib.import_module(f"slipstream.{name}")
     raise AttributeError(f"module 'slipstream' has no attribute {name!r}")
