@@ -14,6 +14,7 @@ import importlib.util
 import inspect
 import multiprocessing
 import os
+import pickle
 import queue
 import sys
 import time
@@ -102,7 +103,10 @@ def _child_main(
         initialised = True
         fn = _load(source, qualname)
         value = fn(*args, **kwargs)
-        results.put((rank, True, value))
+        # Pickled here with the standard pickler: a tensor is copied into the bytes instead of
+        # being shared through memory this process owns (which vanishes when it exits, before
+        # the parent may have read it).
+        results.put((rank, True, pickle.dumps(value)))
     except BaseException:
         results.put((rank, False, traceback.format_exc()))
     finally:
@@ -202,7 +206,7 @@ def _run_once(
                         )
             else:
                 if ok:
-                    values[rank] = payload
+                    values[rank] = pickle.loads(payload)
                 else:
                     failures[rank] = (1, f"rank {rank} of {world_size} raised:\n{payload}")
             if failures and not first_failure_at:
