@@ -12,7 +12,7 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from typing import Any
 
 import torch
@@ -146,12 +146,18 @@ class PipelineExecutor:
         *,
         compute_loss: bool = True,
         return_outputs: bool = False,
+        after_weight_gradients: Callable[[int, int], None] | None = None,
     ) -> PipelineResult:
         """Execute this rank's instructions of ``schedule`` for one batch.
 
         ``data_iter`` yields ``(inputs, labels)`` per micro-batch; only the ranks holding the
         model's first part (inputs) and last part (labels) read it, others may pass None. A
         training schedule accumulates ``loss / M`` gradients into the parameters.
+
+        ``after_weight_gradients(microbatch, chunk)`` runs after every instruction that
+        accumulates weight gradients (a full backward, or the weight pass of a split one);
+        ZeRO stage 2 reduce-scatters them there. The data-parallel replicas of a stage run the
+        same instructions, so they call it equally often (it may issue collectives).
         """
         if (
             schedule.num_stages != self.num_stages
@@ -228,6 +234,8 @@ class PipelineExecutor:
             elif op is Op.BACKWARD:
                 self._backward(slot, weights=None)
                 slot.release()
+                if after_weight_gradients is not None:
+                    after_weight_gradients(ins.microbatch, ins.chunk)
             elif op is Op.BACKWARD_INPUT:
                 self._backward_input(slot, part, self._chunk_weights(ins.chunk))
             elif op is Op.BACKWARD_WEIGHT:
@@ -236,6 +244,8 @@ class PipelineExecutor:
                 else:
                     self._backward(slot, weights=self._chunk_weights(ins.chunk))
                 slot.release()
+                if after_weight_gradients is not None:
+                    after_weight_gradients(ins.microbatch, ins.chunk)
             else:  # pragma: no cover - Op is closed
                 raise AssertionError(op)
         if self.communicator is not None:

@@ -5,11 +5,15 @@ stage holds only its share of a tied weight's gradient), then
 :func:`allreduce_data_parallel_gradients` (the replicas of a stage average), then
 :func:`clip_grad_norm_across_stages` (the norm spans every stage, so it needs the final
 gradients), then the optimizer.
+
+With ZeRO on the data axis the gradients end in shards instead (the umbrella's pipeline
+engine composes slipstream.zero); :func:`reduce_tied_gradients` takes a ``grad_of`` for them
+and :func:`grad_norm_across_stages` measures any (weight, gradient) pairs, over any groups.
 """
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 
 import torch
 import torch.distributed as dist
@@ -20,6 +24,7 @@ from slipstream.pipeline.module import PipelineModule
 __all__ = [
     "allreduce_data_parallel_gradients",
     "clip_grad_norm_across_stages",
+    "grad_norm_across_stages",
     "reduce_tied_gradients",
 ]
 
@@ -28,10 +33,17 @@ __all__ = [
 _DEFAULT_BUCKET_NUMEL = 25 * 1024 * 1024 // 4
 
 
-def reduce_tied_gradients(module: PipelineModule) -> None:
+def reduce_tied_gradients(
+    module: PipelineModule, grad_of: Callable[[torch.Tensor], torch.Tensor] | None = None
+) -> None:
     """Sum each tied weight's gradient across the stages that share it (collective over the
-    tie groups: every rank of the pipeline must call it)."""
-    module.allreduce_tied_weight_gradients()
+    tie groups: every rank of the pipeline must call it).
+
+    ``grad_of(weight)``: the tensor to sum in place instead of ``weight.grad`` (a ZeRO
+    gradient shard: the tie groups join the same data-parallel coordinate on every stage,
+    so the shards cover the same range of the weight).
+    """
+    module.allreduce_tied_weight_gradients(grad_of)
 
 
 def allreduce_data_parallel_gradients(
@@ -82,6 +94,31 @@ def _reduce_bucket(grads: list[torch.Tensor], group: dist.ProcessGroup | None, w
         offset += grad.numel()
 
 
+def grad_norm_across_stages(
+    module: PipelineModule,
+    grads: Sequence[tuple[torch.Tensor, torch.Tensor | None]],
+    groups: Sequence[dist.ProcessGroup | None],
+    device: torch.device,
+) -> torch.Tensor:
+    """The L2 norm of the whole model's gradient from this rank's ``(weight, gradient)`` pairs.
+
+    A gradient may be the weight's full gradient or this rank's shard of it (ZeRO); each
+    tied weight counts once (on its lowest stage). The fp32 sum of squares is all-reduced
+    over every group of ``groups`` in turn (the pipeline; with sharded gradients, first the
+    data-parallel group), so every rank gets the same norm. Collective over those groups.
+
+    >>> norm = grad_norm_across_stages(module, [(p, p.grad) for p in params], [pipe], dev)  # doctest: +SKIP
+    """
+    squares = torch.zeros((), dtype=torch.float32, device=device)
+    for weight, grad in grads:
+        if grad is not None and module.tied_weight_owner(weight):
+            squares += grad.detach().float().pow(2).sum()
+    for group in groups:
+        if group is not None and comm.get_world_size(group) > 1:
+            comm.all_reduce(squares, group=group)
+    return squares.sqrt()
+
+
 def clip_grad_norm_across_stages(
     module: PipelineModule,
     max_norm: float,
@@ -103,13 +140,7 @@ def clip_grad_norm_across_stages(
     ]
     if device is None:
         device = params[0].grad.device if params else torch.device("cpu")  # type: ignore[union-attr]
-    squares = torch.zeros((), dtype=torch.float32, device=device)
-    for p in params:
-        if module.tied_weight_owner(p):
-            squares += p.grad.detach().float().pow(2).sum()  # type: ignore[union-attr]
-    if pipe_group is not None and comm.get_world_size(pipe_group) > 1:
-        comm.all_reduce(squares, group=pipe_group)
-    total = squares.sqrt()
+    total = grad_norm_across_stages(module, [(p, p.grad) for p in params], [pipe_group], device)
     if max_norm > 0:
         coefficient = torch.clamp(max_norm / (total + 1e-6), max=1.0)
         for p in params:

@@ -404,12 +404,22 @@ class PipelineModule(nn.Module):
         return tensors
 
     # ------------------------------------------------------------------ tied weights
-    def allreduce_tied_weight_gradients(self) -> None:
-        """Sum the gradients of each tied weight across the stages sharing it (collective)."""
+    def allreduce_tied_weight_gradients(
+        self, grad_of: Callable[[torch.Tensor], torch.Tensor] | None = None
+    ) -> None:
+        """Sum the gradients of each tied weight across the stages sharing it (collective).
+
+        ``grad_of(weight)`` names the tensor to sum in place (default: ``weight.grad``, made
+        zeros when missing); ZeRO passes the weight's gradient shard, which covers the same
+        range on every stage of the tie group (same shape, same data-parallel coordinate).
+        """
         for key, (_, group) in self._tie_groups.items():
             if group is None:
                 continue
             for tensor in self._tied_tensors(key):
+                if grad_of is not None:
+                    dist.all_reduce(grad_of(tensor), group=group)
+                    continue
                 if tensor.grad is None:
                     tensor.grad = torch.zeros_like(tensor)
                 dist.all_reduce(tensor.grad, group=group)

@@ -3,15 +3,18 @@
 Composed from ``slipstream.pipeline`` calls, in order: the config's ``pipeline`` and
 ``activation_checkpointing`` blocks are parsed; the module goes to its device and its
 data-parallel replicas start from one set of weights; the optimizer and LR schedule are
-resolved as for the plain engine; an executor is wired to the neighbouring stages; and every
-``train_batch`` runs the schedule, then the gradient steps of
-:mod:`slipstream.pipeline.runtime` and the optimizer.
+resolved as for the plain engine; an executor is wired to the neighbouring stages; with
+``zero_optimization.stage`` 1 or 2 the optimizer is re-homed onto fp32 master shards over the
+stage's data-parallel group (slipstream.zero); and every ``train_batch`` runs the schedule,
+then the gradient steps of :mod:`slipstream.pipeline.runtime` (or their sharded counterparts)
+and the optimizer.
 """
 
 from __future__ import annotations
 
+import dataclasses
 import logging
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from typing import Any
 
 import torch
@@ -27,11 +30,20 @@ from slipstream.kernels.config_schema import ConfigError, NotImplementedFeatureE
 from slipstream.pipeline import checkpointing as activation_checkpointing
 from slipstream.pipeline.checkpointing import ActivationCheckpointingConfig
 from slipstream.pipeline.config import PipelineConfig
+from slipstream.pipeline.gradients import grad_norm_across_stages, reduce_tied_gradients
 from slipstream.pipeline.module import PipelineModule
-from slipstream.pipeline.runtime import build_executor, eval_batch, train_batch
+from slipstream.pipeline.runtime import (
+    StepResult,
+    aggregate_loss,
+    build_executor,
+    eval_batch,
+    train_batch,
+)
 from slipstream.pipeline.schedules import PipelineSchedule, build_schedule
+from slipstream.runtime import zero_setup
 from slipstream.runtime.lr_schedules import resolve_scheduler
 from slipstream.runtime.optimizers import resolve_optimizer
+from slipstream.zero import DataParallelGroup, ShardedOptimizerStates
 
 __all__ = ["PipelineEngine", "initialize_pipeline", "load_pipeline_config"]
 
@@ -78,8 +90,12 @@ class PipelineEngine:
     ...     loss = engine.train_batch(data_iter)
 
     Precision: ``bf16.enabled`` runs the stages under ``torch.autocast(bfloat16)`` with fp32
-    weights and optimizer (a deviation from DeepSpeed, which casts the module); fp16 and ZeRO
-    stages above 0 are not implemented with pipelines yet and raise.
+    weights and optimizer (a deviation from DeepSpeed, which casts the module); fp16 is not
+    implemented with pipelines yet and raises.
+
+    ZeRO: ``zero_optimization.stage`` 1 or 2 shards each stage's fp32 optimizer state (1) and
+    gradients (2) over that stage's data-parallel group (DeepSpeed refuses stage 2 with
+    pipelines); stage 3 raises.
     """
 
     def __init__(
@@ -131,9 +147,18 @@ class PipelineEngine:
         self.optimizer: torch.optim.Optimizer = resolved
         self.lr_scheduler = resolve_scheduler(lr_scheduler, config.scheduler, self.optimizer)
 
-        # 4. The executor (collective: creates the point-to-point groups) and the schedule.
+        # 4. The executor (collective: creates the point-to-point groups and makes the copies
+        # of tied weights equal) and the schedule.
         autocast = torch.bfloat16 if config.bf16.enabled else None
         self.executor = build_executor(model, self._device, autocast_dtype=autocast)
+
+        # 5. ZeRO 1-2: re-home the optimizer onto fp32 master shards over this stage's
+        # data-parallel group. After step 4, so that the masters of tied weights are cut from
+        # the synchronized copies (every stage sharing a weight starts from the same shard).
+        self.zero_stage = config.zero_optimization.stage
+        self.zero: ShardedOptimizerStates | None = None
+        if self.zero_stage in (1, 2):
+            self.zero = self._shard_optimizer(config)
         self._micro_batch = int(config.train_micro_batch_size_per_gpu)  # type: ignore[arg-type]
         self._gas = int(config.gradient_accumulation_steps)  # type: ignore[arg-type]
         self._train_batch = int(config.train_batch_size)  # type: ignore[arg-type]
@@ -166,6 +191,28 @@ class PipelineEngine:
         with torch.no_grad():
             for tensor in [*self.module.parameters(), *self.module.buffers()]:
                 comm.broadcast(tensor.data, src=src, group=group)
+
+    def _shard_optimizer(self, config: SlipstreamConfig) -> ShardedOptimizerStates:
+        group = DataParallelGroup(None, 1, 0)
+        if self.grid is not None:
+            group = DataParallelGroup.of(self.grid.get_data_parallel_group())
+            if group.rank != self.grid.data_parallel_id:
+                # The tied-weight sums of ZeRO shards rely on it (see _train_batch_sharded).
+                raise RuntimeError(
+                    f"rank {comm.get_rank()} is rank {group.rank} of its data-parallel group "
+                    f"but has data-parallel coordinate {self.grid.data_parallel_id}; ZeRO with "
+                    "pipelines needs the topology's data axis to order the group"
+                )
+        if config.zero_optimization.overlap_comm:
+            logger.info(
+                "zero_optimization.overlap_comm is not applied with pipelines: each "
+                "micro-batch's gradients are reduce-scattered after its backward instruction"
+            )
+        # overlap off: under the zero-bubble weight pass a weight's gradient can arrive in
+        # several parts, so a bucket must not launch before the instruction has finished.
+        settings = dataclasses.replace(zero_setup.zero_settings(config), overlap_comm=False)
+        params = [p for p in self.module.parameters() if p.requires_grad]
+        return ShardedOptimizerStates(params, self.optimizer, settings, group)
 
     # ------------------------------------------------------------------ DeepSpeed accessors
     @property
@@ -215,13 +262,16 @@ class PipelineEngine:
         """Run one batch (``gradient_accumulation_steps`` micro-batches) and one optimizer
         step; return the mean loss (a 0-dim tensor, the same on every rank)."""
         iterator = data_iter if data_iter is not None else self.data_iterator
-        loss, grad_norm = train_batch(
-            self.executor,
-            self.schedule,
-            iterator,
-            self.optimizer,
-            max_grad_norm=self.config.gradient_clipping,
-        )
+        if self.zero is not None:
+            loss, grad_norm = self._train_batch_sharded(iterator)
+        else:
+            loss, grad_norm = train_batch(
+                self.executor,
+                self.schedule,
+                iterator,
+                self.optimizer,
+                max_grad_norm=self.config.gradient_clipping,
+            )
         self._last_grad_norm = grad_norm
         if self.lr_scheduler is not None:
             self.lr_scheduler.step()
@@ -237,6 +287,78 @@ class PipelineEngine:
                 f"{float(grad_norm):.4f}" if grad_norm is not None else "n/a",
             )
         return loss
+
+    def _train_batch_sharded(self, iterator: Iterator[Any] | None) -> StepResult:
+        """``train_batch`` at ZeRO stage 1 or 2: the gradients end in this rank's fp32 shards.
+
+        The order, and why it gives the stage-0 result:
+
+        - Stage 1: the schedule accumulates every micro-batch's full gradient locally; the
+          tied weights' gradients are then summed across the stages sharing them (full
+          tensors, as at stage 0), and only then reduce-scattered (mean over the stage's
+          data-parallel group) into the master shards. The full gradients are dropped.
+        - Stage 2: each backward (or zero-bubble weight pass) instruction is followed by a
+          reduce-scatter of what it produced into the shards, accumulating there, so no
+          full-size gradient outlives its micro-batch. A tied weight's gradient is therefore
+          reduced over the data-parallel group on each sharing stage separately, and its
+          shards are summed across the tie group after the schedule. Both reductions are
+          sums (the mean is a sum times 1/DP), so the order does not change the result, and
+          the shards agree: a tie group joins the ranks of one data-parallel coordinate, which
+          own the same range of the weight (same shape, same group size; checked at set-up).
+          Summing the shards rather than full gradients also moves 1/DP of the bytes.
+        - Then, both stages: the global norm from the final shards (squares summed over the
+          data-parallel group and then over the pipeline, each tied weight counted on its
+          lowest stage only, as the stage-0 path does); the step clips every shard with it
+          (so the copies of a tied weight get the same update and stay bit-identical), steps
+          the optimizer on the shards and all-gathers them into the parameters.
+        """
+        zero = self.zero
+        assert zero is not None
+        module = self.module
+        if not self.schedule.train:
+            raise ValueError(f"schedule {self.schedule.name} is forward-only; use eval_batch")
+        module.train()
+        stage2 = self.zero_stage == 2
+        zero.prepare_backward(is_boundary=False)  # stage 1: the hooks stay idle meanwhile
+        after: Callable[[int, int], None] | None = self._reduce_scatter_now if stage2 else None
+        result = self.executor.run(self.schedule, iterator, after_weight_gradients=after)
+        if stage2:
+            reduce_tied_gradients(module, grad_of=self._master_grad)
+        else:
+            reduce_tied_gradients(module)
+            zero.finish_backward(is_boundary=True)
+        groups = []
+        if zero.group.world_size > 1:
+            groups.append(zero.group.group)
+        if self.grid is not None and self.grid.pipe_parallel_size > 1:
+            groups.append(self.grid.get_pipe_parallel_group())
+        norm = grad_norm_across_stages(
+            module,
+            [(p, m.grad) for p, m in zip(zero.params, zero.masters.masters)],
+            groups,
+            self._device,
+        )
+        zero.optimizer.step(max_grad_norm=self.config.gradient_clipping, grad_norm=norm)
+        zero.zero_grad()
+        return StepResult(aggregate_loss(self.executor, result.losses, self._device), norm)
+
+    def _reduce_scatter_now(self, microbatch: int, chunk: int) -> None:
+        """Stage 2, after each backward instruction: reduce-scatter its gradients into the
+        shards (the data-parallel replicas of this stage run the same instructions)."""
+        assert self.zero is not None
+        self.zero.finish_backward()
+
+    def _master_grad(self, weight: torch.Tensor) -> torch.Tensor:
+        """The fp32 gradient shard of ``weight`` (zeros for a frozen one, so that the tie
+        group's collectives still match)."""
+        assert self.zero is not None
+        index = self.zero.masters.index_of.get(id(weight))
+        if index is None:
+            return torch.zeros(1, dtype=torch.float32, device=self._device)
+        master = self.zero.masters.masters[index]
+        if master.grad is None:
+            master.grad = torch.zeros_like(master)
+        return master.grad
 
     def eval_batch(
         self,
@@ -284,11 +406,12 @@ class PipelineEngine:
 
 def _check_supported(config: SlipstreamConfig) -> None:
     stage = config.zero_optimization.stage
-    if stage > 0:
+    if stage > 2:
         raise NotImplementedFeatureError(
             f"zero_optimization.stage = {stage} with pipeline parallelism is not implemented "
-            "yet (it will come when slipstream-zero composes with slipstream-pipeline on the "
-            "data axis); use stage 0 with pipelines meanwhile",
+            "(each stage would gather its parameters for every micro-batch); use stage 1 or 2 "
+            "with pipelines, which shard the optimizer states (and gradients) over each "
+            "stage's data-parallel group",
             "zero_optimization.stage",
         )
     if config.fp16.enabled:

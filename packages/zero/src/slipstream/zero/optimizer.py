@@ -62,14 +62,26 @@ class ZeroOptimizer:
         """The wrapped optimizer's per-shard state."""
         return self.optimizer.state  # type: ignore[return-value]
 
-    def step(self, loss_scale: float | None = None, max_grad_norm: float = 0.0) -> StepOutcome:
-        """Take one update from the reduced gradient shards; skip it on an fp16 overflow."""
+    def step(
+        self,
+        loss_scale: float | None = None,
+        max_grad_norm: float = 0.0,
+        grad_norm: torch.Tensor | None = None,
+    ) -> StepOutcome:
+        """Take one update from the reduced gradient shards; skip it on an fp16 overflow.
+
+        ``grad_norm``: the global norm of the (unscaled) gradients when the caller has computed
+        it, e.g. a pipeline's norm, which also spans the other stages this group does not
+        reach. None: computed here from the shards over the data-parallel group.
+        """
         grads = self.masters.grads()
         if loss_scale is not None and overflow_on_any_rank(grads, self.group, self.device):
             return StepOutcome(overflow=True, grad_norm=None)
         if loss_scale is not None and loss_scale != 1.0 and grads:
             torch._foreach_mul_(grads, 1.0 / loss_scale)
-        norm = global_grad_norm(grads, self.group, self.device)
+        norm = (
+            grad_norm if grad_norm is not None else global_grad_norm(grads, self.group, self.device)
+        )
         clip_grads_(grads, norm, max_grad_norm)
         self.optimizer.step()
         self._publish()
