@@ -18,7 +18,7 @@ from slipstream.kernels.ops.lion.reference import lion as lion_reference
 from slipstream.kernels.optim import Lamb, Lion
 from slipstream.kernels.registry import OpRegistry
 
-SHAPES = [(33, 17), (5,), (1,), (2100,)]  # odd sizes; 2100 spans three 1024-element blocks
+SHAPES = [(33, 17), (5,), (1,), (2100,), (9000,)]  # odd sizes spanning several blocks
 # fp32 params of order 1 after several steps: a few units in the last place.
 FP32_STEP = {"rtol": 1e-5, "atol": 2e-6}
 # bf16/fp16 params after three steps: each step rounds once, and Triton's interpreter truncates
@@ -138,6 +138,32 @@ def test_triton_adam_matches_reference(
     for got, want in zip(ours + states[0] + states[1], theirs + states[2] + states[3]):
         tolerance = FP32_STEP if got.dtype == torch.float32 else HALF_STEPS
         torch.testing.assert_close(got.float(), want.float(), **tolerance)
+
+
+def test_triton_adam_unaligned_views_of_flat_buffers(triton_device) -> None:
+    from slipstream.kernels.ops._multi_tensor import groups
+    from slipstream.kernels.ops.adam.triton import adam
+
+    # Views at odd element offsets into flat buffers (as ZeRO's flattened partitions are): the
+    # addresses are not 16-byte aligned, so the kernel must take its unhinted path.
+    def views(flat: torch.Tensor) -> list[torch.Tensor]:
+        return [flat[1:4500], flat[4500:4503], flat[4503:13000]]
+
+    generator = torch.Generator().manual_seed(7)
+    flats = [torch.randn(13000, generator=generator).to(triton_device) for _ in range(2)]
+    states = [torch.zeros(13000, device=triton_device) for _ in range(4)]
+    ours, theirs = views(flats[0]), views(flats[0].clone())
+    assert not groups("adam", [ours])[0].aligned
+    options = dict(lr=1e-2, beta1=0.9, beta2=0.99, eps=1e-8, weight_decay=0.1, adam_w_mode=True)
+    for step in range(1, 3):
+        grads = views(flats[1] * step)
+        adam(ours, grads, views(states[0]), views(states[1]), bias_correction=True, step=step,
+             **options)  # fmt: skip
+        adam_reference(theirs, grads, views(states[2]), views(states[3]), bias_correction=True,
+                       step=step, **options)  # fmt: skip
+    for got, want in zip(ours + views(states[0]) + views(states[1]),
+                         theirs + views(states[2]) + views(states[3])):  # fmt: skip
+        torch.testing.assert_close(got, want, **FP32_STEP)
 
 
 def test_triton_adam_refuses_non_contiguous_tensors(triton_device) -> None:
