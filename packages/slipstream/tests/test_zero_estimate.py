@@ -72,3 +72,33 @@ def test_estimate_cli(capsys: pytest.CaptureFixture[str]) -> None:
     assert "1.311 B parameters, 2 data-parallel rank(s)" in out
     assert out.count("\n") >= 6 and "activations per rank" in out
     assert main(["estimate"]) == 2
+
+
+def test_transformer_params_counts_a_real_swiglu_decoder() -> None:
+    from torch import nn
+
+    from slipstream.runtime.estimate import transformer_params
+
+    hidden, layers, vocab, ffn = 48, 3, 101, 80
+
+    def block() -> nn.ModuleList:
+        return nn.ModuleList(
+            [
+                nn.Linear(hidden, 3 * hidden, bias=False),  # fused QKV
+                nn.Linear(hidden, hidden, bias=False),  # output projection
+                nn.Linear(hidden, 2 * ffn, bias=False),  # SwiGLU gate and value
+                nn.Linear(ffn, hidden, bias=False),  # down
+            ]
+        )
+
+    model = nn.ModuleList(
+        [
+            nn.Embedding(vocab, hidden),
+            *(block() for _ in range(layers)),
+            nn.Linear(hidden, vocab, bias=False),
+        ]
+    )
+    counted = sum(p.numel() for p in model.parameters())
+    assert transformer_params(hidden, layers, vocab, ffn=ffn, gated=True, tied=False) == counted
+    # GPT defaults: 4h MLP, tied embedding.
+    assert transformer_params(hidden, layers, vocab) == 12 * layers * hidden**2 + vocab * hidden

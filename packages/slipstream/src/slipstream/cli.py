@@ -57,7 +57,14 @@ def _estimate(args: argparse.Namespace) -> int:
     params = (
         int(float(args.params))
         if args.params is not None
-        else transformer_params(args.hidden, args.layers, args.vocab)
+        else transformer_params(
+            args.hidden,
+            args.layers,
+            args.vocab,
+            ffn=args.ffn,
+            gated=args.swiglu,
+            tied=not args.untied,
+        )
     )
     activations = None
     if None not in (args.hidden, args.layers, args.seq, args.micro_batch, args.heads):
@@ -104,6 +111,9 @@ def _add_tool_commands(sub: argparse._SubParsersAction) -> None:
     estimate.add_argument("--seq", type=int, help="sequence length")
     estimate.add_argument("--micro-batch", type=int, help="micro-batch per rank")
     estimate.add_argument("--vocab", type=int, default=50304, help="vocabulary (default 50304)")
+    estimate.add_argument("--ffn", type=int, help="MLP width (default 4 × hidden)")
+    estimate.add_argument("--swiglu", action="store_true", help="gated MLP (3 matrices)")
+    estimate.add_argument("--untied", action="store_true", help="separate LM head")
     estimate.add_argument("--num-gpus", type=int, default=1, help="ranks per node")
     estimate.add_argument("--num-nodes", type=int, default=1, help="nodes")
     estimate.add_argument("--dtype", choices=["bf16", "fp16", "fp32"], default="bf16")

@@ -116,9 +116,27 @@ def estimate_activations(
     return ActivationEstimate(per_layer, per_layer * layers, checkpointed)
 
 
-def transformer_params(hidden: int, layers: int, vocab: int) -> int:
-    """Parameters of a GPT-style model: 12·L·h² (blocks) + V·h (tied embedding)."""
-    return 12 * layers * hidden * hidden + vocab * hidden
+def transformer_params(
+    hidden: int,
+    layers: int,
+    vocab: int,
+    ffn: int | None = None,
+    gated: bool = False,
+    tied: bool = True,
+) -> int:
+    """Weight-matrix parameters of a decoder: per layer 4·h² (QKV and output projection) plus
+    the MLP (2·h·ffn, or 3·h·ffn when gated as SwiGLU), plus the embedding (and an untied LM
+    head). Norms and biases are left out. The defaults (ffn = 4h, plain MLP, tied) give GPT's
+    12·L·h² + V·h; the Llama-style 1.3b of the benchmarks is ``ffn=5504, gated=True,
+    tied=False``.
+
+    >>> transformer_params(2048, 24, 32000, ffn=5504, gated=True, tied=False) / 1e9
+    1.345323008
+    """
+    ffn = 4 * hidden if ffn is None else ffn
+    mlp = (3 if gated else 2) * hidden * ffn
+    embeddings = vocab * hidden * (1 if tied else 2)
+    return layers * (4 * hidden * hidden + mlp) + embeddings
 
 
 def format_estimate(
