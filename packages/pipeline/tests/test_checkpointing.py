@@ -121,8 +121,8 @@ def test_config_errors():
         ConfigError, match=r"did you mean 'activation_checkpointing\.cpu_checkpointing'"
     ):
         checkpointing.configure(deepspeed_config={"cpu_checkpoint": True})
-    with pytest.raises(NotImplementedFeatureError, match="contiguous_memory_optimization"):
-        checkpointing.configure(contiguous_checkpointing=True)
+    # Nothing is partitioned with one tensor-parallel rank: accepted (DeepSpeed configs set it).
+    assert checkpointing.configure(contiguous_checkpointing=True).contiguous_memory_optimization
 
     class TwoWayTensorParallel:
         def get_model_parallel_world_size(self):
@@ -130,6 +130,8 @@ def test_config_errors():
 
     with pytest.raises(NotImplementedFeatureError, match="tensor-parallel"):
         checkpointing.configure(TwoWayTensorParallel(), partition_activations=True)
+    with pytest.raises(NotImplementedFeatureError, match="contiguous_memory_optimization"):
+        checkpointing.configure(TwoWayTensorParallel(), contiguous_checkpointing=True)
     with pytest.raises(TypeError, match="config dict"):
         checkpointing.configure(deepspeed_config="ds.json")
 

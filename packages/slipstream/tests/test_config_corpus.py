@@ -59,19 +59,13 @@ EXPECTED: dict[str, tuple[str, str | None]] = {
         "zero_optimization.cpu_offload",
     ),
     "ds_tests_model_Megatron_GPT2_ds_config_func_bs8_no_zero.json": ("load", None),
-    "ds_tests_model_Megatron_GPT2_ds_config_func_bs8_zero0_gas3.json": (
-        "not_implemented",
-        "activation_checkpointing",
-    ),
+    # partition_activations + contiguous_memory_optimization: no-ops with one tensor-parallel rank
+    "ds_tests_model_Megatron_GPT2_ds_config_func_bs8_zero0_gas3.json": ("load", None),
     "ds_tests_model_Megatron_GPT2_ds_config_func_bs8_zero1.json": ("load", None),
-    "ds_tests_model_Megatron_GPT2_ds_config_func_bs8_zero2.json": (
-        "not_implemented",
-        "activation_checkpointing",
-    ),
-    "ds_tests_model_Megatron_GPT2_ds_config_func_bs8_zero2_gas3.json": (
-        "not_implemented",
-        "activation_checkpointing",
-    ),
+    # partition_activations + contiguous_memory_optimization: no-ops with one tensor-parallel rank
+    "ds_tests_model_Megatron_GPT2_ds_config_func_bs8_zero2.json": ("load", None),
+    # partition_activations + contiguous_memory_optimization: no-ops with one tensor-parallel rank
+    "ds_tests_model_Megatron_GPT2_ds_config_func_bs8_zero2_gas3.json": ("load", None),
     "ds_tests_model_Megatron_GPT2_ds_config_func_bs8_zero2_offload.json": (
         "not_implemented",
         "zero_optimization.cpu_offload",

@@ -48,9 +48,10 @@ class ActivationCheckpointingConfig(ConfigBlock):
       parallelism lands.
     - ``cpu_checkpointing``: keep the saved inputs in host memory, copying them back for the
       recomputation (frees accelerator memory at the cost of two copies per checkpoint).
-    - ``contiguous_memory_optimization``: DeepSpeed's preallocated activation buffer; not
-      implemented (PyTorch's ``expandable_segments`` allocator addresses the same
-      fragmentation), so ``true`` is an error.
+    - ``contiguous_memory_optimization``: in DeepSpeed, copies the *partitioned* activations
+      into one preallocated buffer. With a tensor-parallel group of one rank nothing is
+      partitioned, so it has nothing to do and is accepted (logged once); with a larger group
+      it raises, like ``partition_activations``.
     - ``number_checkpoints``: the buffer size for the above; accepted and unused.
     - ``synchronize_checkpoint_boundary``: synchronise the accelerator before and after each
       checkpointed forward (for timing and debugging).
@@ -66,20 +67,6 @@ class ActivationCheckpointingConfig(ConfigBlock):
     number_checkpoints: int | None = dataclasses.field(default=None, metadata={"ge": 1})
     synchronize_checkpoint_boundary: bool = False
     profile: bool = False
-
-    def validate(self, path: str) -> None:
-        """``contiguous_memory_optimization`` is recognised but not implemented."""
-        if self.contiguous_memory_optimization:
-            not_implemented(
-                f"{path}.contiguous_memory_optimization"
-                if path
-                else "contiguous_memory_optimization",
-                True,
-                "a preallocated contiguous activation buffer",
-                "a later release of slipstream-pipeline",
-                "Set it to false; PYTORCH_CUDA_ALLOC_CONF=expandable_segments:True reduces "
-                "the same fragmentation.",
-            )
 
 
 @dataclasses.dataclass
@@ -144,13 +131,20 @@ def configure(
     base.update({k: v for k, v in overrides.items() if v is not None})
     config = ActivationCheckpointingConfig.from_dict(base, "activation_checkpointing")
     tp_size = int(mpu_.get_model_parallel_world_size()) if mpu_ is not None else 1
-    if config.partition_activations and tp_size > 1:
-        not_implemented(
-            "activation_checkpointing.partition_activations",
-            True,
-            f"partitioning checkpointed activations across {tp_size} tensor-parallel ranks",
-            "the tensor-parallel release of slipstream-comm",
-            "Set it to false meanwhile.",
+    for key in ("partition_activations", "contiguous_memory_optimization"):
+        if getattr(config, key) and tp_size > 1:
+            not_implemented(
+                f"activation_checkpointing.{key}",
+                True,
+                f"partitioning checkpointed activations across {tp_size} tensor-parallel ranks",
+                "the tensor-parallel release of slipstream-comm",
+                "Set it to false meanwhile.",
+            )
+    if config.contiguous_memory_optimization and tp_size == 1:
+        logger.info(
+            "activation_checkpointing.contiguous_memory_optimization has no effect with one "
+            "tensor-parallel rank: no activations are partitioned, so none are gathered into "
+            "a contiguous buffer"
         )
     _config, _configured, _tensor_parallel_size = config, True, tp_size
     return config
