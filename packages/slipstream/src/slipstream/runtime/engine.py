@@ -20,6 +20,13 @@ from slipstream.runtime import checkpoint as checkpointing
 from slipstream.runtime import zero_setup
 from slipstream.runtime.data_parallel import GradientReducer, ReduceSettings, register_ready_hooks
 from slipstream.runtime.lr_schedules import resolve_scheduler
+from slipstream.runtime.moe_gradients import (
+    ExpertParallelZero,
+    agree_overflow,
+    expert_layout,
+    moe_clip_grad_norm,
+    reduce_expert_grads,
+)
 from slipstream.runtime.optimizers import resolve_optimizer
 from slipstream.runtime.precision import MasterWeights
 from slipstream.runtime.throughput import ProgressReport, ThroughputMeter, count_tokens, peak_tflops
@@ -49,7 +56,8 @@ class SlipstreamEngine(torch.nn.Module):
     client's), a bucketed gradient all-reduce across the data-parallel group (stage 0) or
     slipstream.zero's sharding (``zero_optimization.stage`` 1-3: the optimizer on fp32 master
     shards, gradients reduce-scattered; at stage 3 the parameters sharded first), and the loss
-    scaler for fp16.
+    scaler for fp16. Expert-parallel MoE parameters (slipstream.moe, ``ep_size > 1``) are reduced
+    over their expert-data-parallel groups at stages 0-2 (runtime/moe_gradients.py).
     """
 
     def __init__(
@@ -82,8 +90,22 @@ class SlipstreamEngine(torch.nn.Module):
         )
         self.module = model
         self.zero_stage = config.zero_optimization.stage
-        self.zero: ZeroGradientPath | None = None
+        self.zero: ZeroGradientPath | ExpertParallelZero | None = None
         self._stage3: Any = None
+        # Expert-parallel MoE parameters (slipstream.moe, ep_size > 1) reduce over their own
+        # expert-data-parallel groups (see runtime/moe_gradients.py).
+        self._experts = expert_layout(
+            [(n, p) for n, p in model.named_parameters() if p.requires_grad],
+            self.dp_group,
+            self.dp_world_size,
+        )
+        if self.zero_stage == 3 and self._experts.is_expert_parallel:
+            raise NotImplementedError(
+                "ZeRO stage 3 does not support expert-parallel MoE layers (ep_size > 1; groups "
+                f"{sorted(self._experts.expert)}): their parameters would have to be sharded "
+                "over their expert-data-parallel groups. Use zero_optimization.stage 1 or 2 "
+                "(expert and dense optimizer states are both sharded there), or ep_size=1."
+            )
         if self.zero_stage == 3:
             # Stage 3 places and casts each parameter as it shards it (the whole module never
             # sits on the device at once), broadcasting rank 0's values first.
@@ -101,7 +123,6 @@ class SlipstreamEngine(torch.nn.Module):
             self._broadcast_module_from_rank0()
 
         named = [(n, p) for n, p in model.named_parameters() if p.requires_grad]
-        _refuse_expert_parallel(named, self.dp_world_size)
         self._param_names = [n for n, _ in named]
         self._params = [p for _, p in named]
         self.masters = (
@@ -125,13 +146,22 @@ class SlipstreamEngine(torch.nn.Module):
                     "but there is no optimizer: pass initialize(optimizer=...) or add an "
                     "'optimizer' block to the config"
                 )
-            self.zero = zero_setup.attach_optimizer(
-                zero_setup.zero_settings(config),
-                self._zero_group(),
-                self._params,
-                self.optimizer,
-                self._stage3,
-            )
+            if self._experts.is_expert_parallel:
+                self.zero = ExpertParallelZero(
+                    zero_setup.zero_settings(config),
+                    self._zero_group(),
+                    self._params,
+                    self.optimizer,
+                    self._experts,
+                )
+            else:
+                self.zero = zero_setup.attach_optimizer(
+                    zero_setup.zero_settings(config),
+                    self._zero_group(),
+                    self._params,
+                    self.optimizer,
+                    self._stage3,
+                )
         self.lr_scheduler = resolve_scheduler(lr_scheduler, config.scheduler, self.optimizer)
 
         # 3. fp16 loss scaling.
@@ -143,12 +173,23 @@ class SlipstreamEngine(torch.nn.Module):
         )
         self.reducer: GradientReducer | None = None
         self._hooks: list[Any] = []
-        if self.zero is not None:
+        # Position of each parameter in the dense reducer (None: an expert-parallel parameter,
+        # reduced over its expert-DP group after backward instead).
+        self._reducer_index: list[int | None] = list(range(len(self._params)))
+        if isinstance(self.zero, ExpertParallelZero):
+            self._grad_sources = [m for part in self.zero.parts for m in part.masters.masters]
+        elif self.zero is not None:
             self._grad_sources = list(self.zero.masters.masters)
         else:
             if self.dp_world_size > 1:
+                dense = self._experts.dense
+                self._reducer_index = [None] * len(self._params)
+                for position, index in enumerate(dense):
+                    self._reducer_index[index] = position
                 self.reducer = GradientReducer(
-                    self._grad_sources, self._reduce_settings(), group=self.dp_group
+                    [self._grad_sources[i] for i in dense],
+                    self._reduce_settings(),
+                    group=self.dp_group,
                 )
             self._hooks = register_ready_hooks(self._params, self._on_grad_ready)
 
@@ -207,7 +248,15 @@ class SlipstreamEngine(torch.nn.Module):
         src = dist.get_global_rank(self.dp_group, 0) if self.dp_group is not None else 0
         with torch.no_grad():
             for tensor in [*self.module.parameters(), *self.module.buffers()]:
-                comm.broadcast(tensor.data, src=src, group=self.dp_group)
+                name = self._experts.group_of.get(id(tensor))
+                if name is not None:
+                    # An expert-parallel rank holds its own experts: they are equal only
+                    # within its expert-data-parallel group, so they come from its rank 0.
+                    group = self._experts.dp_groups[name]
+                    assert group is not None  # None only at ep_size 1, which counts as dense
+                    comm.broadcast(tensor.data, src=dist.get_global_rank(group, 0), group=group)
+                else:
+                    comm.broadcast(tensor.data, src=src, group=self.dp_group)
 
     def _zero_group(self) -> DataParallelGroup:
         return DataParallelGroup.of(self.dp_group)
@@ -337,6 +386,15 @@ class SlipstreamEngine(torch.nn.Module):
             if reduce_now:
                 assert self.reducer is not None
                 self.reducer.finish()
+                if self._experts.is_expert_parallel:
+                    # Summed over each expert-DP group, divided by the whole DP world size
+                    # (every rank's loss counts once): see runtime/moe_gradients.py.
+                    reduce_expert_grads(
+                        self._grad_sources,
+                        self._experts,
+                        self.dp_world_size,
+                        self._reduce_settings().bucket_numel,
+                    )
         return scaled.detach()
 
     def _zero_backward(self, to_backprop: torch.Tensor, retain_graph: bool) -> None:
@@ -358,7 +416,9 @@ class SlipstreamEngine(torch.nn.Module):
         if self.masters is not None:
             self.masters.accumulate(index)
         if self.reducer is not None:
-            self.reducer.mark_ready(index)
+            position = self._reducer_index[index]
+            if position is not None:
+                self.reducer.mark_ready(position)
 
     def _record_loss(self, loss: torch.Tensor) -> None:
         value = loss.detach().float().reshape(())
@@ -396,7 +456,11 @@ class SlipstreamEngine(torch.nn.Module):
         overflow = False
         if self.loss_scaler is not None:
             # One host sync per step: the skip decision must be known before stepping.
-            overflow = grads_have_inf_or_nan(grads)
+            overflow = (
+                agree_overflow(grads, self._device)
+                if self._experts.is_expert_parallel
+                else grads_have_inf_or_nan(grads)
+            )
         if overflow:
             assert self.loss_scaler is not None
             old_scale = self.loss_scaler.loss_scale
@@ -412,7 +476,7 @@ class SlipstreamEngine(torch.nn.Module):
         else:
             if self.loss_scaler is not None and grads:
                 torch._foreach_mul_(grads, 1.0 / self.loss_scaler.loss_scale)
-            self._last_grad_norm = _clip_grad_norm(grads, self.config.gradient_clipping)
+            self._last_grad_norm = self._clip_gradients(grads)
             self.optimizer.step()
             if self.loss_scaler is not None:
                 self.loss_scaler.update(False)
@@ -421,6 +485,27 @@ class SlipstreamEngine(torch.nn.Module):
             if self.lr_scheduler is not None:
                 self.lr_scheduler.step(**(lr_kwargs or {}))
         self.zero_grad()
+
+    def _clip_gradients(self, grads: list[torch.Tensor]) -> torch.Tensor | None:
+        """Stage 0: the global gradient norm, clipping to ``gradient_clipping`` when set."""
+        max_norm = self.config.gradient_clipping
+        if not self._experts.is_expert_parallel:
+            return _clip_grad_norm(grads, max_norm)
+        # Dense gradients count once; expert shares are summed over their expert-parallel
+        # groups (disjoint experts per rank).
+        sources = self._grad_sources
+        dense = [sources[i].grad for i in self._experts.dense if sources[i].grad is not None]
+        expert = {
+            name: [sources[i].grad for i in indices if sources[i].grad is not None]
+            for name, indices in self._experts.expert.items()
+        }
+        return moe_clip_grad_norm(
+            dense,  # type: ignore[arg-type]
+            expert,  # type: ignore[arg-type]
+            self._experts,
+            max_norm,
+            self._device,
+        )
 
     def _take_zero_step(self, lr_kwargs: dict[str, Any] | None) -> None:
         assert self.zero is not None
@@ -499,6 +584,7 @@ class SlipstreamEngine(torch.nn.Module):
         save_latest: bool = True,
     ) -> Path:
         """Save model, optimizer, schedule, loss scale, counters and RNG under ``save_dir/tag``."""
+        self._refuse_expert_parallel_checkpoint()
         return checkpointing.save(self, save_dir, tag, client_state or {}, save_latest)
 
     def load_checkpoint(
@@ -511,6 +597,7 @@ class SlipstreamEngine(torch.nn.Module):
         load_module_only: bool = False,
     ) -> tuple[Path, dict[str, Any]]:
         """Restore a checkpoint; returns ``(path, client_state)``. Raises if it is missing or bad."""
+        self._refuse_expert_parallel_checkpoint()
         return checkpointing.load(
             self,
             load_dir,
@@ -520,6 +607,15 @@ class SlipstreamEngine(torch.nn.Module):
             load_lr_scheduler_states=load_lr_scheduler_states and not load_module_only,
             load_module_only=load_module_only,
         )
+
+    def _refuse_expert_parallel_checkpoint(self) -> None:
+        if self._experts.is_expert_parallel:
+            raise NotImplementedError(
+                "engine checkpoints of a model with expert-parallel MoE layers are not supported "
+                "yet (each expert-parallel rank holds different experts and optimizer state); "
+                "save the weights with slipstream.moe.full_state_dict(engine.module) and reshard "
+                "them with slipstream.moe.expert_parallel_state_dict"
+            )
 
     def save_16bit_model(
         self, save_dir: str | Path, save_filename: str = "model.safetensors"
@@ -550,29 +646,6 @@ def _refuse_partitioned(model: torch.nn.Module, stage: int) -> None:
                 f"parameter {name!r} was partitioned by slipstream.zero.Init, which only ZeRO "
                 f"stage 3 can train; this config has zero_optimization.stage = {stage}. Set "
                 '"stage": 3, or build the model outside zero.Init.'
-            )
-
-
-def _refuse_expert_parallel(
-    named: list[tuple[str, torch.nn.Parameter]], dp_world_size: int
-) -> None:
-    """Expert-parallel MoE parameters (``allreduce = False`` with experts split over ranks) need
-    their gradients reduced over their expert-data-parallel group and a norm summed over the
-    expert-parallel group; the engine's all-reduce over every rank would average different
-    experts together. Until the engine composes slipstream.moe's reduction, refuse clearly."""
-    for name, param in named:
-        group_name = getattr(param, "group_name", None)
-        if getattr(param, "allreduce", True) or group_name is None or dp_world_size == 1:
-            continue
-        from slipstream.moe import get_expert_data_parallel_group
-
-        expert_dp = get_expert_data_parallel_group(group_name)
-        if comm.get_world_size(expert_dp) != dp_world_size:
-            raise NotImplementedError(
-                f"parameter {name!r} belongs to an expert-parallel MoE layer ({group_name}); the "
-                "engine does not reduce expert-parallel gradients over their own groups yet. "
-                "Use ep_size=1 with the engine, or train with your own loop and "
-                "slipstream.moe.allreduce_gradients / slipstream.moe.clip_grad_norm_."
             )
 
 

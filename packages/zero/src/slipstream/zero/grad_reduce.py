@@ -64,7 +64,10 @@ class GradientReduceScatter:
     every rank's collectives match, then waits and adds the results into the masters.
 
     Averaging follows DeepSpeed: divide by ``gradient_predivide_factor`` before and by
-    ``world / factor`` after (or by ``world`` before with ``prescale``).
+    ``world / factor`` after (or by ``world`` before with ``prescale``). ``divisor`` replaces
+    ``world`` there when the mean is over more ranks than the group reduces over: expert
+    parameters are summed over their expert-data-parallel group but averaged over the whole
+    data-parallel world (every rank's loss counts once).
     """
 
     def __init__(
@@ -79,8 +82,12 @@ class GradientReduceScatter:
         communication_dtype: torch.dtype | None = None,
         gradient_predivide_factor: float = 1.0,
         prescale: bool = False,
+        divisor: int | None = None,
     ) -> None:
+        if divisor is not None and divisor < 1:
+            raise ValueError(f"divisor must be a positive rank count, got {divisor}")
         self.masters = masters
+        self.divisor = divisor if divisor is not None else group.world_size
         self.group = group
         self.grad_of = grad_of
         self.release = release
@@ -155,7 +162,7 @@ class GradientReduceScatter:
     def _launch(self, bucket: _Bucket) -> None:
         buffer = self._ensure_buffer(bucket)
         if self.prescale:
-            buffer.mul_(1.0 / self.group.world_size)
+            buffer.mul_(1.0 / self.divisor)
         elif self.predivide != 1.0:
             buffer.mul_(1.0 / self.predivide)
         bucket.output = torch.empty(bucket.shard_numel, dtype=self.dtype, device=buffer.device)
@@ -172,7 +179,7 @@ class GradientReduceScatter:
         while self._next < len(self._buckets):
             self._launch(self._buckets[self._next])
             self._next += 1
-        post = 1.0 if self.prescale else self.predivide / self.group.world_size
+        post = 1.0 if self.prescale else self.predivide / self.divisor
         for bucket in self._buckets:
             if bucket.work is not None:
                 bucket.work.wait()

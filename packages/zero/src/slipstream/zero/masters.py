@@ -41,11 +41,14 @@ class ShardedMasterWeights:
     def __len__(self) -> int:
         return len(self.masters)
 
-    def swap_into(self, optimizer: torch.optim.Optimizer) -> None:
+    def swap_into(self, optimizer: torch.optim.Optimizer, strict: bool = True) -> None:
         """Make ``optimizer`` update the master shards instead of the model parameters.
 
         Its parameter groups (and their hyper-parameters) are kept; a frozen parameter in a
-        group is dropped from it, since it never has a gradient.
+        group is dropped from it, since it never has a gradient. ``strict=False`` leaves a
+        trainable parameter that is not one of ``params`` in place: several
+        ShardedMasterWeights, each over its own group of ranks, can then share one optimizer
+        (e.g. dense and expert parameters); the caller checks that every parameter was swapped.
         """
         if any(optimizer.state.values()):
             raise ValueError(
@@ -59,6 +62,9 @@ class ShardedMasterWeights:
                 index = self.index_of.get(id(p))
                 if index is None:
                     if not p.requires_grad:
+                        continue
+                    if not strict:
+                        swapped.append(p)
                         continue
                     raise ValueError(
                         "the optimizer holds a parameter that is not a trainable parameter of "

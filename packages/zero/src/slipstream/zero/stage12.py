@@ -32,6 +32,13 @@ class ShardedOptimizerStates:
     Both: the optimizer updates only the master shards; the updated shards are all-gathered
     back into the parameters (cast to the module's dtype) after each step.
 
+    Several instances may share one optimizer, each over its own parameters and group
+    (``strict_optimizer=False`` leaves the other instances' parameters in the optimizer);
+    ``gradient_divisor`` averages the reduce-scatter over that many ranks instead of the
+    group's size (expert parameters: their expert-data-parallel group sums, the whole
+    data-parallel world divides). The caller then steps them together (one norm, one
+    optimizer step, every instance's ``_publish``), as slipstream's engine does for MoE.
+
     >>> zero = ShardedOptimizerStates(list(model.parameters()), optimizer, ZeroSettings(stage=2))
     >>> loss.backward(); zero.finish_backward(is_boundary=True)
     >>> zero.optimizer.step(); zero.optimizer.zero_grad()
@@ -43,6 +50,9 @@ class ShardedOptimizerStates:
         optimizer: torch.optim.Optimizer,
         settings: ZeroSettings,
         group: DataParallelGroup | None = None,
+        *,
+        gradient_divisor: int | None = None,
+        strict_optimizer: bool = True,
     ) -> None:
         if settings.stage not in (1, 2):
             raise ValueError(
@@ -56,7 +66,7 @@ class ShardedOptimizerStates:
         self.specs = [ShardSpec(p.shape, world) for p in self.params]
         shards = [spec.shard_of(p, rank) for p, spec in zip(self.params, self.specs)]
         self.masters = ShardedMasterWeights(self.params, self.specs, shards)
-        self.masters.swap_into(optimizer)
+        self.masters.swap_into(optimizer, strict=strict_optimizer)
         device = self.params[0].device if self.params else torch.device("cpu")
         self.optimizer = ZeroOptimizer(optimizer, self.masters, self.group, self._publish, device)
 
@@ -75,6 +85,7 @@ class ShardedOptimizerStates:
             communication_dtype=settings.communication_dtype,
             gradient_predivide_factor=settings.gradient_predivide_factor,
             prescale=settings.prescale_gradients,
+            divisor=gradient_divisor,
         )
         self._reducing = settings.stage == 2
         self._hooks = [
@@ -115,6 +126,10 @@ class ShardedOptimizerStates:
         if self.settings.stage == 2 or is_boundary:
             self.reducer.finish()
         self._reducing = self.settings.stage == 2
+
+    def publish(self) -> None:
+        """All-gather the updated master shards into the full parameters (after a step)."""
+        self._publish()
 
     def _publish(self) -> None:
         gather_shards_into_params(
