@@ -32,7 +32,7 @@ from slipstream.runtime.precision import MasterWeights
 from slipstream.runtime.throughput import ProgressReport, ThroughputMeter, count_tokens, peak_tflops
 from slipstream.runtime.timers import WallClockTimers
 from slipstream.runtime.zero_setup import ZeroGradientPath
-from slipstream.zero import DataParallelGroup
+from slipstream.zero import DataParallelGroup, ZeroSettings
 
 logger = logging.getLogger(__name__)
 
@@ -90,6 +90,9 @@ class SlipstreamEngine(torch.nn.Module):
         )
         self.module = model
         self.zero_stage = config.zero_optimization.stage
+        # Read from the config once: the reduce settings are used on every boundary.
+        self._zero_settings = zero_setup.zero_settings(config) if self.zero_stage else None
+        self._reduce = self._reduce_settings()
         self.zero: ZeroGradientPath | ExpertParallelZero | None = None
         self._stage3: Any = None
         # Expert-parallel MoE parameters (slipstream.moe, ep_size > 1) reduce over their own
@@ -112,7 +115,7 @@ class SlipstreamEngine(torch.nn.Module):
             self._device = self.accelerator.device()
             self._stage3 = zero_setup.shard_module_for_stage3(
                 model,
-                zero_setup.zero_settings(config),
+                self._zero_settings_for_stage(),
                 self._zero_group(),
                 self._device,
                 self.compute_dtype,
@@ -148,7 +151,7 @@ class SlipstreamEngine(torch.nn.Module):
                 )
             if self._experts.is_expert_parallel:
                 self.zero = ExpertParallelZero(
-                    zero_setup.zero_settings(config),
+                    self._zero_settings_for_stage(),
                     self._zero_group(),
                     self._params,
                     self.optimizer,
@@ -156,7 +159,7 @@ class SlipstreamEngine(torch.nn.Module):
                 )
             else:
                 self.zero = zero_setup.attach_optimizer(
-                    zero_setup.zero_settings(config),
+                    self._zero_settings_for_stage(),
                     self._zero_group(),
                     self._params,
                     self.optimizer,
@@ -188,7 +191,7 @@ class SlipstreamEngine(torch.nn.Module):
                     self._reducer_index[index] = position
                 self.reducer = GradientReducer(
                     [self._grad_sources[i] for i in dense],
-                    self._reduce_settings(),
+                    self._reduce,
                     group=self.dp_group,
                 )
             self._hooks = register_ready_hooks(self._params, self._on_grad_ready)
@@ -260,6 +263,10 @@ class SlipstreamEngine(torch.nn.Module):
 
     def _zero_group(self) -> DataParallelGroup:
         return DataParallelGroup.of(self.dp_group)
+
+    def _zero_settings_for_stage(self) -> ZeroSettings:
+        assert self._zero_settings is not None  # built whenever zero_stage > 0
+        return self._zero_settings
 
     def _reduce_settings(self) -> ReduceSettings:
         config = self.config
@@ -393,7 +400,7 @@ class SlipstreamEngine(torch.nn.Module):
                         self._grad_sources,
                         self._experts,
                         self.dp_world_size,
-                        self._reduce_settings().bucket_numel,
+                        self._reduce.bucket_numel,
                     )
         return scaled.detach()
 
