@@ -331,6 +331,46 @@ def test_cpp_adagrad_and_lion_match_references(cpu_optim) -> None:
         torch.testing.assert_close(ours, theirs, **FP32_STEP)
 
 
+def test_cpp_grad_scale_equals_prescaled_gradients(cpu_optim) -> None:
+    """grad_scale (unscale x clip, folded into the step) gives the step of pre-scaled grads."""
+    gen = torch.Generator().manual_seed(7)
+    base = torch.randn(1031, generator=gen)
+    grad = torch.randn(1031, generator=gen) * 8
+    scale = 0.37
+    cases = {
+        "adam": lambda p, g, s, **k: cpu_optim.adam(
+            [p],
+            [g],
+            [s[0]],
+            [s[1]],
+            lr=1e-2,
+            beta1=0.9,
+            beta2=0.99,
+            eps=1e-8,
+            weight_decay=0.1,
+            adam_w_mode=False,
+            bias_correction=True,
+            step=3,
+            **k,
+        ),
+        "adagrad": lambda p, g, s, **k: cpu_optim.adagrad(
+            [p], [g], [s[0]], lr=0.05, eps=1e-10, weight_decay=0.1, **k
+        ),
+        "lion": lambda p, g, s, **k: cpu_optim.lion(
+            [p], [g], [s[0]], lr=1e-3, beta1=0.9, beta2=0.99, weight_decay=0.1, **k
+        ),
+    }
+    for name, run in cases.items():
+        folded, prescaled = base.clone(), base.clone()
+        states_a = [torch.rand(1031, generator=gen) for _ in range(2)]
+        states_b = [s.clone() for s in states_a]
+        run(folded, grad, states_a, grad_scale=scale)
+        run(prescaled, grad * scale, states_b)
+        torch.testing.assert_close(folded, prescaled, rtol=1e-6, atol=1e-7, msg=name)
+        torch.testing.assert_close(states_a[0], states_b[0], rtol=1e-6, atol=1e-7, msg=name)
+        assert not torch.equal(folded, base), name
+
+
 def test_cpp_optimizer_errors_name_the_problem(cpu_optim, monkeypatch) -> None:
     param = torch.randn(8)
     with pytest.raises(RuntimeError, match="must be float32"):

@@ -45,6 +45,13 @@ def max_threads() -> int:
     return int(_extension().max_threads())
 
 
+def set_num_threads(threads: int) -> None:
+    """Set the OpenMP threads later steps use (this extension's OpenMP runtime, not torch's)."""
+    if threads < 1:
+        raise ValueError(f"set_num_threads needs a positive thread count, got {threads}")
+    _extension().set_num_threads(int(threads))
+
+
 def adam(
     params: Sequence[torch.Tensor],
     grads: Sequence[torch.Tensor],
@@ -60,8 +67,13 @@ def adam(
     bias_correction: bool,
     step: int,
     param_copies: Sequence[torch.Tensor] | None = None,
+    grad_scale: float = 1.0,
 ) -> None:
-    """C++ Adam/AdamW with the semantics of :func:`slipstream.kernels.ops.adam.reference.adam`."""
+    """C++ Adam/AdamW with the semantics of :func:`slipstream.kernels.ops.adam.reference.adam`.
+
+    ``grad_scale`` multiplies every gradient as it is read (loss unscaling and clipping folded
+    into the step, instead of a separate pass over the gradients).
+    """
     _extension().adam_step(
         list(params),
         list(grads),
@@ -76,6 +88,7 @@ def adam(
         bool(adam_w_mode),
         bool(bias_correction),
         int(step),
+        float(grad_scale),
         _isa(),
     )
 
@@ -89,6 +102,7 @@ def adagrad(
     eps: float,
     weight_decay: float,
     param_copies: Sequence[torch.Tensor] | None = None,
+    grad_scale: float = 1.0,
 ) -> None:
     """C++ Adagrad with the semantics of :func:`slipstream.kernels.ops.adagrad.reference.adagrad`."""
     _extension().adagrad_step(
@@ -99,6 +113,7 @@ def adagrad(
         float(lr),
         float(eps),
         float(weight_decay),
+        float(grad_scale),
         _isa(),
     )
 
@@ -113,6 +128,7 @@ def lion(
     beta2: float,
     weight_decay: float,
     param_copies: Sequence[torch.Tensor] | None = None,
+    grad_scale: float = 1.0,
 ) -> None:
     """C++ Lion with the semantics of :func:`slipstream.kernels.ops.lion.reference.lion`."""
     _extension().lion_step(
@@ -124,5 +140,6 @@ def lion(
         float(beta1),
         float(beta2),
         float(weight_decay),
+        float(grad_scale),
         _isa(),
     )

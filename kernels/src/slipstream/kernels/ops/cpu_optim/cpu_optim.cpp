@@ -116,14 +116,21 @@ SLIPSTREAM_INLINE void copy_span(const float* __restrict p, Storage<C>* __restri
 struct AdamArgs {
   float beta1, beta2, eps, weight_decay, step_size, inv_sqrt_bc2, decay_factor;
   bool adam_w;
+  float grad_scale;  // unscale and clip folded into the load (1.0: exact no-op)
+  // 1 - beta computed in double and rounded once, as torch does: 1.0f - float(0.999) is
+  // 1.3e-5 away from float(0.001), which shifts every second moment by that much.
+  float one_minus_beta1, one_minus_beta2;
 };
 
 struct AdagradArgs {
   float lr, eps, weight_decay;
+  float grad_scale;
 };
 
 struct LionArgs {
   float lr, beta1, beta2, decay_factor;
+  float grad_scale;
+  float one_minus_beta1, one_minus_beta2;  // rounded once from double (see AdamArgs)
 };
 
 // One contiguous span of one tensor; the element loops below run over a span.
@@ -147,11 +154,11 @@ SLIPSTREAM_INLINE void adam_span(const Span& s, const AdamArgs& a) {
   Storage<C>* __restrict copy = static_cast<Storage<C>*>(s.copy);
 #pragma omp simd
   for (int64_t i = 0; i < s.length; ++i) {
-    float g = load<G>(grad, i);
+    float g = load<G>(grad, i) * a.grad_scale;
     float w = p[i];
     if (!a.adam_w) g += a.weight_decay * w;  // L2 mode: the moments see the decay
-    float mi = a.beta1 * m[i] + (1.0f - a.beta1) * g;
-    float vi = a.beta2 * v[i] + (1.0f - a.beta2) * g * g;
+    float mi = a.beta1 * m[i] + a.one_minus_beta1 * g;
+    float vi = a.beta2 * v[i] + a.one_minus_beta2 * g * g;
     float denom = std::sqrt(vi) * a.inv_sqrt_bc2 + a.eps;
     if (a.adam_w) w *= a.decay_factor;
     w -= a.step_size * (mi / denom);
@@ -171,7 +178,7 @@ SLIPSTREAM_INLINE void adagrad_span(const Span& s, const AdagradArgs& a) {
 #pragma omp simd
   for (int64_t i = 0; i < s.length; ++i) {
     float w = p[i];
-    float g = load<G>(grad, i) + a.weight_decay * w;
+    float g = load<G>(grad, i) * a.grad_scale + a.weight_decay * w;
     float acc = sum[i] + g * g;
     w -= a.lr * (g / (std::sqrt(acc) + a.eps));
     sum[i] = acc;
@@ -188,12 +195,12 @@ SLIPSTREAM_INLINE void lion_span(const Span& s, const LionArgs& a) {
   Storage<C>* __restrict copy = static_cast<Storage<C>*>(s.copy);
 #pragma omp simd
   for (int64_t i = 0; i < s.length; ++i) {
-    float g = load<G>(grad, i);
+    float g = load<G>(grad, i) * a.grad_scale;
     float mi = m[i];
-    float direction = a.beta1 * mi + (1.0f - a.beta1) * g;
+    float direction = a.beta1 * mi + a.one_minus_beta1 * g;
     float sign = direction > 0.0f ? 1.0f : (direction < 0.0f ? -1.0f : 0.0f);
     float w = p[i] * a.decay_factor - a.lr * sign;
-    m[i] = a.beta2 * mi + (1.0f - a.beta2) * g;
+    m[i] = a.beta2 * mi + a.one_minus_beta2 * g;
     p[i] = w;
   }
   copy_span<C>(p, copy, s.length);
@@ -361,7 +368,8 @@ std::string adam_step(const std::vector<at::Tensor>& params, const std::vector<a
                       const std::vector<at::Tensor>& exp_avg_sqs,
                       const std::vector<at::Tensor>& copies, double lr, double beta1,
                       double beta2, double eps, double weight_decay, bool adam_w_mode,
-                      bool bias_correction, int64_t step, const std::string& isa) {
+                      bool bias_correction, int64_t step, double grad_scale,
+                      const std::string& isa) {
   TORCH_CHECK(step >= 1, "adam: step must be >= 1 (the step being taken), got ", step);
   const std::string chosen = resolve_isa(isa);
   auto spans = make_spans(params, grads, exp_avgs, &exp_avg_sqs, copies);
@@ -371,7 +379,9 @@ std::string adam_step(const std::vector<at::Tensor>& params, const std::vector<a
   AdamArgs a{static_cast<float>(beta1),        static_cast<float>(beta2),
              static_cast<float>(eps),          static_cast<float>(weight_decay),
              static_cast<float>(lr / bc1),     static_cast<float>(1.0 / std::sqrt(bc2)),
-             static_cast<float>(1.0 - lr * weight_decay), adam_w_mode};
+             static_cast<float>(1.0 - lr * weight_decay), adam_w_mode,
+             static_cast<float>(grad_scale),  static_cast<float>(1.0 - beta1),
+             static_cast<float>(1.0 - beta2)};
   pybind11::gil_scoped_release no_gil;
 #ifdef SLIPSTREAM_HAS_X86_CLONES
   if (chosen == "avx512") {
@@ -390,10 +400,12 @@ std::string adam_step(const std::vector<at::Tensor>& params, const std::vector<a
 std::string adagrad_step(const std::vector<at::Tensor>& params,
                          const std::vector<at::Tensor>& grads,
                          const std::vector<at::Tensor>& sums, const std::vector<at::Tensor>& copies,
-                         double lr, double eps, double weight_decay, const std::string& isa) {
+                         double lr, double eps, double weight_decay, double grad_scale,
+                         const std::string& isa) {
   const std::string chosen = resolve_isa(isa);
   auto spans = make_spans(params, grads, sums, nullptr, copies);
-  AdagradArgs a{static_cast<float>(lr), static_cast<float>(eps), static_cast<float>(weight_decay)};
+  AdagradArgs a{static_cast<float>(lr), static_cast<float>(eps), static_cast<float>(weight_decay),
+                static_cast<float>(grad_scale)};
   pybind11::gil_scoped_release no_gil;
 #ifdef SLIPSTREAM_HAS_X86_CLONES
   if (chosen == "avx512") {
@@ -412,11 +424,13 @@ std::string adagrad_step(const std::vector<at::Tensor>& params,
 std::string lion_step(const std::vector<at::Tensor>& params, const std::vector<at::Tensor>& grads,
                       const std::vector<at::Tensor>& exp_avgs,
                       const std::vector<at::Tensor>& copies, double lr, double beta1,
-                      double beta2, double weight_decay, const std::string& isa) {
+                      double beta2, double weight_decay, double grad_scale,
+                      const std::string& isa) {
   const std::string chosen = resolve_isa(isa);
   auto spans = make_spans(params, grads, exp_avgs, nullptr, copies);
   LionArgs a{static_cast<float>(lr), static_cast<float>(beta1), static_cast<float>(beta2),
-             static_cast<float>(1.0 - lr * weight_decay)};
+             static_cast<float>(1.0 - lr * weight_decay), static_cast<float>(grad_scale),
+             static_cast<float>(1.0 - beta1), static_cast<float>(1.0 - beta2)};
   pybind11::gil_scoped_release no_gil;
 #ifdef SLIPSTREAM_HAS_X86_CLONES
   if (chosen == "avx512") {
@@ -440,6 +454,16 @@ int max_threads() {
 #endif
 }
 
+// This extension links its own OpenMP runtime, which may not be the copy torch uses, so
+// torch.set_num_threads() does not reach it: callers (CPU offload) set the count here.
+void set_num_threads(int threads) {
+#ifdef _OPENMP
+  if (threads > 0) omp_set_num_threads(threads);
+#else
+  (void)threads;
+#endif
+}
+
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.doc() = "Slipstream CPU optimizers: Adam/AdamW, Adagrad, Lion (SIMD + OpenMP)";
   m.def("adam_step", &adam_step, "Adam/AdamW step over lists of CPU tensors; returns the ISA used");
@@ -447,4 +471,5 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("lion_step", &lion_step, "Lion step over lists of CPU tensors");
   m.def("supported_isas", &supported_isas, "ISAs usable on this CPU, best first");
   m.def("max_threads", &max_threads, "OpenMP threads a step uses");
+  m.def("set_num_threads", &set_num_threads, "Set the OpenMP threads later steps use");
 }
