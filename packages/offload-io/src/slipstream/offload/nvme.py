@@ -1,0 +1,194 @@
+"""NvmeStateSwapper: fp32 masters and optimizer states on NVMe between their sub-group's steps.
+
+ZeRO-Infinity's optimizer tier. Each swapped tensor (a master shard, its ``exp_avg``, ...)
+keeps its identity for the whole run (the optimizer, its ``param_groups`` and the checkpoint
+code all refer to it); swapping it out writes its bytes to a swap file and resizes its
+*storage* to zero bytes, swapping it in resizes the storage back and reads the bytes in. So
+host memory holds only the sub-groups in flight: the one stepping, the next one being read
+(``pipeline_read``) and the previous ones being written (``pipeline_write``).
+
+Scalars (``step``) and anything smaller than a page stay in memory; so do the gradients (the
+reduce-scatter writes into them during backward).
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Iterator, Sequence
+from contextlib import contextmanager
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
+
+import torch
+
+from slipstream.offload.settings import OptimizerOffload
+
+if TYPE_CHECKING:
+    from slipstream.offload.aio.engine import IORequest
+    from slipstream.offload.swap import SwapSpace
+
+__all__ = ["NvmeStateSwapper"]
+
+logger = logging.getLogger(__name__)
+
+_MIN_SWAP_NUMEL = 1024  # smaller tensors are not worth a file (and a request) of their own
+
+
+@dataclass(slots=True)
+class _Slot:
+    """One swapped tensor: its file key and whether its bytes are in memory now."""
+
+    key: str
+    tensor: torch.Tensor
+    resident: bool = True
+    reading: IORequest | None = None
+    writing: list[IORequest] = field(default_factory=list)
+
+
+class NvmeStateSwapper:
+    """Moves HostOptimizer sub-groups between NVMe swap files and host memory.
+
+    Args:
+        optimizer: the torch optimizer whose parameters (host fp32 masters) and per-parameter
+            state tensors are swapped.
+        space: the swap folder (slipstream.offload.swap.SwapSpace) on the NVMe drive.
+        settings: ``pipeline_read``/``pipeline_write`` switch the overlap on.
+        names: a stable name for each parameter (file keys), by ``id``; default: its position.
+    """
+
+    def __init__(
+        self,
+        optimizer: torch.optim.Optimizer,
+        space: SwapSpace,
+        settings: OptimizerOffload,
+        names: dict[int, str] | None = None,
+    ) -> None:
+        self.optimizer = optimizer
+        self.space = space
+        self.settings = settings
+        self._slots: dict[int, _Slot] = {}  # by id(tensor)
+        self._index = {
+            id(p): i for i, p in enumerate(p for g in optimizer.param_groups for p in g["params"])
+        }
+        self._names = names or {}
+        self._writing: list[_Slot] = []
+        # Files already created (a tensor replaced by load_state_dict reuses its file).
+        self._allocated: set[str] = set()
+
+    # ------------------------------------------------------------------ bookkeeping
+    def _key(self, param: torch.Tensor, what: str) -> str:
+        base = self._names.get(id(param)) or f"p{self._index[id(param)]}"
+        safe = "".join(c if c.isalnum() or c in "-_." else "_" for c in base)
+        return f"{safe}.{what}"
+
+    def _tensors(self, param: torch.Tensor) -> list[tuple[str, torch.Tensor]]:
+        found = [("master", param)]
+        for key, value in self.optimizer.state.get(param, {}).items():
+            if isinstance(value, torch.Tensor) and value.numel() == param.numel():
+                found.append((key, value))
+        return [(k, t) for k, t in found if t.numel() >= _MIN_SWAP_NUMEL]
+
+    def _slot(self, param: torch.Tensor, what: str, tensor: torch.Tensor) -> _Slot:
+        slot = self._slots.get(id(tensor))
+        if slot is None or slot.tensor is not tensor:
+            slot = _Slot(self._key(param, what), tensor)
+            self._slots[id(tensor)] = slot
+        return slot
+
+    @property
+    def resident_bytes(self) -> int:
+        """Host bytes the swapped tensors hold now (in memory or in flight)."""
+        return sum(
+            s.tensor.numel() * s.tensor.element_size() for s in self._slots.values() if s.resident
+        )
+
+    # ------------------------------------------------------------------ swapping
+    def _begin_read(self, slot: _Slot) -> None:
+        if slot.resident:
+            return
+        tensor = slot.tensor
+        tensor.untyped_storage().resize_(tensor.numel() * tensor.element_size())
+        slot.reading = self.space.read(slot.key, tensor)
+        slot.resident = True
+
+    def _finish_read(self, slot: _Slot) -> None:
+        if slot.reading is not None:
+            slot.reading.wait()
+            slot.reading = None
+
+    def _wait_writes(self, slot: _Slot) -> None:
+        for request in slot.writing:
+            request.wait()
+        slot.writing.clear()
+
+    def prefetch(self, params: Sequence[torch.Tensor]) -> None:
+        """Start reading ``params``' tensors (``pipeline_read``; otherwise a no-op)."""
+        if not self.settings.pipeline_read:
+            return
+        for param in params:
+            for what, tensor in self._tensors(param):
+                slot = self._slot(param, what, tensor)
+                self._wait_writes(slot)
+                self._begin_read(slot)
+
+    def swap_in(self, params: Sequence[torch.Tensor]) -> None:
+        """Make ``params``' masters and states resident (waiting for reads in flight)."""
+        slots = []
+        for param in params:
+            for what, tensor in self._tensors(param):
+                slot = self._slot(param, what, tensor)
+                self._wait_writes(slot)
+                self._begin_read(slot)
+                slots.append(slot)
+        for slot in slots:
+            self._finish_read(slot)
+
+    def swap_out(self, params: Sequence[torch.Tensor]) -> None:
+        """Write ``params``' tensors back and release their memory (after the write, which
+        overlaps the next sub-group's step with ``pipeline_write``)."""
+        for param in params:
+            for what, tensor in self._tensors(param):
+                slot = self._slot(param, what, tensor)
+                if not slot.resident:
+                    continue
+                self._finish_read(slot)
+                if slot.key not in self._allocated:
+                    self.space.allocate(slot.key, tensor.numel(), tensor.dtype)
+                    self._allocated.add(slot.key)
+                slot.writing.append(self.space.write(slot.key, tensor))
+                self._writing.append(slot)
+        if not self.settings.pipeline_write:
+            self.finish()
+
+    def finish(self) -> None:
+        """Wait for every write in flight and free the written tensors' memory."""
+        for slot in self._writing:
+            self._wait_writes(slot)
+            if slot.resident and slot.reading is None:
+                slot.tensor.untyped_storage().resize_(0)
+                slot.resident = False
+        self._writing.clear()
+
+    def all_params(self) -> list[torch.Tensor]:
+        """Every parameter of the optimizer, in order."""
+        return [p for group in self.optimizer.param_groups for p in group["params"]]
+
+    def evict_all(self) -> None:
+        """Swap every parameter's tensors out (after set-up and after a checkpoint load)."""
+        params = self.all_params()
+        for start in range(0, len(params), 64):
+            self.swap_out(params[start : start + 64])
+        self.finish()
+
+    @contextmanager
+    def resident(self) -> Iterator[None]:
+        """Everything in host memory for the block (checkpoint save/load), swapped out after.
+
+        Needs host memory for this rank's whole optimizer shard while the block runs.
+        """
+        params = self.all_params()
+        self.swap_in(params)
+        try:
+            yield
+        finally:
+            self.evict_all()

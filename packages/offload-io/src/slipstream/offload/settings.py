@@ -1,0 +1,102 @@
+"""Offload settings as plain values: what the umbrella maps ``offload_optimizer``/``offload_param`` to."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Literal
+
+if TYPE_CHECKING:
+    from slipstream.offload.aio.config import AioSettings
+
+__all__ = ["OptimizerOffload", "ParamOffload"]
+
+Device = Literal["cpu", "nvme"]
+
+
+def _check_device(owner: str, device: str, nvme_path: str | None) -> None:
+    if device not in ("cpu", "nvme"):
+        raise ValueError(f"{owner}.device={device!r}: offload goes to 'cpu' or 'nvme'")
+    if device == "nvme" and not nvme_path:
+        raise ValueError(
+            f"{owner}.device='nvme' needs nvme_path: a folder on a local NVMe drive where "
+            "Slipstream may create its swap files"
+        )
+
+
+@dataclass(frozen=True, kw_only=True, slots=True)
+class OptimizerOffload:
+    """Where the fp32 master weights and optimizer states live, and how the step runs.
+
+    Attributes:
+        device: ``"cpu"`` (pinned host memory) or ``"nvme"`` (swap files under ``nvme_path``,
+            read into host buffers one sub-group at a time around its step).
+        nvme_path: the folder for swap files (``device="nvme"``).
+        pin_memory: page-lock the host buffers (faster, asynchronous transfers; costs
+            non-swappable memory). Has an effect only where a GPU is present.
+        buffer_count: NVMe: host buffers the sub-groups cycle through (at least 2 for
+            ``pipeline_read``/``pipeline_write`` to overlap).
+        pipeline_read: NVMe: read the next sub-group while the current one steps.
+        pipeline_write: NVMe: write a stepped sub-group back while the next one steps.
+        sub_group_numel: elements per sub-group of the step (``zero_optimization.sub_group_size``):
+            the unit of NVMe swapping and of the step/upload pipeline.
+        cores_fraction: share of this rank's cores the step uses (``cpuadam_cores_perc``).
+        convert_grad_on_cpu: copy low-precision reduced gradients to the host as they are and
+            widen them to fp32 there (half the transfer); False widens on the device first.
+        aio: the ``aio`` block's settings for the NVMe engine (None: its defaults).
+    """
+
+    device: Device = "cpu"
+    nvme_path: str | None = None
+    pin_memory: bool = False
+    buffer_count: int = 4
+    pipeline_read: bool = False
+    pipeline_write: bool = False
+    sub_group_numel: int = 1_000_000_000
+    cores_fraction: float = 0.8
+    convert_grad_on_cpu: bool = True
+    aio: AioSettings | None = None
+
+    def __post_init__(self) -> None:
+        _check_device("offload_optimizer", self.device, self.nvme_path)
+        if self.buffer_count < 1:
+            raise ValueError(f"offload_optimizer.buffer_count={self.buffer_count} must be >= 1")
+        if self.sub_group_numel < 1:
+            raise ValueError(f"sub_group_size={self.sub_group_numel} must be >= 1")
+        if not 0.0 < self.cores_fraction <= 1.0:
+            raise ValueError(
+                f"offload_optimizer.cpuadam_cores_perc={self.cores_fraction} must be in (0, 1]"
+            )
+
+
+@dataclass(frozen=True, kw_only=True, slots=True)
+class ParamOffload:
+    """Where ZeRO-3's parameter shards live between uses.
+
+    Attributes:
+        device: ``"cpu"`` (host memory; copied to the device before each all-gather) or
+            ``"nvme"`` (swap files; read into host buffers ahead of use).
+        nvme_path: the folder for swap files (``device="nvme"``).
+        pin_memory: page-lock the host copies (asynchronous uploads).
+        buffer_count: NVMe: host buffers for shards in flight between disk and device.
+        buffer_size: NVMe: elements per such buffer (a shard larger than this is read in
+            one piece anyway; the setting bounds what is prefetched).
+        max_in_cpu: NVMe: parameter elements kept resident in host memory (a cache in front
+            of the swap files); the rest are read from disk on use.
+        aio: the ``aio`` block's settings (None: defaults).
+    """
+
+    device: Device = "cpu"
+    nvme_path: str | None = None
+    pin_memory: bool = False
+    buffer_count: int = 5
+    buffer_size: int = 100_000_000
+    max_in_cpu: int = 1_000_000_000
+    aio: AioSettings | None = None
+
+    def __post_init__(self) -> None:
+        _check_device("offload_param", self.device, self.nvme_path)
+        for name in ("buffer_count", "buffer_size"):
+            if getattr(self, name) < 1:
+                raise ValueError(f"offload_param.{name}={getattr(self, name)} must be >= 1")
+        if self.max_in_cpu < 0:
+            raise ValueError(f"offload_param.max_in_cpu={self.max_in_cpu} must be >= 0")

@@ -1,0 +1,74 @@
+"""How many CPU threads the offloaded optimizer step uses, and why (stated in the log).
+
+torchrun sets ``OMP_NUM_THREADS=1`` in every worker so that N processes on one host do not
+oversubscribe its cores. For a CPU optimizer step that is ruinous: the step over a billion
+fp32 values is memory-bound and needs many threads to reach the host's bandwidth (DeepSpeed's
+CPU-offload runs crawl under torchrun for this reason). Slipstream therefore gives the step its
+share of the cores this process may run on: ``affinity / local ranks * cpuadam_cores_perc``,
+unless the user chose explicitly (``SLIPSTREAM_OFFLOAD_THREADS``, or an ``OMP_NUM_THREADS``
+that torchrun did not set). Only the optimizer extension's OpenMP pool is resized; torch's
+intra-op threads stay as the launcher set them.
+"""
+
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass
+
+__all__ = ["THREADS_ENV", "ThreadChoice", "choose_threads"]
+
+THREADS_ENV = "SLIPSTREAM_OFFLOAD_THREADS"
+
+
+@dataclass(frozen=True, slots=True)
+class ThreadChoice:
+    """The thread count for the CPU optimizer and the sentence that explains it."""
+
+    threads: int
+    reason: str
+
+
+def _available_cores() -> int:
+    try:
+        return len(os.sched_getaffinity(0))
+    except AttributeError:  # macOS, Windows
+        return os.cpu_count() or 1
+
+
+def _under_torchrun() -> bool:
+    return "TORCHELASTIC_RUN_ID" in os.environ or "TORCHELASTIC_RESTART_COUNT" in os.environ
+
+
+def choose_threads(cores_fraction: float = 0.8) -> ThreadChoice:
+    """The OpenMP threads of the CPU optimizer step in this process.
+
+    Args:
+        cores_fraction: the share of this rank's cores the step may use (DeepSpeed's
+            ``offload_optimizer.cpuadam_cores_perc``); the rest stays free for the data
+            loader and the Python thread that drives the GPU.
+    """
+    explicit = os.environ.get(THREADS_ENV, "").strip()
+    if explicit:
+        try:
+            threads = int(explicit)
+        except ValueError:
+            raise ValueError(
+                f"{THREADS_ENV}={explicit!r} is not a whole number of threads"
+            ) from None
+        if threads < 1:
+            raise ValueError(f"{THREADS_ENV}={explicit!r} must be at least 1")
+        return ThreadChoice(threads, f"{THREADS_ENV}={threads}")
+    omp = os.environ.get("OMP_NUM_THREADS", "").strip()
+    if omp and not _under_torchrun():
+        try:
+            return ThreadChoice(max(1, int(omp)), f"OMP_NUM_THREADS={omp} (set by the user)")
+        except ValueError:
+            pass  # a malformed value: OpenMP ignores it too; choose below
+    cores = _available_cores()
+    local = max(1, int(os.environ.get("LOCAL_WORLD_SIZE", "1") or 1))
+    share = max(1, cores // local)
+    threads = max(1, int(share * cores_fraction))
+    reason = f"{cores} cores / {local} local rank(s) x cpuadam_cores_perc {cores_fraction:g}"
+    if omp:
+        reason += f"; torchrun's OMP_NUM_THREADS={omp} applies to torch's ops only"
+    return ThreadChoice(threads, reason)

@@ -1,0 +1,156 @@
+"""Swap files: layout, round trips, header checks and cleanup."""
+
+from __future__ import annotations
+
+import os
+import re
+import struct
+import zlib
+
+import pytest
+import torch
+
+from slipstream.offload.aio.errors import SwapFileCorruptError
+from slipstream.offload.pinned import aligned_empty
+from slipstream.offload.swap import HEADER_BYTES, MAGIC, SwapSpace
+
+
+@pytest.fixture(params=[True, False], ids=["direct", "buffered"])
+def space(request, make_engine, tmp_path):
+    engine = make_engine(block_size=128 * 1024, queue_depth=4, o_direct=request.param)
+    with SwapSpace(tmp_path, engine, name="optim", rank=3) as swap:
+        yield swap
+
+
+def test_folder_name_and_layout(space, tmp_path) -> None:
+    assert space.path.parent == tmp_path and space.path.is_dir()
+    assert re.fullmatch(rf"slipstream-optim-rank3-{os.getpid()}-[0-9a-f]{{8}}", space.path.name)
+    space.allocate("exp_avg.0", 1000, torch.bfloat16)
+    file = space.path / "exp_avg.0.swap"
+    header = file.read_bytes()[:HEADER_BYTES]
+    fields = struct.Struct("<8sI32sQQ")
+    magic, version, dtype, numel, nbytes = fields.unpack_from(header)
+    assert magic == MAGIC
+    assert (version, dtype.rstrip(b"\0"), numel, nbytes) == (1, b"bfloat16", 1000, 2000)
+    (crc,) = struct.unpack_from("<I", header, fields.size)
+    assert crc == zlib.crc32(header[: fields.size])
+    padded = 4096 if space.engine.settings.o_direct else 2000
+    assert file.stat().st_size == HEADER_BYTES + padded
+    assert space.nbytes() == HEADER_BYTES + padded
+    assert os.stat(file).st_blocks * 512 >= HEADER_BYTES + padded  # really reserved
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16, torch.int8])
+def test_round_trip_keys(space, dtype) -> None:
+    sizes = {"a": 1, "b": 4097, "c": 300_001}
+    tensors = {}
+    for index, (key, numel) in enumerate(sizes.items()):
+        space.allocate(key, numel, dtype)
+        gen = torch.Generator().manual_seed(index)
+        tensors[key] = (torch.randn(numel, generator=gen) * 50).to(dtype)
+    requests = [space.write(key, tensor) for key, tensor in tensors.items()]
+    for request in requests:
+        request.wait()
+    outs = {key: aligned_empty(t.numel(), dtype).zero_() for key, t in tensors.items()}
+    requests = [space.read(key, out) for key, out in outs.items()]
+    for request in requests:
+        request.wait()
+    for key in sizes:
+        assert torch.equal(outs[key], tensors[key])
+    assert sorted(space.keys()) == ["a", "b", "c"]
+
+
+def test_overwrite_key(space) -> None:
+    space.allocate("p", 5000, torch.float32)
+    space.write("p", torch.ones(5000)).wait()
+    space.write("p", torch.full((5000,), 2.0)).wait()
+    out = torch.zeros(5000)
+    space.read("p", out).wait()
+    assert torch.equal(out, torch.full((5000,), 2.0))
+
+
+@pytest.mark.parametrize("key", ["", "../x", "a/b", ".hidden", "-x", "a b", "x" * 201, "é"])
+def test_bad_keys(space, key) -> None:
+    with pytest.raises(ValueError, match="invalid swap key"):
+        space.allocate(key, 10, torch.float32)
+
+
+def test_allocation_checks(space) -> None:
+    space.allocate("k", 10, torch.float32)
+    with pytest.raises(ValueError, match="already allocated"):
+        space.allocate("k", 10, torch.float32)
+    with pytest.raises(ValueError, match=r"torch.float16 × 10.*torch.float32 × 10"):
+        space.write("k", torch.zeros(10, dtype=torch.float16))
+    with pytest.raises(ValueError, match="× 11"):
+        space.read("k", torch.zeros(11))
+    with pytest.raises(KeyError, match="not allocated"):
+        space.write("other", torch.zeros(10))
+
+
+def _corrupt(space, key: str, position: int) -> None:
+    file = space.path / f"{key}.swap"
+    data = bytearray(file.read_bytes())
+    data[position] ^= 0x40
+    file.write_bytes(bytes(data))
+
+
+@pytest.mark.parametrize(
+    ("position", "message"),
+    [
+        (0, "magic"),
+        (8, "format version"),  # version field: also breaks the checksum
+        (20, "checksum"),  # inside the dtype name
+        (60, "checksum"),  # the crc itself
+    ],
+)
+def test_corrupt_header_is_detected(space, position, message) -> None:
+    space.allocate("w", 2048, torch.float32)
+    space.write("w", torch.randn(2048)).wait()
+    _corrupt(space, "w", position)
+    with pytest.raises(SwapFileCorruptError, match=message) as info:
+        space.read("w", torch.zeros(2048))
+    assert str(space.path / "w.swap") in str(info.value)
+
+
+def test_header_for_other_shape_is_detected(space) -> None:
+    space.allocate("x", 100, torch.float32)
+    # A well-formed header with another shape (a stale file from another run, say).
+    header = SwapSpace._header(torch.float32, 99, 396)
+    with open(space.path / "x.swap", "r+b") as handle:
+        handle.write(header)
+    with pytest.raises(SwapFileCorruptError, match="numel 99 != 100"):
+        space.read("x", torch.zeros(100))
+
+
+def test_truncated_file_is_detected(space) -> None:
+    space.allocate("t", 10_000, torch.float32)
+    os.truncate(space.path / "t.swap", HEADER_BYTES + 100)
+    with pytest.raises(SwapFileCorruptError, match="file size"):
+        space.read("t", torch.zeros(10_000))
+    (space.path / "t.swap").unlink()
+    with pytest.raises(SwapFileCorruptError, match="missing"):
+        space.read("t", torch.zeros(10_000))
+
+
+def test_close_removes_everything(make_engine, tmp_path) -> None:
+    engine = make_engine()
+    space = SwapSpace(tmp_path, engine)
+    space.allocate("a", 100_000, torch.float32)
+    request = space.write("a", torch.randn(100_000))
+    space.close()  # waits for the write, then removes the folder
+    assert request.done()
+    assert not space.path.exists()
+    assert list(tmp_path.iterdir()) == []
+    space.close()  # idempotent
+    with pytest.raises(RuntimeError, match="closed"):
+        space.allocate("b", 1, torch.float32)
+
+
+def test_garbage_collection_removes_folder(make_engine, tmp_path) -> None:
+    import gc
+
+    space = SwapSpace(tmp_path, make_engine())
+    path = space.path
+    del space
+    gc.collect()
+    assert not path.exists()
