@@ -28,6 +28,7 @@ TEST_EXTRAS: dict[str, list[str]] = {
         "triton>=3.9"
     ],  # the CPU interpreter (TRITON_INTERPRET=1); 3.6's breaks on NumPy 2.4
     "moe": ["transformers>=4.40"],
+    "offload_io": ["aiofiles>=23.1"],
 }
 
 
@@ -36,6 +37,7 @@ class Package(enum.Enum):
 
     kernels = "kernels"
     comm = "packages/comm"
+    offload_io = "packages/offload-io"
     zero = "packages/zero"
     pipeline = "packages/pipeline"
     moe = "packages/moe"
@@ -81,9 +83,11 @@ def tests(session: nox.Session, package: str) -> None:
         member = Package[package]
         _install(session, member.with_dependencies(), *extras)
         test_dir = member.path / "tests"
-    if package == "kernels":
+    if package in ("kernels", "offload_io"):
         # Build the C++ CPU optimizers once, visibly, instead of inside the first test using them.
         session.run("python", "-m", "slipstream.kernels.build_ops")
+    if package == "offload_io":
+        session.run("python", "-m", "slipstream.offload.build")  # the NVMe I/O engine
     args = session.posargs or ["-m", "not gpu and not aot"]
     session.run("python", "-m", "pytest", str(test_dir), *args, env={"OMP_NUM_THREADS": "1"})
 

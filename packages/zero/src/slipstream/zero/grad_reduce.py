@@ -123,7 +123,8 @@ class GradientReduceScatter:
 
     def _ensure_buffer(self, bucket: _Bucket) -> torch.Tensor:
         if bucket.buffer is None:
-            device = self.masters.masters[bucket.indices[0]].device
+            # Where the gradients are (masters may be on the host with optimizer offload).
+            device = self.masters.params[bucket.indices[0]].device
             # Zeros: a parameter without a gradient contributes zeros, padding stays zero.
             bucket.buffer = torch.zeros(
                 self.group.world_size, bucket.shard_numel, dtype=self.dtype, device=device

@@ -22,6 +22,11 @@ class ShardedMasterWeights:
     Elementwise optimizers (SGD, Adam/AdamW, Lion, Adagrad, ...) give the same update on a
     shard as on the whole tensor; optimizers that take per-tensor norms (LAMB, LARS) see
     shard norms instead, as in DeepSpeed.
+
+    ``device``: where the masters live (default: with their shards). CPU offload puts them in
+    host memory (page-locked with ``pin``, when a GPU is present), together with their
+    gradients, which :meth:`add_grad_` then receives from the device. ``share=False`` always
+    copies (NVMe offload swaps the masters out, so they must not be the model's shards).
     """
 
     def __init__(
@@ -29,14 +34,27 @@ class ShardedMasterWeights:
         params: Sequence[torch.nn.Parameter],
         specs: Sequence[ShardSpec],
         shards: Sequence[torch.Tensor],
+        *,
+        device: torch.device | None = None,
+        pin: bool = False,
+        share: bool = True,
     ) -> None:
         self.params = list(params)
         self.specs = list(specs)
         self.masters: list[torch.nn.Parameter] = []
+        self.pin = pin and torch.cuda.is_available()
         for shard in shards:
-            data = shard if shard.dtype == torch.float32 else shard.detach().to(torch.float32)
+            target = device if device is not None else shard.device
+            if share and shard.dtype == torch.float32 and shard.device == target and not self.pin:
+                data = shard
+            else:
+                data = torch.empty(
+                    shard.shape, dtype=torch.float32, device=target, pin_memory=self.pin
+                )
+                data.copy_(shard.detach())
             self.masters.append(torch.nn.Parameter(data.detach(), requires_grad=True))
         self.index_of = {id(p): i for i, p in enumerate(self.params)}
+        self.on_host = device is not None and device.type == "cpu"
 
     def __len__(self) -> int:
         return len(self.masters)
@@ -78,9 +96,13 @@ class ShardedMasterWeights:
         """Accumulate a reduced gradient shard (any float dtype) into master ``index``'s fp32 grad."""
         master = self.masters[index]
         if master.grad is None:
-            master.grad = shard_grad.to(torch.float32, copy=True)
+            grad = torch.empty(
+                master.shape, dtype=torch.float32, device=master.device, pin_memory=self.pin
+            )
+            grad.copy_(shard_grad)
+            master.grad = grad
         else:
-            master.grad.add_(shard_grad)
+            master.grad.add_(shard_grad.to(master.device))
 
     def grads(self) -> list[torch.Tensor]:
         """The master gradients that exist (every master after a full reduction)."""

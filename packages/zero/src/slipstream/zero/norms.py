@@ -10,7 +10,7 @@ import torch
 from slipstream.kernels.loss_scaler import inf_or_nan_flag
 from slipstream.zero.group import DataParallelGroup
 
-__all__ = ["clip_grads_", "global_grad_norm", "overflow_on_any_rank"]
+__all__ = ["clip_coefficient", "clip_grads_", "global_grad_norm", "overflow_on_any_rank"]
 
 
 def global_grad_norm(
@@ -26,6 +26,7 @@ def global_grad_norm(
         squares = torch.stack([g.float().pow(2).sum() for g in shard_grads]).sum()
     else:
         squares = torch.zeros((), dtype=torch.float32, device=device)
+    squares = squares.to(device)  # host shards (CPU offload): the collective runs on the device
     group.sum_(squares)
     return squares.sqrt()
 
@@ -36,9 +37,13 @@ def clip_grads_(
     """Scale the gradients so the global norm is at most ``max_norm`` (torch's coefficient)."""
     if not shard_grads or max_norm <= 0 or math.isinf(max_norm):
         return
-    # Same arithmetic as torch.nn.utils.clip_grad_norm_: max / (norm + 1e-6), clamped at 1.
-    coefficient = torch.clamp(max_norm / (total_norm + 1e-6), max=1.0)
+    coefficient = clip_coefficient(total_norm, max_norm)
     torch._foreach_mul_(list(shard_grads), coefficient.to(shard_grads[0].device))
+
+
+def clip_coefficient(total_norm: torch.Tensor, max_norm: float) -> torch.Tensor:
+    """torch.nn.utils.clip_grad_norm_'s factor: ``max / (norm + 1e-6)``, clamped at 1 (fp32)."""
+    return torch.clamp(max_norm / (total_norm + 1e-6), max=1.0)
 
 
 def overflow_on_any_rank(
@@ -52,5 +57,6 @@ def overflow_on_any_rank(
     flag = inf_or_nan_flag(shard_grads)
     if flag is None:
         flag = torch.zeros((), dtype=torch.float32, device=device)
+    flag = flag.to(device)
     group.max_(flag)
     return bool(flag.item())  # host sync: the step must know now whether to skip

@@ -2,14 +2,25 @@
 
 from __future__ import annotations
 
+import math
 from collections.abc import Callable
+from contextlib import nullcontext
 from dataclasses import dataclass
+from typing import TYPE_CHECKING, Any
 
 import torch
 
 from slipstream.zero.group import DataParallelGroup
 from slipstream.zero.masters import ShardedMasterWeights
-from slipstream.zero.norms import clip_grads_, global_grad_norm, overflow_on_any_rank
+from slipstream.zero.norms import (
+    clip_coefficient,
+    clip_grads_,
+    global_grad_norm,
+    overflow_on_any_rank,
+)
+
+if TYPE_CHECKING:
+    from slipstream.zero.offload import OffloadedStep
 
 __all__ = ["StepOutcome", "ZeroOptimizer"]
 
@@ -34,6 +45,11 @@ class ZeroOptimizer:
     4. calls ``publish()``: stages 1-2 all-gather the shards into the full parameters,
        stage 3 refreshes the 16-bit parameter shards.
 
+    With optimizer offload (``offload``), the masters and their gradients are in host memory:
+    the norm and the overflow vote still take one scalar collective on the device, and step
+    3 runs on the CPU with the loss scale and the clip coefficient folded into the kernel's
+    read of each gradient (no separate pass over them).
+
     It duck-types the parts of ``torch.optim.Optimizer`` that schedulers and loops use
     (``param_groups``, ``state``, ``zero_grad``) by forwarding to the wrapped optimizer.
     """
@@ -45,12 +61,14 @@ class ZeroOptimizer:
         group: DataParallelGroup,
         publish: Callable[[], None],
         device: torch.device,
+        offload: OffloadedStep | None = None,
     ) -> None:
         self.optimizer = optimizer
         self.masters = masters
         self.group = group
         self._publish = publish
         self.device = device
+        self.offload = offload
 
     @property
     def param_groups(self) -> list[dict]:
@@ -77,6 +95,8 @@ class ZeroOptimizer:
         grads = self.masters.grads()
         if loss_scale is not None and overflow_on_any_rank(grads, self.group, self.device):
             return StepOutcome(overflow=True, grad_norm=None)
+        if self.offload is not None:
+            return self._offloaded_step(grads, loss_scale, max_grad_norm, grad_norm)
         if loss_scale is not None and loss_scale != 1.0 and grads:
             torch._foreach_mul_(grads, 1.0 / loss_scale)
         norm = (
@@ -86,6 +106,35 @@ class ZeroOptimizer:
         self.optimizer.step()
         self._publish()
         return StepOutcome(overflow=False, grad_norm=norm)
+
+    def _offloaded_step(
+        self,
+        grads: list[torch.Tensor],
+        loss_scale: float | None,
+        max_grad_norm: float,
+        grad_norm: torch.Tensor | None,
+    ) -> StepOutcome:
+        assert self.offload is not None
+        unscale = 1.0 / loss_scale if loss_scale not in (None, 1.0) else 1.0
+        if grad_norm is not None:
+            norm = grad_norm
+        else:
+            norm = global_grad_norm(grads, self.group, self.device)
+            if unscale != 1.0:
+                norm = norm * unscale
+        scale = unscale
+        if grads and max_grad_norm > 0 and not math.isinf(max_grad_norm):
+            scale *= float(clip_coefficient(norm, max_grad_norm))
+        self.offload.step(grad_scale=scale)
+        self._publish()
+        return StepOutcome(overflow=False, grad_norm=norm)
+
+    def resident(self) -> Any:
+        """A context in which every master and optimizer state is in host memory.
+
+        Only NVMe offload swaps them out; checkpoint code reads and writes them inside it.
+        """
+        return self.offload.resident() if self.offload is not None else nullcontext()
 
     def zero_grad(self, set_to_none: bool = True) -> None:
         """Drop the master gradients (always set to None)."""

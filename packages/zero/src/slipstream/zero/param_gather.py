@@ -44,8 +44,15 @@ def gather_shards_into_params(
     """
     for indices in _buckets(specs, bucket_numel):
         dtype = params[indices[0]].dtype
-        send = torch.cat([shards[i].detach().to(dtype).reshape(-1) for i in indices])
-        out = torch.empty(group.world_size * send.numel(), dtype=dtype, device=send.device)
+        device = params[indices[0]].device
+        # Host shards (optimizer offload) are uploaded here; pinned ones asynchronously.
+        send = torch.cat(
+            [
+                shards[i].detach().to(device=device, dtype=dtype, non_blocking=True).reshape(-1)
+                for i in indices
+            ]
+        )
+        out = torch.empty(group.world_size * send.numel(), dtype=dtype, device=device)
         group.all_gather_into(out, send)
         rows = out.view(group.world_size, send.numel())
         offset = 0

@@ -4,8 +4,12 @@ from __future__ import annotations
 
 import sys
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
 import torch
+
+if TYPE_CHECKING:
+    from slipstream.offload.settings import OptimizerOffload, ParamOffload
 
 __all__ = ["ZeroSettings"]
 
@@ -31,6 +35,10 @@ class ZeroSettings:
         gradient_predivide_factor: divide by this before the reduction and by
             ``world_size / factor`` after (DeepSpeed's overflow guard for fp16).
         prescale_gradients: divide by the world size before the reduction instead.
+        offload_optimizer: ZeRO-Offload / ZeRO-Infinity: fp32 masters, gradients and optimizer
+            states in host memory (or on NVMe) and the step on the CPU (needs
+            slipstream-offload-io; see slipstream.zero.offload).
+        offload_param: stage 3: parameter shards in host memory (or on NVMe) between uses.
     """
 
     stage: int
@@ -45,6 +53,8 @@ class ZeroSettings:
     communication_dtype: torch.dtype | None = None
     gradient_predivide_factor: float = 1.0
     prescale_gradients: bool = False
+    offload_optimizer: OptimizerOffload | None = None
+    offload_param: ParamOffload | None = None
 
     def __post_init__(self) -> None:
         if self.stage not in (1, 2, 3):
@@ -55,6 +65,11 @@ class ZeroSettings:
         for name in ("reduce_bucket_numel", "allgather_bucket_numel"):
             if getattr(self, name) < 1:
                 raise ValueError(f"ZeroSettings.{name}={getattr(self, name)!r} must be >= 1")
+        if self.offload_param is not None and self.stage != 3:
+            raise ValueError(
+                f"offload_param needs ZeRO stage 3 (parameters are sharded only there), got "
+                f"stage {self.stage}; use offload_optimizer at stages 1-2"
+            )
         if self.gradient_predivide_factor <= 0:
             raise ValueError(
                 f"ZeroSettings.gradient_predivide_factor={self.gradient_predivide_factor!r} "

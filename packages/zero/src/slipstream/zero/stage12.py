@@ -65,10 +65,41 @@ class ShardedOptimizerStates:
         rank, world = self.group.rank, self.group.world_size
         self.specs = [ShardSpec(p.shape, world) for p in self.params]
         shards = [spec.shard_of(p, rank) for p, spec in zip(self.params, self.specs)]
-        self.masters = ShardedMasterWeights(self.params, self.specs, shards)
+        offload = settings.offload_optimizer
+        self.masters = ShardedMasterWeights(
+            self.params,
+            self.specs,
+            shards,
+            device=torch.device("cpu") if offload is not None else None,
+            pin=offload is not None and offload.pin_memory,
+        )
+        del shards
         self.masters.swap_into(optimizer, strict=strict_optimizer)
         device = self.params[0].device if self.params else torch.device("cpu")
-        self.optimizer = ZeroOptimizer(optimizer, self.masters, self.group, self._publish, device)
+        # Offload: the CPU step writes each updated shard in the model's dtype into a host
+        # staging buffer (pinned with pin_memory), which the all-gather then uploads.
+        self._staging: list[torch.Tensor] | None = None
+        step = None
+        if offload is not None:
+            if not strict_optimizer:
+                raise NotImplementedError(
+                    "optimizer offload with an optimizer shared between several ZeRO "
+                    "instances (expert-parallel MoE) is not supported yet; use ep_size=1 or "
+                    "no offload_optimizer"
+                )
+            from slipstream.zero.offload import OffloadedStep
+
+            # Always staged (fp32 models too): NVMe offload swaps the masters out after the
+            # step, before the all-gather reads the update.
+            self._staging = [
+                torch.empty(m.shape, dtype=p.dtype, pin_memory=self.masters.pin)
+                for m, p in zip(self.masters.masters, self.params)
+            ]
+            copies = {id(m): c for m, c in zip(self.masters.masters, self._staging)}
+            step = OffloadedStep(optimizer, self.masters, offload, self.group, copies)
+        self.optimizer = ZeroOptimizer(
+            optimizer, self.masters, self.group, self._publish, device, offload=step
+        )
 
         # Stage 1 under fp16/bf16: fp32 full-size accumulators, so GAS sums in fp32.
         self._accumulate_fp32 = settings.stage == 1 and any(
@@ -133,7 +164,7 @@ class ShardedOptimizerStates:
 
     def _publish(self) -> None:
         gather_shards_into_params(
-            self.masters.masters,
+            self._staging if self._staging is not None else self.masters.masters,
             self.params,
             self.specs,
             self.group,

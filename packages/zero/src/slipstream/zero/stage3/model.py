@@ -67,8 +67,10 @@ class Stage3Model:
         names: list[str],
         sharded: list[ShardedParameter],
         units: list[ParamUnit],
+        compute_device: torch.device | None = None,
     ) -> None:
         self.module = module
+        self.compute_device = compute_device or torch.device("cpu")
         self.settings = settings
         self.group = group
         self.names = names
@@ -160,13 +162,43 @@ class Stage3GradientPath:
         self.sharded = trainable
         self.params = [s.param for s in trainable]
         self.specs = [s.spec for s in trainable]
-        self.masters = ShardedMasterWeights(self.params, self.specs, [s.shard for s in trainable])
+        settings = model.settings
+        offload = settings.offload_optimizer
+        self.masters = ShardedMasterWeights(
+            self.params,
+            self.specs,
+            [s.shard for s in trainable],
+            device=torch.device("cpu") if offload is not None else model.compute_device,
+            pin=offload is not None and offload.pin_memory,
+            share=offload is None or offload.device == "cpu",
+        )
         for sharded, master in zip(trainable, self.masters.masters):
             sharded.master = master
-            if master.dtype == sharded.shard.dtype:
+            if master.dtype == sharded.shard.dtype and master.device == sharded.shard.device:
                 sharded.shard = master.data  # fp32: the master *is* the gathered shard
         self.masters.swap_into(optimizer)
-        settings = model.settings
+        # Offload: the CPU step writes each updated master in the shard's dtype into the shard
+        # itself when it lives on the host (offload_param), else into a host staging buffer
+        # that _publish uploads.
+        self._sources: list[torch.Tensor | None] = [None] * len(trainable)
+        step = None
+        if offload is not None:
+            from slipstream.zero.offload import OffloadedStep
+
+            copies: dict[int, torch.Tensor] = {}
+            for i, (sharded, master) in enumerate(zip(trainable, self.masters.masters)):
+                if sharded.shard.data_ptr() == master.data_ptr():
+                    continue
+                if sharded.shard.device.type == "cpu":
+                    copies[id(master)] = sharded.shard
+                else:
+                    staging = torch.empty(
+                        master.shape, dtype=sharded.shard.dtype, pin_memory=self.masters.pin
+                    )
+                    copies[id(master)] = staging
+                    self._sources[i] = staging
+            names = {id(m): n for m, n in zip(self.masters.masters, _names_of(model, trainable))}
+            step = OffloadedStep(optimizer, self.masters, offload, model.group, copies, names)
         self.reducer = GradientReduceScatter(
             self.masters,
             model.group,
@@ -190,8 +222,10 @@ class Stage3GradientPath:
             p.register_post_accumulate_grad_hook(lambda p, i=i: self._on_grad(i))  # type: ignore[misc]
             for i, p in enumerate(self.params)
         ]
-        device = self.params[0].device if self.params else torch.device("cpu")
-        self.optimizer = ZeroOptimizer(optimizer, self.masters, model.group, self._publish, device)
+        device = model.compute_device
+        self.optimizer = ZeroOptimizer(
+            optimizer, self.masters, model.group, self._publish, device, offload=step
+        )
 
     def _release(self, index: int) -> None:
         self.params[index].grad = None
@@ -213,7 +247,12 @@ class Stage3GradientPath:
 
     def _publish(self) -> None:
         with torch.no_grad():
-            for sharded in self.sharded:
+            offloaded = self.optimizer.offload is not None
+            for sharded, staging in zip(self.sharded, self._sources):
+                if offloaded:
+                    if staging is not None:  # else the step wrote the host shard itself
+                        sharded.shard.copy_(staging, non_blocking=True)
+                    continue
                 master = sharded.master
                 if master is not None and master.data_ptr() != sharded.shard.data_ptr():
                     sharded.shard.copy_(master)
@@ -226,6 +265,11 @@ class Stage3GradientPath:
         self.masters.zero_grad()
         for param in self.params:
             param.grad = None
+
+
+def _names_of(model: Stage3Model, members: list[ShardedParameter]) -> list[str]:
+    name_of = {id(s): n for n, s in model.named_sharded()}
+    return [name_of.get(id(s), f"param{i}") for i, s in enumerate(members)]
 
 
 def shard_parameters(
@@ -267,6 +311,14 @@ def shard_parameters(
             existing = ShardedParameter.partition(param, group, device, dtype)
         else:
             _adopt(existing, group, device, dtype, name)
+        if settings.offload_param is not None:
+            if settings.offload_param.device != "cpu":
+                raise NotImplementedError(
+                    f"offload_param.device={settings.offload_param.device!r}: parameter "
+                    "offload to NVMe is not implemented yet (optimizer offload to NVMe is); "
+                    'use "device": "cpu" for parameters'
+                )
+            existing.offload_to_host(settings.offload_param.pin_memory)
         seen[id(param)] = existing
         names.append(name)
         sharded.append(existing)
@@ -293,7 +345,8 @@ def shard_parameters(
             sum(s.persistent for s in sharded),
             f"{sum(s.spec.shard_numel for s in sharded):,}",
         )
-    return Stage3Model(module, settings, group, names, sharded, units)
+    compute_device = device or next((s.param.device for s in sharded), torch.device("cpu"))
+    return Stage3Model(module, settings, group, names, sharded, units, compute_device)
 
 
 def _adopt(

@@ -102,6 +102,17 @@ class ShardedParameter:
             self.param.data.copy_(full.view(spec.shape))
         self.state = ShardState.UNSHARDED
 
+    def offload_to_host(self, pin: bool) -> None:
+        """Keep the shard in host memory (``offload_param``); gathers upload it on use."""
+        if self.shard.device.type == "cpu":
+            return
+        pinned = pin and torch.cuda.is_available()
+        host = torch.empty(self.shard.shape, dtype=self.shard.dtype, pin_memory=pinned)
+        host.copy_(self.shard)
+        if self.master is not None and self.master.data_ptr() == self.shard.data_ptr():
+            raise RuntimeError("offload the shards before attaching the optimizer")
+        self.shard = host
+
     def refresh_shard(self) -> None:
         """Re-cut this rank's shard (and master) from the full data, after it was edited."""
         with torch.no_grad():
@@ -122,10 +133,13 @@ class PendingGather:
         for member in members:
             self.offsets.append(total)
             total += member.spec.shard_numel
+        # The gathered parameters live where the parameter does (the compute device); a shard
+        # offloaded to the host (offload_param) is uploaded first, asynchronously if pinned.
+        device = members[0].param.device
         send = (
-            torch.cat([m.shard.to(dtype) for m in members])
+            torch.cat([m.shard.to(device=device, dtype=dtype, non_blocking=True) for m in members])
             if len(members) > 1
-            else members[0].shard
+            else members[0].shard.to(device=device, non_blocking=True)
         )
         self.total = total
         self.world = group.world_size

@@ -1,0 +1,104 @@
+"""ZeRO-Offload and ZeRO-Infinity for the optimizer: the step on the CPU, states in RAM or on NVMe.
+
+Optional: needs the slipstream-offload-io distribution (``pip install slipstream-zero[offload]``),
+imported only when ``ZeroSettings.offload_optimizer`` is set. The stage's master shards (and
+their gradients) then live in host memory (:class:`~slipstream.zero.ShardedMasterWeights` with
+``device="cpu"``); :class:`OffloadedStep` runs the update there with the C++ CPU optimizers,
+writing the model-dtype copy of each updated shard into a (pinned) staging buffer in the same
+pass, from which the stage publishes it to the device.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Callable
+from contextlib import nullcontext
+from typing import TYPE_CHECKING, Any
+
+import torch
+
+from slipstream.zero.group import DataParallelGroup
+from slipstream.zero.masters import ShardedMasterWeights
+
+if TYPE_CHECKING:
+    from slipstream.offload.settings import OptimizerOffload
+
+__all__ = ["OffloadedStep", "require_offload_package"]
+
+logger = logging.getLogger(__name__)
+
+
+def require_offload_package(what: str) -> Any:
+    """Import slipstream.offload, or say which distribution ``what`` needs."""
+    try:
+        import slipstream.offload as offload
+    except ImportError as exc:
+        raise ImportError(
+            f"{what} needs the slipstream-offload-io package: pip install "
+            f"'slipstream-zero[offload]' (or slipstream-offload-io) ({exc})"
+        ) from exc
+    return offload
+
+
+class OffloadedStep:
+    """The CPU step of a ZeRO stage whose masters are in host memory.
+
+    Args:
+        optimizer: the torch optimizer, already re-homed onto ``masters`` (host fp32).
+        masters: the host master shards.
+        offload: the offload settings (``device``, ``nvme_path``, sub-groups, threads, aio).
+        group: the data-parallel group (its rank names this rank's swap folder).
+        copies: ``id(master) -> tensor`` refreshed with each updated master in the model dtype
+            (host staging buffers, or the shard itself when it lives on the host too).
+        names: parameter names by ``id(master)`` (NVMe swap file names).
+    """
+
+    def __init__(
+        self,
+        optimizer: torch.optim.Optimizer,
+        masters: ShardedMasterWeights,
+        offload: OptimizerOffload,
+        group: DataParallelGroup,
+        copies: dict[int, torch.Tensor],
+        names: dict[int, str] | None = None,
+    ) -> None:
+        package = require_offload_package("offload_optimizer")
+        self.masters = masters
+        self.offload = offload
+        self.swapper: Any = None
+        self.space: Any = None
+        if offload.device == "nvme":
+            assert offload.nvme_path is not None  # OptimizerOffload checks
+            engine = package.AsyncIOEngine(offload.aio)
+            rank = torch.distributed.get_rank() if torch.distributed.is_initialized() else 0
+            self.space = package.SwapSpace(offload.nvme_path, engine, name="optimizer", rank=rank)
+            self.swapper = package.NvmeStateSwapper(optimizer, self.space, offload, names)
+        self.host = package.HostOptimizer(
+            optimizer, offload, copies=copies, swapper=self.swapper, announce=group.rank == 0
+        )
+        if self.swapper is not None:
+            self.swapper.evict_all()
+            if group.rank == 0:
+                logger.info(
+                    "optimizer offload to NVMe: swap files in %s (%d sub-group(s), aio backend %s)",
+                    self.space.path,
+                    len(self.host.sub_groups),
+                    engine.backend_name,
+                )
+
+    def step(
+        self,
+        grad_scale: float,
+        on_sub_group: Callable[[list[torch.Tensor]], None] | None = None,
+    ) -> None:
+        """Run the update over every master with a gradient (``grad_scale`` folded in)."""
+        self.host.step(grad_scale=grad_scale, on_sub_group=on_sub_group)
+
+    def resident(self) -> Any:
+        """A context in which every master and state is in host memory (checkpoints)."""
+        return self.swapper.resident() if self.swapper is not None else nullcontext()
+
+    def close(self) -> None:
+        """Remove the swap files (also done at exit)."""
+        if self.space is not None:
+            self.space.close()
