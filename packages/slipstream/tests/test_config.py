@@ -329,22 +329,97 @@ def test_zero_stage_outside_0_to_3_is_a_value_error() -> None:
 
 
 @pytest.mark.parametrize(
-    ("zero", "key"),
+    "zero",
     [
-        ({"offload_optimizer": {"device": "cpu"}}, "zero_optimization.offload_optimizer.device"),
-        (
-            {"offload_param": {"device": "nvme", "nvme_path": "/nvme"}},
-            "zero_optimization.offload_param.device",
-        ),
-        ({"cpu_offload": True}, "zero_optimization.cpu_offload"),
-        ({"cpu_offload_param": True}, "zero_optimization.cpu_offload_param"),
-        ({"zenflow": {"topk_ratio": 0.1, "select_interval": "auto"}}, "zero_optimization.zenflow"),
+        {"offload_optimizer": {"device": "cpu"}},
+        {"offload_param": {"device": "nvme", "nvme_path": "/nvme"}},
+        {"cpu_offload": True},
+        {"cpu_offload_param": True},
     ],
 )
-def test_offload_at_stage_0_is_not_implemented(zero: dict[str, Any], key: str) -> None:
+def test_offload_at_stage_0_is_inert_and_warned(
+    zero: dict[str, Any], caplog: pytest.LogCaptureFixture
+) -> None:
+    # DeepSpeed reads the offload blocks only at stages 1-3; so does Slipstream, saying so.
+    with caplog.at_level(logging.WARNING):
+        config = load({"zero_optimization": {"stage": 0, **zero}})
+    assert config.zero_optimization.stage == 0
+    assert "no effect at stage 0" in caplog.text
+    assert next(iter(zero)) in caplog.text
+
+
+def test_zenflow_is_not_implemented() -> None:
     with pytest.raises(NotImplementedFeatureError) as info:
-        load({"zero_optimization": {"stage": 0, **zero}})
-    assert info.value.path == key
+        load({"zero_optimization": {"zenflow": {"topk_ratio": 0.1, "select_interval": "auto"}}})
+    assert info.value.path == "zero_optimization.zenflow"
+
+
+@pytest.mark.parametrize(
+    ("zero", "key", "error"),
+    [
+        ({"stage": 2, "offload_param": {"device": "cpu"}}, "offload_param.device", ConfigError),
+        ({"stage": 1, "cpu_offload_param": True}, "offload_param.device", ConfigError),
+        (
+            {"stage": 3, "offload_param": {"device": "nvme", "nvme_path": "/x"}},
+            "offload_param.device",
+            NotImplementedFeatureError,
+        ),
+        (
+            {"stage": 2, "offload_optimizer": {"device": "nvme"}},
+            "offload_optimizer.nvme_path",
+            ConfigError,
+        ),
+        (
+            {"stage": 2, "offload_optimizer": {"device": "cpu", "ratio": 0.5}},
+            "offload_optimizer.ratio",
+            NotImplementedFeatureError,
+        ),
+        (
+            {"stage": 3, "offload_optimizer": {"device": "cpu", "super_offload": True}},
+            "offload_optimizer.super_offload",
+            NotImplementedFeatureError,
+        ),
+    ],
+)
+def test_offload_settings_that_cannot_run_name_the_key(
+    zero: dict[str, Any], key: str, error: type[Exception]
+) -> None:
+    with pytest.raises(error) as info:
+        load({"zero_optimization": zero})
+    assert info.value.path == f"zero_optimization.{key}"  # type: ignore[attr-defined]
+
+
+def test_offload_blocks_and_the_deprecated_switches_are_read() -> None:
+    config = load({"zero_optimization": {"stage": 2, "cpu_offload": True}})
+    block = config.zero_optimization.optimizer_offload()
+    assert block is not None and block.device == "cpu"
+    config = load(
+        {
+            "zero_optimization": {
+                "stage": 3,
+                "cpu_offload_param": True,
+                "cpu_offload_use_pin_memory": True,
+                "offload_optimizer": {"device": "nvme", "nvme_path": "/nvme"},
+            },
+            "aio": {"thread_count": 2, "block_size": 262144},
+        }
+    )
+    param = config.zero_optimization.param_offload()
+    assert param is not None and param.device == "cpu" and param.pin_memory
+    optimizer = config.zero_optimization.optimizer_offload()
+    assert optimizer is not None and optimizer.nvme_path == "/nvme"
+    assert config.aio.intra_op_parallelism == 2 and config.aio.block_size == 262144
+
+
+def test_aio_block_is_checked() -> None:
+    with pytest.raises(NotImplementedFeatureError) as info:
+        load({"aio": {"use_gds": True}})
+    assert info.value.path == "aio.use_gds"
+    with pytest.raises(ConfigError, match="multiple of 4096"):
+        load({"aio": {"block_size": 1000}})
+    assert load({"aio": {"block_size": 1000, "o_direct": False}}).aio.block_size == 1000
+    with pytest.raises(ConfigError, match="queue_depht"):
+        load({"aio": {"queue_depht": 4}})
 
 
 def test_offload_device_values_are_checked() -> None:
@@ -463,7 +538,6 @@ FEATURE_CASES: dict[str, tuple[Any, Any]] = {
     "elasticity": ({"enabled": False}, {"enabled": True}),
     "autotuning": ({"enabled": False}, {"enabled": True}),
     "sparse_attention": (NONE, {"mode": "fixed"}),
-    "aio": ({"block_size": 1048576, "queue_depth": 8}, NONE),
     "checkpoint": ({"tag_validation": "warn", "load_universal": False}, {"load_universal": True}),
     "data_types": ({"grad_accum_dtype": "fp32"}, {"grad_accum_dtype": "bf16"}),
     "compile": ({"deepcompile": False}, {"deepcompile": True}),

@@ -1,4 +1,5 @@
-"""The `slipstream` command: `run` (launcher), `report`, `estimate` (memory) and `convert`."""
+"""The `slipstream` command: `run` (launcher), `build-ops`, `report`, `estimate` (memory),
+`convert` (checkpoints) and `io-bench` (NVMe offload bandwidth)."""
 
 from __future__ import annotations
 
@@ -143,10 +144,17 @@ def main(argv: list[str] | None = None) -> int:
 
         return launcher_main(argv[1:])
     if argv and argv[0] == "build-ops":
-        # Prebuild the C++ ops into the extension cache (slipstream.kernels owns the options).
+        # Prebuild the C++ ops into the extension cache (slipstream.kernels owns the options),
+        # then the NVMe I/O engine of slipstream-offload-io.
         from slipstream.kernels.build_ops import main as build_ops_main
+        from slipstream.offload.build import main as build_aio_main
 
-        return build_ops_main(argv[1:])
+        status = build_ops_main(argv[1:])
+        return build_aio_main(argv[1:]) or status
+    if argv and argv[0] == "io-bench":
+        from slipstream.offload.io_bench import main as io_bench_main
+
+        return io_bench_main(argv[1:])
 
     parser = argparse.ArgumentParser(
         prog="slipstream",
@@ -162,6 +170,12 @@ def main(argv: list[str] | None = None) -> int:
     sub.add_parser(
         "build-ops",
         help="prebuild the C++ ops into the extension cache (see `slipstream build-ops --help`)",
+        add_help=False,
+    )
+    sub.add_parser(
+        "io-bench",
+        help="measure NVMe offload read/write GB/s against the raw disk; suggest aio settings "
+        "(see `slipstream io-bench --help`)",
         add_help=False,
     )
     report = sub.add_parser(

@@ -19,7 +19,7 @@ from slipstream.config.features import (
 from slipstream.config.loading import parse_config_text, read_config_source, strip_json_comments
 from slipstream.config.precision import BF16Config, FP16Config, parse_communication_dtype
 from slipstream.config.top_level import SlipstreamConfig, load_config
-from slipstream.config.zero import OffloadOptimizerConfig, OffloadParamConfig, ZeroConfig
+from slipstream.config.zero import AioConfig, OffloadOptimizerConfig, OffloadParamConfig, ZeroConfig
 from slipstream.kernels.config_schema import (
     AutoValueError,
     ConfigError,
@@ -28,6 +28,7 @@ from slipstream.kernels.config_schema import (
 
 __all__ = [
     "RECOGNISED_FEATURES",
+    "AioConfig",
     "AmdSpecificConfig",
     "AutoValueError",
     "BF16Config",

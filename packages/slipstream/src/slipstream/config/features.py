@@ -136,13 +136,6 @@ RECOGNISED_FEATURES: dict[str, RecognisedFeature] = {
             "(none: remove the block)",
         ),
         RecognisedFeature(
-            "aio",
-            "asynchronous I/O settings (used only by NVMe offload)",
-            "the slipstream-offload-io package",
-            always(False),
-            "any value",
-        ),
-        RecognisedFeature(
             "checkpoint",
             "checkpoint options",
             "slipstream's checkpointing (" + _UMBRELLA_LATER + ")",

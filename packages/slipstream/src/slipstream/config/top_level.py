@@ -20,7 +20,7 @@ from slipstream.config.precision import (
     communication_dtype_name,
     parse_communication_dtype,
 )
-from slipstream.config.zero import ZeroConfig
+from slipstream.config.zero import AioConfig, ZeroConfig
 from slipstream.kernels.config_schema import (
     ConfigBlock,
     ConfigError,
@@ -73,6 +73,7 @@ class SlipstreamConfig(ConfigBlock):
     optimizer: OptimizerConfig | None = None
     scheduler: SchedulerConfig | None = None
     zero_optimization: ZeroConfig = dataclasses.field(default_factory=ZeroConfig)
+    aio: AioConfig = dataclasses.field(default_factory=AioConfig)
     zero_allow_untested_optimizer: bool = False
     zero_force_ds_cpu_optimizer: bool = True
     amd_specific: AmdSpecificConfig = dataclasses.field(default_factory=AmdSpecificConfig)

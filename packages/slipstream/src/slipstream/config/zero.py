@@ -10,12 +10,13 @@ from typing import Any, Literal
 
 from slipstream.kernels.config_schema import (
     ConfigBlock,
+    ConfigError,
     field_default,
     key_path,
     not_implemented,
 )
 
-__all__ = ["OffloadOptimizerConfig", "OffloadParamConfig", "ZeroConfig"]
+__all__ = ["AioConfig", "OffloadOptimizerConfig", "OffloadParamConfig", "ZeroConfig"]
 
 logger = logging.getLogger(__name__)
 
@@ -61,6 +62,43 @@ class OffloadOptimizerConfig(ConfigBlock):
     cpuadam_cores_perc: float = dataclasses.field(default=0.8, metadata={"ge": 0.0, "le": 1.0})
 
 
+@dataclasses.dataclass(kw_only=True)
+class AioConfig(ConfigBlock):
+    """``aio``: the asynchronous I/O engine of NVMe offload (slipstream.offload.aio).
+
+    DeepSpeed's keys and defaults, plus ``o_direct`` (a Slipstream addition: open swap files
+    with ``O_DIRECT``, bypassing the page cache; set false only for file systems that reject
+    it, such as tmpfs). ``use_gds`` (GPUDirect Storage) is not supported.
+    """
+
+    block_size: int = dataclasses.field(default=1048576, metadata={"ge": 1})
+    queue_depth: int = dataclasses.field(default=8, metadata={"ge": 1})
+    intra_op_parallelism: int = dataclasses.field(
+        default=1, metadata={"ge": 1, "aliases": ("thread_count",)}
+    )
+    single_submit: bool = False
+    overlap_events: bool = True
+    use_gds: bool = False
+    o_direct: bool = True
+
+    def validate(self, path: str) -> None:
+        """GPUDirect Storage is not implemented; O_DIRECT needs 4 KiB-aligned blocks."""
+        if self.use_gds:
+            not_implemented(
+                key_path(path, "use_gds"),
+                True,
+                "GPUDirect Storage (NVMe straight to GPU memory)",
+                "a later release of the slipstream-offload-io package",
+                "Remove it or set it to false (swaps go through pinned host buffers).",
+            )
+        if self.o_direct and self.block_size % 4096:
+            raise ConfigError(
+                f"{key_path(path, 'block_size')}={self.block_size}: with O_DIRECT the block "
+                "size must be a multiple of 4096 bytes (e.g. 1048576)",
+                key_path(path, "block_size"),
+            )
+
+
 # Keys that change what Slipstream's stage-0 data parallelism does; every other ZeRO key only
 # configures stages 1-3 (the engine's gradient all-reduce uses reduce_bucket_size as its
 # bucket size).
@@ -82,7 +120,9 @@ class ZeroConfig(ConfigBlock):
     """ZeRO settings (``"zero_optimization": {...}``), with DeepSpeed's keys and defaults.
 
     Stages 0 (plain data parallelism) to 3 run (stages 1-3 through the slipstream-zero
-    package; docs/zero.md says which key does what). Offload, ZeRO++ (quantized weights and
+    package; docs/zero.md says which key does what), with optimizer offload to CPU or NVMe and
+    parameter offload to CPU (slipstream-offload-io; docs/offload.md). Parameter offload to
+    NVMe, ZeRO++ (quantized weights and
     gradients, hpZ), MiCS and ZenFlow are recognised and rejected with a clear error; every
     key is typed and checked so a config keeps working unchanged when they arrive. The ``stage3_*`` keys
     also accept DeepSpeed's Python names without the prefix (``prefetch_bucket_size``).
@@ -181,7 +221,7 @@ class ZeroConfig(ConfigBlock):
         return inert
 
     def validate(self, path: str) -> None:
-        """Raise NotImplementedFeatureError for offload, ZeRO++, MiCS and ZenFlow."""
+        """Raise NotImplementedFeatureError for ZeRO++, MiCS, ZenFlow and unsupported offload."""
         for name, inert, feature in _ZERO_PLUS_PLUS:
             value = getattr(self, name)
             if value != inert and value is not None:
@@ -196,24 +236,73 @@ class ZeroConfig(ConfigBlock):
             not_implemented(
                 key_path(path, "zenflow"), self.zenflow, "ZenFlow", _ZERO, "Remove the block."
             )
-        for name, block in (
-            ("offload_optimizer", self.offload_optimizer),
-            ("offload_param", self.offload_param),
-        ):
-            if block is not None and block.device != "none":
-                not_implemented(
-                    key_path(key_path(path, name), "device"),
-                    block.device,
-                    f"{name.replace('_', ' ')} (ZeRO-Offload / ZeRO-Infinity)",
-                    f"{_ZERO} (with slipstream-offload-io for NVMe)",
-                    'Set "device": "none" or remove the block.',
+        self._validate_offload(path)
+
+    def optimizer_offload(self) -> OffloadOptimizerConfig | None:
+        """The effective optimizer offload block (None: off), the deprecated switch included."""
+        block = self.offload_optimizer
+        if block is not None and block.device != "none":
+            return block
+        if self.cpu_offload:
+            return OffloadOptimizerConfig(
+                device="cpu", pin_memory=bool(self.cpu_offload_use_pin_memory)
+            )
+        return None
+
+    def param_offload(self) -> OffloadParamConfig | None:
+        """The effective parameter offload block (None: off), the deprecated switch included."""
+        block = self.offload_param
+        if block is not None and block.device != "none":
+            return block
+        if self.cpu_offload_param:
+            return OffloadParamConfig(
+                device="cpu", pin_memory=bool(self.cpu_offload_use_pin_memory)
+            )
+        return None
+
+    def _validate_offload(self, path: str) -> None:
+        if self.stage == 0:
+            return  # inert at stage 0, as in DeepSpeed; from_dict warns that they do nothing
+        optimizer, param = self.optimizer_offload(), self.param_offload()
+        where = key_path(path, "offload_optimizer")
+        if optimizer is not None:
+            if optimizer.device == "nvme" and not optimizer.nvme_path:
+                raise ConfigError(
+                    f'{where}.device="nvme" needs "nvme_path": a folder on a local NVMe drive '
+                    "for the swap files",
+                    key_path(where, "nvme_path"),
                 )
-        for name in ("cpu_offload", "cpu_offload_param"):
-            if getattr(self, name):
+            if optimizer.ratio != 1.0:
                 not_implemented(
-                    key_path(path, name),
+                    key_path(where, "ratio"),
+                    optimizer.ratio,
+                    "partial optimizer offload (a fraction of the states on the GPU)",
+                    "a later release of the slipstream-offload-io package",
+                    "Remove it or set it to 1.0 (offload every state).",
+                )
+            if optimizer.super_offload:
+                not_implemented(
+                    key_path(where, "super_offload"),
                     True,
-                    "ZeRO-Offload (the deprecated switch for offload_optimizer/offload_param)",
-                    _ZERO,
+                    "SuperOffload (speculative CPU steps for superchips)",
+                    "a later release of the slipstream-offload-io package",
                     "Remove it or set it to false.",
+                )
+        where = key_path(path, "offload_param")
+        if param is not None:
+            if self.stage != 3:
+                raise ConfigError(
+                    f"{where}.device={param.device!r} needs ZeRO stage 3 (only stage 3 "
+                    f"partitions parameters); stage is {self.stage}. Use offload_optimizer at "
+                    "stages 1-2, or set stage 3.",
+                    key_path(where, "device"),
+                )
+            if param.device == "nvme":
+                not_implemented(
+                    key_path(where, "device"),
+                    "nvme",
+                    "parameter offload to NVMe (ZeRO-Infinity for parameters)",
+                    "a later release of the slipstream-offload-io package (optimizer offload "
+                    "to NVMe works now)",
+                    'Use "device": "cpu" for the parameters.',
                 )

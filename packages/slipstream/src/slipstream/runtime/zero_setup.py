@@ -35,6 +35,7 @@ def zero_settings(config: SlipstreamConfig) -> ZeroSettings:
     """
     zero = config.zero_optimization
     overlap = zero.overlap_comm if zero.overlap_comm is not None else zero.stage == 3
+    offload_optimizer, offload_param = offload_settings(config)
     return ZeroSettings(
         stage=zero.stage,
         reduce_bucket_numel=max(1, int(zero.reduce_bucket_size)),
@@ -48,7 +49,61 @@ def zero_settings(config: SlipstreamConfig) -> ZeroSettings:
         communication_dtype=config.communication_data_type,
         gradient_predivide_factor=config.gradient_predivide_factor,
         prescale_gradients=config.prescale_gradients,
+        offload_optimizer=offload_optimizer,
+        offload_param=offload_param,
     )
+
+
+def offload_settings(config: SlipstreamConfig) -> tuple[Any, Any]:
+    """``(OptimizerOffload | None, ParamOffload | None)`` from ``offload_*`` and ``aio``.
+
+    Imports slipstream.offload only when a block asks for offload, and says which package to
+    install when it is missing.
+    """
+    zero = config.zero_optimization
+    optimizer, param = zero.optimizer_offload(), zero.param_offload()
+    if optimizer is None and param is None:
+        return None, None
+    from slipstream.zero.offload import require_offload_package
+
+    package = require_offload_package("zero_optimization.offload_optimizer/offload_param")
+    aio_block = config.aio
+    aio = package.AioSettings(
+        block_size=aio_block.block_size,
+        queue_depth=aio_block.queue_depth,
+        intra_op_parallelism=aio_block.intra_op_parallelism,
+        single_submit=aio_block.single_submit,
+        overlap_events=aio_block.overlap_events,
+        o_direct=aio_block.o_direct,
+    )
+    optimizer_settings = None
+    if optimizer is not None:
+        assert optimizer.device in ("cpu", "nvme")
+        optimizer_settings = package.OptimizerOffload(
+            device=optimizer.device,
+            nvme_path=optimizer.nvme_path,
+            pin_memory=optimizer.pin_memory,
+            buffer_count=max(1, optimizer.buffer_count),
+            pipeline_read=optimizer.pipeline_read,
+            pipeline_write=optimizer.pipeline_write,
+            sub_group_numel=max(1, int(zero.sub_group_size)),
+            cores_fraction=optimizer.cpuadam_cores_perc or 1.0,
+            convert_grad_on_cpu=optimizer.convert_grad_on_cpu,
+            aio=aio,
+        )
+    param_settings = None
+    if param is not None:
+        assert param.device in ("cpu", "nvme")
+        param_settings = package.ParamOffload(
+            device=param.device,
+            nvme_path=param.nvme_path,
+            pin_memory=param.pin_memory,
+            buffer_count=max(1, param.buffer_count),
+            buffer_size=max(1, param.buffer_size),
+            max_in_cpu=param.max_in_cpu,
+            aio=aio,
+        )
+    return optimizer_settings, param_settings
 
 
 def shard_module_for_stage3(
