@@ -158,3 +158,80 @@ def test_offload_bf16_matches_without_offload() -> None:
     for result in results:
         # Same fp32 masters and math; a bf16 rounding of a weight may flip: one bf16 ulp.
         assert max(result["diffs"]) <= 2**-7, result["diffs"]
+
+
+def _nvme_checkpoint_and_disk_full(swap_dir: str, checkpoint_dir: str) -> dict:
+    """NVMe offload: a checkpoint round trip, then a disk that fills mid-step."""
+    import errno
+
+    import slipstream
+    from slipstream.offload import DiskFullError
+    from slipstream.zero.testing import TinyTransformer, batch_for
+
+    def build() -> object:
+        torch.manual_seed(0)
+        model = TinyTransformer()
+        config = {
+            "train_micro_batch_size_per_gpu": MICRO,
+            "gradient_clipping": CLIP,
+            "steps_per_print": 1000,
+            "zero_optimization": {
+                "stage": 2,
+                "sub_group_size": 700,
+                "offload_optimizer": {"device": "nvme", "nvme_path": swap_dir},
+            },
+        }
+        optimizer = torch.optim.AdamW(model.parameters(), lr=0.01)
+        return slipstream.initialize(model=model, optimizer=optimizer, config=config)[0]
+
+    def train(engine, steps: range) -> None:
+        for step in steps:
+            ids, labels = batch_for(step, 0, MICRO)
+            engine.backward(engine(ids, labels))
+            engine.step()
+
+    def weights(engine) -> list[torch.Tensor]:
+        return [p.detach().clone() for p in engine.module.parameters()]
+
+    first = build()
+    train(first, range(2))
+    first.save_checkpoint(checkpoint_dir, tag="two")
+    train(first, range(2, 3))
+    expected = weights(first)
+
+    resumed = build()
+    resumed.load_checkpoint(checkpoint_dir, tag="two")
+    train(resumed, range(2, 3))
+    resumed_equal = all(torch.equal(a, b) for a, b in zip(weights(resumed), expected))
+
+    # The drive fills while the step writes the states back: a clear error, no silent loss.
+    space = resumed.zero.optimizer.offload.space
+    space.engine._inject_error(errno.ENOSPC, op="write")
+    message = ""
+    try:
+        train(resumed, range(3, 4))
+    except DiskFullError as exc:
+        message = str(exc)
+    # The last checkpoint is untouched and still loads.
+    again = build()
+    again.load_checkpoint(checkpoint_dir, tag="two")
+    train(again, range(2, 3))
+    checkpoint_intact = all(torch.equal(a, b) for a, b in zip(weights(again), expected))
+    return {
+        "resumed_equal": resumed_equal,
+        "message": message,
+        "checkpoint_intact": checkpoint_intact,
+    }
+
+
+def test_nvme_offload_checkpoints_and_a_full_disk(tmp_path) -> None:
+    swap, checkpoints = tmp_path / "nvme", tmp_path / "ckpt"
+    swap.mkdir()
+    (result,) = run_distributed(
+        _nvme_checkpoint_and_disk_full, 1, str(swap), str(checkpoints), timeout=300
+    )
+    assert result["resumed_equal"]
+    assert "no space left on device" in result["message"]
+    assert str(swap) in result["message"]
+    assert result["checkpoint_intact"]
+    assert not any(swap.iterdir()), "swap folders must be removed when the process ends"

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import contextlib
+
 import logging
 import math
 from collections.abc import Iterator
@@ -592,7 +594,14 @@ class SlipstreamEngine(torch.nn.Module):
     ) -> Path:
         """Save model, optimizer, schedule, loss scale, counters and RNG under ``save_dir/tag``."""
         self._refuse_expert_parallel_checkpoint()
-        return checkpointing.save(self, save_dir, tag, client_state or {}, save_latest)
+        with self._optimizer_resident():
+            return checkpointing.save(self, save_dir, tag, client_state or {}, save_latest)
+
+    def _optimizer_resident(self) -> Any:
+        """NVMe offload: masters and optimizer states in host memory for a checkpoint."""
+        if self.zero is None or isinstance(self.zero, ExpertParallelZero):
+            return contextlib.nullcontext()
+        return self.zero.optimizer.resident()
 
     def load_checkpoint(
         self,
@@ -605,15 +614,16 @@ class SlipstreamEngine(torch.nn.Module):
     ) -> tuple[Path, dict[str, Any]]:
         """Restore a checkpoint; returns ``(path, client_state)``. Raises if it is missing or bad."""
         self._refuse_expert_parallel_checkpoint()
-        return checkpointing.load(
-            self,
-            load_dir,
-            tag,
-            load_module_strict=load_module_strict,
-            load_optimizer_states=load_optimizer_states and not load_module_only,
-            load_lr_scheduler_states=load_lr_scheduler_states and not load_module_only,
-            load_module_only=load_module_only,
-        )
+        with self._optimizer_resident():
+            return checkpointing.load(
+                self,
+                load_dir,
+                tag,
+                load_module_strict=load_module_strict,
+                load_optimizer_states=load_optimizer_states and not load_module_only,
+                load_lr_scheduler_states=load_lr_scheduler_states and not load_module_only,
+                load_module_only=load_module_only,
+            )
 
     def _refuse_expert_parallel_checkpoint(self) -> None:
         if self._experts.is_expert_parallel:
