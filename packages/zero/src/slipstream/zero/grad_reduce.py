@@ -4,6 +4,7 @@ from __future__ import annotations
 
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
+from typing import Any
 
 import torch
 import torch.distributed as dist
@@ -48,6 +49,14 @@ class _Bucket:
     output: torch.Tensor | None = None
     work: dist.Work | None = None
     filled: set[int] = field(default_factory=set)
+    # Optimizer offload: pinned host copies of the reduced shard (the first reduction after
+    # zero_grad lands in ``host`` and becomes the master grads, later ones in ``scratch`` and
+    # are added), the copy's event, and the result's sum of squares (on the device).
+    host: torch.Tensor | None = None
+    scratch: torch.Tensor | None = None
+    target: torch.Tensor | None = None
+    copied: Any = None
+    squares: torch.Tensor | None = None
 
 
 class GradientReduceScatter:
@@ -105,6 +114,11 @@ class GradientReduceScatter:
             self._bucket_of.update({i: len(self._buckets) for i in indices})
             self._buckets.append(_Bucket(indices, offsets, total, pending=len(indices)))
         self._next = 0
+        # Optimizer offload with a GPU: each bucket's result is post-scaled, its sum of
+        # squares taken and copied to pinned host memory on a side stream as soon as its
+        # reduce-scatter finishes, overlapping the rest of backward.
+        self._to_host = masters.on_host
+        self._side: Any = None
 
     @property
     def num_buckets(self) -> int:
@@ -170,6 +184,41 @@ class GradientReduceScatter:
         bucket.work = self.group.reduce_scatter_into(
             bucket.output, buffer.reshape(-1), async_op=True
         )
+        if self._to_host and buffer.device.type == "cuda":
+            self._copy_to_host_async(bucket)
+
+    def _post_scale(self) -> float:
+        return 1.0 if self.prescale else self.predivide / self.divisor
+
+    def _host_target(self, bucket: _Bucket) -> torch.Tensor:
+        """The pinned buffer this reduction lands in (see _Bucket)."""
+        first = self.masters.masters[bucket.indices[0]].grad is None
+        name = "host" if first else "scratch"
+        target = getattr(bucket, name)
+        if target is None:
+            pin = bucket.output is not None and bucket.output.device.type == "cuda"
+            target = torch.empty(bucket.shard_numel, dtype=torch.float32, pin_memory=pin)
+            setattr(bucket, name, target)
+        return target
+
+    def _copy_to_host_async(self, bucket: _Bucket) -> None:
+        output, work = bucket.output, bucket.work
+        assert output is not None
+        if self._side is None:
+            self._side = torch.cuda.Stream(device=output.device)
+        side = self._side
+        target = self._host_target(bucket)
+        with torch.cuda.stream(side):
+            if work is not None:
+                work.wait()  # the side stream waits for the collective, not the host
+            post = self._post_scale()
+            if post != 1.0:
+                output.mul_(post)
+            bucket.squares = output.float().pow(2).sum()
+            target.copy_(output, non_blocking=True)
+            event = torch.cuda.Event()
+            event.record(side)
+        bucket.target, bucket.copied, bucket.work = target, event, None
 
     def finish(self) -> None:
         """Reduce what is left, wait for every bucket, add the results into the master grads."""
@@ -180,18 +229,47 @@ class GradientReduceScatter:
         while self._next < len(self._buckets):
             self._launch(self._buckets[self._next])
             self._next += 1
-        post = 1.0 if self.prescale else self.predivide / self.divisor
+        post = self._post_scale()
+        squares: list[torch.Tensor] = []
+        first_reduction = all(m.grad is None for m in self.masters.masters)
         for bucket in self._buckets:
-            if bucket.work is not None:
-                bucket.work.wait()
-            output = bucket.output
-            assert output is not None
-            if post != 1.0:
-                output.mul_(post)
-            for index, offset in zip(bucket.indices, bucket.offsets):
-                n = self.masters.specs[index].shard_numel
-                self.masters.add_grad_(index, output[offset : offset + n])
+            if bucket.copied is not None:  # offload: already on its way to the host
+                bucket.copied.synchronize()
+                assert bucket.target is not None and bucket.squares is not None
+                squares.append(bucket.squares)
+                self._hand_over(bucket, bucket.target)
+            else:
+                if bucket.work is not None:
+                    bucket.work.wait()
+                output = bucket.output
+                assert output is not None
+                if post != 1.0:
+                    output.mul_(post)
+                if self._to_host:
+                    squares.append(output.float().pow(2).sum())
+                    target = self._host_target(bucket)
+                    target.copy_(output)
+                    self._hand_over(bucket, target)
+                else:
+                    for index, offset in zip(bucket.indices, bucket.offsets):
+                        n = self.masters.specs[index].shard_numel
+                        self.masters.add_grad_(index, output[offset : offset + n])
             bucket.buffer = bucket.output = bucket.work = None
+            bucket.target = bucket.copied = bucket.squares = None
             bucket.pending = len(bucket.indices)
             bucket.filled.clear()
         self._next = 0
+        if self._to_host:
+            # The device-side sum of squares is the master grads' only while they hold a
+            # single reduction (no accumulation on the host since zero_grad).
+            self.masters.device_squares = (
+                torch.stack(squares).sum() if first_reduction and squares else None
+            )
+
+    def _hand_over(self, bucket: _Bucket, target: torch.Tensor) -> None:
+        """Make a landed host copy the master grads (views) or add it into them."""
+        for index, offset in zip(bucket.indices, bucket.offsets):
+            n = self.masters.specs[index].shard_numel
+            self.masters.take_host_grad_(
+                index, target[offset : offset + n], owned=target is bucket.host
+            )

@@ -55,6 +55,9 @@ class ShardedMasterWeights:
             self.masters.append(torch.nn.Parameter(data.detach(), requires_grad=True))
         self.index_of = {id(p): i for i, p in enumerate(self.params)}
         self.on_host = device is not None and device.type == "cpu"
+        # Offload: the global sum of squares of the grads, taken on the device by the reducer
+        # while they were a single reduction (None: compute it from the host grads).
+        self.device_squares: torch.Tensor | None = None
 
     def __len__(self) -> int:
         return len(self.masters)
@@ -104,6 +107,15 @@ class ShardedMasterWeights:
         else:
             master.grad.add_(shard_grad.to(master.device))
 
+    def take_host_grad_(self, index: int, host: torch.Tensor, owned: bool) -> None:
+        """Offload: a reduced shard already in host memory becomes (``owned``: a view of a
+        buffer reserved for it) or is added into master ``index``'s fp32 grad."""
+        master = self.masters[index]
+        if master.grad is None:
+            master.grad = host if owned else host.clone()
+        else:
+            master.grad.add_(host)
+
     def grads(self) -> list[torch.Tensor]:
         """The master gradients that exist (every master after a full reduction)."""
         return [m.grad for m in self.masters if m.grad is not None]
@@ -112,3 +124,4 @@ class ShardedMasterWeights:
         """Drop the master gradients."""
         for master in self.masters:
             master.grad = None
+        self.device_squares = None

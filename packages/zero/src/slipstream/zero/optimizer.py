@@ -93,6 +93,18 @@ class ZeroOptimizer:
         reach. None: computed here from the shards over the data-parallel group.
         """
         grads = self.masters.grads()
+        squares = self.masters.device_squares
+        if self.offload is not None and squares is not None:
+            # Offload: the reducer took the sum of squares on the device; an inf or nan in
+            # any gradient makes it non-finite (one scalar, no pass over the host grads).
+            total = squares.detach().clone()
+            self.group.sum_(total)
+            if loss_scale is not None and not bool(torch.isfinite(total)):
+                return StepOutcome(overflow=True, grad_norm=None)
+            norm = total.sqrt()
+            if loss_scale not in (None, 1.0):
+                norm = norm / loss_scale
+            return self._offloaded_step(grads, loss_scale, max_grad_norm, grad_norm or norm)
         if loss_scale is not None and overflow_on_any_rank(grads, self.group, self.device):
             return StepOutcome(overflow=True, grad_norm=None)
         if self.offload is not None:
