@@ -4,6 +4,8 @@
 #   train     1.3b and 7b training beside DDP and FSDP2 (ZeRO stages, docs/benchmarks.md)
 #   pipeline  the 1.3b model at PP=2, each schedule
 #   scale     weak scaling of the 1.3b model on 1, 2 and 4 GPUs (needs 4 GPUs)
+#   offload   CPU optimizer offload of the 1.3b and 7b models on 2 GPUs; the I/O engine
+#   offload1  the largest models on 1 GPU with CPU and NVMe offload
 # Results go to $OUT (or ./gpu-results) as logs and JSON lines. No nox or hatchling needed.
 set -uo pipefail
 cd "$(dirname "$0")/../.."
@@ -42,6 +44,25 @@ for phase in "$@"; do
           fsdp2@1.3b/4 slipstream:1@1.3b/4 slipstream:2@1.3b/4 slipstream:3@1.3b/4 2>&1 \
           | tee "$out/scale$n.log" | tail -7
       done
+      ;;
+    offload)
+      # CPU optimizer offload on 2 GPUs beside the same run without it (the final losses must
+      # agree), then the largest models on one GPU with CPU and NVMe offload, and the I/O engine.
+      python3 -m slipstream.kernels.build_ops && python3 -m slipstream.offload.build
+      df -h /tmp | tee "$out/disk.txt"; free -g | tee -a "$out/disk.txt"
+      mkdir -p /tmp/slipstream-nvme
+      python3 -m slipstream.offload.io_bench --path /tmp/slipstream-nvme --size 2GiB --sweep \
+        --json "$out/io_bench.json" 2>&1 | tee "$out/io_bench.log" | tail -14
+      python3 tools/bench/run_all.py --gpus 2 --steps 8 --warmup 3 --out "$out/offload.jsonl" \
+        slipstream:2@1.3b/4 slipstream:2+cpu@1.3b/4 slipstream:2+cpu@7b/2 2>&1 \
+        | tee "$out/offload2.log" | tail -6
+      ;;
+    offload1)
+      python3 -m slipstream.kernels.build_ops && python3 -m slipstream.offload.build
+      mkdir -p /tmp/slipstream-nvme
+      python3 tools/bench/run_all.py --gpus 1 --steps 4 --warmup 2 --out "$out/offload.jsonl" \
+        slipstream:3+cpu+param@7b/2 slipstream:3+nvme+param@7b/2 slipstream:3+cpu+param@13b/2 \
+        2>&1 | tee "$out/offload1.log" | tail -6
       ;;
     *) echo "unknown phase $phase" >&2; exit 2 ;;
   esac

@@ -33,6 +33,7 @@ class LlamaShape:
 SHAPES: dict[str, LlamaShape] = {
     "1.3b": LlamaShape(hidden=2048, layers=24, heads=16, ffn=5504),
     "7b": LlamaShape(hidden=4096, layers=32, heads=32, ffn=11008),
+    "13b": LlamaShape(hidden=5120, layers=40, heads=40, ffn=13824),
     # For CPU smoke runs of the harness; not a benchmark size.
     "tiny": LlamaShape(hidden=64, layers=2, heads=4, ffn=128, vocab=256),
 }

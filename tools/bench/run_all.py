@@ -1,6 +1,7 @@
 """Run several training benchmarks side by side and print a markdown table of the results.
 
-Each spec is ``IMPL[:STAGE]@MODEL/MICRO`` (e.g. ``fsdp2@1.3b/4``, ``slipstream:3@7b/2``); every
+Each spec is ``IMPL[:STAGE[+cpu|+nvme][+param]]@MODEL/MICRO`` (e.g. ``fsdp2@1.3b/4``,
+``slipstream:3@7b/2``, ``slipstream:2+cpu@1.3b/4`` for CPU optimizer offload); every
 run is a fresh ``torchrun`` of train_bench.py on ``--gpus`` processes, one after the other on
 the same machine, so the rows compare like with like.
 
@@ -29,7 +30,10 @@ def _parse(spec: str) -> list[str]:
     except ValueError:
         raise SystemExit(f"bad spec {spec!r}: expected IMPL[:STAGE]@MODEL/MICRO") from None
     impl, _, stage = impl.partition(":")
+    stage, *extras = stage.split("+") if stage else [""]
     args = ["--impl", impl, "--model", model, "--micro", micro]
+    for extra in extras:  # slipstream:2+cpu, slipstream:3+nvme+param
+        args += ["--offload-param"] if extra == "param" else ["--offload", extra]
     return args + (["--stage", stage] if stage else [])
 
 

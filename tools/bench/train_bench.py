@@ -61,8 +61,28 @@ def _slipstream_config(args: argparse.Namespace) -> dict[str, Any]:
             "contiguous_gradients": True,
             "reduce_bucket_size": 5e8,
             "allgather_bucket_size": 5e8,
+            **_offload_blocks(args),
         },
     }
+
+
+def _offload_blocks(args: argparse.Namespace) -> dict[str, Any]:
+    """``--offload cpu|nvme`` (optimizer) and ``--offload-param`` (stage 3, to the CPU)."""
+    blocks: dict[str, Any] = {}
+    if args.offload == "cpu":
+        blocks["offload_optimizer"] = {"device": "cpu", "pin_memory": True}
+    elif args.offload == "nvme":
+        blocks["offload_optimizer"] = {
+            "device": "nvme",
+            "nvme_path": str(args.nvme_path),
+            "pin_memory": True,
+            "pipeline_read": True,
+            "pipeline_write": True,
+        }
+        blocks["sub_group_size"] = 2e8
+    if args.offload_param:
+        blocks["offload_param"] = {"device": "cpu", "pin_memory": True}
+    return blocks
 
 
 def _build(args: argparse.Namespace, device: torch.device) -> tuple[Any, Any, Any]:
@@ -137,7 +157,12 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--warmup", type=int, default=4)
     parser.add_argument("--steps", type=int, default=12)
     parser.add_argument("--out", type=Path, default=None, help="append the JSON result here")
+    parser.add_argument("--offload", choices=["none", "cpu", "nvme"], default="none")
+    parser.add_argument("--offload-param", action="store_true", help="stage 3: params on the CPU")
+    parser.add_argument("--nvme-path", type=Path, default=Path("/tmp/slipstream-nvme"))
     args = parser.parse_args(argv)
+    if args.offload == "nvme":
+        args.nvme_path.mkdir(parents=True, exist_ok=True)
 
     device, rank, world = _setup()
     torch.manual_seed(0)
@@ -172,7 +197,11 @@ def main(argv: list[str] | None = None) -> int:
     )
     dist.all_reduce(peak, op=dist.ReduceOp.MAX)
     result = {
-        "impl": args.impl if args.impl != "slipstream" else f"slipstream-zero{args.stage}",
+        "impl": args.impl
+        if args.impl != "slipstream"
+        else f"slipstream-zero{args.stage}"
+        + (f"+{args.offload}" if args.offload != "none" else "")
+        + ("+param" if args.offload_param else ""),
         "model": args.model,
         "params": params,
         "micro": args.micro,
