@@ -51,10 +51,11 @@ for phase in "$@"; do
       python3 -m slipstream.kernels.build_ops && python3 -m slipstream.offload.build
       df -h /tmp | tee "$out/disk.txt"; free -g | tee -a "$out/disk.txt"
       mkdir -p /tmp/slipstream-nvme
-      python3 -m slipstream.offload.io_bench --path /tmp/slipstream-nvme --size 2GiB --sweep \
+      python3 -m slipstream.offload.io_bench --path /tmp/slipstream-nvme --size 2GiB \
         --json "$out/io_bench.json" 2>&1 | tee "$out/io_bench.log" | tail -14
       python3 tools/bench/run_all.py --gpus 2 --steps 8 --warmup 3 --out "$out/offload.jsonl" \
-        slipstream:2@1.3b/4 slipstream:2+cpu@1.3b/4 slipstream:2+cpu@7b/2 2>&1 \
+        slipstream:2@1.3b/4 slipstream:2+cpu@1.3b/4 slipstream:2+cpu+noclip@1.3b/4 \
+        slipstream:2+cpu@7b/2 slipstream:2+cpu+noclip@7b/2 2>&1 \
         | tee "$out/offload2.log" | tail -6
       ;;
     offload1)

@@ -33,7 +33,12 @@ def _parse(spec: str) -> list[str]:
     stage, *extras = stage.split("+") if stage else [""]
     args = ["--impl", impl, "--model", model, "--micro", micro]
     for extra in extras:  # slipstream:2+cpu, slipstream:3+nvme+param
-        args += ["--offload-param"] if extra == "param" else ["--offload", extra]
+        if extra == "param":
+            args += ["--offload-param"]
+        elif extra == "noclip":
+            args += ["--clip", "0"]
+        else:
+            args += ["--offload", extra]
     return args + (["--stage", stage] if stage else [])
 
 

@@ -51,7 +51,7 @@ def _slipstream_config(args: argparse.Namespace) -> dict[str, Any]:
     return {
         "train_micro_batch_size_per_gpu": args.micro,
         "gradient_accumulation_steps": 1,
-        "gradient_clipping": 1.0,
+        "gradient_clipping": args.clip,
         "steps_per_print": 10**9,
         "bf16": {"enabled": True},
         "optimizer": {"type": "AdamW", "params": {"lr": 1e-4, "weight_decay": 0.0}},
@@ -160,6 +160,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--offload", choices=["none", "cpu", "nvme"], default="none")
     parser.add_argument("--offload-param", action="store_true", help="stage 3: params on the CPU")
     parser.add_argument("--nvme-path", type=Path, default=Path("/tmp/slipstream-nvme"))
+    parser.add_argument("--clip", type=float, default=1.0, help="gradient_clipping (0: off)")
     args = parser.parse_args(argv)
     if args.offload == "nvme":
         args.nvme_path.mkdir(parents=True, exist_ok=True)
@@ -201,7 +202,8 @@ def main(argv: list[str] | None = None) -> int:
         if args.impl != "slipstream"
         else f"slipstream-zero{args.stage}"
         + (f"+{args.offload}" if args.offload != "none" else "")
-        + ("+param" if args.offload_param else ""),
+        + ("+param" if args.offload_param else "")
+        + ("+noclip" if args.clip == 0 else ""),
         "model": args.model,
         "params": params,
         "micro": args.micro,

@@ -20,6 +20,8 @@ def _side_by_side(stage: int, precision: str, offload: dict, optimizer_name: str
     from slipstream.zero.testing import TinyTransformer, batch_for
 
     world, rank = comm.get_world_size(), comm.get_rank()
+    offload = dict(offload)
+    clip = offload.pop("_clip", CLIP)
     engines = []
     for extra in ({}, offload):
         torch.manual_seed(0)
@@ -36,7 +38,7 @@ def _side_by_side(stage: int, precision: str, offload: dict, optimizer_name: str
         config = {
             "train_micro_batch_size_per_gpu": MICRO,
             "gradient_accumulation_steps": GAS,
-            "gradient_clipping": CLIP,
+            "gradient_clipping": clip,
             "steps_per_print": 1000,
             "zero_optimization": zero,
             # Small sub-groups: the step and the NVMe swaps walk several of them.
@@ -72,7 +74,14 @@ def _side_by_side(stage: int, precision: str, offload: dict, optimizer_name: str
         norm_diffs.append(worst_norm)
     norms = [float(e.get_global_grad_norm()) for e in engines]
     masters_on_host = all(m.device.type == "cpu" for m in offloaded.zero.masters.masters)
-    return {"diffs": diffs, "norm_diffs": norm_diffs, "norms": norms, "host": masters_on_host}
+    eager = bool(offloaded.zero.optimizer.offload.eager)
+    return {
+        "diffs": diffs,
+        "norm_diffs": norm_diffs,
+        "norms": norms,
+        "host": masters_on_host,
+        "eager": eager,
+    }
 
 
 class _null:
@@ -104,6 +113,9 @@ CASES = [
         },
     ),
     (3, 2, {"offload_optimizer": {"device": "nvme", "nvme_path": "TMP"}}),
+    # No clipping: each bucket steps on the CPU as it lands (overlap_step), during backward.
+    (1, 2, {"offload_optimizer": {"device": "cpu"}, "_clip": 0.0}),
+    (2, 2, {"offload_optimizer": {"device": "cpu"}, "_clip": 0.0}),
 ]
 
 
@@ -111,7 +123,9 @@ def _ids() -> list[str]:
     out = []
     for stage, world, extra in CASES:
         parts = [f"stage{stage}", f"w{world}"]
-        parts += [f"{k.split('_')[1]}-{v['device']}" for k, v in extra.items()]
+        parts += [f"{k.split('_')[1]}-{v['device']}" for k, v in extra.items() if k != "_clip"]
+        if "_clip" in extra:
+            parts.append("noclip-eager")
         if extra.get("offload_optimizer", {}).get("pipeline_read"):
             parts.append("pipelined")
         out.append("-".join(parts))
@@ -136,6 +150,8 @@ def test_offload_matches_the_same_run_without_it_fp32(
 ) -> None:
     extra = {
         key: {k: (str(tmp_path) if v == "TMP" else v) for k, v in block.items()}
+        if isinstance(block, dict)
+        else block
         for key, block in extra.items()
     }
     results = run_distributed(
@@ -143,6 +159,7 @@ def test_offload_matches_the_same_run_without_it_fp32(
     )
     for result in results:
         assert result["host"]
+        assert result["eager"] == ("_clip" in extra)
         worst, in_norm = TOLERANCE[optimizer_name]
         assert max(result["diffs"]) <= worst, result["diffs"]
         assert max(result["norm_diffs"]) <= in_norm, result["norm_diffs"]

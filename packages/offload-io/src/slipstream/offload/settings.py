@@ -43,6 +43,10 @@ class OptimizerOffload:
         convert_grad_on_cpu: copy low-precision reduced gradients to the host as they are and
             widen them to fp32 there (half the transfer); False widens on the device first.
         aio: the ``aio`` block's settings for the NVMe engine (None: its defaults).
+        overlap_step: CPU, ZeRO 1-2: step each gradient bucket's masters as soon as the bucket
+            reaches the host, during the rest of backward. Exact only when the update does
+            not depend on the global gradient norm: no clipping, no fp16 loss scaling (the
+            umbrella turns it on exactly then).
     """
 
     device: Device = "cpu"
@@ -55,9 +59,14 @@ class OptimizerOffload:
     cores_fraction: float = 0.8
     convert_grad_on_cpu: bool = True
     aio: AioSettings | None = None
+    overlap_step: bool = False
 
     def __post_init__(self) -> None:
         _check_device("offload_optimizer", self.device, self.nvme_path)
+        if self.overlap_step and self.device != "cpu":
+            raise ValueError(
+                "offload_optimizer overlap_step needs device='cpu' (NVMe steps whole sub-groups)"
+            )
         if self.buffer_count < 1:
             raise ValueError(f"offload_optimizer.buffer_count={self.buffer_count} must be >= 1")
         if self.sub_group_numel < 1:

@@ -90,6 +90,11 @@ def offload_settings(config: SlipstreamConfig) -> tuple[Any, Any]:
             cores_fraction=optimizer.cpuadam_cores_perc or 1.0,
             convert_grad_on_cpu=optimizer.convert_grad_on_cpu,
             aio=aio,
+            # Step each bucket during backward when the update needs no global norm.
+            overlap_step=optimizer.device == "cpu"
+            and zero.stage in (1, 2)
+            and config.gradient_clipping == 0
+            and not config.fp16.enabled,
         )
     param_settings = None
     if param is not None:

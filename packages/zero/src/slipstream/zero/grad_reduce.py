@@ -57,6 +57,8 @@ class _Bucket:
     target: torch.Tensor | None = None
     copied: Any = None
     squares: torch.Tensor | None = None
+    first: bool = True  # this reduction is the first since zero_grad (lands in ``host``)
+    job: Any = None  # the eager CPU step of this bucket (a Future), see on_final_bucket
 
 
 class GradientReduceScatter:
@@ -119,6 +121,12 @@ class GradientReduceScatter:
         # reduce-scatter finishes, overlapping the rest of backward.
         self._to_host = masters.on_host
         self._side: Any = None
+        # Offload with an eager step: ``on_final_bucket(run)`` queues ``run`` (hand the
+        # landed bucket to the master grads, then step those masters) on the CPU step's
+        # worker and returns its Future. Only the last reduction before a step (``final``).
+        self.on_final_bucket: Callable[[Callable[[], None]], Any] | None = None
+        self.step_indices: Callable[[list[int]], None] | None = None
+        self.final = True
 
     @property
     def num_buckets(self) -> int:
@@ -193,6 +201,7 @@ class GradientReduceScatter:
     def _host_target(self, bucket: _Bucket) -> torch.Tensor:
         """The pinned buffer this reduction lands in (see _Bucket)."""
         first = self.masters.masters[bucket.indices[0]].grad is None
+        bucket.first = first
         name = "host" if first else "scratch"
         target = getattr(bucket, name)
         if target is None:
@@ -219,6 +228,20 @@ class GradientReduceScatter:
             event = torch.cuda.Event()
             event.record(side)
         bucket.target, bucket.copied, bucket.work = target, event, None
+        if self.on_final_bucket is not None and self.final:
+            indices, offsets = list(bucket.indices), list(bucket.offsets)
+            owned = target is bucket.host
+
+            def run() -> None:
+                event.synchronize()
+                self._hand_over_slices(indices, offsets, target, owned)
+                self._step_now(indices)
+
+            bucket.job = self.on_final_bucket(run)
+
+    def _step_now(self, indices: list[int]) -> None:
+        assert self.step_indices is not None, "an eager offload step needs step_indices"
+        self.step_indices(indices)
 
     def finish(self) -> None:
         """Reduce what is left, wait for every bucket, add the results into the master grads."""
@@ -231,12 +254,18 @@ class GradientReduceScatter:
             self._next += 1
         post = self._post_scale()
         squares: list[torch.Tensor] = []
-        first_reduction = all(m.grad is None for m in self.masters.masters)
+        first_reduction = True
         for bucket in self._buckets:
-            if bucket.copied is not None:  # offload: already on its way to the host
+            if bucket.job is not None:  # offload, eager: handed over and stepping already
+                bucket.job.result()  # re-raises what the worker hit
+                assert bucket.squares is not None
+                squares.append(bucket.squares)
+                first_reduction &= bucket.first
+            elif bucket.copied is not None:  # offload: already on its way to the host
                 bucket.copied.synchronize()
                 assert bucket.target is not None and bucket.squares is not None
                 squares.append(bucket.squares)
+                first_reduction &= bucket.first
                 self._hand_over(bucket, bucket.target)
             else:
                 if bucket.work is not None:
@@ -248,14 +277,18 @@ class GradientReduceScatter:
                 if self._to_host:
                     squares.append(output.float().pow(2).sum())
                     target = self._host_target(bucket)
+                    first_reduction &= bucket.first
                     target.copy_(output)
                     self._hand_over(bucket, target)
+                    if self.on_final_bucket is not None and self.final:
+                        indices = list(bucket.indices)
+                        self.on_final_bucket(lambda i=indices: self._step_now(i)).result()
                 else:
                     for index, offset in zip(bucket.indices, bucket.offsets):
                         n = self.masters.specs[index].shard_numel
                         self.masters.add_grad_(index, output[offset : offset + n])
             bucket.buffer = bucket.output = bucket.work = None
-            bucket.target = bucket.copied = bucket.squares = None
+            bucket.target = bucket.copied = bucket.squares = bucket.job = None
             bucket.pending = len(bucket.indices)
             bucket.filled.clear()
         self._next = 0
@@ -268,8 +301,11 @@ class GradientReduceScatter:
 
     def _hand_over(self, bucket: _Bucket, target: torch.Tensor) -> None:
         """Make a landed host copy the master grads (views) or add it into them."""
-        for index, offset in zip(bucket.indices, bucket.offsets):
+        self._hand_over_slices(bucket.indices, bucket.offsets, target, target is bucket.host)
+
+    def _hand_over_slices(
+        self, indices: list[int], offsets: list[int], target: torch.Tensor, owned: bool
+    ) -> None:
+        for index, offset in zip(indices, offsets):
             n = self.masters.specs[index].shard_numel
-            self.masters.take_host_grad_(
-                index, target[offset : offset + n], owned=target is bucket.host
-            )
+            self.masters.take_host_grad_(index, target[offset : offset + n], owned=owned)

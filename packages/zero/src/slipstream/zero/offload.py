@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import logging
 from collections.abc import Callable
+from concurrent.futures import Future, ThreadPoolExecutor
 from contextlib import nullcontext
 from typing import TYPE_CHECKING, Any
 
@@ -65,6 +66,8 @@ class OffloadedStep:
         package = require_offload_package("offload_optimizer")
         self.masters = masters
         self.offload = offload
+        self._pool: ThreadPoolExecutor | None = None
+        self._eager_steps = 0
         self.swapper: Any = None
         self.space: Any = None
         if offload.device == "nvme":
@@ -86,6 +89,28 @@ class OffloadedStep:
                     engine.backend_name,
                 )
 
+    # ------------------------------------------------------------------ eager (overlapped) steps
+    @property
+    def eager(self) -> bool:
+        """Whether buckets are stepped during backward (``overlap_step``)."""
+        return self.offload.overlap_step
+
+    def submit(self, run: Callable[[], None]) -> Future[None]:
+        """Queue ``run`` (a landed bucket's hand-over and step) on the CPU step's worker."""
+        if self._pool is None:
+            self._pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix="slipstream-cpu-step")
+        self._eager_steps += 1
+        return self._pool.submit(run)
+
+    def step_indices(self, indices: list[int]) -> None:
+        """Step the masters at ``indices`` now (on the worker, from ``submit``)."""
+        self.host.step_params([self.masters.masters[i] for i in indices])
+
+    def take_eager_steps(self) -> int:
+        """How many bucket steps ran since the last call (the reducer waited for them)."""
+        count, self._eager_steps = self._eager_steps, 0
+        return count
+
     def step(
         self,
         grad_scale: float,
@@ -99,6 +124,9 @@ class OffloadedStep:
         return self.swapper.resident() if self.swapper is not None else nullcontext()
 
     def close(self) -> None:
-        """Remove the swap files (also done at exit)."""
+        """Stop the worker; remove the swap files (also done at exit)."""
+        if self._pool is not None:
+            self._pool.shutdown(wait=True)
+            self._pool = None
         if self.space is not None:
             self.space.close()

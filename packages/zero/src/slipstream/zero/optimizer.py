@@ -104,7 +104,8 @@ class ZeroOptimizer:
             norm = total.sqrt()
             if loss_scale not in (None, 1.0):
                 norm = norm / loss_scale
-            return self._offloaded_step(grads, loss_scale, max_grad_norm, grad_norm or norm)
+            given = grad_norm if grad_norm is not None else norm
+            return self._offloaded_step(grads, loss_scale, max_grad_norm, given)
         if loss_scale is not None and overflow_on_any_rank(grads, self.group, self.device):
             return StepOutcome(overflow=True, grad_norm=None)
         if self.offload is not None:
@@ -127,6 +128,23 @@ class ZeroOptimizer:
         grad_norm: torch.Tensor | None,
     ) -> StepOutcome:
         assert self.offload is not None
+        if self.offload.eager:
+            # Every bucket was stepped during backward, as it reached the host.
+            if loss_scale is not None or (max_grad_norm > 0 and not math.isinf(max_grad_norm)):
+                raise RuntimeError(
+                    "offload overlap_step stepped during backward, but this step asks for "
+                    "gradient clipping or loss scaling, which need the global norm first; "
+                    "build the settings with overlap_step=False"
+                )
+            if self.offload.take_eager_steps() == 0 and grads:
+                self.offload.step(grad_scale=1.0)  # no bucket was marked final: step now
+            self._publish()
+            norm = (
+                grad_norm
+                if grad_norm is not None
+                else global_grad_norm(grads, self.group, self.device)
+            )
+            return StepOutcome(overflow=False, grad_norm=norm)
         unscale = 1.0 / loss_scale if loss_scale not in (None, 1.0) else 1.0
         if grad_norm is not None:
             norm = grad_norm

@@ -118,6 +118,10 @@ class ShardedOptimizerStates:
             prescale=settings.prescale_gradients,
             divisor=gradient_divisor,
         )
+        if step is not None and step.eager:
+            # overlap_step: each bucket's masters step on the CPU worker as it lands.
+            self.reducer.on_final_bucket = step.submit
+            self.reducer.step_indices = step.step_indices
         self._reducing = settings.stage == 2
         self._hooks = [
             p.register_post_accumulate_grad_hook(lambda p, i=i: self._on_grad(i))  # type: ignore[misc]
@@ -151,6 +155,7 @@ class ShardedOptimizerStates:
     def prepare_backward(self, is_boundary: bool) -> None:
         """Say whether the next backward ends an accumulation cycle (stage 1 reduces only then)."""
         self._reducing = self.settings.stage == 2 or is_boundary
+        self.reducer.final = is_boundary  # an eager offload step runs on the last reduction
 
     def finish_backward(self, is_boundary: bool = True) -> None:
         """Complete the gradient reduction after ``loss.backward()`` (waits for the buckets)."""
