@@ -61,9 +61,11 @@ for phase in "$@"; do
     offload1)
       python3 -m slipstream.kernels.build_ops && python3 -m slipstream.offload.build
       mkdir -p /tmp/slipstream-nvme
-      python3 tools/bench/run_all.py --gpus 1 --steps 4 --warmup 2 --out "$out/offload.jsonl" \
-        slipstream:3+cpu+param@7b/2 slipstream:3+nvme+param@7b/2 slipstream:3+cpu+param@13b/2 \
-        2>&1 | tee "$out/offload1.log" | tail -6
+      for spec in slipstream:3+cpu+param@7b/2 slipstream:3+nvme+param@7b/2 \
+          slipstream:3+cpu+param@13b/2; do
+        timeout 240 python3 tools/bench/run_all.py --gpus 1 --steps 3 --warmup 1 \
+          --out "$out/offload.jsonl" "$spec" 2>&1 | tee -a "$out/offload1.log" | tail -2
+      done
       ;;
     *) echo "unknown phase $phase" >&2; exit 2 ;;
   esac
