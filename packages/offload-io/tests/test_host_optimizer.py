@@ -85,6 +85,8 @@ def test_unsupported_flags_fall_back() -> None:
     assert kernel_for(torch.optim.AdamW(params, amsgrad=True))[0] is None
     assert kernel_for(torch.optim.Adagrad(params, lr_decay=0.1))[0] is None
     assert kernel_for(torch.optim.AdamW(params))[0] == "adam"
+    one_group = torch.optim.AdamW([{"params": params[:1]}, {"params": params[1:], "amsgrad": True}])
+    assert kernel_for(one_group)[0] is None
 
 
 def test_rejects_device_or_low_precision_params() -> None:

@@ -102,3 +102,19 @@ def test_transformer_params_counts_a_real_swiglu_decoder() -> None:
     assert transformer_params(hidden, layers, vocab, ffn=ffn, gated=True, tied=False) == counted
     # GPT defaults: 4h MLP, tied embedding.
     assert transformer_params(hidden, layers, vocab) == 12 * layers * hidden**2 + vocab * hidden
+
+
+def test_offload_estimate_matches_what_offload_allocates() -> None:
+    from slipstream.runtime.estimate import estimate_offload
+
+    gib = 1024.0**3
+    # 7b on one GPU, bf16, Adam: the host holds masters, moments, fp32 grads and bf16 shards
+    # (18 B per parameter): about 113 GiB, which fit the 256 GiB benchmark host; 13b does not.
+    rows = {(r.stage, r.param_offload): r for r in estimate_offload(6_738_415_616, 1)}
+    assert rows[(3, True)].gpu == 0
+    assert rows[(3, True)].host / gib == pytest.approx(6_738_415_616 * 18 / gib)
+    assert rows[(2, False)].gpu == pytest.approx(2 * 6_738_415_616)
+    assert rows[(1, False)].gpu == pytest.approx(6 * 6_738_415_616)  # + fp32 accumulators
+    nvme = {(r.stage, r.param_offload): r for r in estimate_offload(1000, 2, device="nvme")}
+    assert nvme[(2, False)].nvme == pytest.approx(12 * 1000 / 2)
+    assert nvme[(2, False)].host == pytest.approx(6 * 1000 / 2)

@@ -48,14 +48,15 @@ def kernel_for(optimizer: torch.optim.Optimizer) -> tuple[str | None, str]:
     from slipstream.kernels.optim import Lion
 
     name = type(optimizer).__name__
-    defaults = optimizer.defaults
+    # Every group counts: a flag may be set for one parameter group only.
+    settings = [optimizer.defaults, *optimizer.param_groups]
     if type(optimizer) in (torch.optim.Adam, torch.optim.AdamW):
         for flag in ("amsgrad", "maximize", "differentiable"):
-            if defaults.get(flag):
+            if any(group.get(flag) for group in settings):
                 return None, f"{name}({flag}=True) has no C++ step"
         return "adam", f"{name}: C++ Adam"
     if type(optimizer) is torch.optim.Adagrad:
-        if defaults.get("lr_decay", 0) != 0 or defaults.get("maximize"):
+        if any(g.get("lr_decay", 0) != 0 or g.get("maximize") for g in settings):
             return None, f"{name} with lr_decay or maximize has no C++ step"
         return "adagrad", f"{name}: C++ Adagrad"
     if type(optimizer) is Lion:

@@ -33,15 +33,17 @@ class OptimizerOffload:
         nvme_path: the folder for swap files (``device="nvme"``).
         pin_memory: page-lock the host buffers (faster, asynchronous transfers; costs
             non-swappable memory). Has an effect only where a GPU is present.
-        buffer_count: NVMe: host buffers the sub-groups cycle through (at least 2 for
-            ``pipeline_read``/``pipeline_write`` to overlap).
+        buffer_count: accepted for DeepSpeed configs; not used: the NVMe swapper keeps the
+            sub-groups in flight (at most three: reading, stepping, writing) in memory of
+            their own rather than in a fixed pool of buffers.
         pipeline_read: NVMe: read the next sub-group while the current one steps.
         pipeline_write: NVMe: write a stepped sub-group back while the next one steps.
         sub_group_numel: elements per sub-group of the step (``zero_optimization.sub_group_size``):
             the unit of NVMe swapping and of the step/upload pipeline.
         cores_fraction: share of this rank's cores the step uses (``cpuadam_cores_perc``).
-        convert_grad_on_cpu: copy low-precision reduced gradients to the host as they are and
-            widen them to fp32 there (half the transfer); False widens on the device first.
+        convert_grad_on_cpu: accepted for DeepSpeed configs; not used: reduced gradients
+            reach the host in the communication dtype (fp32 unless communication_data_type
+            says otherwise) and land in fp32 buffers.
         aio: the ``aio`` block's settings for the NVMe engine (None: its defaults).
         overlap_step: CPU, ZeRO 1-2: step each gradient bucket's masters as soon as the bucket
             reaches the host, during the rest of backward. Exact only when the update does

@@ -27,8 +27,10 @@ from dataclasses import dataclass
 __all__ = [
     "ActivationEstimate",
     "ModelStateEstimate",
+    "OffloadEstimate",
     "estimate_activations",
     "estimate_model_states",
+    "estimate_offload",
 ]
 
 
@@ -74,6 +76,57 @@ def estimate_model_states(
         ModelStateEstimate(2, param_bytes * p, 4 * p / n, (4 + k) * p / n),
         ModelStateEstimate(3, param_bytes * p / n, 4 * p / n, (master + k) * p / n),
     ]
+
+
+@dataclass(frozen=True, slots=True)
+class OffloadEstimate:
+    """Bytes per rank with optimizer offload: what stays on the GPU and what moves out."""
+
+    stage: int
+    param_offload: bool
+    gpu: float
+    host: float
+    nvme: float
+
+
+def estimate_offload(
+    num_params: int,
+    world_size: int,
+    param_bytes: int = 2,
+    optimizer_state_bytes: int = 8,
+    device: str = "cpu",
+) -> list[OffloadEstimate]:
+    """Model-state bytes per rank with ``offload_optimizer`` (stages 1-3, and 3 + offload_param).
+
+    Host (``device="cpu"``): fp32 masters, optimizer states and fp32 gradients of this rank's
+    shard, plus the model-dtype staging copy of the shard (or, with ``offload_param``, the
+    shard itself): ``(4 + k + 4 + d)·Ψ/N``. With ``device="nvme"`` the masters and states
+    ``(4 + k)·Ψ/N`` go to disk instead (the sub-groups in flight come back to host memory).
+    GPU: the model-dtype parameters (all of them at stages 1-2, the shard at stage 3, none
+    persistent with ``offload_param``), plus stage 1's full-size fp32 accumulators under
+    fp16/bf16; gradient buckets in flight are not counted.
+    """
+    rows = estimate_model_states(num_params, world_size, param_bytes, optimizer_state_bytes)
+    p, n, d, k = (
+        float(num_params),
+        float(world_size),
+        float(param_bytes),
+        float(optimizer_state_bytes),
+    )
+    out = []
+    for stage, param_offload in ((1, False), (2, False), (3, False), (3, True)):
+        gpu = 0.0 if param_offload else rows[stage].params
+        if stage == 1 and param_bytes == 2:
+            gpu += 4 * p
+        masters_and_states = (4 + k) * p / n
+        host = 4 * p / n + d * p / n  # fp32 grads + staging copy (or the offloaded shard)
+        nvme = 0.0
+        if device == "nvme":
+            nvme = masters_and_states
+        else:
+            host += masters_and_states
+        out.append(OffloadEstimate(stage, param_offload, gpu, host, nvme))
+    return out
 
 
 @dataclass(frozen=True, slots=True)
@@ -156,6 +209,20 @@ def format_estimate(
         lines.append(
             f"{row.stage:>5} {row.params / gib:>11.2f} {row.grads / gib:>10.2f} "
             f"{row.optimizer / gib:>10.2f} {row.total / gib:>10.2f}"
+        )
+    lines.append(
+        "with offload_optimizer (CPU; NVMe moves the masters and states to disk), per rank:"
+    )
+    lines.append(
+        f"{'stage':>13} {'GPU GiB':>9} {'host GiB':>9} {'or: host GiB':>13} {'+ NVMe GiB':>11}"
+    )
+    cpu = estimate_offload(num_params, world_size, param_bytes, device="cpu")
+    nvme = estimate_offload(num_params, world_size, param_bytes, device="nvme")
+    for on_cpu, on_nvme in zip(cpu, nvme):
+        label = f"{on_cpu.stage}{' + param' if on_cpu.param_offload else ''}"
+        lines.append(
+            f"{label:>13} {on_cpu.gpu / gib:>9.2f} {on_cpu.host / gib:>9.2f} "
+            f"{on_nvme.host / gib:>13.2f} {on_nvme.nvme / gib:>11.2f}"
         )
     if activations is not None:
         lines.append(

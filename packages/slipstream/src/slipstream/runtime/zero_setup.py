@@ -2,12 +2,15 @@
 
 from __future__ import annotations
 
+import logging
 from typing import TYPE_CHECKING, Any, Protocol
 
 import torch
 
 from slipstream.config import SlipstreamConfig
 from slipstream.zero import DataParallelGroup, ShardedOptimizerStates, ZeroOptimizer, ZeroSettings
+
+logger = logging.getLogger(__name__)
 
 if TYPE_CHECKING:
     from slipstream.zero import ShardedMasterWeights, ShardSpec
@@ -76,6 +79,7 @@ def offload_settings(config: SlipstreamConfig) -> tuple[Any, Any]:
         overlap_events=aio_block.overlap_events,
         o_direct=aio_block.o_direct,
     )
+    _warn_inert_offload_keys(optimizer, param)
     optimizer_settings = None
     if optimizer is not None:
         assert optimizer.device in ("cpu", "nvme")
@@ -87,11 +91,13 @@ def offload_settings(config: SlipstreamConfig) -> tuple[Any, Any]:
             pipeline_read=optimizer.pipeline_read,
             pipeline_write=optimizer.pipeline_write,
             sub_group_numel=max(1, int(zero.sub_group_size)),
-            cores_fraction=optimizer.cpuadam_cores_perc or 1.0,
+            cores_fraction=optimizer.cpuadam_cores_perc,
             convert_grad_on_cpu=optimizer.convert_grad_on_cpu,
             aio=aio,
-            # Step each bucket during backward when the update needs no global norm.
-            overlap_step=optimizer.device == "cpu"
+            # Step each bucket during backward when the update needs no global norm. Opt-in:
+            # measured slower than the step after backward on 2x H200 (docs/benchmarks.md).
+            overlap_step=_overlap_step_requested()
+            and optimizer.device == "cpu"
             and zero.stage in (1, 2)
             and config.gradient_clipping == 0
             and not config.fp16.enabled,
@@ -135,3 +141,38 @@ def attach_optimizer(
     if settings.stage == 3:
         return stage3_model.attach_optimizer(optimizer)  # type: ignore[no-any-return]
     return ShardedOptimizerStates(params, optimizer, settings, group)
+
+
+OVERLAP_STEP_ENV = "SLIPSTREAM_OFFLOAD_OVERLAP_STEP"
+
+
+def _overlap_step_requested() -> bool:
+    """``SLIPSTREAM_OFFLOAD_OVERLAP_STEP=1``: try the eager per-bucket CPU step (experimental)."""
+    import os
+
+    return os.environ.get(OVERLAP_STEP_ENV, "0").strip().lower() in ("1", "true", "yes", "on")
+
+
+def _warn_inert_offload_keys(optimizer: Any, param: Any) -> None:
+    """Say which offload keys were set to a non-default value that Slipstream does not use."""
+    inert: list[str] = []
+    if optimizer is not None:
+        if optimizer.buffer_count != 4:
+            inert.append("offload_optimizer.buffer_count")
+        if optimizer.fast_init:
+            inert.append("offload_optimizer.fast_init")
+        if not optimizer.convert_grad_on_cpu:
+            inert.append("offload_optimizer.convert_grad_on_cpu")
+    if param is not None:
+        for key, default in (("buffer_count", 5), ("buffer_size", 100_000_000)):
+            if getattr(param, key) != default:
+                inert.append(f"offload_param.{key}")
+        if param.max_in_cpu != 1_000_000_000:
+            inert.append("offload_param.max_in_cpu")
+    if inert:
+        logger.warning(
+            "zero_optimization: %s have no effect in Slipstream (CPU parameter offload keeps "
+            "every shard in host memory; NVMe swaps stage sub-groups without a fixed buffer "
+            "pool; gradients reach the host in the communication dtype): see docs/offload.md",
+            ", ".join(inert),
+        )

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
+from functools import partial
 from typing import Any
 
 import torch
@@ -281,8 +282,7 @@ class GradientReduceScatter:
                     target.copy_(output)
                     self._hand_over(bucket, target)
                     if self.on_final_bucket is not None and self.final:
-                        indices = list(bucket.indices)
-                        self.on_final_bucket(lambda i=indices: self._step_now(i)).result()
+                        self.on_final_bucket(partial(self._step_now, list(bucket.indices))).result()
                 else:
                     for index, offset in zip(bucket.indices, bucket.offsets):
                         n = self.masters.specs[index].shard_numel
