@@ -242,14 +242,16 @@ def fused_adam_cuda_probe() -> tuple[bool, str]:
     return extension_probe(FUSED_ADAM_CUDA)
 
 
+def extension_status(extension: Extension) -> str:
+    """``"built at <path>"`` or ``"not built (<dir>)"`` for one extension (any package's)."""
+    build_dir = _build_dir(extension)
+    library = _built_library(build_dir, extension.name)
+    return f"built at {library}" if library else f"not built ({build_dir})"
+
+
 def build_status() -> dict[str, str]:
     """``{extension: "built at <path>" | "not built (<dir>)"}`` for every extension."""
-    status = {}
-    for extension in EXTENSIONS:
-        build_dir = _build_dir(extension)
-        library = _built_library(build_dir, extension.name)
-        status[extension.name] = f"built at {library}" if library else f"not built ({build_dir})"
-    return status
+    return {extension.name: extension_status(extension) for extension in EXTENSIONS}
 
 
 def main(argv: Sequence[str] | None = None) -> int:

@@ -18,10 +18,9 @@ from types import ModuleType
 
 from slipstream.kernels.build_ops import (
     Extension,
-    _build_dir,
-    _built_library,
     cache_root,
     extension_probe,
+    extension_status,
     load_extension,
 )
 
@@ -47,9 +46,7 @@ def aio_probe() -> tuple[bool, str]:
 
 def aio_status() -> str:
     """``"built at <path>"`` or ``"not built (<dir>)"``."""
-    build_dir = _build_dir(AIO)
-    library = _built_library(build_dir, AIO.name)
-    return f"built at {library}" if library else f"not built ({build_dir})"
+    return extension_status(AIO)
 
 
 def main(argv: Sequence[str] | None = None) -> int:
