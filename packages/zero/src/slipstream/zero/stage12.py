@@ -89,13 +89,15 @@ class ShardedOptimizerStates:
                 )
             from slipstream.zero.offload import OffloadedStep
 
-            # Always staged (fp32 models too): NVMe offload swaps the masters out after the
-            # step, before the all-gather reads the update.
-            self._staging = [
-                torch.empty(m.shape, dtype=p.dtype, pin_memory=self.masters.pin)
-                for m, p in zip(self.masters.masters, self.params)
-            ]
-            copies = {id(m): c for m, c in zip(self.masters.masters, self._staging)}
+            # Staged in the model's dtype; an fp32 model on CPU offload publishes the masters
+            # themselves, but NVMe swaps them out after the step, before the all-gather.
+            copies: dict[int, torch.Tensor] = {}
+            if offload.device == "nvme" or any(p.dtype != torch.float32 for p in self.params):
+                self._staging = [
+                    torch.empty(m.shape, dtype=p.dtype, pin_memory=self.masters.pin)
+                    for m, p in zip(self.masters.masters, self.params)
+                ]
+                copies = {id(m): c for m, c in zip(self.masters.masters, self._staging)}
             step = OffloadedStep(optimizer, self.masters, offload, self.group, copies)
         self.optimizer = ZeroOptimizer(
             optimizer, self.masters, self.group, self._publish, device, offload=step
