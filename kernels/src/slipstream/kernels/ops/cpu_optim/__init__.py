@@ -41,12 +41,20 @@ def supported_isas() -> list[str]:
 
 
 def max_threads() -> int:
-    """OpenMP threads one optimizer step uses (``OMP_NUM_THREADS``)."""
+    """OpenMP threads one optimizer step called from this thread uses.
+
+    :func:`set_num_threads` when it was called (from any thread), else OpenMP's default
+    (``OMP_NUM_THREADS``, or the core count).
+    """
     return int(_extension().max_threads())
 
 
 def set_num_threads(threads: int) -> None:
-    """Set the OpenMP threads later steps use (this extension's OpenMP runtime, not torch's)."""
+    """Set the OpenMP threads later steps use (this extension's OpenMP runtime, not torch's).
+
+    Process-wide: it holds for steps called from any thread (OpenMP's own
+    ``omp_set_num_threads`` holds only for the thread that calls it).
+    """
     if threads < 1:
         raise ValueError(f"set_num_threads needs a positive thread count, got {threads}")
     _extension().set_num_threads(int(threads))

@@ -10,7 +10,9 @@
 // vectorises each wrapper for its ISA (`#pragma omp simd`); the wrapper is chosen at run time
 // from the CPU's flags (`__builtin_cpu_supports`), or forced by name for tests.
 // Threads: one OpenMP parallel region per step over fixed-size chunks of every tensor, so
-// many small tensors and a few huge ones both spread evenly over the cores.
+// many small tensors and a few huge ones both spread evenly over the cores. The team size is
+// process-wide (set_num_threads), not OpenMP's per-thread ICV: offload steps run on worker
+// threads, which would otherwise get OMP_NUM_THREADS (1 under torchrun).
 
 #include <torch/extension.h>
 
@@ -26,7 +28,21 @@
 #include <omp.h>
 #endif
 
+#include <atomic>
+
 namespace {
+
+// Threads every step's parallel region uses; 0 = OpenMP's default for the calling thread.
+std::atomic<int> g_threads{0};
+
+inline int step_threads() {
+#ifdef _OPENMP
+  const int chosen = g_threads.load(std::memory_order_relaxed);
+  return chosen > 0 ? chosen : omp_get_max_threads();
+#else
+  return 1;
+#endif
+}
 
 // Everything the per-ISA runners call is force-inlined: a helper the inliner leaves out of line
 // would be compiled for the baseline ISA only, losing the AVX2/AVX-512 code for that loop.
@@ -229,19 +245,19 @@ SLIPSTREAM_INLINE void lion_span(const Span& s, const LionArgs& a) {
 #define SLIPSTREAM_DEFINE_RUNNERS(SUFFIX, ATTRIBUTE)                                          \
   ATTRIBUTE void adam_run_##SUFFIX(const std::vector<Span>& spans, const AdamArgs& a) {       \
     const int64_t count = static_cast<int64_t>(spans.size());                                 \
-    _Pragma("omp parallel for schedule(static)") for (int64_t k = 0; k < count; ++k) {        \
+    _Pragma("omp parallel for schedule(static) num_threads(step_threads())") for (int64_t k = 0; k < count; ++k) {        \
       SLIPSTREAM_DISPATCH(adam_span, spans[k], a);                                            \
     }                                                                                         \
   }                                                                                           \
   ATTRIBUTE void adagrad_run_##SUFFIX(const std::vector<Span>& spans, const AdagradArgs& a) { \
     const int64_t count = static_cast<int64_t>(spans.size());                                 \
-    _Pragma("omp parallel for schedule(static)") for (int64_t k = 0; k < count; ++k) {        \
+    _Pragma("omp parallel for schedule(static) num_threads(step_threads())") for (int64_t k = 0; k < count; ++k) {        \
       SLIPSTREAM_DISPATCH(adagrad_span, spans[k], a);                                         \
     }                                                                                         \
   }                                                                                           \
   ATTRIBUTE void lion_run_##SUFFIX(const std::vector<Span>& spans, const LionArgs& a) {       \
     const int64_t count = static_cast<int64_t>(spans.size());                                 \
-    _Pragma("omp parallel for schedule(static)") for (int64_t k = 0; k < count; ++k) {        \
+    _Pragma("omp parallel for schedule(static) num_threads(step_threads())") for (int64_t k = 0; k < count; ++k) {        \
       SLIPSTREAM_DISPATCH(lion_span, spans[k], a);                                            \
     }                                                                                         \
   }
@@ -446,22 +462,26 @@ std::string lion_step(const std::vector<at::Tensor>& params, const std::vector<a
   return chosen;
 }
 
+// The team size a step's parallel region gets when called from this thread.
 int max_threads() {
 #ifdef _OPENMP
-  return omp_get_max_threads();
+  int size = 1;
+#pragma omp parallel num_threads(step_threads())
+  {
+#pragma omp single
+    size = omp_get_num_threads();
+  }
+  return size;
 #else
   return 1;
 #endif
 }
 
 // This extension links its own OpenMP runtime, which may not be the copy torch uses, so
-// torch.set_num_threads() does not reach it: callers (CPU offload) set the count here.
+// torch.set_num_threads() does not reach it: callers (CPU offload) set the count here. It
+// holds for steps called from any thread.
 void set_num_threads(int threads) {
-#ifdef _OPENMP
-  if (threads > 0) omp_set_num_threads(threads);
-#else
-  (void)threads;
-#endif
+  if (threads > 0) g_threads.store(threads, std::memory_order_relaxed);
 }
 
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
@@ -470,6 +490,6 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("adagrad_step", &adagrad_step, "Adagrad step over lists of CPU tensors");
   m.def("lion_step", &lion_step, "Lion step over lists of CPU tensors");
   m.def("supported_isas", &supported_isas, "ISAs usable on this CPU, best first");
-  m.def("max_threads", &max_threads, "OpenMP threads a step uses");
-  m.def("set_num_threads", &set_num_threads, "Set the OpenMP threads later steps use");
+  m.def("max_threads", &max_threads, "OpenMP threads a step called from this thread uses");
+  m.def("set_num_threads", &set_num_threads, "Set the OpenMP threads later steps use (any thread)");
 }
