@@ -10,7 +10,10 @@ appends it to ``--out`` when given. Implementations:
   (``overlap_comm``, ``contiguous_gradients``, 5e8 buckets, AdamW), the loop users write.
 
 Every run: AdamW (lr 1e-4), gradient clipping at 1.0, a fixed random batch, ``--warmup`` untimed
-steps then ``--steps`` timed ones between device synchronisations.
+steps then ``--steps`` timed ones between device synchronisations. For slipstream, two more
+steps afterwards, with a synchronisation after each phase, give the time of forward, backward
+and ``engine.step()`` alone (``phases_ms``: no overlap between the phases there) and the last
+step's gradient norm (whether clipping at 1.0 fired).
 """
 
 from __future__ import annotations
@@ -146,6 +149,29 @@ def _build(args: argparse.Namespace, device: torch.device) -> tuple[Any, Any, An
     return step, wrapped, params
 
 
+def _phase_times(engine: Any, input_ids: Any, labels: Any, sync: Any) -> dict[str, Any]:
+    """Forward, backward and step of two more steps, each phase timed alone (median of 2)."""
+    times: dict[str, list[float]] = {"forward": [], "backward": [], "step": []}
+    for _ in range(2):
+        start = time.perf_counter()
+        loss = engine(input_ids, labels)
+        sync()
+        times["forward"].append(time.perf_counter() - start)
+        start = time.perf_counter()
+        engine.backward(loss)
+        sync()
+        times["backward"].append(time.perf_counter() - start)
+        start = time.perf_counter()
+        engine.step()
+        sync()
+        times["step"].append(time.perf_counter() - start)
+    norm = engine.get_global_grad_norm()
+    return {
+        "phases_ms": {k: round(1e3 * min(v), 1) for k, v in times.items()},
+        "grad_norm": None if norm is None else round(float(norm), 4),
+    }
+
+
 def main(argv: list[str] | None = None) -> int:
     """Run one benchmark; rank 0 prints and records the result."""
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
@@ -167,7 +193,7 @@ def main(argv: list[str] | None = None) -> int:
 
     device, rank, world = _setup()
     torch.manual_seed(0)
-    step, _, params = _build(args, device)
+    step, engine, params = _build(args, device)
     shape = SHAPES[args.model]
     generator = torch.Generator(device="cpu").manual_seed(1234 + rank)
     tokens = torch.randint(0, shape.vocab, (args.micro, args.seq + 1), generator=generator)
@@ -186,6 +212,7 @@ def main(argv: list[str] | None = None) -> int:
     sync()
     elapsed = time.perf_counter() - start
     final_loss = float(loss)  # host sync once, after timing
+    phases = _phase_times(engine, input_ids, labels, sync) if args.impl == "slipstream" else {}
 
     tokens_per_s = args.steps * args.micro * args.seq * world / elapsed
     flops = shape.flops_per_token(args.seq, params)
@@ -214,6 +241,7 @@ def main(argv: list[str] | None = None) -> int:
         "peak_alloc_gib": round(float(peak[0]), 2),
         "peak_reserved_gib": round(float(peak[1]), 2),
         "loss": round(final_loss, 4),
+        **phases,
         "device": torch.cuda.get_device_name(device) if device.type == "cuda" else "cpu",
         "torch": torch.__version__,
     }
