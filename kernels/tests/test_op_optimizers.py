@@ -240,6 +240,112 @@ def test_triton_lamb_matches_reference(triton_device, eps_inside_sqrt) -> None:
         torch.testing.assert_close(got, want, **FP32_STEP)
 
 
+# Sizes around the kernels' 1024-element blocks (ops/_multi_tensor.py): one element, a partial
+# block, exactly two full blocks, two full blocks + 1, four + 3 (unmasked full blocks, masked
+# tails; they keep a full block and a tail at 2048-element blocks too).
+BLOCK_SIZES = [1, 7, 2048, 2049, 4099]
+
+
+def _layout(device, aligned: bool, seed: int, *, positive: bool = False) -> list[torch.Tensor]:
+    """fp32 tensors of ``BLOCK_SIZES``: fresh (16-byte aligned) allocations, or consecutive
+    views into one flat buffer from its second element on (as in ZeRO's flat partitions), at
+    addresses that are not 16-byte aligned."""
+    values = torch.randn(1 + sum(BLOCK_SIZES), generator=torch.Generator().manual_seed(seed))
+    flat = (values.abs() if positive else values).to(device)
+    views = list(torch.split(flat[1:], BLOCK_SIZES))
+    return [v.clone() for v in views] if aligned else views
+
+
+@pytest.mark.parametrize("aligned", [True, False])
+def test_triton_adam_full_blocks_tails_aligned_and_not(triton_device, aligned) -> None:
+    from slipstream.kernels.ops._multi_tensor import groups
+    from slipstream.kernels.ops.adam.triton import adam
+
+    ours = _layout(triton_device, aligned, 6)
+    states = [_layout(triton_device, aligned, 7), _layout(triton_device, aligned, 8, positive=True)]
+    assert groups("adam", [ours, *states])[0].aligned == aligned
+    theirs = [p.clone() for p in ours]
+    their_states = [[s.clone() for s in group] for group in states]
+    options = dict(lr=1e-2, beta1=0.9, beta2=0.99, eps=1e-8, weight_decay=0.1, adam_w_mode=True)
+    for step in range(1, 3):
+        grads = _layout(triton_device, aligned, 30 + step)
+        adam(ours, grads, *states, bias_correction=True, step=step, **options)
+        adam_reference(theirs, grads, *their_states, bias_correction=True, step=step, **options)
+    for got, want in zip(ours + states[0] + states[1], theirs + their_states[0] + their_states[1]):
+        torch.testing.assert_close(got, want, **FP32_STEP)
+
+
+@pytest.mark.parametrize("aligned", [True, False])
+def test_triton_lion_full_blocks_tails_aligned_and_not(triton_device, aligned) -> None:
+    from slipstream.kernels.ops._multi_tensor import groups
+    from slipstream.kernels.ops.lion.triton import lion
+
+    ours, ours_m = _layout(triton_device, aligned, 1), _layout(triton_device, aligned, 2)
+    assert groups("lion", [ours, ours_m])[0].aligned == aligned
+    # A second dtype group in the same call: bf16 params and grads with an fp32 momentum.
+    ours.append(torch.randn(2051, device=triton_device).to(torch.bfloat16))
+    ours_m.append(torch.randn(2051, device=triton_device))
+    theirs, theirs_m = [p.clone() for p in ours], [m.clone() for m in ours_m]
+    options = dict(lr=0.01, beta1=0.9, beta2=0.99, weight_decay=0.1)
+    for step in range(2):
+        grads = _layout(triton_device, aligned, 10 + step)
+        grads.append(torch.randn(2051, device=triton_device).to(torch.bfloat16))
+        lion(ours, grads, ours_m, **options)
+        lion_reference(theirs, grads, theirs_m, **options)
+    for got, want in zip(ours + ours_m, theirs + theirs_m):
+        tolerance = FP32_STEP if got.dtype == torch.float32 else HALF_STEPS
+        torch.testing.assert_close(got.float(), want.float(), **tolerance)
+
+
+@pytest.mark.parametrize("aligned", [True, False])
+def test_triton_lamb_full_blocks_tails_aligned_and_not(triton_device, aligned) -> None:
+    from slipstream.kernels.ops._multi_tensor import groups
+    from slipstream.kernels.ops.lamb.triton import lamb
+
+    ours = _layout(triton_device, aligned, 3)
+    states = [_layout(triton_device, aligned, 4), _layout(triton_device, aligned, 5, positive=True)]
+    assert groups("lamb", [ours, *states])[0].aligned == aligned
+    # A bf16 group (fp32 moments) and an empty tensor: the ratios are gathered from two launches
+    # and the empty tensor's stays 1.
+    ours += [
+        torch.randn(3000, device=triton_device).to(torch.bfloat16),
+        torch.empty(0, device=triton_device),
+    ]
+    for group in states:
+        group += [torch.rand(3000, device=triton_device), torch.empty(0, device=triton_device)]
+    theirs = [p.clone() for p in ours]
+    their_states = [[s.clone() for s in group] for group in states]
+    for step in range(1, 3):
+        grads = _layout(triton_device, aligned, 20 + step)
+        grads += [
+            torch.randn(3000, device=triton_device).to(torch.bfloat16),
+            torch.empty(0, device=triton_device),
+        ]
+        options = dict(lr=0.01, beta1=0.9, beta2=0.999, eps=1e-6, weight_decay=0.01,
+                       bias_correction=True, step=step)  # fmt: skip
+        trust = lamb(ours, grads, *states, **options)
+        expected = lamb_reference(theirs, grads, *their_states, **options)
+        expected = expected.to(trust.device)
+        torch.testing.assert_close(trust[:-2], expected[:-2], rtol=1e-5, atol=1e-6)
+        # The bf16 weights differ by the interpreter's truncation (biased: |w| shrinks), so
+        # their norm, and the ratio, by up to about one bf16 ulp.
+        torch.testing.assert_close(trust[-2], expected[-2], rtol=2**-7, atol=0)
+        assert trust[-1].item() == 1.0
+    for got, want in zip(ours + states[0] + states[1], theirs + their_states[0] + their_states[1]):
+        tolerance = FP32_STEP if got.dtype == torch.float32 else HALF_STEPS
+        torch.testing.assert_close(got.float(), want.float(), **tolerance)
+
+
+def test_triton_optimizers_refuse_states_of_different_dtypes(triton_device) -> None:
+    from slipstream.kernels.ops.lamb.triton import lamb
+
+    param = torch.randn(5, device=triton_device)
+    with pytest.raises(ValueError, match="states of one tensor must share a dtype"):
+        lamb([param], [param.clone()], [torch.zeros(5, device=triton_device)],
+             [torch.zeros(5, device=triton_device, dtype=torch.bfloat16)], lr=0.01, beta1=0.9,
+             beta2=0.999, eps=1e-6, weight_decay=0.0, bias_correction=True, step=1)  # fmt: skip
+
+
 # -- C++ CPU optimizers --------------------------------------------------------------------
 @pytest.fixture(scope="module")
 def cpu_optim():

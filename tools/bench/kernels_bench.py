@@ -4,9 +4,10 @@ CPU (always): the C++ CPU Adam (``slipstream.kernels.ops.cpu_optim.adam``, the Z
 optimizer) against ``torch.optim.AdamW(foreach=True)`` on ``--cpu-params`` fp32 parameters
 split into model-like tensors; with and without the fused bf16 copy-back.
 
-GPU (only where CUDA/ROCm is available): the Triton multi-tensor AdamW's bandwidth against the
-device's measured copy bandwidth; RMSNorm, LayerNorm and cross-entropy (forward + backward)
-against eager PyTorch.
+GPU (only where CUDA/ROCm is available): the Triton multi-tensor AdamW, Lion and LAMB bandwidth
+against the device's measured copy bandwidth, timed by the host clock (Python and launches
+included) and by CUDA events (the kernels alone); RMSNorm, LayerNorm and cross-entropy
+(forward + backward) against eager PyTorch.
 
     PYTHONPATH=kernels/src python tools/bench/kernels_bench.py                 # 100M params
     PYTHONPATH=kernels/src python tools/bench/kernels_bench.py --cpu-params 2e8 --json out.json
@@ -137,15 +138,53 @@ def _fwd_bwd(fn: Callable[[], torch.Tensor], inputs: list[torch.Tensor]) -> Call
     return run
 
 
-def _copy_bandwidth(steps: int) -> float:
+def _event_time(fn: Callable[[], Any], steps: int) -> list[float]:
+    """Seconds of GPU time per call, by CUDA events: the kernels alone, without host overhead.
+
+    A ``torch.cuda._sleep`` at the head of the stream holds the GPU back while the host queues
+    every timed call, so no event window includes the host's Python and launch work.
+    """
+    fn()  # warm-up
+    torch.cuda.synchronize()
+    starts = [torch.cuda.Event(enable_timing=True) for _ in range(steps)]
+    ends = [torch.cuda.Event(enable_timing=True) for _ in range(steps)]
+    if hasattr(torch.cuda, "_sleep"):
+        torch.cuda._sleep(50_000_000)  # ~25-50 ms of spinning: longer than queuing the calls
+    for start, end in zip(starts, ends):
+        start.record()
+        fn()
+        end.record()
+    torch.cuda.synchronize()
+    return [start.elapsed_time(end) / 1e3 for start, end in zip(starts, ends)]
+
+
+def _copy_bandwidth(steps: int) -> tuple[float, float]:
+    """Device-to-device copy bandwidth in GB/s (read + write): by the host clock, by events."""
     numel = 256 * 1024 * 1024  # 1 GiB of fp32 per buffer
     source = torch.empty(numel, device="cuda")
     target = torch.empty_like(source)
-    copy = _summary(_time(lambda: target.copy_(source), steps, _cuda_sync))
-    return 2 * 4 * numel / copy["median_s"] / 1e9  # read + write
+    host = _summary(_time(lambda: target.copy_(source), steps, _cuda_sync))
+    events = _summary(_event_time(lambda: target.copy_(source), steps))
+    return 2 * 4 * numel / host["median_s"] / 1e9, 2 * 4 * numel / events["median_s"] / 1e9
 
 
-def _adamw(steps: int) -> dict[str, Any]:
+def _bandwidth_row(
+    fn: Callable[[], Any], steps: int, bytes_moved: int, copy_gbps: tuple[float, float]
+) -> dict[str, Any]:
+    """Host-clock and CUDA-event timings of ``fn``, as GB/s and as a fraction of copy."""
+    host = _summary(_time(fn, steps, _cuda_sync))
+    events = _summary(_event_time(fn, steps))
+    return {
+        "triton": host,
+        "triton_events": events,
+        "triton_gbps": bytes_moved / host["median_s"] / 1e9,
+        "triton_events_gbps": bytes_moved / events["median_s"] / 1e9,
+        "fraction_of_copy": bytes_moved / host["median_s"] / 1e9 / copy_gbps[0],
+        "events_fraction_of_copy": bytes_moved / events["median_s"] / 1e9 / copy_gbps[1],
+    }
+
+
+def _adamw(steps: int, copy_gbps: tuple[float, float]) -> dict[str, Any]:
     from slipstream.kernels.ops.adam.triton import adam as triton_adam
 
     sizes = _model_like_sizes(200_000_000)
@@ -158,17 +197,47 @@ def _adamw(steps: int) -> dict[str, Any]:
         triton_adam(params, grads, exp_avgs, exp_avg_sqs, lr=1e-3, beta1=0.9, beta2=0.999,
                     eps=1e-8, weight_decay=0.01, adam_w_mode=True, bias_correction=True, step=1)  # fmt: skip
 
-    triton_times = _summary(_time(adam_step, steps, _cuda_sync))
+    # 28 bytes/element: read p, g, m, v (16) and write p, m, v (12).
+    result = {"params": sum(sizes), **_bandwidth_row(adam_step, steps, 28 * sum(sizes), copy_gbps)}
     torch_params = [torch.nn.Parameter(p.clone()) for p in params]
     for param, grad in zip(torch_params, grads):
         param.grad = grad
     fused = torch.optim.AdamW(torch_params, lr=1e-3, fused=True)
-    return {
-        "params": sum(sizes),
-        "triton_gbps": 28 * sum(sizes) / triton_times["median_s"] / 1e9,  # 28 bytes/element
-        "triton": triton_times,
-        "torch_fused": _summary(_time(fused.step, steps, _cuda_sync)),
-    }
+    result["torch_fused"] = _summary(_time(fused.step, steps, _cuda_sync))
+    return result
+
+
+def _lion(steps: int, copy_gbps: tuple[float, float]) -> dict[str, Any]:
+    from slipstream.kernels.ops.lion.triton import lion as triton_lion
+
+    sizes = _model_like_sizes(200_000_000)
+    params = [torch.randn(n, device="cuda") for n in sizes]
+    grads = [torch.randn(n, device="cuda") for n in sizes]
+    exp_avgs = [torch.zeros(n, device="cuda") for n in sizes]
+
+    def lion_step() -> None:
+        triton_lion(params, grads, exp_avgs, lr=1e-4, beta1=0.9, beta2=0.99, weight_decay=0.01)
+
+    # 20 bytes/element: read p, g, m (12) and write p, m (8).
+    return {"params": sum(sizes), **_bandwidth_row(lion_step, steps, 20 * sum(sizes), copy_gbps)}
+
+
+def _lamb(steps: int, copy_gbps: tuple[float, float]) -> dict[str, Any]:
+    from slipstream.kernels.ops.lamb.triton import lamb as triton_lamb
+
+    sizes = _model_like_sizes(200_000_000)
+    params = [torch.randn(n, device="cuda") for n in sizes]
+    grads = [torch.randn(n, device="cuda") for n in sizes]
+    exp_avgs = [torch.zeros(n, device="cuda") for n in sizes]
+    exp_avg_sqs = [torch.zeros(n, device="cuda") for n in sizes]
+
+    def lamb_step() -> None:
+        triton_lamb(params, grads, exp_avgs, exp_avg_sqs, lr=1e-3, beta1=0.9, beta2=0.999,
+                    eps=1e-6, weight_decay=0.01, bias_correction=True, step=1)  # fmt: skip
+
+    # 40 bytes/element over the two passes: the moments pass reads p, g, m, v (16) and writes
+    # m, v (8); the update pass reads p, m, v (12) and writes p (4).
+    return {"params": sum(sizes), **_bandwidth_row(lamb_step, steps, 40 * sum(sizes), copy_gbps)}
 
 
 def _norms(steps: int) -> dict[str, Any]:
@@ -209,14 +278,15 @@ def _cross_entropy(steps: int) -> dict[str, Any]:
 
 
 def bench_gpu(steps: int) -> dict[str, Any]:
-    """Triton AdamW bandwidth vs copy bandwidth; norms and cross-entropy vs eager PyTorch."""
+    """Triton AdamW/Lion/LAMB bandwidth vs copy bandwidth; norms and cross-entropy vs eager."""
     result: dict[str, Any] = {"device": torch.cuda.get_device_name(0)}
     copy_gbps = _copy_bandwidth(steps)
-    adam = _adamw(steps)
-    adam["copy_gbps"] = copy_gbps
-    adam["fraction_of_copy"] = adam["triton_gbps"] / copy_gbps
-    result["adamw"] = adam
+    result["copy_gbps"], result["copy_events_gbps"] = copy_gbps
     torch.cuda.empty_cache()
+    for name, bench in (("adamw", _adamw), ("lion", _lion), ("lamb", _lamb)):
+        result[name] = bench(steps, copy_gbps)
+        result[name]["copy_gbps"] = copy_gbps[0]
+        torch.cuda.empty_cache()
     result.update(_norms(steps))
     torch.cuda.empty_cache()
     result["cross_entropy"] = _cross_entropy(steps)
@@ -254,11 +324,18 @@ def main(argv: list[str] | None = None) -> int:
     if not args.skip_gpu and torch.cuda.is_available():
         gpu = bench_gpu(args.steps)
         results["gpu"] = gpu
-        adam = gpu["adamw"]
-        print(f"GPU {gpu['device']}: Triton AdamW {adam['triton_gbps']:.0f} GB/s = "
-              f"{adam['fraction_of_copy']:.0%} of copy ({adam['copy_gbps']:.0f} GB/s); "
-              f"torch fused {adam['torch_fused']['median_s'] * 1e3:.2f} ms vs "
-              f"triton {adam['triton']['median_s'] * 1e3:.2f} ms")  # fmt: skip
+        print(f"GPU {gpu['device']}: copy {gpu['copy_gbps']:.0f} GB/s (host clock), "
+              f"{gpu['copy_events_gbps']:.0f} GB/s (CUDA events); 200M fp32 params:")  # fmt: skip
+        for op, name in (("adamw", "AdamW"), ("lion", "Lion"), ("lamb", "LAMB (2 passes)")):
+            row = gpu[op]
+            print(f"  Triton {name:16s} host {row['triton']['median_s'] * 1e3:6.2f} ms "
+                  f"{row['triton_gbps']:5.0f} GB/s {row['fraction_of_copy']:4.0%} | events "
+                  f"{row['triton_events']['median_s'] * 1e3:6.2f} ms "
+                  f"{row['triton_events_gbps']:5.0f} GB/s {row['events_fraction_of_copy']:4.0%} "
+                  "of copy")  # fmt: skip
+        print(
+            f"  torch AdamW(fused=True) host {gpu['adamw']['torch_fused']['median_s'] * 1e3:6.2f} ms"
+        )
         for op in ("rms_norm", "layer_norm", "cross_entropy"):
             row = gpu[op]
             print(f"  {op:14s} triton {row['triton']['median_s'] * 1e3:8.2f} ms  "
