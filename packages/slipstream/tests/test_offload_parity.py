@@ -113,9 +113,15 @@ CASES = [
         },
     ),
     (3, 2, {"offload_optimizer": {"device": "nvme", "nvme_path": "TMP"}}),
-    # No clipping: each bucket steps on the CPU as it lands (overlap_step), during backward.
+    # Several all-gather buckets: each bucket's masters step, then upload and gather while
+    # the next bucket steps.
+    (2, 2, {"offload_optimizer": {"device": "cpu"}, "allgather_bucket_size": 500}),
+    (1, 1, {"offload_optimizer": {"device": "cpu"}, "allgather_bucket_size": 500}),
+    # No clipping: each bucket steps on the CPU as it lands (overlap_step), during backward;
+    # on by default, off with SLIPSTREAM_OFFLOAD_OVERLAP_STEP=0 ("_overlap").
     (1, 2, {"offload_optimizer": {"device": "cpu"}, "_clip": 0.0}),
     (2, 2, {"offload_optimizer": {"device": "cpu"}, "_clip": 0.0}),
+    (2, 2, {"offload_optimizer": {"device": "cpu"}, "_clip": 0.0, "_overlap": "0"}),
 ]
 
 
@@ -123,9 +129,12 @@ def _ids() -> list[str]:
     out = []
     for stage, world, extra in CASES:
         parts = [f"stage{stage}", f"w{world}"]
-        parts += [f"{k.split('_')[1]}-{v['device']}" for k, v in extra.items() if k != "_clip"]
+        parts += [f"{k.split('_')[1]}-{v['device']}" for k, v in extra.items() if k[0] != "_"
+                  and isinstance(v, dict)]  # fmt: skip
+        if "allgather_bucket_size" in extra:
+            parts.append("gather-buckets")
         if "_clip" in extra:
-            parts.append("noclip-eager")
+            parts.append("noclip-eager" if "_overlap" not in extra else "noclip-not-eager")
         if extra.get("offload_optimizer", {}).get("pipeline_read"):
             parts.append("pipelined")
         out.append("-".join(parts))
@@ -148,8 +157,10 @@ TOLERANCE = {"sgd": (1e-6, 1e-6), "adamw": (5e-6, 1e-6)}
 def test_offload_matches_the_same_run_without_it_fp32(
     stage, world, extra, optimizer_name, tmp_path, monkeypatch
 ) -> None:
-    if "_clip" in extra:
-        monkeypatch.setenv("SLIPSTREAM_OFFLOAD_OVERLAP_STEP", "1")  # opt-in (see zero_setup)
+    extra = dict(extra)  # shared by the parametrisations
+    eager = "_clip" in extra and "_overlap" not in extra
+    if "_overlap" in extra:
+        monkeypatch.setenv("SLIPSTREAM_OFFLOAD_OVERLAP_STEP", extra.pop("_overlap"))
     extra = {
         key: {k: (str(tmp_path) if v == "TMP" else v) for k, v in block.items()}
         if isinstance(block, dict)
@@ -161,7 +172,7 @@ def test_offload_matches_the_same_run_without_it_fp32(
     )
     for result in results:
         assert result["host"]
-        assert result["eager"] == ("_clip" in extra)
+        assert result["eager"] == eager
         worst, in_norm = TOLERANCE[optimizer_name]
         assert max(result["diffs"]) <= worst, result["diffs"]
         assert max(result["norm_diffs"]) <= in_norm, result["norm_diffs"]

@@ -24,9 +24,14 @@ from slipstream.zero.masters import ShardedMasterWeights
 if TYPE_CHECKING:
     from slipstream.offload.settings import OptimizerOffload
 
-__all__ = ["OffloadedStep", "require_offload_package"]
+__all__ = ["OVERLAP_BUCKET_NUMEL", "OffloadedStep", "require_offload_package"]
 
 logger = logging.getLogger(__name__)
+
+# With overlap_step, gradient buckets are at most this many elements (whatever
+# reduce_bucket_size says): a bucket's CPU step can start only once the whole bucket has
+# landed, so smaller buckets start the CPU sooner in backward and leave less after it.
+OVERLAP_BUCKET_NUMEL = 100_000_000
 
 
 def require_offload_package(what: str) -> Any:
@@ -102,9 +107,9 @@ class OffloadedStep:
         self._eager_steps += 1
         return self._pool.submit(run)
 
-    def step_indices(self, indices: list[int]) -> None:
-        """Step the masters at ``indices`` now (on the worker, from ``submit``)."""
-        self.host.step_params([self.masters.masters[i] for i in indices])
+    def step_indices(self, indices: list[int], grad_scale: float = 1.0) -> None:
+        """Step the masters at ``indices`` now (``grad_scale`` folded into the gradients)."""
+        self.host.step_params([self.masters.masters[i] for i in indices], grad_scale)
 
     def take_eager_steps(self) -> int:
         """How many bucket steps ran since the last call (the reducer waited for them)."""

@@ -62,8 +62,11 @@ class ZeroOptimizer:
         publish: Callable[[], None],
         device: torch.device,
         offload: OffloadedStep | None = None,
+        step_and_publish: Callable[[float], None] | None = None,
     ) -> None:
         self.optimizer = optimizer
+        # Offload: the stage's own pipelined step + publish (given ``grad_scale``), if it has one.
+        self._step_and_publish = step_and_publish
         self.masters = masters
         self.group = group
         self._publish = publish
@@ -155,8 +158,11 @@ class ZeroOptimizer:
         scale = unscale
         if grads and max_grad_norm > 0 and not math.isinf(max_grad_norm):
             scale *= float(clip_coefficient(norm, max_grad_norm))
-        self.offload.step(grad_scale=scale)
-        self._publish()
+        if self._step_and_publish is not None:
+            self._step_and_publish(scale)
+        else:
+            self.offload.step(grad_scale=scale)
+            self._publish()
         return StepOutcome(overflow=False, grad_norm=norm)
 
     def resident(self) -> Any:

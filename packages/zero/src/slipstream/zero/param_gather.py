@@ -9,10 +9,11 @@ import torch
 from slipstream.zero.group import DataParallelGroup
 from slipstream.zero.layout import ShardSpec
 
-__all__ = ["gather_shards_into_params"]
+__all__ = ["gather_bucket", "plan_gather_buckets"]
 
 
-def _buckets(specs: Sequence[ShardSpec], bucket_numel: int) -> list[list[int]]:
+def plan_gather_buckets(specs: Sequence[ShardSpec], bucket_numel: int) -> list[list[int]]:
+    """Parameter indices in order, grouped into all-gathers of at most ``bucket_numel`` elements."""
     buckets: list[list[int]] = []
     current: list[int] = []
     size = 0
@@ -28,36 +29,33 @@ def _buckets(specs: Sequence[ShardSpec], bucket_numel: int) -> list[list[int]]:
 
 
 @torch.no_grad()
-def gather_shards_into_params(
+def gather_bucket(
     shards: Sequence[torch.Tensor],
     params: Sequence[torch.Tensor],
     specs: Sequence[ShardSpec],
     group: DataParallelGroup,
-    bucket_numel: int,
+    indices: Sequence[int],
 ) -> None:
-    """Write every rank's ``shards[i]`` (cast to ``params[i].dtype``) into ``params[i]``.
+    """One all-gather: every rank's ``shards[i]`` for ``i`` in ``indices`` into ``params[i]``.
 
-    One all-gather per bucket of at most ``bucket_numel`` elements
-    (``allgather_bucket_size``): the shards of a bucket are concatenated, gathered into
-    ``[world, bucket_shard]`` and each parameter is copied out of its column range. The
-    cast to the model's fp16/bf16 happens before the collective, so half the bytes travel.
+    The shards are concatenated (cast to the model's dtype first, so half the bytes travel),
+    gathered into ``[world, bucket_shard]`` and each parameter is copied out of its column
+    range. Host shards (optimizer offload) are uploaded here, pinned ones asynchronously.
     """
-    for indices in _buckets(specs, bucket_numel):
-        dtype = params[indices[0]].dtype
-        device = params[indices[0]].device
-        # Host shards (optimizer offload) are uploaded here; pinned ones asynchronously.
-        send = torch.cat(
-            [
-                shards[i].detach().to(device=device, dtype=dtype, non_blocking=True).reshape(-1)
-                for i in indices
-            ]
-        )
-        out = torch.empty(group.world_size * send.numel(), dtype=dtype, device=device)
-        group.all_gather_into(out, send)
-        rows = out.view(group.world_size, send.numel())
-        offset = 0
-        for i in indices:
-            spec = specs[i]
-            full = rows[:, offset : offset + spec.shard_numel].reshape(-1)[: spec.numel]
-            params[i].data.copy_(full.view(spec.shape).to(params[i].dtype))
-            offset += spec.shard_numel
+    dtype = params[indices[0]].dtype
+    device = params[indices[0]].device
+    send = torch.cat(
+        [
+            shards[i].detach().to(device=device, dtype=dtype, non_blocking=True).reshape(-1)
+            for i in indices
+        ]
+    )
+    out = torch.empty(group.world_size * send.numel(), dtype=dtype, device=device)
+    group.all_gather_into(out, send)
+    rows = out.view(group.world_size, send.numel())
+    offset = 0
+    for i in indices:
+        spec = specs[i]
+        full = rows[:, offset : offset + spec.shard_numel].reshape(-1)[: spec.numel]
+        params[i].data.copy_(full.view(spec.shape).to(params[i].dtype))
+        offset += spec.shard_numel

@@ -11,7 +11,7 @@ from slipstream.zero.group import DataParallelGroup
 from slipstream.zero.layout import ShardSpec
 from slipstream.zero.masters import ShardedMasterWeights
 from slipstream.zero.optimizer import ZeroOptimizer
-from slipstream.zero.param_gather import gather_shards_into_params
+from slipstream.zero.param_gather import gather_bucket, plan_gather_buckets
 from slipstream.zero.settings import ZeroSettings
 
 __all__ = ["ShardedOptimizerStates"]
@@ -80,6 +80,7 @@ class ShardedOptimizerStates:
         # staging buffer (pinned with pin_memory), which the all-gather then uploads.
         self._staging: list[torch.Tensor] | None = None
         step = None
+        pipelined = None
         if offload is not None:
             if not strict_optimizer:
                 raise NotImplementedError(
@@ -99,8 +100,18 @@ class ShardedOptimizerStates:
                 ]
                 copies = {id(m): c for m, c in zip(self.masters.masters, self._staging)}
             step = OffloadedStep(optimizer, self.masters, offload, self.group, copies)
+            if offload.device == "cpu" and not step.eager:
+                pipelined = self._step_and_publish
+        self._offload_step = step
+        self._gather_plan = plan_gather_buckets(self.specs, settings.allgather_bucket_numel)
         self.optimizer = ZeroOptimizer(
-            optimizer, self.masters, self.group, self._publish, device, offload=step
+            optimizer,
+            self.masters,
+            self.group,
+            self._publish,
+            device,
+            offload=step,
+            step_and_publish=pipelined,
         )
 
         # Stage 1 under fp16/bf16: fp32 full-size accumulators, so GAS sums in fp32.
@@ -108,10 +119,15 @@ class ShardedOptimizerStates:
             p.dtype != torch.float32 for p in self.params
         )
         self._fp32_grads: list[torch.Tensor | None] = [None] * len(self.params)
+        bucket_numel = settings.reduce_bucket_numel
+        if step is not None and step.eager:
+            from slipstream.zero.offload import OVERLAP_BUCKET_NUMEL
+
+            bucket_numel = min(bucket_numel, OVERLAP_BUCKET_NUMEL)
         self.reducer = GradientReduceScatter(
             self.masters,
             self.group,
-            settings.reduce_bucket_numel,
+            bucket_numel,
             grad_of=self._grad_of,
             release=self._release,
             overlap=settings.overlap_comm,
@@ -169,14 +185,20 @@ class ShardedOptimizerStates:
         """All-gather the updated master shards into the full parameters (after a step)."""
         self._publish()
 
+    def _step_and_publish(self, grad_scale: float) -> None:
+        """CPU offload: step the masters one all-gather bucket at a time and launch that
+        bucket's upload and all-gather at once (asynchronous on the device), so the transfers
+        of one bucket overlap the CPU step of the next instead of following the whole step."""
+        assert self._offload_step is not None
+        shards = self._staging if self._staging is not None else self.masters.masters
+        for indices in self._gather_plan:
+            self._offload_step.step_indices(indices, grad_scale)
+            gather_bucket(shards, self.params, self.specs, self.group, indices)
+
     def _publish(self) -> None:
-        gather_shards_into_params(
-            self._staging if self._staging is not None else self.masters.masters,
-            self.params,
-            self.specs,
-            self.group,
-            self.settings.allgather_bucket_numel,
-        )
+        shards = self._staging if self._staging is not None else self.masters.masters
+        for indices in self._gather_plan:
+            gather_bucket(shards, self.params, self.specs, self.group, indices)
 
     def zero_grad(self) -> None:
         """Drop master gradients and any local full-size gradients."""
