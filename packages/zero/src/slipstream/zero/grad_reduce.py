@@ -127,6 +127,10 @@ class GradientReduceScatter:
         # worker and returns its Future. Only the last reduction before a step (``final``).
         self.on_final_bucket: Callable[[Callable[[], None]], Any] | None = None
         self.step_indices: Callable[[list[int]], None] | None = None
+        # ``on_bucket_stepped(indices)``: called in finish(), in bucket order, as each eager
+        # bucket's step completes (the stage publishes those parameters while later buckets
+        # are still stepping on the CPU).
+        self.on_bucket_stepped: Callable[[list[int]], None] | None = None
         self.final = True
 
     @property
@@ -259,6 +263,8 @@ class GradientReduceScatter:
         for bucket in self._buckets:
             if bucket.job is not None:  # offload, eager: handed over and stepping already
                 bucket.job.result()  # re-raises what the worker hit
+                if self.on_bucket_stepped is not None:
+                    self.on_bucket_stepped(bucket.indices)
                 assert bucket.squares is not None
                 squares.append(bucket.squares)
                 first_reduction &= bucket.first
@@ -283,6 +289,8 @@ class GradientReduceScatter:
                     self._hand_over(bucket, target)
                     if self.on_final_bucket is not None and self.final:
                         self.on_final_bucket(partial(self._step_now, list(bucket.indices))).result()
+                        if self.on_bucket_stepped is not None:
+                            self.on_bucket_stepped(bucket.indices)
                 else:
                     for index, offset in zip(bucket.indices, bucket.offsets):
                         n = self.masters.specs[index].shard_numel

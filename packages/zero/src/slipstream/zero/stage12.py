@@ -136,10 +136,15 @@ class ShardedOptimizerStates:
             prescale=settings.prescale_gradients,
             divisor=gradient_divisor,
         )
+        # overlap_step: the buckets that stepped during backward were published in finish().
+        self._eager_published = False
         if step is not None and step.eager:
-            # overlap_step: each bucket's masters step on the CPU worker as it lands.
+            # overlap_step: each bucket's masters step on the CPU worker as it lands, and are
+            # published (upload + all-gather) as soon as finish() sees that step done, while
+            # the worker steps the buckets after it.
             self.reducer.on_final_bucket = step.submit
             self.reducer.step_indices = step.step_indices
+            self.reducer.on_bucket_stepped = self._publish_stepped
         self._reducing = settings.stage == 2
         self._hooks = [
             p.register_post_accumulate_grad_hook(lambda p, i=i: self._on_grad(i))  # type: ignore[misc]
@@ -183,7 +188,8 @@ class ShardedOptimizerStates:
 
     def publish(self) -> None:
         """All-gather the updated master shards into the full parameters (after a step)."""
-        self._publish()
+        self._eager_published = False
+        self._publish_all()
 
     def _step_and_publish(self, grad_scale: float) -> None:
         """CPU offload: step the masters one all-gather bucket at a time and launch that
@@ -196,9 +202,21 @@ class ShardedOptimizerStates:
             gather_bucket(shards, self.params, self.specs, self.group, indices)
 
     def _publish(self) -> None:
+        # ZeroOptimizer's publish after a step: with overlap_step, finish() has done it.
+        if self._eager_published:
+            self._eager_published = False
+            return
+        self._publish_all()
+
+    def _publish_all(self) -> None:
         shards = self._staging if self._staging is not None else self.masters.masters
         for indices in self._gather_plan:
             gather_bucket(shards, self.params, self.specs, self.group, indices)
+
+    def _publish_stepped(self, indices: list[int]) -> None:
+        shards = self._staging if self._staging is not None else self.masters.masters
+        gather_bucket(shards, self.params, self.specs, self.group, indices)
+        self._eager_published = True
 
     def zero_grad(self) -> None:
         """Drop master gradients and any local full-size gradients."""
