@@ -61,10 +61,11 @@ def test_rms_norm_forward_backward(triton_device, dtype, with_weight) -> None:
         torch.testing.assert_close(got.float(), want.float(), **tolerance)
 
 
-def test_rms_norm_long_rows_loop_over_blocks(triton_device) -> None:
+def test_rms_norm_rows_wider_than_a_power_of_two(triton_device) -> None:
     from slipstream.kernels.ops.rms_norm.triton import rms_norm
 
-    # 5000 columns > the 4096-wide block: the kernels loop over each row.
+    # 5000 columns: held in one masked 8192-wide block by the fused kernels (the looped
+    # kernels for rows over MAX_FUSED_COLS are tested in test_op_norms.py).
     x = torch.randn(2, 5000, device=triton_device, requires_grad=True)
     weight = torch.randn(5000, device=triton_device, requires_grad=True)
     out = rms_norm(x, weight)
