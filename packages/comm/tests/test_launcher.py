@@ -149,6 +149,7 @@ def test_single_node_dry_run(
     [words] = _dry_run(capsys, ["--num_procs", "2", "train.py", "--lr", "0.1"])
     env, words = _split_env(words)
     assert env["OMP_NUM_THREADS"] == str(max(1, cpu_cores() // 2))
+    assert env["SLIPSTREAM_OMP_NUM_THREADS_DEFAULTED"] == env["OMP_NUM_THREADS"]
     assert words[1:3] == ["-m", "torch.distributed.run"]
     assert {
         "--nnodes=1",

@@ -14,7 +14,7 @@ from slipstream.comm.launcher.environment import cpu_cores
 SCRIPT = """
 import json, os, sys
 keys = ["RANK", "WORLD_SIZE", "LOCAL_RANK", "LOCAL_WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT",
-        "OMP_NUM_THREADS"]
+        "OMP_NUM_THREADS", "SLIPSTREAM_OMP_NUM_THREADS_DEFAULTED"]
 with open(sys.argv[sys.argv.index("--out") + 1], "w") as handle:
     json.dump({"env": {k: os.environ.get(k) for k in keys}, "argv": sys.argv, "name": __name__}, handle)
 """
@@ -32,6 +32,7 @@ def isolated(monkeypatch: pytest.MonkeyPatch) -> pytest.MonkeyPatch:
         "MASTER_ADDR",
         "MASTER_PORT",
         "OMP_NUM_THREADS",
+        "SLIPSTREAM_OMP_NUM_THREADS_DEFAULTED",
     ):
         monkeypatch.setenv(key, "x")
         monkeypatch.delenv(key)
@@ -61,6 +62,8 @@ def test_shim_under_srun(isolated: pytest.MonkeyPatch, tmp_path: Path) -> None:
         "MASTER_ADDR": "n1",
         "MASTER_PORT": "29500",
         "OMP_NUM_THREADS": str(max(1, cpu_cores() // 2)),
+        # The launcher chose it (CPU offload then applies cpuadam_cores_perc to its own pool).
+        "SLIPSTREAM_OMP_NUM_THREADS_DEFAULTED": str(max(1, cpu_cores() // 2)),
     }
     assert got["argv"] == [str(script), "--local_rank=1", "--out", str(out)]
     assert got["name"] == "__main__"

@@ -108,6 +108,12 @@ def test_thread_choice(monkeypatch: pytest.MonkeyPatch) -> None:
     assert choice.threads >= 1 and "torchrun" in choice.reason
     monkeypatch.delenv("TORCHELASTIC_RUN_ID")
     assert choose_threads().threads == 1  # the user's own OMP_NUM_THREADS is respected
+    # `slipstream run` set it (and says so): a launcher default, like torchrun's.
+    monkeypatch.setenv("SLIPSTREAM_OMP_NUM_THREADS_DEFAULTED", "1")
+    choice = choose_threads(1.0)
+    assert "slipstream run" in choice.reason
+    monkeypatch.setenv("OMP_NUM_THREADS", "2")  # changed by the user after the launcher
+    assert choose_threads().threads == 2
     monkeypatch.setenv(THREADS_ENV, "zero")
     with pytest.raises(ValueError, match=THREADS_ENV):
         choose_threads()

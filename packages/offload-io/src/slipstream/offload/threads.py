@@ -6,7 +6,7 @@ fp32 values is memory-bound and needs many threads to reach the host's bandwidth
 CPU-offload runs crawl under torchrun for this reason). Slipstream therefore gives the step its
 share of the cores this process may run on: ``affinity / local ranks * cpuadam_cores_perc``,
 unless the user chose explicitly (``SLIPSTREAM_OFFLOAD_THREADS``, or an ``OMP_NUM_THREADS``
-that torchrun did not set). Only the optimizer extension's OpenMP pool is resized; torch's
+that neither torchrun nor ``slipstream run`` set). Only the optimizer extension's OpenMP pool is resized; torch's
 intra-op threads stay as the launcher set them.
 """
 
@@ -35,8 +35,15 @@ def _available_cores() -> int:
         return os.cpu_count() or 1
 
 
-def _under_torchrun() -> bool:
-    return "TORCHELASTIC_RUN_ID" in os.environ or "TORCHELASTIC_RESTART_COUNT" in os.environ
+def _launcher_default(omp: str) -> str | None:
+    """Which launcher set ``OMP_NUM_THREADS`` to ``omp`` by default (None: the user did)."""
+    if "TORCHELASTIC_RUN_ID" in os.environ or "TORCHELASTIC_RESTART_COUNT" in os.environ:
+        return "torchrun"
+    from slipstream.comm.launcher.environment import OMP_DEFAULTED_ENV
+
+    if os.environ.get(OMP_DEFAULTED_ENV, "").strip() == omp:
+        return "slipstream run"
+    return None
 
 
 def choose_threads(cores_fraction: float = 0.8) -> ThreadChoice:
@@ -59,7 +66,8 @@ def choose_threads(cores_fraction: float = 0.8) -> ThreadChoice:
             raise ValueError(f"{THREADS_ENV}={explicit!r} must be at least 1")
         return ThreadChoice(threads, f"{THREADS_ENV}={threads}")
     omp = os.environ.get("OMP_NUM_THREADS", "").strip()
-    if omp and not _under_torchrun():
+    launcher = _launcher_default(omp) if omp else None
+    if omp and launcher is None:
         try:
             return ThreadChoice(max(1, int(omp)), f"OMP_NUM_THREADS={omp} (set by the user)")
         except ValueError:
@@ -70,5 +78,5 @@ def choose_threads(cores_fraction: float = 0.8) -> ThreadChoice:
     threads = max(1, int(share * cores_fraction))
     reason = f"{cores} cores / {local} local rank(s) x cpuadam_cores_perc {cores_fraction:g}"
     if omp:
-        reason += f"; torchrun's OMP_NUM_THREADS={omp} applies to torch's ops only"
+        reason += f"; {launcher}'s OMP_NUM_THREADS={omp} applies to torch's ops only"
     return ThreadChoice(threads, reason)

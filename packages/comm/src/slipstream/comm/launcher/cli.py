@@ -16,7 +16,12 @@ from pathlib import Path
 from typing import Any
 
 from slipstream.comm.launch_env import DEFAULT_PORT
-from slipstream.comm.launcher.environment import collect_exports, cpu_cores, default_omp_threads
+from slipstream.comm.launcher.environment import (
+    OMP_DEFAULTED_ENV,
+    collect_exports,
+    cpu_cores,
+    default_omp_threads,
+)
 from slipstream.comm.launcher.local import LocalPlan, run_local, worst_exit_code
 from slipstream.comm.launcher.multinode import (
     LAUNCHERS,
@@ -173,7 +178,7 @@ def _worker_env(nproc: int, slots: list[int]) -> dict[str, str]:
             cpu_cores(),
             nproc,
         )
-        env["OMP_NUM_THREADS"] = str(threads)
+        env["OMP_NUM_THREADS"] = env[OMP_DEFAULTED_ENV] = str(threads)
     return env
 
 

@@ -84,6 +84,11 @@ def cpu_cores() -> int:
     return max(1, os.cpu_count() or 1)
 
 
+# Set beside OMP_NUM_THREADS when the launcher (not the user) chose it, holding the value it
+# chose: code that sizes its own thread pools (CPU offload) then treats it as a launcher default.
+OMP_DEFAULTED_ENV = "SLIPSTREAM_OMP_NUM_THREADS_DEFAULTED"
+
+
 def default_omp_threads(
     procs_per_node: int, environ: Mapping[str, str], cores: int | None = None
 ) -> int | None:

@@ -14,7 +14,7 @@ import runpy
 import sys
 
 from slipstream.comm.launch_env import detect_launch_environment
-from slipstream.comm.launcher.environment import default_omp_threads
+from slipstream.comm.launcher.environment import OMP_DEFAULTED_ENV, default_omp_threads
 
 __all__ = ["main", "worker_argv"]
 
@@ -42,7 +42,7 @@ def _export_rank_variables() -> int:
         threads = default_omp_threads(launch.local_world_size, os.environ)
         if threads is not None:
             # Set before the user's code imports torch, i.e. before OpenMP reads it.
-            os.environ["OMP_NUM_THREADS"] = str(threads)
+            os.environ["OMP_NUM_THREADS"] = os.environ[OMP_DEFAULTED_ENV] = str(threads)
     if launch.master_addr is not None and launch.launcher != "single":
         os.environ.setdefault("MASTER_ADDR", launch.master_addr)
     if launch.master_port is not None:
