@@ -154,3 +154,26 @@ def test_garbage_collection_removes_folder(make_engine, tmp_path) -> None:
     del space
     gc.collect()
     assert not path.exists()
+
+
+def test_nvme_swapper_checks_the_drive_has_room_up_front(space, monkeypatch) -> None:
+    from collections import namedtuple
+
+    from slipstream.offload import nvme
+    from slipstream.offload.aio.errors import DiskFullError
+    from slipstream.offload.nvme import NvmeStateSwapper
+    from slipstream.offload.settings import OptimizerOffload
+
+    params = [torch.nn.Parameter(torch.zeros(4096)), torch.nn.Parameter(torch.zeros(8))]
+    optimizer = torch.optim.AdamW(params)
+    swapper = NvmeStateSwapper(optimizer, space, OptimizerOffload(device="nvme", nvme_path="x"))
+    # The tiny tensor stays in memory; the big one needs its master and two Adam states.
+    assert swapper.check_room(2) == 4096 * 4 * 3
+    usage = namedtuple("usage", "total used free")
+    monkeypatch.setattr(nvme.shutil, "disk_usage", lambda path: usage(1 << 30, 0, 100_000))
+    assert swapper.check_room(2) == 49_152  # fits in 100,000 bytes for one rank...
+    with pytest.raises(DiskFullError) as caught:  # ...not for three on the same drive
+        swapper.check_room(2, ranks_sharing=3)
+    message = str(caught.value)
+    assert str(space.path) in message and "147,456 bytes" in message
+    assert "100,000 bytes free" in message and "nvme_path" in message

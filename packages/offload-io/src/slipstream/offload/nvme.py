@@ -13,7 +13,10 @@ reduce-scatter writes into them during backward).
 
 from __future__ import annotations
 
+import errno
 import logging
+import os
+import shutil
 from collections.abc import Iterator, Sequence
 from contextlib import contextmanager
 from dataclasses import dataclass, field
@@ -168,6 +171,36 @@ class NvmeStateSwapper:
                 slot.tensor.untyped_storage().resize_(0)
                 slot.resident = False
         self._writing.clear()
+
+    def check_room(self, states_per_param: int, ranks_sharing: int = 1) -> int:
+        """Fail now, not at the first step, if the swap drive cannot hold what will be swapped.
+
+        The optimizer states are created lazily at the first step, so without this a drive
+        that is too small would fail there, after the model was built and data loaded.
+        ``states_per_param``: state tensors of each parameter's size (Adam 2, Lion 1, ...);
+        ``ranks_sharing``: processes of this node swapping to the same drive.
+
+        Returns the bytes this rank needs (masters and states; headers not counted).
+        Raises:
+            DiskFullError: naming the path, the bytes needed for the node and the bytes free.
+        """
+        from slipstream.offload.aio.errors import DiskFullError
+
+        numel = sum(p.numel() for p in self.all_params() if p.numel() >= _MIN_SWAP_NUMEL)
+        needed = numel * 4 * (1 + states_per_param)
+        node = needed * max(1, ranks_sharing)
+        free = shutil.disk_usage(self.space.path).free
+        if node > free:
+            raise DiskFullError(
+                errno.ENOSPC,
+                f"NVMe optimizer offload needs about {node:,} bytes in {os.fspath(self.space.path)} "
+                f"(fp32 masters and {states_per_param} state(s) per parameter, {needed:,} bytes "
+                f"per rank x {max(1, ranks_sharing)} rank(s) on this node) but that file system "
+                f"has {free:,} bytes free; free space there, point `nvme_path` at a larger NVMe "
+                'volume, or use `"device": "cpu"` if host memory allows',
+                self.space.path,
+            )
+        return needed
 
     def all_params(self) -> list[torch.Tensor]:
         """Every parameter of the optimizer, in order."""

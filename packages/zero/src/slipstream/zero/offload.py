@@ -11,6 +11,7 @@ pass, from which the stage publishes it to the device.
 from __future__ import annotations
 
 import logging
+import os
 from collections.abc import Callable
 from concurrent.futures import Future, ThreadPoolExecutor
 from contextlib import nullcontext
@@ -85,6 +86,11 @@ class OffloadedStep:
             optimizer, offload, copies=copies, swapper=self.swapper, announce=group.rank == 0
         )
         if self.swapper is not None:
+            # Adam/AdamW keep 2 states per parameter, Lion and Adagrad 1; another optimizer
+            # (its own step on the host) is assumed to keep 2, like Adam.
+            states = {"adam": 2, "lion": 1, "adagrad": 1}.get(self.host.kernel or "", 2)
+            ranks = int(os.environ.get("LOCAL_WORLD_SIZE", "1") or 1)
+            self.swapper.check_room(states, ranks_sharing=ranks)
             self.swapper.evict_all()
             if group.rank == 0:
                 logger.info(
