@@ -59,4 +59,3 @@ def test_thread_count_applies_to_steps_from_other_threads(cpu_optim) -> None:
     )
     assert result.returncode == 0, result.stderr
     assert result.stdout.split() == ["3", "3", "True"]
-
