@@ -1,7 +1,8 @@
 """Run several training benchmarks side by side and print a markdown table of the results.
 
-Each spec is ``IMPL[:STAGE[+cpu|+nvme][+param]]@MODEL/MICRO`` (e.g. ``fsdp2@1.3b/4``,
-``slipstream:3@7b/2``, ``slipstream:2+cpu@1.3b/4`` for CPU optimizer offload); every
+Each spec is ``IMPL[:STAGE[+cpu|+nvme][+param|+nvmeparam][+noclip]]@MODEL/MICRO`` (e.g.
+``fsdp2@1.3b/4``, ``slipstream:3@7b/2``, ``slipstream:2+cpu@1.3b/4`` for CPU optimizer
+offload, ``slipstream:3+cpu+nvmeparam@1.3b/2`` with the parameter shards on NVMe); every
 run is a fresh ``torchrun`` of train_bench.py on ``--gpus`` processes, one after the other on
 the same machine, so the rows compare like with like.
 
@@ -34,7 +35,9 @@ def _parse(spec: str) -> list[str]:
     args = ["--impl", impl, "--model", model, "--micro", micro]
     for extra in extras:  # slipstream:2+cpu, slipstream:3+nvme+param
         if extra == "param":
-            args += ["--offload-param"]
+            args += ["--offload-param", "cpu"]
+        elif extra == "nvmeparam":
+            args += ["--offload-param", "nvme"]
         elif extra == "noclip":
             args += ["--clip", "0"]
         else:

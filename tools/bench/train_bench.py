@@ -70,7 +70,7 @@ def _slipstream_config(args: argparse.Namespace) -> dict[str, Any]:
 
 
 def _offload_blocks(args: argparse.Namespace) -> dict[str, Any]:
-    """``--offload cpu|nvme`` (optimizer) and ``--offload-param`` (stage 3, to the CPU)."""
+    """``--offload cpu|nvme`` (optimizer) and ``--offload-param cpu|nvme`` (stage 3)."""
     blocks: dict[str, Any] = {}
     if args.offload == "cpu":
         blocks["offload_optimizer"] = {"device": "cpu", "pin_memory": True}
@@ -83,8 +83,14 @@ def _offload_blocks(args: argparse.Namespace) -> dict[str, Any]:
             "pipeline_write": True,
         }
         blocks["sub_group_size"] = 2e8
-    if args.offload_param:
+    if args.offload_param == "cpu":
         blocks["offload_param"] = {"device": "cpu", "pin_memory": True}
+    elif args.offload_param == "nvme":
+        blocks["offload_param"] = {
+            "device": "nvme",
+            "nvme_path": str(args.nvme_path),
+            "pin_memory": True,
+        }
     return blocks
 
 
@@ -184,11 +190,16 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--steps", type=int, default=12)
     parser.add_argument("--out", type=Path, default=None, help="append the JSON result here")
     parser.add_argument("--offload", choices=["none", "cpu", "nvme"], default="none")
-    parser.add_argument("--offload-param", action="store_true", help="stage 3: params on the CPU")
+    parser.add_argument(
+        "--offload-param",
+        choices=["none", "cpu", "nvme"],
+        default="none",
+        help="stage 3: where the parameter shards live",
+    )
     parser.add_argument("--nvme-path", type=Path, default=Path("/tmp/slipstream-nvme"))
     parser.add_argument("--clip", type=float, default=1.0, help="gradient_clipping (0: off)")
     args = parser.parse_args(argv)
-    if args.offload == "nvme":
+    if "nvme" in (args.offload, args.offload_param):
         args.nvme_path.mkdir(parents=True, exist_ok=True)
 
     device, rank, world = _setup()
@@ -229,7 +240,7 @@ def main(argv: list[str] | None = None) -> int:
         if args.impl != "slipstream"
         else f"slipstream-zero{args.stage}"
         + (f"+{args.offload}" if args.offload != "none" else "")
-        + ("+param" if args.offload_param else "")
+        + {"none": "", "cpu": "+param", "nvme": "+nvmeparam"}[args.offload_param]
         + ("+noclip" if args.clip == 0 else ""),
         "model": args.model,
         "params": params,

@@ -360,9 +360,9 @@ def test_zenflow_is_not_implemented() -> None:
         ({"stage": 2, "offload_param": {"device": "cpu"}}, "offload_param.device", ConfigError),
         ({"stage": 1, "cpu_offload_param": True}, "offload_param.device", ConfigError),
         (
-            {"stage": 3, "offload_param": {"device": "nvme", "nvme_path": "/x"}},
-            "offload_param.device",
-            NotImplementedFeatureError,
+            {"stage": 3, "offload_param": {"device": "nvme"}},
+            "offload_param.nvme_path",
+            ConfigError,
         ),
         (
             {"stage": 2, "offload_optimizer": {"device": "nvme"}},

@@ -75,7 +75,10 @@ def _side_by_side(stage: int, precision: str, offload: dict, optimizer_name: str
     norms = [float(e.get_global_grad_norm()) for e in engines]
     masters_on_host = all(m.device.type == "cpu" for m in offloaded.zero.masters.masters)
     eager = bool(offloaded.zero.optimizer.offload.eager)
+    store = offloaded._stage3.store if offloaded._stage3 is not None else None
+    swapped = sum(store.is_swapped(t) for t in store.tensors()) if store is not None else -1
     return {
+        "swapped": swapped,
         "diffs": diffs,
         "norm_diffs": norm_diffs,
         "norms": norms,
@@ -91,6 +94,8 @@ class _null:
     def __exit__(self, *exc: object) -> None:
         return None
 
+
+_NVME_PARAMS = {"device": "nvme", "nvme_path": "TMP", "max_in_cpu": 0}
 
 CASES = [
     (1, 2, {"offload_optimizer": {"device": "cpu"}}),
@@ -122,10 +127,22 @@ CASES = [
     (1, 2, {"offload_optimizer": {"device": "cpu"}, "_clip": 0.0}),
     (2, 2, {"offload_optimizer": {"device": "cpu"}, "_clip": 0.0}),
     (2, 2, {"offload_optimizer": {"device": "cpu"}, "_clip": 0.0, "_overlap": "0"}),
+    # Parameter shards on NVMe (ZeRO-Infinity): read back for each gather and each step's
+    # sub-group, written back after it; max_in_cpu keeps the first (small) shards resident.
+    (3, 1, {"offload_optimizer": {"device": "cpu"}, "offload_param": _NVME_PARAMS}),
+    (3, 2, {"offload_optimizer": {"device": "cpu"}, "offload_param": _NVME_PARAMS}),
+    (
+        3,
+        2,
+        {
+            "offload_optimizer": {"device": "nvme", "nvme_path": "TMP"},
+            "offload_param": {**_NVME_PARAMS, "max_in_cpu": 1000},
+        },
+    ),
 ]
 
 
-def _ids() -> list[str]:
+def _ids() -> list[str]:  # unique (checked below)
     out = []
     for stage, world, extra in CASES:
         parts = [f"stage{stage}", f"w{world}"]
@@ -137,9 +154,13 @@ def _ids() -> list[str]:
             parts.append("noclip-eager" if "_overlap" not in extra else "noclip-not-eager")
         if extra.get("offload_optimizer", {}).get("pipeline_read"):
             parts.append("pipelined")
+        if extra.get("offload_param", {}).get("max_in_cpu"):
+            parts.append("max-in-cpu")
         out.append("-".join(parts))
     return out
 
+
+assert len(set(_ids())) == len(CASES)
 
 # Tolerances over 3 steps in fp32, per tensor: max |difference| / max |weight|, and
 # ||difference|| / ||weight||.
@@ -173,6 +194,8 @@ def test_offload_matches_the_same_run_without_it_fp32(
     for result in results:
         assert result["host"]
         assert result["eager"] == eager
+        if extra.get("offload_param", {}).get("device") == "nvme":
+            assert result["swapped"] > 0  # shards really were on disk between uses
         worst, in_norm = TOLERANCE[optimizer_name]
         assert max(result["diffs"]) <= worst, result["diffs"]
         assert max(result["norm_diffs"]) <= in_norm, result["norm_diffs"]
@@ -264,4 +287,69 @@ def test_nvme_offload_checkpoints_and_a_full_disk(tmp_path) -> None:
     assert "no space left on device" in result["message"]
     assert str(swap) in result["message"]
     assert result["checkpoint_intact"]
+    assert not any(swap.iterdir()), "swap folders must be removed when the process ends"
+
+
+def _nvme_params_checkpoint(swap_dir: str, checkpoint_dir: str, optimizer_device: str) -> dict:
+    """Parameter shards on NVMe: train, save, train on; a fresh engine loads and matches."""
+    import slipstream
+    from slipstream.zero import GatheredParameters
+    from slipstream.zero.testing import TinyTransformer, batch_for
+
+    def build() -> object:
+        torch.manual_seed(0)
+        model = TinyTransformer()
+        zero: dict = {
+            "stage": 3,
+            "sub_group_size": 700,
+            "stage3_param_persistence_threshold": 0,
+            "offload_param": {"device": "nvme", "nvme_path": swap_dir, "max_in_cpu": 0},
+        }
+        if optimizer_device != "none":  # "none": the optimizer steps on the compute device
+            zero["offload_optimizer"] = {"device": optimizer_device, "nvme_path": swap_dir}
+        config = {
+            "train_micro_batch_size_per_gpu": MICRO,
+            "gradient_clipping": CLIP,
+            "steps_per_print": 1000,
+            "zero_optimization": zero,
+            "aio": {"block_size": 4096, "queue_depth": 4},
+        }
+        optimizer = torch.optim.AdamW(model.parameters(), lr=0.01)
+        return slipstream.initialize(model=model, optimizer=optimizer, config=config)[0]
+
+    def train(engine, steps: range) -> None:
+        for step in steps:
+            ids, labels = batch_for(step, 0, MICRO)
+            engine.backward(engine(ids, labels))
+            engine.step()
+
+    def weights(engine) -> list[torch.Tensor]:
+        params = list(engine.module.parameters())
+        with GatheredParameters(params):
+            return [p.detach().clone() for p in params]
+
+    first = build()
+    train(first, range(2))
+    first.save_checkpoint(checkpoint_dir, tag="two")
+    train(first, range(2, 4))
+    expected = weights(first)
+    store = first._stage3.store
+    swapped = sum(store.is_swapped(t) for t in store.tensors())
+
+    resumed = build()
+    resumed.load_checkpoint(checkpoint_dir, tag="two")
+    train(resumed, range(2, 4))
+    equal = all(torch.equal(a, b) for a, b in zip(weights(resumed), expected))
+    return {"equal": equal, "swapped": swapped, "total": len(store.tensors())}
+
+
+@pytest.mark.parametrize("optimizer_device", ["cpu", "nvme", "none"])
+def test_nvme_param_offload_checkpoint_round_trip(tmp_path, optimizer_device) -> None:
+    swap, checkpoints = tmp_path / "nvme", tmp_path / "ckpt"
+    swap.mkdir()
+    (result,) = run_distributed(
+        _nvme_params_checkpoint, 1, str(swap), str(checkpoints), optimizer_device, timeout=300
+    )
+    assert result["equal"]
+    assert result["swapped"] == result["total"] > 0  # max_in_cpu=0: every shard on disk
     assert not any(swap.iterdir()), "swap folders must be removed when the process ends"

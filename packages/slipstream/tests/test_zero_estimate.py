@@ -115,6 +115,16 @@ def test_offload_estimate_matches_what_offload_allocates() -> None:
     assert rows[(3, True)].host / gib == pytest.approx(6_738_415_616 * 18 / gib)
     assert rows[(2, False)].gpu == pytest.approx(2 * 6_738_415_616)
     assert rows[(1, False)].gpu == pytest.approx(6 * 6_738_415_616)  # + fp32 accumulators
-    nvme = {(r.stage, r.param_offload): r for r in estimate_offload(1000, 2, device="nvme")}
+    nvme = {
+        (r.stage, r.param_offload): r
+        for r in estimate_offload(1000, 2, device="nvme", param_device="nvme")
+    }
     assert nvme[(2, False)].nvme == pytest.approx(12 * 1000 / 2)
     assert nvme[(2, False)].host == pytest.approx(6 * 1000 / 2)
+    # offload_param to NVMe: the bf16 shards are disk bytes, not host bytes.
+    assert nvme[(3, True)].host == pytest.approx(4 * 1000 / 2)  # fp32 grads only
+    assert nvme[(3, True)].nvme == pytest.approx(14 * 1000 / 2)
+    both = estimate_offload(1000, 2, device="nvme", param_device="nvme")
+    assert {(r.stage, r.param_offload): r for r in both}[(3, False)] == nvme[(3, False)]
+    cpu_params = estimate_offload(1000, 2, device="nvme", param_device="cpu")
+    assert {(r.stage, r.param_offload): r for r in cpu_params}[(3, True)].host == 6 * 1000 / 2

@@ -4,6 +4,7 @@
   slipstream.kernels, sub-group by sub-group, with the low-precision copies written in the
   same pass.
 - :class:`NvmeStateSwapper`: fp32 masters and optimizer states in swap files between steps.
+- :class:`ParamSwapStore`: ZeRO-3 parameter shards in swap files between uses.
 - :class:`AsyncIOEngine`, :class:`SwapSpace`, :class:`PinnedBufferPool`: asynchronous direct
   I/O of tensors to NVMe, checked swap files, aligned (pinned) host buffers.
 - ``python -m slipstream.offload.io_bench``: the engine's GB/s against the raw device.
@@ -25,6 +26,7 @@ from slipstream.offload.aio.errors import (
 )
 from slipstream.offload.host_optimizer import HostOptimizer, kernel_for
 from slipstream.offload.nvme import NvmeStateSwapper
+from slipstream.offload.param_swap import ParamSwapStore
 from slipstream.offload.pinned import PinnedBufferPool, aligned_empty
 from slipstream.offload.settings import OptimizerOffload, ParamOffload
 from slipstream.offload.swap import SwapSpace
@@ -41,6 +43,7 @@ __all__ = [
     "OffloadIOError",
     "OptimizerOffload",
     "ParamOffload",
+    "ParamSwapStore",
     "PinnedBufferPool",
     "SwapFileCorruptError",
     "SwapPathError",

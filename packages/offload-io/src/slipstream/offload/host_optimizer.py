@@ -148,15 +148,19 @@ class HostOptimizer:
         self,
         grad_scale: float = 1.0,
         on_sub_group: Callable[[list[torch.Tensor]], None] | None = None,
+        before_sub_group: Callable[[list[torch.Tensor]], None] | None = None,
     ) -> None:
         """Update every parameter that has a gradient, one sub-group at a time.
 
         ``grad_scale`` multiplies each gradient as the step reads it (loss unscaling and the
         clip coefficient, without a separate pass over the gradients). ``on_sub_group(params)``
-        runs after each sub-group's update (its copies refreshed).
+        runs after each sub-group's update (its copies refreshed); ``before_sub_group(params)``
+        before it (e.g. to make the sub-group's copy targets resident).
         """
         swapper = self.swapper
         for index, chunk in enumerate(self.sub_groups):
+            if before_sub_group is not None:
+                before_sub_group(chunk)
             if swapper is not None:
                 swapper.swap_in(chunk)
                 if index + 1 < len(self.sub_groups):

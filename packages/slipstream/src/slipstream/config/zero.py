@@ -297,12 +297,9 @@ class ZeroConfig(ConfigBlock):
                     "stages 1-2, or set stage 3.",
                     key_path(where, "device"),
                 )
-            if param.device == "nvme":
-                not_implemented(
-                    key_path(where, "device"),
-                    "nvme",
-                    "parameter offload to NVMe (ZeRO-Infinity for parameters)",
-                    "a later release of the slipstream-offload-io package (optimizer offload "
-                    "to NVMe works now)",
-                    'Use "device": "cpu" for the parameters.',
+            if param.device == "nvme" and not param.nvme_path:
+                raise ConfigError(
+                    f'{where}.device="nvme" needs "nvme_path": a folder on a local NVMe drive '
+                    "for the swap files",
+                    key_path(where, "nvme_path"),
                 )

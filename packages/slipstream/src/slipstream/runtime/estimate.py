@@ -95,6 +95,7 @@ def estimate_offload(
     param_bytes: int = 2,
     optimizer_state_bytes: int = 8,
     device: str = "cpu",
+    param_device: str = "cpu",
 ) -> list[OffloadEstimate]:
     """Model-state bytes per rank with ``offload_optimizer`` (stages 1-3, and 3 + offload_param).
 
@@ -102,6 +103,9 @@ def estimate_offload(
     shard, plus the model-dtype staging copy of the shard (or, with ``offload_param``, the
     shard itself): ``(4 + k + 4 + d)·Ψ/N``. With ``device="nvme"`` the masters and states
     ``(4 + k)·Ψ/N`` go to disk instead (the sub-groups in flight come back to host memory).
+    With ``param_device="nvme"`` (``offload_param.device: "nvme"``) the model-dtype shards
+    ``d·Ψ/N`` of the ``offload_param`` row are on disk too (the shards being gathered, read
+    ahead or stepped, and those within ``max_in_cpu``, come back to host memory: not counted).
     GPU: the model-dtype parameters (all of them at stages 1-2, the shard at stage 3, none
     persistent with ``offload_param``), plus stage 1's full-size fp32 accumulators under
     fp16/bf16; gradient buckets in flight are not counted.
@@ -121,8 +125,11 @@ def estimate_offload(
         masters_and_states = (4 + k) * p / n
         host = 4 * p / n + d * p / n  # fp32 grads + staging copy (or the offloaded shard)
         nvme = 0.0
+        if param_offload and param_device == "nvme":
+            host -= d * p / n
+            nvme += d * p / n
         if device == "nvme":
-            nvme = masters_and_states
+            nvme += masters_and_states
         else:
             host += masters_and_states
         out.append(OffloadEstimate(stage, param_offload, gpu, host, nvme))
@@ -211,13 +218,14 @@ def format_estimate(
             f"{row.optimizer / gib:>10.2f} {row.total / gib:>10.2f}"
         )
     lines.append(
-        "with offload_optimizer (CPU; NVMe moves the masters and states to disk), per rank:"
+        "with offload_optimizer (CPU; NVMe moves the masters and states to disk, and with "
+        "offload_param the parameter shards), per rank:"
     )
     lines.append(
         f"{'stage':>13} {'GPU GiB':>9} {'host GiB':>9} {'or: host GiB':>13} {'+ NVMe GiB':>11}"
     )
     cpu = estimate_offload(num_params, world_size, param_bytes, device="cpu")
-    nvme = estimate_offload(num_params, world_size, param_bytes, device="nvme")
+    nvme = estimate_offload(num_params, world_size, param_bytes, device="nvme", param_device="nvme")
     for on_cpu, on_nvme in zip(cpu, nvme):
         label = f"{on_cpu.stage}{' + param' if on_cpu.param_offload else ''}"
         lines.append(

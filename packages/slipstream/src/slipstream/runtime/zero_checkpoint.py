@@ -23,7 +23,7 @@ import json
 import logging
 import shutil
 from collections.abc import Iterator
-from contextlib import ExitStack
+from contextlib import AbstractContextManager, ExitStack, nullcontext
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
@@ -68,6 +68,14 @@ def _model_shard(param: torch.nn.Parameter, world: int, rank: int) -> torch.Tens
     return ShardSpec(param.shape, world).shard_of(param, rank)
 
 
+def _shards_resident(engine: SlipstreamEngine, dirty: bool) -> AbstractContextManager[None]:
+    """Stage 3 with NVMe parameters: every parameter shard in host memory for the block."""
+    stage3 = engine._stage3
+    if stage3 is None:
+        return nullcontext()
+    return stage3.shards_resident(dirty)  # type: ignore[no-any-return]
+
+
 def _master_names(engine: SlipstreamEngine) -> dict[int, str]:
     """id(master shard) -> parameter name."""
     assert engine.zero is not None
@@ -101,10 +109,11 @@ def save(
     ckpt._barrier()
 
     named = _named_params(engine.module)
-    ckpt._save_tensors(
-        staging / f"model.rank{rank}.safetensors",
-        {name: _model_shard(p, world, rank) for name, p in named},
-    )
+    with _shards_resident(engine, dirty=False):
+        ckpt._save_tensors(
+            staging / f"model.rank{rank}.safetensors",
+            {name: _model_shard(p, world, rank) for name, p in named},
+        )
     names = _master_names(engine)
     tensors: dict[str, torch.Tensor] = {}
     sharded_keys: set[str] = set()
@@ -360,6 +369,22 @@ def _padded(values: torch.Tensor, numel: int) -> torch.Tensor:
     return out
 
 
+def _load_model_shards(
+    reader: ShardReader, named: list[tuple[str, torch.nn.Parameter]], world: int, rank: int
+) -> None:
+    """Each parameter's model-dtype values: this rank's shard (stage 3) or the whole tensor."""
+    for name, param in named:
+        numel = param.numel()
+        spec = ShardSpec(param.shape, world)
+        sharded = sharded_state_of(param)
+        if sharded is not None:
+            start, end = spec.valid_range(rank)
+            values = reader.read("model", name, start, end)
+            sharded.shard.copy_(_padded(values, spec.shard_numel).to(sharded.shard.dtype))
+        else:
+            param.data.copy_(reader.read("model", name, 0, numel).view(param.shape))
+
+
 def load(
     engine: SlipstreamEngine,
     load_dir: str | Path,
@@ -389,16 +414,8 @@ def load(
             f"unexpected {extra[:5]}"
         )
     with ShardReader(path, manifest) as reader, torch.no_grad():
-        for name, param in named:
-            numel = param.numel()
-            spec = ShardSpec(param.shape, world)
-            sharded = sharded_state_of(param)
-            if sharded is not None:
-                start, end = spec.valid_range(rank)
-                values = reader.read("model", name, start, end)
-                sharded.shard.copy_(_padded(values, spec.shard_numel).to(sharded.shard.dtype))
-            else:
-                param.data.copy_(reader.read("model", name, 0, numel).view(param.shape))
+        with _shards_resident(engine, dirty=True):
+            _load_model_shards(reader, named, world, rank)
         for buffer_name, value in reader.buffers():
             buffer = dict(engine.module.named_buffers()).get(buffer_name)
             if buffer is not None:

@@ -164,7 +164,7 @@ def _warn_inert_offload_keys(optimizer: Any, param: Any) -> None:
             inert.append("offload_optimizer.fast_init")
         if not optimizer.convert_grad_on_cpu:
             inert.append("offload_optimizer.convert_grad_on_cpu")
-    if param is not None:
+    if param is not None and param.device == "cpu":  # NVMe parameters use all three
         for key, default in (("buffer_count", 5), ("buffer_size", 100_000_000)):
             if getattr(param, key) != default:
                 inert.append(f"offload_param.{key}")
@@ -173,7 +173,7 @@ def _warn_inert_offload_keys(optimizer: Any, param: Any) -> None:
     if inert:
         logger.warning(
             "zero_optimization: %s have no effect in Slipstream (CPU parameter offload keeps "
-            "every shard in host memory; NVMe swaps stage sub-groups without a fixed buffer "
+            "every shard in host memory, only NVMe parameter offload reads them; NVMe swaps stage sub-groups without a fixed buffer "
             "pool; gradients reach the host in the communication dtype): see docs/offload.md",
             ", ".join(inert),
         )

@@ -34,6 +34,8 @@ logger = logging.getLogger(__name__)
 # landed, so smaller buckets start the CPU sooner in backward and leave less after it.
 OVERLAP_BUCKET_NUMEL = 100_000_000
 
+_SubGroupHook = Callable[[list[torch.Tensor]], None]
+
 
 def require_offload_package(what: str) -> Any:
     """Import slipstream.offload, or say which distribution ``what`` needs."""
@@ -74,6 +76,9 @@ class OffloadedStep:
         self.offload = offload
         self._pool: ThreadPoolExecutor | None = None
         self._eager_steps = 0
+        # (before, after) each sub-group's update: stage 3 with NVMe parameters reads the
+        # sub-group's shards (the step's copy targets) in before and writes them back after.
+        self.sub_group_hooks: tuple[_SubGroupHook | None, _SubGroupHook | None] | None = None
         self.swapper: Any = None
         self.space: Any = None
         if offload.device == "nvme":
@@ -127,8 +132,25 @@ class OffloadedStep:
         grad_scale: float,
         on_sub_group: Callable[[list[torch.Tensor]], None] | None = None,
     ) -> None:
-        """Run the update over every master with a gradient (``grad_scale`` folded in)."""
-        self.host.step(grad_scale=grad_scale, on_sub_group=on_sub_group)
+        """Run the update over every master with a gradient (``grad_scale`` folded in).
+
+        ``sub_group_hooks`` (set by the stage), if any, run around each sub-group: the first
+        before its update, the second after it (before ``on_sub_group``).
+        """
+        before = after = None
+        if self.sub_group_hooks is not None:
+            before, after = self.sub_group_hooks
+        if after is not None and on_sub_group is not None:
+            inner, outer = after, on_sub_group
+
+            def both(params: list[torch.Tensor]) -> None:
+                inner(params)
+                outer(params)
+
+            on_sub_group = both
+        elif after is not None:
+            on_sub_group = after
+        self.host.step(grad_scale=grad_scale, on_sub_group=on_sub_group, before_sub_group=before)
 
     def resident(self) -> Any:
         """A context in which every master and state is in host memory (checkpoints)."""

@@ -2,6 +2,9 @@
 
 from __future__ import annotations
 
+from collections.abc import Iterable
+from typing import Any
+
 import torch
 import torch.distributed as dist
 
@@ -9,7 +12,13 @@ from slipstream.zero.group import DataParallelGroup
 from slipstream.zero.layout import ShardSpec
 from slipstream.zero.stage3.state import ShardState
 
-__all__ = ["ShardedParameter", "gather_full", "sharded_state_of"]
+__all__ = [
+    "ShardedParameter",
+    "ensure_shards",
+    "gather_full",
+    "release_shards",
+    "sharded_state_of",
+]
 
 # The attribute a partitioned nn.Parameter carries its ShardedParameter under.
 ATTR = "_slipstream_zero"
@@ -38,7 +47,9 @@ class ShardedParameter:
         all-gather input). master: the fp32 master shard once an optimizer is attached (the
         same tensor as ``shard`` in fp32 training). holders: active uses (a module's forward
         or backward, a prefetch, GatheredParameters); the storage is freed when it drops to 0,
-        unless ``persistent``.
+        unless ``persistent``. store: with ``offload_param.device="nvme"``, the
+        slipstream.offload.ParamSwapStore that swaps ``shard`` to disk between uses; code
+        touching ``shard`` brackets it with :func:`ensure_shards`/:func:`release_shards`.
     """
 
     def __init__(
@@ -53,6 +64,7 @@ class ShardedParameter:
         self.persistent = False
         self.pending: PendingGather | None = None
         self.state = ShardState.UNSHARDED
+        self.store: Any = None
         setattr(param, ATTR, self)
 
     @classmethod
@@ -115,10 +127,39 @@ class ShardedParameter:
 
     def refresh_shard(self) -> None:
         """Re-cut this rank's shard (and master) from the full data, after it was edited."""
+        ensure_shards([self])
         with torch.no_grad():
             self.shard.copy_(self.spec.shard_of(self.param.data, self.group.rank, self.shard.dtype))
             if self.master is not None and self.master.data_ptr() != self.shard.data_ptr():
                 self.master.copy_(self.shard)
+        release_shards([self], dirty=True)
+
+
+def _by_store(members: Iterable[ShardedParameter]) -> dict[int, tuple[Any, list[torch.Tensor]]]:
+    found: dict[int, tuple[Any, list[torch.Tensor]]] = {}
+    for member in members:
+        store = member.store
+        if store is not None and member.shard in store:
+            found.setdefault(id(store), (store, []))[1].append(member.shard)
+    return found
+
+
+def ensure_shards(members: Iterable[ShardedParameter]) -> None:
+    """NVMe parameters: make the members' shards resident in host memory (else a no-op)."""
+    for store, shards in _by_store(members).values():
+        store.ensure(shards)
+
+
+def release_shards(members: Iterable[ShardedParameter], dirty: bool) -> None:
+    """NVMe parameters: done with the members' shards (``dirty``: they were written)."""
+    for store, shards in _by_store(members).values():
+        store.release(shards, dirty=dirty)
+
+
+def prefetch_shards(members: Iterable[ShardedParameter]) -> None:
+    """NVMe parameters: start reading the members' shards from disk (no waiting)."""
+    for store, shards in _by_store(members).values():
+        store.prefetch(shards)
 
 
 class PendingGather:
@@ -134,13 +175,19 @@ class PendingGather:
             self.offsets.append(total)
             total += member.spec.shard_numel
         # The gathered parameters live where the parameter does (the compute device); a shard
-        # offloaded to the host (offload_param) is uploaded first, asynchronously if pinned.
+        # offloaded to the host (offload_param) is uploaded first, asynchronously if pinned;
+        # one swapped to NVMe is read back first and released once the gather has it.
         device = members[0].param.device
+        ensure_shards(members)
         send = (
             torch.cat([m.shard.to(device=device, dtype=dtype, non_blocking=True) for m in members])
             if len(members) > 1
             else members[0].shard.to(device=device, non_blocking=True)
         )
+        self.uploaded: torch.cuda.Event | None = None
+        if send.device.type == "cuda" and members[0].shard.device.type == "cpu":
+            self.uploaded = torch.cuda.Event()
+            self.uploaded.record()
         self.total = total
         self.world = group.world_size
         self.out = torch.empty(self.world * total, dtype=dtype, device=send.device)
@@ -155,6 +202,10 @@ class PendingGather:
             return
         if self.work is not None:
             self.work.wait()
+        if self.uploaded is not None:
+            self.uploaded.synchronize()  # the host shards were read by the upload
+            self.uploaded = None
+        release_shards(self.members, dirty=False)
         rows = self.out.view(self.world, self.total)
         for member, offset in zip(self.members, self.offsets):
             member.fill(rows, offset)

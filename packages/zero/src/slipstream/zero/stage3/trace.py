@@ -85,6 +85,20 @@ class ExecutionTrace:
         index = self._last_index[id(unit)]
         return self._upcoming(reversed(self.order[:index]), live_numel)
 
+    def ahead(self, unit: ParamUnit, backward: bool) -> list[ParamUnit]:
+        """The units due after ``unit`` along the recording, nearest first (empty while
+        recording or off the trace): forward, from the current position on; backward, the
+        units before ``unit``'s last forward call, in reverse. NVMe parameter offload reads
+        their shards ahead of the all-gathers."""
+        if self.recording:
+            return []
+        if backward:
+            index = self._last_index.get(id(unit))
+            return [] if index is None else self.order[:index][::-1]
+        if not self._following:
+            return []
+        return self.order[self._position :]
+
     def _upcoming(self, candidates: object, live_numel: int) -> list[ParamUnit]:
         chosen: list[ParamUnit] = []
         budget = self.prefetch_numel
