@@ -127,30 +127,14 @@ class OffloadedStep:
         count, self._eager_steps = self._eager_steps, 0
         return count
 
-    def step(
-        self,
-        grad_scale: float,
-        on_sub_group: Callable[[list[torch.Tensor]], None] | None = None,
-    ) -> None:
+    def step(self, grad_scale: float) -> None:
         """Run the update over every master with a gradient (``grad_scale`` folded in).
 
         ``sub_group_hooks`` (set by the stage), if any, run around each sub-group: the first
-        before its update, the second after it (before ``on_sub_group``).
+        before its update, the second after it.
         """
-        before = after = None
-        if self.sub_group_hooks is not None:
-            before, after = self.sub_group_hooks
-        if after is not None and on_sub_group is not None:
-            inner, outer = after, on_sub_group
-
-            def both(params: list[torch.Tensor]) -> None:
-                inner(params)
-                outer(params)
-
-            on_sub_group = both
-        elif after is not None:
-            on_sub_group = after
-        self.host.step(grad_scale=grad_scale, on_sub_group=on_sub_group, before_sub_group=before)
+        before, after = self.sub_group_hooks or (None, None)
+        self.host.step(grad_scale=grad_scale, on_sub_group=after, before_sub_group=before)
 
     def resident(self) -> Any:
         """A context in which every master and state is in host memory (checkpoints)."""

@@ -196,10 +196,15 @@ class ShardedOptimizerStates:
         bucket's upload and all-gather at once (asynchronous on the device), so the transfers
         of one bucket overlap the CPU step of the next instead of following the whole step."""
         assert self._offload_step is not None
-        shards = self._staging if self._staging is not None else self.masters.masters
+        shards = self._publish_sources
         for indices in self._gather_plan:
             self._offload_step.step_indices(indices, grad_scale)
             gather_bucket(shards, self.params, self.specs, self.group, indices)
+
+    @property
+    def _publish_sources(self) -> Sequence[torch.Tensor]:
+        """What the all-gathers send: the model-dtype staging copies, or the masters."""
+        return self._staging if self._staging is not None else self.masters.masters
 
     def _publish(self) -> None:
         # ZeroOptimizer's publish after a step: with overlap_step, finish() has done it.
@@ -209,12 +214,12 @@ class ShardedOptimizerStates:
         self._publish_all()
 
     def _publish_all(self) -> None:
-        shards = self._staging if self._staging is not None else self.masters.masters
+        shards = self._publish_sources
         for indices in self._gather_plan:
             gather_bucket(shards, self.params, self.specs, self.group, indices)
 
     def _publish_stepped(self, indices: list[int]) -> None:
-        shards = self._staging if self._staging is not None else self.masters.masters
+        shards = self._publish_sources
         gather_bucket(shards, self.params, self.specs, self.group, indices)
         self._eager_published = True
 
