@@ -222,6 +222,10 @@ class GradientReduceScatter:
             self._side = torch.cuda.Stream(device=output.device)
         side = self._side
         target = self._host_target(bucket)
+        # The side stream waits for what the compute stream queued before this point (the
+        # bucket's fill and, in a group of one, the reduction itself: a plain copy into
+        # ``output`` with no collective behind it), then for the collective, if any.
+        side.wait_stream(torch.cuda.current_stream(output.device))
         with torch.cuda.stream(side):
             if work is not None:
                 work.wait()  # the side stream waits for the collective, not the host
