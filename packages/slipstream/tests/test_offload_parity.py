@@ -353,3 +353,64 @@ def test_nvme_param_offload_checkpoint_round_trip(tmp_path, optimizer_device) ->
     assert result["equal"]
     assert result["swapped"] == result["total"] > 0  # max_in_cpu=0: every shard on disk
     assert not any(swap.iterdir()), "swap folders must be removed when the process ends"
+
+
+def _nvme_vs_cpu_params_on_device(swap_dir: str) -> dict:
+    """Parameter shards on NVMe against the same shards in host memory, on the GPU, in bf16:
+    the two runs must be the same bit for bit (only where the shards wait differs)."""
+    import slipstream
+    from slipstream.zero import GatheredParameters
+    from slipstream.zero.testing import TinyTransformer, batch_for
+
+    device = torch.device("cuda", torch.cuda.current_device())
+    engines = []
+    for offload_param in (
+        {"device": "cpu", "pin_memory": True},
+        {"device": "nvme", "nvme_path": swap_dir, "max_in_cpu": 0, "pin_memory": True},
+    ):
+        torch.manual_seed(0)
+        model = TinyTransformer()
+        config = {
+            "train_micro_batch_size_per_gpu": MICRO,
+            "gradient_clipping": CLIP,
+            "steps_per_print": 1000,
+            "bf16": {"enabled": True},
+            "zero_optimization": {
+                "stage": 3,
+                "reduce_bucket_size": 600,
+                "stage3_param_persistence_threshold": 0,
+                "offload_optimizer": {"device": "cpu", "pin_memory": True},
+                "offload_param": offload_param,
+            },
+        }
+        optimizer = torch.optim.AdamW(model.parameters(), lr=0.01)
+        engines.append(slipstream.initialize(model=model, optimizer=optimizer, config=config)[0])
+    losses: list[list[float]] = []
+    for step in range(4):
+        ids, labels = (t.to(device) for t in batch_for(step, 0, MICRO))
+        pair = []
+        for engine in engines:
+            loss = engine(ids, labels)
+            engine.backward(loss)
+            engine.step()
+            pair.append(float(loss.detach()))
+        losses.append(pair)
+    params = [p for e in engines for p in e.module.parameters()]
+    with GatheredParameters(params):
+        equal = all(
+            torch.equal(p, q)
+            for p, q in zip(engines[0].module.parameters(), engines[1].module.parameters())
+        )
+    store = engines[1]._stage3.store
+    return {"losses": losses, "equal": equal, "swapped": store.is_swapped(store.tensors()[0])}
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA/ROCm device")
+def test_nvme_params_match_host_params_on_a_gpu(tmp_path) -> None:
+    (result,) = run_distributed(
+        _nvme_vs_cpu_params_on_device, 1, str(tmp_path), backend="nccl", timeout=300
+    )
+    assert all(a == b for a, b in result["losses"]), result["losses"]
+    assert result["equal"]
+    assert result["swapped"]
