@@ -22,6 +22,7 @@ import argparse
 import contextlib
 import json
 import os
+import resource
 import sys
 import time
 from pathlib import Path
@@ -235,6 +236,11 @@ def main(argv: list[str] | None = None) -> int:
         device=device,
     )
     dist.all_reduce(peak, op=dist.ReduceOp.MAX)
+    # Host memory: the peak resident set of rank 0's process (pinned memory counts), and the
+    # page-locked bytes the offload path's arena holds, if any.
+    host_peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 2**20  # KiB -> GiB
+    masters = getattr(getattr(engine, "zero", None), "masters", None)
+    arena = getattr(masters, "host", None)
     result = {
         "impl": args.impl
         if args.impl != "slipstream"
@@ -252,6 +258,8 @@ def main(argv: list[str] | None = None) -> int:
         "peak_alloc_gib": round(float(peak[0]), 2),
         "peak_reserved_gib": round(float(peak[1]), 2),
         "loss": round(final_loss, 4),
+        "host_peak_gib": round(host_peak, 1),
+        "pinned_arena_gib": round(arena.reserved_bytes / 2**30, 1) if arena is not None else None,
         **phases,
         "device": torch.cuda.get_device_name(device) if device.type == "cuda" else "cpu",
         "torch": torch.__version__,

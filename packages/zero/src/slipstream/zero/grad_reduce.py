@@ -211,7 +211,11 @@ class GradientReduceScatter:
         target = getattr(bucket, name)
         if target is None:
             pin = bucket.output is not None and bucket.output.device.type == "cuda"
-            target = torch.empty(bucket.shard_numel, dtype=torch.float32, pin_memory=pin)
+            target = (
+                self.masters.host_empty((bucket.shard_numel,), torch.float32)
+                if pin
+                else torch.empty(bucket.shard_numel, dtype=torch.float32)
+            )
             setattr(bucket, name, target)
         return target
 

@@ -6,6 +6,7 @@ from collections.abc import Sequence
 
 import torch
 
+from slipstream.zero.host_memory import HostArena
 from slipstream.zero.layout import ShardSpec
 
 __all__ = ["ShardedMasterWeights"]
@@ -27,6 +28,11 @@ class ShardedMasterWeights:
     host memory (page-locked with ``pin``, when a GPU is present), together with their
     gradients, which :meth:`add_grad_` then receives from the device. ``share=False`` always
     copies (NVMe offload swaps the masters out, so they must not be the model's shards).
+
+    Pinned host tensors of the offload path (masters, their gradients, staging copies: see
+    :meth:`host_empty`) come from one :class:`~slipstream.zero.host_memory.HostArena`, at
+    their exact size; ``own_storage`` gives each master a storage of its own instead (NVMe
+    offload frees and re-allocates the masters' storages as it swaps them).
     """
 
     def __init__(
@@ -38,15 +44,21 @@ class ShardedMasterWeights:
         device: torch.device | None = None,
         pin: bool = False,
         share: bool = True,
+        own_storage: bool = False,
     ) -> None:
         self.params = list(params)
         self.specs = list(specs)
         self.masters: list[torch.nn.Parameter] = []
         self.pin = pin and torch.cuda.is_available()
+        # Masters and their grads, in fp32, are most of what the offload path pins.
+        self.host = HostArena(self.pin, expected_bytes=8 * sum(s.numel() for s in shards))
         for shard in shards:
             target = device if device is not None else shard.device
             if share and shard.dtype == torch.float32 and shard.device == target and not self.pin:
                 data = shard
+            elif self.pin and target.type == "cpu" and not own_storage:
+                data = self.host.empty(shard.shape, torch.float32)
+                data.copy_(shard.detach())
             else:
                 data = torch.empty(
                     shard.shape, dtype=torch.float32, device=target, pin_memory=self.pin
@@ -61,6 +73,10 @@ class ShardedMasterWeights:
 
     def __len__(self) -> int:
         return len(self.masters)
+
+    def host_empty(self, shape: torch.Size | tuple[int, ...], dtype: torch.dtype) -> torch.Tensor:
+        """A host tensor for the offload path: from the arena (exact size) when pinned."""
+        return self.host.empty(shape, dtype)
 
     def swap_into(self, optimizer: torch.optim.Optimizer, strict: bool = True) -> None:
         """Make ``optimizer`` update the master shards instead of the model parameters.
@@ -99,9 +115,10 @@ class ShardedMasterWeights:
         """Accumulate a reduced gradient shard (any float dtype) into master ``index``'s fp32 grad."""
         master = self.masters[index]
         if master.grad is None:
-            grad = torch.empty(
-                master.shape, dtype=torch.float32, device=master.device, pin_memory=self.pin
-            )
+            if master.device.type == "cpu":
+                grad = self.host_empty(master.shape, torch.float32)
+            else:
+                grad = torch.empty(master.shape, dtype=torch.float32, device=master.device)
             grad.copy_(shard_grad)
             master.grad = grad
         else:

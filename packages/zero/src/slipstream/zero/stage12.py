@@ -72,6 +72,7 @@ class ShardedOptimizerStates:
             shards,
             device=torch.device("cpu") if offload is not None else None,
             pin=offload is not None and offload.pin_memory,
+            own_storage=offload is not None and offload.device == "nvme",
         )
         del shards
         self.masters.swap_into(optimizer, strict=strict_optimizer)
@@ -95,7 +96,7 @@ class ShardedOptimizerStates:
             copies: dict[int, torch.Tensor] = {}
             if offload.device == "nvme" or any(p.dtype != torch.float32 for p in self.params):
                 self._staging = [
-                    torch.empty(m.shape, dtype=p.dtype, pin_memory=self.masters.pin)
+                    self.masters.host_empty(m.shape, p.dtype)
                     for m, p in zip(self.masters.masters, self.params)
                 ]
                 copies = {id(m): c for m, c in zip(self.masters.masters, self._staging)}

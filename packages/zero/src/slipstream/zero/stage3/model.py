@@ -12,6 +12,7 @@ from torch.utils._pytree import tree_flatten
 
 from slipstream.zero.grad_reduce import GradientReduceScatter
 from slipstream.zero.group import DataParallelGroup
+from slipstream.zero.host_memory import HostArena
 from slipstream.zero.masters import ShardedMasterWeights
 from slipstream.zero.optimizer import ZeroOptimizer
 from slipstream.zero.settings import ZeroSettings
@@ -235,6 +236,7 @@ class Stage3GradientPath:
             device=torch.device("cpu") if offload is not None else model.compute_device,
             pin=offload is not None and offload.pin_memory,
             share=(offload is None or offload.device == "cpu") and not swapped,
+            own_storage=offload is not None and offload.device == "nvme",
         )
         release_shards(trainable, dirty=False)
         for sharded, master in zip(trainable, self.masters.masters):
@@ -259,9 +261,7 @@ class Stage3GradientPath:
                 if sharded.shard.device.type == "cpu":
                     copies[id(master)] = sharded.shard
                 else:
-                    staging = torch.empty(
-                        master.shape, dtype=sharded.shard.dtype, pin_memory=self.masters.pin
-                    )
+                    staging = self.masters.host_empty(master.shape, sharded.shard.dtype)
                     copies[id(master)] = staging
                     self._sources[i] = staging
             names = {id(m): n for m, n in zip(self.masters.masters, _names_of(model, trainable))}
@@ -382,6 +382,13 @@ def shard_parameters(
     seen: dict[int, ShardedParameter] = {}
     storages: dict[int, str] = {}
     store: Any = None
+    arena: HostArena | None = None
+    offload_param = settings.offload_param
+    if offload_param is not None and offload_param.device == "cpu":
+        # The pinned host shards, at their exact size (NVMe shards need storages of their own).
+        world = group.world_size
+        expected = sum(p.numel() * p.element_size() for p in module.parameters()) // world
+        arena = HostArena(offload_param.pin_memory, expected_bytes=expected)
     for name, param in module.named_parameters():
         existing = sharded_state_of(param)
         if existing is None:
@@ -396,9 +403,9 @@ def shard_parameters(
             existing = ShardedParameter.partition(param, group, device, dtype)
         else:
             _adopt(existing, group, device, dtype, name)
-        if settings.offload_param is not None:
-            existing.offload_to_host(settings.offload_param.pin_memory)
-            if settings.offload_param.device == "nvme":
+        if offload_param is not None:
+            existing.offload_to_host(offload_param.pin_memory, arena)
+            if offload_param.device == "nvme":
                 if store is None:
                     store = _param_store(settings, group)
                 _swap_out(existing, store, name, len(sharded))

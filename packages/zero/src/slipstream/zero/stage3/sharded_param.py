@@ -9,6 +9,7 @@ import torch
 import torch.distributed as dist
 
 from slipstream.zero.group import DataParallelGroup
+from slipstream.zero.host_memory import HostArena
 from slipstream.zero.layout import ShardSpec
 from slipstream.zero.stage3.state import ShardState
 
@@ -114,12 +115,19 @@ class ShardedParameter:
             self.param.data.copy_(full.view(spec.shape))
         self.state = ShardState.UNSHARDED
 
-    def offload_to_host(self, pin: bool) -> None:
-        """Keep the shard in host memory (``offload_param``); gathers upload it on use."""
+    def offload_to_host(self, pin: bool, arena: HostArena | None = None) -> None:
+        """Keep the shard in host memory (``offload_param``); gathers upload it on use.
+
+        ``arena``: take the (pinned) host tensor from it, at its exact size; without one the
+        shard gets a storage of its own (what NVMe swapping needs).
+        """
         if self.shard.device.type == "cpu":
             return
         pinned = pin and torch.cuda.is_available()
-        host = torch.empty(self.shard.shape, dtype=self.shard.dtype, pin_memory=pinned)
+        if arena is not None:
+            host = arena.empty(self.shard.shape, self.shard.dtype)
+        else:
+            host = torch.empty(self.shard.shape, dtype=self.shard.dtype, pin_memory=pinned)
         host.copy_(self.shard)
         if self.master is not None and self.master.data_ptr() == self.shard.data_ptr():
             raise RuntimeError("offload the shards before attaching the optimizer")
