@@ -210,12 +210,13 @@ class GradientReduceScatter:
         name = "host" if first else "scratch"
         target = getattr(bucket, name)
         if target is None:
-            pin = bucket.output is not None and bucket.output.device.type == "cuda"
-            target = (
-                self.masters.host_empty((bucket.shard_numel,), torch.float32)
-                if pin
-                else torch.empty(bucket.shard_numel, dtype=torch.float32)
-            )
+            # Pinned whenever the bucket comes from a GPU (whatever pin_memory says); from the
+            # masters' arena when that is pinned.
+            from_gpu = bucket.output is not None and bucket.output.device.type == "cuda"
+            if from_gpu and self.masters.host.pin:
+                target = self.masters.host_empty((bucket.shard_numel,), torch.float32)
+            else:
+                target = torch.empty(bucket.shard_numel, dtype=torch.float32, pin_memory=from_gpu)
             setattr(bucket, name, target)
         return target
 
