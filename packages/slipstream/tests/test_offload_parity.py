@@ -414,3 +414,48 @@ def test_nvme_params_match_host_params_on_a_gpu(tmp_path) -> None:
     assert all(a == b for a, b in result["losses"]), result["losses"]
     assert result["equal"]
     assert result["swapped"]
+
+
+def _destroy_removes_swap_files(swap_dir: str) -> dict:
+    import os
+
+    import slipstream
+    from slipstream.zero.testing import TinyTransformer, batch_for
+
+    torch.manual_seed(0)
+    model = TinyTransformer()
+    config = {
+        "train_micro_batch_size_per_gpu": MICRO,
+        "steps_per_print": 1000,
+        "zero_optimization": {
+            "stage": 3,
+            "offload_optimizer": {"device": "nvme", "nvme_path": swap_dir},
+            "offload_param": {"device": "nvme", "nvme_path": swap_dir, "max_in_cpu": 0},
+        },
+        "aio": {"block_size": 4096, "queue_depth": 4},
+    }
+    optimizer = torch.optim.AdamW(model.parameters(), lr=0.01)
+    engine = slipstream.initialize(model=model, optimizer=optimizer, config=config)[0]
+    ids, labels = batch_for(0, 0, MICRO)
+    engine.backward(engine(ids, labels))
+    engine.step()
+    before = sorted(os.listdir(swap_dir))
+    engine.destroy()
+    after = sorted(os.listdir(swap_dir))
+    engine.destroy()  # idempotent
+    errors = []
+    for call in (lambda: engine(ids, labels), engine.step, lambda: engine.save_checkpoint("x")):
+        try:
+            call()
+        except RuntimeError as exc:
+            errors.append(str(exc))
+    return {"before": before, "after": after, "errors": errors}
+
+
+def test_destroy_removes_the_swap_files_and_refuses_further_use(tmp_path) -> None:
+    (result,) = run_distributed(_destroy_removes_swap_files, 1, str(tmp_path), timeout=300)
+    assert any(n.startswith("slipstream-param-") for n in result["before"])
+    assert any(n.startswith("slipstream-optimizer") for n in result["before"]), result["before"]
+    assert result["after"] == []
+    assert len(result["errors"]) == 3
+    assert all("engine.destroy()" in e for e in result["errors"])

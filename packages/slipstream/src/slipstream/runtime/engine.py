@@ -96,6 +96,7 @@ class SlipstreamEngine(torch.nn.Module):
         self._reduce = self._reduce_settings()
         self.zero: ZeroGradientPath | ExpertParallelZero | None = None
         self._stage3: Any = None
+        self._destroyed = False
         # Expert-parallel MoE parameters (slipstream.moe, ep_size > 1) reduce over their own
         # expert-data-parallel groups (see runtime/moe_gradients.py).
         self._experts = expert_layout(
@@ -352,9 +353,33 @@ class SlipstreamEngine(torch.nn.Module):
         finally:
             self._inside_no_sync = previous
 
+    def destroy(self) -> None:
+        """Release what the engine holds besides the model, as DeepSpeed's ``destroy()``: the
+        CPU optimizer step's worker and the swap files of NVMe offload (optimizer states and
+        parameter shards). Idempotent. The engine cannot train or checkpoint afterwards; the
+        swap files are otherwise removed at exit (and on SIGTERM).
+        """
+        if self._destroyed:
+            return
+        self._destroyed = True
+        if self.zero is not None and not isinstance(self.zero, ExpertParallelZero):
+            offload = self.zero.optimizer.offload
+            if offload is not None:
+                offload.close()
+        if self._stage3 is not None:
+            self._stage3.close()
+
+    def _check_alive(self) -> None:
+        if self._destroyed:
+            raise RuntimeError(
+                "this engine was destroyed (engine.destroy()): its offload worker and swap files "
+                "are gone; build a new one with slipstream.initialize"
+            )
+
     # ------------------------------------------------------------------ the loop
     def forward(self, *args: Any, **kwargs: Any) -> Any:
         """Run the wrapped module (casting float inputs to fp16 when `fp16.auto_cast` is set)."""
+        self._check_alive()
         if self.config.fp16.enabled and self.config.fp16.auto_cast:
             args, kwargs = _cast_floats((args, kwargs), torch.float16)
         if self.module.training:
@@ -435,6 +460,7 @@ class SlipstreamEngine(torch.nn.Module):
 
     def step(self, lr_kwargs: dict[str, Any] | None = None) -> None:
         """Advance one micro-step; at an accumulation boundary, update the weights."""
+        self._check_alive()
         if self._inside_no_sync:
             raise RuntimeError(
                 "engine.step() was called inside engine.no_sync(): gradients have not been "
@@ -592,6 +618,7 @@ class SlipstreamEngine(torch.nn.Module):
         save_latest: bool = True,
     ) -> Path:
         """Save model, optimizer, schedule, loss scale, counters and RNG under ``save_dir/tag``."""
+        self._check_alive()
         self._refuse_expert_parallel_checkpoint()
         with self._optimizer_resident():
             return checkpointing.save(self, save_dir, tag, client_state or {}, save_latest)
@@ -612,6 +639,7 @@ class SlipstreamEngine(torch.nn.Module):
         load_module_only: bool = False,
     ) -> tuple[Path, dict[str, Any]]:
         """Restore a checkpoint; returns ``(path, client_state)``. Raises if it is missing or bad."""
+        self._check_alive()
         self._refuse_expert_parallel_checkpoint()
         with self._optimizer_resident():
             return checkpointing.load(
