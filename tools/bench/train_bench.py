@@ -199,6 +199,12 @@ def main(argv: list[str] | None = None) -> int:
     )
     parser.add_argument("--nvme-path", type=Path, default=Path("/tmp/slipstream-nvme"))
     parser.add_argument("--clip", type=float, default=1.0, help="gradient_clipping (0: off)")
+    parser.add_argument(
+        "--no-phases",
+        dest="phases",
+        action="store_false",
+        help="skip the two extra phase-timed steps (for runs whose steps take minutes)",
+    )
     args = parser.parse_args(argv)
     if "nvme" in (args.offload, args.offload_param):
         args.nvme_path.mkdir(parents=True, exist_ok=True)
@@ -224,7 +230,8 @@ def main(argv: list[str] | None = None) -> int:
     sync()
     elapsed = time.perf_counter() - start
     final_loss = float(loss)  # host sync once, after timing
-    phases = _phase_times(engine, input_ids, labels, sync) if args.impl == "slipstream" else {}
+    timed_phases = args.impl == "slipstream" and args.phases
+    phases = _phase_times(engine, input_ids, labels, sync) if timed_phases else {}
 
     tokens_per_s = args.steps * args.micro * args.seq * world / elapsed
     flops = shape.flops_per_token(args.seq, params)

@@ -177,3 +177,67 @@ def test_nvme_swapper_checks_the_drive_has_room_up_front(space, monkeypatch) -> 
     message = str(caught.value)
     assert str(space.path) in message and "147,456 bytes" in message
     assert "100,000 bytes free" in message and "nvme_path" in message
+
+
+class _LaggingWrite:
+    """A write that reports itself unfinished until someone waits for it (a slow drive)."""
+
+    def __init__(self, request) -> None:
+        self._request = request
+        self._waited = False
+
+    def done(self) -> bool:
+        return self._waited
+
+    def wait(self) -> None:
+        self._request.wait()
+        self._waited = True
+
+
+@pytest.mark.parametrize(
+    ("buffer_count", "pipeline_read", "most_writing"),
+    [(4, True, 2), (4, False, 3), (2, True, 0), (6, True, 4)],
+)
+def test_nvme_swapper_bounds_the_sub_groups_in_memory(
+    space, monkeypatch, buffer_count, pipeline_read, most_writing
+) -> None:
+    """With a drive slower than the step, at most ``buffer_count`` sub-groups are in memory
+    (stepping, read ahead, being written); the step waits for the oldest write instead."""
+    from slipstream.offload.host_optimizer import HostOptimizer
+    from slipstream.offload.nvme import NvmeStateSwapper
+    from slipstream.offload.settings import OptimizerOffload
+
+    numel, count = 4096, 12  # one parameter per sub-group
+    torch.manual_seed(0)
+    params = [torch.nn.Parameter(torch.randn(numel)) for _ in range(count)]
+    reference = [torch.nn.Parameter(p.detach().clone()) for p in params]
+    settings = OptimizerOffload(
+        device="nvme",
+        nvme_path="x",
+        sub_group_numel=numel,
+        buffer_count=buffer_count,
+        pipeline_read=pipeline_read,
+        pipeline_write=True,
+    )
+    optimizer = torch.optim.AdamW(params, lr=0.01)
+    swapper = NvmeStateSwapper(optimizer, space, settings)
+    assert swapper.max_writing == most_writing
+    write = space.write
+    monkeypatch.setattr(space, "write", lambda key, tensor: _LaggingWrite(write(key, tensor)))
+    host = HostOptimizer(optimizer, settings, swapper=swapper, announce=False)
+    swapper.evict_all()
+    per_group = numel * 4 * 3  # master, exp_avg, exp_avg_sq
+    seen: list[int] = []
+    ref_opt = torch.optim.AdamW(reference, lr=0.01)
+    for step in range(2):
+        for p, q in zip(params, reference):
+            p.grad = q.grad = torch.randn(numel, generator=torch.Generator().manual_seed(step))
+        host.step(on_sub_group=lambda chunk: seen.append(swapper.resident_bytes))
+        ref_opt.step()
+        assert swapper.resident_bytes == 0  # the step ends with everything written
+    # after each sub-group's step: itself, the one read ahead, and the writes still in flight
+    assert max(seen) <= (1 + int(pipeline_read) + most_writing) * per_group
+    assert max(seen) <= buffer_count * per_group or buffer_count < 1 + int(pipeline_read)
+    with swapper.resident():
+        for p, q in zip(params, reference):
+            torch.testing.assert_close(p, q, rtol=1e-5, atol=1e-6)

@@ -5,7 +5,9 @@ keeps its identity for the whole run (the optimizer, its ``param_groups`` and th
 code all refer to it); swapping it out writes its bytes to a swap file and resizes its
 *storage* to zero bytes, swapping it in resizes the storage back and reads the bytes in. So
 host memory holds only the sub-groups in flight: the one stepping, the next one being read
-(``pipeline_read``) and the previous ones being written (``pipeline_write``).
+(``pipeline_read``) and the previous ones being written (``pipeline_write``), at most
+``buffer_count`` of them: when the drive writes slower than the CPU steps, the step waits for
+the oldest write rather than keeping every sub-group in memory until the step ends.
 
 Scalars (``step``) and anything smaller than a page stay in memory; so do the gradients (the
 reduce-scatter writes into them during backward).
@@ -74,7 +76,13 @@ class NvmeStateSwapper:
             id(p): i for i, p in enumerate(p for g in optimizer.param_groups for p in g["params"])
         }
         self._names = names or {}
-        self._writing: list[_Slot] = []
+        # Sub-groups (their slots) whose writes are in flight, oldest first; at most
+        # ``max_writing`` of them stay in memory (see the note at the top).
+        self._writing: list[list[_Slot]] = []
+        read_ahead = 1 if settings.pipeline_read else 0
+        self.max_writing = (
+            max(0, settings.buffer_count - 1 - read_ahead) if settings.pipeline_write else 0
+        )
         # Files already created (a tensor replaced by load_state_dict reuses its file).
         self._allocated: set[str] = set()
 
@@ -147,8 +155,13 @@ class NvmeStateSwapper:
             self._finish_read(slot)
 
     def swap_out(self, params: Sequence[torch.Tensor]) -> None:
-        """Write ``params``' tensors back and release their memory (after the write, which
-        overlaps the next sub-group's step with ``pipeline_write``)."""
+        """Write ``params``' tensors back and release their memory once written.
+
+        With ``pipeline_write`` the writes overlap the next sub-groups' steps, up to
+        ``max_writing`` sub-groups at a time (this call waits for the oldest beyond that);
+        without it, this call waits for them.
+        """
+        group: list[_Slot] = []
         for param in params:
             for what, tensor in self._tensors(param):
                 slot = self._slot(param, what, tensor)
@@ -159,18 +172,27 @@ class NvmeStateSwapper:
                     self.space.allocate(slot.key, tensor.numel(), tensor.dtype)
                     self._allocated.add(slot.key)
                 slot.writing.append(self.space.write(slot.key, tensor))
-                self._writing.append(slot)
-        if not self.settings.pipeline_write:
-            self.finish()
+                group.append(slot)
+        if group:
+            self._writing.append(group)
+        # Free what has been written already, then wait for the oldest beyond the bound.
+        while self._writing and all(r.done() for s in self._writing[0] for r in s.writing):
+            self._release(self._writing.pop(0))
+        while len(self._writing) > self.max_writing:
+            self._release(self._writing.pop(0))
 
-    def finish(self) -> None:
-        """Wait for every write in flight and free the written tensors' memory."""
-        for slot in self._writing:
+    def _release(self, group: list[_Slot]) -> None:
+        """Wait for ``group``'s writes, then free the memory of its tensors."""
+        for slot in group:
             self._wait_writes(slot)
             if slot.resident and slot.reading is None:
                 slot.tensor.untyped_storage().resize_(0)
                 slot.resident = False
-        self._writing.clear()
+
+    def finish(self) -> None:
+        """Wait for every write in flight and free the written tensors' memory."""
+        while self._writing:
+            self._release(self._writing.pop(0))
 
     def check_room(self, states_per_param: int, ranks_sharing: int = 1) -> int:
         """Fail now, not at the first step, if the swap drive cannot hold what will be swapped.

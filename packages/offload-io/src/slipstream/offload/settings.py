@@ -33,9 +33,10 @@ class OptimizerOffload:
         nvme_path: the folder for swap files (``device="nvme"``).
         pin_memory: page-lock the host buffers (faster, asynchronous transfers; costs
             non-swappable memory). Has an effect only where a GPU is present.
-        buffer_count: accepted for DeepSpeed configs; not used: the NVMe swapper keeps the
-            sub-groups in flight (at most three: reading, stepping, writing) in memory of
-            their own rather than in a fixed pool of buffers.
+        buffer_count: NVMe: how many sub-groups' masters and states may be in host memory
+            at once: the one stepping, the one read ahead (``pipeline_read``) and those still
+            being written (``pipeline_write``, which overlaps only when this leaves room for
+            at least one). Bounds host memory when the drive is slower than the step.
         pipeline_read: NVMe: read the next sub-group while the current one steps.
         pipeline_write: NVMe: write a stepped sub-group back while the next one steps.
         sub_group_numel: elements per sub-group of the step (``zero_optimization.sub_group_size``):

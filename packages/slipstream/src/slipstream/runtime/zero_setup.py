@@ -158,7 +158,7 @@ def _warn_inert_offload_keys(optimizer: Any, param: Any) -> None:
     """Say which offload keys were set to a non-default value that Slipstream does not use."""
     inert: list[str] = []
     if optimizer is not None:
-        if optimizer.buffer_count != 4:
+        if optimizer.buffer_count != 4 and optimizer.device != "nvme":
             inert.append("offload_optimizer.buffer_count")
         if optimizer.fast_init:
             inert.append("offload_optimizer.fast_init")
@@ -173,7 +173,8 @@ def _warn_inert_offload_keys(optimizer: Any, param: Any) -> None:
     if inert:
         logger.warning(
             "zero_optimization: %s have no effect in Slipstream (CPU parameter offload keeps "
-            "every shard in host memory, only NVMe parameter offload reads them; NVMe swaps stage sub-groups without a fixed buffer "
-            "pool; gradients reach the host in the communication dtype): see docs/offload.md",
+            "every shard in host memory, only NVMe parameter offload reads them; buffer_count "
+            "bounds NVMe optimizer swapping only; gradients reach the host in the communication "
+            "dtype): see docs/offload.md",
             ", ".join(inert),
         )
