@@ -8,8 +8,10 @@ pinned memory for the whole run, so the arena asks the allocator for blocks whos
 already a power of two and hands out aligned, exact-size views of them (first fit over the
 blocks' free tails). A block lives as long as any view of it.
 
-Tensors whose storage is resized later (NVMe swapping frees and re-allocates storages) must
-not come from an arena: they need a storage of their own.
+The arena never reuses space: it is for tensors allocated once that live as long as it does
+(allocating from it every step would grow it without bound). Tensors whose storage is resized
+later (NVMe swapping frees and re-allocates storages) must not come from an arena either: they
+need a storage of their own.
 """
 
 from __future__ import annotations

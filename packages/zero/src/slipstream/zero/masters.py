@@ -29,8 +29,8 @@ class ShardedMasterWeights:
     gradients, which :meth:`add_grad_` then receives from the device. ``share=False`` always
     copies (NVMe offload swaps the masters out, so they must not be the model's shards).
 
-    Pinned host tensors of the offload path (masters, their gradients, staging copies: see
-    :meth:`host_empty`) come from one :class:`~slipstream.zero.host_memory.HostArena`, at
+    Pinned host tensors of the offload path that live for the whole run (masters, the
+    gradient landing buffers, staging copies: see :meth:`host_empty`) come from one :class:`~slipstream.zero.host_memory.HostArena`, at
     their exact size; ``own_storage`` gives each master a storage of its own instead (NVMe
     offload frees and re-allocates the masters' storages as it swaps them).
     """
@@ -75,7 +75,8 @@ class ShardedMasterWeights:
         return len(self.masters)
 
     def host_empty(self, shape: torch.Size | tuple[int, ...], dtype: torch.dtype) -> torch.Tensor:
-        """A host tensor for the offload path: from the arena (exact size) when pinned."""
+        """A host tensor for the offload path, allocated once for the whole run: from the
+        arena (exact size) when pinned."""
         return self.host.empty(shape, dtype)
 
     def swap_into(self, optimizer: torch.optim.Optimizer, strict: bool = True) -> None:
@@ -115,10 +116,10 @@ class ShardedMasterWeights:
         """Accumulate a reduced gradient shard (any float dtype) into master ``index``'s fp32 grad."""
         master = self.masters[index]
         if master.grad is None:
-            if master.device.type == "cpu":
-                grad = self.host_empty(master.shape, torch.float32)
-            else:
-                grad = torch.empty(master.shape, dtype=torch.float32, device=master.device)
+            # Not from the arena: a grad allocated after each zero_grad would grow it forever.
+            grad = torch.empty(
+                master.shape, dtype=torch.float32, device=master.device, pin_memory=self.pin
+            )
             grad.copy_(shard_grad)
             master.grad = grad
         else:
