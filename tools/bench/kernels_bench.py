@@ -184,14 +184,25 @@ def _bandwidth_row(
     }
 
 
+def _optimizer_tensors(
+    states: int, device: str = "cuda"
+) -> tuple[list[int], list[torch.Tensor], list[torch.Tensor], list[list[torch.Tensor]]]:
+    """200M model-like elements: sizes, random params and grads, ``states`` zeroed states."""
+    sizes = _model_like_sizes(200_000_000)
+    params = [torch.randn(n, device=device) for n in sizes]
+    grads = [torch.randn(n, device=device) for n in sizes]
+    return (
+        sizes,
+        params,
+        grads,
+        [[torch.zeros(n, device=device) for n in sizes] for _ in range(states)],
+    )
+
+
 def _adamw(steps: int, copy_gbps: tuple[float, float]) -> dict[str, Any]:
     from slipstream.kernels.ops.adam.triton import adam as triton_adam
 
-    sizes = _model_like_sizes(200_000_000)
-    params = [torch.randn(n, device="cuda") for n in sizes]
-    grads = [torch.randn(n, device="cuda") for n in sizes]
-    exp_avgs = [torch.zeros(n, device="cuda") for n in sizes]
-    exp_avg_sqs = [torch.zeros(n, device="cuda") for n in sizes]
+    sizes, params, grads, (exp_avgs, exp_avg_sqs) = _optimizer_tensors(2)
 
     def adam_step() -> None:
         triton_adam(params, grads, exp_avgs, exp_avg_sqs, lr=1e-3, beta1=0.9, beta2=0.999,
@@ -210,10 +221,7 @@ def _adamw(steps: int, copy_gbps: tuple[float, float]) -> dict[str, Any]:
 def _lion(steps: int, copy_gbps: tuple[float, float]) -> dict[str, Any]:
     from slipstream.kernels.ops.lion.triton import lion as triton_lion
 
-    sizes = _model_like_sizes(200_000_000)
-    params = [torch.randn(n, device="cuda") for n in sizes]
-    grads = [torch.randn(n, device="cuda") for n in sizes]
-    exp_avgs = [torch.zeros(n, device="cuda") for n in sizes]
+    sizes, params, grads, (exp_avgs,) = _optimizer_tensors(1)
 
     def lion_step() -> None:
         triton_lion(params, grads, exp_avgs, lr=1e-4, beta1=0.9, beta2=0.99, weight_decay=0.01)
@@ -225,11 +233,7 @@ def _lion(steps: int, copy_gbps: tuple[float, float]) -> dict[str, Any]:
 def _lamb(steps: int, copy_gbps: tuple[float, float]) -> dict[str, Any]:
     from slipstream.kernels.ops.lamb.triton import lamb as triton_lamb
 
-    sizes = _model_like_sizes(200_000_000)
-    params = [torch.randn(n, device="cuda") for n in sizes]
-    grads = [torch.randn(n, device="cuda") for n in sizes]
-    exp_avgs = [torch.zeros(n, device="cuda") for n in sizes]
-    exp_avg_sqs = [torch.zeros(n, device="cuda") for n in sizes]
+    sizes, params, grads, (exp_avgs, exp_avg_sqs) = _optimizer_tensors(2)
 
     def lamb_step() -> None:
         triton_lamb(params, grads, exp_avgs, exp_avg_sqs, lr=1e-3, beta1=0.9, beta2=0.999,

@@ -386,13 +386,14 @@ def shard_parameters(
     offload_param = settings.offload_param
     if offload_param is not None and offload_param.device == "cpu":
         # The pinned host shards, at their exact size (NVMe shards need storages of their own).
-        # zero.Init parameters are already partitioned: count their full size.
-        def nbytes(p: torch.nn.Parameter) -> int:
-            known = sharded_state_of(p)
-            numel = known.spec.numel if known is not None else p.numel()
-            return numel * (dtype.itemsize if dtype is not None else p.element_size())
-
-        expected = sum(nbytes(p) for p in module.parameters()) // group.world_size
+        # (zero.Init parameters keep their full shape, so numel() is the full size here too.)
+        expected = (
+            sum(
+                p.numel() * (dtype.itemsize if dtype is not None else p.element_size())
+                for p in module.parameters()
+            )
+            // group.world_size
+        )
         arena = HostArena(offload_param.pin_memory, expected_bytes=expected)
     for name, param in module.named_parameters():
         existing = sharded_state_of(param)
