@@ -7,6 +7,7 @@ backends against the references over several steps with fresh random gradients.
 from __future__ import annotations
 
 import logging
+import math
 
 import pytest
 import torch
@@ -418,6 +419,52 @@ def test_cpp_adam_l2_mode_half_grads_and_fp16_copies(cpu_optim, grad_dtype) -> N
     for ours, theirs, copy in zip(params, expected, copies):
         torch.testing.assert_close(ours, theirs, **FP32_STEP)
         assert torch.equal(copy, ours.to(torch.float16))
+
+
+@pytest.mark.parametrize("adam_w_mode", [True, False])
+def test_cpp_adam_out_of_place_equals_in_place_on_every_isa(
+    cpu_optim, monkeypatch, adam_w_mode
+) -> None:
+    # Views at odd offsets: the streamed stores start unaligned; 40,000 elements span
+    # several 16K-element work items and 512-element blocks, with tails.
+    shapes = [*SHAPES, (40_000,)]
+    generator = torch.Generator().manual_seed(5)
+
+    def fresh(n_extra: int = 0) -> list[torch.Tensor]:
+        return [torch.randn(n_extra + math.prod(s), generator=generator)[n_extra:].view(s)
+                for s in shapes]  # fmt: skip
+
+    for isa in _isas(cpu_optim):
+        monkeypatch.setenv("SLIPSTREAM_CPU_ISA", isa)
+        params, grads, exp_avgs = fresh(), fresh(), fresh()
+        exp_avg_sqs = [t.abs() for t in fresh()]
+        inputs = [list(t) for t in (params, exp_avgs, exp_avg_sqs)]
+        before = [[t.clone() for t in ts] for ts in inputs]
+        outs = [fresh(n_extra=3) for _ in range(3)]  # contents irrelevant: fully overwritten
+        options = dict(lr=1e-2, beta1=0.9, beta2=0.99, eps=1e-8, weight_decay=0.1,
+                       adam_w_mode=adam_w_mode, bias_correction=True, step=3, grad_scale=0.25)  # fmt: skip
+        copies_out = [torch.empty(s, dtype=torch.bfloat16) for s in shapes]
+        cpu_optim.adam(inputs[0], grads, inputs[1], inputs[2], param_copies=copies_out,
+                       out=tuple(outs), **options)  # fmt: skip
+        for ts, saved in zip(inputs, before):
+            assert all(torch.equal(t, u) for t, u in zip(ts, saved)), isa  # inputs untouched
+        copies_in = [torch.empty(s, dtype=torch.bfloat16) for s in shapes]
+        cpu_optim.adam(inputs[0], grads, inputs[1], inputs[2], param_copies=copies_in, **options)
+        for out, updated in zip(outs, inputs):
+            assert all(torch.equal(o, u) for o, u in zip(out, updated)), isa  # bit for bit
+        assert all(torch.equal(a, b) for a, b in zip(copies_out, copies_in)), isa
+
+
+def test_cpp_adam_out_of_place_refuses_outputs_that_overlap_inputs(cpu_optim) -> None:
+    param, grad, m, v = (torch.randn(64) for _ in range(4))
+    options = dict(lr=1e-2, beta1=0.9, beta2=0.99, eps=1e-8, weight_decay=0.0,
+                   adam_w_mode=True, bias_correction=True, step=1)  # fmt: skip
+    buffer = torch.empty(200)
+    with pytest.raises(RuntimeError, match="overlaps an input"):
+        cpu_optim.adam([param], [grad], [m], [v], out=([buffer[:64]], [m[:]], [buffer[128:192]]),
+                       **options)  # fmt: skip
+    with pytest.raises(RuntimeError, match="one tensor per param"):
+        cpu_optim.adam([param], [grad], [m], [v], out=([buffer[:64]], [], []), **options)
 
 
 def test_cpp_adagrad_and_lion_match_references(cpu_optim) -> None:

@@ -95,7 +95,10 @@ def bench_cpu_adam(total_params: int, steps: int) -> dict[str, Any]:
     copies = [torch.empty(n, dtype=torch.bfloat16) for n in sizes]
     counter = {"step": 0}
 
-    def ours(with_copies: bool) -> Callable[[], None]:
+    # Out of place (CPU offload's speculative step): into a second set, with the bf16 copy.
+    spares = [[torch.zeros(n) for n in sizes] for _ in range(3)]
+
+    def ours(with_copies: bool, out_of_place: bool = False) -> Callable[[], None]:
         def step() -> None:
             counter["step"] += 1
             cpu_optim.adam(
@@ -112,12 +115,14 @@ def bench_cpu_adam(total_params: int, steps: int) -> dict[str, Any]:
                 bias_correction=True,
                 step=counter["step"],
                 param_copies=copies if with_copies else None,
+                out=(spares[0], spares[1], spares[2]) if out_of_place else None,
             )
 
         return step
 
     result["slipstream_cpu_adam"] = _summary(_time(ours(False), steps))
     result["slipstream_cpu_adam_bf16_copy"] = _summary(_time(ours(True), steps))
+    result["slipstream_cpu_adam_out_of_place_bf16_copy"] = _summary(_time(ours(True, True), steps))
     torch_median = result["torch_adamw_foreach"]["median_s"]
     ours_median = result["slipstream_cpu_adam"]["median_s"]
     result["speedup"] = torch_median / ours_median
@@ -341,10 +346,12 @@ def main(argv: list[str] | None = None) -> int:
         results["cpu_adam"] = cpu
         torch_s, ours_s = cpu["torch_adamw_foreach"], cpu["slipstream_cpu_adam"]
         copy_s = cpu["slipstream_cpu_adam_bf16_copy"]
+        out_s = cpu["slipstream_cpu_adam_out_of_place_bf16_copy"]
         print(f"CPU Adam, {cpu['params'] / 1e6:.0f}M fp32 params in {cpu['tensors']} tensors, "
               f"{cpu['omp_threads']} threads, ISA {cpu['isa']}:")  # fmt: skip
         for name, row in (("torch AdamW(foreach=True)", torch_s), ("slipstream cpp", ours_s),
-                          ("slipstream cpp + bf16 copy", copy_s)):  # fmt: skip
+                          ("slipstream cpp + bf16 copy", copy_s),
+                          ("  same, out of place", out_s)):  # fmt: skip
             print(f"  {name:28s} {row['median_s'] * 1e3:9.1f} ms/step "
                   f"(min {row['min_s'] * 1e3:.1f}, max {row['max_s'] * 1e3:.1f})")  # fmt: skip
         print(f"  speedup {cpu['speedup']:.2f}x; {cpu['slipstream_gbps']:.1f} GB/s effective")

@@ -76,12 +76,23 @@ def adam(
     step: int,
     param_copies: Sequence[torch.Tensor] | None = None,
     grad_scale: float = 1.0,
+    out: tuple[Sequence[torch.Tensor], Sequence[torch.Tensor], Sequence[torch.Tensor]]
+    | None = None,
 ) -> None:
     """C++ Adam/AdamW with the semantics of :func:`slipstream.kernels.ops.adam.reference.adam`.
 
     ``grad_scale`` multiplies every gradient as it is read (loss unscaling and clipping folded
     into the step, instead of a separate pass over the gradients).
+
+    ``out=(params_out, exp_avgs_out, exp_avg_sqs_out)``: write the updated params and states
+    there (fp32, same sizes, sharing no memory with the inputs) and leave ``params``,
+    ``exp_avgs`` and ``exp_avg_sqs`` untouched: a step that can still be thrown away
+    (CPU offload's speculative step during backward). Same values, bit for bit, as in place;
+    the outputs are written with non-temporal stores.
     """
+    outputs: tuple[list[torch.Tensor], list[torch.Tensor], list[torch.Tensor]] = ([], [], [])
+    if out is not None:
+        outputs = (list(out[0]), list(out[1]), list(out[2]))
     _extension().adam_step(
         list(params),
         list(grads),
@@ -98,6 +109,7 @@ def adam(
         int(step),
         float(grad_scale),
         _isa(),
+        *outputs,
     )
 
 

@@ -30,6 +30,11 @@
 
 #include <atomic>
 
+#if defined(__x86_64__) || defined(__SSE2__)
+#include <emmintrin.h>
+#define SLIPSTREAM_HAS_STREAM_STORES 1
+#endif
+
 namespace {
 
 // Threads every step's parallel region uses; 0 = OpenMP's default for the calling thread.
@@ -159,7 +164,35 @@ struct Span {
   int64_t length;
   Kind grad_kind;
   Kind copy_kind;
+  // Out of place (Adam only): the updated param and states go here and the inputs above are
+  // left untouched. nullptr: in place.
+  float* param_out = nullptr;
+  float* state1_out = nullptr;
+  float* state2_out = nullptr;
 };
+
+// Writes n floats from src (in L1) to dst with non-temporal stores where the CPU has them:
+// an out-of-place update's destinations are not in cache, and ordinary stores would first read
+// every destination line from memory (read-for-ownership), 12 more bytes per element for a
+// step that is bound by memory bandwidth. Callers fence once per span (store_fence).
+SLIPSTREAM_INLINE void stream_floats(float* __restrict dst, const float* __restrict src,
+                                     int64_t n) {
+  int64_t i = 0;
+#ifdef SLIPSTREAM_HAS_STREAM_STORES
+  while (i < n && (reinterpret_cast<uintptr_t>(dst + i) & 15u) != 0) {
+    dst[i] = src[i];
+    ++i;
+  }
+  for (; i + 4 <= n; i += 4) _mm_stream_ps(dst + i, _mm_loadu_ps(src + i));
+#endif
+  for (; i < n; ++i) dst[i] = src[i];
+}
+
+SLIPSTREAM_INLINE void store_fence() {
+#ifdef SLIPSTREAM_HAS_STREAM_STORES
+  _mm_sfence();  // non-temporal stores are weakly ordered: publish them before returning
+#endif
+}
 
 template <Kind G, Kind C>
 SLIPSTREAM_INLINE void adam_span(const Span& s, const AdamArgs& a) {
@@ -183,6 +216,45 @@ SLIPSTREAM_INLINE void adam_span(const Span& s, const AdamArgs& a) {
     p[i] = w;
   }
   copy_span<C>(p, copy, s.length);
+}
+
+// Out of place: the same arithmetic as adam_span, a block at a time into L1 buffers that are
+// then streamed to the outputs (the element loop stays one the compiler vectorises).
+constexpr int64_t kOutBlock = 512;
+
+template <Kind G, Kind C>
+SLIPSTREAM_INLINE void adam_span_out(const Span& s, const AdamArgs& a) {
+  alignas(64) float wb[kOutBlock];
+  alignas(64) float mb[kOutBlock];
+  alignas(64) float vb[kOutBlock];
+  const Storage<G>* grad_base = static_cast<const Storage<G>*>(s.grad);
+  Storage<C>* copy_base = static_cast<Storage<C>*>(s.copy);
+  for (int64_t start = 0; start < s.length; start += kOutBlock) {
+    const int64_t n = std::min(kOutBlock, s.length - start);
+    const float* __restrict p = s.param + start;
+    const float* __restrict m = s.state1 + start;
+    const float* __restrict v = s.state2 + start;
+    const Storage<G>* __restrict grad = grad_base + start;
+#pragma omp simd
+    for (int64_t i = 0; i < n; ++i) {
+      float g = load<G>(grad, i) * a.grad_scale;
+      float w = p[i];
+      if (!a.adam_w) g += a.weight_decay * w;
+      float mi = a.beta1 * m[i] + a.one_minus_beta1 * g;
+      float vi = a.beta2 * v[i] + a.one_minus_beta2 * g * g;
+      float denom = std::sqrt(vi) * a.inv_sqrt_bc2 + a.eps;
+      if (a.adam_w) w *= a.decay_factor;
+      w -= a.step_size * (mi / denom);
+      mb[i] = mi;
+      vb[i] = vi;
+      wb[i] = w;
+    }
+    stream_floats(s.param_out + start, wb, n);
+    stream_floats(s.state1_out + start, mb, n);
+    stream_floats(s.state2_out + start, vb, n);
+    if constexpr (C != Kind::kNone) copy_span<C>(wb, copy_base + start, n);
+  }
+  store_fence();
 }
 
 template <Kind G, Kind C>
@@ -246,7 +318,11 @@ SLIPSTREAM_INLINE void lion_span(const Span& s, const LionArgs& a) {
   ATTRIBUTE void adam_run_##SUFFIX(const std::vector<Span>& spans, const AdamArgs& a) {       \
     const int64_t count = static_cast<int64_t>(spans.size());                                 \
     _Pragma("omp parallel for schedule(static) num_threads(step_threads())") for (int64_t k = 0; k < count; ++k) {        \
-      SLIPSTREAM_DISPATCH(adam_span, spans[k], a);                                            \
+      if (spans[k].param_out != nullptr) {                                                    \
+        SLIPSTREAM_DISPATCH(adam_span_out, spans[k], a);                                      \
+      } else {                                                                                \
+        SLIPSTREAM_DISPATCH(adam_span, spans[k], a);                                          \
+      }                                                                                       \
     }                                                                                         \
   }                                                                                           \
   ATTRIBUTE void adagrad_run_##SUFFIX(const std::vector<Span>& spans, const AdagradArgs& a) { \
@@ -377,6 +453,49 @@ std::vector<Span> make_spans(const std::vector<at::Tensor>& params,
   return spans;
 }
 
+// Points every span of make_spans(params, ...) at its slice of the out-of-place outputs.
+void set_outputs(std::vector<Span>& spans, const std::vector<at::Tensor>& params,
+                 const std::vector<at::Tensor>& grads, const std::vector<at::Tensor>& state1,
+                 const std::vector<at::Tensor>& state2, const std::vector<at::Tensor>& copies,
+                 const std::vector<at::Tensor>& params_out,
+                 const std::vector<at::Tensor>& state1_out,
+                 const std::vector<at::Tensor>& state2_out) {
+  const size_t count = params.size();
+  TORCH_CHECK(params_out.size() == count && state1_out.size() == count &&
+                  state2_out.size() == count,
+              "adam out of place: params_out, exp_avgs_out and exp_avg_sqs_out must each have "
+              "one tensor per param");
+  size_t next = 0;
+  for (size_t t = 0; t < count; ++t) {
+    const int64_t n = params[t].numel();
+    const std::vector<const at::Tensor*> outs = {&params_out[t], &state1_out[t], &state2_out[t]};
+    for (const at::Tensor* out : outs) {
+      check_fp32(*out, "output", t);
+      check_tensor(*out, "output", n, t);
+      // An output must not share memory with any input of its param (the kernel reads the
+      // inputs after it has started writing the outputs).
+      const char* lo = static_cast<const char*>(out->data_ptr());
+      const char* hi = lo + n * 4;
+      std::vector<const at::Tensor*> inputs = {&params[t], &grads[t], &state1[t], &state2[t]};
+      if (!copies.empty()) inputs.push_back(&copies[t]);
+      for (const at::Tensor* in : inputs) {
+        const char* in_lo = static_cast<const char*>(in->data_ptr());
+        const char* in_hi = in_lo + in->numel() * in->element_size();
+        TORCH_CHECK(hi <= in_lo || in_hi <= lo, "adam out of place: output ", t,
+                    " overlaps an input of the same param; use the in-place step instead");
+      }
+    }
+    float* po = params_out[t].data_ptr<float>();
+    float* mo = state1_out[t].data_ptr<float>();
+    float* vo = state2_out[t].data_ptr<float>();
+    for (int64_t start = 0; start < n; start += kChunk, ++next) {
+      spans[next].param_out = po + start;
+      spans[next].state1_out = mo + start;
+      spans[next].state2_out = vo + start;
+    }
+  }
+}
+
 }  // namespace
 
 std::string adam_step(const std::vector<at::Tensor>& params, const std::vector<at::Tensor>& grads,
@@ -385,10 +504,16 @@ std::string adam_step(const std::vector<at::Tensor>& params, const std::vector<a
                       const std::vector<at::Tensor>& copies, double lr, double beta1,
                       double beta2, double eps, double weight_decay, bool adam_w_mode,
                       bool bias_correction, int64_t step, double grad_scale,
-                      const std::string& isa) {
+                      const std::string& isa, const std::vector<at::Tensor>& params_out,
+                      const std::vector<at::Tensor>& exp_avgs_out,
+                      const std::vector<at::Tensor>& exp_avg_sqs_out) {
   TORCH_CHECK(step >= 1, "adam: step must be >= 1 (the step being taken), got ", step);
   const std::string chosen = resolve_isa(isa);
   auto spans = make_spans(params, grads, exp_avgs, &exp_avg_sqs, copies);
+  if (!params_out.empty() || !exp_avgs_out.empty() || !exp_avg_sqs_out.empty()) {
+    set_outputs(spans, params, grads, exp_avgs, exp_avg_sqs, copies, params_out, exp_avgs_out,
+                exp_avg_sqs_out);
+  }
   // Scalars in double on the host, then one rounding to float, as torch's CPU kernels do.
   const double bc1 = bias_correction ? 1.0 - std::pow(beta1, static_cast<double>(step)) : 1.0;
   const double bc2 = bias_correction ? 1.0 - std::pow(beta2, static_cast<double>(step)) : 1.0;
@@ -486,7 +611,9 @@ void set_num_threads(int threads) {
 
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.doc() = "Slipstream CPU optimizers: Adam/AdamW, Adagrad, Lion (SIMD + OpenMP)";
-  m.def("adam_step", &adam_step, "Adam/AdamW step over lists of CPU tensors; returns the ISA used");
+  m.def("adam_step", &adam_step,
+        "Adam/AdamW step over lists of CPU tensors (in place, or into the *_out lists); "
+        "returns the ISA used");
   m.def("adagrad_step", &adagrad_step, "Adagrad step over lists of CPU tensors");
   m.def("lion_step", &lion_step, "Lion step over lists of CPU tensors");
   m.def("supported_isas", &supported_isas, "ISAs usable on this CPU, best first");
