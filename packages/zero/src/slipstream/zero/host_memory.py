@@ -16,6 +16,7 @@ need a storage of their own.
 
 from __future__ import annotations
 
+import threading
 from dataclasses import dataclass
 
 import torch
@@ -52,6 +53,8 @@ class HostArena:
         self.block_bytes = min(_MAX_BLOCK, max(_MIN_BLOCK, _pow2_ceil(max(expected_bytes, 1))))
         self._blocks: list[_Block] = []
         self.requested_bytes = 0
+        # The CPU-step worker may allocate while the main thread does (during backward).
+        self._lock = threading.Lock()
 
     @property
     def reserved_bytes(self) -> int:
@@ -67,14 +70,15 @@ class HostArena:
         if not self.pin or numel == 0:
             return torch.empty(shape, dtype=dtype)
         nbytes = numel * torch.empty((), dtype=dtype).element_size()
-        self.requested_bytes += nbytes
         span = -(-nbytes // _ALIGN) * _ALIGN
-        block = next((b for b in self._blocks if b.data.numel() - b.used >= span), None)
-        if block is None:
-            block = _Block(self._new_block(max(self.block_bytes, _pow2_ceil(span))))
-            self._blocks.append(block)
-        start = block.used
-        block.used += span
+        with self._lock:
+            self.requested_bytes += nbytes
+            block = next((b for b in self._blocks if b.data.numel() - b.used >= span), None)
+            if block is None:
+                block = _Block(self._new_block(max(self.block_bytes, _pow2_ceil(span))))
+                self._blocks.append(block)
+            start = block.used
+            block.used += span
         return block.data[start : start + nbytes].view(dtype).view(shape)
 
     def _new_block(self, nbytes: int) -> torch.Tensor:
