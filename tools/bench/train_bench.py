@@ -248,6 +248,9 @@ def main(argv: list[str] | None = None) -> int:
     host_peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 2**20  # KiB -> GiB
     masters = getattr(getattr(engine, "zero", None), "masters", None)
     arena = getattr(masters, "host", None)
+    # CPU offload under clipping: speculative steps during backward kept / discarded / paused.
+    offload = getattr(getattr(getattr(engine, "zero", None), "optimizer", None), "offload", None)
+    stats = getattr(offload, "speculation", None) if getattr(offload, "speculative", 0) else None
     result = {
         "impl": args.impl
         if args.impl != "slipstream"
@@ -267,6 +270,14 @@ def main(argv: list[str] | None = None) -> int:
         "loss": round(final_loss, 4),
         "host_peak_gib": round(host_peak, 1),
         "pinned_arena_gib": round(arena.reserved_bytes / 2**30, 1) if arena is not None else None,
+        "speculation": None
+        if stats is None
+        else {
+            "kept": stats.kept,
+            "discarded": stats.discarded,
+            "cancelled": stats.cancelled,
+            "paused": stats.paused,
+        },
         **phases,
         "device": torch.cuda.get_device_name(device) if device.type == "cuda" else "cpu",
         "torch": torch.__version__,

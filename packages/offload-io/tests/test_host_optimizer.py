@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import copy
+import math
 
 import pytest
 import torch
@@ -117,3 +118,122 @@ def test_thread_choice(monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setenv(THREADS_ENV, "zero")
     with pytest.raises(ValueError, match=THREADS_ENV):
         choose_threads()
+
+
+# -- speculative steps (out of place, then committed or discarded) ---------------------------
+def _pair(name: str = "adam-groups") -> tuple[HostOptimizer, HostOptimizer]:
+    """Two HostOptimizers over equal copies of the same parameters, with bf16 copies."""
+    hosts = []
+    for _ in range(2):
+        params = _params(3)
+        copies = {id(p): torch.empty(p.shape, dtype=torch.bfloat16) for p in params}
+        optimizer = FACTORIES[name](params)
+        hosts.append(HostOptimizer(optimizer, OptimizerOffload(), copies=copies, announce=False))
+    return hosts[0], hosts[1]
+
+
+def _all_params(host: HostOptimizer) -> list[torch.Tensor]:
+    return [p for group in host.optimizer.param_groups for p in group["params"]]
+
+
+def _snapshot(host: HostOptimizer) -> list[torch.Tensor]:
+    out = []
+    for p in _all_params(host):
+        out.append(p.detach().clone())
+        out.append(host.copies[id(p)].clone())
+        for key in ("exp_avg", "exp_avg_sq", "step"):
+            if key in host.optimizer.state[p]:
+                out.append(host.optimizer.state[p][key].clone())
+    return out
+
+
+def _same(a: list[torch.Tensor], b: list[torch.Tensor]) -> bool:
+    return len(a) == len(b) and all(torch.equal(x, y) for x, y in zip(a, b))
+
+
+def test_committed_speculation_is_the_in_place_step_bit_for_bit() -> None:
+    speculating, stepping = _pair()
+    assert speculating.can_speculate
+    identities = [id(p) for p in _all_params(speculating)]
+    spare_ids: set[int] = set()
+    for step in range(4):
+        for host in (speculating, stepping):
+            _grads(_all_params(host), step)
+        masters_before = [p.detach().clone() for p in _all_params(speculating)]
+        states_before = [dict(speculating.optimizer.state[p]) for p in _all_params(speculating)]
+        params = _all_params(speculating)
+        speculating.speculate_params(params[:2])  # in two parts, as buckets arrive
+        speculating.speculate_params(params[2:])
+        assert speculating.speculation_pending
+        # Nothing live has moved yet: masters, states and step counts.
+        assert _same(masters_before, [p.detach() for p in params])
+        for p, before in zip(params, states_before):
+            if before:
+                assert speculating.optimizer.state[p]["step"] == before["step"]
+        assert speculating.commit_speculation(1.0)
+        assert not speculating.speculation_pending
+        stepping.step()
+        assert _same(_snapshot(speculating), _snapshot(stepping)), step
+        # The masters keep their identity; the buffers alternate between two sets.
+        assert [id(p) for p in _all_params(speculating)] == identities
+        spare_ids |= {p.data_ptr() for p in _all_params(speculating)}
+    assert len(spare_ids) == 2 * len(SHAPES)
+
+
+@pytest.mark.parametrize("change", ["lr", "grad_scale", "missing", "zero_grad", "stepped"])
+def test_speculation_is_refused_unless_it_is_exactly_the_step(change: str) -> None:
+    speculating, stepping = _pair()
+    for host in (speculating, stepping):
+        _grads(_all_params(host), 0)
+        host.step()  # states exist: a refused commit must leave them as they are
+        _grads(_all_params(host), 1)
+    params = _all_params(speculating)
+    speculating.speculate_params(params if change != "missing" else params[1:])
+    grad_scale = 1.0
+    if change == "lr":  # e.g. a scheduler stepped between backward and the step
+        for host in (speculating, stepping):
+            host.optimizer.param_groups[1]["lr"] = 5e-3
+    elif change == "grad_scale":  # the norm asked for clipping
+        grad_scale = 0.5
+    elif change == "zero_grad":
+        for host in (speculating, stepping):
+            for p in _all_params(host):
+                p.grad = None
+    elif change == "stepped":
+        for host in (speculating, stepping):
+            host.step()
+            _grads(_all_params(host), 2)
+    masters = [p.detach().clone() for p in _all_params(speculating)]
+    states = [t.clone() for p in _all_params(speculating)
+              for t in speculating.optimizer.state[p].values()]  # fmt: skip
+    assert not speculating.commit_speculation(grad_scale)
+    assert not speculating.speculation_pending
+    assert _same([p.detach() for p in _all_params(speculating)], masters)
+    assert _same(
+        [t for p in _all_params(speculating) for t in speculating.optimizer.state[p].values()],
+        states,
+    )
+    if change == "zero_grad":  # no step follows: the copies go back to the masters
+        speculating.refresh_copies()
+    else:
+        speculating.step(grad_scale=grad_scale)
+        stepping.step(grad_scale=grad_scale)
+    assert _same(_snapshot(speculating), _snapshot(stepping))
+
+
+def test_discarded_speculation_leaves_everything_and_only_adam_speculates() -> None:
+    speculating, stepping = _pair()
+    _grads(_all_params(speculating), 0)
+    speculating.speculate_params(_all_params(speculating))
+    assert speculating.discard_speculation()
+    assert not speculating.discard_speculation()
+    assert not speculating.commit_speculation(1.0)  # nothing pending
+    assert _same(
+        [p.detach() for p in _all_params(speculating)],
+        [p.detach() for p in _all_params(stepping)],
+    )
+    assert speculating.spare_bytes() == 12 * sum(math.prod(s) for s in SHAPES)
+    lion = HostOptimizer(FACTORIES["lion"](_params(0)), OptimizerOffload(), announce=False)
+    assert not lion.can_speculate
+    with pytest.raises(RuntimeError, match="speculative steps need the C\\+\\+ Adam"):
+        lion.speculate_params(_all_params(lion))

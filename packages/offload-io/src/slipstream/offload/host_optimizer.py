@@ -12,13 +12,19 @@ but its ``step`` is replaced by :meth:`HostOptimizer.step`, which
 - falls back to the optimizer's own ``step`` for anything else (logged once: correct, slower);
 - walks the parameters in sub-groups of ``sub_group_numel`` elements, so that each finished
   sub-group can be uploaded (``on_sub_group``) while the next one steps, and so that NVMe
-  offload needs only a sub-group's states in memory at a time (``swapper``).
+  offload needs only a sub-group's states in memory at a time (``swapper``);
+- with the C++ Adam, can also take a *speculative* step (:meth:`speculate_params`): the
+  update is written out of place into spare buffers, leaving the masters and states as they
+  were, and is later either committed (the spare buffers and the live ones trade places, no
+  copy) or thrown away. ZeRO-Offload uses it to step during backward while the gradient norm
+  that decides the clipping is not known yet.
 """
 
 from __future__ import annotations
 
 import logging
 from collections.abc import Callable, Mapping, Sequence
+from dataclasses import dataclass
 from typing import Any, Protocol
 
 import torch
@@ -41,6 +47,17 @@ class StateSwapper(Protocol):
     def swap_out(self, params: Sequence[torch.Tensor]) -> None: ...
 
     def finish(self) -> None: ...
+
+
+@dataclass(slots=True)
+class _Speculation:
+    """One parameter's speculative update: where it went and what it assumed."""
+
+    param: torch.Tensor
+    value: torch.Tensor  # the updated master (spare buffer)
+    exp_avg: torch.Tensor  # the updated states (spare buffers)
+    exp_avg_sq: torch.Tensor
+    assumed: tuple[Any, ...]  # hyper-parameters, step number and grad scale it used
 
 
 def kernel_for(optimizer: torch.optim.Optimizer) -> tuple[str | None, str]:
@@ -100,6 +117,7 @@ class HostOptimizer:
         copies: Mapping[int, torch.Tensor] | None = None,
         swapper: StateSwapper | None = None,
         announce: bool = True,
+        allocate: Callable[[torch.Size], torch.Tensor] | None = None,
     ) -> None:
         self.optimizer = optimizer
         self.settings = settings
@@ -141,6 +159,12 @@ class HostOptimizer:
         }
         ordered = [p for group in optimizer.param_groups for p in group["params"]]
         self.sub_groups = _chunks(ordered, settings.sub_group_numel)
+        # Speculative steps: the spare master (from ``allocate``, e.g. pinned like the masters)
+        # and spare states of each parameter, allocated on its first speculative step and
+        # alternating with the live ones; what the pending speculative updates assumed.
+        self._allocate = allocate or (lambda shape: torch.empty(shape, dtype=torch.float32))
+        self._spares: dict[int, tuple[torch.Tensor, torch.Tensor, torch.Tensor]] = {}
+        self._speculated: dict[int, _Speculation] = {}
 
     # ------------------------------------------------------------------ the step
     @torch.no_grad()
@@ -190,6 +214,152 @@ class HostOptimizer:
                 self._adagrad(group, members, grad_scale)
             else:
                 self._lion(group, members, grad_scale)
+
+    # ------------------------------------------------------------------ speculative steps
+    @property
+    def can_speculate(self) -> bool:
+        """Whether :meth:`speculate_params` is available (the C++ Adam/AdamW, no swapper)."""
+        return self.kernel == "adam" and self.swapper is None
+
+    def spare_bytes(self) -> int:
+        """Host memory the spare buffers of speculative steps take (12 bytes per element)."""
+        return 12 * sum(p.numel() for group in self.optimizer.param_groups for p in group["params"])
+
+    def reserve_spares(self) -> None:
+        """Allocate every parameter's spare buffers now (else on its first speculative step,
+        on whichever thread takes it)."""
+        for group in self.optimizer.param_groups:
+            for param in group["params"]:
+                self._spare_of(param)
+
+    def _spare_of(self, param: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        spare = self._spares.get(id(param))
+        if spare is None:
+            spare = (
+                self._allocate(param.shape),
+                torch.empty(param.shape, dtype=torch.float32),
+                torch.empty(param.shape, dtype=torch.float32),
+            )
+            self._spares[id(param)] = spare
+        return spare
+
+    def _assumed(self, param: torch.Tensor, grad_scale: float) -> tuple[Any, ...]:
+        group = self.optimizer.param_groups[self._group_of[id(param)]]
+        entry = self.optimizer.state[param]
+        beta1, beta2 = group["betas"]
+        return (
+            float(group["lr"]),
+            float(beta1),
+            float(beta2),
+            float(group["eps"]),
+            float(group["weight_decay"]),
+            bool(group.get("decoupled_weight_decay", False)),
+            int(entry["step"]) + 1,
+            float(grad_scale),
+        )
+
+    @torch.no_grad()
+    def speculate_params(self, params: Sequence[torch.Tensor], grad_scale: float = 1.0) -> None:
+        """Take ``params``' Adam update out of place: masters, states and step counts stay as
+        they are; the new values wait in spare buffers for :meth:`commit_speculation` (the
+        model-dtype ``copies`` are written with them, as in :meth:`step_params`, so after a
+        discard they hold the speculative values until stepped again or refreshed)."""
+        if not self.can_speculate:
+            raise RuntimeError(
+                f"speculative steps need the C++ Adam/AdamW and no NVMe swapper ({self.description})"
+            )
+        state = self.optimizer.state
+        by_key: dict[tuple[Any, ...], list[torch.Tensor]] = {}
+        for param in params:
+            if param.grad is None:
+                continue
+            entry = state[param]
+            if not entry:  # what the in-place step would create
+                entry["step"] = torch.tensor(0.0, dtype=torch.float32)
+                entry["exp_avg"] = torch.zeros_like(param, memory_format=torch.preserve_format)
+                entry["exp_avg_sq"] = torch.zeros_like(param, memory_format=torch.preserve_format)
+            spare = self._spare_of(param)
+            assumed = self._assumed(param, grad_scale)
+            self._speculated[id(param)] = _Speculation(param, *spare, assumed)
+            by_key.setdefault(assumed, []).append(param)
+        for assumed, members in by_key.items():
+            lr, beta1, beta2, eps, weight_decay, decoupled, step, scale = assumed
+            for chunk, copies in self._split_by_copy(members):
+                taken = [self._speculated[id(p)] for p in chunk]
+                self._ops.adam(
+                    chunk,
+                    self._grads(chunk),
+                    [state[p]["exp_avg"] for p in chunk],
+                    [state[p]["exp_avg_sq"] for p in chunk],
+                    lr=lr,
+                    beta1=beta1,
+                    beta2=beta2,
+                    eps=eps,
+                    weight_decay=weight_decay,
+                    adam_w_mode=decoupled or type(self.optimizer) is torch.optim.AdamW,
+                    bias_correction=True,
+                    step=step,
+                    param_copies=copies,
+                    grad_scale=scale,
+                    out=(
+                        [t.value.view(-1) for t in taken],
+                        [t.exp_avg.view(-1) for t in taken],
+                        [t.exp_avg_sq.view(-1) for t in taken],
+                    ),
+                )
+
+    def speculative_value(self, param: torch.Tensor) -> torch.Tensor | None:
+        """The pending speculative update of ``param`` (its new master), if any."""
+        taken = self._speculated.get(id(param))
+        return taken.value if taken is not None else None
+
+    @property
+    def speculation_pending(self) -> bool:
+        """Whether speculative updates wait for :meth:`commit_speculation` or a discard."""
+        return bool(self._speculated)
+
+    def commit_speculation(self, grad_scale: float = 1.0) -> bool:
+        """Make the pending speculative updates the step, if they are exactly the step that
+        :meth:`step` would take now with ``grad_scale``; else change nothing.
+
+        They are when every parameter that has a gradient was speculated, and each with the
+        hyper-parameters its group has now (lr, betas, eps, weight decay), its current step
+        number and this ``grad_scale``. Committing swaps the spare buffers in (the masters keep
+        their identity: their ``.data`` is replaced) and advances the step counts. Returns
+        whether it committed; either way nothing is pending afterwards.
+        """
+        pending, self._speculated = self._speculated, {}
+        state = self.optimizer.state
+        with_grad = 0
+        for group in self.optimizer.param_groups:
+            for param in group["params"]:
+                if param.grad is None:
+                    continue
+                with_grad += 1
+                taken = pending.get(id(param))
+                if taken is None or taken.assumed != self._assumed(param, grad_scale):
+                    return False
+        if not pending or with_grad != len(pending):
+            return False
+        for taken in pending.values():
+            param, entry = taken.param, state[taken.param]
+            old = (param.data, entry["exp_avg"], entry["exp_avg_sq"])
+            param.data = taken.value
+            entry["exp_avg"], entry["exp_avg_sq"] = taken.exp_avg, taken.exp_avg_sq
+            entry["step"] += 1
+            self._spares[id(param)] = old
+        return True
+
+    def discard_speculation(self) -> bool:
+        """Forget the pending speculative updates (masters and states never saw them; the
+        model-dtype copies did: :meth:`refresh_copies`). Returns whether any were pending."""
+        pending = bool(self._speculated)
+        self._speculated = {}
+        return pending
+
+    def refresh_copies(self) -> None:
+        """Rewrite every model-dtype copy from its master (after a discarded speculation)."""
+        self._refresh([p for group in self.optimizer.param_groups for p in group["params"]])
 
     def _refresh(self, params: Sequence[torch.Tensor]) -> None:
         for param in params:

@@ -50,6 +50,12 @@ class OptimizerOffload:
             reaches the host, during the rest of backward. Exact only when the update does
             not depend on the global gradient norm: no clipping, no fp16 loss scaling (the
             umbrella turns it on exactly then).
+        speculative_step: CPU, ZeRO 1-2, for updates that do depend on the norm (gradient
+            clipping): step each bucket during backward as ``overlap_step`` does, but out of
+            place, as if the clip coefficient were 1; keep that step when the global norm
+            says nothing is clipped (it is then exactly the step), else discard it and step
+            after backward. Needs the C++ Adam/AdamW and 12 spare bytes of host memory per
+            parameter; not with fp16 loss scaling.
     """
 
     device: Device = "cpu"
@@ -63,12 +69,19 @@ class OptimizerOffload:
     convert_grad_on_cpu: bool = True
     aio: AioSettings | None = None
     overlap_step: bool = False
+    speculative_step: bool = False
 
     def __post_init__(self) -> None:
         _check_device("offload_optimizer", self.device, self.nvme_path)
-        if self.overlap_step and self.device != "cpu":
+        for name in ("overlap_step", "speculative_step"):
+            if getattr(self, name) and self.device != "cpu":
+                raise ValueError(
+                    f"offload_optimizer {name} needs device='cpu' (NVMe steps whole sub-groups)"
+                )
+        if self.overlap_step and self.speculative_step:
             raise ValueError(
-                "offload_optimizer overlap_step needs device='cpu' (NVMe steps whole sub-groups)"
+                "offload_optimizer: choose overlap_step (exact without clipping) or "
+                "speculative_step (with clipping), not both"
             )
         if self.buffer_count < 1:
             raise ValueError(f"offload_optimizer.buffer_count={self.buffer_count} must be >= 1")

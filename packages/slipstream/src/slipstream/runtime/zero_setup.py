@@ -9,6 +9,7 @@ import torch
 
 from slipstream.config import SlipstreamConfig
 from slipstream.zero import DataParallelGroup, ShardedOptimizerStates, ZeroOptimizer, ZeroSettings
+from slipstream.zero.offload import SPECULATE_ENV
 
 logger = logging.getLogger(__name__)
 
@@ -83,6 +84,14 @@ def offload_settings(config: SlipstreamConfig) -> tuple[Any, Any]:
     optimizer_settings = None
     if optimizer is not None:
         assert optimizer.device in ("cpu", "nvme")
+        # The CPU step during backward (stages 1-2, no fp16 loss scaling, which needs the
+        # overflow vote first): exact without clipping, speculative with it.
+        overlap = (
+            _env_flag(OVERLAP_STEP_ENV)
+            and optimizer.device == "cpu"
+            and zero.stage in (1, 2)
+            and not config.fp16.enabled
+        )
         optimizer_settings = package.OptimizerOffload(
             device=optimizer.device,
             nvme_path=optimizer.nvme_path,
@@ -96,11 +105,11 @@ def offload_settings(config: SlipstreamConfig) -> tuple[Any, Any]:
             aio=aio,
             # Step each bucket during backward when the update needs no global norm (no
             # clipping, no fp16 loss scaling): measured faster on 2x H200 (docs/benchmarks.md).
-            overlap_step=_overlap_step_wanted()
-            and optimizer.device == "cpu"
-            and zero.stage in (1, 2)
-            and config.gradient_clipping == 0
-            and not config.fp16.enabled,
+            overlap_step=overlap and config.gradient_clipping == 0,
+            # With clipping: step during backward speculatively, kept when nothing is clipped
+            # (docs/offload.md); the stage falls back to stepping after backward where it
+            # cannot (no C++ Adam, too little host memory for the spare buffers).
+            speculative_step=overlap and config.gradient_clipping > 0 and _env_flag(SPECULATE_ENV),
         )
     param_settings = None
     if param is not None:
@@ -146,12 +155,15 @@ def attach_optimizer(
 OVERLAP_STEP_ENV = "SLIPSTREAM_OFFLOAD_OVERLAP_STEP"
 
 
-def _overlap_step_wanted() -> bool:
-    """The per-bucket CPU step during backward, where exact: on unless
-    ``SLIPSTREAM_OFFLOAD_OVERLAP_STEP=0`` (for comparing the two on a given host)."""
+def _env_flag(name: str) -> bool:
+    """An on-by-default switch: off when the variable is 0, false, no or off.
+
+    ``SLIPSTREAM_OFFLOAD_OVERLAP_STEP=0``: no CPU step during backward at all;
+    ``SLIPSTREAM_OFFLOAD_SPECULATE=0``: none under clipping (for comparing on a given host).
+    """
     import os
 
-    return os.environ.get(OVERLAP_STEP_ENV, "1").strip().lower() not in ("0", "false", "no", "off")
+    return os.environ.get(name, "1").strip().lower() not in ("0", "false", "no", "off")
 
 
 def _warn_inert_offload_keys(optimizer: Any, param: Any) -> None:

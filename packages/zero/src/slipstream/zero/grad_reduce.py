@@ -131,6 +131,11 @@ class GradientReduceScatter:
         # bucket's step completes (the stage publishes those parameters while later buckets
         # are still stepping on the CPU).
         self.on_bucket_stepped: Callable[[list[int]], None] | None = None
+        # ``before_stepped(squares)``: called in finish() once every bucket's sum of squares
+        # (one tensor per bucket, on the reduction's device) exists and before it waits for
+        # the eager steps: the stage may take the global norm now and call off a speculative
+        # step that the norm rules out. Only for a first reduction since zero_grad.
+        self.before_stepped: Callable[[list[torch.Tensor]], None] | None = None
         self.final = True
 
     @property
@@ -269,6 +274,13 @@ class GradientReduceScatter:
         post = self._post_scale()
         squares: list[torch.Tensor] = []
         first_reduction = True
+        if self.before_stepped is not None and any(b.job is not None for b in self._buckets):
+            # Every bucket is on its way to the host (with a GPU): its squares are queued on
+            # the side stream, which the current stream waits for.
+            if all(b.squares is not None and b.first for b in self._buckets):
+                torch.cuda.current_stream(self._side.device).wait_stream(self._side)
+                self.before_stepped([b.squares for b in self._buckets])  # type: ignore[misc]
+        deferred: list[list[int]] = []  # eager steps of buckets reduced here (no GPU)
         for bucket in self._buckets:
             if bucket.job is not None:  # offload, eager: handed over and stepping already
                 bucket.job.result()  # re-raises what the worker hit
@@ -297,9 +309,7 @@ class GradientReduceScatter:
                     target.copy_(output)
                     self._hand_over(bucket, target)
                     if self.on_final_bucket is not None and self.final:
-                        self.on_final_bucket(partial(self._step_now, list(bucket.indices))).result()
-                        if self.on_bucket_stepped is not None:
-                            self.on_bucket_stepped(bucket.indices)
+                        deferred.append(list(bucket.indices))
                 else:
                     for index, offset in zip(bucket.indices, bucket.offsets):
                         n = self.masters.specs[index].shard_numel
@@ -309,6 +319,16 @@ class GradientReduceScatter:
             bucket.pending = len(bucket.indices)
             bucket.filled.clear()
         self._next = 0
+        if deferred:
+            # Reduced here, so stepped here: after every bucket has landed, so that a
+            # speculative step can be called off before any of it runs.
+            if self.before_stepped is not None and first_reduction:
+                self.before_stepped(squares)
+            assert self.on_final_bucket is not None
+            for indices in deferred:
+                self.on_final_bucket(partial(self._step_now, indices)).result()
+                if self.on_bucket_stepped is not None:
+                    self.on_bucket_stepped(indices)
         if self._to_host:
             # The device-side sum of squares is the master grads' only while they hold a
             # single reduction (no accumulation on the host since zero_grad).

@@ -25,9 +25,89 @@ from slipstream.zero.masters import ShardedMasterWeights
 if TYPE_CHECKING:
     from slipstream.offload.settings import OptimizerOffload
 
-__all__ = ["OVERLAP_BUCKET_NUMEL", "OffloadedStep", "require_offload_package"]
+__all__ = [
+    "OVERLAP_BUCKET_NUMEL",
+    "SPECULATE_ENV",
+    "OffloadedStep",
+    "SpeculationStats",
+    "require_offload_package",
+]
 
 logger = logging.getLogger(__name__)
+
+# Turns the speculative step under gradient clipping off (for comparing, or to save its
+# host memory); read by the umbrella when it builds the offload settings.
+SPECULATE_ENV = "SLIPSTREAM_OFFLOAD_SPECULATE"
+
+# Speculation is not tried when its spare buffers would take more than this share of the
+# host memory that is available when the engine is built.
+SPARE_MEMORY_SHARE = 0.5
+
+
+def _available_host_bytes() -> int | None:
+    """MemAvailable from /proc/meminfo (None where there is none)."""
+    try:
+        with open("/proc/meminfo", encoding="ascii") as handle:
+            for line in handle:
+                if line.startswith("MemAvailable:"):
+                    return int(line.split()[1]) * 1024
+    except OSError:
+        return None
+    return None
+
+
+def _ranks_on_this_host() -> int:
+    return max(1, int(os.environ.get("LOCAL_WORLD_SIZE", "1") or 1))
+
+
+class SpeculationStats:
+    """Kept and discarded speculative steps, and the back-off after discards.
+
+    Two discards in a row pause speculation for 1 step, the next time for 2, then 4, ... up to
+    64 (a run whose norm stays above the clip, e.g. early in training, stops paying for
+    steps it throws away); a kept step resets the back-off.
+    """
+
+    MAX_PAUSE = 64
+
+    def __init__(self) -> None:
+        self.kept = 0
+        self.discarded = 0
+        self.cancelled = 0  # of the discarded: called off at the end of backward
+        self.paused = 0  # steps taken without speculating
+        self._streak = 0
+        self._pause_left = 0
+        self._next_pause = 1
+
+    def try_now(self) -> bool:
+        """Whether to speculate on this step (counts a paused step)."""
+        if self._pause_left > 0:
+            self._pause_left -= 1
+            self.paused += 1
+            return False
+        return True
+
+    def record(self, kept: bool, cancelled: bool = False) -> None:
+        """Count a settled speculative step and update the back-off."""
+        self.cancelled += cancelled
+        if kept:
+            self.kept += 1
+            self._streak = 0
+            self._next_pause = 1
+            return
+        self.discarded += 1
+        self._streak += 1
+        if self._streak >= 2:
+            self._pause_left = self._next_pause
+            self._next_pause = min(2 * self._next_pause, self.MAX_PAUSE)
+            self._streak = 0
+
+    def __repr__(self) -> str:
+        return (
+            f"SpeculationStats(kept={self.kept}, discarded={self.discarded} "
+            f"(called off early: {self.cancelled}), paused={self.paused})"
+        )
+
 
 # With overlap_step, gradient buckets are at most this many elements (whatever
 # reduce_bucket_size says): a bucket's CPU step can start only once the whole bucket has
@@ -70,6 +150,8 @@ class OffloadedStep:
         group: DataParallelGroup,
         copies: dict[int, torch.Tensor],
         names: dict[int, str] | None = None,
+        *,
+        speculate: bool = False,
     ) -> None:
         package = require_offload_package("offload_optimizer")
         self.masters = masters
@@ -88,14 +170,26 @@ class OffloadedStep:
             self.space = package.SwapSpace(offload.nvme_path, engine, name="optimizer", rank=rank)
             self.swapper = package.NvmeStateSwapper(optimizer, self.space, offload, names)
         self.host = package.HostOptimizer(
-            optimizer, offload, copies=copies, swapper=self.swapper, announce=group.rank == 0
+            optimizer,
+            offload,
+            copies=copies,
+            swapper=self.swapper,
+            announce=group.rank == 0,
+            allocate=lambda shape: masters.host_empty(shape, torch.float32),
         )
+        self.speculative = speculate and self._speculation_possible(group)
+        self.speculation = SpeculationStats()
+        # The clip threshold of the last step (the next is assumed to use the same), and
+        # whether the global norm already ruled the current speculative step out.
+        self.clip_hint: float | None = None
+        self.cancelled = False
+        if self.speculative:
+            self.host.reserve_spares()  # here, not on the worker during backward
         if self.swapper is not None:
             # Adam/AdamW keep 2 states per parameter, Lion and Adagrad 1; another optimizer
             # (its own step on the host) is assumed to keep 2, like Adam.
             states = {"adam": 2, "lion": 1, "adagrad": 1}.get(self.host.kernel or "", 2)
-            ranks = int(os.environ.get("LOCAL_WORLD_SIZE", "1") or 1)
-            self.swapper.check_room(states, ranks_sharing=ranks)
+            self.swapper.check_room(states, ranks_sharing=_ranks_on_this_host())
             self.swapper.evict_all()
             if group.rank == 0:
                 logger.info(
@@ -105,11 +199,85 @@ class OffloadedStep:
                     engine.backend_name,
                 )
 
+    def _speculation_possible(self, group: DataParallelGroup) -> bool:
+        """Whether a speculative step can run here; says why not (rank 0) when it cannot."""
+        why = ""
+        if not self.host.can_speculate:
+            why = f"it needs the C++ Adam/AdamW on the CPU ({self.host.description})"
+        else:
+            need = self.host.spare_bytes() * _ranks_on_this_host()
+            available = _available_host_bytes()
+            if available is not None and need > SPARE_MEMORY_SHARE * available:
+                why = (
+                    f"its spare buffers need {need / 2**30:.1f} GiB of host memory for the "
+                    f"ranks on this host and {available / 2**30:.1f} GiB is available"
+                )
+        if group.rank == 0:
+            if why:
+                logger.warning(
+                    "gradient clipping with CPU offload: the optimizer steps after backward, "
+                    "not during it, because %s",
+                    why,
+                )
+            else:
+                logger.info(
+                    "gradient clipping with CPU offload: each bucket steps during backward, "
+                    "speculatively (kept when the global norm needs no clipping, else stepped "
+                    "again after backward); spare buffers: %.2f GiB of host memory per rank "
+                    "(%s=0 turns this off)",
+                    self.host.spare_bytes() / 2**30,
+                    SPECULATE_ENV,
+                )
+        return not why
+
     # ------------------------------------------------------------------ eager (overlapped) steps
     @property
     def eager(self) -> bool:
-        """Whether buckets are stepped during backward (``overlap_step``)."""
+        """Whether buckets are stepped during backward, exactly (``overlap_step``)."""
         return self.offload.overlap_step
+
+    def speculate_now(self) -> bool:
+        """Whether the coming final backward should step its buckets speculatively (called
+        once per optimizer step, before that backward): after repeated discards, speculation
+        pauses for a growing number of steps (the norm is then likely above the clip)."""
+        return self.speculative and self.speculation.try_now()
+
+    def speculate_indices(self, indices: list[int]) -> None:
+        """Step the masters at ``indices`` out of place, as if the clip coefficient were 1
+        (nothing, once the speculative step has been called off)."""
+        if not self.cancelled:
+            self.host.speculate_params([self.masters.masters[i] for i in indices], 1.0)
+
+    def cancel_speculation(self) -> None:
+        """Call off the current speculative step (the norm needs clipping): buckets not yet
+        stepped are skipped, and settling it discards it."""
+        self.cancelled = True
+
+    def speculative_value(self, index: int) -> torch.Tensor:
+        """Master ``index`` as the pending speculative step left it (itself if none)."""
+        master = self.masters.masters[index]
+        value = self.host.speculative_value(master)
+        return value if value is not None else master
+
+    def settle_speculation(self, grad_scale: float) -> bool:
+        """Keep the speculative step if it is exactly the step for ``grad_scale`` (the
+        unscale and clip factor, 1.0 when nothing was clipped); else discard it. Returns
+        whether it was kept."""
+        cancelled, self.cancelled = self.cancelled, False
+        kept = grad_scale == 1.0 and not cancelled and self.host.commit_speculation(1.0)
+        if not kept:
+            self.host.discard_speculation()
+        self.speculation.record(kept, cancelled)
+        return kept
+
+    def discard_speculation(self) -> bool:
+        """Forget a pending speculative step; when there was one, rewrite the model-dtype
+        copies from the masters (the caller republishes them). Returns whether there was."""
+        self.cancelled = False
+        if not self.host.discard_speculation():
+            return False
+        self.host.refresh_copies()
+        return True
 
     def submit(self, run: Callable[[], None]) -> Future[None]:
         """Queue ``run`` (a landed bucket's hand-over and step) on the CPU step's worker."""
@@ -145,5 +313,6 @@ class OffloadedStep:
         if self._pool is not None:
             self._pool.shutdown(wait=True)
             self._pool = None
+        self.host.discard_speculation()  # nothing to republish: the engine is going away
         if self.space is not None:
             self.space.close()

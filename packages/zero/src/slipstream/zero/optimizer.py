@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import logging
 import math
 from collections.abc import Callable
 from contextlib import nullcontext
@@ -23,6 +24,8 @@ if TYPE_CHECKING:
     from slipstream.zero.offload import OffloadedStep
 
 __all__ = ["StepOutcome", "ZeroOptimizer"]
+
+logger = logging.getLogger(__name__)
 
 
 @dataclass(frozen=True, slots=True)
@@ -63,6 +66,7 @@ class ZeroOptimizer:
         device: torch.device,
         offload: OffloadedStep | None = None,
         step_and_publish: Callable[[float], None] | None = None,
+        publish_all: Callable[[], None] | None = None,
     ) -> None:
         self.optimizer = optimizer
         # Offload: the stage's own pipelined step + publish (given ``grad_scale``), if it has one.
@@ -70,6 +74,9 @@ class ZeroOptimizer:
         self.masters = masters
         self.group = group
         self._publish = publish
+        # Publishes every parameter whatever was published during backward (``publish``
+        # may skip what a step during backward already did).
+        self._publish_all = publish_all or publish
         self.device = device
         self.offload = offload
 
@@ -95,6 +102,12 @@ class ZeroOptimizer:
         it, e.g. a pipeline's norm, which also spans the other stages this group does not
         reach. None: computed here from the shards over the data-parallel group.
         """
+        if loss_scale is not None and self.offload is not None and self.offload.speculative:
+            raise RuntimeError(
+                "offload_optimizer speculative_step does not support fp16 loss scaling (a "
+                "skipped step would have to restore the published weights); build the "
+                "settings with speculative_step=False"
+            )
         grads = self.masters.grads()
         squares = self.masters.device_squares
         if self.offload is not None and squares is not None:
@@ -131,6 +144,8 @@ class ZeroOptimizer:
         grad_norm: torch.Tensor | None,
     ) -> StepOutcome:
         assert self.offload is not None
+        if self.offload.speculative:
+            return self._settle_speculative_step(grads, loss_scale, max_grad_norm, grad_norm)
         if self.offload.eager:
             # Every bucket was stepped during backward, as it reached the host.
             if loss_scale is not None or (max_grad_norm > 0 and not math.isinf(max_grad_norm)):
@@ -148,6 +163,17 @@ class ZeroOptimizer:
                 else global_grad_norm(grads, self.group, self.device)
             )
             return StepOutcome(overflow=False, grad_norm=norm)
+        norm, scale = self._norm_and_scale(grads, loss_scale, max_grad_norm, grad_norm)
+        return self._step_after_backward(norm, scale)
+
+    def _norm_and_scale(
+        self,
+        grads: list[torch.Tensor],
+        loss_scale: float | None,
+        max_grad_norm: float,
+        grad_norm: torch.Tensor | None,
+    ) -> tuple[torch.Tensor, float]:
+        """The global norm and the factor the step applies to the gradients (unscale x clip)."""
         unscale = 1.0 / loss_scale if loss_scale not in (None, 1.0) else 1.0
         if grad_norm is not None:
             norm = grad_norm
@@ -158,6 +184,39 @@ class ZeroOptimizer:
         scale = unscale
         if grads and max_grad_norm > 0 and not math.isinf(max_grad_norm):
             scale *= float(clip_coefficient(norm, max_grad_norm))
+        return norm, scale
+
+    def _settle_speculative_step(
+        self,
+        grads: list[torch.Tensor],
+        loss_scale: float | None,
+        max_grad_norm: float,
+        grad_norm: torch.Tensor | None,
+    ) -> StepOutcome:
+        """The buckets were (or were not) stepped speculatively during backward, as if the
+        factor were 1: keep that step when it is exactly the one to take, else step again."""
+        assert self.offload is not None
+        speculated = self.offload.take_eager_steps() > 0
+        self.offload.clip_hint = max_grad_norm  # what the next backward checks early
+        norm, scale = self._norm_and_scale(grads, loss_scale, max_grad_norm, grad_norm)
+        if speculated:
+            if self.offload.settle_speculation(scale):
+                self._publish()  # done bucket by bucket in finish(): nothing left
+                return StepOutcome(overflow=False, grad_norm=norm)
+            stats = self.offload.speculation
+            if stats.discarded == 1 and self.group.rank == 0:
+                logger.info(
+                    "speculative CPU step discarded (grad norm %.4g, clip factor %.4g): "
+                    "stepped again after backward; this costs time only while the norm "
+                    "exceeds gradient_clipping (%s)",
+                    float(norm),
+                    scale,
+                    stats,
+                )
+        return self._step_after_backward(norm, scale)
+
+    def _step_after_backward(self, norm: torch.Tensor, scale: float) -> StepOutcome:
+        assert self.offload is not None
         if self._step_and_publish is not None:
             self._step_and_publish(scale)
         else:
@@ -174,4 +233,11 @@ class ZeroOptimizer:
 
     def zero_grad(self, set_to_none: bool = True) -> None:
         """Drop the master gradients (always set to None)."""
+        self.abandon_speculation()
         self.masters.zero_grad()
+
+    def abandon_speculation(self) -> None:
+        """Offload: drop a speculative step that backward took and no step settled (its
+        gradients are being dropped): the model gets the unchanged masters back."""
+        if self.offload is not None and self.offload.discard_speculation():
+            self._publish_all()

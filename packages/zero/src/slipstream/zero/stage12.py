@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import math
 from collections.abc import Sequence
 
 import torch
@@ -10,6 +11,7 @@ from slipstream.zero.grad_reduce import GradientReduceScatter
 from slipstream.zero.group import DataParallelGroup
 from slipstream.zero.layout import ShardSpec
 from slipstream.zero.masters import ShardedMasterWeights
+from slipstream.zero.norms import clip_coefficient
 from slipstream.zero.optimizer import ZeroOptimizer
 from slipstream.zero.param_gather import gather_bucket, plan_gather_buckets
 from slipstream.zero.settings import ZeroSettings
@@ -100,7 +102,14 @@ class ShardedOptimizerStates:
                     for m, p in zip(self.masters.masters, self.params)
                 ]
                 copies = {id(m): c for m, c in zip(self.masters.masters, self._staging)}
-            step = OffloadedStep(optimizer, self.masters, offload, self.group, copies)
+            step = OffloadedStep(
+                optimizer,
+                self.masters,
+                offload,
+                self.group,
+                copies,
+                speculate=offload.speculative_step,
+            )
             if offload.device == "cpu" and not step.eager:
                 pipelined = self._step_and_publish
         self._offload_step = step
@@ -113,6 +122,7 @@ class ShardedOptimizerStates:
             device,
             offload=step,
             step_and_publish=pipelined,
+            publish_all=self.publish,
         )
 
         # Stage 1 under fp16/bf16: fp32 full-size accumulators, so GAS sums in fp32.
@@ -121,7 +131,8 @@ class ShardedOptimizerStates:
         )
         self._fp32_grads: list[torch.Tensor | None] = [None] * len(self.params)
         bucket_numel = settings.reduce_bucket_numel
-        if step is not None and step.eager:
+        during_backward = step is not None and (step.eager or step.speculative)
+        if during_backward:
             from slipstream.zero.offload import OVERLAP_BUCKET_NUMEL
 
             bucket_numel = min(bucket_numel, OVERLAP_BUCKET_NUMEL)
@@ -137,15 +148,18 @@ class ShardedOptimizerStates:
             prescale=settings.prescale_gradients,
             divisor=gradient_divisor,
         )
-        # overlap_step: the buckets that stepped during backward were published in finish().
+        # The buckets that stepped during backward were published in finish().
         self._eager_published = False
-        if step is not None and step.eager:
-            # overlap_step: each bucket's masters step on the CPU worker as it lands, and are
-            # published (upload + all-gather) as soon as finish() sees that step done, while
-            # the worker steps the buckets after it.
+        if step is not None and during_backward:
+            # overlap_step (exact) or a speculative step (under clipping): each bucket's
+            # masters step on the CPU worker as it lands, and are published (upload +
+            # all-gather) as soon as finish() sees that step done, while the worker steps the
+            # buckets after it. A discarded speculative step is stepped and published again.
             self.reducer.on_final_bucket = step.submit
-            self.reducer.step_indices = step.step_indices
+            self.reducer.step_indices = step.step_indices if step.eager else step.speculate_indices
             self.reducer.on_bucket_stepped = self._publish_stepped
+            if step.speculative:
+                self.reducer.before_stepped = self._check_speculation
         self._reducing = settings.stage == 2
         self._hooks = [
             p.register_post_accumulate_grad_hook(lambda p, i=i: self._on_grad(i))  # type: ignore[misc]
@@ -179,7 +193,12 @@ class ShardedOptimizerStates:
     def prepare_backward(self, is_boundary: bool) -> None:
         """Say whether the next backward ends an accumulation cycle (stage 1 reduces only then)."""
         self._reducing = self.settings.stage == 2 or is_boundary
-        self.reducer.final = is_boundary  # an eager offload step runs on the last reduction
+        # An eager offload step runs on the last reduction (a speculative one when wanted).
+        step = self._offload_step
+        if is_boundary and step is not None and step.speculative:
+            self.reducer.final = step.speculate_now()
+        else:
+            self.reducer.final = is_boundary
 
     def finish_backward(self, is_boundary: bool = True) -> None:
         """Complete the gradient reduction after ``loss.backward()`` (waits for the buckets)."""
@@ -197,6 +216,7 @@ class ShardedOptimizerStates:
         bucket's upload and all-gather at once (asynchronous on the device), so the transfers
         of one bucket overlap the CPU step of the next instead of following the whole step."""
         assert self._offload_step is not None
+        self._eager_published = False  # whatever a discarded speculative step published
         shards = self._publish_sources
         for indices in self._gather_plan:
             self._offload_step.step_indices(indices, grad_scale)
@@ -219,13 +239,36 @@ class ShardedOptimizerStates:
         for indices in self._gather_plan:
             gather_bucket(shards, self.params, self.specs, self.group, indices)
 
+    def _check_speculation(self, squares: list[torch.Tensor]) -> None:
+        """End of backward: call the speculative step off if the global norm already says
+        the step will clip (the last step's threshold assumed), so that a discarded
+        speculation costs only what ran during backward. Settling the step decides for sure."""
+        step = self._offload_step
+        assert step is not None
+        limit = step.clip_hint
+        if limit is None or not 0 < limit < math.inf:
+            return
+        total = torch.stack([s.float() for s in squares]).sum()
+        self.group.sum_(total)
+        if float(clip_coefficient(total.sqrt(), limit)) < 1.0:
+            step.cancel_speculation()
+
     def _publish_stepped(self, indices: list[int]) -> None:
+        step = self._offload_step
+        if step is not None and step.cancelled:
+            return  # called off: the step after backward publishes everything
         shards = self._publish_sources
+        if self._staging is None and step is not None and step.speculative:
+            # fp32 model: the speculative step's new masters are in spare buffers.
+            shards = list(shards)
+            for i in indices:
+                shards[i] = step.speculative_value(i)
         gather_bucket(shards, self.params, self.specs, self.group, indices)
         self._eager_published = True
 
     def zero_grad(self) -> None:
         """Drop master gradients and any local full-size gradients."""
+        self.optimizer.abandon_speculation()  # a step computed from the dropped gradients
         self.masters.zero_grad()
         for i in range(len(self.params)):
             self._release(i)

@@ -1,0 +1,189 @@
+"""CPU offload under gradient clipping: the speculative step during backward.
+
+With clipping, each bucket steps on the CPU during backward as if nothing were clipped, out of
+place; the step keeps that update when the global norm agrees and otherwise steps again after
+backward. Either way the run must be the run without speculation, bit for bit: same masters,
+same Adam states, same model weights after every step. The clip threshold is switched between
+steps so that speculation is kept, discarded, and paused by the back-off.
+"""
+
+from __future__ import annotations
+
+import os
+
+import pytest
+import torch
+
+from slipstream.comm.testing import run_distributed
+
+pytest.importorskip("slipstream.offload")
+
+MICRO = 2
+KEEP, CLIP = 1e3, 1e-3  # a clip the norm never reaches, and one it always exceeds
+# Kept twice, discarded twice (which pauses speculation for one step), then kept again.
+CLIPS = [KEEP, KEEP, CLIP, CLIP, KEEP, KEEP, KEEP]
+# The second discard is called off at the end of backward already (the norm is checked against
+# the previous step's threshold, which was the same), before the buckets after it stepped;
+# not at stage 2 with gradient accumulation, where the boundary's gradients are summed on the
+# host and there is no norm before the step.
+EXPECTED = {"kept": 4, "discarded": 2, "cancelled": 1, "paused": 1}
+
+
+def _run(stage: int, precision: str, gas: int, speculate: bool) -> dict:
+    """Train with the CLIPS schedule; every step's weights, masters and states."""
+    import slipstream
+    from slipstream import comm
+    from slipstream.zero.testing import TinyTransformer, batch_for
+
+    os.environ["SLIPSTREAM_OFFLOAD_SPECULATE"] = "1" if speculate else "0"
+    world, rank = comm.get_world_size(), comm.get_rank()
+    torch.manual_seed(0)
+    model = TinyTransformer(unused=True)  # a parameter without a gradient, too
+    decay = [p for p in model.parameters() if p.dim() >= 2]
+    other = [p for p in model.parameters() if p.dim() < 2]
+    optimizer = torch.optim.AdamW(
+        [{"params": decay, "weight_decay": 0.1}, {"params": other, "lr": 0.02}], lr=0.01
+    )
+    config = {
+        "train_micro_batch_size_per_gpu": MICRO,
+        "gradient_accumulation_steps": gas,
+        "gradient_clipping": CLIPS[0],
+        "steps_per_print": 1000,
+        "zero_optimization": {
+            "stage": stage,
+            "reduce_bucket_size": 600,  # several buckets, each stepped as it lands
+            "allgather_bucket_size": 500,
+            "offload_optimizer": {"device": "cpu", "pin_memory": torch.cuda.is_available()},
+        },
+    }
+    if precision == "bf16":
+        config["bf16"] = {"enabled": True}
+    engine, *_ = slipstream.initialize(model=model, optimizer=optimizer, config=config)
+    device = next(engine.module.parameters()).device
+    offload = engine.zero.optimizer.offload
+    snapshots = []
+    for step, clip in enumerate(CLIPS):
+        engine.config.gradient_clipping = clip
+        for micro in range(gas):
+            ids, labels = (t.to(device) for t in batch_for(step, micro, MICRO * world))
+            mine = slice(rank * MICRO, (rank + 1) * MICRO)
+            engine.backward(engine(ids[mine], labels[mine]))
+            engine.step()
+        state = engine.optimizer.state
+        masters = engine.zero.masters.masters
+        snapshots.append(
+            [p.detach().clone() for p in engine.module.parameters()]
+            + [m.detach().clone() for m in masters]
+            + [state[m][k].clone() for m in masters if state[m] for k in ("exp_avg", "exp_avg_sq")]
+            + [torch.tensor([float(state[m]["step"]) for m in masters if state[m]])]
+        )
+    stats = offload.speculation
+    norm = float(engine.get_global_grad_norm())
+    return {
+        "snapshots": snapshots,
+        "speculative": offload.speculative,
+        "eager": offload.eager,
+        "stats": {
+            "kept": stats.kept,
+            "discarded": stats.discarded,
+            "cancelled": stats.cancelled,
+            "paused": stats.paused,
+        },
+        "norm": norm,
+    }
+
+
+def _side_by_side(stage: int, precision: str, gas: int) -> dict:
+    on, off = _run(stage, precision, gas, True), _run(stage, precision, gas, False)
+    first_difference = None
+    for step, (a, b) in enumerate(zip(on["snapshots"], off["snapshots"])):
+        if len(a) != len(b) or not all(torch.equal(x, y) for x, y in zip(a, b)):
+            first_difference = step
+            break
+    return {
+        "on": {k: on[k] for k in ("speculative", "eager", "stats", "norm")},
+        "off": {k: off[k] for k in ("speculative", "eager", "stats", "norm")},
+        "first_difference": first_difference,
+    }
+
+
+@pytest.mark.parametrize(
+    ("stage", "world", "precision", "gas"),
+    [(2, 1, "fp32", 2), (2, 2, "fp32", 1), (1, 2, "bf16", 2), (2, 4, "bf16", 1)],
+)
+def test_speculative_step_is_the_step_bit_for_bit(stage, world, precision, gas) -> None:
+    results = run_distributed(_side_by_side, world, stage, precision, gas, timeout=300)
+    expected = dict(EXPECTED, cancelled=0 if stage == 2 and gas > 1 else 1)
+    for result in results:
+        assert result["on"]["speculative"] and not result["on"]["eager"]
+        assert not result["off"]["speculative"]
+        assert result["on"]["stats"] == expected
+        assert result["off"]["stats"] == {"kept": 0, "discarded": 0, "cancelled": 0, "paused": 0}
+        assert 0 < result["on"]["norm"] < KEEP
+        assert result["first_difference"] is None, result["first_difference"]
+
+
+def _abandoned(precision: str) -> dict:
+    """A boundary backward that no step follows: zero_grad gives the model its weights back."""
+    import slipstream
+    from slipstream import comm
+    from slipstream.zero.testing import TinyTransformer, batch_for
+
+    world, rank = comm.get_world_size(), comm.get_rank()
+    torch.manual_seed(0)
+    model = TinyTransformer()
+    config = {
+        "train_micro_batch_size_per_gpu": MICRO,
+        "gradient_clipping": KEEP,
+        "steps_per_print": 1000,
+        "zero_optimization": {
+            "stage": 2,
+            "reduce_bucket_size": 600,
+            "offload_optimizer": {"device": "cpu"},
+        },
+    }
+    if precision == "bf16":
+        config["bf16"] = {"enabled": True}
+    optimizer = torch.optim.AdamW(model.parameters(), lr=0.01)
+    engine, *_ = slipstream.initialize(model=model, optimizer=optimizer, config=config)
+    mine = slice(rank * MICRO, (rank + 1) * MICRO)
+    ids, labels = batch_for(0, 0, MICRO * world)
+    engine.backward(engine(ids[mine], labels[mine]))
+    engine.step()  # states exist from here on
+    weights = [p.detach().clone() for p in engine.module.parameters()]
+    masters = [m.detach().clone() for m in engine.zero.masters.masters]
+    ids, labels = batch_for(1, 0, MICRO * world)
+    engine.backward(engine(ids[mine], labels[mine]))
+    moved = any(not torch.equal(p, w) for p, w in zip(engine.module.parameters(), weights))
+    engine.zero_grad()  # e.g. a loop that skips this batch
+    return {
+        "moved_during_backward": moved,
+        "weights_back": all(torch.equal(p, w) for p, w in zip(engine.module.parameters(), weights)),
+        "masters_kept": all(
+            torch.equal(m, k) for m, k in zip(engine.zero.masters.masters, masters)
+        ),
+        "stats": engine.zero.optimizer.offload.speculation.kept,
+    }
+
+
+@pytest.mark.parametrize("precision", ["fp32", "bf16"])
+def test_zero_grad_after_a_speculative_backward_restores_the_weights(precision) -> None:
+    for result in run_distributed(_abandoned, 2, precision, timeout=300):
+        assert result["moved_during_backward"]  # the speculative step was published...
+        assert result["weights_back"]  # ...and withdrawn
+        assert result["masters_kept"]
+        assert result["stats"] == 1
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA/ROCm device")
+@pytest.mark.parametrize("stage", [1, 2])
+def test_speculative_step_is_the_step_bit_for_bit_on_gpus(stage) -> None:
+    # The buckets land through pinned memory on a side stream and step on the CPU worker
+    # while backward goes on; each published bucket is uploaded during backward.
+    world = min(2, torch.cuda.device_count())
+    results = run_distributed(_side_by_side, world, stage, "bf16", 1, backend="nccl", timeout=300)
+    for result in results:
+        assert result["on"]["speculative"]
+        assert result["on"]["stats"] == EXPECTED
+        assert result["first_difference"] is None, result["first_difference"]
