@@ -115,12 +115,16 @@ def test_offload_estimate_matches_what_offload_allocates() -> None:
     assert rows[(3, True)].host / gib == pytest.approx(6_738_415_616 * 18 / gib)
     assert rows[(2, False)].gpu == pytest.approx(2 * 6_738_415_616)
     assert rows[(1, False)].gpu == pytest.approx(6 * 6_738_415_616)  # + fp32 accumulators
+    # The speculative step (clipping, stages 1-2 on the CPU): fp32 master + two moments again.
+    assert rows[(2, False)].speculation_host == pytest.approx(12 * 6_738_415_616)
+    assert rows[(3, False)].speculation_host == 0
     nvme = {
         (r.stage, r.param_offload): r
         for r in estimate_offload(1000, 2, device="nvme", param_device="nvme")
     }
     assert nvme[(2, False)].nvme == pytest.approx(12 * 1000 / 2)
     assert nvme[(2, False)].host == pytest.approx(6 * 1000 / 2)
+    assert nvme[(2, False)].speculation_host == 0  # NVMe steps after backward
     # offload_param to NVMe: the bf16 shards are disk bytes, not host bytes.
     assert nvme[(3, True)].host == pytest.approx(4 * 1000 / 2)  # fp32 grads only
     assert nvme[(3, True)].nvme == pytest.approx(14 * 1000 / 2)

@@ -87,6 +87,9 @@ class OffloadEstimate:
     gpu: float
     host: float
     nvme: float
+    # Stages 1-2 on the CPU under gradient_clipping: the speculative step's spare buffers
+    # (fp32 master and Adam's two moments, 12 bytes per element), on top of ``host``.
+    speculation_host: float = 0.0
 
 
 def estimate_offload(
@@ -108,7 +111,9 @@ def estimate_offload(
     ahead or stepped, and those within ``max_in_cpu``, come back to host memory: not counted).
     GPU: the model-dtype parameters (all of them at stages 1-2, the shard at stage 3, none
     persistent with ``offload_param``), plus stage 1's full-size fp32 accumulators under
-    fp16/bf16; gradient buckets in flight are not counted.
+    fp16/bf16; gradient buckets in flight are not counted. ``speculation_host``: stages 1-2
+    with ``device="cpu"`` add ``12·Ψ/N`` of host memory when ``gradient_clipping`` is set (the
+    speculative step's spare buffers, docs/offload.md).
     """
     rows = estimate_model_states(num_params, world_size, param_bytes, optimizer_state_bytes)
     p, n, d, k = (
@@ -132,7 +137,8 @@ def estimate_offload(
             nvme += masters_and_states
         else:
             host += masters_and_states
-        out.append(OffloadEstimate(stage, param_offload, gpu, host, nvme))
+        spares = 12 * p / n if stage in (1, 2) and device == "cpu" else 0.0
+        out.append(OffloadEstimate(stage, param_offload, gpu, host, nvme, spares))
     return out
 
 
@@ -232,6 +238,11 @@ def format_estimate(
             f"{label:>13} {on_cpu.gpu / gib:>9.2f} {on_cpu.host / gib:>9.2f} "
             f"{on_nvme.host / gib:>13.2f} {on_nvme.nvme / gib:>11.2f}"
         )
+    spares = cpu[1].speculation_host
+    lines.append(
+        f"  stages 1-2 on the CPU with gradient_clipping: + {spares / gib:.2f} GiB host per rank "
+        "for the speculative step's spare buffers (SLIPSTREAM_OFFLOAD_SPECULATE=0: none)"
+    )
     if activations is not None:
         lines.append(
             f"activations per rank: {activations.total / gib:.2f} GiB "
