@@ -120,6 +120,8 @@ def test_speculative_step_is_the_step_bit_for_bit(stage, world, precision, gas) 
         assert result["on"]["stats"] == expected
         assert result["off"]["stats"] == {"kept": 0, "discarded": 0, "cancelled": 0, "paused": 0}
         assert 0 < result["on"]["norm"] < KEEP
+        # The last step's norm came from the end-of-backward check's reduction: the same.
+        assert result["on"]["norm"] == result["off"]["norm"]
         assert result["first_difference"] is None, result["first_difference"]
 
 

@@ -243,6 +243,12 @@ class HostOptimizer:
             self._spares[id(param)] = spare
         return spare
 
+    def _decoupled(self, group: dict[str, Any]) -> bool:
+        """AdamW's decoupled weight decay (AdamW, or Adam with ``decoupled_weight_decay``)."""
+        return type(self.optimizer) is torch.optim.AdamW or bool(
+            group.get("decoupled_weight_decay", False)
+        )
+
     def _assumed(self, param: torch.Tensor, grad_scale: float) -> tuple[Any, ...]:
         group = self.optimizer.param_groups[self._group_of[id(param)]]
         entry = self.optimizer.state[param]
@@ -253,7 +259,7 @@ class HostOptimizer:
             float(beta2),
             float(group["eps"]),
             float(group["weight_decay"]),
-            bool(group.get("decoupled_weight_decay", False)),
+            self._decoupled(group),
             int(entry["step"]) + 1,
             float(grad_scale),
         )
@@ -296,7 +302,7 @@ class HostOptimizer:
                     beta2=beta2,
                     eps=eps,
                     weight_decay=weight_decay,
-                    adam_w_mode=decoupled or type(self.optimizer) is torch.optim.AdamW,
+                    adam_w_mode=decoupled,
                     bias_correction=True,
                     step=step,
                     param_copies=copies,
@@ -416,9 +422,7 @@ class HostOptimizer:
             entry["step"] += 1
             by_step.setdefault(float(entry["step"]), []).append(param)
         beta1, beta2 = group["betas"]
-        decoupled = type(self.optimizer) is torch.optim.AdamW or bool(
-            group.get("decoupled_weight_decay", False)
-        )
+        decoupled = self._decoupled(group)
         for step, same_step in by_step.items():
             for params, copies in self._split_by_copy(same_step):
                 self._ops.adam(

@@ -70,6 +70,9 @@ class ShardedMasterWeights:
         # Offload: the global sum of squares of the grads, taken on the device by the reducer
         # while they were a single reduction (None: compute it from the host grads).
         self.device_squares: torch.Tensor | None = None
+        # The same summed over the data-parallel group, when something already reduced it
+        # (the speculative step's check at the end of backward); the step then reuses it.
+        self.global_squares: torch.Tensor | None = None
 
     def __len__(self) -> int:
         return len(self.masters)
@@ -143,3 +146,4 @@ class ShardedMasterWeights:
         for master in self.masters:
             master.grad = None
         self.device_squares = None
+        self.global_squares = None

@@ -113,8 +113,10 @@ class ZeroOptimizer:
         if self.offload is not None and squares is not None:
             # Offload: the reducer took the sum of squares on the device; an inf or nan in
             # any gradient makes it non-finite (one scalar, no pass over the host grads).
-            total = squares.detach().clone()
-            self.group.sum_(total)
+            total = self.masters.global_squares
+            if total is None:
+                total = squares.detach().clone()
+                self.group.sum_(total)
             if loss_scale is not None and not bool(torch.isfinite(total)):
                 return StepOutcome(overflow=True, grad_norm=None)
             norm = total.sqrt()

@@ -250,6 +250,7 @@ class ShardedOptimizerStates:
             return
         total = torch.stack([s.float() for s in squares]).sum()
         self.group.sum_(total)
+        self.masters.global_squares = total  # the step's norm: not reduced a second time
         if float(clip_coefficient(total.sqrt(), limit)) < 1.0:
             step.cancel_speculation()
 
