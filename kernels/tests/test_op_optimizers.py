@@ -484,6 +484,52 @@ def test_cpp_adagrad_and_lion_match_references(cpu_optim) -> None:
         torch.testing.assert_close(ours, theirs, **FP32_STEP)
 
 
+@pytest.mark.parametrize("copy_dtype", [torch.bfloat16, torch.float16, torch.float32])
+def test_cpp_copies_into_unaligned_views_on_every_isa(cpu_optim, monkeypatch, copy_dtype) -> None:
+    # The copies are streamed out with non-temporal stores in aligned 16-byte pieces: views at
+    # odd offsets into one flat buffer (ZeRO's staging buffers are such views) must get exactly
+    # the rounded params, in place and out of place, and the elements between them and past
+    # the last one must stay as they were.
+    shapes = [(1,), (7,), (2100,), (40_000,), (9,)]
+    sizes = [math.prod(s) for s in shapes]
+    options = {
+        "adam": dict(lr=1e-2, beta1=0.9, beta2=0.99, eps=1e-8, weight_decay=0.1,
+                     adam_w_mode=True, bias_correction=True, step=2),
+        "adagrad": dict(lr=0.05, eps=1e-10, weight_decay=0.1),
+        "lion": dict(lr=1e-3, beta1=0.9, beta2=0.99, weight_decay=0.1),
+    }  # fmt: skip
+    for isa in _isas(cpu_optim):
+        monkeypatch.setenv("SLIPSTREAM_CPU_ISA", isa)
+        for name, kwargs in [*options.items(), ("adam out of place", options["adam"])]:
+            gen = torch.Generator().manual_seed(11)
+            params = [torch.randn(s, generator=gen) for s in shapes]
+            grads = [torch.randn(s, generator=gen) for s in shapes]
+            states = [[torch.rand(s, generator=gen) for s in shapes] for _ in range(2)]
+            flat = torch.full((3 + sum(sizes) + 2 * len(sizes),), 7.0, dtype=copy_dtype)
+            copies, at = [], 3
+            for size, shape in zip(sizes, shapes):
+                copies.append(flat[at : at + size].view(shape))
+                at += size + 2  # two untouched elements after each view
+            if name == "adam out of place":
+                outs = tuple([torch.empty(s) for s in shapes] for _ in range(3))
+                cpu_optim.adam(params, grads, *states, param_copies=copies, out=outs, **kwargs)
+                params = outs[0]
+            elif name == "adam":
+                cpu_optim.adam(params, grads, *states, param_copies=copies, **kwargs)
+            elif name == "adagrad":
+                cpu_optim.adagrad(params, grads, states[0], param_copies=copies, **kwargs)
+            else:
+                cpu_optim.lion(params, grads, states[0], param_copies=copies, **kwargs)
+            for param, copy in zip(params, copies):
+                assert torch.equal(copy, param.to(copy_dtype)), (isa, name)
+            untouched = torch.ones_like(flat, dtype=torch.bool)
+            at = 3
+            for size in sizes:
+                untouched[at : at + size] = False
+                at += size + 2
+            assert bool((flat[untouched] == 7.0).all()), (isa, name)
+
+
 def test_cpp_grad_scale_equals_prescaled_gradients(cpu_optim) -> None:
     """grad_scale (unscale x clip, folded into the step) gives the step of pre-scaled grads."""
     gen = torch.Generator().manual_seed(7)
