@@ -52,7 +52,9 @@ def _setup() -> tuple[torch.device, int, int]:
 
 
 def _slipstream_config(args: argparse.Namespace) -> dict[str, Any]:
+    extra = {"communication_data_type": args.comm_dtype} if args.comm_dtype else {}
     return {
+        **extra,
         "train_micro_batch_size_per_gpu": args.micro,
         "gradient_accumulation_steps": 1,
         "gradient_clipping": args.clip,
@@ -200,6 +202,13 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--nvme-path", type=Path, default=Path("/tmp/slipstream-nvme"))
     parser.add_argument("--clip", type=float, default=1.0, help="gradient_clipping (0: off)")
     parser.add_argument(
+        "--comm-dtype",
+        choices=["fp32", "bf16"],
+        default=None,
+        help="slipstream: communication_data_type (default: unset, i.e. fp32; DeepSpeed's "
+        "default under bf16 is bf16)",
+    )
+    parser.add_argument(
         "--no-phases",
         dest="phases",
         action="store_false",
@@ -257,7 +266,8 @@ def main(argv: list[str] | None = None) -> int:
         else f"slipstream-zero{args.stage}"
         + (f"+{args.offload}" if args.offload != "none" else "")
         + {"none": "", "cpu": "+param", "nvme": "+nvmeparam"}[args.offload_param]
-        + ("+noclip" if args.clip == 0 else ""),
+        + ("+noclip" if args.clip == 0 else "")
+        + (f"+{args.comm_dtype}comm" if args.comm_dtype else ""),
         "model": args.model,
         "params": params,
         "micro": args.micro,

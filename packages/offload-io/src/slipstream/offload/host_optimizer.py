@@ -107,6 +107,9 @@ class HostOptimizer:
             low-precision weights or a pinned staging buffer for them), same numel.
         swapper: NVMe offload: brings each sub-group's masters and states in before its step
             and writes them back after.
+        grad_of: where a parameter's gradient is (default: its ``.grad``); ZeRO-Offload keeps
+            gradients that landed in bf16 beside the fp32 masters. Only the C++ steps read
+            such gradients; the fallback needs them as ``.grad``.
     """
 
     def __init__(
@@ -118,8 +121,10 @@ class HostOptimizer:
         swapper: StateSwapper | None = None,
         announce: bool = True,
         allocate: Callable[[torch.Size], torch.Tensor] | None = None,
+        grad_of: Callable[[torch.Tensor], torch.Tensor | None] | None = None,
     ) -> None:
         self.optimizer = optimizer
+        self._grad_of = grad_of or (lambda param: param.grad)
         self.settings = settings
         self.copies = dict(copies or {})
         self.swapper = swapper
@@ -201,7 +206,7 @@ class HostOptimizer:
         """Update ``params`` (a subset of the optimizer's) that have a gradient."""
         by_group: dict[int, list[torch.Tensor]] = {}
         for param in params:
-            if param.grad is not None:
+            if self._grad_of(param) is not None:
                 by_group.setdefault(self._group_of[id(param)], []).append(param)
         if self.kernel is None:
             self._fallback(by_group, grad_scale)
@@ -277,7 +282,7 @@ class HostOptimizer:
         state = self.optimizer.state
         by_key: dict[tuple[Any, ...], list[torch.Tensor]] = {}
         for param in params:
-            if param.grad is None:
+            if self._grad_of(param) is None:
                 continue
             entry = state[param]
             if not entry:  # what the in-place step would create
@@ -339,7 +344,7 @@ class HostOptimizer:
         with_grad = 0
         for group in self.optimizer.param_groups:
             for param in group["params"]:
-                if param.grad is None:
+                if self._grad_of(param) is None:
                     continue
                 with_grad += 1
                 taken = pending.get(id(param))
@@ -377,6 +382,11 @@ class HostOptimizer:
         # The optimizer's own step over just these parameters: every group is narrowed to
         # its members in the sub-group (the others to none) for one call, then restored.
         members = [p for group in by_group.values() for p in group]
+        if any(p.grad is None for p in members):
+            raise RuntimeError(
+                f"{type(self.optimizer).__name__}.step() on the CPU needs fp32 .grad tensors, "
+                "but gradients were handed over elsewhere (grad_of); only the C++ steps read them"
+            )
         if scale != 1.0 and members:
             torch._foreach_mul_(self._grads(members), scale)
         groups = self.optimizer.param_groups
@@ -405,7 +415,7 @@ class HostOptimizer:
     def _grads(self, params: list[torch.Tensor]) -> list[torch.Tensor]:
         grads = []
         for param in params:
-            grad = param.grad
+            grad = self._grad_of(param)
             assert grad is not None
             grads.append(grad if grad.is_contiguous() else grad.contiguous())
         return grads

@@ -334,7 +334,7 @@ class PipelineEngine:
             groups.append(self.grid.get_pipe_parallel_group())
         norm = grad_norm_across_stages(
             module,
-            [(p, m.grad) for p, m in zip(zero.params, zero.masters.masters)],
+            [(p, zero.masters.grad(i)) for i, p in enumerate(zero.params)],
             groups,
             self._device,
         )
@@ -355,10 +355,7 @@ class PipelineEngine:
         index = self.zero.masters.index_of.get(id(weight))
         if index is None:
             return torch.zeros(1, dtype=torch.float32, device=self._device)
-        master = self.zero.masters.masters[index]
-        if master.grad is None:
-            master.grad = torch.zeros_like(master)
-        return master.grad
+        return self.zero.masters.fp32_grad(index)
 
     def eval_batch(
         self,

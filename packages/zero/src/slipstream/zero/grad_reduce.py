@@ -54,6 +54,7 @@ class _Bucket:
     # zero_grad lands in ``host`` and becomes the master grads, later ones in ``scratch`` and
     # are added), the copy's event, and the result's sum of squares (on the device).
     host: torch.Tensor | None = None
+    host_low: torch.Tensor | None = None  # ``host`` in bf16 (see land_low_precision)
     scratch: torch.Tensor | None = None
     target: torch.Tensor | None = None
     copied: Any = None
@@ -137,6 +138,12 @@ class GradientReduceScatter:
         # step that the norm rules out. Only for a first reduction since zero_grad.
         self.before_stepped: Callable[[list[torch.Tensor]], None] | None = None
         self.final = True
+        # Offload with a bf16 reduction (set by the stage when its CPU step reads bf16
+        # gradients): a reduction that is the first since zero_grad and the last before the
+        # step (``boundary``, set before each backward) lands on the host in bf16, as it was
+        # reduced, and stays so (ShardedMasterWeights.landed); any other lands in fp32.
+        self.land_low_precision = False
+        self.boundary = True
 
     @property
     def num_buckets(self) -> int:
@@ -210,20 +217,35 @@ class GradientReduceScatter:
 
     def _host_target(self, bucket: _Bucket) -> torch.Tensor:
         """The pinned buffer this reduction lands in (see _Bucket)."""
-        first = self.masters.masters[bucket.indices[0]].grad is None
+        first = not self.masters.has_grad(bucket.indices[0])
         bucket.first = first
+        output = bucket.output
+        dtype = torch.float32
         name = "host" if first else "scratch"
+        if (
+            first
+            and self.land_low_precision
+            and self.boundary
+            and output is not None
+            and output.dtype == torch.bfloat16
+        ):
+            dtype, name = torch.bfloat16, "host_low"
         target = getattr(bucket, name)
         if target is None:
             # Pinned whenever the bucket comes from a GPU (whatever pin_memory says); from the
             # masters' arena when that is pinned.
-            from_gpu = bucket.output is not None and bucket.output.device.type == "cuda"
+            from_gpu = output is not None and output.device.type == "cuda"
             if from_gpu and self.masters.host.pin:
-                target = self.masters.host_empty((bucket.shard_numel,), torch.float32)
+                target = self.masters.host_empty((bucket.shard_numel,), dtype)
             else:
-                target = torch.empty(bucket.shard_numel, dtype=torch.float32, pin_memory=from_gpu)
+                target = torch.empty(bucket.shard_numel, dtype=dtype, pin_memory=from_gpu)
             setattr(bucket, name, target)
         return target
+
+    @staticmethod
+    def _owned(bucket: _Bucket, target: torch.Tensor) -> bool:
+        """Whether ``target`` is reserved for the master grads (not the accumulation scratch)."""
+        return target is bucket.host or target is bucket.host_low
 
     def _copy_to_host_async(self, bucket: _Bucket) -> None:
         output, work = bucket.output, bucket.work
@@ -249,7 +271,7 @@ class GradientReduceScatter:
         bucket.target, bucket.copied, bucket.work = target, event, None
         if self.on_final_bucket is not None and self.final:
             indices, offsets = list(bucket.indices), list(bucket.offsets)
-            owned = target is bucket.host
+            owned = self._owned(bucket, target)
 
             def run() -> None:
                 event.synchronize()
@@ -338,7 +360,7 @@ class GradientReduceScatter:
 
     def _hand_over(self, bucket: _Bucket, target: torch.Tensor) -> None:
         """Make a landed host copy the master grads (views) or add it into them."""
-        self._hand_over_slices(bucket.indices, bucket.offsets, target, target is bucket.host)
+        self._hand_over_slices(bucket.indices, bucket.offsets, target, self._owned(bucket, target))
 
     def _hand_over_slices(
         self, indices: list[int], offsets: list[int], target: torch.Tensor, owned: bool

@@ -73,6 +73,13 @@ class ShardedMasterWeights:
         # The same summed over the data-parallel group, when something already reduced it
         # (the speculative step's check at the end of backward); the step then reuses it.
         self.global_squares: torch.Tensor | None = None
+        # Offload with a bf16 reduction: a reduced gradient that landed on the host in bf16
+        # and is the whole gradient of the step (a single reduction since zero_grad) stays
+        # bf16 here instead of becoming an fp32 ``.grad`` (the C++ CPU step reads bf16
+        # gradients, exactly widened; half the bytes over PCIe and through host memory).
+        # :meth:`grad` and :meth:`has_grad` see both; :meth:`fp32_grad` widens one for good.
+        self.landed: dict[int, torch.Tensor] = {}
+        self._index_of_master = {id(m): i for i, m in enumerate(self.masters)}
 
     def __len__(self) -> int:
         return len(self.masters)
@@ -130,20 +137,52 @@ class ShardedMasterWeights:
 
     def take_host_grad_(self, index: int, host: torch.Tensor, owned: bool) -> None:
         """Offload: a reduced shard already in host memory becomes (``owned``: a view of a
-        buffer reserved for it) or is added into master ``index``'s fp32 grad."""
+        buffer reserved for it) or is added into master ``index``'s fp32 grad. A bf16 one that
+        is owned and the first since zero_grad is kept as it is (:attr:`landed`)."""
+        if host.dtype != torch.float32 and owned and not self.has_grad(index):
+            self.landed[index] = host
+            return
+        master = self.masters[index]
+        if master.grad is None and index not in self.landed:
+            if owned and host.dtype == torch.float32:
+                master.grad = host
+            else:
+                master.grad = host.to(torch.float32, copy=True)
+        else:
+            self.fp32_grad(index).add_(host)
+
+    def has_grad(self, index: int) -> bool:
+        """Whether master ``index`` has a gradient (fp32 or landed)."""
+        return self.masters[index].grad is not None or index in self.landed
+
+    def grad(self, index: int) -> torch.Tensor | None:
+        """Master ``index``'s gradient: its fp32 ``.grad``, or the landed bf16 one, or None."""
+        grad = self.masters[index].grad
+        return grad if grad is not None else self.landed.get(index)
+
+    def grad_of(self, master: torch.Tensor) -> torch.Tensor | None:
+        """:meth:`grad` by master tensor (what the CPU step asks)."""
+        return self.grad(self._index_of_master[id(master)])
+
+    def fp32_grad(self, index: int) -> torch.Tensor:
+        """Master ``index``'s gradient as its fp32 ``.grad`` (a landed bf16 one widened into a
+        new tensor, exactly), zeros if it had none: for code that changes it in place."""
         master = self.masters[index]
         if master.grad is None:
-            master.grad = host if owned else host.clone()
-        else:
-            master.grad.add_(host)
+            landed = self.landed.pop(index, None)
+            master.grad = landed.float() if landed is not None else torch.zeros_like(master)
+        return master.grad
 
     def grads(self) -> list[torch.Tensor]:
-        """The master gradients that exist (every master after a full reduction)."""
-        return [m.grad for m in self.masters if m.grad is not None]
+        """The master gradients that exist (every master after a full reduction); landed
+        bf16 ones as they are."""
+        grads = (self.grad(i) for i in range(len(self.masters)))
+        return [g for g in grads if g is not None]
 
     def zero_grad(self) -> None:
         """Drop the master gradients."""
         for master in self.masters:
             master.grad = None
+        self.landed.clear()
         self.device_squares = None
         self.global_squares = None

@@ -176,6 +176,7 @@ class OffloadedStep:
             swapper=self.swapper,
             announce=group.rank == 0,
             allocate=lambda shape: masters.host_empty(shape, torch.float32),
+            grad_of=masters.grad_of,
         )
         self.speculative = speculate and self._speculation_possible(group)
         self.speculation = SpeculationStats()
@@ -229,6 +230,12 @@ class OffloadedStep:
                     SPECULATE_ENV,
                 )
         return not why
+
+    @property
+    def reads_low_precision_grads(self) -> bool:
+        """Whether the step can read gradients that landed in bf16 (the C++ steps widen them
+        as they load; the fallback optimizer needs fp32 ``.grad`` tensors)."""
+        return self.host.kernel is not None
 
     # ------------------------------------------------------------------ eager (overlapped) steps
     @property

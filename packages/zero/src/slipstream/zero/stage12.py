@@ -148,6 +148,9 @@ class ShardedOptimizerStates:
             prescale=settings.prescale_gradients,
             divisor=gradient_divisor,
         )
+        # Offload: a bf16 reduction stays bf16 on its way to the CPU step (one reduction per
+        # step; accumulated ones are summed in fp32 as before).
+        self.reducer.land_low_precision = step is not None and step.reads_low_precision_grads
         # The buckets that stepped during backward were published in finish().
         self._eager_published = False
         if step is not None and during_backward:
@@ -194,6 +197,7 @@ class ShardedOptimizerStates:
         """Say whether the next backward ends an accumulation cycle (stage 1 reduces only then)."""
         self._reducing = self.settings.stage == 2 or is_boundary
         # An eager offload step runs on the last reduction (a speculative one when wanted).
+        self.reducer.boundary = is_boundary
         step = self._offload_step
         if is_boundary and step is not None and step.speculative:
             self.reducer.final = step.speculate_now()
