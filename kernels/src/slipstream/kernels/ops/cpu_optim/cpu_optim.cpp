@@ -121,68 +121,16 @@ SLIPSTREAM_INLINE void store(Storage<K>* __restrict base, int64_t i, float value
   }
 }
 
-// Writes n floats from src (in L1) to dst with non-temporal stores where the CPU has them:
-// an out-of-place update's destinations are not in cache, and ordinary stores would first read
-// every destination line from memory (read-for-ownership), 12 more bytes per element for a
-// step that is bound by memory bandwidth. Callers fence once per span (store_fence).
-SLIPSTREAM_INLINE void stream_floats(float* __restrict dst, const float* __restrict src,
-                                     int64_t n) {
-  int64_t i = 0;
-#ifdef SLIPSTREAM_HAS_STREAM_STORES
-  while (i < n && (reinterpret_cast<uintptr_t>(dst + i) & 15u) != 0) {
-    dst[i] = src[i];
-    ++i;
-  }
-  for (; i + 4 <= n; i += 4) _mm_stream_ps(dst + i, _mm_loadu_ps(src + i));
-#endif
-  for (; i < n; ++i) dst[i] = src[i];
-}
-
-// The same for 16-bit values (bf16/fp16 copies): the model-dtype copy is written once and read
-// next by the device's upload (or the model), so caching it buys nothing and its
-// read-for-ownership would cost 2 more bytes per element.
-SLIPSTREAM_INLINE void stream_halves(uint16_t* __restrict dst, const uint16_t* __restrict src,
-                                     int64_t n) {
-  int64_t i = 0;
-#ifdef SLIPSTREAM_HAS_STREAM_STORES
-  while (i < n && (reinterpret_cast<uintptr_t>(dst + i) & 15u) != 0) {
-    dst[i] = src[i];
-    ++i;
-  }
-  for (; i + 8 <= n; i += 8) {
-    _mm_stream_si128(reinterpret_cast<__m128i*>(dst + i),
-                     _mm_loadu_si128(reinterpret_cast<const __m128i*>(src + i)));
-  }
-#endif
-  for (; i < n; ++i) dst[i] = src[i];
-}
-
-SLIPSTREAM_INLINE void store_fence() {
-#ifdef SLIPSTREAM_HAS_STREAM_STORES
-  _mm_sfence();  // non-temporal stores are weakly ordered: publish them before returning
-#endif
-}
-
-// The copy-back, after the span's update (64 KiB of fp32, still in L2): converted a block at a
-// time into L1 by a simple loop the compiler vectorises reliably (one extra 16-bit store stream
-// inside the optimizer loop can make it give up on the whole loop), then streamed out with
-// non-temporal stores. fp16 goes through _Float16 / c10::Half conversions, which vectorise only
-// on CPUs with AVX-512 FP16, so fp16 copies are slower than bf16 ones. Callers fence.
-constexpr int64_t kCopyBlock = 1024;
-
+// The copy-back as a second, simple loop over the span just updated (64 KiB of fp32, still in
+// L2): the compiler vectorises this loop reliably, where one extra 16-bit store stream inside
+// the optimizer loop can make it give up on the whole loop. fp16 goes through _Float16 /
+// c10::Half conversions, which vectorise only on CPUs with AVX-512 FP16, so fp16 copies are
+// slower than bf16 ones.
 template <Kind C>
 SLIPSTREAM_INLINE void copy_span(const float* __restrict p, Storage<C>* __restrict copy, int64_t n) {
-  if constexpr (C == Kind::kF32) {
-    stream_floats(copy, p, n);
-  } else if constexpr (C != Kind::kNone) {
-    alignas(64) uint16_t block[kCopyBlock];
-    for (int64_t start = 0; start < n; start += kCopyBlock) {
-      const int64_t len = std::min(kCopyBlock, n - start);
-      const float* __restrict src = p + start;
+  if constexpr (C != Kind::kNone) {
 #pragma omp simd
-      for (int64_t i = 0; i < len; ++i) store<C>(block, i, src[i]);
-      stream_halves(copy + start, block, len);
-    }
+    for (int64_t i = 0; i < n; ++i) store<C>(copy, i, p[i]);
   }
 }
 
@@ -223,6 +171,29 @@ struct Span {
   float* state2_out = nullptr;
 };
 
+// Writes n floats from src (in L1) to dst with non-temporal stores where the CPU has them:
+// an out-of-place update's destinations are not in cache, and ordinary stores would first read
+// every destination line from memory (read-for-ownership), 12 more bytes per element for a
+// step that is bound by memory bandwidth. Callers fence once per span (store_fence).
+SLIPSTREAM_INLINE void stream_floats(float* __restrict dst, const float* __restrict src,
+                                     int64_t n) {
+  int64_t i = 0;
+#ifdef SLIPSTREAM_HAS_STREAM_STORES
+  while (i < n && (reinterpret_cast<uintptr_t>(dst + i) & 15u) != 0) {
+    dst[i] = src[i];
+    ++i;
+  }
+  for (; i + 4 <= n; i += 4) _mm_stream_ps(dst + i, _mm_loadu_ps(src + i));
+#endif
+  for (; i < n; ++i) dst[i] = src[i];
+}
+
+SLIPSTREAM_INLINE void store_fence() {
+#ifdef SLIPSTREAM_HAS_STREAM_STORES
+  _mm_sfence();  // non-temporal stores are weakly ordered: publish them before returning
+#endif
+}
+
 template <Kind G, Kind C>
 SLIPSTREAM_INLINE void adam_span(const Span& s, const AdamArgs& a) {
   float* __restrict p = s.param;
@@ -245,7 +216,6 @@ SLIPSTREAM_INLINE void adam_span(const Span& s, const AdamArgs& a) {
     p[i] = w;
   }
   copy_span<C>(p, copy, s.length);
-  if constexpr (C != Kind::kNone) store_fence();
 }
 
 // Out of place: the same arithmetic as adam_span, a block at a time into L1 buffers that are
@@ -303,7 +273,6 @@ SLIPSTREAM_INLINE void adagrad_span(const Span& s, const AdagradArgs& a) {
     p[i] = w;
   }
   copy_span<C>(p, copy, s.length);
-  if constexpr (C != Kind::kNone) store_fence();
 }
 
 template <Kind G, Kind C>
@@ -323,7 +292,6 @@ SLIPSTREAM_INLINE void lion_span(const Span& s, const LionArgs& a) {
     p[i] = w;
   }
   copy_span<C>(p, copy, s.length);
-  if constexpr (C != Kind::kNone) store_fence();
 }
 
 // Picks the template instance for a span's (grad kind, copy kind): 3 x 4 combinations.
