@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import logging
 import math
 from collections.abc import Sequence
 
@@ -17,6 +18,8 @@ from slipstream.zero.param_gather import gather_bucket, plan_gather_buckets
 from slipstream.zero.settings import ZeroSettings
 
 __all__ = ["ShardedOptimizerStates"]
+
+logger = logging.getLogger(__name__)
 
 
 class ShardedOptimizerStates:
@@ -151,6 +154,8 @@ class ShardedOptimizerStates:
         # Offload: a bf16 reduction stays bf16 on its way to the CPU step (one reduction per
         # step; accumulated ones are summed in fp32 as before).
         self.reducer.land_low_precision = step is not None and step.reads_low_precision_grads
+        if step is not None and self.group.rank == 0:
+            self._say_gradient_dtype()
         # The buckets that stepped during backward were published in finish().
         self._eager_published = False
         if step is not None and during_backward:
@@ -168,6 +173,18 @@ class ShardedOptimizerStates:
             p.register_post_accumulate_grad_hook(lambda p, i=i: self._on_grad(i))  # type: ignore[misc]
             for i, p in enumerate(self.params)
         ]
+
+    def _say_gradient_dtype(self) -> None:
+        """Offload: log the dtype gradients travel to the host in (and how to halve it)."""
+        dtype = self.reducer.dtype
+        if dtype == torch.bfloat16 and self.reducer.land_low_precision:
+            logger.info("optimizer offload: gradients are reduced and sent to the host in bf16")
+        elif dtype == torch.float32 and any(p.dtype == torch.bfloat16 for p in self.params):
+            logger.info(
+                "optimizer offload: gradients are reduced and sent to the host in fp32 (the "
+                'default); "communication_data_type": "bf16" (DeepSpeed\'s default under bf16) '
+                "halves those bytes, which the CPU step is bound by"
+            )
 
     # ------------------------------------------------------------------ gradient path
     def _grad_of(self, index: int) -> torch.Tensor | None:
