@@ -104,7 +104,9 @@ def estimate_offload(
 
     Host (``device="cpu"``): fp32 masters, optimizer states and fp32 gradients of this rank's
     shard, plus the model-dtype staging copy of the shard (or, with ``offload_param``, the
-    shard itself): ``(4 + k + 4 + d)·Ψ/N``. With ``device="nvme"`` the masters and states
+    shard itself): ``(4 + k + 4 + d)·Ψ/N`` (an upper bound with ``communication_data_type``
+    bf16 and one reduction per step, whose gradients stay bf16 on the host: ``2·Ψ/N`` less).
+    With ``device="nvme"`` the masters and states
     ``(4 + k)·Ψ/N`` go to disk instead (the sub-groups in flight come back to host memory).
     With ``param_device="nvme"`` (``offload_param.device: "nvme"``) the model-dtype shards
     ``d·Ψ/N`` of the ``offload_param`` row are on disk too (the shards being gathered, read
