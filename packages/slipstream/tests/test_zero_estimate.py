@@ -71,6 +71,8 @@ def test_estimate_cli(capsys: pytest.CaptureFixture[str]) -> None:
     out = capsys.readouterr().out
     assert "1.311 B parameters, 2 data-parallel rank(s)" in out
     assert out.count("\n") >= 6 and "activations per rank" in out
+    # 2 bytes per parameter of this rank's shard: 1.311e9 * 2 / 2 ranks = 1.22 GiB.
+    assert "accumulation): - 1.22 GiB host per rank" in out
     assert main(["estimate"]) == 2
 
 

@@ -245,6 +245,13 @@ def format_estimate(
         f"  stages 1-2 on the CPU with gradient_clipping: + {spares / gib:.2f} GiB host per rank "
         "for the speculative step's spare buffers (SLIPSTREAM_OFFLOAD_SPECULATE=0: none)"
     )
+    if param_bytes == 2:
+        saved = 2 * float(num_params) / world_size
+        lines.append(
+            f"  stages 1-2 with communication_data_type bf16 (at stage 2 without gradient "
+            f"accumulation): "
+            f"- {saved / gib:.2f} GiB host per rank (the gradients land in bf16)"
+        )
     if activations is not None:
         lines.append(
             f"activations per rank: {activations.total / gib:.2f} GiB "
