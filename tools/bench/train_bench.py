@@ -77,6 +77,8 @@ def _offload_blocks(args: argparse.Namespace) -> dict[str, Any]:
     blocks: dict[str, Any] = {}
     if args.offload == "cpu":
         blocks["offload_optimizer"] = {"device": "cpu", "pin_memory": True}
+        if args.offload_ratio != 1.0:
+            blocks["offload_optimizer"]["ratio"] = args.offload_ratio
     elif args.offload == "nvme":
         blocks["offload_optimizer"] = {
             "device": "nvme",
@@ -199,6 +201,13 @@ def main(argv: list[str] | None = None) -> int:
         default="none",
         help="stage 3: where the parameter shards live",
     )
+    parser.add_argument(
+        "--offload-ratio",
+        type=float,
+        default=1.0,
+        help="--offload cpu: offload_optimizer.ratio (the share of the optimizer offloaded; "
+        "the first parameters' masters and states stay on the GPU)",
+    )
     parser.add_argument("--nvme-path", type=Path, default=Path("/tmp/slipstream-nvme"))
     parser.add_argument("--clip", type=float, default=1.0, help="gradient_clipping (0: off)")
     parser.add_argument(
@@ -267,7 +276,8 @@ def main(argv: list[str] | None = None) -> int:
         + (f"+{args.offload}" if args.offload != "none" else "")
         + {"none": "", "cpu": "+param", "nvme": "+nvmeparam"}[args.offload_param]
         + ("+noclip" if args.clip == 0 else "")
-        + (f"+{args.comm_dtype}comm" if args.comm_dtype else ""),
+        + (f"+{args.comm_dtype}comm" if args.comm_dtype else "")
+        + (f"+ratio{args.offload_ratio:g}" if args.offload_ratio != 1.0 else ""),
         "model": args.model,
         "params": params,
         "micro": args.micro,

@@ -96,6 +96,40 @@ def test_rejects_device_or_low_precision_params() -> None:
         HostOptimizer(torch.optim.AdamW(params), OptimizerOffload(), announce=False)
 
 
+@pytest.mark.parametrize("name", ["adamw", "sgd"])  # one group: the same lr for the rest
+def test_steps_only_the_params_it_is_given(name: str) -> None:
+    # Partial offload: the optimizer holds every master, the host step only the offloaded ones
+    # (a parameter left out keeps its value and state, whatever its .grad says).
+    reference = _params(0)
+    offloaded = [torch.nn.Parameter(p.detach().clone()) for p in reference]
+    ref_opt = FACTORIES[name](reference[1:])
+    opt = FACTORIES[name](offloaded)
+    host = HostOptimizer(opt, OptimizerOffload(sub_group_numel=10), announce=False,
+                         params=offloaded[1:])  # fmt: skip
+    assert [id(p) for p in host.params] == [id(p) for p in offloaded[1:]]
+    assert sum(len(chunk) for chunk in host.sub_groups) == len(SHAPES) - 1
+    before = offloaded[0].detach().clone()
+    for step in range(3):
+        _grads(reference, step)
+        _grads(offloaded, step)
+        ref_opt.step()
+        host.step()
+        for r, o in zip(reference[1:], offloaded[1:]):
+            torch.testing.assert_close(o, r, rtol=1e-6, atol=1e-6)
+    assert torch.equal(offloaded[0], before) and not opt.state[offloaded[0]]
+    assert host.spare_bytes() == 12 * sum(p.numel() for p in offloaded[1:])
+    with pytest.raises(ValueError, match="parameters of the optimizer"):
+        HostOptimizer(opt, OptimizerOffload(), announce=False, params=[torch.zeros(2)])
+
+
+def test_partial_offload_settings_are_checked() -> None:
+    assert OptimizerOffload(ratio=0.3).ratio == 0.3
+    with pytest.raises(ValueError, match="must be in"):
+        OptimizerOffload(ratio=1.5)
+    with pytest.raises(ValueError, match="needs device='cpu'"):
+        OptimizerOffload(device="nvme", nvme_path="/tmp", ratio=0.5)
+
+
 def test_thread_choice(monkeypatch: pytest.MonkeyPatch) -> None:
     from slipstream.offload.threads import THREADS_ENV, choose_threads
 

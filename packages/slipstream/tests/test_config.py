@@ -370,7 +370,10 @@ def test_zenflow_is_not_implemented() -> None:
             ConfigError,
         ),
         (
-            {"stage": 2, "offload_optimizer": {"device": "cpu", "ratio": 0.5}},
+            {
+                "stage": 2,
+                "offload_optimizer": {"device": "nvme", "nvme_path": "/tmp", "ratio": 0.5},
+            },
             "offload_optimizer.ratio",
             NotImplementedFeatureError,
         ),
@@ -387,6 +390,16 @@ def test_offload_settings_that_cannot_run_name_the_key(
     with pytest.raises(error) as info:
         load({"zero_optimization": zero})
     assert info.value.path == f"zero_optimization.{key}"  # type: ignore[attr-defined]
+
+
+def test_partial_offload_ratio_reaches_the_offload_settings() -> None:
+    pytest.importorskip("slipstream.offload")
+    from slipstream.runtime.zero_setup import zero_settings
+
+    block = {"stage": 2, "offload_optimizer": {"device": "cpu", "ratio": 0.25}}
+    settings = zero_settings(load({"zero_optimization": block}))
+    assert settings.offload_optimizer is not None
+    assert settings.offload_optimizer.ratio == 0.25
 
 
 def test_offload_blocks_and_the_deprecated_switches_are_read() -> None:

@@ -45,6 +45,8 @@ def _run(stage: int, gas: int, land_low: bool, speculate: bool, device: str, tmp
         [{"params": decay, "weight_decay": 0.1}, {"params": other, "lr": 0.02}], lr=0.01
     )
     offload: dict = {"device": device, "pin_memory": torch.cuda.is_available()}
+    if device == "cpu-partial":  # the first parameters' masters stay with the model
+        offload.update(device="cpu", ratio=0.5)
     if device == "nvme":
         offload["nvme_path"] = os.path.join(tmp, f"land-{int(land_low)}")
         os.makedirs(offload["nvme_path"], exist_ok=True)
@@ -74,6 +76,8 @@ def _run(stage: int, gas: int, land_low: bool, speculate: bool, device: str, tmp
             engine.backward(engine(ids[mine], labels[mine]))
             if micro == gas - 1:  # what the step is about to read
                 landed.append(sorted({str(g.dtype) for g in masters.landed.values()}))
+                # Only offloaded masters' gradients land on the host.
+                assert all(masters.offloaded[i] for i in masters.landed)
             engine.step()
         norms.append(float(engine.get_global_grad_norm()))
         state = engine.optimizer.state
@@ -118,6 +122,7 @@ def _side_by_side(stage: int, gas: int, speculate: bool, device: str, tmp: str) 
         (1, 2, 2, True, "cpu"),
         (2, 1, 2, False, "cpu"),
         (2, 2, 1, False, "nvme"),
+        (2, 2, 1, True, "cpu-partial"),
     ],
 )
 def test_bf16_reduction_lands_in_bf16_and_steps_bit_for_bit(

@@ -74,6 +74,9 @@ def _side_by_side(stage: int, precision: str, offload: dict, optimizer_name: str
         norm_diffs.append(worst_norm)
     norms = [float(e.get_global_grad_norm()) for e in engines]
     masters_on_host = all(m.device.type == "cpu" for m in offloaded.zero.masters.masters)
+    flags = list(offloaded.zero.masters.offloaded)
+    host_step = offloaded.zero.optimizer.offload.host
+    stepped_on_host = {id(p) for p in host_step.params}
     eager = bool(offloaded.zero.optimizer.offload.eager)
     store = offloaded._stage3.store if offloaded._stage3 is not None else None
     swapped = sum(store.is_swapped(t) for t in store.tensors()) if store is not None else -1
@@ -84,6 +87,10 @@ def _side_by_side(stage: int, precision: str, offload: dict, optimizer_name: str
         "norms": norms,
         "host": masters_on_host,
         "eager": eager,
+        "offloaded": flags,
+        # Partial offload: the host step takes exactly the offloaded masters.
+        "host_step_matches": stepped_on_host
+        == {id(m) for m, out in zip(offloaded.zero.masters.masters, flags) if out},
     }
 
 
@@ -139,6 +146,21 @@ CASES = [
             "offload_param": {**_NVME_PARAMS, "max_in_cpu": 1000},
         },
     ),
+    # Partial offload (ratio): the first parameters keep their masters and states with the
+    # model and step there after backward; the rest as above (speculative step under
+    # clipping with AdamW, overlap_step without clipping, the step after backward with SGD).
+    (1, 2, {"offload_optimizer": {"device": "cpu", "ratio": 0.5}}),
+    (2, 1, {"offload_optimizer": {"device": "cpu", "ratio": 0.5}}),
+    (2, 2, {"offload_optimizer": {"device": "cpu", "ratio": 0.5}}),
+    (2, 2, {"offload_optimizer": {"device": "cpu", "ratio": 0.7}, "allgather_bucket_size": 500}),
+    (2, 2, {"offload_optimizer": {"device": "cpu", "ratio": 0.5}, "_clip": 0.0}),
+    (2, 2, {"offload_optimizer": {"device": "cpu", "ratio": 0.0}}),
+    (3, 2, {"offload_optimizer": {"device": "cpu", "ratio": 0.5}}),
+    (
+        3,
+        2,
+        {"offload_optimizer": {"device": "cpu", "ratio": 0.5}, "offload_param": {"device": "cpu"}},
+    ),
 ]
 
 
@@ -156,6 +178,8 @@ def _ids() -> list[str]:  # unique (checked below)
             parts.append("pipelined")
         if extra.get("offload_param", {}).get("max_in_cpu"):
             parts.append("max-in-cpu")
+        if "ratio" in extra.get("offload_optimizer", {}):
+            parts.append(f"ratio{extra['offload_optimizer']['ratio']}")
         out.append("-".join(parts))
     return out
 
@@ -191,7 +215,16 @@ def test_offload_matches_the_same_run_without_it_fp32(
     results = run_distributed(
         _side_by_side, world, stage, "fp32", extra, optimizer_name, timeout=300
     )
+    ratio = extra.get("offload_optimizer", {}).get("ratio", 1.0)
     for result in results:
+        flags = result["offloaded"]
+        assert result["host_step_matches"]
+        if ratio == 1.0:
+            assert all(flags)
+        else:  # a leading run of masters stays with the model, the rest is offloaded
+            kept = flags.index(True) if True in flags else len(flags)
+            assert kept > 0 and not any(flags[:kept]) and all(flags[kept:]), flags
+            assert (ratio == 0.0) == (kept == len(flags)), flags
         assert result["host"]
         assert result["eager"] == eager
         if extra.get("offload_param", {}).get("device") == "nvme":
@@ -459,3 +492,89 @@ def test_destroy_removes_the_swap_files_and_refuses_further_use(tmp_path) -> Non
     assert result["after"] == []
     assert len(result["errors"]) == 3
     assert all("engine.destroy()" in e for e in result["errors"])
+
+
+def _partial_offload_checkpoint(checkpoint_dir: str) -> dict:
+    """Partial offload: a checkpoint round trip, and the same checkpoint under another ratio."""
+    import slipstream
+    from slipstream import comm
+    from slipstream.zero.testing import TinyTransformer, batch_for
+
+    world, rank = comm.get_world_size(), comm.get_rank()
+
+    def build(ratio: float) -> object:
+        torch.manual_seed(0)
+        model = TinyTransformer()
+        config = {
+            "train_micro_batch_size_per_gpu": MICRO,
+            "gradient_clipping": CLIP,
+            "steps_per_print": 1000,
+            "bf16": {"enabled": torch.cuda.is_available()},
+            "zero_optimization": {
+                "stage": 2,
+                "reduce_bucket_size": 600,
+                "offload_optimizer": {"device": "cpu", "ratio": ratio},
+            },
+        }
+        optimizer = torch.optim.AdamW(model.parameters(), lr=0.01)
+        return slipstream.initialize(model=model, optimizer=optimizer, config=config)[0]
+
+    def train(engine, steps: range) -> None:
+        device = next(engine.module.parameters()).device
+        for step in steps:
+            ids, labels = (t.to(device) for t in batch_for(step, 0, MICRO * world))
+            mine = slice(rank * MICRO, (rank + 1) * MICRO)
+            engine.backward(engine(ids[mine], labels[mine]))
+            engine.step()
+
+    def weights(engine) -> list[torch.Tensor]:
+        return [p.detach().float().cpu() for p in engine.module.parameters()]
+
+    first = build(0.5)
+    train(first, range(2))
+    first.save_checkpoint(checkpoint_dir, tag="two")
+    train(first, range(2, 4))
+    expected = weights(first)
+    devices = sorted({str(m.device) for m in first.zero.masters.masters})
+
+    resumed = build(0.5)
+    resumed.load_checkpoint(checkpoint_dir, tag="two")
+    train(resumed, range(2, 4))
+    same_ratio_equal = all(torch.equal(a, b) for a, b in zip(weights(resumed), expected))
+
+    # Every state moves to where the other ratio keeps its master (host or device).
+    whole = build(1.0)
+    whole.load_checkpoint(checkpoint_dir, tag="two")
+    moved = all(
+        v.device == m.device
+        for m in whole.zero.masters.masters
+        for v in whole.optimizer.state[m].values()
+        if isinstance(v, torch.Tensor) and v.dim() > 0
+    )
+    train(whole, range(2, 4))
+    worst = max(
+        float((a - b).abs().max() / b.abs().max().clamp_min(1e-12))
+        for a, b in zip(weights(whole), expected)
+    )
+    return {"same": same_ratio_equal, "moved": moved, "worst": worst, "devices": devices}
+
+
+def test_partial_offload_checkpoint_round_trip(tmp_path) -> None:
+    for result in run_distributed(_partial_offload_checkpoint, 2, str(tmp_path), timeout=300):
+        assert result["same"]  # same ratio: bit for bit
+        assert result["moved"]
+        # Full offload steps the formerly kept masters with the C++ Adam instead of torch's.
+        assert result["worst"] <= TOLERANCE["adamw"][0], result["worst"]
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA/ROCm device")
+def test_partial_offload_checkpoint_round_trip_on_gpus(tmp_path) -> None:
+    world = min(2, torch.cuda.device_count())
+    results = run_distributed(
+        _partial_offload_checkpoint, world, str(tmp_path), backend="nccl", timeout=300
+    )
+    for result in results:
+        assert len(result["devices"]) == 2 and result["devices"][0] == "cpu"  # host and GPU
+        assert result["same"] and result["moved"]
+        assert result["worst"] <= 2**-7, result["worst"]  # bf16 weights: one ulp may flip

@@ -29,7 +29,7 @@ CLIPS = [KEEP, KEEP, CLIP, CLIP, KEEP, KEEP, KEEP]
 EXPECTED = {"kept": 4, "discarded": 2, "cancelled": 1, "paused": 1}
 
 
-def _run(stage: int, precision: str, gas: int, speculate: bool) -> dict:
+def _run(stage: int, precision: str, gas: int, speculate: bool, ratio: float = 1.0) -> dict:
     """Train with the CLIPS schedule; every step's weights, masters and states."""
     import slipstream
     from slipstream import comm
@@ -53,7 +53,11 @@ def _run(stage: int, precision: str, gas: int, speculate: bool) -> dict:
             "stage": stage,
             "reduce_bucket_size": 600,  # several buckets, each stepped as it lands
             "allgather_bucket_size": 500,
-            "offload_optimizer": {"device": "cpu", "pin_memory": torch.cuda.is_available()},
+            "offload_optimizer": {
+                "device": "cpu",
+                "pin_memory": torch.cuda.is_available(),
+                "ratio": ratio,  # below 1: the first parameters step on the device
+            },
         },
     }
     if precision == "bf16":
@@ -93,8 +97,9 @@ def _run(stage: int, precision: str, gas: int, speculate: bool) -> dict:
     }
 
 
-def _side_by_side(stage: int, precision: str, gas: int) -> dict:
-    on, off = _run(stage, precision, gas, True), _run(stage, precision, gas, False)
+def _side_by_side(stage: int, precision: str, gas: int, ratio: float = 1.0) -> dict:
+    on = _run(stage, precision, gas, True, ratio)
+    off = _run(stage, precision, gas, False, ratio)
     first_difference = None
     for step, (a, b) in enumerate(zip(on["snapshots"], off["snapshots"])):
         if len(a) != len(b) or not all(torch.equal(x, y) for x, y in zip(a, b)):
@@ -108,11 +113,20 @@ def _side_by_side(stage: int, precision: str, gas: int) -> dict:
 
 
 @pytest.mark.parametrize(
-    ("stage", "world", "precision", "gas"),
-    [(2, 1, "fp32", 2), (2, 2, "fp32", 1), (1, 2, "bf16", 2), (2, 4, "bf16", 1)],
+    ("stage", "world", "precision", "gas", "ratio"),
+    [
+        (2, 1, "fp32", 2, 1.0),
+        (2, 2, "fp32", 1, 1.0),
+        (1, 2, "bf16", 2, 1.0),
+        (2, 4, "bf16", 1, 1.0),
+        # Partial offload: the masters kept on the device step after backward whether the
+        # speculative step is kept or not, and are published then.
+        (2, 2, "fp32", 1, 0.5),
+        (1, 2, "bf16", 2, 0.6),
+    ],
 )
-def test_speculative_step_is_the_step_bit_for_bit(stage, world, precision, gas) -> None:
-    results = run_distributed(_side_by_side, world, stage, precision, gas, timeout=300)
+def test_speculative_step_is_the_step_bit_for_bit(stage, world, precision, gas, ratio) -> None:
+    results = run_distributed(_side_by_side, world, stage, precision, gas, ratio, timeout=300)
     expected = dict(EXPECTED, cancelled=0 if stage == 2 and gas > 1 else 1)
     for result in results:
         assert result["on"]["speculative"] and not result["on"]["eager"]
@@ -179,12 +193,15 @@ def test_zero_grad_after_a_speculative_backward_restores_the_weights(precision) 
 
 @pytest.mark.gpu
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA/ROCm device")
-@pytest.mark.parametrize("stage", [1, 2])
-def test_speculative_step_is_the_step_bit_for_bit_on_gpus(stage) -> None:
+@pytest.mark.parametrize(("stage", "ratio"), [(1, 1.0), (2, 1.0), (2, 0.5)])
+def test_speculative_step_is_the_step_bit_for_bit_on_gpus(stage, ratio) -> None:
     # The buckets land through pinned memory on a side stream and step on the CPU worker
-    # while backward goes on; each published bucket is uploaded during backward.
+    # while backward goes on; each published bucket is uploaded during backward. With
+    # ratio 0.5 the first half of the parameters steps on the GPU after backward.
     world = min(2, torch.cuda.device_count())
-    results = run_distributed(_side_by_side, world, stage, "bf16", 1, backend="nccl", timeout=300)
+    results = run_distributed(
+        _side_by_side, world, stage, "bf16", 1, ratio, backend="nccl", timeout=300
+    )
     for result in results:
         assert result["on"]["speculative"]
         assert result["on"]["stats"] == EXPECTED

@@ -17,6 +17,7 @@ from slipstream.zero import (
     sharded_state_of,
 )
 from slipstream.zero.grad_reduce import plan_buckets
+from slipstream.zero.param_gather import plan_gather_buckets
 from slipstream.zero.stage3 import ShardState
 from slipstream.zero.testing import TinyTransformer, batch_for
 
@@ -46,6 +47,27 @@ def test_buckets_respect_the_size_and_run_in_reverse_order() -> None:
     assert plan_buckets(specs, 24) == [[3], [2], [1, 0]]  # 30 > 24 travels alone
     assert plan_buckets(specs, 40) == [[3, 2], [1, 0]]
     assert plan_buckets(specs, 1) == [[3], [2], [1], [0]]
+
+
+def test_buckets_keep_offloaded_and_device_masters_apart() -> None:
+    specs = [ShardSpec(torch.Size([n]), 2) for n in (10, 10, 30, 4)]
+    apart = [False, False, True, True]
+    assert plan_buckets(specs, 100, apart) == [[3, 2], [1, 0]]
+    assert plan_gather_buckets(specs, 100, apart) == [[0, 1], [2, 3]]
+    assert plan_gather_buckets(specs, 100) == [[0, 1, 2, 3]]
+
+
+def test_partial_offload_keeps_a_leading_share_on_the_device() -> None:
+    pytest.importorskip("slipstream.offload")
+    from slipstream.zero.offload import offloaded_flags
+
+    numels = [10, 20, 30, 40]
+    assert offloaded_flags(numels, 1.0) == [True] * 4
+    assert offloaded_flags(numels, 0.0) == [False] * 4
+    assert offloaded_flags(numels, 0.7) == [False, False, True, True]  # 30 of 100 stay
+    assert offloaded_flags(numels, 0.75) == [False, True, True, True]  # 25: only the first
+    assert offloaded_flags([50, 1, 49], 0.5) == [False, True, True]  # a prefix, no gaps
+    assert offloaded_flags([0, 5], 1.0) == [True, True]
 
 
 def test_settings_reject_bad_values() -> None:

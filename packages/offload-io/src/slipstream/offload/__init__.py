@@ -24,7 +24,7 @@ from slipstream.offload.aio.errors import (
     SwapFileCorruptError,
     SwapPathError,
 )
-from slipstream.offload.host_optimizer import HostOptimizer, kernel_for
+from slipstream.offload.host_optimizer import HostOptimizer, kernel_for, step_subset
 from slipstream.offload.nvme import NvmeStateSwapper
 from slipstream.offload.param_swap import ParamSwapStore
 from slipstream.offload.pinned import PinnedBufferPool, aligned_empty
@@ -52,4 +52,5 @@ __all__ = [
     "aligned_empty",
     "choose_threads",
     "kernel_for",
+    "step_subset",
 ]

@@ -32,7 +32,7 @@ import torch
 from slipstream.offload.settings import OptimizerOffload
 from slipstream.offload.threads import choose_threads
 
-__all__ = ["HostOptimizer", "StateSwapper", "kernel_for"]
+__all__ = ["HostOptimizer", "StateSwapper", "kernel_for", "step_subset"]
 
 logger = logging.getLogger(__name__)
 
@@ -81,6 +81,21 @@ def kernel_for(optimizer: torch.optim.Optimizer) -> tuple[str | None, str]:
     return None, f"{name} has no C++ step (Adam, AdamW, Adagrad and Lion do)"
 
 
+def step_subset(optimizer: torch.optim.Optimizer, params: Sequence[torch.Tensor]) -> None:
+    """Run ``optimizer``'s own ``step()`` over ``params`` alone (a subset of its parameters):
+    each group is narrowed to its members among them for one call, then restored."""
+    chosen = {id(p) for p in params}
+    groups = optimizer.param_groups
+    saved = [group["params"] for group in groups]
+    for group in groups:
+        group["params"] = [p for p in group["params"] if id(p) in chosen]
+    try:
+        optimizer.step()
+    finally:
+        for group, members in zip(groups, saved):
+            group["params"] = members
+
+
 def _chunks(params: Sequence[torch.Tensor], limit: int) -> list[list[torch.Tensor]]:
     chunks: list[list[torch.Tensor]] = []
     current: list[torch.Tensor] = []
@@ -110,6 +125,8 @@ class HostOptimizer:
         grad_of: where a parameter's gradient is (default: its ``.grad``); ZeRO-Offload keeps
             gradients that landed in bf16 beside the fp32 masters. Only the C++ steps read
             such gradients; the fallback needs them as ``.grad``.
+        params: the optimizer's parameters this steps (default: all of them). Partial
+            offload leaves the others on the GPU, where the optimizer's own step updates them.
     """
 
     def __init__(
@@ -122,19 +139,27 @@ class HostOptimizer:
         announce: bool = True,
         allocate: Callable[[torch.Size], torch.Tensor] | None = None,
         grad_of: Callable[[torch.Tensor], torch.Tensor | None] | None = None,
+        params: Sequence[torch.Tensor] | None = None,
     ) -> None:
         self.optimizer = optimizer
         self._grad_of = grad_of or (lambda param: param.grad)
         self.settings = settings
         self.copies = dict(copies or {})
         self.swapper = swapper
-        for group in optimizer.param_groups:
-            for param in group["params"]:
-                if param.device.type != "cpu" or param.dtype != torch.float32:
-                    raise ValueError(
-                        "HostOptimizer steps fp32 CPU tensors; got a parameter of dtype "
-                        f"{param.dtype} on {param.device}"
-                    )
+        every = [p for group in optimizer.param_groups for p in group["params"]]
+        if params is None:
+            self.params = every
+        else:
+            chosen = {id(p) for p in params}
+            self.params = [p for p in every if id(p) in chosen]  # in the optimizer's order
+            if len(self.params) != len(chosen):
+                raise ValueError("HostOptimizer params must be parameters of the optimizer")
+        for param in self.params:
+            if param.device.type != "cpu" or param.dtype != torch.float32:
+                raise ValueError(
+                    "HostOptimizer steps fp32 CPU tensors; got a parameter of dtype "
+                    f"{param.dtype} on {param.device}"
+                )
         self.kernel, why = kernel_for(optimizer)
         if self.kernel is not None:
             try:
@@ -162,8 +187,7 @@ class HostOptimizer:
             for index, group in enumerate(optimizer.param_groups)
             for p in group["params"]
         }
-        ordered = [p for group in optimizer.param_groups for p in group["params"]]
-        self.sub_groups = _chunks(ordered, settings.sub_group_numel)
+        self.sub_groups = _chunks(self.params, settings.sub_group_numel)
         # Speculative steps: the spare master (from ``allocate``, e.g. pinned like the masters)
         # and spare states of each parameter, allocated on its first speculative step and
         # alternating with the live ones; what the pending speculative updates assumed.
@@ -228,14 +252,13 @@ class HostOptimizer:
 
     def spare_bytes(self) -> int:
         """Host memory the spare buffers of speculative steps take (12 bytes per element)."""
-        return 12 * sum(p.numel() for group in self.optimizer.param_groups for p in group["params"])
+        return 12 * sum(p.numel() for p in self.params)
 
     def reserve_spares(self) -> None:
         """Allocate every parameter's spare buffers now (else on its first speculative step,
         on whichever thread takes it)."""
-        for group in self.optimizer.param_groups:
-            for param in group["params"]:
-                self._spare_of(param)
+        for param in self.params:
+            self._spare_of(param)
 
     def _spare_of(self, param: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         spare = self._spares.get(id(param))
@@ -342,14 +365,13 @@ class HostOptimizer:
         pending, self._speculated = self._speculated, {}
         state = self.optimizer.state
         with_grad = 0
-        for group in self.optimizer.param_groups:
-            for param in group["params"]:
-                if self._grad_of(param) is None:
-                    continue
-                with_grad += 1
-                taken = pending.get(id(param))
-                if taken is None or taken.assumed != self._assumed(param, grad_scale):
-                    return False
+        for param in self.params:
+            if self._grad_of(param) is None:
+                continue
+            with_grad += 1
+            taken = pending.get(id(param))
+            if taken is None or taken.assumed != self._assumed(param, grad_scale):
+                return False
         if not pending or with_grad != len(pending):
             return False
         for taken in pending.values():
@@ -370,7 +392,7 @@ class HostOptimizer:
 
     def refresh_copies(self) -> None:
         """Rewrite every model-dtype copy from its master (after a discarded speculation)."""
-        self._refresh([p for group in self.optimizer.param_groups for p in group["params"]])
+        self._refresh(self.params)
 
     def _refresh(self, params: Sequence[torch.Tensor]) -> None:
         for param in params:
@@ -389,15 +411,7 @@ class HostOptimizer:
             )
         if scale != 1.0 and members:
             torch._foreach_mul_(self._grads(members), scale)
-        groups = self.optimizer.param_groups
-        saved = [group["params"] for group in groups]
-        for index, group in enumerate(groups):
-            group["params"] = by_group.get(index, [])
-        try:
-            self.optimizer.step()
-        finally:
-            for group, params in zip(groups, saved):
-                group["params"] = params
+        step_subset(self.optimizer, members)
         self._refresh(members)
 
     def _split_by_copy(

@@ -56,6 +56,12 @@ class OptimizerOffload:
             says nothing is clipped (it is then exactly the step), else discard it and step
             after backward. Needs the C++ Adam/AdamW and 12 spare bytes of host memory per
             parameter; not with fp16 loss scaling.
+        ratio: the share of the optimizer's elements (masters, their gradients and states)
+            that is offloaded (``offload_optimizer.ratio``, DeepSpeed's partial offload); the
+            rest stays on the GPU and steps there, with the GPU's optimizer, after backward.
+            The parameters kept on the GPU are the model's first ones (in parameter order):
+            their gradients are the last to arrive in backward, so the CPU no longer steps
+            them after it. 1.0 (the default) offloads everything. Not with ``device="nvme"``.
     """
 
     device: Device = "cpu"
@@ -70,9 +76,17 @@ class OptimizerOffload:
     aio: AioSettings | None = None
     overlap_step: bool = False
     speculative_step: bool = False
+    ratio: float = 1.0
 
     def __post_init__(self) -> None:
         _check_device("offload_optimizer", self.device, self.nvme_path)
+        if not 0.0 <= self.ratio <= 1.0:
+            raise ValueError(f"offload_optimizer.ratio={self.ratio} must be in [0, 1]")
+        if self.ratio < 1.0 and self.device != "cpu":
+            raise ValueError(
+                f"offload_optimizer.ratio={self.ratio} (partial offload) needs device='cpu'; "
+                "NVMe offload swaps every state (set ratio to 1.0)"
+            )
         for name in ("overlap_step", "speculative_step"):
             if getattr(self, name) and self.device != "cpu":
                 raise ValueError(

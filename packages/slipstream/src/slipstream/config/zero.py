@@ -272,13 +272,13 @@ class ZeroConfig(ConfigBlock):
                     "for the swap files",
                     key_path(where, "nvme_path"),
                 )
-            if optimizer.ratio != 1.0:
+            if optimizer.ratio != 1.0 and optimizer.device == "nvme":
                 not_implemented(
                     key_path(where, "ratio"),
                     optimizer.ratio,
-                    "partial optimizer offload (a fraction of the states on the GPU)",
+                    "partial optimizer offload to NVMe (ratio below 1 with device nvme)",
                     "a later release of the slipstream-offload-io package",
-                    "Remove it or set it to 1.0 (offload every state).",
+                    'Set it to 1.0, or use device "cpu" for partial offload.',
                 )
             if optimizer.super_offload:
                 not_implemented(

@@ -110,6 +110,7 @@ def offload_settings(config: SlipstreamConfig) -> tuple[Any, Any]:
             # (docs/offload.md); the stage falls back to stepping after backward where it
             # cannot (no C++ Adam, too little host memory for the spare buffers).
             speculative_step=overlap and config.gradient_clipping > 0 and _env_flag(SPECULATE_ENV),
+            ratio=optimizer.ratio,
         )
     param_settings = None
     if param is not None:

@@ -17,18 +17,23 @@ from slipstream.zero.masters import ShardedMasterWeights
 __all__ = ["GradientReduceScatter", "plan_buckets"]
 
 
-def plan_buckets(specs: Sequence[ShardSpec], bucket_numel: int) -> list[list[int]]:
+def plan_buckets(
+    specs: Sequence[ShardSpec], bucket_numel: int, apart: Sequence[bool] | None = None
+) -> list[list[int]]:
     """Group parameter indices into buckets of at most ``bucket_numel`` (padded) elements.
 
     Filled in reverse parameter order, roughly the order in which backward produces the
-    gradients; a parameter larger than the bucket gets a bucket of its own.
+    gradients; a parameter larger than the bucket gets a bucket of its own. A bucket never
+    holds two parameters whose ``apart`` flags differ (partial offload: masters on the host
+    and on the device).
     """
     buckets: list[list[int]] = []
     current: list[int] = []
     size = 0
     for index in reversed(range(len(specs))):
         numel = specs[index].padded_numel
-        if current and size + numel > bucket_numel:
+        split = apart is not None and bool(current) and apart[current[-1]] != apart[index]
+        if current and (split or size + numel > bucket_numel):
             buckets.append(current)
             current, size = [], 0
         current.append(index)
@@ -61,6 +66,8 @@ class _Bucket:
     squares: torch.Tensor | None = None
     first: bool = True  # this reduction is the first since zero_grad (lands in ``host``)
     job: Any = None  # the eager CPU step of this bucket (a Future), see on_final_bucket
+    to_host: bool = False  # its masters are in host memory (optimizer offload)
+    scaled: bool = False  # reduced, post-scaled (and its squares taken) on the device
 
 
 class GradientReduceScatter:
@@ -110,18 +117,23 @@ class GradientReduceScatter:
         self.prescale = prescale
         self._buckets: list[_Bucket] = []
         self._bucket_of: dict[int, int] = {}
-        for indices in plan_buckets(masters.specs, bucket_numel):
+        # Optimizer offload with a GPU: each bucket's result is post-scaled, its sum of
+        # squares taken and copied to pinned host memory on a side stream as soon as its
+        # reduce-scatter finishes, overlapping the rest of backward. Partial offload: only
+        # the buckets of offloaded masters; the others are added into their masters on the
+        # device, and their squares join the step's norm.
+        self._to_host = masters.on_host
+        for indices in plan_buckets(masters.specs, bucket_numel, masters.offloaded):
             offsets, total = [], 0
             for i in indices:
                 offsets.append(total)
                 total += masters.specs[i].shard_numel
             self._bucket_of.update({i: len(self._buckets) for i in indices})
-            self._buckets.append(_Bucket(indices, offsets, total, pending=len(indices)))
+            to_host = self._to_host and masters.offloaded[indices[0]]
+            self._buckets.append(
+                _Bucket(indices, offsets, total, pending=len(indices), to_host=to_host)
+            )
         self._next = 0
-        # Optimizer offload with a GPU: each bucket's result is post-scaled, its sum of
-        # squares taken and copied to pinned host memory on a side stream as soon as its
-        # reduce-scatter finishes, overlapping the rest of backward.
-        self._to_host = masters.on_host
         self._side: Any = None
         # Offload with an eager step: ``on_final_bucket(run)`` queues ``run`` (hand the
         # landed bucket to the master grads, then step those masters) on the CPU step's
@@ -209,7 +221,7 @@ class GradientReduceScatter:
         bucket.work = self.group.reduce_scatter_into(
             bucket.output, buffer.reshape(-1), async_op=True
         )
-        if self._to_host and buffer.device.type == "cuda":
+        if bucket.to_host and buffer.device.type == "cuda":
             self._copy_to_host_async(bucket)
 
     def _post_scale(self) -> float:
@@ -293,9 +305,12 @@ class GradientReduceScatter:
         while self._next < len(self._buckets):
             self._launch(self._buckets[self._next])
             self._next += 1
-        post = self._post_scale()
         squares: list[torch.Tensor] = []
         first_reduction = True
+        if self._to_host:
+            for bucket in self._buckets:
+                if not bucket.to_host:
+                    self._reduced(bucket)  # partial offload: squares for the norm now
         if self.before_stepped is not None and any(b.job is not None for b in self._buckets):
             # Every bucket is on its way to the host (with a GPU): its squares are queued on
             # the side stream, which the current stream waits for.
@@ -318,13 +333,8 @@ class GradientReduceScatter:
                 first_reduction &= bucket.first
                 self._hand_over(bucket, bucket.target)
             else:
-                if bucket.work is not None:
-                    bucket.work.wait()
-                output = bucket.output
-                assert output is not None
-                if post != 1.0:
-                    output.mul_(post)
-                if self._to_host:
+                output = self._reduced(bucket)
+                if bucket.to_host:
                     squares.append(output.float().pow(2).sum())
                     target = self._host_target(bucket)
                     first_reduction &= bucket.first
@@ -333,11 +343,16 @@ class GradientReduceScatter:
                     if self.on_final_bucket is not None and self.final:
                         deferred.append(list(bucket.indices))
                 else:
+                    if self._to_host:  # partial offload: a bucket of masters on the device
+                        assert bucket.squares is not None
+                        squares.append(bucket.squares)
+                        first_reduction &= bucket.first
                     for index, offset in zip(bucket.indices, bucket.offsets):
                         n = self.masters.specs[index].shard_numel
                         self.masters.add_grad_(index, output[offset : offset + n])
             bucket.buffer = bucket.output = bucket.work = None
             bucket.target = bucket.copied = bucket.squares = bucket.job = None
+            bucket.scaled = False
             bucket.pending = len(bucket.indices)
             bucket.filled.clear()
         self._next = 0
@@ -357,6 +372,26 @@ class GradientReduceScatter:
             self.masters.device_squares = (
                 torch.stack(squares).sum() if first_reduction and squares else None
             )
+
+    def _reduced(self, bucket: _Bucket) -> torch.Tensor:
+        """A bucket reduced on the device: its collective waited for (by the current stream),
+        its result post-scaled, once. Partial offload: for a bucket of masters on the device,
+        also whether this is the first reduction since zero_grad and its sum of squares."""
+        output = bucket.output
+        assert output is not None
+        if bucket.scaled:
+            return output
+        if bucket.work is not None:
+            bucket.work.wait()
+            bucket.work = None
+        post = self._post_scale()
+        if post != 1.0:
+            output.mul_(post)
+        if self._to_host and not bucket.to_host:
+            bucket.first = not self.masters.has_grad(bucket.indices[0])
+            bucket.squares = output.float().pow(2).sum()
+        bucket.scaled = True
+        return output
 
     def _hand_over(self, bucket: _Bucket, target: torch.Tensor) -> None:
         """Make a landed host copy the master grads (views) or add it into them."""

@@ -28,6 +28,9 @@ class ShardedMasterWeights:
     host memory (page-locked with ``pin``, when a GPU is present), together with their
     gradients, which :meth:`add_grad_` then receives from the device. ``share=False`` always
     copies (NVMe offload swaps the masters out, so they must not be the model's shards).
+    ``offloaded`` (partial offload, ``offload_optimizer.ratio``): per parameter, whether its
+    master goes to ``device``; one that does not is an fp32 copy on ``kept_device`` (default:
+    its shard's device, the GPU) and steps there.
 
     Pinned host tensors of the offload path that live for the whole run (masters, the
     gradient landing buffers, staging copies: see :meth:`host_empty`) come from one :class:`~slipstream.zero.host_memory.HostArena`, at
@@ -45,14 +48,27 @@ class ShardedMasterWeights:
         pin: bool = False,
         share: bool = True,
         own_storage: bool = False,
+        offloaded: Sequence[bool] | None = None,
+        kept_device: torch.device | None = None,
     ) -> None:
         self.params = list(params)
         self.specs = list(specs)
         self.masters: list[torch.nn.Parameter] = []
         self.pin = pin and torch.cuda.is_available()
+        moved = device is not None and device.type == "cpu"
+        self.offloaded = list(offloaded) if offloaded is not None else [moved] * len(shards)
+        if len(self.offloaded) != len(shards):
+            raise ValueError(f"offloaded has {len(self.offloaded)} flags for {len(shards)} shards")
         # Masters and their grads, in fp32, are most of what the offload path pins.
-        self.host = HostArena(self.pin, expected_bytes=8 * sum(s.numel() for s in shards))
-        for shard in shards:
+        expected = 8 * sum(s.numel() for s, out in zip(shards, self.offloaded) if out)
+        self.host = HostArena(self.pin, expected_bytes=expected)
+        for shard, out in zip(shards, self.offloaded):
+            if moved and not out:  # partial offload: this master stays on the device
+                where = kept_device if kept_device is not None else shard.device
+                kept = torch.empty(shard.shape, dtype=torch.float32, device=where)
+                kept.copy_(shard.detach())
+                self.masters.append(torch.nn.Parameter(kept, requires_grad=True))
+                continue
             target = device if device is not None else shard.device
             if share and shard.dtype == torch.float32 and shard.device == target and not self.pin:
                 data = shard
@@ -66,7 +82,8 @@ class ShardedMasterWeights:
                 data.copy_(shard.detach())
             self.masters.append(torch.nn.Parameter(data.detach(), requires_grad=True))
         self.index_of = {id(p): i for i, p in enumerate(self.params)}
-        self.on_host = device is not None and device.type == "cpu"
+        # Whether any master is in host memory (optimizer offload).
+        self.on_host = moved and any(self.offloaded)
         # Offload: the global sum of squares of the grads, taken on the device by the reducer
         # while they were a single reduction (None: compute it from the host grads).
         self.device_squares: torch.Tensor | None = None
@@ -127,8 +144,9 @@ class ShardedMasterWeights:
         master = self.masters[index]
         if master.grad is None:
             # Not from the arena: a grad allocated after each zero_grad would grow it forever.
+            pin = self.pin and master.device.type == "cpu"  # not a master kept on the GPU
             grad = torch.empty(
-                master.shape, dtype=torch.float32, device=master.device, pin_memory=self.pin
+                master.shape, dtype=torch.float32, device=master.device, pin_memory=pin
             )
             grad.copy_(shard_grad)
             master.grad = grad

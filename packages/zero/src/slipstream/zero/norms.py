@@ -22,11 +22,14 @@ def global_grad_norm(
     elements of a shard are zero (they are reduced zeros), so they add nothing; a tied
     parameter has one master, so it is counted once.
     """
-    if shard_grads:
-        squares = torch.stack([g.float().pow(2).sum() for g in shard_grads]).sum()
-    else:
-        squares = torch.zeros((), dtype=torch.float32, device=device)
-    squares = squares.to(device)  # host shards (CPU offload): the collective runs on the device
+    by_device: dict[torch.device, list[torch.Tensor]] = {}
+    for grad in shard_grads:
+        by_device.setdefault(grad.device, []).append(grad.float().pow(2).sum())
+    squares = torch.zeros((), dtype=torch.float32, device=device)
+    # Host shards (CPU offload, some or all of them): summed there, the collective runs on
+    # the device.
+    for parts in by_device.values():
+        squares = squares + torch.stack(parts).sum().to(device)
     group.sum_(squares)
     return squares.sqrt()
 

@@ -12,7 +12,7 @@ from __future__ import annotations
 
 import logging
 import os
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from concurrent.futures import Future, ThreadPoolExecutor
 from contextlib import nullcontext
 from typing import TYPE_CHECKING, Any
@@ -30,6 +30,7 @@ __all__ = [
     "SPECULATE_ENV",
     "OffloadedStep",
     "SpeculationStats",
+    "offloaded_flags",
     "require_offload_package",
 ]
 
@@ -117,6 +118,27 @@ OVERLAP_BUCKET_NUMEL = 100_000_000
 _SubGroupHook = Callable[[list[torch.Tensor]], None]
 
 
+def offloaded_flags(numels: Sequence[int], ratio: float) -> list[bool]:
+    """Partial offload (``offload_optimizer.ratio``): per parameter, whether its master and
+    optimizer states go to the host.
+
+    The longest run of leading parameters (in parameter order) whose elements fit in
+    ``1 - ratio`` of the total stays on the device: in backward their gradients arrive last,
+    so stepping them on the GPU removes the tail of the CPU step that nothing overlaps.
+    Every rank gets the same flags (shard sizes are the same on every rank).
+    """
+    if ratio >= 1.0:
+        return [True] * len(numels)
+    keep = (1.0 - ratio) * sum(numels)
+    flags: list[bool] = []
+    kept = 0
+    for numel in numels:
+        stays = (not flags or not flags[-1]) and kept + numel <= keep
+        kept += numel if stays else 0
+        flags.append(not stays)
+    return flags
+
+
 def require_offload_package(what: str) -> Any:
     """Import slipstream.offload, or say which distribution ``what`` needs."""
     try:
@@ -169,6 +191,10 @@ class OffloadedStep:
             rank = torch.distributed.get_rank() if torch.distributed.is_initialized() else 0
             self.space = package.SwapSpace(offload.nvme_path, engine, name="optimizer", rank=rank)
             self.swapper = package.NvmeStateSwapper(optimizer, self.space, offload, names)
+        # Partial offload: masters kept on the device step there, with the optimizer's own
+        # step, after backward (step_device).
+        self._step_subset = package.step_subset
+        self.device_masters = [m for m, out in zip(masters.masters, masters.offloaded) if not out]
         self.host = package.HostOptimizer(
             optimizer,
             offload,
@@ -177,7 +203,23 @@ class OffloadedStep:
             announce=group.rank == 0,
             allocate=lambda shape: masters.host_empty(shape, torch.float32),
             grad_of=masters.grad_of,
+            params=[m for m, out in zip(masters.masters, masters.offloaded) if out],
         )
+        if self.device_masters and group.rank == 0:
+            kept = sum(m.numel() for m in self.device_masters)
+            total = sum(m.numel() for m in masters.masters)
+            logger.info(
+                "partial optimizer offload (ratio %g): the first %d of %d parameters (%.1f%% "
+                "of this rank's %d elements) keep their fp32 masters and optimizer states on "
+                "the %s (about %.2f GiB there with Adam) and step there after backward",
+                offload.ratio,
+                len(self.device_masters),
+                len(masters.masters),
+                100.0 * kept / max(total, 1),
+                total,
+                self.device_masters[0].device.type.upper(),
+                16 * kept / 2**30,
+            )
         self.speculative = speculate and self._speculation_possible(group)
         self.speculation = SpeculationStats()
         # The clip threshold of the last step (the next is assumed to use the same), and
@@ -253,7 +295,8 @@ class OffloadedStep:
         """Step the masters at ``indices`` out of place, as if the clip coefficient were 1
         (nothing, once the speculative step has been called off)."""
         if not self.cancelled:
-            self.host.speculate_params([self.masters.masters[i] for i in indices], 1.0)
+            chosen = [self.masters.masters[i] for i in indices if self.masters.offloaded[i]]
+            self.host.speculate_params(chosen, 1.0)
 
     def cancel_speculation(self) -> None:
         """Call off the current speculative step (the norm needs clipping): buckets not yet
@@ -294,8 +337,21 @@ class OffloadedStep:
         return self._pool.submit(run)
 
     def step_indices(self, indices: list[int], grad_scale: float = 1.0) -> None:
-        """Step the masters at ``indices`` now (``grad_scale`` folded into the gradients)."""
-        self.host.step_params([self.masters.masters[i] for i in indices], grad_scale)
+        """Step the offloaded masters at ``indices`` now (``grad_scale`` folded into the
+        gradients); those kept on the device step in :meth:`step_device`."""
+        chosen = [self.masters.masters[i] for i in indices if self.masters.offloaded[i]]
+        self.host.step_params(chosen, grad_scale)
+
+    def step_device(self, grad_scale: float) -> None:
+        """Partial offload: step the masters kept on the device that have a gradient, with
+        the optimizer's own step, ``grad_scale`` (unscale x clip) multiplied into their
+        gradients first. Every step path runs this before it publishes."""
+        members = [m for m in self.device_masters if m.grad is not None]
+        if not members:
+            return
+        if grad_scale != 1.0:
+            torch._foreach_mul_([m.grad for m in members if m.grad is not None], grad_scale)
+        self._step_subset(self.host.optimizer, members)
 
     def take_eager_steps(self) -> int:
         """How many bucket steps ran since the last call (the reducer waited for them)."""

@@ -158,6 +158,7 @@ class ZeroOptimizer:
                 )
             if self.offload.take_eager_steps() == 0 and grads:
                 self.offload.step(grad_scale=1.0)  # no bucket was marked final: step now
+            self.offload.step_device(1.0)
             self._publish()
             norm = (
                 grad_norm
@@ -166,6 +167,7 @@ class ZeroOptimizer:
             )
             return StepOutcome(overflow=False, grad_norm=norm)
         norm, scale = self._norm_and_scale(grads, loss_scale, max_grad_norm, grad_norm)
+        self.offload.step_device(scale)
         return self._step_after_backward(norm, scale)
 
     def _norm_and_scale(
@@ -201,6 +203,7 @@ class ZeroOptimizer:
         speculated = self.offload.take_eager_steps() > 0
         self.offload.clip_hint = max_grad_norm  # what the next backward checks early
         norm, scale = self._norm_and_scale(grads, loss_scale, max_grad_norm, grad_norm)
+        self.offload.step_device(scale)  # partial offload: before anything publishes
         if speculated:
             if self.offload.settle_speculation(scale):
                 self._publish()  # done bucket by bucket in finish(): nothing left

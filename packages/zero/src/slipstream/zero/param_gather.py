@@ -12,13 +12,17 @@ from slipstream.zero.layout import ShardSpec
 __all__ = ["gather_bucket", "plan_gather_buckets"]
 
 
-def plan_gather_buckets(specs: Sequence[ShardSpec], bucket_numel: int) -> list[list[int]]:
-    """Parameter indices in order, grouped into all-gathers of at most ``bucket_numel`` elements."""
+def plan_gather_buckets(
+    specs: Sequence[ShardSpec], bucket_numel: int, apart: Sequence[bool] | None = None
+) -> list[list[int]]:
+    """Parameter indices in order, grouped into all-gathers of at most ``bucket_numel``
+    elements; a bucket never holds two parameters whose ``apart`` flags differ."""
     buckets: list[list[int]] = []
     current: list[int] = []
     size = 0
     for index, spec in enumerate(specs):
-        if current and size + spec.padded_numel > bucket_numel:
+        split = apart is not None and bool(current) and apart[current[-1]] != apart[index]
+        if current and (split or size + spec.padded_numel > bucket_numel):
             buckets.append(current)
             current, size = [], 0
         current.append(index)

@@ -71,6 +71,11 @@ class ShardedOptimizerStates:
         self.specs = [ShardSpec(p.shape, world) for p in self.params]
         shards = [spec.shard_of(p, rank) for p, spec in zip(self.params, self.specs)]
         offload = settings.offload_optimizer
+        offloaded = None
+        if offload is not None:
+            from slipstream.zero.offload import offloaded_flags
+
+            offloaded = offloaded_flags([s.shard_numel for s in self.specs], offload.ratio)
         self.masters = ShardedMasterWeights(
             self.params,
             self.specs,
@@ -78,6 +83,7 @@ class ShardedOptimizerStates:
             device=torch.device("cpu") if offload is not None else None,
             pin=offload is not None and offload.pin_memory,
             own_storage=offload is not None and offload.device == "nvme",
+            offloaded=offloaded,
         )
         del shards
         self.masters.swap_into(optimizer, strict=strict_optimizer)
@@ -85,6 +91,8 @@ class ShardedOptimizerStates:
         # Offload: the CPU step writes each updated shard in the model's dtype into a host
         # staging buffer (pinned with pin_memory), which the all-gather then uploads.
         self._staging: list[torch.Tensor] | None = None
+        # Partial offload: the indices of the masters kept on the device.
+        self._on_device = {i for i, out in enumerate(self.masters.offloaded) if not out}
         step = None
         pipelined = None
         if offload is not None:
@@ -98,13 +106,20 @@ class ShardedOptimizerStates:
 
             # Staged in the model's dtype; an fp32 model on CPU offload publishes the masters
             # themselves, but NVMe swaps them out after the step, before the all-gather.
+            # A master kept on the device (partial offload) publishes itself.
             copies: dict[int, torch.Tensor] = {}
             if offload.device == "nvme" or any(p.dtype != torch.float32 for p in self.params):
                 self._staging = [
-                    self.masters.host_empty(m.shape, p.dtype)
-                    for m, p in zip(self.masters.masters, self.params)
+                    self.masters.host_empty(m.shape, p.dtype) if out else m
+                    for m, p, out in zip(self.masters.masters, self.params, self.masters.offloaded)
                 ]
-                copies = {id(m): c for m, c in zip(self.masters.masters, self._staging)}
+                copies = {
+                    id(m): c
+                    for m, c, out in zip(
+                        self.masters.masters, self._staging, self.masters.offloaded
+                    )
+                    if out
+                }
             step = OffloadedStep(
                 optimizer,
                 self.masters,
@@ -116,7 +131,9 @@ class ShardedOptimizerStates:
             if offload.device == "cpu" and not step.eager:
                 pipelined = self._step_and_publish
         self._offload_step = step
-        self._gather_plan = plan_gather_buckets(self.specs, settings.allgather_bucket_numel)
+        self._gather_plan = plan_gather_buckets(
+            self.specs, settings.allgather_bucket_numel, self.masters.offloaded
+        )
         self.optimizer = ZeroOptimizer(
             optimizer,
             self.masters,
@@ -249,9 +266,14 @@ class ShardedOptimizerStates:
         return self._staging if self._staging is not None else self.masters.masters
 
     def _publish(self) -> None:
-        # ZeroOptimizer's publish after a step: with overlap_step, finish() has done it.
+        # ZeroOptimizer's publish after a step: with overlap_step, finish() has done it for
+        # the offloaded masters; those kept on the device (partial offload) stepped just now.
         if self._eager_published:
             self._eager_published = False
+            shards = self._publish_sources
+            for indices in self._gather_plan:
+                if indices[0] in self._on_device:
+                    gather_bucket(shards, self.params, self.specs, self.group, indices)
             return
         self._publish_all()
 

@@ -229,6 +229,11 @@ class Stage3GradientPath:
         # masters are always copies; the shards are read in just to build them.
         swapped = model.store is not None
         ensure_shards(trainable)
+        offloaded = None
+        if offload is not None:
+            from slipstream.zero.offload import offloaded_flags
+
+            offloaded = offloaded_flags([s.spec.shard_numel for s in trainable], offload.ratio)
         self.masters = ShardedMasterWeights(
             self.params,
             self.specs,
@@ -237,6 +242,8 @@ class Stage3GradientPath:
             pin=offload is not None and offload.pin_memory,
             share=(offload is None or offload.device == "cpu") and not swapped,
             own_storage=offload is not None and offload.device == "nvme",
+            offloaded=offloaded,
+            kept_device=model.compute_device,
         )
         release_shards(trainable, dirty=False)
         for sharded, master in zip(trainable, self.masters.masters):
@@ -256,8 +263,8 @@ class Stage3GradientPath:
 
             copies: dict[int, torch.Tensor] = {}
             for i, (sharded, master) in enumerate(zip(trainable, self.masters.masters)):
-                if sharded.shard.data_ptr() == master.data_ptr():
-                    continue
+                if sharded.shard.data_ptr() == master.data_ptr() or not self.masters.offloaded[i]:
+                    continue  # the master is the shard, or stays on the device (partial)
                 if sharded.shard.device.type == "cpu":
                     copies[id(master)] = sharded.shard
                 else:
@@ -328,8 +335,9 @@ class Stage3GradientPath:
     def _publish(self) -> None:
         with torch.no_grad():
             offloaded = self.optimizer.offload is not None
-            for sharded, staging in zip(self.sharded, self._sources):
-                if offloaded:
+            flags = self.masters.offloaded
+            for sharded, staging, on_host in zip(self.sharded, self._sources, flags):
+                if offloaded and on_host:
                     if staging is not None:  # else the step wrote the host shard itself
                         sharded.shard.copy_(staging, non_blocking=True)
                     continue
