@@ -73,6 +73,14 @@ def test_estimate_cli(capsys: pytest.CaptureFixture[str]) -> None:
     assert out.count("\n") >= 6 and "activations per rank" in out
     # 2 bytes per parameter of this rank's shard: 1.311e9 * 2 / 2 ranks = 1.22 GiB.
     assert "accumulation): - 1.22 GiB host per rank" in out
+    assert "offload_optimizer.ratio" not in out
+    assert main(["estimate", "--params", "1e9", "--num-gpus", "2", "--offload-ratio", "0.5"]) == 0
+    out = capsys.readouterr().out
+    # Half of each rank's 5e8 elements stay: 16 B each on the GPU (fp32 master, Adam's two
+    # moments, fp32 gradient) = 3.73 GiB; the host also loses their bf16 staging copy.
+    assert "ratio 0.5 (CPU): up to + 3.73 GiB GPU and - 4.19 GiB host per rank" in out
+    assert "- 2.79 GiB more host" in out
+    assert main(["estimate", "--params", "1e9", "--offload-ratio", "2"]) == 2
     assert main(["estimate"]) == 2
 
 

@@ -78,7 +78,14 @@ def _estimate(args: argparse.Namespace) -> int:
             bytes_per_value=4 if args.dtype == "fp32" else 2,
         )
     world = args.num_gpus * args.num_nodes
-    print(format_estimate(params, world, 4 if args.dtype == "fp32" else 2, activations))
+    if not 0.0 <= args.offload_ratio <= 1.0:
+        print("slipstream estimate: --offload-ratio must be in [0, 1]", file=sys.stderr)
+        return 2
+    print(
+        format_estimate(
+            params, world, 4 if args.dtype == "fp32" else 2, activations, args.offload_ratio
+        )
+    )
     return 0
 
 
@@ -118,6 +125,12 @@ def _add_tool_commands(sub: argparse._SubParsersAction) -> None:
     estimate.add_argument("--num-gpus", type=int, default=1, help="ranks per node")
     estimate.add_argument("--num-nodes", type=int, default=1, help="nodes")
     estimate.add_argument("--dtype", choices=["bf16", "fp16", "fp32"], default="bf16")
+    estimate.add_argument(
+        "--offload-ratio",
+        type=float,
+        default=1.0,
+        help="offload_optimizer.ratio: also print what partial CPU offload keeps on the GPU",
+    )
     estimate.set_defaults(handler=_estimate)
 
     convert = sub.add_parser(

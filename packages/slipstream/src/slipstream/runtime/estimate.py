@@ -212,8 +212,10 @@ def format_estimate(
     world_size: int,
     param_bytes: int,
     activations: ActivationEstimate | None = None,
+    offload_ratio: float = 1.0,
 ) -> str:
-    """The table printed by ``slipstream estimate``."""
+    """The table printed by ``slipstream estimate`` (``offload_ratio``: what partial CPU
+    offload, ``offload_optimizer.ratio``, moves back to the GPU)."""
     gib = 1024.0**3
     lines = [
         f"{num_params / 1e9:.3f} B parameters, {world_size} data-parallel rank(s), "
@@ -251,6 +253,15 @@ def format_estimate(
             f"  stages 1-2 with communication_data_type bf16 (at stage 2 without gradient "
             f"accumulation): "
             f"- {saved / gib:.2f} GiB host per rank (the gradients land in bf16)"
+        )
+    if offload_ratio < 1.0:
+        # The kept share's fp32 master, states and gradient come to the GPU; its staging
+        # copy and the speculative step's spares leave the host too.
+        kept = (1.0 - offload_ratio) * float(num_params) / world_size
+        lines.append(
+            f"  with offload_optimizer.ratio {offload_ratio:g} (CPU): up to + {(16 * kept) / gib:.2f} "
+            f"GiB GPU and - {((16 + param_bytes) * kept) / gib:.2f} GiB host per rank "
+            f"(- {(12 * kept) / gib:.2f} GiB more host with gradient_clipping at stages 1-2)"
         )
     if activations is not None:
         lines.append(
