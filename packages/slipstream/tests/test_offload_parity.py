@@ -246,38 +246,53 @@ def test_offload_bf16_matches_without_offload() -> None:
         assert max(result["diffs"]) <= 2**-7, result["diffs"]
 
 
+def _stage2_engine(zero: dict, bf16: bool = False) -> object:
+    """A ZeRO-2 engine over the tiny model (AdamW, clipping) with ``zero``'s extra keys."""
+    import slipstream
+    from slipstream.zero.testing import TinyTransformer
+
+    torch.manual_seed(0)
+    model = TinyTransformer()
+    config = {
+        "train_micro_batch_size_per_gpu": MICRO,
+        "gradient_clipping": CLIP,
+        "steps_per_print": 1000,
+        "bf16": {"enabled": bf16},
+        "zero_optimization": {"stage": 2, **zero},
+    }
+    optimizer = torch.optim.AdamW(model.parameters(), lr=0.01)
+    return slipstream.initialize(model=model, optimizer=optimizer, config=config)[0]
+
+
+def _train(engine, steps: range) -> None:
+    """One micro-batch per step, this rank's slice of the global batch."""
+    from slipstream import comm
+    from slipstream.zero.testing import batch_for
+
+    world, rank = comm.get_world_size(), comm.get_rank()
+    device = next(engine.module.parameters()).device
+    for step in steps:
+        ids, labels = (t.to(device) for t in batch_for(step, 0, MICRO * world))
+        mine = slice(rank * MICRO, (rank + 1) * MICRO)
+        engine.backward(engine(ids[mine], labels[mine]))
+        engine.step()
+
+
+def _weights(engine) -> list[torch.Tensor]:
+    return [p.detach().float().cpu().clone() for p in engine.module.parameters()]
+
+
 def _nvme_checkpoint_and_disk_full(swap_dir: str, checkpoint_dir: str) -> dict:
     """NVMe offload: a checkpoint round trip, then a disk that fills mid-step."""
     import errno
 
-    import slipstream
     from slipstream.offload import DiskFullError
-    from slipstream.zero.testing import TinyTransformer, batch_for
 
     def build() -> object:
-        torch.manual_seed(0)
-        model = TinyTransformer()
-        config = {
-            "train_micro_batch_size_per_gpu": MICRO,
-            "gradient_clipping": CLIP,
-            "steps_per_print": 1000,
-            "zero_optimization": {
-                "stage": 2,
-                "sub_group_size": 700,
-                "offload_optimizer": {"device": "nvme", "nvme_path": swap_dir},
-            },
-        }
-        optimizer = torch.optim.AdamW(model.parameters(), lr=0.01)
-        return slipstream.initialize(model=model, optimizer=optimizer, config=config)[0]
+        offload = {"device": "nvme", "nvme_path": swap_dir}
+        return _stage2_engine({"sub_group_size": 700, "offload_optimizer": offload})
 
-    def train(engine, steps: range) -> None:
-        for step in steps:
-            ids, labels = batch_for(step, 0, MICRO)
-            engine.backward(engine(ids, labels))
-            engine.step()
-
-    def weights(engine) -> list[torch.Tensor]:
-        return [p.detach().clone() for p in engine.module.parameters()]
+    train, weights = _train, _weights
 
     first = build()
     train(first, range(2))
@@ -496,39 +511,13 @@ def test_destroy_removes_the_swap_files_and_refuses_further_use(tmp_path) -> Non
 
 def _partial_offload_checkpoint(checkpoint_dir: str) -> dict:
     """Partial offload: a checkpoint round trip, and the same checkpoint under another ratio."""
-    import slipstream
-    from slipstream import comm
-    from slipstream.zero.testing import TinyTransformer, batch_for
-
-    world, rank = comm.get_world_size(), comm.get_rank()
 
     def build(ratio: float) -> object:
-        torch.manual_seed(0)
-        model = TinyTransformer()
-        config = {
-            "train_micro_batch_size_per_gpu": MICRO,
-            "gradient_clipping": CLIP,
-            "steps_per_print": 1000,
-            "bf16": {"enabled": torch.cuda.is_available()},
-            "zero_optimization": {
-                "stage": 2,
-                "reduce_bucket_size": 600,
-                "offload_optimizer": {"device": "cpu", "ratio": ratio},
-            },
-        }
-        optimizer = torch.optim.AdamW(model.parameters(), lr=0.01)
-        return slipstream.initialize(model=model, optimizer=optimizer, config=config)[0]
+        offload = {"device": "cpu", "ratio": ratio}
+        zero = {"reduce_bucket_size": 600, "offload_optimizer": offload}
+        return _stage2_engine(zero, bf16=torch.cuda.is_available())
 
-    def train(engine, steps: range) -> None:
-        device = next(engine.module.parameters()).device
-        for step in steps:
-            ids, labels = (t.to(device) for t in batch_for(step, 0, MICRO * world))
-            mine = slice(rank * MICRO, (rank + 1) * MICRO)
-            engine.backward(engine(ids[mine], labels[mine]))
-            engine.step()
-
-    def weights(engine) -> list[torch.Tensor]:
-        return [p.detach().float().cpu() for p in engine.module.parameters()]
+    train, weights = _train, _weights
 
     first = build(0.5)
     train(first, range(2))
