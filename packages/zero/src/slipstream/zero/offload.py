@@ -346,12 +346,12 @@ class OffloadedStep:
         """Partial offload: step the masters kept on the device that have a gradient, with
         the optimizer's own step, ``grad_scale`` (unscale x clip) multiplied into their
         gradients first. Every step path runs this before it publishes."""
-        members = [m for m in self.device_masters if m.grad is not None]
-        if not members:
+        grads = {m: m.grad for m in self.device_masters if m.grad is not None}
+        if not grads:
             return
         if grad_scale != 1.0:
-            torch._foreach_mul_([m.grad for m in members if m.grad is not None], grad_scale)
-        self._step_subset(self.host.optimizer, members)
+            torch._foreach_mul_(list(grads.values()), grad_scale)
+        self._step_subset(self.host.optimizer, list(grads))
 
     def take_eager_steps(self) -> int:
         """How many bucket steps ran since the last call (the reducer waited for them)."""

@@ -91,8 +91,6 @@ class ShardedOptimizerStates:
         # Offload: the CPU step writes each updated shard in the model's dtype into a host
         # staging buffer (pinned with pin_memory), which the all-gather then uploads.
         self._staging: list[torch.Tensor] | None = None
-        # Partial offload: the indices of the masters kept on the device.
-        self._on_device = {i for i, out in enumerate(self.masters.offloaded) if not out}
         step = None
         pipelined = None
         if offload is not None:
@@ -272,7 +270,7 @@ class ShardedOptimizerStates:
             self._eager_published = False
             shards = self._publish_sources
             for indices in self._gather_plan:
-                if indices[0] in self._on_device:
+                if not self.masters.offloaded[indices[0]]:  # a bucket kept on the device
                     gather_bucket(shards, self.params, self.specs, self.group, indices)
             return
         self._publish_all()
