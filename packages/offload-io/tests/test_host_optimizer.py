@@ -177,7 +177,7 @@ def _snapshot(host: HostOptimizer) -> list[torch.Tensor]:
         out.append(host.copies[id(p)].clone())
         for key in ("exp_avg", "exp_avg_sq", "step"):
             if key in host.optimizer.state[p]:
-                out.append(host.optimizer.state[p][key].clone())
+                out.append(torch.as_tensor(host.optimizer.state[p][key]).clone())
     return out
 
 
@@ -271,3 +271,48 @@ def test_discarded_speculation_leaves_everything_and_only_adam_speculates() -> N
     assert not lion.can_speculate
     with pytest.raises(RuntimeError, match="speculative steps need the C\\+\\+ Adam"):
         lion.speculate_params(_all_params(lion))
+
+
+def _scheduler_moves_on(host: HostOptimizer) -> None:
+    for group in host.optimizer.param_groups:
+        group["lr"].fill_(1.0)  # a tensor lr is updated in place
+        if "betas" in group:
+            group["betas"] = (0.5, 0.5)
+
+
+@pytest.mark.parametrize("name", ["adam-groups", "adagrad", "lion"])
+def test_frozen_hyperparameters_outlast_a_scheduler(name: str) -> None:
+    """overlap_forward: steps taken after freeze_hyperparameters() use the groups' settings
+    of that moment, whatever a scheduler writes meanwhile; after thaw_hyperparameters() the
+    live ones again."""
+    frozen, reference = _pair(name)
+    for host in (frozen, reference):
+        for group in host.optimizer.param_groups:
+            group["lr"] = torch.tensor(float(group["lr"]))
+        _grads(_all_params(host), 0)
+    params = _all_params(frozen)
+    frozen.step_params(params[:1])  # before the freeze: the live settings
+    frozen.freeze_hyperparameters()
+    _scheduler_moves_on(frozen)
+    frozen.step_params(params[1:])  # after it: still the settings of the freeze
+    reference.step()
+    assert _same(_snapshot(frozen), _snapshot(reference))
+    if name == "adam-groups":  # a speculation is checked against the frozen settings
+        for host in (frozen, reference):
+            _grads(_all_params(host), 1)
+        frozen.speculate_params(params)
+        assert frozen.commit_speculation(1.0)
+        reference.step()
+        assert _same(_snapshot(frozen), _snapshot(reference))
+    frozen.thaw_hyperparameters()
+    _scheduler_moves_on(reference)
+    for host in (frozen, reference):
+        _grads(_all_params(host), 2)
+        host.step()
+    assert _same(_snapshot(frozen), _snapshot(reference))
+
+
+def test_freezing_needs_the_cpp_step() -> None:
+    host = HostOptimizer(FACTORIES["sgd"](_params(0)), OptimizerOffload(), announce=False)
+    with pytest.raises(RuntimeError, match="C\\+\\+ steps only"):
+        host.freeze_hyperparameters()

@@ -17,12 +17,16 @@ but its ``step`` is replaced by :meth:`HostOptimizer.step`, which
   update is written out of place into spare buffers, leaving the masters and states as they
   were, and is later either committed (the spare buffers and the live ones trade places, no
   copy) or thrown away. ZeRO-Offload uses it to step during backward while the gradient norm
-  that decides the clipping is not known yet.
+  that decides the clipping is not known yet;
+- can freeze the hyper-parameters it reads (:meth:`freeze_hyperparameters`): a step that goes
+  on in the background after ``engine.step()`` returned keeps the learning rate it started
+  with while the scheduler moves the groups' to the next step's.
 """
 
 from __future__ import annotations
 
 import logging
+import threading
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any, Protocol
@@ -94,6 +98,16 @@ def step_subset(optimizer: torch.optim.Optimizer, params: Sequence[torch.Tensor]
     finally:
         for group, members in zip(groups, saved):
             group["params"] = members
+
+
+def _frozen_value(value: Any) -> Any:
+    """A group setting as it is now: a one-element tensor (a tensor ``lr``, which schedulers
+    update in place) read into a float, tuples (``betas``) element by element."""
+    if isinstance(value, torch.Tensor) and value.numel() == 1:
+        return float(value)
+    if isinstance(value, tuple):
+        return tuple(_frozen_value(v) for v in value)
+    return value
 
 
 def _chunks(params: Sequence[torch.Tensor], limit: int) -> list[list[torch.Tensor]]:
@@ -194,6 +208,42 @@ class HostOptimizer:
         self._allocate = allocate or (lambda shape: torch.empty(shape, dtype=torch.float32))
         self._spares: dict[int, tuple[torch.Tensor, torch.Tensor, torch.Tensor]] = {}
         self._speculated: dict[int, _Speculation] = {}
+        # Group settings as freeze_hyperparameters() saw them (None: read the live groups).
+        self._frozen: list[dict[str, Any]] | None = None
+        self._reading = threading.Lock()
+
+    # ------------------------------------------------------------------ hyper-parameters
+    def freeze_hyperparameters(self) -> None:
+        """Read every group's settings (lr, betas, eps, weight decay, ...) as they are now until
+        :meth:`thaw_hyperparameters`: steps and speculations taken meanwhile, and the check of
+        :meth:`commit_speculation`, use these, whatever a scheduler writes into the groups.
+        Only the C++ steps can: the fallback runs the optimizer's own step, on its live groups."""
+        if self.kernel is None:
+            raise RuntimeError(
+                f"hyper-parameters can be frozen for the C++ steps only ({self.description})"
+            )
+        with self._reading:
+            self._frozen = [self._settings(group) for group in self.optimizer.param_groups]
+
+    def thaw_hyperparameters(self) -> None:
+        """Read the live groups again (see :meth:`freeze_hyperparameters`)."""
+        with self._reading:
+            self._frozen = None
+
+    @staticmethod
+    def _settings(group: dict[str, Any]) -> dict[str, Any]:
+        return {k: _frozen_value(v) for k, v in group.items() if k != "params"}
+
+    def _group(self, index: int) -> dict[str, Any]:
+        """Group ``index``'s settings as values: the frozen ones while frozen, else the live
+        group's now. Read under a lock that freezing takes too, so a step on the worker reads
+        either all of them before a freeze (and so before the scheduler that follows it
+        changes them) or the frozen ones."""
+        with self._reading:
+            frozen = self._frozen
+            if frozen is not None:
+                return frozen[index]
+            return self._settings(self.optimizer.param_groups[index])
 
     # ------------------------------------------------------------------ the step
     @torch.no_grad()
@@ -236,7 +286,7 @@ class HostOptimizer:
             self._fallback(by_group, grad_scale)
             return
         for group_index, members in by_group.items():
-            group = self.optimizer.param_groups[group_index]
+            group = self._group(group_index)
             if self.kernel == "adam":
                 self._adam(group, members, grad_scale)
             elif self.kernel == "adagrad":
@@ -278,7 +328,7 @@ class HostOptimizer:
         )
 
     def _assumed(self, param: torch.Tensor, grad_scale: float) -> tuple[Any, ...]:
-        group = self.optimizer.param_groups[self._group_of[id(param)]]
+        group = self._group(self._group_of[id(param)])
         entry = self.optimizer.state[param]
         beta1, beta2 = group["betas"]
         return (
