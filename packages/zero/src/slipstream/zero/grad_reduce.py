@@ -149,6 +149,10 @@ class GradientReduceScatter:
         # the eager steps: the stage may take the global norm now and call off a speculative
         # step that the norm rules out. Only for a first reduction since zero_grad.
         self.before_stepped: Callable[[list[torch.Tensor]], None] | None = None
+        # ``defer_job(indices, job)`` (overlap_forward): finish() leaves each eager bucket's
+        # step running and hands it over (in bucket order) instead of waiting for it and
+        # calling on_bucket_stepped; the stage publishes it when the next forward needs it.
+        self.defer_job: Callable[[list[int], Any], None] | None = None
         self.final = True
         # Offload with a bf16 reduction (set by the stage when its CPU step reads bf16
         # gradients): a reduction that is the first since zero_grad and the last before the
@@ -317,12 +321,15 @@ class GradientReduceScatter:
             if all(b.squares is not None and b.first for b in self._buckets):
                 torch.cuda.current_stream(self._side.device).wait_stream(self._side)
                 self.before_stepped([b.squares for b in self._buckets])  # type: ignore[misc]
+        if self.defer_job is not None and self._side is not None:
+            # The eager steps are left running, but the buckets' device tensors are released
+            # below: later work on the current stream must not reuse them before the side
+            # stream has read them (post-scale, squares, copy to the host).
+            torch.cuda.current_stream(self._side.device).wait_stream(self._side)
         deferred: list[list[int]] = []  # eager steps of buckets reduced here (no GPU)
         for bucket in self._buckets:
             if bucket.job is not None:  # offload, eager: handed over and stepping already
-                bucket.job.result()  # re-raises what the worker hit
-                if self.on_bucket_stepped is not None:
-                    self.on_bucket_stepped(bucket.indices)
+                self._stepped(list(bucket.indices), bucket.job)
                 assert bucket.squares is not None
                 squares.append(bucket.squares)
                 first_reduction &= bucket.first
@@ -363,15 +370,22 @@ class GradientReduceScatter:
                 self.before_stepped(squares)
             assert self.on_final_bucket is not None
             for indices in deferred:
-                self.on_final_bucket(partial(self._step_now, indices)).result()
-                if self.on_bucket_stepped is not None:
-                    self.on_bucket_stepped(indices)
+                self._stepped(indices, self.on_final_bucket(partial(self._step_now, indices)))
         if self._to_host:
             # The device-side sum of squares is the master grads' only while they hold a
             # single reduction (no accumulation on the host since zero_grad).
             self.masters.device_squares = (
                 torch.stack(squares).sum() if first_reduction and squares else None
             )
+
+    def _stepped(self, indices: list[int], job: Any) -> None:
+        """A bucket's eager step: left running (``defer_job``) or waited for and published."""
+        if self.defer_job is not None:
+            self.defer_job(indices, job)
+            return
+        job.result()  # re-raises what the worker hit
+        if self.on_bucket_stepped is not None:
+            self.on_bucket_stepped(indices)
 
     def _reduced(self, bucket: _Bucket) -> torch.Tensor:
         """A bucket reduced on the device: its collective waited for (by the current stream),

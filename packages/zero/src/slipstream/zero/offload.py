@@ -10,10 +10,15 @@ pass, from which the stage publishes it to the device.
 
 from __future__ import annotations
 
+import atexit
 import logging
 import os
+import threading
+import time
+import weakref
+from collections import deque
 from collections.abc import Callable, Sequence
-from concurrent.futures import Future, ThreadPoolExecutor
+from concurrent.futures import Future
 from contextlib import nullcontext
 from typing import TYPE_CHECKING, Any
 
@@ -118,6 +123,76 @@ OVERLAP_BUCKET_NUMEL = 100_000_000
 _SubGroupHook = Callable[[list[torch.Tensor]], None]
 
 
+class StepWorker:
+    """The thread that runs the CPU step's jobs (a landed bucket's hand-over and step), one at
+    a time: oldest first, or newest first while ``lifo`` is set.
+
+    Newest first serves ``overlap_forward`` once backward has ended: backward lands the last
+    layers' buckets first and the next forward needs the first layers' first, which are the
+    newest then. (During backward, oldest first: the newest bucket is often still on its way
+    to the host, and the worker would wait for it while older ones are ready.)
+    """
+
+    def __init__(self, lifo: bool = False) -> None:
+        self.lifo = lifo
+        self._jobs: deque[tuple[Callable[[], None], Future[None]]] = deque()
+        self._wake = threading.Condition()
+        self._thread: threading.Thread | None = None
+        self._closed = False
+        self.busy_s = 0.0  # seconds spent running jobs (benchmarks read it)
+        # Stop the thread before the interpreter (and the OpenMP runtime) shuts down.
+        atexit.register(_shutdown_if_alive, weakref.ref(self))
+
+    def submit(self, run: Callable[[], None]) -> Future[None]:
+        """Queue ``run``; its Future re-raises what it raised."""
+        future: Future[None] = Future()
+        with self._wake:
+            if self._closed:
+                raise RuntimeError("the CPU optimizer step's worker was shut down")
+            self._jobs.append((run, future))
+            if self._thread is None:
+                self._thread = threading.Thread(
+                    target=self._loop, name="slipstream-cpu-step", daemon=True
+                )
+                self._thread.start()
+            self._wake.notify()
+        return future
+
+    def _loop(self) -> None:
+        while True:
+            with self._wake:
+                while not self._jobs and not self._closed:
+                    self._wake.wait()
+                if not self._jobs:
+                    return  # shut down, nothing left
+                run, future = self._jobs.pop() if self.lifo else self._jobs.popleft()
+            if not future.set_running_or_notify_cancel():
+                continue
+            began = time.perf_counter()
+            try:
+                run()
+            except BaseException as exc:  # handed to whoever waits on the Future
+                future.set_exception(exc)
+            else:
+                future.set_result(None)
+            finally:
+                self.busy_s += time.perf_counter() - began
+
+    def shutdown(self) -> None:
+        """Run what is queued, then stop the thread."""
+        with self._wake:
+            self._closed = True
+            self._wake.notify()
+        if self._thread is not None:
+            self._thread.join()
+
+
+def _shutdown_if_alive(worker: weakref.ref[StepWorker]) -> None:
+    alive = worker()
+    if alive is not None:
+        alive.shutdown()
+
+
 def offloaded_flags(numels: Sequence[int], ratio: float) -> list[bool]:
     """Partial offload (``offload_optimizer.ratio``): per parameter, whether its master and
     optimizer states go to the host.
@@ -178,8 +253,18 @@ class OffloadedStep:
         package = require_offload_package("offload_optimizer")
         self.masters = masters
         self.offload = offload
-        self._pool: ThreadPoolExecutor | None = None
+        self._pool: StepWorker | None = None
         self._eager_steps = 0
+        # overlap_forward (see enable_overlap_forward): the CPU step jobs of the last backward
+        # that engine.step() did not wait for, in forward order (the first layers' buckets
+        # first), each published when the next forward reaches its parameters; whether the
+        # step they belong to was settled (kept), and whether a kept speculative step still
+        # has to be committed once they are done.
+        self.overlap_forward = False
+        self.tail: deque[tuple[list[int], Future[None]]] = deque()
+        self.tail_kept = False
+        self._commit_pending = False
+        self.tail_wait_s = 0.0  # seconds forwards (and barriers) waited for the tail
         # (before, after) each sub-group's update: stage 3 with NVMe parameters reads the
         # sub-group's shards (the step's copy targets) in before and writes them back after.
         self.sub_group_hooks: tuple[_SubGroupHook | None, _SubGroupHook | None] | None = None
@@ -314,6 +399,13 @@ class OffloadedStep:
         unscale and clip factor, 1.0 when nothing was clipped); else discard it. Returns
         whether it was kept."""
         cancelled, self.cancelled = self.cancelled, False
+        if self.tail and grad_scale == 1.0 and not cancelled:
+            # overlap_forward: kept now, committed once the jobs still running are done.
+            self.keep_tail()
+            self._commit_pending = True
+            self.speculation.record(True)
+            return True
+        self.drain()  # jobs still running: done before their updates are discarded or kept
         kept = grad_scale == 1.0 and not cancelled and self.host.commit_speculation(1.0)
         if not kept:
             self.host.discard_speculation()
@@ -332,9 +424,72 @@ class OffloadedStep:
     def submit(self, run: Callable[[], None]) -> Future[None]:
         """Queue ``run`` (a landed bucket's hand-over and step) on the CPU step's worker."""
         if self._pool is None:
-            self._pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix="slipstream-cpu-step")
+            self._pool = StepWorker()
         self._eager_steps += 1
         return self._pool.submit(run)
+
+    # ------------------------------------------------------------------ overlap_forward
+    def enable_overlap_forward(self) -> str:
+        """Let ``engine.step()`` return while the last buckets still step (``overlap_forward``);
+        the worker then takes the newest bucket first. Returns why it cannot ("" if it can):
+        it needs steps during backward and the C++ step, whose hyper-parameters can be frozen
+        while a scheduler moves on."""
+        if not (self.eager or self.speculative):
+            return "the optimizer steps after backward here (no step during backward to overlap)"
+        if self.host.kernel is None:
+            return f"it needs the C++ CPU step ({self.host.description})"
+        self.overlap_forward = True
+        return ""
+
+    def newest_first(self, on: bool) -> None:
+        """overlap_forward: step the queued buckets newest first (after backward) or oldest
+        first (during it)."""
+        if self._pool is not None:
+            self._pool.lifo = on and self.overlap_forward
+
+    def defer(self, indices: list[int], job: Future[None]) -> None:
+        """Leave bucket ``indices``' job running past the end of backward (called in bucket
+        order, the reverse of forward order)."""
+        self.tail.appendleft((indices, job))
+
+    def keep_tail(self) -> None:
+        """The step is settled and the jobs still running are part of it: freeze the
+        hyper-parameters they read (the scheduler moves on before they finish)."""
+        if self.tail and not self.tail_kept:
+            self.host.freeze_hyperparameters()
+            self.tail_kept = True
+
+    def publish_next(self, publish: Callable[[list[int]], None]) -> None:
+        """Wait for the first job left (in forward order) and publish its parameters."""
+        indices, job = self.tail[0]
+        began = time.perf_counter()
+        job.result()  # re-raises what the worker hit
+        self.tail_wait_s += time.perf_counter() - began
+        self.tail.popleft()
+        publish(indices)
+
+    def finish_tail(self, publish: Callable[[list[int]], None]) -> None:
+        """Publish every bucket still running, then commit a kept speculative step."""
+        try:
+            while self.tail:
+                self.publish_next(publish)
+            if self._commit_pending:
+                self._commit_pending = False
+                if not self.host.commit_speculation(1.0):
+                    raise RuntimeError(
+                        "internal error: a speculative CPU step kept at engine.step() could "
+                        "not be committed after its last bucket; please report this"
+                    )
+        finally:
+            if self.tail_kept:
+                self.host.thaw_hyperparameters()
+                self.tail_kept = False
+
+    def drain(self) -> None:
+        """Wait for the jobs still running without publishing them (the caller republishes
+        or discards); nothing stays deferred."""
+        while self.tail:
+            self.tail.popleft()[1].result()
 
     def step_indices(self, indices: list[int], grad_scale: float = 1.0) -> None:
         """Step the offloaded masters at ``indices`` now (``grad_scale`` folded into the
@@ -352,6 +507,11 @@ class OffloadedStep:
         if grad_scale != 1.0:
             torch._foreach_mul_(list(grads.values()), grad_scale)
         self._step_subset(self.host.optimizer, list(grads))
+
+    @property
+    def worker_busy_s(self) -> float:
+        """Seconds the CPU step's worker has spent running bucket steps (benchmarks)."""
+        return self._pool.busy_s if self._pool is not None else 0.0
 
     def take_eager_steps(self) -> int:
         """How many bucket steps ran since the last call (the reducer waited for them)."""
@@ -374,8 +534,9 @@ class OffloadedStep:
     def close(self) -> None:
         """Stop the worker; remove the swap files (also done at exit)."""
         if self._pool is not None:
-            self._pool.shutdown(wait=True)
+            self._pool.shutdown()
             self._pool = None
+        self.tail.clear()
         self.host.discard_speculation()  # nothing to republish: the engine is going away
         if self.space is not None:
             self.space.close()

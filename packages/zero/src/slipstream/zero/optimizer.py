@@ -67,6 +67,7 @@ class ZeroOptimizer:
         offload: OffloadedStep | None = None,
         step_and_publish: Callable[[float], None] | None = None,
         publish_all: Callable[[], None] | None = None,
+        complete: Callable[[], None] | None = None,
     ) -> None:
         self.optimizer = optimizer
         # Offload: the stage's own pipelined step + publish (given ``grad_scale``), if it has one.
@@ -79,6 +80,9 @@ class ZeroOptimizer:
         self._publish_all = publish_all or publish
         self.device = device
         self.offload = offload
+        # Offload with overlap_forward: finishes a step whose last buckets still run on the
+        # CPU (publishes them, commits); a no-op otherwise.
+        self._complete = complete or (lambda: None)
 
     @property
     def param_groups(self) -> list[dict]:
@@ -108,6 +112,8 @@ class ZeroOptimizer:
                 "skipped step would have to restore the published weights); build the "
                 "settings with speculative_step=False"
             )
+        if self.offload is not None and self.offload.tail_kept:
+            self._complete()  # the last step still ran (two steps without a forward between)
         grads = self.masters.grads()
         squares = self.masters.device_squares
         if self.offload is not None and squares is not None:
@@ -158,6 +164,7 @@ class ZeroOptimizer:
                 )
             if self.offload.take_eager_steps() == 0 and grads:
                 self.offload.step(grad_scale=1.0)  # no bucket was marked final: step now
+            self.offload.keep_tail()  # overlap_forward: the last buckets finish in forward
             self.offload.step_device(1.0)
             self._publish()
             norm = (
@@ -233,16 +240,20 @@ class ZeroOptimizer:
         """A context in which every master and optimizer state is in host memory.
 
         Only NVMe offload swaps them out; checkpoint code reads and writes them inside it.
+        A step still finishing on the CPU (overlap_forward) is finished first.
         """
+        self._complete()
         return self.offload.resident() if self.offload is not None else nullcontext()
 
     def zero_grad(self, set_to_none: bool = True) -> None:
         """Drop the master gradients (always set to None)."""
+        self._complete()
         self.abandon_speculation()
         self.masters.zero_grad()
 
     def abandon_speculation(self) -> None:
         """Offload: drop a speculative step that backward took and no step settled (its
         gradients are being dropped): the model gets the unchanged masters back."""
+        self._complete()
         if self.offload is not None and self.offload.discard_speculation():
             self._publish_all()

@@ -5,6 +5,8 @@ from __future__ import annotations
 import logging
 import math
 from collections.abc import Sequence
+from functools import partial
+from typing import Any
 
 import torch
 
@@ -141,6 +143,7 @@ class ShardedOptimizerStates:
             offload=step,
             step_and_publish=pipelined,
             publish_all=self.publish,
+            complete=self.complete_step,
         )
 
         # Stage 1 under fp16/bf16: fp32 full-size accumulators, so GAS sums in fp32.
@@ -184,6 +187,11 @@ class ShardedOptimizerStates:
             if step.speculative:
                 self.reducer.before_stepped = self._check_speculation
         self._reducing = settings.stage == 2
+        # overlap_forward (see overlap_forward()): parameters whose bucket still steps on the
+        # CPU after engine.step() returned, and a zero_grad held back until it is done.
+        self._unpublished: set[int] = set()
+        self._zero_pending = False
+        self._forward_hooks: list[Any] = []
         self._hooks = [
             p.register_post_accumulate_grad_hook(lambda p, i=i: self._on_grad(i))  # type: ignore[misc]
             for i, p in enumerate(self.params)
@@ -225,8 +233,94 @@ class ShardedOptimizerStates:
         if self._reducing:
             self.reducer.mark_ready(index)
 
+    # ------------------------------------------------------------------ overlap_forward
+    def overlap_forward(self, module: torch.nn.Module) -> bool:
+        """CPU offload: let the optimizer step end during the next forward of ``module``.
+
+        ``optimizer.step()`` then returns once the step is decided (global norm, clip, kept
+        speculation) while the CPU still steps the last buckets of backward, newest first;
+        a forward pre-hook on each submodule of ``module`` that owns parameters publishes their
+        buckets (in a fixed order, the same on every rank) as the forward reaches them. So the
+        first layers compute while the CPU steps the later ones. Between ``step()`` and that
+        forward the parameters of buckets still stepping are the old ones: ``state_dict()``,
+        checkpoints, the next backward, ``zero_grad()`` followed by ``step()``, and
+        :meth:`complete_step` wait for the step first; a direct read of a parameter does not.
+        Returns whether it is on (it needs the CPU step during backward: stages 1-2 with
+        overlap_step or a speculative step, and the C++ CPU optimizer); says why not if not.
+        """
+        step = self._offload_step
+        why = "optimizer offload to the CPU is off" if step is None else ""
+        if step is not None and not why:
+            why = step.enable_overlap_forward()
+        if why:
+            if self.group.rank == 0:
+                logger.warning("offload_optimizer.overlap_forward has no effect: %s", why)
+            return False
+        assert step is not None
+        self.reducer.defer_job = self._defer
+        position = {id(p): i for i, p in enumerate(self.params)}
+        for sub in module.modules():
+            owned = frozenset(
+                position[id(p)] for p in sub.parameters(recurse=False) if id(p) in position
+            )
+            if owned:
+                self._forward_hooks.append(
+                    sub.register_forward_pre_hook(partial(self._before_forward, owned))
+                )
+        self._forward_hooks.append(
+            module.register_state_dict_pre_hook(lambda *_: self.complete_step())
+        )
+        if self.group.rank == 0:
+            logger.info(
+                "offload_optimizer.overlap_forward: engine.step() returns while the CPU still "
+                "steps the last buckets; each is published as the next forward reaches its "
+                "parameters (read parameters in between through a forward, state_dict() or "
+                "engine.wait_for_step())"
+            )
+        return True
+
+    def _defer(self, indices: list[int], job: Any) -> None:
+        assert self._offload_step is not None
+        self._unpublished.update(indices)
+        self._offload_step.defer(indices, job)
+        self._offload_step.newest_first(True)  # backward is over: the first layers' next
+        self._eager_published = True  # step() publishes only what stepped on the device
+
+    def _publish_deferred(self, indices: list[int]) -> None:
+        self._unpublished.difference_update(indices)
+        self._publish_stepped(indices)
+
+    def _before_forward(self, owned: frozenset[int], module: torch.nn.Module, args: Any) -> None:
+        step = self._offload_step
+        assert step is not None
+        if not step.tail:
+            self._unpublished.clear()
+            return
+        # Publish in the tail's order (the same on every rank) up to the last bucket this
+        # module needs: every rank issues the same all-gathers in the same order.
+        while step.tail and not owned.isdisjoint(self._unpublished):
+            step.publish_next(self._publish_deferred)
+        if not step.tail:
+            self.complete_step()
+
+    def complete_step(self) -> None:
+        """overlap_forward: wait for the buckets still stepping on the CPU, publish them, commit
+        a kept speculative step and drop the gradients a ``zero_grad`` held back (nothing to
+        do otherwise)."""
+        step = self._offload_step
+        if step is None or not (step.tail or step.tail_kept):
+            return
+        step.finish_tail(self._publish_deferred)
+        self._unpublished.clear()
+        if self._zero_pending:
+            self._zero_pending = False
+            self.masters.zero_grad()
+
     def prepare_backward(self, is_boundary: bool) -> None:
         """Say whether the next backward ends an accumulation cycle (stage 1 reduces only then)."""
+        self.complete_step()  # overlap_forward: the last step's buckets, before this one lands
+        if self._offload_step is not None:
+            self._offload_step.newest_first(False)
         self._reducing = self.settings.stage == 2 or is_boundary
         # An eager offload step runs on the last reduction (a speculative one when wanted).
         self.reducer.boundary = is_boundary
@@ -238,12 +332,14 @@ class ShardedOptimizerStates:
 
     def finish_backward(self, is_boundary: bool = True) -> None:
         """Complete the gradient reduction after ``loss.backward()`` (waits for the buckets)."""
+        self.complete_step()  # a backward without prepare_backward (overlap_forward)
         if self.settings.stage == 2 or is_boundary:
             self.reducer.finish()
         self._reducing = self.settings.stage == 2
 
     def publish(self) -> None:
         """All-gather the updated master shards into the full parameters (after a step)."""
+        self.complete_step()
         self._eager_published = False
         self._publish_all()
 
@@ -310,6 +406,14 @@ class ShardedOptimizerStates:
 
     def zero_grad(self) -> None:
         """Drop master gradients and any local full-size gradients."""
+        step = self._offload_step
+        if step is not None and step.tail_kept:
+            # overlap_forward: the kept step's last buckets still read their gradients; they
+            # are dropped when it is done (complete_step).
+            self._zero_pending = True
+            for i in range(len(self.params)):
+                self._release(i)
+            return
         self.optimizer.abandon_speculation()  # a step computed from the dropped gradients
         self.masters.zero_grad()
         for i in range(len(self.params)):
@@ -317,6 +421,8 @@ class ShardedOptimizerStates:
 
     def remove_hooks(self) -> None:
         """Detach from the parameters (the module keeps working as a plain module)."""
-        for handle in self._hooks:
+        self.complete_step()
+        for handle in self._hooks + self._forward_hooks:
             handle.remove()
         self._hooks.clear()
+        self._forward_hooks.clear()

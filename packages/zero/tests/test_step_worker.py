@@ -1,0 +1,51 @@
+"""The CPU step's worker thread: jobs one at a time, oldest or (overlap_forward) newest first."""
+
+from __future__ import annotations
+
+import threading
+
+import pytest
+
+from slipstream.zero.offload import StepWorker
+
+
+@pytest.mark.parametrize(("lifo", "expected"), [(False, [0, 1, 2, 3]), (True, [0, 3, 2, 1])])
+def test_order_of_queued_jobs(lifo: bool, expected: list[int]) -> None:
+    worker = StepWorker(lifo=lifo)
+    gate, started = threading.Event(), threading.Event()
+    ran: list[int] = []
+
+    def job(n: int) -> None:
+        if n == 0:
+            started.set()
+            gate.wait()  # the others queue behind the first
+        ran.append(n)
+
+    futures = [worker.submit(lambda: job(0))]
+    assert started.wait(timeout=10)
+    futures += [worker.submit(lambda n=n: job(n)) for n in range(1, 4)]
+    gate.set()
+    for future in futures:
+        future.result(timeout=10)
+    assert ran == expected
+    worker.shutdown()
+
+
+def test_errors_reach_the_waiter_and_shutdown_runs_what_is_queued() -> None:
+    worker = StepWorker()
+    gate = threading.Event()
+    ran: list[int] = []
+
+    def fail() -> None:
+        raise ValueError("bucket 3 failed")
+
+    worker.submit(gate.wait)
+    failing = worker.submit(fail)
+    last = worker.submit(lambda: ran.append(1))
+    gate.set()
+    with pytest.raises(ValueError, match="bucket 3"):
+        failing.result(timeout=10)
+    worker.shutdown()
+    assert last.done() and ran == [1]
+    with pytest.raises(RuntimeError, match="shut down"):
+        worker.submit(lambda: None)
