@@ -79,6 +79,8 @@ def _offload_blocks(args: argparse.Namespace) -> dict[str, Any]:
         blocks["offload_optimizer"] = {"device": "cpu", "pin_memory": True}
         if args.offload_ratio != 1.0:
             blocks["offload_optimizer"]["ratio"] = args.offload_ratio
+        if args.overlap_forward:
+            blocks["offload_optimizer"]["overlap_forward"] = True
     elif args.offload == "nvme":
         blocks["offload_optimizer"] = {
             "device": "nvme",
@@ -160,6 +162,13 @@ def _build(args: argparse.Namespace, device: torch.device) -> tuple[Any, Any, An
     return step, wrapped, params
 
 
+def _offload_of(engine: Any) -> Any:
+    """The engine's OffloadedStep (CPU optimizer offload at stages 1-2), else None."""
+    zero = getattr(engine, "zero", None)
+    optimizer = getattr(zero, "optimizer", None)
+    return getattr(optimizer, "offload", None)
+
+
 def _phase_times(engine: Any, input_ids: Any, labels: Any, sync: Any) -> dict[str, Any]:
     """Forward, backward and step of two more steps, each phase timed alone (median of 2)."""
     times: dict[str, list[float]] = {"forward": [], "backward": [], "step": []}
@@ -208,6 +217,12 @@ def main(argv: list[str] | None = None) -> int:
         help="--offload cpu: offload_optimizer.ratio (the share of the optimizer offloaded; "
         "the first parameters' masters and states stay on the GPU)",
     )
+    parser.add_argument(
+        "--overlap-forward",
+        action="store_true",
+        help="--offload cpu: offload_optimizer.overlap_forward (the CPU step's last buckets "
+        "finish during the next forward)",
+    )
     parser.add_argument("--nvme-path", type=Path, default=Path("/tmp/slipstream-nvme"))
     parser.add_argument("--clip", type=float, default=1.0, help="gradient_clipping (0: off)")
     parser.add_argument(
@@ -236,17 +251,32 @@ def main(argv: list[str] | None = None) -> int:
     input_ids, labels = tokens[:, :-1].to(device), tokens[:, 1:].to(device)
 
     sync = torch.cuda.synchronize if device.type == "cuda" else (lambda: None)
+    # overlap_forward leaves each step's end to the next forward: the window starts with
+    # nothing left over from the warm-up and ends once its last step is done.
+    wait_for_step = getattr(engine, "wait_for_step", lambda: None)
     for _ in range(args.warmup):
         step(input_ids, labels)
+    wait_for_step()
     sync()
     if device.type == "cuda":
         torch.cuda.reset_peak_memory_stats()
     dist.barrier()
+    offload = _offload_of(engine)
+    busy = (offload.worker_busy_s, offload.tail_wait_s) if offload is not None else None
     start = time.perf_counter()
     for _ in range(args.steps):
         loss = step(input_ids, labels)
+    wait_for_step()
     sync()
     elapsed = time.perf_counter() - start
+    cpu_step = {}
+    if offload is not None and busy is not None:
+        # Per timed step: how long the CPU worker stepped buckets (during backward and, with
+        # overlap_forward, after step() returned), and how long forwards waited for it.
+        cpu_step = {
+            "cpu_worker_busy_ms": round(1e3 * (offload.worker_busy_s - busy[0]) / args.steps, 1),
+            "forward_wait_ms": round(1e3 * (offload.tail_wait_s - busy[1]) / args.steps, 1),
+        }
     final_loss = float(loss)  # host sync once, after timing
     timed_phases = args.impl == "slipstream" and args.phases
     phases = _phase_times(engine, input_ids, labels, sync) if timed_phases else {}
@@ -277,7 +307,8 @@ def main(argv: list[str] | None = None) -> int:
         + {"none": "", "cpu": "+param", "nvme": "+nvmeparam"}[args.offload_param]
         + ("+noclip" if args.clip == 0 else "")
         + (f"+{args.comm_dtype}comm" if args.comm_dtype else "")
-        + (f"+ratio{args.offload_ratio:g}" if args.offload_ratio != 1.0 else ""),
+        + (f"+ratio{args.offload_ratio:g}" if args.offload_ratio != 1.0 else "")
+        + ("+ovf" if args.overlap_forward else ""),
         "model": args.model,
         "params": params,
         "micro": args.micro,
@@ -299,6 +330,7 @@ def main(argv: list[str] | None = None) -> int:
             "paused": stats.paused,
         },
         **phases,
+        **cpu_step,
         "device": torch.cuda.get_device_name(device) if device.type == "cuda" else "cpu",
         "torch": torch.__version__,
     }

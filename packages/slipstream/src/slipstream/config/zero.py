@@ -47,7 +47,12 @@ class OffloadParamConfig(ConfigBlock):
 
 @dataclasses.dataclass(kw_only=True)
 class OffloadOptimizerConfig(ConfigBlock):
-    """``zero_optimization.offload_optimizer``: optimizer state offload to CPU or NVMe."""
+    """``zero_optimization.offload_optimizer``: optimizer state offload to CPU or NVMe.
+
+    DeepSpeed's keys and defaults, plus ``overlap_forward`` (a Slipstream addition, off by
+    default): ``engine.step()`` returns while the CPU still steps the last gradient buckets,
+    and the next forward waits for each layer's (docs/offload.md).
+    """
 
     device: OffloadDevice = "none"
     nvme_path: str | None = None
@@ -60,6 +65,9 @@ class OffloadOptimizerConfig(ConfigBlock):
     super_offload: bool = False
     convert_grad_on_cpu: bool = True
     cpuadam_cores_perc: float = dataclasses.field(default=0.8, metadata={"ge": 0.0, "le": 1.0})
+    # A Slipstream addition (docs/offload.md): engine.step() returns while the CPU still steps
+    # the last buckets, which the next forward waits for layer by layer.
+    overlap_forward: bool = False
 
 
 @dataclasses.dataclass(kw_only=True)
@@ -279,6 +287,14 @@ class ZeroConfig(ConfigBlock):
                     "partial optimizer offload to NVMe (ratio below 1 with device nvme)",
                     "a later release of the slipstream-offload-io package",
                     'Set it to 1.0, or use device "cpu" for partial offload.',
+                )
+            if optimizer.overlap_forward and (self.stage == 3 or optimizer.device != "cpu"):
+                raise ConfigError(
+                    f'{where}.overlap_forward needs ZeRO stage 1 or 2 with device "cpu" (the '
+                    "optimizer must step during backward for its end to overlap the next "
+                    f"forward); here stage is {self.stage} and device {optimizer.device!r}. "
+                    "Remove it or set it to false.",
+                    key_path(where, "overlap_forward"),
                 )
             if optimizer.super_offload:
                 not_implemented(

@@ -33,7 +33,7 @@ from slipstream.runtime.precision import MasterWeights
 from slipstream.runtime.throughput import ProgressReport, ThroughputMeter, count_tokens, peak_tflops
 from slipstream.runtime.timers import WallClockTimers
 from slipstream.runtime.zero_setup import ZeroGradientPath
-from slipstream.zero import DataParallelGroup, ZeroSettings
+from slipstream.zero import DataParallelGroup, ShardedOptimizerStates, ZeroSettings
 
 logger = logging.getLogger(__name__)
 
@@ -167,6 +167,10 @@ class SlipstreamEngine(torch.nn.Module):
                     self.optimizer,
                     self._stage3,
                 )
+                offload = config.zero_optimization.optimizer_offload()
+                if offload is not None and offload.overlap_forward:
+                    assert isinstance(self.zero, ShardedOptimizerStates)  # config: stage 1-2
+                    self.zero.overlap_forward(self.module)
         self.lr_scheduler = resolve_scheduler(lr_scheduler, config.scheduler, self.optimizer)
 
         # 3. fp16 loss scaling.
@@ -368,6 +372,18 @@ class SlipstreamEngine(torch.nn.Module):
                 offload.close()
         if self._stage3 is not None:
             self._stage3.close()
+
+    def wait_for_step(self) -> None:
+        """Finish the last optimizer step where it still runs in the background.
+
+        Only ``offload_optimizer.overlap_forward`` leaves work behind ``step()``: the CPU still
+        steps the last gradient buckets, and the next forward publishes each as it reaches
+        its parameters. Call this before reading parameters directly in between (an EMA of
+        the weights, say); forwards, ``state_dict()``, checkpoints and the next backward wait
+        by themselves. A no-op otherwise.
+        """
+        if isinstance(self.zero, ShardedOptimizerStates):
+            self.zero.complete_step()
 
     def _check_alive(self) -> None:
         if self._destroyed:
@@ -571,10 +587,13 @@ class SlipstreamEngine(torch.nn.Module):
 
     def zero_grad(self, set_to_none: bool = True) -> None:
         """Drop all gradients (model and master); they are always set to None."""
-        if self.zero is not None:
-            self.zero.zero_grad()
         for param in self._params:
             param.grad = None
+        if self.zero is not None:
+            # The stage drops its masters' gradients (with overlap_forward, once the step that
+            # still reads them is done).
+            self.zero.zero_grad()
+            return
         for source in self._grad_sources:
             source.grad = None
 
@@ -672,6 +691,7 @@ class SlipstreamEngine(torch.nn.Module):
         """
         from slipstream.runtime.model_export import save_16bit_model
 
+        self.wait_for_step()
         return save_16bit_model(self, save_dir, save_filename)
 
     # Internal views used by the checkpoint module.

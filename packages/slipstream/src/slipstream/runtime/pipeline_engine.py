@@ -208,6 +208,12 @@ class PipelineEngine:
                 "zero_optimization.overlap_comm is not applied with pipelines: each "
                 "micro-batch's gradients are reduce-scattered after its backward instruction"
             )
+        offload = config.zero_optimization.optimizer_offload()
+        if offload is not None and offload.overlap_forward:
+            logger.warning(
+                "zero_optimization.offload_optimizer.overlap_forward has no effect with "
+                "pipelines: each step finishes before the next batch's schedule starts"
+            )
         # overlap off: under the zero-bubble weight pass a weight's gradient can arrive in
         # several parts, so a bucket must not launch before the instruction has finished.
         settings = dataclasses.replace(zero_setup.zero_settings(config), overlap_comm=False)

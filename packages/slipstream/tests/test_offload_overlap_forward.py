@@ -1,0 +1,346 @@
+"""CPU offload with ``overlap_forward``: the optimizer step ends during the next forward.
+
+``engine.step()`` returns while the CPU still steps the last gradient buckets; the next
+forward publishes each bucket as it reaches the bucket's parameters, and the step is committed
+once the last one is done. The run must be the run without it, bit for bit: the same losses
+(so every forward saw every parameter it used up to date), and the same weights, masters,
+Adam states and step counts wherever they are read through the engine. A scheduler moves the
+learning rate every step, so a bucket stepped after ``step()`` returned with the next step's
+rate would show.
+"""
+
+from __future__ import annotations
+
+import os
+import threading
+import time
+
+import pytest
+import torch
+
+from slipstream.comm.testing import run_distributed
+
+pytest.importorskip("slipstream.offload")
+
+MICRO = 2
+KEEP, CLIP = 1e3, 1e-3  # a clip the norm never reaches, and one it always exceeds
+CLIPS = [KEEP, KEEP, CLIP, CLIP, KEEP, KEEP, KEEP]  # kept, discarded (paused once), kept
+
+
+def _config(stage: int, precision: str, gas: int, clip: float, ratio: float, overlap: bool):
+    config = {
+        "train_micro_batch_size_per_gpu": MICRO,
+        "gradient_accumulation_steps": gas,
+        "gradient_clipping": clip,
+        "steps_per_print": 1000,
+        "scheduler": {
+            "type": "WarmupLR",
+            "params": {"warmup_min_lr": 0.001, "warmup_max_lr": 0.02, "warmup_num_steps": 20},
+        },
+        "zero_optimization": {
+            "stage": stage,
+            "reduce_bucket_size": 600,  # several buckets, each stepped as it lands
+            "allgather_bucket_size": 500,
+            "offload_optimizer": {
+                "device": "cpu",
+                "pin_memory": torch.cuda.is_available(),
+                "ratio": ratio,
+                "overlap_forward": overlap,
+            },
+        },
+    }
+    if precision == "bf16":
+        config["bf16"] = {"enabled": True}
+    return config
+
+
+def _engine(stage, precision, gas, clip, ratio, overlap):
+    import slipstream
+    from slipstream.zero.testing import TinyTransformer
+
+    torch.manual_seed(0)
+    model = TinyTransformer(unused=True)  # a parameter no forward reaches, too
+    decay = [p for p in model.parameters() if p.dim() >= 2]
+    other = [p for p in model.parameters() if p.dim() < 2]
+    optimizer = torch.optim.AdamW(
+        [{"params": decay, "weight_decay": 0.1}, {"params": other, "lr": 0.02}], lr=0.01
+    )
+    config = _config(stage, precision, gas, clip, ratio, overlap)
+    engine, *_ = slipstream.initialize(model=model, optimizer=optimizer, config=config)
+    return engine
+
+
+def _everything(engine) -> list[torch.Tensor]:
+    state = engine.optimizer.state
+    masters = engine.zero.masters.masters
+    return (
+        [p.detach().clone() for p in engine.module.parameters()]
+        + [m.detach().clone() for m in masters]
+        + [state[m][k].clone() for m in masters if state[m] for k in ("exp_avg", "exp_avg_sq")]
+        + [torch.tensor([float(state[m]["step"]) for m in masters if state[m]])]
+    )
+
+
+def _run(stage, precision, gas, clipping, ratio, overlap) -> dict:
+    """Train through CLIPS (or without clipping); losses, snapshots and what was deferred."""
+    from slipstream import comm
+    from slipstream.zero.testing import batch_for
+
+    os.environ["SLIPSTREAM_OFFLOAD_SPECULATE"] = "1"
+    world, rank = comm.get_world_size(), comm.get_rank()
+    clips = CLIPS if clipping else [0.0] * len(CLIPS)
+    engine = _engine(stage, precision, gas, clips[0], ratio, overlap)
+    device = next(engine.module.parameters()).device
+    offload = engine.zero.optimizer.offload
+    mine = slice(rank * MICRO, (rank + 1) * MICRO)
+    losses, snapshots, deferred = [], [], []
+    for step, clip in enumerate(clips):
+        engine.config.gradient_clipping = clip
+        for micro in range(gas):
+            ids, labels = (t.to(device) for t in batch_for(step, micro, MICRO * world))
+            loss = engine(ids[mine], labels[mine])
+            losses.append(loss.detach().float().cpu())
+            if micro == 0 and step % 2 == 1:
+                # Odd steps: read everything between the forward and the backward, which
+                # must show the last step whole (the even steps leave it to the backward).
+                engine.wait_for_step()
+                snapshots.append(_everything(engine))
+            engine.backward(loss)
+            engine.step()
+        deferred.append(len(offload.tail))
+    engine.wait_for_step()
+    snapshots.append(_everything(engine))
+    stats = offload.speculation
+    return {
+        "losses": torch.stack(losses),
+        "snapshots": snapshots,
+        "deferred": deferred,
+        "overlap": offload.overlap_forward,
+        "stats": (stats.kept, stats.discarded, stats.paused),
+    }
+
+
+def _side_by_side(stage, precision, gas, clipping, ratio) -> dict:
+    on = _run(stage, precision, gas, clipping, ratio, True)
+    off = _run(stage, precision, gas, clipping, ratio, False)
+    first_difference = None
+    for index, (a, b) in enumerate(zip(on["snapshots"], off["snapshots"])):
+        if len(a) != len(b) or not all(torch.equal(x, y) for x, y in zip(a, b)):
+            first_difference = index
+            break
+    return {
+        "same_losses": torch.equal(on["losses"], off["losses"]),
+        "first_difference": first_difference,
+        "snapshots": len(on["snapshots"]),
+        "deferred": on["deferred"],
+        "on": (on["overlap"], on["stats"]),
+        "off": (off["overlap"], off["stats"]),
+    }
+
+
+@pytest.mark.parametrize(
+    ("stage", "world", "precision", "gas", "clipping", "ratio"),
+    [
+        (2, 1, "fp32", 1, True, 1.0),
+        (2, 2, "fp32", 1, True, 1.0),
+        (2, 2, "bf16", 2, True, 1.0),
+        (1, 2, "bf16", 2, True, 1.0),
+        (2, 4, "bf16", 1, True, 1.0),
+        # No clipping: the exact step during backward (overlap_step).
+        (2, 2, "bf16", 1, False, 1.0),
+        (1, 2, "fp32", 2, False, 1.0),
+        # Partial offload: the device's share steps and publishes in step().
+        (2, 2, "fp32", 1, True, 0.5),
+        (1, 2, "bf16", 1, False, 0.6),
+    ],
+)
+def test_overlap_forward_is_the_same_run_bit_for_bit(
+    stage, world, precision, gas, clipping, ratio
+) -> None:
+    results = run_distributed(
+        _side_by_side, world, stage, precision, gas, clipping, ratio, timeout=300
+    )
+    for result in results:
+        assert result["on"][0] and not result["off"][0]
+        assert result["on"][1] == result["off"][1]  # the same speculation history
+        assert result["same_losses"]
+        assert result["snapshots"] == len(CLIPS) // 2 + 1
+        assert result["first_difference"] is None, result["first_difference"]
+        # The steps really were left running: buckets were still deferred after step() on
+        # every step whose CPU step ran during backward (all but the discarded and paused
+        # ones under clipping).
+        expected = (
+            [True, True, False, False, False, True, True] if clipping else [True] * len(CLIPS)
+        )
+        assert [d > 0 for d in result["deferred"]] == expected, result["deferred"]
+
+
+def _checkpoint_and_state_dict(tmp: str) -> dict:
+    """Read the model while a step is still running: state_dict(), a checkpoint and
+    zero_grad()+step() without a forward between all see the finished step."""
+    from slipstream import comm
+    from slipstream.zero.testing import batch_for
+
+    rank, world = comm.get_rank(), comm.get_world_size()
+    mine = slice(rank * MICRO, (rank + 1) * MICRO)
+    results = {}
+    for overlap in (True, False):
+        engine = _engine(2, "bf16", 1, KEEP, 1.0, overlap)
+        for step in range(2):
+            ids, labels = batch_for(step, 0, MICRO * world)
+            engine.backward(engine(ids[mine], labels[mine]))
+            engine.step()
+        pending = len(engine.zero.optimizer.offload.tail)
+        weights = {k: v.clone() for k, v in engine.module.state_dict().items()}
+        path = engine.save_checkpoint(os.path.join(tmp, f"overlap{overlap}"), tag="t")
+        # A zero_grad and a step with no forward between them: nothing is left to step.
+        engine.zero_grad()
+        engine.step()
+        results[overlap] = {
+            "pending": pending,
+            "weights": weights,
+            "files": sorted(os.listdir(path)),
+            "after": _everything(engine),
+        }
+    on, off = results[True], results[False]
+    loaded = {}
+    for overlap in (True, False):
+        engine = _engine(2, "bf16", 1, KEEP, 1.0, False)
+        engine.load_checkpoint(os.path.join(tmp, f"overlap{overlap}"), tag="t")
+        loaded[overlap] = _everything(engine)
+    return {
+        "pending": (on["pending"], off["pending"]),
+        "same_state_dict": all(
+            torch.equal(on["weights"][k], off["weights"][k]) for k in on["weights"]
+        ),
+        "same_files": on["files"] == off["files"],
+        "same_after": all(torch.equal(a, b) for a, b in zip(on["after"], off["after"])),
+        "same_loaded": all(torch.equal(a, b) for a, b in zip(loaded[True], loaded[False])),
+    }
+
+
+def test_state_dict_checkpoint_and_zero_grad_wait_for_the_step(tmp_path) -> None:
+    for result in run_distributed(_checkpoint_and_state_dict, 2, str(tmp_path), timeout=300):
+        assert result["pending"][0] > 0 and result["pending"][1] == 0
+        assert result["same_state_dict"]
+        assert result["same_files"]
+        assert result["same_after"]
+        assert result["same_loaded"]
+
+
+def _slow_tail() -> dict:
+    """With a slow CPU step, step() returns before it is done and the forward waits."""
+    from slipstream import comm
+    from slipstream.offload import HostOptimizer
+    from slipstream.zero.testing import batch_for
+
+    rank, world = comm.get_rank(), comm.get_world_size()
+    mine = slice(rank * MICRO, (rank + 1) * MICRO)
+    engine = _engine(2, "fp32", 1, KEEP, 1.0, True)
+    ids, labels = batch_for(0, 0, MICRO * world)
+    engine.backward(engine(ids[mine], labels[mine]))
+    engine.step()
+    engine.wait_for_step()  # nothing of step 0 may be queued when the step is held
+    gate = threading.Event()
+    original = HostOptimizer.speculate_params
+
+    def held(self, params, grad_scale=1.0):
+        gate.wait()
+        original(self, params, grad_scale)
+
+    HostOptimizer.speculate_params = held  # type: ignore[method-assign]
+    try:
+        ids, labels = batch_for(1, 0, MICRO * world)
+        engine.backward(engine(ids[mine], labels[mine]))
+        before = [p.detach().clone() for p in engine.module.parameters()]
+        engine.step()  # returns with every bucket still held
+        returned_early = not gate.is_set()
+        unchanged = all(torch.equal(p, b) for p, b in zip(engine.module.parameters(), before))
+        timer = threading.Timer(0.2, gate.set)
+        timer.start()
+        began = time.monotonic()
+        ids, labels = batch_for(2, 0, MICRO * world)
+        engine(ids[mine], labels[mine])  # the forward waits for the buckets it reaches
+        waited = time.monotonic() - began
+    finally:
+        HostOptimizer.speculate_params = original  # type: ignore[method-assign]
+        gate.set()
+    moved = any(not torch.equal(p, b) for p, b in zip(engine.module.parameters(), before))
+    return {
+        "returned_early": returned_early,
+        "unchanged": unchanged,
+        "waited": waited,
+        "moved": moved,
+    }
+
+
+def test_step_returns_before_the_cpu_step_and_the_forward_waits() -> None:
+    for result in run_distributed(_slow_tail, 2, timeout=300):
+        assert result["returned_early"]
+        assert result["unchanged"]  # nothing published before the forward reached it
+        assert result["waited"] >= 0.15
+        assert result["moved"]
+
+
+def test_overlap_forward_config_needs_stage_1_or_2_on_the_cpu() -> None:
+    from slipstream.config import ConfigError, SlipstreamConfig
+
+    for stage, device, extra in ((3, "cpu", {}), (2, "nvme", {"nvme_path": "/tmp/x"})):
+        config = {
+            "train_micro_batch_size_per_gpu": 1,
+            "zero_optimization": {
+                "stage": stage,
+                "offload_optimizer": {"device": device, "overlap_forward": True, **extra},
+            },
+        }
+        with pytest.raises(ConfigError, match="overlap_forward needs ZeRO stage 1 or 2"):
+            SlipstreamConfig.from_dict(config)
+
+
+def _without_cpu_step_in_backward() -> dict:
+    """Clipping without the speculative step steps after backward: overlap_forward says it
+    has no effect."""
+    import logging
+
+    os.environ["SLIPSTREAM_OFFLOAD_SPECULATE"] = "0"
+    records: list[str] = []
+
+    class Catch(logging.Handler):
+        def emit(self, record: logging.LogRecord) -> None:
+            records.append(record.getMessage())
+
+    handler = Catch()
+    logging.getLogger("slipstream").addHandler(handler)
+    try:
+        engine = _engine(2, "fp32", 1, 1.0, 1.0, True)
+    finally:
+        logging.getLogger("slipstream").removeHandler(handler)
+    return {
+        "on": engine.zero.optimizer.offload.overlap_forward,
+        "warned": any("overlap_forward has no effect" in r for r in records),
+    }
+
+
+def test_overlap_forward_says_when_it_has_no_effect() -> None:
+    (result,) = run_distributed(_without_cpu_step_in_backward, 1, timeout=300)
+    assert not result["on"]
+    assert result["warned"]
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA/ROCm device")
+@pytest.mark.parametrize(
+    ("stage", "clipping", "ratio"), [(2, True, 1.0), (1, False, 1.0), (2, True, 0.5)]
+)
+def test_overlap_forward_is_the_same_run_bit_for_bit_on_gpus(stage, clipping, ratio) -> None:
+    # The buckets land through pinned memory on a side stream and step on the CPU worker,
+    # newest first; the next forward uploads and all-gathers each as it reaches it.
+    world = min(2, torch.cuda.device_count())
+    results = run_distributed(
+        _side_by_side, world, stage, "bf16", 1, clipping, ratio, backend="nccl", timeout=300
+    )
+    for result in results:
+        assert result["on"][0] and result["on"][1] == result["off"][1]
+        assert result["same_losses"]
+        assert result["first_difference"] is None, result["first_difference"]
+        assert any(d > 0 for d in result["deferred"])
