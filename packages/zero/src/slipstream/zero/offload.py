@@ -262,6 +262,7 @@ class OffloadedStep:
         # has to be committed once they are done.
         self.overlap_forward = False
         self.tail: deque[tuple[list[int], Future[None]]] = deque()
+        self.tail_indices: set[int] = set()  # every parameter index in the tail
         self.tail_kept = False
         self._commit_pending = False
         self.tail_wait_s = 0.0  # seconds forwards (and barriers) waited for the tail
@@ -451,6 +452,7 @@ class OffloadedStep:
         """Leave bucket ``indices``' job running past the end of backward (called in bucket
         order, the reverse of forward order)."""
         self.tail.appendleft((indices, job))
+        self.tail_indices.update(indices)
 
     def keep_tail(self) -> None:
         """The step is settled and the jobs still running are part of it: freeze the
@@ -466,6 +468,7 @@ class OffloadedStep:
         job.result()  # re-raises what the worker hit
         self.tail_wait_s += time.perf_counter() - began
         self.tail.popleft()
+        self.tail_indices.difference_update(indices)
         publish(indices)
 
     def finish_tail(self, publish: Callable[[list[int]], None]) -> None:
@@ -489,7 +492,9 @@ class OffloadedStep:
         """Wait for the jobs still running without publishing them (the caller republishes
         or discards); nothing stays deferred."""
         while self.tail:
-            self.tail.popleft()[1].result()
+            indices, job = self.tail.popleft()
+            self.tail_indices.difference_update(indices)
+            job.result()
 
     def step_indices(self, indices: list[int], grad_scale: float = 1.0) -> None:
         """Step the offloaded masters at ``indices`` now (``grad_scale`` folded into the
@@ -537,6 +542,7 @@ class OffloadedStep:
             self._pool.shutdown()
             self._pool = None
         self.tail.clear()
+        self.tail_indices.clear()
         self.host.discard_speculation()  # nothing to republish: the engine is going away
         if self.space is not None:
             self.space.close()

@@ -247,8 +247,7 @@ class ZeroOptimizer:
 
     def zero_grad(self, set_to_none: bool = True) -> None:
         """Drop the master gradients (always set to None)."""
-        self._complete()
-        self.abandon_speculation()
+        self.abandon_speculation()  # finishes a step still running first
         self.masters.zero_grad()
 
     def abandon_speculation(self) -> None:

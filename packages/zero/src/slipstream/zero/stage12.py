@@ -187,9 +187,8 @@ class ShardedOptimizerStates:
             if step.speculative:
                 self.reducer.before_stepped = self._check_speculation
         self._reducing = settings.stage == 2
-        # overlap_forward (see overlap_forward()): parameters whose bucket still steps on the
-        # CPU after engine.step() returned, and a zero_grad held back until it is done.
-        self._unpublished: set[int] = set()
+        # overlap_forward (see overlap_forward()): a zero_grad held back until the step that
+        # still runs on the CPU is done.
         self._zero_pending = False
         self._forward_hooks: list[Any] = []
         self._hooks = [
@@ -281,25 +280,19 @@ class ShardedOptimizerStates:
 
     def _defer(self, indices: list[int], job: Any) -> None:
         assert self._offload_step is not None
-        self._unpublished.update(indices)
         self._offload_step.defer(indices, job)
         self._offload_step.newest_first(True)  # backward is over: the first layers' next
         self._eager_published = True  # step() publishes only what stepped on the device
-
-    def _publish_deferred(self, indices: list[int]) -> None:
-        self._unpublished.difference_update(indices)
-        self._publish_stepped(indices)
 
     def _before_forward(self, owned: frozenset[int], module: torch.nn.Module, args: Any) -> None:
         step = self._offload_step
         assert step is not None
         if not step.tail:
-            self._unpublished.clear()
             return
         # Publish in the tail's order (the same on every rank) up to the last bucket this
         # module needs: every rank issues the same all-gathers in the same order.
-        while step.tail and not owned.isdisjoint(self._unpublished):
-            step.publish_next(self._publish_deferred)
+        while step.tail and not owned.isdisjoint(step.tail_indices):
+            step.publish_next(self._publish_stepped)
         if not step.tail:
             self.complete_step()
 
@@ -310,8 +303,7 @@ class ShardedOptimizerStates:
         step = self._offload_step
         if step is None or not (step.tail or step.tail_kept):
             return
-        step.finish_tail(self._publish_deferred)
-        self._unpublished.clear()
+        step.finish_tail(self._publish_stepped)
         if self._zero_pending:
             self._zero_pending = False
             self.masters.zero_grad()
