@@ -83,6 +83,8 @@ def _run(stage: int, gas: int, land_low: bool, speculate: bool, device: str, tmp
         state = engine.optimizer.state
         stepped = [m for m in masters.masters if state[m]]  # not the unused parameter
         with engine.zero.optimizer.resident():
+            if stage < 3:
+                _check_published(engine, rank, device)
             snapshots.append(
                 [p.detach().clone() for p in engine.module.parameters()]
                 + [m.detach().clone() for m in masters.masters]
@@ -96,6 +98,18 @@ def _run(stage: int, gas: int, land_low: bool, speculate: bool, device: str, tmp
         "kept": speculation.kept,
         "discarded": speculation.discarded,
     }
+
+
+def _check_published(engine, rank: int, device: str) -> None:
+    # Stages 1-2 with CPU offload publish the fp32 masters and round them to bf16 on the way
+    # (the CPU step writes no model-dtype copy); NVMe swaps the masters out after the step,
+    # so it stages copies. Either way each parameter holds its master rounded to bf16.
+    zero = engine.zero
+    assert bool(zero.optimizer.offload.host.copies) == (device == "nvme")
+    for param, master, spec in zip(zero.params, zero.masters.masters, zero.specs):
+        lo, hi = spec.valid_range(rank)
+        mine = param.detach().reshape(-1)[lo:hi]
+        assert torch.equal(mine, master.detach().reshape(-1)[: hi - lo].to(mine.device, mine.dtype))
 
 
 def _side_by_side(stage: int, gas: int, speculate: bool, device: str, tmp: str) -> dict:

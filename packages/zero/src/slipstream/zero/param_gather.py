@@ -42,18 +42,22 @@ def gather_bucket(
 ) -> None:
     """One all-gather: every rank's ``shards[i]`` for ``i`` in ``indices`` into ``params[i]``.
 
-    The shards are concatenated (cast to the model's dtype first, so half the bytes travel),
-    gathered into ``[world, bucket_shard]`` and each parameter is copied out of its column
-    range. Host shards (optimizer offload) are uploaded here, pinned ones asynchronously.
+    The shards are concatenated into one send buffer in the model's dtype (so half the bytes
+    travel), gathered into ``[world, bucket_shard]`` and each parameter is copied out of its
+    column range. Host shards (optimizer offload) are uploaded here in their own dtype,
+    pinned ones asynchronously, and cast on the device: the CPU step then writes no
+    model-dtype copy of its fp32 masters.
     """
     dtype = params[indices[0]].dtype
     device = params[indices[0]].device
-    send = torch.cat(
-        [
-            shards[i].detach().to(device=device, dtype=dtype, non_blocking=True).reshape(-1)
-            for i in indices
-        ]
-    )
+    send = torch.empty(sum(shards[i].numel() for i in indices), dtype=dtype, device=device)
+    offset = 0
+    for i in indices:
+        shard = shards[i].detach().reshape(-1)
+        if shard.device != device:
+            shard = shard.to(device, non_blocking=True)
+        send[offset : offset + shard.numel()].copy_(shard)
+        offset += shard.numel()
     out = torch.empty(group.world_size * send.numel(), dtype=dtype, device=device)
     group.all_gather_into(out, send)
     rows = out.view(group.world_size, send.numel())

@@ -90,8 +90,8 @@ class ShardedOptimizerStates:
         del shards
         self.masters.swap_into(optimizer, strict=strict_optimizer)
         device = self.params[0].device if self.params else torch.device("cpu")
-        # Offload: the CPU step writes each updated shard in the model's dtype into a host
-        # staging buffer (pinned with pin_memory), which the all-gather then uploads.
+        # NVMe offload: the CPU step writes each updated shard in the model's dtype into a
+        # host staging buffer (pinned with pin_memory), which the all-gather then uploads.
         self._staging: list[torch.Tensor] | None = None
         step = None
         pipelined = None
@@ -104,11 +104,15 @@ class ShardedOptimizerStates:
                 )
             from slipstream.zero.offload import OffloadedStep
 
-            # Staged in the model's dtype; an fp32 model on CPU offload publishes the masters
-            # themselves, but NVMe swaps them out after the step, before the all-gather.
-            # A master kept on the device (partial offload) publishes itself.
+            # CPU offload publishes the fp32 masters themselves: the all-gather uploads them
+            # and casts to the model's dtype on the device. Writing a model-dtype copy on the
+            # CPU instead costs the memory-bound CPU step 2 more bytes per element, plus the
+            # read-for-ownership of the copy's lines, against the 2 more bytes per element
+            # that the upload reads (docs/offload.md, "What the all-gather uploads"). NVMe
+            # swaps the masters out after the step, before the all-gather, so it stages
+            # copies. A master kept on the device (partial offload) publishes itself.
             copies: dict[int, torch.Tensor] = {}
-            if offload.device == "nvme" or any(p.dtype != torch.float32 for p in self.params):
+            if offload.device == "nvme":
                 self._staging = [
                     self.masters.host_empty(m.shape, p.dtype) if out else m
                     for m, p, out in zip(self.masters.masters, self.params, self.masters.offloaded)
@@ -348,7 +352,7 @@ class ShardedOptimizerStates:
 
     @property
     def _publish_sources(self) -> Sequence[torch.Tensor]:
-        """What the all-gathers send: the model-dtype staging copies, or the masters."""
+        """What the all-gathers send: the model-dtype staging copies (NVMe), or the masters."""
         return self._staging if self._staging is not None else self.masters.masters
 
     def _publish(self) -> None:
@@ -389,7 +393,7 @@ class ShardedOptimizerStates:
             return  # called off: the step after backward publishes everything
         shards = self._publish_sources
         if self._staging is None and step is not None and step.speculative:
-            # fp32 model: the speculative step's new masters are in spare buffers.
+            # CPU offload: the speculative step's new masters are in spare buffers.
             shards = list(shards)
             for i in indices:
                 shards[i] = step.speculative_value(i)
