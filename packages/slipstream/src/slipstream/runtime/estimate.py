@@ -103,11 +103,12 @@ def estimate_offload(
     """Model-state bytes per rank with ``offload_optimizer`` (stages 1-3, and 3 + offload_param).
 
     Host (``device="cpu"``): fp32 masters, optimizer states and fp32 gradients of this rank's
-    shard, plus the model-dtype staging copy of the shard (or, with ``offload_param``, the
+    shard, ``(4 + k + 4)·Ψ/N`` at stages 1-2 (the all-gather uploads the masters themselves),
+    plus the model-dtype staging copy of the shard at stage 3 (or, with ``offload_param``, the
     shard itself): ``(4 + k + 4 + d)·Ψ/N`` (an upper bound with ``communication_data_type``
     bf16 and one reduction per step, whose gradients stay bf16 on the host: ``2·Ψ/N`` less).
     With ``device="nvme"`` the masters and states
-    ``(4 + k)·Ψ/N`` go to disk instead (the sub-groups in flight come back to host memory).
+    ``(4 + k)·Ψ/N`` go to disk instead, and stages 1-2 stage the copy too (the sub-groups in flight come back to host memory).
     With ``param_device="nvme"`` (``offload_param.device: "nvme"``) the model-dtype shards
     ``d·Ψ/N`` of the ``offload_param`` row are on disk too (the shards being gathered, read
     ahead or stepped, and those within ``max_in_cpu``, come back to host memory: not counted).
@@ -130,7 +131,9 @@ def estimate_offload(
         if stage == 1 and param_bytes == 2:
             gpu += 4 * p
         masters_and_states = (4 + k) * p / n
-        host = 4 * p / n + d * p / n  # fp32 grads + staging copy (or the offloaded shard)
+        host = 4 * p / n  # fp32 grads
+        if stage == 3 or device == "nvme":
+            host += d * p / n  # the staging copy (or, with offload_param, the shard)
         nvme = 0.0
         if param_offload and param_device == "nvme":
             host -= d * p / n
@@ -255,13 +258,14 @@ def format_estimate(
             f"- {saved / gib:.2f} GiB host per rank (the gradients land in bf16)"
         )
     if offload_ratio < 1.0:
-        # The kept share's fp32 master, states and gradient come to the GPU; its staging
-        # copy and the speculative step's spares leave the host too.
+        # The kept share's fp32 master, states and gradient come to the GPU; at stage 3 its
+        # staging copy leaves the host too, and at stages 1-2 the speculative step's spares.
         kept = (1.0 - offload_ratio) * float(num_params) / world_size
         lines.append(
             f"  with offload_optimizer.ratio {offload_ratio:g} (CPU): up to + {(16 * kept) / gib:.2f} "
-            f"GiB GPU and - {((16 + param_bytes) * kept) / gib:.2f} GiB host per rank "
-            f"(- {(12 * kept) / gib:.2f} GiB more host with gradient_clipping at stages 1-2)"
+            f"GiB GPU and - {(16 * kept) / gib:.2f} GiB host per rank "
+            f"(- {(12 * kept) / gib:.2f} GiB more with gradient_clipping at stages 1-2; "
+            f"- {(param_bytes * kept) / gib:.2f} GiB more at stage 3)"
         )
     if activations is not None:
         lines.append(
