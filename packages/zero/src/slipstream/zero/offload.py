@@ -3,9 +3,10 @@
 Optional: needs the slipstream-offload-io distribution (``pip install slipstream-zero[offload]``),
 imported only when ``ZeroSettings.offload_optimizer`` is set. The stage's master shards (and
 their gradients) then live in host memory (:class:`~slipstream.zero.ShardedMasterWeights` with
-``device="cpu"``); :class:`OffloadedStep` runs the update there with the C++ CPU optimizers,
-writing the model-dtype copy of each updated shard into a (pinned) staging buffer in the same
-pass, from which the stage publishes it to the device.
+``device="cpu"``); :class:`OffloadedStep` runs the update there with the C++ CPU optimizers.
+Stages 1-2 on the CPU publish the updated fp32 masters themselves (cast on the device); at
+stage 3, and with NVMe, the step also writes the model-dtype copy of each updated shard into a
+(pinned) staging buffer (or the host shard) in the same pass, from which the stage publishes it.
 """
 
 from __future__ import annotations
@@ -235,7 +236,8 @@ class OffloadedStep:
         offload: the offload settings (``device``, ``nvme_path``, sub-groups, threads, aio).
         group: the data-parallel group (its rank names this rank's swap folder).
         copies: ``id(master) -> tensor`` refreshed with each updated master in the model dtype
-            (host staging buffers, or the shard itself when it lives on the host too).
+            (host staging buffers, or the shard itself when it lives on the host too); empty
+            when the stage publishes the masters themselves.
         names: parameter names by ``id(master)`` (NVMe swap file names).
     """
 
