@@ -88,7 +88,8 @@ def tests(session: nox.Session, package: str) -> None:
         session.run("python", "-m", "slipstream.kernels.build_ops")
     if package == "offload_io":
         session.run("python", "-m", "slipstream.offload.build")  # the NVMe I/O engine
-    args = session.posargs or ["-m", "not gpu and not aot"]
+    # The ten slowest tests of each package in the log: CI must stay well under 30 minutes.
+    args = session.posargs or ["-m", "not gpu and not aot", "--durations=10"]
     session.run("python", "-m", "pytest", str(test_dir), *args, env={"OMP_NUM_THREADS": "1"})
 
 
