@@ -18,6 +18,11 @@ import torch
 from slipstream.kernels.build_ops import load_cpu_optimizer
 
 ISA_ENV = "SLIPSTREAM_CPU_ISA"
+# How the OpenMP threads share a step's chunks: "static" (default: one contiguous share each)
+# or "dynamic" (one 16 Ki-element chunk at a time, so that a descheduled thread does not hold
+# the step up when other threads of the process share the cores).
+SCHEDULE_ENV = "SLIPSTREAM_CPU_SCHEDULE"
+SCHEDULES = ("static", "dynamic")
 
 
 def _extension() -> ModuleType:
@@ -29,6 +34,13 @@ def _extension() -> ModuleType:
 
 def _isa() -> str:
     return os.environ.get(ISA_ENV, "auto").strip() or "auto"
+
+
+def _schedule() -> str:
+    value = os.environ.get(SCHEDULE_ENV, "").strip() or "static"
+    if value not in SCHEDULES:
+        raise ValueError(f"{SCHEDULE_ENV}={value!r} is not one of {', '.join(SCHEDULES)}")
+    return value
 
 
 def _copies(param_copies: Sequence[torch.Tensor] | None) -> list[torch.Tensor]:
@@ -109,6 +121,7 @@ def adam(
         int(step),
         float(grad_scale),
         _isa(),
+        _schedule(),
         *outputs,
     )
 
@@ -135,6 +148,7 @@ def adagrad(
         float(weight_decay),
         float(grad_scale),
         _isa(),
+        _schedule(),
     )
 
 
@@ -162,4 +176,5 @@ def lion(
         float(weight_decay),
         float(grad_scale),
         _isa(),
+        _schedule(),
     )

@@ -12,7 +12,10 @@
 // Threads: one OpenMP parallel region per step over fixed-size chunks of every tensor, so
 // many small tensors and a few huge ones both spread evenly over the cores. The team size is
 // process-wide (set_num_threads), not OpenMP's per-thread ICV: offload steps run on worker
-// threads, which would otherwise get OMP_NUM_THREADS (1 under torchrun).
+// threads, which would otherwise get OMP_NUM_THREADS (1 under torchrun). The schedule is the
+// caller's: "static" gives each thread one contiguous share of the chunks; "dynamic" lets the
+// threads take chunks one at a time, so a thread the OS deschedules (the training process's
+// other threads share the cores) does not hold the whole step up.
 
 #include <torch/extension.h>
 
@@ -46,6 +49,20 @@ inline int step_threads() {
   return chosen > 0 ? chosen : omp_get_max_threads();
 #else
   return 1;
+#endif
+}
+
+// Sets the schedule of the parallel loops below (schedule(runtime)) for the calling thread,
+// which is the one that starts their parallel region.
+void apply_schedule(const std::string& schedule) {
+  TORCH_CHECK(schedule == "static" || schedule == "dynamic",
+              "CPU optimizer schedule must be 'static' or 'dynamic', got '", schedule, "'");
+#ifdef _OPENMP
+  if (schedule == "dynamic") {
+    omp_set_schedule(omp_sched_dynamic, 1);
+  } else {
+    omp_set_schedule(omp_sched_static, 0);
+  }
 #endif
 }
 
@@ -317,7 +334,7 @@ SLIPSTREAM_INLINE void lion_span(const Span& s, const LionArgs& a) {
 #define SLIPSTREAM_DEFINE_RUNNERS(SUFFIX, ATTRIBUTE)                                          \
   ATTRIBUTE void adam_run_##SUFFIX(const std::vector<Span>& spans, const AdamArgs& a) {       \
     const int64_t count = static_cast<int64_t>(spans.size());                                 \
-    _Pragma("omp parallel for schedule(static) num_threads(step_threads())") for (int64_t k = 0; k < count; ++k) {        \
+    _Pragma("omp parallel for schedule(runtime) num_threads(step_threads())") for (int64_t k = 0; k < count; ++k) {        \
       if (spans[k].param_out != nullptr) {                                                    \
         SLIPSTREAM_DISPATCH(adam_span_out, spans[k], a);                                      \
       } else {                                                                                \
@@ -327,13 +344,13 @@ SLIPSTREAM_INLINE void lion_span(const Span& s, const LionArgs& a) {
   }                                                                                           \
   ATTRIBUTE void adagrad_run_##SUFFIX(const std::vector<Span>& spans, const AdagradArgs& a) { \
     const int64_t count = static_cast<int64_t>(spans.size());                                 \
-    _Pragma("omp parallel for schedule(static) num_threads(step_threads())") for (int64_t k = 0; k < count; ++k) {        \
+    _Pragma("omp parallel for schedule(runtime) num_threads(step_threads())") for (int64_t k = 0; k < count; ++k) {        \
       SLIPSTREAM_DISPATCH(adagrad_span, spans[k], a);                                         \
     }                                                                                         \
   }                                                                                           \
   ATTRIBUTE void lion_run_##SUFFIX(const std::vector<Span>& spans, const LionArgs& a) {       \
     const int64_t count = static_cast<int64_t>(spans.size());                                 \
-    _Pragma("omp parallel for schedule(static) num_threads(step_threads())") for (int64_t k = 0; k < count; ++k) {        \
+    _Pragma("omp parallel for schedule(runtime) num_threads(step_threads())") for (int64_t k = 0; k < count; ++k) {        \
       SLIPSTREAM_DISPATCH(lion_span, spans[k], a);                                            \
     }                                                                                         \
   }
@@ -504,7 +521,8 @@ std::string adam_step(const std::vector<at::Tensor>& params, const std::vector<a
                       const std::vector<at::Tensor>& copies, double lr, double beta1,
                       double beta2, double eps, double weight_decay, bool adam_w_mode,
                       bool bias_correction, int64_t step, double grad_scale,
-                      const std::string& isa, const std::vector<at::Tensor>& params_out,
+                      const std::string& isa, const std::string& schedule,
+                      const std::vector<at::Tensor>& params_out,
                       const std::vector<at::Tensor>& exp_avgs_out,
                       const std::vector<at::Tensor>& exp_avg_sqs_out) {
   TORCH_CHECK(step >= 1, "adam: step must be >= 1 (the step being taken), got ", step);
@@ -523,6 +541,7 @@ std::string adam_step(const std::vector<at::Tensor>& params, const std::vector<a
              static_cast<float>(1.0 - lr * weight_decay), adam_w_mode,
              static_cast<float>(grad_scale),  static_cast<float>(1.0 - beta1),
              static_cast<float>(1.0 - beta2)};
+  apply_schedule(schedule);
   pybind11::gil_scoped_release no_gil;
 #ifdef SLIPSTREAM_HAS_X86_CLONES
   if (chosen == "avx512") {
@@ -542,11 +561,12 @@ std::string adagrad_step(const std::vector<at::Tensor>& params,
                          const std::vector<at::Tensor>& grads,
                          const std::vector<at::Tensor>& sums, const std::vector<at::Tensor>& copies,
                          double lr, double eps, double weight_decay, double grad_scale,
-                         const std::string& isa) {
+                         const std::string& isa, const std::string& schedule) {
   const std::string chosen = resolve_isa(isa);
   auto spans = make_spans(params, grads, sums, nullptr, copies);
   AdagradArgs a{static_cast<float>(lr), static_cast<float>(eps), static_cast<float>(weight_decay),
                 static_cast<float>(grad_scale)};
+  apply_schedule(schedule);
   pybind11::gil_scoped_release no_gil;
 #ifdef SLIPSTREAM_HAS_X86_CLONES
   if (chosen == "avx512") {
@@ -566,12 +586,13 @@ std::string lion_step(const std::vector<at::Tensor>& params, const std::vector<a
                       const std::vector<at::Tensor>& exp_avgs,
                       const std::vector<at::Tensor>& copies, double lr, double beta1,
                       double beta2, double weight_decay, double grad_scale,
-                      const std::string& isa) {
+                      const std::string& isa, const std::string& schedule) {
   const std::string chosen = resolve_isa(isa);
   auto spans = make_spans(params, grads, exp_avgs, nullptr, copies);
   LionArgs a{static_cast<float>(lr), static_cast<float>(beta1), static_cast<float>(beta2),
              static_cast<float>(1.0 - lr * weight_decay), static_cast<float>(grad_scale),
              static_cast<float>(1.0 - beta1), static_cast<float>(1.0 - beta2)};
+  apply_schedule(schedule);
   pybind11::gil_scoped_release no_gil;
 #ifdef SLIPSTREAM_HAS_X86_CLONES
   if (chosen == "avx512") {
