@@ -34,7 +34,6 @@ from typing import Any
 def _worker(rank: int, args: argparse.Namespace, barrier: Any, results: Any) -> None:
     import torch
 
-    from slipstream.kernels.build_ops import load_cpu_optimizer
     from slipstream.kernels.ops import cpu_optim
 
     numel = int(args.params)
@@ -50,7 +49,7 @@ def _worker(rank: int, args: argparse.Namespace, barrier: Any, results: Any) -> 
         "none": None,
         "into-grad": grads,
     }[args.copy]
-    load_cpu_optimizer().set_num_threads(args.threads)
+    cpu_optim.set_num_threads(args.threads)
     times = []
     for step in range(args.steps + 1):  # the first is a warm-up
         barrier.wait()

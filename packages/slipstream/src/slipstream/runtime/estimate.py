@@ -107,8 +107,8 @@ def estimate_offload(
     plus the model-dtype staging copy of the shard at stage 3 (or, with ``offload_param``, the
     shard itself): ``(4 + k + 4 + d)·Ψ/N`` (an upper bound with ``communication_data_type``
     bf16 and one reduction per step, whose gradients stay bf16 on the host: ``2·Ψ/N`` less).
-    With ``device="nvme"`` the masters and states
-    ``(4 + k)·Ψ/N`` go to disk instead, and stages 1-2 stage the copy too (the sub-groups in flight come back to host memory).
+    With ``device="nvme"`` the masters and states ``(4 + k)·Ψ/N`` go to disk instead (the
+    sub-groups in flight come back to host memory), and stages 1-2 stage the copy too.
     With ``param_device="nvme"`` (``offload_param.device: "nvme"``) the model-dtype shards
     ``d·Ψ/N`` of the ``offload_param`` row are on disk too (the shards being gathered, read
     ahead or stepped, and those within ``max_in_cpu``, come back to host memory: not counted).
