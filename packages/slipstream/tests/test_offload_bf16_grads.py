@@ -174,3 +174,60 @@ def test_bf16_reduction_lands_in_bf16_on_gpus(speculate, tmp_path) -> None:
         assert result["low"]["landed"] == [["torch.bfloat16"]] * len(CLIPS)
         assert result["low"]["norms"] == result["wide"]["norms"]
         assert result["first_difference"] is None, result["first_difference"]
+
+
+def _stage3_publishes(steps: int) -> dict:
+    import slipstream
+    from slipstream import comm
+    from slipstream.zero.testing import TinyTransformer, batch_for
+
+    world, rank = comm.get_world_size(), comm.get_rank()
+    torch.manual_seed(0)
+    model = TinyTransformer()
+    optimizer = torch.optim.AdamW(model.parameters(), lr=0.01, weight_decay=0.1)
+    config = {
+        "train_micro_batch_size_per_gpu": MICRO,
+        "gradient_clipping": 1.0,
+        "steps_per_print": 1000,
+        "bf16": {"enabled": True},
+        "zero_optimization": {
+            "stage": 3,
+            "reduce_bucket_size": 600,
+            "stage3_param_persistence_threshold": 0,
+            "offload_optimizer": {"device": "cpu", "pin_memory": True},
+        },
+    }
+    engine, *_ = slipstream.initialize(model=model, optimizer=optimizer, config=config)
+    dev = engine.device
+    path = engine.zero
+    mismatched, checked = [], 0
+    for step in range(steps):
+        ids, labels = (t.to(dev) for t in batch_for(step, 0, MICRO * world))
+        mine = slice(rank * MICRO, (rank + 1) * MICRO)
+        engine.backward(engine(ids[mine], labels[mine]))
+        engine.step()
+        # Each device shard holds its fp32 master rounded to bf16; no copy is staged.
+        for i, (sharded, master) in enumerate(zip(path.sharded, path.masters.masters)):
+            shard = sharded.shard
+            expected = master.detach().to(shard.device, torch.bfloat16)
+            checked += 1
+            if shard.device.type != dev.type or not torch.equal(shard, expected):
+                mismatched.append((step, i))
+    return {
+        "mismatched": mismatched,
+        "checked": checked,
+        "copies": len(path.optimizer.offload.host.copies),
+        "loss": float(engine(ids[mine], labels[mine]).detach()),
+    }
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA/ROCm device")
+def test_stage3_cpu_offload_publishes_rounded_masters_on_gpus() -> None:
+    # Stage 3 with CPU optimizer offload and the shards on the GPU: _publish uploads each fp32
+    # master and casts it there (the CPU step writes no bf16 staging copy).
+    world = min(2, torch.cuda.device_count())
+    for result in run_distributed(_stage3_publishes, world, 3, backend="nccl", timeout=300):
+        assert result["checked"] > 0 and result["mismatched"] == [], result["mismatched"]
+        assert result["copies"] == 0
+        assert result["loss"] == result["loss"]  # finite training, not NaN

@@ -254,8 +254,10 @@ class Stage3GradientPath:
                 sharded.shard = master.data  # fp32: the master *is* the gathered shard
         self.masters.swap_into(optimizer)
         # Offload: the CPU step writes each updated master in the shard's dtype into the shard
-        # itself when it lives on the host (offload_param), else into a host staging buffer
-        # that _publish uploads.
+        # itself when it lives on the host (offload_param). A shard on the device is refreshed
+        # by _publish from its source: the fp32 master itself, uploaded and cast there, so the
+        # memory-bound CPU step writes no model-dtype copy; with NVMe optimizer offload, which
+        # swaps the masters out after the step, a host staging buffer the step writes.
         self._sources: list[torch.Tensor | None] = [None] * len(trainable)
         step = None
         if offload is not None:
@@ -267,10 +269,12 @@ class Stage3GradientPath:
                     continue  # the master is the shard, or stays on the device (partial)
                 if sharded.shard.device.type == "cpu":
                     copies[id(master)] = sharded.shard
-                else:
+                elif offload.device == "nvme":
                     staging = self.masters.host_empty(master.shape, sharded.shard.dtype)
                     copies[id(master)] = staging
                     self._sources[i] = staging
+                else:
+                    self._sources[i] = master
             names = {id(m): n for m, n in zip(self.masters.masters, _names_of(model, trainable))}
             step = OffloadedStep(optimizer, self.masters, offload, model.group, copies, names)
             if swapped:
@@ -336,10 +340,13 @@ class Stage3GradientPath:
         with torch.no_grad():
             offloaded = self.optimizer.offload is not None
             flags = self.masters.offloaded
-            for sharded, staging, on_host in zip(self.sharded, self._sources, flags):
+            for sharded, source, on_host in zip(self.sharded, self._sources, flags):
                 if offloaded and on_host:
-                    if staging is not None:  # else the step wrote the host shard itself
-                        sharded.shard.copy_(staging, non_blocking=True)
+                    if source is not None:  # else the step wrote the host shard itself
+                        source = source.detach()
+                        if source.dtype != sharded.shard.dtype:  # the fp32 master: cast there
+                            source = source.to(sharded.shard.device, non_blocking=True)
+                        sharded.shard.copy_(source, non_blocking=True)
                     continue
                 master = sharded.master
                 if master is not None and master.data_ptr() != sharded.shard.data_ptr():
