@@ -103,12 +103,12 @@ def estimate_offload(
     """Model-state bytes per rank with ``offload_optimizer`` (stages 1-3, and 3 + offload_param).
 
     Host (``device="cpu"``): fp32 masters, optimizer states and fp32 gradients of this rank's
-    shard, ``(4 + k + 4)·Ψ/N`` at stages 1-2 (the all-gather uploads the masters themselves),
-    plus the model-dtype staging copy of the shard at stage 3 (or, with ``offload_param``, the
-    shard itself): ``(4 + k + 4 + d)·Ψ/N`` (an upper bound with ``communication_data_type``
-    bf16 and one reduction per step, whose gradients stay bf16 on the host: ``2·Ψ/N`` less).
-    With ``device="nvme"`` the masters and states ``(4 + k)·Ψ/N`` go to disk instead (the
-    sub-groups in flight come back to host memory), and stages 1-2 stage the copy too.
+    shard, ``(4 + k + 4)·Ψ/N`` (the stage uploads the masters themselves and casts them on the
+    device), plus, with ``offload_param``, the model-dtype shard itself: ``(4 + k + 4 + d)·Ψ/N``
+    (an upper bound with ``communication_data_type`` bf16 and one reduction per step, whose
+    gradients stay bf16 on the host: ``2·Ψ/N`` less). With ``device="nvme"`` the masters and
+    states ``(4 + k)·Ψ/N`` go to disk instead (the sub-groups in flight come back to host
+    memory), and every stage keeps a model-dtype staging copy ``d·Ψ/N`` on the host.
     With ``param_device="nvme"`` (``offload_param.device: "nvme"``) the model-dtype shards
     ``d·Ψ/N`` of the ``offload_param`` row are on disk too (the shards being gathered, read
     ahead or stepped, and those within ``max_in_cpu``, come back to host memory: not counted).
@@ -132,8 +132,8 @@ def estimate_offload(
             gpu += 4 * p
         masters_and_states = (4 + k) * p / n
         host = 4 * p / n  # fp32 grads
-        if stage == 3 or device == "nvme":
-            host += d * p / n  # the staging copy (or, with offload_param, the shard)
+        if param_offload or device == "nvme":
+            host += d * p / n  # the host shard (offload_param), or NVMe's staging copy
         nvme = 0.0
         if param_offload and param_device == "nvme":
             host -= d * p / n
@@ -258,14 +258,13 @@ def format_estimate(
             f"- {saved / gib:.2f} GiB host per rank (the gradients land in bf16)"
         )
     if offload_ratio < 1.0:
-        # The kept share's fp32 master, states and gradient come to the GPU; at stage 3 its
-        # staging copy leaves the host too, and at stages 1-2 the speculative step's spares.
+        # The kept share's fp32 master, states and gradient come to the GPU, and at stages
+        # 1-2 the speculative step's spares leave the host too.
         kept = (1.0 - offload_ratio) * float(num_params) / world_size
         lines.append(
             f"  with offload_optimizer.ratio {offload_ratio:g} (CPU): up to + {(16 * kept) / gib:.2f} "
             f"GiB GPU and - {(16 * kept) / gib:.2f} GiB host per rank "
-            f"(- {(12 * kept) / gib:.2f} GiB more with gradient_clipping at stages 1-2; "
-            f"- {(param_bytes * kept) / gib:.2f} GiB more at stage 3)"
+            f"(- {(12 * kept) / gib:.2f} GiB more with gradient_clipping at stages 1-2)"
         )
     if activations is not None:
         lines.append(

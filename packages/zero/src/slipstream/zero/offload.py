@@ -4,9 +4,10 @@ Optional: needs the slipstream-offload-io distribution (``pip install slipstream
 imported only when ``ZeroSettings.offload_optimizer`` is set. The stage's master shards (and
 their gradients) then live in host memory (:class:`~slipstream.zero.ShardedMasterWeights` with
 ``device="cpu"``); :class:`OffloadedStep` runs the update there with the C++ CPU optimizers.
-Stages 1-2 on the CPU publish the updated fp32 masters themselves (cast on the device); at
-stage 3, and with NVMe, the step also writes the model-dtype copy of each updated shard into a
-(pinned) staging buffer (or the host shard) in the same pass, from which the stage publishes it.
+On the CPU the stages publish the updated fp32 masters themselves (cast on the device); with
+NVMe the step also writes the model-dtype copy of each updated shard into a (pinned) staging
+buffer in the same pass, from which the stage publishes it, and with ``offload_param`` into the
+host shard itself.
 """
 
 from __future__ import annotations
