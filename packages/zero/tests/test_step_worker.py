@@ -49,3 +49,31 @@ def test_errors_reach_the_waiter_and_shutdown_runs_what_is_queued() -> None:
     assert last.done() and ran == [1]
     with pytest.raises(RuntimeError, match="shut down"):
         worker.submit(lambda: None)
+
+
+def test_newest_first_takes_the_newest_landed_job() -> None:
+    # overlap_forward after backward: the newest bucket may still be on its way to the host.
+    # The worker takes the newest job that is ready, and the oldest while none is.
+    worker = StepWorker(lifo=True)
+    gate, started = threading.Event(), threading.Event()
+    landed = {1: True, 2: True, 3: False, 4: False}
+    ran: list[int] = []
+
+    def job(n: int) -> None:
+        if n == 0:
+            started.set()
+            gate.wait()
+        ran.append(n)
+        if n == 2:
+            landed[4] = True  # lands while job 2 runs: the newest, taken next
+
+    futures = [worker.submit(lambda: job(0))]
+    assert started.wait(timeout=10)
+    futures += [worker.submit(lambda n=n: job(n), lambda n=n: landed[n]) for n in range(1, 5)]
+    gate.set()
+    for future in futures:
+        future.result(timeout=10)
+    # 2 (newest landed), then 4 (landed meanwhile), then 1 (landed), then 3 (none landed:
+    # the oldest left).
+    assert ran == [0, 2, 4, 1, 3]
+    worker.shutdown()

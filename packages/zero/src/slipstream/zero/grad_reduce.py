@@ -135,10 +135,11 @@ class GradientReduceScatter:
             )
         self._next = 0
         self._side: Any = None
-        # Offload with an eager step: ``on_final_bucket(run)`` queues ``run`` (hand the
-        # landed bucket to the master grads, then step those masters) on the CPU step's
-        # worker and returns its Future. Only the last reduction before a step (``final``).
-        self.on_final_bucket: Callable[[Callable[[], None]], Any] | None = None
+        # Offload with an eager step: ``on_final_bucket(run[, ready])`` queues ``run`` (hand
+        # the landed bucket to the master grads, then step those masters) on the CPU step's
+        # worker and returns its Future; ``ready`` (with a GPU) says whether the bucket's
+        # copy to the host is done. Only the last reduction before a step (``final``).
+        self.on_final_bucket: Callable[..., Any] | None = None
         self.step_indices: Callable[[list[int]], None] | None = None
         # ``on_bucket_stepped(indices)``: called in finish(), in bucket order, as each eager
         # bucket's step completes (the stage publishes those parameters while later buckets
@@ -294,7 +295,7 @@ class GradientReduceScatter:
                 self._hand_over_slices(indices, offsets, target, owned)
                 self._step_now(indices)
 
-            bucket.job = self.on_final_bucket(run)
+            bucket.job = self.on_final_bucket(run, event.query)
 
     def _step_now(self, indices: list[int]) -> None:
         assert self.step_indices is not None, "an eager offload step needs step_indices"

@@ -127,17 +127,22 @@ _SubGroupHook = Callable[[list[torch.Tensor]], None]
 
 class StepWorker:
     """The thread that runs the CPU step's jobs (a landed bucket's hand-over and step), one at
-    a time: oldest first, or newest first while ``lifo`` is set.
+    a time: oldest first, or newest *landed* first while ``lifo`` is set.
 
     Newest first serves ``overlap_forward`` once backward has ended: backward lands the last
     layers' buckets first and the next forward needs the first layers' first, which are the
-    newest then. (During backward, oldest first: the newest bucket is often still on its way
-    to the host, and the worker would wait for it while older ones are ready.)
+    newest then. But "backward has ended" is the host's view: the GPU is often still running
+    it, and the newest bucket is the last to reach the host. A job submitted with ``ready``
+    (its bucket's copy to the host is done) is taken newest first only once ready; while no
+    queued job is ready, the oldest is taken, the one that lands first, so the worker never
+    waits for one bucket while another has arrived.
     """
 
     def __init__(self, lifo: bool = False) -> None:
         self.lifo = lifo
-        self._jobs: deque[tuple[Callable[[], None], Future[None]]] = deque()
+        self._jobs: deque[tuple[Callable[[], None], Future[None], Callable[[], bool] | None]] = (
+            deque()
+        )
         self._wake = threading.Condition()
         self._thread: threading.Thread | None = None
         self._closed = False
@@ -145,13 +150,16 @@ class StepWorker:
         # Stop the thread before the interpreter (and the OpenMP runtime) shuts down.
         atexit.register(_shutdown_if_alive, weakref.ref(self))
 
-    def submit(self, run: Callable[[], None]) -> Future[None]:
-        """Queue ``run``; its Future re-raises what it raised."""
+    def submit(
+        self, run: Callable[[], None], ready: Callable[[], bool] | None = None
+    ) -> Future[None]:
+        """Queue ``run``; its Future re-raises what it raised. ``ready`` (optional) says
+        whether ``run`` can start without waiting (see the class docstring)."""
         future: Future[None] = Future()
         with self._wake:
             if self._closed:
                 raise RuntimeError("the CPU optimizer step's worker was shut down")
-            self._jobs.append((run, future))
+            self._jobs.append((run, future, ready))
             if self._thread is None:
                 self._thread = threading.Thread(
                     target=self._loop, name="slipstream-cpu-step", daemon=True
@@ -167,7 +175,7 @@ class StepWorker:
                     self._wake.wait()
                 if not self._jobs:
                     return  # shut down, nothing left
-                run, future = self._jobs.pop() if self.lifo else self._jobs.popleft()
+                run, future, _ = self._take()
             if not future.set_running_or_notify_cancel():
                 continue
             began = time.perf_counter()
@@ -179,6 +187,17 @@ class StepWorker:
                 future.set_result(None)
             finally:
                 self.busy_s += time.perf_counter() - began
+
+    def _take(self) -> tuple[Callable[[], None], Future[None], Callable[[], bool] | None]:
+        """The next job (the lock is held): see the class docstring."""
+        if self.lifo:
+            for position in range(len(self._jobs) - 1, -1, -1):
+                ready = self._jobs[position][2]
+                if ready is None or ready():
+                    job = self._jobs[position]
+                    del self._jobs[position]
+                    return job
+        return self._jobs.popleft()
 
     def shutdown(self) -> None:
         """Run what is queued, then stop the thread."""
@@ -425,12 +444,15 @@ class OffloadedStep:
         self.host.refresh_copies()
         return True
 
-    def submit(self, run: Callable[[], None]) -> Future[None]:
-        """Queue ``run`` (a landed bucket's hand-over and step) on the CPU step's worker."""
+    def submit(
+        self, run: Callable[[], None], ready: Callable[[], bool] | None = None
+    ) -> Future[None]:
+        """Queue ``run`` (a bucket's hand-over and step) on the CPU step's worker; ``ready``:
+        whether the bucket has landed on the host (:class:`StepWorker`)."""
         if self._pool is None:
             self._pool = StepWorker()
         self._eager_steps += 1
-        return self._pool.submit(run)
+        return self._pool.submit(run, ready)
 
     # ------------------------------------------------------------------ overlap_forward
     def enable_overlap_forward(self) -> str:
