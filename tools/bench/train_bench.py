@@ -233,6 +233,13 @@ def main(argv: list[str] | None = None) -> int:
         "default under bf16 is bf16)",
     )
     parser.add_argument(
+        "--timeline",
+        type=Path,
+        default=None,
+        help="--offload cpu: write host timestamps of the last timed step to PATH.rank<r>.json "
+        "and print each rank's summary (tools/bench/offload_timeline.py)",
+    )
+    parser.add_argument(
         "--no-phases",
         dest="phases",
         action="store_false",
@@ -263,12 +270,24 @@ def main(argv: list[str] | None = None) -> int:
     dist.barrier()
     offload = _offload_of(engine)
     busy = (offload.worker_busy_s, offload.tail_wait_s) if offload is not None else None
+    timeline = None
+    if args.timeline is not None and offload is not None:
+        from offload_timeline import Timeline
+
+        timeline = Timeline()
+        timeline.install(engine)
     start = time.perf_counter()
     for _ in range(args.steps):
+        if timeline is not None:
+            timeline.begin_step()
         loss = step(input_ids, labels)
     wait_for_step()
     sync()
     elapsed = time.perf_counter() - start
+    if timeline is not None:
+        timeline.uninstall()
+        summary = timeline.dump(args.timeline, rank)
+        print(f"TIMELINE rank {rank} {json.dumps(summary)}", flush=True)
     cpu_step = {}
     if offload is not None and busy is not None:
         # Per timed step: how long the CPU worker stepped buckets (during backward and, with

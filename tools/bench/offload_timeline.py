@@ -1,0 +1,164 @@
+"""Where a CPU-offloaded step's time goes: host timestamps of one step, per rank.
+
+``train_bench.py --timeline PATH`` installs this on the engine (ZeRO 1-2 with
+``offload_optimizer.device: cpu``): it wraps the engine's ``forward``/``backward``/``step``, the
+CPU worker's jobs (each landed bucket's wait for its device-to-host copy, hand-over and step),
+each bucket's launch (reduce-scatter + copy to the host) and each publish (upload + all-gather
+of a stepped bucket) with ``time.perf_counter`` stamps. Only the host side is seen: a stamp
+says when the host issued or finished waiting for something, not when the GPU ran it.
+
+It is a benchmark instrument, not a library feature: it patches private methods of
+``slipstream.zero`` for the process it runs in, and costs a few microseconds per event.
+"""
+
+from __future__ import annotations
+
+import itertools
+import json
+import threading
+import time
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+__all__ = ["Timeline"]
+
+
+class Timeline:
+    """Records ``(name, start, end)`` spans of the step being timed (see :meth:`begin_step`)."""
+
+    def __init__(self) -> None:
+        self.origin = time.perf_counter()
+        self.spans: list[tuple[str, float, float, str]] = []
+        self._lock = threading.Lock()
+        self._restore: list[tuple[Any, str, Any]] = []
+
+    # ------------------------------------------------------------------ recording
+    def begin_step(self) -> None:
+        """Forget what was recorded; times count from now."""
+        with self._lock:
+            self.spans.clear()
+            self.origin = time.perf_counter()
+
+    def _add(self, name: str, start: float, end: float) -> None:
+        thread = threading.current_thread().name
+        with self._lock:
+            self.spans.append((name, start - self.origin, end - self.origin, thread))
+
+    def _wrap(self, owner: Any, attr: str, name: str) -> None:
+        original = getattr(owner, attr)
+
+        def timed(*args: Any, **kwargs: Any) -> Any:
+            start = time.perf_counter()
+            try:
+                return original(*args, **kwargs)
+            finally:
+                self._add(name, start, time.perf_counter())
+
+        self._restore.append((owner, attr, owner.__dict__.get(attr)))
+        setattr(owner, attr, timed)
+
+    def install(self, engine: Any) -> None:
+        """Wrap the engine's phases and the offload path's internals (class-wide)."""
+        import torch
+
+        from slipstream.zero import grad_reduce, offload, stage12
+
+        for attr in ("forward", "backward", "step"):
+            self._wrap(engine, attr, attr)
+        self._wrap(grad_reduce.GradientReduceScatter, "_launch", "launch")
+        self._wrap(grad_reduce.GradientReduceScatter, "finish", "finish")
+        self._wrap(grad_reduce.GradientReduceScatter, "_hand_over_slices", "hand_over")
+        self._wrap(offload.OffloadedStep, "settle_speculation", "settle")
+        # The reducer holds these as bound methods taken at set-up: wrap its attributes.
+        zero = engine.zero
+        if not isinstance(zero, stage12.ShardedOptimizerStates):
+            raise SystemExit("--timeline: needs ZeRO stage 1 or 2 with CPU optimizer offload")
+        for attr, name in (("step_indices", "cpu_step"), ("on_bucket_stepped", "publish")):
+            if getattr(zero.reducer, attr, None) is not None:
+                self._wrap(zero.reducer, attr, name)
+        self._wrap(torch.cuda.Event, "synchronize", "event_wait")
+        original_submit: Callable[..., Any] = offload.StepWorker.submit
+        timeline = self
+
+        def submit(worker: Any, run: Callable[[], None], ready: Any = None) -> Any:
+            queued = time.perf_counter()
+
+            def job() -> None:
+                start = time.perf_counter()
+                timeline._add("queued", queued, start)
+                try:
+                    run()
+                finally:
+                    timeline._add("job", start, time.perf_counter())
+
+            return original_submit(worker, job, ready)
+
+        self._restore.append((offload.StepWorker, "submit", original_submit))
+        offload.StepWorker.submit = submit  # type: ignore[method-assign]
+
+    def uninstall(self) -> None:
+        for owner, attr, original in reversed(self._restore):
+            if original is None:
+                delattr(owner, attr)
+            else:
+                setattr(owner, attr, original)
+        self._restore.clear()
+
+    # ------------------------------------------------------------------ reading
+    def summary(self) -> dict[str, Any]:
+        """Milliseconds: each phase's span, the worker's jobs and idle gaps, the publishes."""
+        with self._lock:
+            spans = sorted(self.spans, key=lambda s: s[1])
+
+        def ms(x: float) -> float:
+            return round(1e3 * x, 1)
+
+        def first(name: str) -> tuple[str, float, float, str] | None:
+            return next((s for s in spans if s[0] == name), None)
+
+        def total(name: str, thread: str | None = None) -> float:
+            return ms(sum(e - s for n, s, e, t in spans if n == name and (thread in (None, t))))
+
+        jobs = [s for s in spans if s[0] == "job"]
+        gaps = [b[1] - a[2] for a, b in itertools.pairwise(jobs)]
+        out: dict[str, Any] = {}
+        for phase in ("forward", "backward", "step", "finish", "settle"):
+            span = first(phase)
+            if span is not None:
+                out[phase] = [ms(span[1]), ms(span[2])]
+        launches = [s for s in spans if s[0] == "launch"]
+        if launches:
+            out["launches"] = [len(launches), ms(launches[0][1]), ms(launches[-1][2])]
+        if jobs:
+            out["jobs"] = {
+                "count": len(jobs),
+                "first_start": ms(jobs[0][1]),
+                "last_end": ms(jobs[-1][2]),
+                "busy": ms(sum(e - s for _, s, e, _ in jobs)),
+                "idle_between": ms(sum(gaps)),
+                "largest_gap": ms(max(gaps, default=0.0)),
+                "event_wait": total("event_wait", "slipstream-cpu-step"),
+                "hand_over": total("hand_over"),
+                "cpu_step": total("cpu_step"),
+                "queued_wait_first": ms(next(e - s for n, s, e, _ in spans if n == "queued")),
+            }
+        publishes = [s for s in spans if s[0] == "publish"]
+        if publishes:
+            out["publish"] = {
+                "count": len(publishes),
+                "total": ms(sum(e - s for _, s, e, _ in publishes)),
+                "first_start": ms(publishes[0][1]),
+                "last_end": ms(publishes[-1][2]),
+            }
+        out["main_event_wait"] = total("event_wait", "MainThread")
+        return out
+
+    def dump(self, path: Path, rank: int) -> dict[str, Any]:
+        """Write the raw spans and the summary to ``path`` (``.rank<r>.json`` appended)."""
+        summary = self.summary()
+        with self._lock:
+            spans = [[n, round(1e3 * s, 3), round(1e3 * e, 3), t] for n, s, e, t in self.spans]
+        target = path.with_name(f"{path.name}.rank{rank}.json")
+        target.write_text(json.dumps({"summary": summary, "spans_ms": spans}))
+        return summary
