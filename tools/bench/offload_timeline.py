@@ -25,11 +25,13 @@ __all__ = ["Timeline"]
 
 
 class Timeline:
-    """Records ``(name, start, end)`` spans of the step being timed (see :meth:`begin_step`)."""
+    """Records ``(name, start, end)`` spans of the step being timed (see :meth:`begin_step`),
+    and the host period of each step before it."""
 
     def __init__(self) -> None:
         self.origin = time.perf_counter()
         self.spans: list[tuple[str, float, float, str]] = []
+        self.periods: list[float] = []  # host seconds from one begin_step() to the next
         self._lock = threading.Lock()
         self._restore: list[tuple[Any, str, Any]] = []
 
@@ -37,8 +39,11 @@ class Timeline:
     def begin_step(self) -> None:
         """Forget what was recorded; times count from now."""
         with self._lock:
+            now = time.perf_counter()
+            if self.spans:
+                self.periods.append(now - self.origin)
             self.spans.clear()
-            self.origin = time.perf_counter()
+            self.origin = now
 
     def _add(self, name: str, start: float, end: float) -> None:
         thread = threading.current_thread().name
@@ -70,6 +75,8 @@ class Timeline:
         self._wrap(grad_reduce.GradientReduceScatter, "finish", "finish")
         self._wrap(grad_reduce.GradientReduceScatter, "_hand_over_slices", "hand_over")
         self._wrap(offload.OffloadedStep, "settle_speculation", "settle")
+        # overlap_forward: a forward's wait for a bucket still stepping, and its publish.
+        self._wrap(offload.OffloadedStep, "publish_next", "forward_publish")
         # The reducer holds these as bound methods taken at set-up: wrap its attributes.
         zero = engine.zero
         if not isinstance(zero, stage12.ShardedOptimizerStates):
@@ -151,7 +158,14 @@ class Timeline:
                 "first_start": ms(publishes[0][1]),
                 "last_end": ms(publishes[-1][2]),
             }
+        forward_publishes = [s for s in spans if s[0] == "forward_publish"]
+        if forward_publishes:
+            out["forward_publish"] = {
+                "count": len(forward_publishes),
+                "total": ms(sum(e - s for _, s, e, _ in forward_publishes)),
+            }
         out["main_event_wait"] = total("event_wait", "MainThread")
+        out["earlier_step_periods"] = [ms(p) for p in self.periods]
         return out
 
     def dump(self, path: Path, rank: int) -> dict[str, Any]:
