@@ -13,7 +13,9 @@ Every run: AdamW (lr 1e-4), gradient clipping at 1.0, a fixed random batch, ``--
 steps then ``--steps`` timed ones between device synchronisations. For slipstream, two more
 steps afterwards, with a synchronisation after each phase, give the time of forward, backward
 and ``engine.step()`` alone (``phases_ms``: no overlap between the phases there) and the last
-step's gradient norm (whether clipping at 1.0 fired).
+step's gradient norm (whether clipping at 1.0 fired). With CPU offload under clipping,
+``speculation`` counts the speculative steps of the whole run and ``speculation_timed`` those
+of the timed window; ``step_ms`` is each timed step's host time.
 """
 
 from __future__ import annotations
@@ -169,6 +171,20 @@ def _offload_of(engine: Any) -> Any:
     return getattr(optimizer, "offload", None)
 
 
+def _speculation_of(engine: Any) -> Any:
+    """CPU offload under clipping: the speculative step's counters, else None."""
+    offload = _offload_of(engine)
+    return getattr(offload, "speculation", None) if getattr(offload, "speculative", 0) else None
+
+
+def _counts(stats: Any) -> dict[str, int]:
+    """Speculative steps kept / discarded (cancelled: of those, called off early) / paused."""
+    if stats is None:
+        return {}
+    names = ("kept", "discarded", "cancelled", "paused")
+    return {name: int(getattr(stats, name)) for name in names}
+
+
 def _phase_times(engine: Any, input_ids: Any, labels: Any, sync: Any) -> dict[str, Any]:
     """Forward, backward and step of two more steps, each phase timed alone (median of 2)."""
     times: dict[str, list[float]] = {"forward": [], "backward": [], "step": []}
@@ -276,14 +292,22 @@ def main(argv: list[str] | None = None) -> int:
 
         timeline = Timeline()
         timeline.install(engine)
+    stats = _speculation_of(engine)
+    before = _counts(stats)
     start = time.perf_counter()
+    ends = []
     for _ in range(args.steps):
         if timeline is not None:
             timeline.begin_step()
         loss = step(input_ids, labels)
+        ends.append(time.perf_counter())  # host time: the GPU may still be behind it
     wait_for_step()
     sync()
     elapsed = time.perf_counter() - start
+    step_ms = [round(1e3 * (b - a), 1) for a, b in zip([start, *ends[:-1]], ends, strict=True)]
+    timed_speculation = (
+        None if stats is None else {k: v - before[k] for k, v in _counts(stats).items()}
+    )
     if timeline is not None:
         timeline.uninstall()
         summary = timeline.dump(args.timeline, rank)
@@ -315,9 +339,6 @@ def main(argv: list[str] | None = None) -> int:
     host_peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 2**20  # KiB -> GiB
     masters = getattr(getattr(engine, "zero", None), "masters", None)
     arena = getattr(masters, "host", None)
-    # CPU offload under clipping: speculative steps during backward kept / discarded / paused.
-    offload = getattr(getattr(getattr(engine, "zero", None), "optimizer", None), "offload", None)
-    stats = getattr(offload, "speculation", None) if getattr(offload, "speculative", 0) else None
     result = {
         "impl": args.impl
         if args.impl != "slipstream"
@@ -340,14 +361,11 @@ def main(argv: list[str] | None = None) -> int:
         "loss": round(final_loss, 4),
         "host_peak_gib": round(host_peak, 1),
         "pinned_arena_gib": round(arena.reserved_bytes / 2**30, 1) if arena is not None else None,
-        "speculation": None
-        if stats is None
-        else {
-            "kept": stats.kept,
-            "discarded": stats.discarded,
-            "cancelled": stats.cancelled,
-            "paused": stats.paused,
-        },
+        "speculation": None if stats is None else _counts(stats),
+        # The same within the timed window: a step that did not keep its speculative step
+        # (discarded, or paused by the back-off early in a run) ran its CPU step after backward.
+        "speculation_timed": timed_speculation,
+        "step_ms": step_ms,
         **phases,
         **cpu_step,
         "device": torch.cuda.get_device_name(device) if device.type == "cuda" else "cpu",
