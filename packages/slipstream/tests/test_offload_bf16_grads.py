@@ -47,6 +47,9 @@ def _run(stage: int, gas: int, land_low: bool, speculate: bool, device: str, tmp
     offload: dict = {"device": device, "pin_memory": torch.cuda.is_available()}
     if device == "cpu-partial":  # the first parameters' masters stay with the model
         offload.update(device="cpu", ratio=0.5)
+    params = {"offload_param": {"device": "cpu"}} if device == "cpu+param" else {}
+    if device == "cpu+param":  # stage 3: the parameter shards live on the host too
+        offload["device"] = "cpu"
     if device == "nvme":
         offload["nvme_path"] = os.path.join(tmp, f"land-{int(land_low)}")
         os.makedirs(offload["nvme_path"], exist_ok=True)
@@ -62,6 +65,7 @@ def _run(stage: int, gas: int, land_low: bool, speculate: bool, device: str, tmp
             "reduce_bucket_size": 600,
             "allgather_bucket_size": 500,
             "offload_optimizer": offload,
+            **params,
         },
     }
     engine, *_ = slipstream.initialize(model=model, optimizer=optimizer, config=config)
@@ -85,8 +89,14 @@ def _run(stage: int, gas: int, land_low: bool, speculate: bool, device: str, tmp
         with engine.zero.optimizer.resident():
             if stage < 3:
                 _check_published(engine, rank, device)
+            # Stage 3's module parameters hold no storage outside forward: its shards.
+            weights = (
+                [s.shard.detach().clone() for s in engine.zero.sharded]
+                if stage == 3
+                else [p.detach().clone() for p in engine.module.parameters()]
+            )
             snapshots.append(
-                [p.detach().clone() for p in engine.module.parameters()]
+                weights
                 + [m.detach().clone() for m in masters.masters]
                 + [state[m][k].clone() for m in stepped for k in ("exp_avg", "exp_avg_sq")]
             )
@@ -137,6 +147,11 @@ def _side_by_side(stage: int, gas: int, speculate: bool, device: str, tmp: str) 
         (2, 1, 2, False, "cpu"),
         (2, 2, 1, False, "nvme"),
         (2, 2, 1, True, "cpu-partial"),
+        (3, 2, 1, False, "cpu"),
+        (3, 1, 2, False, "cpu"),
+        (3, 2, 1, False, "nvme"),
+        (3, 2, 1, False, "cpu+param"),
+        (3, 4, 1, False, "cpu-partial"),
     ],
 )
 def test_bf16_reduction_lands_in_bf16_and_steps_bit_for_bit(
@@ -145,9 +160,9 @@ def test_bf16_reduction_lands_in_bf16_and_steps_bit_for_bit(
     results = run_distributed(
         _side_by_side, world, stage, gas, speculate, device, str(tmp_path), timeout=300
     )
-    # Stage 2 with accumulation reduces on every micro-step: the step's gradient is a sum
-    # taken on the host in fp32, so nothing lands in bf16 there.
-    lands = not (stage == 2 and gas > 1)
+    # Stages 2 and 3 with accumulation reduce on every micro-step: the step's gradient is a
+    # sum taken on the host in fp32, so nothing lands in bf16 there.
+    lands = not (stage >= 2 and gas > 1)
     for result in results:
         low, wide = result["low"], result["wide"]
         assert low["landed"] == [["torch.bfloat16"] if lands else []] * len(CLIPS)

@@ -253,7 +253,7 @@ def format_estimate(
     if param_bytes == 2:
         saved = 2 * float(num_params) / world_size
         lines.append(
-            f"  stages 1-2 with communication_data_type bf16 (at stage 2 without gradient "
+            f"  with communication_data_type bf16 (at stages 2-3 without gradient "
             f"accumulation): "
             f"- {saved / gib:.2f} GiB host per rank (the gradients land in bf16)"
         )

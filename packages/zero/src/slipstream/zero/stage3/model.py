@@ -301,6 +301,9 @@ class Stage3GradientPath:
             gradient_predivide_factor=settings.gradient_predivide_factor,
             prescale=settings.prescale_gradients,
         )
+        # Offload: a bf16 reduction lands on the host in bf16 and the C++ step reads it there
+        # (when it is the step's only reduction; accumulated ones are summed in fp32).
+        self.reducer.land_low_precision = step is not None and step.reads_low_precision_grads
         owner: dict[int, ParamUnit] = {}
         for unit in model.units:
             for member in unit.members:
@@ -328,7 +331,8 @@ class Stage3GradientPath:
             unit.grad_ready()
 
     def prepare_backward(self, is_boundary: bool) -> None:
-        """Stage 3 reduces every backward; nothing to arm."""
+        """Stage 3 reduces every backward; only the last before a step may land in bf16."""
+        self.reducer.boundary = is_boundary
 
     def finish_backward(self, is_boundary: bool = True) -> None:
         """Flush the gradient buckets and release every unit still held."""
