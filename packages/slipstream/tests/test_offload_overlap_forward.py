@@ -51,6 +51,8 @@ def _config(stage: int, precision: str, gas: int, clip: float, ratio: float, ove
     }
     if precision == "bf16":
         config["bf16"] = {"enabled": True}
+    if precision == "fp16":  # a loss scale this model never overflows: every step speculates
+        config["fp16"] = {"enabled": True, "initial_scale_power": 8}
     return config
 
 
@@ -152,6 +154,9 @@ def _side_by_side(stage, precision, gas, clipping, ratio) -> dict:
         # Partial offload: the device's share steps and publishes in step().
         (2, 2, "fp32", 1, True, 0.5),
         (1, 2, "bf16", 1, False, 0.6),
+        # fp16 loss scaling: the speculative step, with and without clipping.
+        (2, 2, "fp16", 1, True, 1.0),
+        (1, 1, "fp16", 2, False, 1.0),
     ],
 )
 def test_overlap_forward_is_the_same_run_bit_for_bit(

@@ -29,8 +29,17 @@ CLIPS = [KEEP, KEEP, CLIP, CLIP, KEEP, KEEP, KEEP]
 EXPECTED = {"kept": 4, "discarded": 2, "cancelled": 1, "paused": 1}
 
 
-def _run(stage: int, precision: str, gas: int, speculate: bool, ratio: float = 1.0) -> dict:
-    """Train with the CLIPS schedule; every step's weights, masters and states."""
+def _run(
+    stage: int,
+    precision: str,
+    gas: int,
+    speculate: bool,
+    ratio: float = 1.0,
+    clips: tuple[float, ...] = tuple(CLIPS),
+    overflow_at: int | None = None,
+) -> dict:
+    """Train with the ``clips`` schedule; every step's weights, masters and states. fp16:
+    the loss of step ``overflow_at`` is made infinite (the step is skipped)."""
     import slipstream
     from slipstream import comm
     from slipstream.zero.testing import TinyTransformer, batch_for
@@ -47,7 +56,7 @@ def _run(stage: int, precision: str, gas: int, speculate: bool, ratio: float = 1
     config = {
         "train_micro_batch_size_per_gpu": MICRO,
         "gradient_accumulation_steps": gas,
-        "gradient_clipping": CLIPS[0],
+        "gradient_clipping": clips[0],
         "steps_per_print": 1000,
         "zero_optimization": {
             "stage": stage,
@@ -62,17 +71,24 @@ def _run(stage: int, precision: str, gas: int, speculate: bool, ratio: float = 1
     }
     if precision == "bf16":
         config["bf16"] = {"enabled": True}
+    if precision == "fp16":  # a dynamic loss scale of 2**8 that this model never overflows
+        config["fp16"] = {"enabled": True, "initial_scale_power": 8, "loss_scale_window": 2}
     engine, *_ = slipstream.initialize(model=model, optimizer=optimizer, config=config)
     device = next(engine.module.parameters()).device
     offload = engine.zero.optimizer.offload
-    snapshots = []
-    for step, clip in enumerate(CLIPS):
+    snapshots, scales = [], []
+    for step, clip in enumerate(clips):
         engine.config.gradient_clipping = clip
         for micro in range(gas):
             ids, labels = (t.to(device) for t in batch_for(step, micro, MICRO * world))
             mine = slice(rank * MICRO, (rank + 1) * MICRO)
-            engine.backward(engine(ids[mine], labels[mine]))
+            loss = engine(ids[mine], labels[mine])
+            if step == overflow_at:
+                loss = loss * float("inf")  # inf and nan gradients: an fp16 overflow
+            engine.backward(loss)
             engine.step()
+        if engine.loss_scaler is not None:
+            scales.append(engine.loss_scaler.loss_scale)
         state = engine.optimizer.state
         masters = engine.zero.masters.masters
         snapshots.append(
@@ -94,20 +110,30 @@ def _run(stage: int, precision: str, gas: int, speculate: bool, ratio: float = 1
             "paused": stats.paused,
         },
         "norm": norm,
+        "skipped": engine.skipped_steps,
+        "scales": scales,
     }
 
 
-def _side_by_side(stage: int, precision: str, gas: int, ratio: float = 1.0) -> dict:
-    on = _run(stage, precision, gas, True, ratio)
-    off = _run(stage, precision, gas, False, ratio)
+def _side_by_side(
+    stage: int,
+    precision: str,
+    gas: int,
+    ratio: float = 1.0,
+    clips: tuple[float, ...] = tuple(CLIPS),
+    overflow_at: int | None = None,
+) -> dict:
+    on = _run(stage, precision, gas, True, ratio, clips, overflow_at)
+    off = _run(stage, precision, gas, False, ratio, clips, overflow_at)
     first_difference = None
     for step, (a, b) in enumerate(zip(on["snapshots"], off["snapshots"])):
         if len(a) != len(b) or not all(torch.equal(x, y) for x, y in zip(a, b)):
             first_difference = step
             break
+    keys = ("speculative", "eager", "stats", "norm", "skipped", "scales")
     return {
-        "on": {k: on[k] for k in ("speculative", "eager", "stats", "norm")},
-        "off": {k: off[k] for k in ("speculative", "eager", "stats", "norm")},
+        "on": {k: on[k] for k in keys},
+        "off": {k: off[k] for k in keys},
         "first_difference": first_difference,
     }
 
@@ -137,6 +163,134 @@ def test_speculative_step_is_the_step_bit_for_bit(stage, world, precision, gas, 
         # The last step's norm came from the end-of-backward check's reduction: the same.
         assert result["on"]["norm"] == result["off"]["norm"]
         assert result["first_difference"] is None, result["first_difference"]
+
+
+# fp16: kept twice, discarded twice under clipping (which pauses one step), an overflow at
+# step 5 (discarded; called off at the end of backward, where the norm is already inf), kept.
+FP16_CLIPS = (KEEP, KEEP, CLIP, CLIP, KEEP, KEEP, KEEP)
+FP16_EXPECTED = {"kept": 3, "discarded": 3, "cancelled": 2, "paused": 1}
+
+
+@pytest.mark.parametrize(
+    ("stage", "world", "gas", "clipping", "ratio"),
+    [
+        (2, 2, 1, True, 1.0),
+        (1, 2, 2, True, 1.0),
+        # Stage 2 with accumulation has no norm before the step: the overflow's speculative
+        # weights were published during backward and must be published again.
+        (2, 2, 2, True, 1.0),
+        (2, 1, 1, False, 1.0),  # no clipping: fp16 alone makes the step speculative
+        (2, 2, 1, True, 0.5),
+    ],
+)
+def test_fp16_speculative_step_is_the_step_bit_for_bit(stage, world, gas, clipping, ratio) -> None:
+    # Under fp16 the speculative step assumes the factor 1/loss_scale (nothing clipped, no
+    # overflow). An overflow skips the step: the speculation is discarded and the weights it
+    # published during backward are published again from the unchanged masters.
+    clips = FP16_CLIPS if clipping else (0.0,) * len(FP16_CLIPS)
+    results = run_distributed(
+        _side_by_side, world, stage, "fp16", gas, ratio, clips, 5, timeout=300
+    )
+    if clipping:
+        expected = dict(FP16_EXPECTED, cancelled=0 if stage == 2 and gas > 1 else 2)
+    else:  # only the overflow discards: once, no back-off
+        expected = {"kept": 6, "discarded": 1, "cancelled": 1, "paused": 0}
+    for result in results:
+        on, off = result["on"], result["off"]
+        assert on["speculative"] and not on["eager"] and not off["speculative"]
+        assert not off["eager"]  # fp16 never steps exactly during backward
+        assert on["stats"] == expected
+        assert on["skipped"] == off["skipped"] == 1
+        assert on["scales"] == off["scales"] and len(set(on["scales"])) > 1  # it moved
+        assert on["norm"] == off["norm"]
+        assert result["first_difference"] is None, result["first_difference"]
+
+
+# A DeepSpeed config users bring (the corpus's Megatron GPT-2 ZeRO-2 CPU-offload test config,
+# ds_tests_model_Megatron_GPT2_ds_config_func_bs4_zero2_offload.json): fp16 with a dynamic
+# loss scale from 2**16, which overflows on the first steps, and clipping at 1.0.
+MEGATRON_OFFLOAD = {
+    "train_batch_size": 4,
+    "gradient_accumulation_steps": 1,
+    "steps_per_print": 1,
+    "zero_optimization": {
+        "stage": 2,
+        "reduce_bucket_size": 7000000,
+        "allgather_bucket_size": 7000000,
+        "reduce_scatter": True,
+        "cpu_offload": True,
+    },
+    "gradient_clipping": 1.0,
+    "fp16": {
+        "enabled": True,
+        "loss_scale": 0,
+        "loss_scale_window": 1000,
+        "hysteresis": 2,
+        "min_loss_scale": 1,
+    },
+}
+
+
+def _corpus_fp16_run(speculate: bool) -> dict:
+    import slipstream
+    from slipstream import comm
+    from slipstream.zero.testing import TinyTransformer, batch_for
+
+    os.environ["SLIPSTREAM_OFFLOAD_SPECULATE"] = "1" if speculate else "0"
+    world, rank = comm.get_world_size(), comm.get_rank()
+    torch.manual_seed(0)
+    model = TinyTransformer()
+    optimizer = torch.optim.AdamW(model.parameters(), lr=0.01)
+    engine, *_ = slipstream.initialize(model=model, optimizer=optimizer, config=MEGATRON_OFFLOAD)
+    micro = engine.train_micro_batch_size_per_gpu()
+    mine = slice(rank * micro, (rank + 1) * micro)
+    losses, scales = [], []
+    for step in range(10):
+        ids, labels = batch_for(step, 0, micro * world)
+        loss = engine(ids[mine], labels[mine])
+        engine.backward(loss)
+        engine.step()
+        losses.append(float(loss))
+        scales.append(engine.loss_scaler.loss_scale)
+    stats = engine.zero.optimizer.offload.speculation
+    return {
+        "losses": losses,
+        "scales": scales,
+        "skipped": engine.skipped_steps,
+        "masters": [m.detach().clone() for m in engine.zero.masters.masters],
+        "weights": [p.detach().clone() for p in engine.module.parameters()],
+        "kept": stats.kept,
+        "discarded": stats.discarded,
+    }
+
+
+def _corpus_fp16_side_by_side() -> dict:
+    on, off = _corpus_fp16_run(True), _corpus_fp16_run(False)
+    same = all(
+        torch.equal(a, b)
+        for key in ("masters", "weights")
+        for a, b in zip(on[key], off[key], strict=True)
+    )
+    drop = ("masters", "weights")
+    return {
+        "on": {k: v for k, v in on.items() if k not in drop},
+        "off": {k: v for k, v in off.items() if k not in drop},
+        "same": same,
+    }
+
+
+def test_fp16_corpus_config_trains_the_same_with_speculation() -> None:
+    # The loss scale starts at 2**16 and overflows until it has come down: those steps are
+    # skipped, their speculation discarded. (This model's norm stays above the config's clip
+    # of 1.0 in these steps, so the rest are discarded or paused too; the kept case is
+    # test_fp16_speculative_step_is_the_step_bit_for_bit's.)
+    for result in run_distributed(_corpus_fp16_side_by_side, 2, timeout=300):
+        on, off = result["on"], result["off"]
+        assert on["skipped"] == off["skipped"] > 0
+        assert on["scales"] == off["scales"] and on["scales"][-1] < 2.0**16
+        assert on["losses"] == off["losses"]
+        assert on["discarded"] > 0 and off["discarded"] == 0, on
+        assert result["same"]
 
 
 def _abandoned(precision: str) -> dict:

@@ -51,11 +51,12 @@ class OptimizerOffload:
             not depend on the global gradient norm: no clipping, no fp16 loss scaling (the
             umbrella turns it on exactly then).
         speculative_step: CPU, ZeRO 1-2, for updates that do depend on the norm (gradient
-            clipping): step each bucket during backward as ``overlap_step`` does, but out of
-            place, as if the clip coefficient were 1; keep that step when the global norm
-            says nothing is clipped (it is then exactly the step), else discard it and step
-            after backward. Needs the C++ Adam/AdamW and 12 spare bytes of host memory per
-            parameter; not with fp16 loss scaling.
+            clipping, fp16 loss scaling): step each bucket during backward as
+            ``overlap_step`` does, but out of place, as if the clip coefficient were 1 and
+            nothing overflowed (the fp16 unscale applied); keep that step when the global
+            norm says so (it is then exactly the step), else discard it and step (or, on an
+            overflow, skip) after backward. Needs the C++ Adam/AdamW and 12 spare bytes of
+            host memory per parameter.
         ratio: the share of the optimizer's elements (masters, their gradients and states)
             that is offloaded (``offload_optimizer.ratio``, DeepSpeed's partial offload); the
             rest stays on the GPU and steps there, with the GPU's optimizer, after backward.

@@ -456,7 +456,8 @@ class SlipstreamEngine(torch.nn.Module):
                 "or accumulate with gradient_accumulation_steps."
             )
         boundary = self.is_gradient_accumulation_boundary() and not self._inside_no_sync
-        self.zero.prepare_backward(boundary)
+        scaler = self.loss_scaler
+        self.zero.prepare_backward(boundary, scaler.loss_scale if scaler is not None else None)
         with self.timers.region("backward"):
             to_backprop.backward(retain_graph=retain_graph)
             self.zero.finish_backward(boundary)

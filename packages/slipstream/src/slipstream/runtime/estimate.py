@@ -115,8 +115,8 @@ def estimate_offload(
     GPU: the model-dtype parameters (all of them at stages 1-2, the shard at stage 3, none
     persistent with ``offload_param``), plus stage 1's full-size fp32 accumulators under
     fp16/bf16; gradient buckets in flight are not counted. ``speculation_host``: stages 1-2
-    with ``device="cpu"`` add ``12·Ψ/N`` of host memory when ``gradient_clipping`` is set (the
-    speculative step's spare buffers, docs/offload.md).
+    with ``device="cpu"`` add ``12·Ψ/N`` of host memory when ``gradient_clipping`` or fp16 is
+    on (the speculative step's spare buffers, docs/offload.md).
     """
     rows = estimate_model_states(num_params, world_size, param_bytes, optimizer_state_bytes)
     p, n, d, k = (
@@ -247,8 +247,8 @@ def format_estimate(
         )
     spares = cpu[1].speculation_host
     lines.append(
-        f"  stages 1-2 on the CPU with gradient_clipping: + {spares / gib:.2f} GiB host per rank "
-        "for the speculative step's spare buffers (SLIPSTREAM_OFFLOAD_SPECULATE=0: none)"
+        f"  stages 1-2 on the CPU with gradient_clipping or fp16: + {spares / gib:.2f} GiB host "
+        "per rank for the speculative step's spare buffers (SLIPSTREAM_OFFLOAD_SPECULATE=0: none)"
     )
     if param_bytes == 2:
         saved = 2 * float(num_params) / world_size

@@ -247,10 +247,10 @@ class ExpertParallelZero:
         return [self.dense, *self.experts.values()]
 
     # ------------------------------------------------------------------ the gradient path
-    def prepare_backward(self, is_boundary: bool) -> None:
-        """Forward the boundary to every part (stage 1 reduces only at the boundary)."""
+    def prepare_backward(self, is_boundary: bool, loss_scale: float | None = None) -> None:
+        """Forward the boundary (stage 1 reduces only then) and fp16 loss scale to every part."""
         for part in self.parts:
-            part.prepare_backward(is_boundary)
+            part.prepare_backward(is_boundary, loss_scale)
 
     def finish_backward(self, is_boundary: bool = True) -> None:
         """Complete every part's reduce-scatter (the same order on every rank)."""

@@ -25,7 +25,7 @@ class ZeroGradientPath(Protocol):
     specs: list[ShardSpec]
     params: list[torch.nn.Parameter]
 
-    def prepare_backward(self, is_boundary: bool) -> None: ...
+    def prepare_backward(self, is_boundary: bool, loss_scale: float | None = None) -> None: ...
 
     def finish_backward(self, is_boundary: bool = True) -> None: ...
 
@@ -84,14 +84,11 @@ def offload_settings(config: SlipstreamConfig) -> tuple[Any, Any]:
     optimizer_settings = None
     if optimizer is not None:
         assert optimizer.device in ("cpu", "nvme")
-        # The CPU step during backward (stages 1-2, no fp16 loss scaling, which needs the
-        # overflow vote first): exact without clipping, speculative with it.
-        overlap = (
-            _env_flag(OVERLAP_STEP_ENV)
-            and optimizer.device == "cpu"
-            and zero.stage in (1, 2)
-            and not config.fp16.enabled
-        )
+        # The CPU step during backward (stages 1-2): exact without clipping or fp16 loss
+        # scaling; speculative with either (the global norm, and the overflow vote, come only
+        # at the end of backward).
+        overlap = _env_flag(OVERLAP_STEP_ENV) and optimizer.device == "cpu" and zero.stage in (1, 2)
+        fp16 = config.fp16.enabled
         optimizer_settings = package.OptimizerOffload(
             device=optimizer.device,
             nvme_path=optimizer.nvme_path,
@@ -105,11 +102,14 @@ def offload_settings(config: SlipstreamConfig) -> tuple[Any, Any]:
             aio=aio,
             # Step each bucket during backward when the update needs no global norm (no
             # clipping, no fp16 loss scaling): measured faster on 2x H200 (docs/benchmarks.md).
-            overlap_step=overlap and config.gradient_clipping == 0,
-            # With clipping: step during backward speculatively, kept when nothing is clipped
-            # (docs/offload.md); the stage falls back to stepping after backward where it
-            # cannot (no C++ Adam, too little host memory for the spare buffers).
-            speculative_step=overlap and config.gradient_clipping > 0 and _env_flag(SPECULATE_ENV),
+            overlap_step=overlap and config.gradient_clipping == 0 and not fp16,
+            # With clipping or fp16: step during backward speculatively, kept when nothing is
+            # clipped and nothing overflowed (docs/offload.md); the stage falls back to
+            # stepping after backward where it cannot (no C++ Adam, too little host memory for
+            # the spare buffers).
+            speculative_step=overlap
+            and (config.gradient_clipping > 0 or fp16)
+            and _env_flag(SPECULATE_ENV),
             ratio=optimizer.ratio,
         )
     param_settings = None

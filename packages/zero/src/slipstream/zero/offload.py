@@ -286,7 +286,7 @@ class OffloadedStep:
         self.tail: deque[tuple[list[int], Future[None]]] = deque()
         self.tail_indices: set[int] = set()  # every parameter index in the tail
         self.tail_kept = False
-        self._commit_pending = False
+        self._commit_pending: float | None = None  # the factor the kept step assumed
         self.tail_wait_s = 0.0  # seconds forwards (and barriers) waited for the tail
         # (before, after) each sub-group's update: stage 3 with NVMe parameters reads the
         # sub-group's shards (the step's copy targets) in before and writes them back after.
@@ -334,6 +334,9 @@ class OffloadedStep:
         # whether the global norm already ruled the current speculative step out.
         self.clip_hint: float | None = None
         self.cancelled = False
+        # fp16: the loss scale of the coming backward; the speculative step then assumes the
+        # factor 1 / loss_scale (unscaled, nothing clipped, no overflow).
+        self.loss_scale: float | None = None
         if self.speculative:
             self.host.reserve_spares()  # here, not on the worker during backward
         if self.swapper is not None:
@@ -366,15 +369,16 @@ class OffloadedStep:
         if group.rank == 0:
             if why:
                 logger.warning(
-                    "gradient clipping with CPU offload: the optimizer steps after backward, "
-                    "not during it, because %s",
+                    "gradient clipping or fp16 loss scaling with CPU offload: the optimizer "
+                    "steps after backward, not during it, because %s",
                     why,
                 )
             else:
                 logger.info(
-                    "gradient clipping with CPU offload: each bucket steps during backward, "
-                    "speculatively (kept when the global norm needs no clipping, else stepped "
-                    "again after backward); spare buffers: %.2f GiB of host memory per rank "
+                    "gradient clipping or fp16 loss scaling with CPU offload: each bucket "
+                    "steps during backward, speculatively (kept when nothing is clipped and "
+                    "nothing overflowed, else stepped again, or skipped, after backward); "
+                    "spare buffers: %.2f GiB of host memory per rank "
                     "(%s=0 turns this off)",
                     self.host.spare_bytes() / 2**30,
                     SPECULATE_ENV,
@@ -399,12 +403,23 @@ class OffloadedStep:
         pauses for a growing number of steps (the norm is then likely above the clip)."""
         return self.speculative and self.speculation.try_now()
 
+    def expect_loss_scale(self, loss_scale: float | None) -> None:
+        """fp16: the loss scale the coming backward's gradients carry (None: no scaling)."""
+        self.loss_scale = loss_scale
+
+    @property
+    def speculation_scale(self) -> float:
+        """The factor a speculative step assumes: the unscale of an fp16 loss scale (1.0
+        without one) times a clip coefficient of 1, computed as the step computes it."""
+        scale = self.loss_scale
+        return 1.0 / scale if scale not in (None, 1.0) else 1.0
+
     def speculate_indices(self, indices: list[int]) -> None:
         """Step the masters at ``indices`` out of place, as if the clip coefficient were 1
-        (nothing, once the speculative step has been called off)."""
+        and nothing overflowed (nothing, once the speculative step has been called off)."""
         if not self.cancelled:
             chosen = [self.masters.masters[i] for i in indices if self.masters.offloaded[i]]
-            self.host.speculate_params(chosen, 1.0)
+            self.host.speculate_params(chosen, self.speculation_scale)
 
     def cancel_speculation(self) -> None:
         """Call off the current speculative step (the norm needs clipping): buckets not yet
@@ -417,19 +432,20 @@ class OffloadedStep:
         value = self.host.speculative_value(master)
         return value if value is not None else master
 
-    def settle_speculation(self, grad_scale: float) -> bool:
+    def settle_speculation(self, grad_scale: float | None) -> bool:
         """Keep the speculative step if it is exactly the step for ``grad_scale`` (the
-        unscale and clip factor, 1.0 when nothing was clipped); else discard it. Returns
-        whether it was kept."""
+        unscale and clip factor: :attr:`speculation_scale` when nothing was clipped); else
+        discard it (None: an fp16 overflow, no step at all). Returns whether it was kept."""
         cancelled, self.cancelled = self.cancelled, False
-        if self.tail and grad_scale == 1.0 and not cancelled:
+        assumed = self.speculation_scale
+        if self.tail and grad_scale == assumed and not cancelled:
             # overlap_forward: kept now, committed once the jobs still running are done.
             self.keep_tail()
-            self._commit_pending = True
+            self._commit_pending = assumed
             self.speculation.record(True)
             return True
         self.drain()  # jobs still running: done before their updates are discarded or kept
-        kept = grad_scale == 1.0 and not cancelled and self.host.commit_speculation(1.0)
+        kept = grad_scale == assumed and not cancelled and self.host.commit_speculation(assumed)
         if not kept:
             self.host.discard_speculation()
         self.speculation.record(kept, cancelled)
@@ -501,9 +517,9 @@ class OffloadedStep:
         try:
             while self.tail:
                 self.publish_next(publish)
-            if self._commit_pending:
-                self._commit_pending = False
-                if not self.host.commit_speculation(1.0):
+            if self._commit_pending is not None:
+                scale, self._commit_pending = self._commit_pending, None
+                if not self.host.commit_speculation(scale):
                     raise RuntimeError(
                         "internal error: a speculative CPU step kept at engine.step() could "
                         "not be committed after its last bucket; please report this"

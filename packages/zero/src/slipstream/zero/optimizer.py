@@ -106,12 +106,6 @@ class ZeroOptimizer:
         it, e.g. a pipeline's norm, which also spans the other stages this group does not
         reach. None: computed here from the shards over the data-parallel group.
         """
-        if loss_scale is not None and self.offload is not None and self.offload.speculative:
-            raise RuntimeError(
-                "offload_optimizer speculative_step does not support fp16 loss scaling (a "
-                "skipped step would have to restore the published weights); build the "
-                "settings with speculative_step=False"
-            )
         if self.offload is not None and self.offload.tail_kept:
             self._complete()  # the last step still ran (two steps without a forward between)
         grads = self.masters.grads()
@@ -124,14 +118,14 @@ class ZeroOptimizer:
                 total = squares.detach().clone()
                 self.group.sum_(total)
             if loss_scale is not None and not bool(torch.isfinite(total)):
-                return StepOutcome(overflow=True, grad_norm=None)
+                return self._overflow()
             norm = total.sqrt()
             if loss_scale not in (None, 1.0):
                 norm = norm / loss_scale
             given = grad_norm if grad_norm is not None else norm
             return self._offloaded_step(grads, loss_scale, max_grad_norm, given)
         if loss_scale is not None and overflow_on_any_rank(grads, self.group, self.device):
-            return StepOutcome(overflow=True, grad_norm=None)
+            return self._overflow()
         if self.offload is not None:
             return self._offloaded_step(grads, loss_scale, max_grad_norm, grad_norm)
         if loss_scale is not None and loss_scale != 1.0 and grads:
@@ -143,6 +137,15 @@ class ZeroOptimizer:
         self.optimizer.step()
         self._publish()
         return StepOutcome(overflow=False, grad_norm=norm)
+
+    def _overflow(self) -> StepOutcome:
+        """An fp16 overflow skips the step: a speculative step taken during backward is
+        discarded, and the weights it published are published again from the masters."""
+        offload = self.offload
+        if offload is not None and offload.speculative and offload.take_eager_steps() > 0:
+            offload.settle_speculation(None)
+            self._publish_all()
+        return StepOutcome(overflow=True, grad_norm=None)
 
     def _offloaded_step(
         self,

@@ -312,11 +312,13 @@ class ShardedOptimizerStates:
             self._zero_pending = False
             self.masters.zero_grad()
 
-    def prepare_backward(self, is_boundary: bool) -> None:
-        """Say whether the next backward ends an accumulation cycle (stage 1 reduces only then)."""
+    def prepare_backward(self, is_boundary: bool, loss_scale: float | None = None) -> None:
+        """Say whether the next backward ends an accumulation cycle (stage 1 reduces only
+        then), and the fp16 loss scale its gradients carry (a speculative step unscales)."""
         self.complete_step()  # overlap_forward: the last step's buckets, before this one lands
         if self._offload_step is not None:
             self._offload_step.newest_first(False)
+            self._offload_step.expect_loss_scale(loss_scale)
         self._reducing = self.settings.stage == 2 or is_boundary
         # An eager offload step runs on the last reduction (a speculative one when wanted).
         self.reducer.boundary = is_boundary
@@ -374,17 +376,24 @@ class ShardedOptimizerStates:
 
     def _check_speculation(self, squares: list[torch.Tensor]) -> None:
         """End of backward: call the speculative step off if the global norm already says
-        the step will clip (the last step's threshold assumed), so that a discarded
-        speculation costs only what ran during backward. Settling the step decides for sure."""
+        the step will clip (the last step's threshold assumed) or, under fp16, skip (an
+        overflow), so that a discarded speculation costs only what ran during backward.
+        Settling the step decides for sure."""
         step = self._offload_step
         assert step is not None
         limit = step.clip_hint
-        if limit is None or not 0 < limit < math.inf:
+        clipping = limit is not None and 0 < limit < math.inf
+        if not clipping and step.loss_scale is None:
             return
         total = torch.stack([s.float() for s in squares]).sum()
         self.group.sum_(total)
         self.masters.global_squares = total  # the step's norm: not reduced a second time
-        if float(clip_coefficient(total.sqrt(), limit)) < 1.0:
+        norm = total.sqrt()
+        if step.loss_scale not in (None, 1.0):
+            norm = norm / step.loss_scale
+        if not bool(torch.isfinite(norm)):
+            step.cancel_speculation()
+        elif limit is not None and clipping and float(clip_coefficient(norm, limit)) < 1.0:
             step.cancel_speculation()
 
     def _publish_stepped(self, indices: list[int]) -> None:

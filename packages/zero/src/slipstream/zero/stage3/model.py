@@ -330,8 +330,9 @@ class Stage3GradientPath:
         if unit is not None:
             unit.grad_ready()
 
-    def prepare_backward(self, is_boundary: bool) -> None:
-        """Stage 3 reduces every backward; only the last before a step may land in bf16."""
+    def prepare_backward(self, is_boundary: bool, loss_scale: float | None = None) -> None:
+        """Stage 3 reduces every backward; only the last before a step may land in bf16 (the
+        loss scale is for stages 1-2's speculative step: stage 3 steps after backward)."""
         self.reducer.boundary = is_boundary
 
     def finish_backward(self, is_boundary: bool = True) -> None:
