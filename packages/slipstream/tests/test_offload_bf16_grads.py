@@ -177,13 +177,13 @@ def test_bf16_reduction_lands_in_bf16_and_steps_bit_for_bit(
 
 @pytest.mark.gpu
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA/ROCm device")
-@pytest.mark.parametrize("speculate", [True, False])
-def test_bf16_reduction_lands_in_bf16_on_gpus(speculate, tmp_path) -> None:
+@pytest.mark.parametrize(("stage", "speculate"), [(2, True), (2, False), (3, False)])
+def test_bf16_reduction_lands_in_bf16_on_gpus(stage, speculate, tmp_path) -> None:
     # The bf16 buckets are copied into pinned bf16 buffers on the side stream (no widening on
     # the device) and stepped from there.
     world = min(2, torch.cuda.device_count())
     results = run_distributed(
-        _side_by_side, world, 2, 1, speculate, "cpu", str(tmp_path), backend="nccl", timeout=300
+        _side_by_side, world, stage, 1, speculate, "cpu", str(tmp_path), backend="nccl", timeout=300
     )
     for result in results:
         assert result["low"]["landed"] == [["torch.bfloat16"]] * len(CLIPS)

@@ -360,3 +360,21 @@ def test_speculative_step_is_the_step_bit_for_bit_on_gpus(stage, ratio) -> None:
         assert result["on"]["speculative"]
         assert result["on"]["stats"] == EXPECTED
         assert result["first_difference"] is None, result["first_difference"]
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA/ROCm device")
+@pytest.mark.parametrize(("stage", "gas"), [(2, 1), (2, 2), (1, 1)])
+def test_fp16_speculative_step_is_the_step_bit_for_bit_on_gpus(stage, gas) -> None:
+    # fp16 on GPUs: the overflow at step 5 is found at the end of backward (gas 1) or only
+    # at the step, after its speculative weights were published (stage 2, gas 2).
+    world = min(2, torch.cuda.device_count())
+    results = run_distributed(
+        _side_by_side, world, stage, "fp16", gas, 1.0, FP16_CLIPS, 5, backend="nccl", timeout=300
+    )
+    expected = dict(FP16_EXPECTED, cancelled=0 if stage == 2 and gas > 1 else 2)
+    for result in results:
+        on, off = result["on"], result["off"]
+        assert on["speculative"] and on["stats"] == expected
+        assert on["skipped"] == off["skipped"] == 1 and on["scales"] == off["scales"]
+        assert result["first_difference"] is None, result["first_difference"]
