@@ -10,7 +10,14 @@ import torch
 from slipstream.kernels.loss_scaler import inf_or_nan_flag
 from slipstream.zero.group import DataParallelGroup
 
-__all__ = ["clip_coefficient", "clip_grads_", "global_grad_norm", "overflow_on_any_rank"]
+__all__ = [
+    "clip_coefficient",
+    "clip_grads_",
+    "global_grad_norm",
+    "norm_of_squares",
+    "overflow_on_any_rank",
+    "unscale_factor",
+]
 
 
 def global_grad_norm(
@@ -42,6 +49,18 @@ def clip_grads_(
         return
     coefficient = clip_coefficient(total_norm, max_norm)
     torch._foreach_mul_(list(shard_grads), coefficient.to(shard_grads[0].device))
+
+
+def unscale_factor(loss_scale: float | None) -> float:
+    """The factor that undoes an fp16 loss scale (1.0 without one). Every step path and the
+    speculative step take it from here, so that their factors compare equal bit for bit."""
+    return 1.0 / loss_scale if loss_scale not in (None, 1.0) else 1.0
+
+
+def norm_of_squares(total_squares: torch.Tensor, loss_scale: float | None) -> torch.Tensor:
+    """The unscaled global norm from the all-reduced sum of squares of scaled gradients."""
+    norm = total_squares.sqrt()
+    return norm / loss_scale if loss_scale not in (None, 1.0) else norm
 
 
 def clip_coefficient(total_norm: torch.Tensor, max_norm: float) -> torch.Tensor:

@@ -28,6 +28,7 @@ import torch
 
 from slipstream.zero.group import DataParallelGroup
 from slipstream.zero.masters import ShardedMasterWeights
+from slipstream.zero.norms import unscale_factor
 
 if TYPE_CHECKING:
     from slipstream.offload.settings import OptimizerOffload
@@ -411,8 +412,7 @@ class OffloadedStep:
     def speculation_scale(self) -> float:
         """The factor a speculative step assumes: the unscale of an fp16 loss scale (1.0
         without one) times a clip coefficient of 1, computed as the step computes it."""
-        scale = self.loss_scale
-        return 1.0 / scale if scale not in (None, 1.0) else 1.0
+        return unscale_factor(self.loss_scale)
 
     def speculate_indices(self, indices: list[int]) -> None:
         """Step the masters at ``indices`` out of place, as if the clip coefficient were 1

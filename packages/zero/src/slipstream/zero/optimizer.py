@@ -17,7 +17,9 @@ from slipstream.zero.norms import (
     clip_coefficient,
     clip_grads_,
     global_grad_norm,
+    norm_of_squares,
     overflow_on_any_rank,
+    unscale_factor,
 )
 
 if TYPE_CHECKING:
@@ -119,9 +121,7 @@ class ZeroOptimizer:
                 self.group.sum_(total)
             if loss_scale is not None and not bool(torch.isfinite(total)):
                 return self._overflow()
-            norm = total.sqrt()
-            if loss_scale not in (None, 1.0):
-                norm = norm / loss_scale
+            norm = norm_of_squares(total, loss_scale)
             given = grad_norm if grad_norm is not None else norm
             return self._offloaded_step(grads, loss_scale, max_grad_norm, given)
         if loss_scale is not None and overflow_on_any_rank(grads, self.group, self.device):
@@ -188,7 +188,7 @@ class ZeroOptimizer:
         grad_norm: torch.Tensor | None,
     ) -> tuple[torch.Tensor, float]:
         """The global norm and the factor the step applies to the gradients (unscale x clip)."""
-        unscale = 1.0 / loss_scale if loss_scale not in (None, 1.0) else 1.0
+        unscale = unscale_factor(loss_scale)
         if grad_norm is not None:
             norm = grad_norm
         else:

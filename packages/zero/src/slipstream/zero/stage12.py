@@ -14,7 +14,7 @@ from slipstream.zero.grad_reduce import GradientReduceScatter
 from slipstream.zero.group import DataParallelGroup
 from slipstream.zero.layout import ShardSpec
 from slipstream.zero.masters import ShardedMasterWeights
-from slipstream.zero.norms import clip_coefficient
+from slipstream.zero.norms import clip_coefficient, norm_of_squares
 from slipstream.zero.optimizer import ZeroOptimizer
 from slipstream.zero.param_gather import gather_bucket, plan_gather_buckets
 from slipstream.zero.settings import ZeroSettings
@@ -382,18 +382,17 @@ class ShardedOptimizerStates:
         step = self._offload_step
         assert step is not None
         limit = step.clip_hint
-        clipping = limit is not None and 0 < limit < math.inf
-        if not clipping and step.loss_scale is None:
+        if limit is not None and not 0 < limit < math.inf:
+            limit = None  # no clipping
+        if limit is None and step.loss_scale is None:
             return
         total = torch.stack([s.float() for s in squares]).sum()
         self.group.sum_(total)
         self.masters.global_squares = total  # the step's norm: not reduced a second time
-        norm = total.sqrt()
-        if step.loss_scale not in (None, 1.0):
-            norm = norm / step.loss_scale
+        norm = norm_of_squares(total, step.loss_scale)
         if not bool(torch.isfinite(norm)):
             step.cancel_speculation()
-        elif limit is not None and clipping and float(clip_coefficient(norm, limit)) < 1.0:
+        elif limit is not None and float(clip_coefficient(norm, limit)) < 1.0:
             step.cancel_speculation()
 
     def _publish_stepped(self, indices: list[int]) -> None:
