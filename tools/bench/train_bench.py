@@ -8,6 +8,8 @@ appends it to ``--out`` when given. Implementations:
 - ``fsdp2``: ``fully_shard`` per block and on the root, bf16 params, fp32 gradient reduction.
 - ``slipstream``: ``slipstream.initialize`` with a DeepSpeed-style bf16 config at ``--stage``
   (``overlap_comm``, ``contiguous_gradients``, 5e8 buckets, AdamW), the loop users write.
+- ``deepspeed``: ``deepspeed.initialize`` with the same config (DeepSpeed installed separately;
+  it is not a dependency): the side-by-side reference of BENCHMARKS.md's DeepSpeed rows.
 
 Every run: AdamW (lr 1e-4), gradient clipping at 1.0, a fixed random batch, ``--warmup`` untimed
 steps then ``--steps`` timed ones between device synchronisations. For slipstream, two more
@@ -79,6 +81,9 @@ def _offload_blocks(args: argparse.Namespace) -> dict[str, Any]:
     blocks: dict[str, Any] = {}
     if args.offload == "cpu":
         blocks["offload_optimizer"] = {"device": "cpu", "pin_memory": True}
+        if args.offload_ratio != 1.0 or args.overlap_forward:
+            if args.impl == "deepspeed":
+                raise SystemExit("--offload-ratio / --overlap-forward: slipstream only")
         if args.offload_ratio != 1.0:
             blocks["offload_optimizer"]["ratio"] = args.offload_ratio
         if args.overlap_forward:
@@ -107,19 +112,28 @@ def _build(args: argparse.Namespace, device: torch.device) -> tuple[Any, Any, An
     """Returns (step_fn(input_ids, labels) -> loss, model, parameter count)."""
     shape = SHAPES[args.model]
     amp_dtype = torch.bfloat16
-    if args.impl == "slipstream":
-        import slipstream
-
+    if args.impl in ("slipstream", "deepspeed"):
         config = _slipstream_config(args)
         init: Any = contextlib.nullcontext()
-        if args.stage == 3:
-            import slipstream.zero as zero
+        if args.impl == "deepspeed":
+            try:
+                import deepspeed as front
+            except ImportError:
+                raise SystemExit("--impl deepspeed: DeepSpeed is not installed") from None
+            if args.stage == 3:
+                init = front.zero.Init(config_dict_or_path=config)
+        else:
+            import slipstream as front
 
-            init = zero.Init(config_dict_or_path=config)
+            if args.stage == 3:
+                import slipstream.zero as zero
+
+                init = zero.Init(config_dict_or_path=config)
         with init:
             model = Llama(shape)
         params = sum(getattr(p, "ds_numel", p.numel()) for p in model.parameters())
-        engine, *_ = slipstream.initialize(model=model, config=config)
+        extra = {"model_parameters": model.parameters()} if args.impl == "deepspeed" else {}
+        engine, *_ = front.initialize(model=model, config=config, **extra)
 
         def step(input_ids: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
             loss = engine(input_ids, labels)
@@ -147,7 +161,7 @@ def _build(args: argparse.Namespace, device: torch.device) -> tuple[Any, Any, An
         fully_shard(model, mp_policy=policy)
         wrapped = model
     else:
-        raise SystemExit(f"--impl {args.impl!r}: expected ddp, fsdp2 or slipstream")
+        raise SystemExit(f"--impl {args.impl!r}: expected ddp, fsdp2, slipstream or deepspeed")
     fused = device.type == "cuda"
     optimizer = torch.optim.AdamW(model.parameters(), lr=1e-4, weight_decay=0.0, fused=fused)
     autocast = args.impl == "ddp"
@@ -211,8 +225,12 @@ def _phase_times(engine: Any, input_ids: Any, labels: Any, sync: Any) -> dict[st
 def main(argv: list[str] | None = None) -> int:
     """Run one benchmark; rank 0 prints and records the result."""
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--impl", required=True, choices=["ddp", "fsdp2", "slipstream"])
-    parser.add_argument("--stage", type=int, default=0, help="ZeRO stage for --impl slipstream")
+    parser.add_argument(
+        "--impl", required=True, choices=["ddp", "fsdp2", "slipstream", "deepspeed"]
+    )
+    parser.add_argument(
+        "--stage", type=int, default=0, help="ZeRO stage for --impl slipstream|deepspeed"
+    )
     parser.add_argument("--model", default="1.3b", choices=sorted(SHAPES))
     parser.add_argument("--micro", type=int, default=4, help="micro-batch per GPU")
     parser.add_argument("--seq", type=int, default=2048)
@@ -321,7 +339,7 @@ def main(argv: list[str] | None = None) -> int:
             "forward_wait_ms": round(1e3 * (offload.tail_wait_s - busy[1]) / args.steps, 1),
         }
     final_loss = float(loss)  # host sync once, after timing
-    timed_phases = args.impl == "slipstream" and args.phases
+    timed_phases = args.impl in ("slipstream", "deepspeed") and args.phases
     phases = _phase_times(engine, input_ids, labels, sync) if timed_phases else {}
 
     tokens_per_s = args.steps * args.micro * args.seq * world / elapsed
@@ -341,8 +359,8 @@ def main(argv: list[str] | None = None) -> int:
     arena = getattr(masters, "host", None)
     result = {
         "impl": args.impl
-        if args.impl != "slipstream"
-        else f"slipstream-zero{args.stage}"
+        if args.impl not in ("slipstream", "deepspeed")
+        else f"{args.impl}-zero{args.stage}"
         + (f"+{args.offload}" if args.offload != "none" else "")
         + {"none": "", "cpu": "+param", "nvme": "+nvmeparam"}[args.offload_param]
         + ("+noclip" if args.clip == 0 else "")
