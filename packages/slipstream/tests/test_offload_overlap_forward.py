@@ -83,8 +83,10 @@ def _everything(engine) -> list[torch.Tensor]:
     )
 
 
-def _run(stage, precision, gas, clipping, ratio, overlap) -> dict:
-    """Train through CLIPS (or without clipping); losses, snapshots and what was deferred."""
+def _run(stage, precision, gas, clipping, ratio, overlap, early=False) -> dict:
+    """Train through CLIPS (or without clipping); losses, snapshots, what was deferred and
+    how many deferred buckets were published from an upload staged as their CPU step ended
+    (on a GPU always; on the CPU only with ``early``)."""
     from slipstream import comm
     from slipstream.zero.testing import batch_for
 
@@ -94,6 +96,17 @@ def _run(stage, precision, gas, clipping, ratio, overlap) -> dict:
     engine = _engine(stage, precision, gas, clips[0], ratio, overlap)
     device = next(engine.module.parameters()).device
     offload = engine.zero.optimizer.offload
+    if early:
+        offload.stage_upload = engine.zero._stage_upload
+    staged = []
+    claim = offload._claim
+
+    def counted(job):
+        upload = claim(job)
+        staged.append(upload is not None)
+        return upload
+
+    offload._claim = counted
     mine = slice(rank * MICRO, (rank + 1) * MICRO)
     losses, snapshots, deferred = [], [], []
     for step, clip in enumerate(clips):
@@ -119,11 +132,12 @@ def _run(stage, precision, gas, clipping, ratio, overlap) -> dict:
         "deferred": deferred,
         "overlap": offload.overlap_forward,
         "stats": (stats.kept, stats.discarded, stats.paused),
+        "staged": sum(staged),
     }
 
 
-def _side_by_side(stage, precision, gas, clipping, ratio) -> dict:
-    on = _run(stage, precision, gas, clipping, ratio, True)
+def _side_by_side(stage, precision, gas, clipping, ratio, early=False) -> dict:
+    on = _run(stage, precision, gas, clipping, ratio, True, early)
     off = _run(stage, precision, gas, clipping, ratio, False)
     first_difference = None
     for index, (a, b) in enumerate(zip(on["snapshots"], off["snapshots"])):
@@ -135,6 +149,7 @@ def _side_by_side(stage, precision, gas, clipping, ratio) -> dict:
         "first_difference": first_difference,
         "snapshots": len(on["snapshots"]),
         "deferred": on["deferred"],
+        "staged": on["staged"],
         "on": (on["overlap"], on["stats"]),
         "off": (off["overlap"], off["stats"]),
     }
@@ -178,6 +193,25 @@ def test_overlap_forward_is_the_same_run_bit_for_bit(
             [True, True, False, False, False, True, True] if clipping else [True] * len(CLIPS)
         )
         assert [d > 0 for d in result["deferred"]] == expected, result["deferred"]
+
+
+@pytest.mark.parametrize(
+    ("stage", "world", "precision", "clipping", "ratio"),
+    [(2, 2, "bf16", True, 1.0), (1, 2, "fp32", False, 1.0), (2, 2, "fp32", True, 0.5)],
+)
+def test_uploads_staged_as_each_bucket_steps_are_the_same_run(
+    stage, world, precision, clipping, ratio
+) -> None:
+    # On a GPU each deferred bucket's upload starts on a stream of its own as soon as its CPU
+    # step ends, and the forward's all-gather takes it from there; the CPU runs the same
+    # hand-over (a packed send buffer, made on the worker thread) when forced to.
+    results = run_distributed(
+        _side_by_side, world, stage, precision, 1, clipping, ratio, True, timeout=300
+    )
+    for result in results:
+        assert result["same_losses"]
+        assert result["first_difference"] is None, result["first_difference"]
+        assert result["staged"] > 0
 
 
 def _checkpoint_and_state_dict(tmp: str) -> dict:
@@ -349,3 +383,4 @@ def test_overlap_forward_is_the_same_run_bit_for_bit_on_gpus(stage, clipping, ra
         assert result["same_losses"]
         assert result["first_difference"] is None, result["first_difference"]
         assert any(d > 0 for d in result["deferred"])
+        assert result["staged"] > 0  # uploads started as the buckets' CPU steps ended

@@ -22,6 +22,7 @@ from collections import deque
 from collections.abc import Callable, Sequence
 from concurrent.futures import Future
 from contextlib import nullcontext
+from functools import partial
 from typing import TYPE_CHECKING, Any
 
 import torch
@@ -124,6 +125,13 @@ class SpeculationStats:
 OVERLAP_BUCKET_NUMEL = 100_000_000
 
 _SubGroupHook = Callable[[list[torch.Tensor]], None]
+
+
+class _StagingFailed:
+    """What a tail job's staged upload raised, re-raised where the job is published."""
+
+    def __init__(self, error: BaseException) -> None:
+        self.error = error
 
 
 class StepWorker:
@@ -289,6 +297,16 @@ class OffloadedStep:
         self.tail_kept = False
         self._commit_pending: float | None = None  # the factor the kept step assumed
         self.tail_wait_s = 0.0  # seconds forwards (and barriers) waited for the tail
+        # Set by the ZeRO instance on a GPU: ``stage_upload(indices)`` starts a tail bucket's
+        # upload (off the compute stream) and returns what its publish then takes. It runs on
+        # the worker as soon as the bucket's job is done, so the upload does not wait for
+        # the forward to reach the bucket and then queue behind the forward's kernels.
+        # _staged: each done job's staged upload (None if there is none); _claimed: jobs
+        # published or drained before their upload was staged (staging skips those).
+        self.stage_upload: Callable[[list[int]], Any] | None = None
+        self._staged: dict[Future[None], Any] = {}
+        self._claimed: set[Future[None]] = set()
+        self._staged_lock = threading.Lock()
         # (before, after) each sub-group's update: stage 3 with NVMe parameters reads the
         # sub-group's shards (the step's copy targets) in before and writes them back after.
         self.sub_group_hooks: tuple[_SubGroupHook | None, _SubGroupHook | None] | None = None
@@ -494,6 +512,35 @@ class OffloadedStep:
         order, the reverse of forward order)."""
         self.tail.appendleft((indices, job))
         self.tail_indices.update(indices)
+        if self.stage_upload is not None:
+            job.add_done_callback(partial(self._stage, indices))
+
+    def _stage(self, indices: list[int], job: Future[None]) -> None:
+        # Runs once per deferred job, on the worker thread as the job ends (or at once on the
+        # caller's if it had ended). A job that failed stages nothing: its publish re-raises.
+        with self._staged_lock:
+            if job in self._claimed:
+                self._claimed.discard(job)
+                return
+            staged: Any = None
+            if not job.cancelled() and job.exception() is None and self.stage_upload is not None:
+                try:
+                    staged = self.stage_upload(indices)
+                except BaseException as exc:  # handed to the publish, which re-raises it
+                    staged = _StagingFailed(exc)
+            self._staged[job] = staged
+
+    def _claim(self, job: Future[None]) -> Any:
+        """The staged upload of a done tail job (None: none, or not staged yet, and then
+        never: publishing goes the ordinary way)."""
+        with self._staged_lock:
+            if job in self._staged:
+                staged = self._staged.pop(job)
+                if isinstance(staged, _StagingFailed):
+                    raise staged.error
+                return staged
+            self._claimed.add(job)
+            return None
 
     def keep_tail(self) -> None:
         """The step is settled and the jobs still running are part of it: freeze the
@@ -502,17 +549,18 @@ class OffloadedStep:
             self.host.freeze_hyperparameters()
             self.tail_kept = True
 
-    def publish_next(self, publish: Callable[[list[int]], None]) -> None:
-        """Wait for the first job left (in forward order) and publish its parameters."""
+    def publish_next(self, publish: Callable[[list[int], Any], None]) -> None:
+        """Wait for the first job left (in forward order) and publish its parameters
+        (``publish(indices, staged)``, with its staged upload if there is one)."""
         indices, job = self.tail[0]
         began = time.perf_counter()
         job.result()  # re-raises what the worker hit
         self.tail_wait_s += time.perf_counter() - began
         self.tail.popleft()
         self.tail_indices.difference_update(indices)
-        publish(indices)
+        publish(indices, self._claim(job))
 
-    def finish_tail(self, publish: Callable[[list[int]], None]) -> None:
+    def finish_tail(self, publish: Callable[[list[int], Any], None]) -> None:
         """Publish every bucket still running, then commit a kept speculative step."""
         try:
             while self.tail:
@@ -535,7 +583,10 @@ class OffloadedStep:
         while self.tail:
             indices, job = self.tail.popleft()
             self.tail_indices.difference_update(indices)
-            job.result()
+            try:
+                job.result()
+            finally:
+                self._claim(job)  # its staged upload, if any, is dropped
 
     def step_indices(self, indices: list[int], grad_scale: float = 1.0) -> None:
         """Step the offloaded masters at ``indices`` now (``grad_scale`` folded into the

@@ -9,7 +9,7 @@ import torch
 from slipstream.zero.group import DataParallelGroup
 from slipstream.zero.layout import ShardSpec
 
-__all__ = ["gather_bucket", "plan_gather_buckets"]
+__all__ = ["gather_bucket", "gather_packed", "pack_bucket", "plan_gather_buckets"]
 
 
 def plan_gather_buckets(
@@ -48,6 +48,16 @@ def gather_bucket(
     pinned ones asynchronously, and cast on the device: the CPU step then writes no
     model-dtype copy of its fp32 masters.
     """
+    gather_packed(pack_bucket(shards, params, indices), params, specs, group, indices)
+
+
+@torch.no_grad()
+def pack_bucket(
+    shards: Sequence[torch.Tensor], params: Sequence[torch.Tensor], indices: Sequence[int]
+) -> torch.Tensor:
+    """The send buffer of :func:`gather_bucket`: ``shards[i]`` for ``i`` in ``indices``,
+    concatenated on the parameters' device in their dtype (host shards uploaded on the
+    current stream, then cast there)."""
     dtype = params[indices[0]].dtype
     device = params[indices[0]].device
     send = torch.empty(sum(shards[i].numel() for i in indices), dtype=dtype, device=device)
@@ -58,7 +68,20 @@ def gather_bucket(
             shard = shard.to(device, non_blocking=True)
         send[offset : offset + shard.numel()].copy_(shard)
         offset += shard.numel()
-    out = torch.empty(group.world_size * send.numel(), dtype=dtype, device=device)
+    return send
+
+
+@torch.no_grad()
+def gather_packed(
+    send: torch.Tensor,
+    params: Sequence[torch.Tensor],
+    specs: Sequence[ShardSpec],
+    group: DataParallelGroup,
+    indices: Sequence[int],
+) -> None:
+    """The all-gather of a :func:`pack_bucket` buffer into ``params[i]`` for ``i`` in
+    ``indices``."""
+    out = torch.empty(group.world_size * send.numel(), dtype=send.dtype, device=send.device)
     group.all_gather_into(out, send)
     rows = out.view(group.world_size, send.numel())
     offset = 0

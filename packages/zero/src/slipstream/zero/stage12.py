@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import logging
 import math
+import os
 from collections.abc import Sequence
 from functools import partial
 from typing import Any
@@ -16,7 +17,12 @@ from slipstream.zero.layout import ShardSpec
 from slipstream.zero.masters import ShardedMasterWeights
 from slipstream.zero.norms import clip_coefficient, norm_of_squares
 from slipstream.zero.optimizer import ZeroOptimizer
-from slipstream.zero.param_gather import gather_bucket, plan_gather_buckets
+from slipstream.zero.param_gather import (
+    gather_bucket,
+    gather_packed,
+    pack_bucket,
+    plan_gather_buckets,
+)
 from slipstream.zero.settings import ZeroSettings
 
 __all__ = ["ShardedOptimizerStates"]
@@ -93,6 +99,7 @@ class ShardedOptimizerStates:
         # NVMe offload: the CPU step writes each updated shard in the model's dtype into a
         # host staging buffer (pinned with pin_memory), which the all-gather then uploads.
         self._staging: list[torch.Tensor] | None = None
+        self._upload_stream: Any = None  # overlap_forward on a GPU: _stage_upload's stream
         step = None
         pipelined = None
         if offload is not None:
@@ -261,6 +268,10 @@ class ShardedOptimizerStates:
             return False
         assert step is not None
         self.reducer.defer_job = self._defer
+        early = os.environ.get("SLIPSTREAM_OFFLOAD_EARLY_UPLOAD", "1").strip() != "0"
+        on_gpu = bool(self.params) and self.params[0].device.type == "cuda"
+        if early and on_gpu and self._staging is None:
+            step.stage_upload = self._stage_upload
         position = {id(p): i for i, p in enumerate(self.params)}
         for sub in module.modules():
             owned = frozenset(
@@ -395,18 +406,47 @@ class ShardedOptimizerStates:
         elif limit is not None and float(clip_coefficient(norm, limit)) < 1.0:
             step.cancel_speculation()
 
-    def _publish_stepped(self, indices: list[int]) -> None:
+    def _publish_stepped(self, indices: list[int], staged: Any = None) -> None:
         step = self._offload_step
         if step is not None and step.cancelled:
             return  # called off: the step after backward publishes everything
+        if staged is not None:  # overlap_forward: uploaded by _stage_upload
+            send, uploaded = staged
+            if uploaded is not None:
+                stream = torch.cuda.current_stream(send.device)
+                stream.wait_event(uploaded)
+                send.record_stream(stream)
+        else:
+            send = pack_bucket(self._stepped_sources(indices), self.params, indices)
+        gather_packed(send, self.params, self.specs, self.group, indices)
+        self._eager_published = True
+
+    def _stepped_sources(self, indices: list[int]) -> Sequence[torch.Tensor]:
+        """What a bucket stepped during backward publishes."""
         shards = self._publish_sources
+        step = self._offload_step
         if self._staging is None and step is not None and step.speculative:
             # CPU offload: the speculative step's new masters are in spare buffers.
             shards = list(shards)
             for i in indices:
                 shards[i] = step.speculative_value(i)
-        gather_bucket(shards, self.params, self.specs, self.group, indices)
-        self._eager_published = True
+        return shards
+
+    def _stage_upload(self, indices: list[int]) -> tuple[torch.Tensor, Any]:
+        """overlap_forward: a tail bucket's send buffer, packed (uploaded and cast) as soon
+        as its CPU step is done, on the worker thread; on a GPU on a stream of its own, with
+        the event its all-gather waits for. The compute stream is then busy with the forward,
+        and an upload queued there would wait for the forward to reach the bucket."""
+        device = self.params[indices[0]].device
+        if device.type != "cuda":
+            return pack_bucket(self._stepped_sources(indices), self.params, indices), None
+        if self._upload_stream is None:
+            self._upload_stream = torch.cuda.Stream(device)
+        with torch.cuda.device(device), torch.cuda.stream(self._upload_stream):
+            send = pack_bucket(self._stepped_sources(indices), self.params, indices)
+            uploaded = torch.cuda.Event()
+            uploaded.record(self._upload_stream)
+        return send, uploaded
 
     def zero_grad(self) -> None:
         """Drop master gradients and any local full-size gradients."""
