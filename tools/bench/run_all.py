@@ -5,7 +5,8 @@ Each spec is ``IMPL[:STAGE[+cpu|+nvme][+param|+nvmeparam][+noclip][+bf16comm][+r
 offload, ``slipstream:3+cpu+nvmeparam@1.3b/2`` with the parameter shards on NVMe,
 ``+bf16comm`` for ``communication_data_type`` bf16, DeepSpeed's default under bf16;
 ``+ratio0.7`` for partial offload, ``offload_optimizer.ratio`` 0.7; ``+ovf`` for
-``offload_optimizer.overlap_forward``); every
+``offload_optimizer.overlap_forward``; ``deepspeed:2+cpu@7b/2`` runs DeepSpeed, when
+installed, on the same config); every
 run is a fresh ``torchrun`` of train_bench.py on ``--gpus`` processes, one after the other on
 the same machine, so the rows compare like with like.
 
