@@ -81,9 +81,8 @@ def _offload_blocks(args: argparse.Namespace) -> dict[str, Any]:
     blocks: dict[str, Any] = {}
     if args.offload == "cpu":
         blocks["offload_optimizer"] = {"device": "cpu", "pin_memory": True}
-        if args.offload_ratio != 1.0 or args.overlap_forward:
-            if args.impl == "deepspeed":
-                raise SystemExit("--offload-ratio / --overlap-forward: slipstream only")
+        if args.impl == "deepspeed" and (args.offload_ratio != 1.0 or args.overlap_forward):
+            raise SystemExit("--offload-ratio / --overlap-forward: slipstream only")
         if args.offload_ratio != 1.0:
             blocks["offload_optimizer"]["ratio"] = args.offload_ratio
         if args.overlap_forward:

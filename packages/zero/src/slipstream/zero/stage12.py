@@ -99,7 +99,7 @@ class ShardedOptimizerStates:
         # NVMe offload: the CPU step writes each updated shard in the model's dtype into a
         # host staging buffer (pinned with pin_memory), which the all-gather then uploads.
         self._staging: list[torch.Tensor] | None = None
-        self._upload_stream: Any = None  # overlap_forward on a GPU: _stage_upload's stream
+        self._upload_stream: torch.cuda.Stream | None = None  # overlap_forward: _stage_upload's
         step = None
         pipelined = None
         if offload is not None:
