@@ -41,6 +41,7 @@ class Package(enum.Enum):
     zero = "packages/zero"
     pipeline = "packages/pipeline"
     moe = "packages/moe"
+    data_efficiency = "packages/data-efficiency"
     slipstream = "packages/slipstream"
 
     @property
