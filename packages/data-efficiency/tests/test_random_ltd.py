@@ -28,7 +28,9 @@ class TokenwiseLayer(nn.Module):
 
     def __init__(self, width: int) -> None:
         super().__init__()
-        self.mlp = nn.Sequential(nn.Linear(width, 2 * width), nn.GELU(), nn.Linear(2 * width, width))
+        self.mlp = nn.Sequential(
+            nn.Linear(width, 2 * width), nn.GELU(), nn.Linear(2 * width, width)
+        )
 
     def forward(self, hidden: torch.Tensor, attention_mask: torch.Tensor | None = None) -> tuple:
         self.seen_mask = attention_mask
@@ -40,7 +42,9 @@ class Stack(nn.Module):
         super().__init__()
         self.layers = nn.ModuleList(TokenwiseLayer(width) for _ in range(layers))
 
-    def forward(self, hidden: torch.Tensor, attention_mask: torch.Tensor | None = None) -> torch.Tensor:
+    def forward(
+        self, hidden: torch.Tensor, attention_mask: torch.Tensor | None = None
+    ) -> torch.Tensor:
         for layer in self.layers:
             hidden = layer(hidden, attention_mask=attention_mask)[0]
         return hidden
@@ -66,7 +70,11 @@ def test_kept_tokens_equal_the_full_layer_and_dropped_pass_through(order: str) -
     scheduler = RandomLTDScheduler(config, global_batch_size=batch)
     wrapped.init_config(config, scheduler, 0, backend="torch")
     scheduler.update_seq(0)  # keeps 4 of 12 tokens
-    hidden = torch.randn(batch, seq, width) if order == "batch_seq_dim" else torch.randn(seq, batch, width)
+    hidden = (
+        torch.randn(batch, seq, width)
+        if order == "batch_seq_dim"
+        else torch.randn(seq, batch, width)
+    )
     mask = torch.tril(torch.ones(seq, seq, dtype=torch.bool)).expand(batch, 1, seq, seq)
     out, extra = wrapped(hidden, attention_mask=mask)
     assert extra == "extra"

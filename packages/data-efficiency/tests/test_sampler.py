@@ -53,10 +53,14 @@ VALUES = np.array([(i * 7) % 16 + 1 for i in range(N)])  # 1..16, six samples ea
 def _samplers(config: DataEfficiencyConfig, world: int, micro: int, gas: int) -> list:
     return [
         CurriculumSampler(
-            config, N, micro_batch_size=micro, data_parallel_rank=rank,
-            data_parallel_size=world, gradient_accumulation_steps=gas,
+            config,
+            N,
+            micro_batch_size=micro,
+            data_parallel_rank=rank,
+            data_parallel_size=world,
+            gradient_accumulation_steps=gas,
             metrics={"len": MetricIndex.from_values(VALUES)},
-        )  # fmt: skip
+        )
         for rank in range(world)
     ]
 
@@ -188,8 +192,9 @@ def test_analyzer_map_reduce_resume_and_sampler_from_files(tmp_path: Path) -> No
     lengths = dataset.lengths.numpy()
     prefix = tmp_path / "seqlen" / "seqlen"
     assert np.array_equal(IndexedRows(f"{prefix}_sample_to_metric")[0], lengths)
-    to_sample, to_metric = IndexedRows(f"{prefix}_index_to_sample"), IndexedRows(
-        f"{prefix}_index_to_metric"
+    to_sample, to_metric = (
+        IndexedRows(f"{prefix}_index_to_sample"),
+        IndexedRows(f"{prefix}_index_to_metric"),
     )
     values = [int(to_metric[i][0]) for i in range(len(to_metric))]
     assert values == sorted(set(lengths.tolist()))

@@ -23,7 +23,9 @@ class Block(nn.Module):
     def __init__(self, width: int) -> None:
         super().__init__()
         self.mix = nn.Linear(width, width)
-        self.mlp = nn.Sequential(nn.Linear(width, 2 * width), nn.GELU(), nn.Linear(2 * width, width))
+        self.mlp = nn.Sequential(
+            nn.Linear(width, 2 * width), nn.GELU(), nn.Linear(2 * width, width)
+        )
 
     def forward(self, hidden: torch.Tensor) -> torch.Tensor:
         steps = torch.arange(1, hidden.shape[1] + 1, device=hidden.device).view(1, -1, 1)
@@ -243,7 +245,11 @@ def test_curriculum_sampler_and_random_ltd_resume_exactly(tmp_path: Path) -> Non
     levels = torch.arange(N) % 8 + 1
     prefix = str(tmp_path / "level" / "level")
     values = sorted(set(levels.tolist()))
-    write_rows(f"{prefix}_index_to_sample", [torch.nonzero(levels == v).flatten().numpy() for v in values], "int64")
+    write_rows(
+        f"{prefix}_index_to_sample",
+        [torch.nonzero(levels == v).flatten().numpy() for v in values],
+        "int64",
+    )
     write_rows(f"{prefix}_index_to_metric", [[v] for v in values], "int64")
 
     results = run_distributed(_worker, 2, str(tmp_path / "ckpt"), prefix)

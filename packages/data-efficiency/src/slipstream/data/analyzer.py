@@ -212,7 +212,9 @@ class DataAnalyzer:
                 total = parts[0].copy()
                 for part in parts[1:]:
                     total = total + part
-                dtype = fit_int_dtype(int(total.min()), int(total.max())) if total.size else np.int64
+                dtype = (
+                    fit_int_dtype(int(total.min()), int(total.max())) if total.size else np.int64
+                )
                 write_rows(directory / f"{metric}_metric_value", [total], dtype)
                 continue
             values = np.concatenate(parts)

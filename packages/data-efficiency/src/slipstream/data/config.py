@@ -201,7 +201,9 @@ class CurriculumMetricConfig(ConfigBlock):
                         key_path(path, name),
                     )
         if self.difficulty_type == "percentile" and self.max_difficulty > 100:
-            config_fail(key_path(path, "max_difficulty"), self.max_difficulty, "a percentile <= 100")
+            config_fail(
+                key_path(path, "max_difficulty"), self.max_difficulty, "a percentile <= 100"
+            )
 
     def schedule_params(self) -> dict[str, Any]:
         """The schedule as the plain dict that CurriculumScheduler takes."""

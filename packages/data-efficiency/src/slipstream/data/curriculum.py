@@ -25,7 +25,7 @@ import math
 from collections.abc import Callable, Mapping
 from typing import Any
 
-__all__ = ["CurriculumScheduler", "SCHEDULE_TYPES"]
+__all__ = ["SCHEDULE_TYPES", "CurriculumScheduler"]
 
 SCHEDULE_TYPES = ("fixed_linear", "fixed_root", "fixed_discrete", "custom")
 # The seeds' guide (and older DeepSpeed tutorials) write the schedule names without "fixed_".

@@ -57,7 +57,7 @@ class IndexedRowsWriter:
             )
         self.prefix.parent.mkdir(parents=True, exist_ok=True)
         self._bin_tmp = Path(f"{self.prefix}.bin.tmp")
-        self._data = open(self._bin_tmp, "wb")  # noqa: SIM115 - closed in close()
+        self._data = open(self._bin_tmp, "wb")
         self._sizes: list[int] = []
 
     def add_row(self, values: Iterable[int] | np.ndarray) -> None:

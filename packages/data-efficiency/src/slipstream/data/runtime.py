@@ -18,7 +18,7 @@ from slipstream.data.random_ltd.scheduler import RandomLTDScheduler
 from slipstream.data.sampler import CurriculumSampler, build_curriculum_dataloader
 from slipstream.data.seqlen import apply_seqlen_curriculum
 
-__all__ = ["DataEfficiency", "STATE_KEY"]
+__all__ = ["STATE_KEY", "DataEfficiency"]
 
 logger = logging.getLogger(__name__)
 

@@ -118,9 +118,7 @@ class CurriculumSampler(torch.utils.data.Sampler[list[int]]):
         self.micro_times_dp = micro_batch_size * data_parallel_size
         self.global_batch_size = self.micro_times_dp * gradient_accumulation_steps
         self.total_samples = num_samples * config.data_sampling.num_epochs
-        self.metric_configs: dict[str, CurriculumMetricConfig] = dict(
-            curriculum.curriculum_metrics
-        )
+        self.metric_configs: dict[str, CurriculumMetricConfig] = dict(curriculum.curriculum_metrics)
         self.schedulers = {
             name: CurriculumScheduler(metric.schedule_params())
             for name, metric in self.metric_configs.items()

@@ -13,9 +13,7 @@ from slipstream.data.random_ltd.scheduler import RandomLTDScheduler
 __all__ = ["LayerTokenLR", "layer_token_lr"]
 
 
-def layer_token_lr(
-    base_lr: float, tokens: float, config: LayerTokenLRScheduleConfig
-) -> float:
+def layer_token_lr(base_lr: float, tokens: float, config: LayerTokenLRScheduleConfig) -> float:
     """The learning rate after ``tokens`` layer-tokens (warmup, then cosine/linear decay)."""
     warmup = config.warmup_layer_tokens
     total = config.total_layer_tokens
