@@ -31,11 +31,11 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
-from llama import Block, Llama, LlamaShape  # noqa: E402
+from llama import Block, Llama, LlamaShape
 
-import slipstream  # noqa: E402
-from slipstream.data import convert_to_random_ltd  # noqa: E402
-from slipstream.examples.corpus import generate  # noqa: E402
+import slipstream
+from slipstream.data import convert_to_random_ltd
+from slipstream.examples.corpus import generate
 
 SIZES = {
     "tiny": LlamaShape(hidden=64, layers=4, heads=4, ffn=128, vocab=256),
