@@ -232,3 +232,29 @@ def test_index_files_round_trip_and_reject_other_files(tmp_path: Path) -> None:
         IndexedRows(tmp_path / "bad")
     with pytest.raises(FileNotFoundError, match="DataAnalyzer"):
         IndexedRows(tmp_path / "missing")
+
+
+def _map_reduce_worker(save_path: str) -> list[int]:
+    analyzer = DataAnalyzer(
+        _Tokens(),
+        metric_names=["seqlen"],
+        metric_functions=[_seqlen],
+        metric_types=["single_value_per_sample"],
+        save_path=save_path,
+        batch_size=8,
+        chunk_size=16,
+    )
+    analyzer.run_map_reduce()  # worker = rank; rank 0 reduces after a barrier
+    return IndexedRows(Path(save_path) / "seqlen" / "seqlen_sample_to_metric")[0].tolist()
+
+
+def test_analyzer_map_reduce_over_processes(tmp_path: Path) -> None:
+    from slipstream.comm.testing import run_distributed
+
+    results = run_distributed(_map_reduce_worker, 2, str(tmp_path))
+    expected = _Tokens().lengths.tolist()
+    assert results == [expected, expected]
+    assert sorted(p.name for p in (tmp_path / "seqlen").glob("map_worker*")) == [
+        "map_worker0",
+        "map_worker1",
+    ]

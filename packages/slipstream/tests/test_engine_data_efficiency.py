@@ -267,3 +267,62 @@ def test_curriculum_sampler_and_random_ltd_resume_exactly(tmp_path: Path) -> Non
         assert out["aware_seen"] == expected  # it cut its own inputs: nothing cut for it
         assert out["programmatic_seen"] == [8, 8, 16, 16, 16, 16]
     assert results[0]["uninterrupted"] != results[1]["uninterrupted"]  # ranks got own data
+
+
+# DeepSpeedExamples training/data_efficiency/vit_finetuning/config/ds_config_cifar_random_ltd.json,
+# whole and unchanged.
+VIT_CIFAR_RANDOM_LTD = """{
+  "train_batch_size" : 32,
+  "train_micro_batch_size_per_gpu": 32,
+  "steps_per_print": 200,
+  "optimizer": {"type": "Adam",
+    "params": {"lr": 0.0001, "betas": [0.8,0.999], "eps": 1e-8, "weight_decay": 3e-7}},
+  "zero_optimization": {"stage": 0},
+  "fp16":{"enabled": false},
+  "gradient_clipping": 1.0,
+  "prescale_gradients": true,
+  "wall_clock_breakdown" : false,
+  "data_efficiency": {
+    "enabled": true,
+    "data_routing": {
+      "enabled": true,
+      "random_ltd":{
+        "enabled": true,
+        "total_layer_num": 12,
+        "random_ltd_layer_num": 10,
+        "random_ltd_layer_id": [1,2,3,4,5,6,7,8,9,10],
+        "model_mask_name": null,
+        "model_type": "decoder",
+        "hidden_state_order": "batch_seq_dim",
+        "random_ltd_schedule": {
+          "min_value": 32,
+          "max_value": 197,
+          "schedule_type":"fixed_linear",
+          "schedule_config": {"require_steps": 3910, "seq_per_step": 8}
+        }
+      }
+    }
+  }
+}
+"""
+
+
+def test_deepspeed_example_config_loads_unchanged(tmp_path: Path) -> None:
+    from slipstream.config import ConfigError, load_config
+
+    path = tmp_path / "ds_config_cifar_random_ltd.json"
+    path.write_text(VIT_CIFAR_RANDOM_LTD)
+    config = load_config(path, world_size=1)
+    ltd = config.data_efficiency.data_routing.random_ltd
+    assert config.data_efficiency.random_ltd_enabled and ltd.random_ltd_layer_num == 10
+    assert not config.curriculum_learning.enabled
+    legacy = {
+        "train_batch_size": 4,
+        "curriculum_learning": dict(LEGACY, schedule_type="fixed_root"),
+    }
+    try:
+        load_config(legacy, world_size=1)
+    except ConfigError as error:
+        assert "curriculum_learning.schedule_config.root_degree" in str(error)
+    else:
+        raise AssertionError("fixed_root without root_degree was accepted")
