@@ -7,6 +7,7 @@ wrapper with a transposed view.
 
 from __future__ import annotations
 
+import logging
 from typing import Any, Literal
 
 import torch
@@ -23,6 +24,10 @@ __all__ = [
 ]
 
 TokenBackend = Literal["auto", "torch", "triton"]
+
+logger = logging.getLogger(__name__)
+# Set when a Triton kernel failed under backend "auto": the references are used from then on.
+_TRITON_FAILED: list[str] = []
 
 
 def gather_tokens_reference(hidden: torch.Tensor, indices: torch.Tensor) -> torch.Tensor:
@@ -56,7 +61,18 @@ def _use_triton(backend: TokenBackend, device: torch.device) -> bool:
                 "backend 'torch' or 'auto'"
             )
         return True
-    return device.type == "cuda" and triton_available(device)
+    return not _TRITON_FAILED and device.type == "cuda" and triton_available(device)
+
+
+def _fall_back(backend: TokenBackend, error: Exception) -> None:
+    """Under "auto", a failing kernel (a compiler problem) falls back once, with a warning."""
+    if backend != "auto":
+        raise error
+    _TRITON_FAILED.append(f"{type(error).__name__}: {error}")
+    logger.warning(
+        "random-LTD Triton token kernels failed (%s); using the pure-torch gather/scatter",
+        _TRITON_FAILED[0],
+    )
 
 
 class _Gather(torch.autograd.Function):
@@ -106,7 +122,10 @@ def gather_tokens(
 ) -> torch.Tensor:
     """The kept tokens ``(batch, kept, hidden)`` of batch-first ``hidden`` (differentiable)."""
     if _use_triton(backend, hidden.device):
-        return _Gather.apply(hidden.contiguous(), indices.contiguous())  # type: ignore[no-any-return]
+        try:
+            return _Gather.apply(hidden.contiguous(), indices.contiguous())  # type: ignore[no-any-return]
+        except Exception as error:  # compiler/driver errors vary by release
+            _fall_back(backend, error)
     return gather_tokens_reference(hidden, indices)
 
 
@@ -118,7 +137,10 @@ def scatter_tokens(
 ) -> torch.Tensor:
     """``hidden`` with its kept tokens replaced by ``part`` (differentiable, out of place)."""
     if _use_triton(backend, hidden.device):
-        return _Scatter.apply(  # type: ignore[no-any-return]
-            hidden.contiguous(), part.contiguous(), indices.contiguous()
-        )
+        try:
+            return _Scatter.apply(  # type: ignore[no-any-return]
+                hidden.contiguous(), part.contiguous(), indices.contiguous()
+            )
+        except Exception as error:  # compiler/driver errors vary by release
+            _fall_back(backend, error)
     return scatter_tokens_reference(hidden, part, indices)
