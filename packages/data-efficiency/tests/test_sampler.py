@@ -220,6 +220,17 @@ def test_analyzer_map_reduce_resume_and_sampler_from_files(tmp_path: Path) -> No
         assert batch == next(b)
         assert lengths[batch].max() <= from_files.get_current_difficulties()["len"]
 
+    # Percentile-based, from the merged file: the easiest 4/8 of the samples in metric order.
+    merged_prefix = f"{prefix}_index_to_sample_percentile_merged"
+    percentile = _config("percentile", low=4, high=8, total_step=10_000, paths=(merged_prefix, ""))
+    sampler = CurriculumSampler(
+        percentile, N, micro_batch_size=4, data_parallel_rank=0, data_parallel_size=1
+    )
+    easiest = set(np.argsort(lengths, kind="stable")[: (N // 8) * 4].tolist())
+    iterator = iter(sampler)
+    drawn = [i for _ in range(12) for i in next(iterator)]
+    assert set(drawn) == easiest  # 12 batches of 4 = all 48 eligible samples, once each
+
 
 def test_index_files_round_trip_and_reject_other_files(tmp_path: Path) -> None:
     rows = [np.array([3, 1, 2]), np.array([], dtype=np.int64), np.array([70000])]

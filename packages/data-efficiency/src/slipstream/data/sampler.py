@@ -36,14 +36,16 @@ class MetricIndex:
     """One metric over a dataset: each sample's value and its position in metric order.
 
     Build it from the DataAnalyzer's files (:meth:`from_files`) or from per-sample values
-    (:meth:`from_values`).
+    (:meth:`from_values`). Two integers per sample are held in memory (positions in int32 below
+    2**31 samples); the index files themselves stay memory-mapped.
     """
 
-    def __init__(self, values: np.ndarray, order: np.ndarray) -> None:
-        self.values = np.asarray(values, dtype=np.int64)
-        self.order = np.asarray(order, dtype=np.int64)
-        self.position = np.empty_like(self.order)
-        self.position[self.order] = np.arange(self.order.shape[0], dtype=np.int64)
+    def __init__(self, values: np.ndarray | None, order: np.ndarray) -> None:
+        count = int(order.shape[0])
+        index_type = np.int32 if count < 2**31 else np.int64
+        self.values = None if values is None else np.asarray(values)
+        self.position = np.empty(count, dtype=index_type)
+        self.position[np.asarray(order)] = np.arange(count, dtype=index_type)
 
     @classmethod
     def from_values(cls, values: np.ndarray | list[int]) -> MetricIndex:
@@ -56,22 +58,21 @@ class MetricIndex:
         """From ``<metric>_index_to_sample`` and (value-based) ``<metric>_index_to_metric``."""
         rows = IndexedRows(index_to_sample)
         order = np.asarray(rows.concatenated(), dtype=np.int64)
+        if index_to_metric is None:  # percentile-based: the order is all that is needed
+            return cls(None, order)
+        metric_rows = IndexedRows(index_to_metric)
+        if len(metric_rows) != len(rows):
+            raise ValueError(
+                f"{index_to_metric} has {len(metric_rows)} rows but {index_to_sample} has "
+                f"{len(rows)}; they must come from the same DataAnalyzer run"
+            )
+        row_values = np.array([int(metric_rows[i][0]) for i in range(len(metric_rows))])
         values = np.zeros(order.shape[0], dtype=np.int64)
-        if index_to_metric is not None:
-            metric_rows = IndexedRows(index_to_metric)
-            if len(metric_rows) != len(rows):
-                raise ValueError(
-                    f"{index_to_metric} has {len(metric_rows)} rows but {index_to_sample} has "
-                    f"{len(rows)}; they must come from the same DataAnalyzer run"
-                )
-            row_values = np.array([int(metric_rows[i][0]) for i in range(len(metric_rows))])
-            values[order] = np.repeat(row_values, np.asarray(rows.sizes, dtype=np.int64))
-        else:
-            values[order] = np.arange(order.shape[0])
+        values[order] = np.repeat(row_values, np.asarray(rows.sizes, dtype=np.int64))
         return cls(values, order)
 
     def __len__(self) -> int:
-        return int(self.order.shape[0])
+        return int(self.position.shape[0])
 
 
 class CurriculumSampler(torch.utils.data.Sampler[list[int]]):
@@ -171,6 +172,11 @@ class CurriculumSampler(torch.utils.data.Sampler[list[int]]):
             metric = self.metric_configs[name]
             difficulty = difficulties[name]
             if metric.difficulty_type == "value":
+                if index.values is None:
+                    raise ValueError(
+                        f"curriculum metric {name!r} is value-based but its index has no "
+                        "values; give index_to_metric_path (or MetricIndex.from_values)"
+                    )
                 mask &= index.values <= difficulty
             else:
                 # DeepSpeed's percentile arithmetic: whole percentiles of N // max samples,
