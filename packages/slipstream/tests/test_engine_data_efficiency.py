@@ -189,7 +189,10 @@ def _worker(save_dir: str, index_prefix: str) -> dict[str, Any]:
     out["seen"] = engine.module.seen
     out["lr"] = engine.get_lr()
     final = {n: p.detach().clone() for n, p in engine.module.named_parameters()}
-    out["ltd_tokens"] = engine.data_efficiency.random_ltd.state["consumed_layer_tokens"]
+    ltd = engine.data_efficiency.random_ltd
+    out["ltd_tokens"] = ltd.state["consumed_layer_tokens"]
+    # The last step kept 10 of 16 tokens in layers 1 and 2 (indices drawn by that forward).
+    out["dropped"] = None if ltd.sample_indices is None else tuple(ltd.sample_indices.shape)
 
     # 2. A fresh engine (other init, other RNG), resumed from the checkpoint.
     engine2, loader2 = _engine(index_prefix, seed=99)
@@ -257,6 +260,7 @@ def test_curriculum_sampler_and_random_ltd_resume_exactly(tmp_path: Path) -> Non
         assert out["attached"] == [False, True, True]  # layer ids 1 and 2 of blocks 0..2
         assert out["resumed"] == out["uninterrupted"], rank  # exact float equality
         assert out["identical"], rank
+        assert out["dropped"] == (2, 2, 10)  # (random-LTD layers, micro-batch, kept tokens)
         assert out["lr"] == out["lr2"] and out["lr"][0] < 0.01  # the layer-token LR moved
         assert out["client_state"] == {"mine": 1}  # the engine's own entry is taken out
         # Legacy seqlen curriculum: the model without curriculum_seqlen gets truncated
