@@ -100,6 +100,24 @@ def test_kept_tokens_equal_the_full_layer_and_dropped_pass_through(order: str) -
     assert torch.equal(bsh(grad)[~kept], bsh(grad_out)[~kept])
 
 
+def test_encoder_masks_keep_the_kept_rows_and_columns() -> None:
+    torch.manual_seed(3)
+    layer = TokenwiseLayer(4)
+    wrapped = RandomLayerTokenDrop(layer)
+    config = RandomLTDConfig.from_dict(
+        {**_config([0], 1).to_dict(), "model_type": "encoder"}, "random_ltd"
+    )
+    scheduler = RandomLTDScheduler(config, 2)
+    wrapped.init_config(config, scheduler, 0, backend="torch")
+    scheduler.update_seq(0)  # keeps 4
+    mask = torch.randn(2, 1, 12, 12)
+    wrapped(torch.randn(2, 12, 4), attention_mask=mask)
+    indices = scheduler.sample_indices[0].long()
+    for b in range(2):
+        expected = mask[b, :, indices[b]][:, :, indices[b]]
+        assert torch.equal(layer.seen_mask[b], expected)
+
+
 def test_eval_and_full_length_run_the_whole_layer() -> None:
     layer = TokenwiseLayer(4)
     wrapped = RandomLayerTokenDrop(layer)

@@ -172,7 +172,7 @@ def _engine(index_prefix: str, seed: int) -> tuple[Any, Any]:
 def _worker(save_dir: str, index_prefix: str) -> dict[str, Any]:
     import slipstream
     from slipstream import comm
-    from slipstream.data import CurriculumSampler, RandomLayerTokenDrop
+    from slipstream.data import CurriculumSampler, RandomLayerTokenDrop, convert_to_random_ltd
 
     rank = comm.get_rank()
     out: dict[str, Any] = {}
@@ -237,6 +237,17 @@ def _worker(save_dir: str, index_prefix: str) -> dict[str, Any]:
         engine4.backward(engine4(ids[:, :-1], ids[:, 1:]))
         engine4.step()
     out["programmatic_seen"] = model4.seen
+
+    # 5. DeepSpeed's order: convert_to_random_ltd(engine, Block) after initialize attaches.
+    torch.manual_seed(0)
+    engine5, *_ = slipstream.initialize(model=TinyLM(), config=_config(index_prefix))
+    convert_to_random_ltd(engine5, Block)
+    out["late_attached"] = [
+        m.scheduler is engine5.data_efficiency.random_ltd
+        for m in engine5.module.modules()
+        if isinstance(m, RandomLayerTokenDrop)
+    ]
+    engine5.destroy()
     engine.destroy(), engine2.destroy(), engine3.destroy(), engine4.destroy()
     return out
 
@@ -270,6 +281,7 @@ def test_curriculum_sampler_and_random_ltd_resume_exactly(tmp_path: Path) -> Non
         assert out["received"] == expected
         assert out["aware_seen"] == expected  # it cut its own inputs: nothing cut for it
         assert out["programmatic_seen"] == [8, 8, 16, 16, 16, 16]
+        assert out["late_attached"] == [False, True, True]
     assert results[0]["uninterrupted"] != results[1]["uninterrupted"]  # ranks got own data
 
 
