@@ -269,3 +269,25 @@ def test_analyzer_map_reduce_over_processes(tmp_path: Path) -> None:
         "map_worker0",
         "map_worker1",
     ]
+
+
+def test_post_process_sees_the_difficulty_each_batch_was_drawn_at() -> None:
+    from torch.utils.data import TensorDataset
+
+    from slipstream.data import build_curriculum_dataloader
+
+    sampler = _samplers(_config(), 1, 4, 1)[0]
+    seen: list[tuple[int, int]] = []
+
+    def post_process(batch: list, progress: dict) -> list:
+        seen.append((progress["curriculum_step"], progress["current_difficulties"]["len"]))
+        return [batch[0][:, : progress["current_difficulties"]["len"]]]
+
+    dataset = TensorDataset(torch.arange(N * 16).view(N, 16), torch.as_tensor(VALUES))
+    loader = build_curriculum_dataloader(dataset, sampler, post_process=post_process)
+    iterator = iter(loader)
+    reference = _samplers(_config(), 1, 4, 1)[0]
+    for step in range(1, 8):
+        (cut,) = next(iterator)
+        difficulty = reference.schedulers["len"].update_difficulty(step)
+        assert seen[-1] == (step, difficulty) and cut.shape == (4, difficulty)

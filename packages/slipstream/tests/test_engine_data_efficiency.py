@@ -183,7 +183,12 @@ def _worker(save_dir: str, index_prefix: str) -> dict[str, Any]:
     wrapped = [m for m in engine.module.modules() if isinstance(m, RandomLayerTokenDrop)]
     out["attached"] = [m.scheduler is not None for m in wrapped]
     iterator = iter(loader)
+    steps_seen: list[int] = []
+    engine.set_data_post_process_func(
+        lambda batch, progress: steps_seen.append(progress["curriculum_step"]) or batch
+    )
     first = _train(engine, iterator, 3)
+    out["post_process_steps"] = list(steps_seen)
     engine.save_checkpoint(save_dir, client_state={"mine": 1})
     out["uninterrupted"] = _train(engine, iterator, 3)
     out["seen"] = engine.module.seen
@@ -282,6 +287,7 @@ def test_curriculum_sampler_and_random_ltd_resume_exactly(tmp_path: Path) -> Non
         assert out["aware_seen"] == expected  # it cut its own inputs: nothing cut for it
         assert out["programmatic_seen"] == [8, 8, 16, 16, 16, 16]
         assert out["late_attached"] == [False, True, True]
+        assert out["post_process_steps"] == [1, 1, 2, 2, 3, 3]  # two micro-batches a step
     assert results[0]["uninterrupted"] != results[1]["uninterrupted"]  # ranks got own data
 
 

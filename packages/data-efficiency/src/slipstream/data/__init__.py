@@ -41,11 +41,17 @@ from slipstream.data.random_ltd import (
     scatter_tokens,
 )
 from slipstream.data.runtime import STATE_KEY, DataEfficiency
-from slipstream.data.sampler import CurriculumSampler, MetricIndex, build_curriculum_dataloader
+from slipstream.data.sampler import (
+    CurriculumDataLoader,
+    CurriculumSampler,
+    MetricIndex,
+    build_curriculum_dataloader,
+)
 from slipstream.data.seqlen import apply_seqlen_curriculum, truncate_batch
 
 __all__ = [
     "STATE_KEY",
+    "CurriculumDataLoader",
     "CurriculumLearningConfig",
     "CurriculumMetricConfig",
     "CurriculumSampler",

@@ -15,7 +15,12 @@ from slipstream.data.curriculum import CurriculumScheduler
 from slipstream.data.random_ltd.attach import attach_random_ltd
 from slipstream.data.random_ltd.lr_schedule import LayerTokenLR
 from slipstream.data.random_ltd.scheduler import RandomLTDScheduler
-from slipstream.data.sampler import CurriculumSampler, build_curriculum_dataloader
+from slipstream.data.sampler import (
+    CurriculumDataLoader,
+    CurriculumSampler,
+    PostProcess,
+    build_curriculum_dataloader,
+)
 from slipstream.data.seqlen import apply_seqlen_curriculum
 
 __all__ = ["STATE_KEY", "DataEfficiency"]
@@ -61,6 +66,8 @@ class DataEfficiency:
             else None
         )
         self.sampler: CurriculumSampler | None = None
+        self.loader: CurriculumDataLoader | None = None
+        self.post_process: PostProcess | None = None
         self.layer_token_lr: LayerTokenLR | None = None
 
     @classmethod
@@ -180,6 +187,13 @@ class DataEfficiency:
         return self.layer_token_lr
 
     # ------------------------------------------------------------------ data sampling
+    def set_data_post_process_func(self, post_process: PostProcess | None) -> None:
+        """``fn(batch, sampler_progress) -> batch`` applied to every batch of the curriculum
+        loader (DeepSpeed's ``set_data_post_process_func``)."""
+        self.post_process = post_process
+        if self.loader is not None:
+            self.loader.post_process = post_process
+
     def build_dataloader(
         self,
         dataset: Dataset,
@@ -201,13 +215,15 @@ class DataEfficiency:
             gradient_accumulation_steps=gradient_accumulation_steps,
         )
         sampling = self.config.data_sampling
-        return build_curriculum_dataloader(
+        self.loader = build_curriculum_dataloader(
             dataset,
             self.sampler,
             collate_fn=collate_fn,
             num_workers=sampling.num_workers,
             pin_memory=sampling.pin_memory,
+            post_process=self.post_process,
         )
+        return self.loader
 
     # ------------------------------------------------------------------ checkpoints
     def state_dict(self) -> dict[str, Any]:

@@ -27,7 +27,16 @@ from slipstream.data.config import CurriculumMetricConfig, DataEfficiencyConfig
 from slipstream.data.curriculum import CurriculumScheduler
 from slipstream.data.indexed import IndexedRows
 
-__all__ = ["CurriculumSampler", "MetricIndex", "build_curriculum_dataloader"]
+__all__ = [
+    "CurriculumDataLoader",
+    "CurriculumSampler",
+    "MetricIndex",
+    "PostProcess",
+    "build_curriculum_dataloader",
+]
+
+# DeepSpeed's data post-processing hook: ``fn(batch, sampler_progress) -> batch``.
+PostProcess = Callable[[Any, dict[str, Any]], Any]
 
 logger = logging.getLogger(__name__)
 
@@ -247,6 +256,17 @@ class CurriculumSampler(torch.utils.data.Sampler[list[int]]):
     def __len__(self) -> int:
         return (self.total_samples - self.consumed_samples) // self.micro_times_dp
 
+    def progress(self) -> dict[str, Any]:
+        """Where the sampler stands (DeepSpeed's state keys, without the bulky ones): the
+        ``current_difficulties`` a post-processing hook truncates by, ``consumed_samples``,
+        ``curriculum_step`` and ``epoch``."""
+        return {
+            "current_difficulties": dict(self.current_difficulties),
+            "consumed_samples": self.consumed_samples,
+            "curriculum_step": self.curriculum_step,
+            "epoch": self.epoch,
+        }
+
     # ------------------------------------------------------------------ checkpoints
     def state_dict(self) -> dict[str, Any]:
         """Everything that decides the next batches (JSON-ready; the used-set bit-packed)."""
@@ -280,6 +300,29 @@ class CurriculumSampler(torch.utils.data.Sampler[list[int]]):
         self._candidates = None
 
 
+class CurriculumDataLoader(DataLoader):
+    """A DataLoader over a CurriculumSampler that can post-process each batch.
+
+    ``post_process(batch, sampler.progress())`` (DeepSpeed's ``set_data_post_process_func``)
+    sees the difficulties the batch was drawn at, e.g. to cut it to a seqlen metric's
+    difficulty for a ``single_cluster`` curriculum.
+    """
+
+    post_process: PostProcess | None = None
+
+    def __iter__(self) -> Any:
+        # The base iterator is created here, eagerly: it draws its seed from the global RNG.
+        return self._post_processed(super().__iter__())
+
+    def _post_processed(self, iterator: Iterator[Any]) -> Iterator[Any]:
+        sampler = self.batch_sampler
+        assert isinstance(sampler, CurriculumSampler)
+        for batch in iterator:
+            # Read per batch: the hook may be set after the iterator was made.
+            post_process = self.post_process
+            yield batch if post_process is None else post_process(batch, sampler.progress())
+
+
 def build_curriculum_dataloader(
     dataset: Dataset,
     sampler: CurriculumSampler,
@@ -287,12 +330,15 @@ def build_curriculum_dataloader(
     collate_fn: Callable[[list[Any]], Any] | None = None,
     num_workers: int = 0,
     pin_memory: bool = False,
-) -> DataLoader:
+    post_process: PostProcess | None = None,
+) -> CurriculumDataLoader:
     """A DataLoader whose batches come from ``sampler`` (one micro-batch per iteration)."""
-    return DataLoader(
+    loader = CurriculumDataLoader(
         dataset,
         batch_sampler=sampler,
         collate_fn=collate_fn,
         num_workers=num_workers,
         pin_memory=pin_memory,
     )
+    loader.post_process = post_process
+    return loader

@@ -676,6 +676,10 @@ class SlipstreamEngine(torch.nn.Module):
         """Difficulty functions (``step -> difficulty``) for ``custom`` schedules, by metric."""
         self._data_efficiency_runtime().set_custom_curriculum_learning_schedule(schedule_func_dict)
 
+    def set_data_post_process_func(self, post_process_func: Any) -> None:
+        """``fn(batch, sampler_progress) -> batch`` for every batch of the curriculum loader."""
+        self._data_efficiency_runtime().set_data_post_process_func(post_process_func)
+
     def random_ltd_initialize(self) -> None:
         """Attach the random-LTD scheduler to the module's RandomLayerTokenDrop wrappers
         (slipstream.data.convert_to_random_ltd(engine, LayerClass) calls it)."""
