@@ -291,3 +291,19 @@ def test_post_process_sees_the_difficulty_each_batch_was_drawn_at() -> None:
         (cut,) = next(iterator)
         difficulty = reference.schedulers["len"].update_difficulty(step)
         assert seen[-1] == (step, difficulty) and cut.shape == (4, difficulty)
+
+
+def test_resume_on_another_world_size_starts_the_next_global_batch() -> None:
+    config = _config()
+    before = _samplers(config, 2, 2, 2)
+    iterators = [iter(s) for s in before]
+    for it in iterators:  # one micro-step of the first global batch
+        next(it)
+    state = before[0].state_dict()
+    after = _samplers(config, 4, 2, 1)
+    for sampler in after:
+        sampler.load_state_dict(state)
+    batch = [i for s in after for i in next(iter(s))]
+    assert after[0].curriculum_step == 2 and len(batch) == 8
+    assert not set(batch) & {i for s in before for i in s.batch}  # left-overs stay used
+    assert not set(batch) & set(np.flatnonzero(before[0].used).tolist())

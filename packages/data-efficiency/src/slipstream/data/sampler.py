@@ -279,6 +279,8 @@ class CurriculumSampler(torch.utils.data.Sampler[list[int]]):
             "used": base64.b64encode(np.packbits(self.used).tobytes()).decode("ascii"),
             "schedulers": {n: s.state_dict() for n, s in self.schedulers.items()},
             "num_samples": self.num_samples,
+            "global_batch_size": self.global_batch_size,
+            "micro_batch_times_dp": self.micro_times_dp,
         }
 
     def load_state_dict(self, state: Mapping[str, Any]) -> None:
@@ -293,6 +295,21 @@ class CurriculumSampler(torch.utils.data.Sampler[list[int]]):
         self.epoch = int(state["epoch"])
         self.current_difficulties = {k: int(v) for k, v in state["current_difficulties"].items()}
         self.batch = [int(i) for i in state["batch"]]
+        saved_layout = (state.get("global_batch_size"), state.get("micro_batch_times_dp"))
+        if saved_layout != (self.global_batch_size, self.micro_times_dp) and self.batch:
+            # Another batch layout (a new world size): the rest of the global batch drawn under
+            # the old one cannot be split evenly; its samples stay used and the next global
+            # batch is drawn under the new layout.
+            logger.warning(
+                "curriculum sampler: resuming with global batch %d (micro x DP %d) instead of "
+                "%s (%s); skipping the %d samples left of the interrupted global batch",
+                self.global_batch_size,
+                self.micro_times_dp,
+                saved_layout[0],
+                saved_layout[1],
+                len(self.batch),
+            )
+            self.batch = []
         packed = np.frombuffer(base64.b64decode(state["used"]), dtype=np.uint8)
         self.used = np.unpackbits(packed)[: self.num_samples].astype(bool)
         for name, scheduler_state in state["schedulers"].items():
