@@ -197,3 +197,30 @@ def test_layer_token_lr_warms_up_and_decays_over_layer_tokens() -> None:
     scheduler.update_seq(0)  # 4 + 12 layer-tokens
     schedule.step()
     assert optimizer.param_groups[0]["lr"] == pytest.approx(0.1 * 16 / 100)
+
+
+_AOT_SCRIPT = """
+from slipstream.kernels.aot import compile_spec
+from slipstream.data.random_ltd.token_triton import aot_specs
+failed = [
+    (spec.name, target, result.error)
+    for spec in aot_specs() if "bf16" in spec.name
+    for target in ("sm_90", "gfx942")
+    for result in [compile_spec(spec, target)] if not result.ok
+]
+assert not failed, failed
+"""
+
+
+@pytest.mark.skipif(importlib.util.find_spec("triton") is None, reason="needs triton")
+def test_token_kernels_compile_ahead_of_time_for_nvidia_and_amd() -> None:
+    import os
+    import subprocess
+    import sys
+
+    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}  # compile, not interpret
+    env["PYTHONPATH"] = os.pathsep.join(sys.path)
+    done = subprocess.run(
+        [sys.executable, "-c", _AOT_SCRIPT], env=env, capture_output=True, text=True
+    )
+    assert done.returncode == 0, done.stderr[-3000:]

@@ -6,9 +6,9 @@ import torch
 import triton
 import triton.language as tl
 
-from slipstream.kernels.triton_support import block_for, check_kernel_device
+from slipstream.kernels.triton_support import AotSpec, block_for, check_kernel_device
 
-__all__ = ["gather", "scatter"]
+__all__ = ["aot_specs", "gather", "scatter"]
 
 
 @triton.jit
@@ -62,3 +62,24 @@ def scatter(hidden: torch.Tensor, part: torch.Tensor, indices: torch.Tensor) -> 
             part, indices.contiguous(), hidden, seq, kept, width, BLOCK=block_for(width)
         )
     return hidden
+
+
+def aot_specs() -> list[AotSpec]:
+    """Specialisations to compile ahead of time (``slipstream.kernels.aot.compile_spec``)."""
+    specs = []
+    for dtype in ("bf16", "fp16", "fp32"):
+        for name, kernel, first in (
+            ("gather", _gather_kernel, "src"),
+            ("scatter", _scatter_kernel, "part"),
+        ):
+            signature = {
+                first: f"*{dtype}",
+                "idx": "*i64",
+                "dst": f"*{dtype}",
+                "seq": "i32",
+                "kept": "i32",
+                "width": "i32",
+                "BLOCK": "constexpr",
+            }
+            specs.append(AotSpec(f"random_ltd.{name}[{dtype}]", kernel, signature, {"BLOCK": 1024}))
+    return specs
