@@ -28,6 +28,7 @@ TEST_EXTRAS: dict[str, list[str]] = {
         "triton>=3.9"
     ],  # the CPU interpreter (TRITON_INTERPRET=1); 3.6's breaks on NumPy 2.4
     "moe": ["transformers>=4.40"],
+    "data_efficiency": ["triton>=3.9"],  # the token kernels under TRITON_INTERPRET=1
     "offload_io": ["aiofiles>=23.1"],
 }
 
@@ -41,6 +42,7 @@ class Package(enum.Enum):
     zero = "packages/zero"
     pipeline = "packages/pipeline"
     moe = "packages/moe"
+    data_efficiency = "packages/data-efficiency"
     slipstream = "packages/slipstream"
 
     @property

@@ -545,8 +545,6 @@ FEATURE_CASES: dict[str, tuple[Any, Any]] = {
     "quantize_training": ({"enabled": False}, {"enabled": True}),
     "weight_quantization": ({"enabled": False}, {"post_init_quant": {}}),
     "eigenvalue": ({"enabled": False}, {"enabled": True}),
-    "data_efficiency": ({"enabled": False, "seed": 1234}, {"enabled": True}),
-    "curriculum_learning": ({"enabled": False}, {"enabled": True}),
     "progressive_layer_drop": ({"enabled": False}, {"enabled": True, "theta": 0.5}),
     "elasticity": ({"enabled": False}, {"enabled": True}),
     "autotuning": ({"enabled": False}, {"enabled": True}),

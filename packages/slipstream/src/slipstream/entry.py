@@ -111,7 +111,9 @@ def initialize(
     )
     loader = None
     if training_data is not None:
-        loader = _build_dataloader(training_data, parsed, collate_fn, mpu)
+        loader = _curriculum_dataloader(engine, training_data, collate_fn, mpu)
+        if loader is None:
+            loader = _build_dataloader(training_data, parsed, collate_fn, mpu)
     return engine, engine.optimizer, loader, engine.lr_scheduler
 
 
@@ -125,6 +127,25 @@ def _apply_amd_specific(config: SlipstreamConfig) -> None:
     )
     if "amd_specific" in config.raw and comm.get_rank() == 0:
         logger.info("amd_specific: %s", applied)
+
+
+def _curriculum_dataloader(
+    engine: SlipstreamEngine, dataset: Dataset, collate_fn: Any, mpu: Any
+) -> DataLoader | None:
+    """data_efficiency.data_sampling's difficulty-based loader, when it is on (else None)."""
+    if engine.data_efficiency is None:
+        return None
+    if mpu is not None:
+        replicas, rank = mpu.get_data_parallel_world_size(), mpu.get_data_parallel_rank()
+    else:
+        replicas, rank = comm.get_world_size(), comm.get_rank()
+    return engine.data_efficiency.build_dataloader(
+        dataset,
+        data_parallel_rank=rank,
+        data_parallel_size=replicas,
+        gradient_accumulation_steps=engine.gradient_accumulation_steps(),
+        collate_fn=collate_fn,
+    )
 
 
 def _build_dataloader(

@@ -106,20 +106,6 @@ RECOGNISED_FEATURES: dict[str, RecognisedFeature] = {
             _OFF,
         ),
         RecognisedFeature(
-            "data_efficiency",
-            "the data efficiency library",
-            "the slipstream-data-efficiency package",
-            enabled_flag(),
-            _OFF,
-        ),
-        RecognisedFeature(
-            "curriculum_learning",
-            "curriculum learning",
-            "the slipstream-data-efficiency package",
-            enabled_flag(),
-            _OFF,
-        ),
-        RecognisedFeature(
             "progressive_layer_drop",
             "progressive layer drop",
             "the slipstream-data-efficiency package",

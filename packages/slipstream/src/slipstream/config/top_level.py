@@ -21,6 +21,7 @@ from slipstream.config.precision import (
     parse_communication_dtype,
 )
 from slipstream.config.zero import AioConfig, ZeroConfig
+from slipstream.data.config import CurriculumLearningConfig, DataEfficiencyConfig
 from slipstream.kernels.config_schema import (
     ConfigBlock,
     ConfigError,
@@ -85,6 +86,11 @@ class SlipstreamConfig(ConfigBlock):
         default_factory=ActivationCheckpointingConfig
     )
     dataloader_drop_last: bool = False
+    # Owned by slipstream-data-efficiency: the engine's DataEfficiency runtime reads both.
+    curriculum_learning: CurriculumLearningConfig = dataclasses.field(
+        default_factory=CurriculumLearningConfig
+    )
+    data_efficiency: DataEfficiencyConfig = dataclasses.field(default_factory=DataEfficiencyConfig)
 
     raw: dict[str, Any] = dataclasses.field(
         default_factory=dict, init=False, repr=False, compare=False

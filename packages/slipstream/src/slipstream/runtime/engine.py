@@ -15,6 +15,8 @@ import torch.distributed as dist
 
 from slipstream import comm
 from slipstream.config import SlipstreamConfig
+from slipstream.data import STATE_KEY as DATA_EFFICIENCY_STATE_KEY
+from slipstream.data import DataEfficiency, RandomLayerTokenDrop
 from slipstream.kernels import get_accelerator
 from slipstream.kernels.loss_scaler import LossScaler, grads_have_inf_or_nan
 from slipstream.runtime import checkpoint as checkpointing
@@ -172,6 +174,14 @@ class SlipstreamEngine(torch.nn.Module):
                     assert isinstance(self.zero, ShardedOptimizerStates)  # config: stage 1-2
                     self.zero.overlap_forward(self.module)
         self.lr_scheduler = resolve_scheduler(lr_scheduler, config.scheduler, self.optimizer)
+        # Curricula, the difficulty sampler and random-LTD (slipstream.data); None when off.
+        self.data_efficiency = DataEfficiency.from_configs(
+            config.curriculum_learning,
+            config.data_efficiency,
+            global_batch_size=self._train_batch,
+            micro_batch_size=self._micro_batch,
+        )
+        self._setup_data_efficiency()
 
         # 3. fp16 loss scaling.
         self.loss_scaler = LossScaler.from_config(config.fp16) if config.fp16.enabled else None
@@ -398,6 +408,11 @@ class SlipstreamEngine(torch.nn.Module):
         self._check_alive()
         if self.config.fp16.enabled and self.config.fp16.auto_cast:
             args, kwargs = _cast_floats((args, kwargs), torch.float16)
+        if self.module.training and self.data_efficiency is not None:
+            # Advances the curriculum/random-LTD schedules; applies the seqlen curriculum.
+            args, kwargs = self.data_efficiency.before_forward(
+                self.module, args, kwargs, self.global_steps
+            )
         if self.module.training:
             self.throughput.add(self._micro_batch, count_tokens(args, kwargs))
         with self.timers.region("forward"):
@@ -629,6 +644,47 @@ class SlipstreamEngine(torch.nn.Module):
                     "time per %d steps: %s", self.config.steps_per_print, self.timers.report()
                 )
 
+    # ------------------------------------------------------------------ data efficiency
+    def _setup_data_efficiency(self) -> None:
+        runtime = self.data_efficiency
+        if runtime is None:
+            return
+        token_lr = runtime.layer_token_schedule(self.optimizer, self.lr_scheduler)
+        if token_lr is not None:
+            self.lr_scheduler = token_lr
+        if runtime.random_ltd is not None and any(
+            isinstance(m, RandomLayerTokenDrop) for m in self.module.modules()
+        ):
+            runtime.attach_random_ltd(self.module)
+
+    def _data_efficiency_runtime(self) -> DataEfficiency:
+        if self.data_efficiency is None:
+            self.data_efficiency = DataEfficiency(
+                self.config.curriculum_learning,
+                self.config.data_efficiency,
+                global_batch_size=self._train_batch,
+                micro_batch_size=self._micro_batch,
+            )
+        return self.data_efficiency
+
+    def set_curriculum_learning_params(self, **params: Any) -> None:
+        """Configure the legacy curriculum in code (curriculum_type, min/max_difficulty,
+        schedule_type, schedule_config), as DeepSpeed's curriculum guide writes it."""
+        self._data_efficiency_runtime().set_curriculum_learning_params(**params)
+
+    def set_custom_curriculum_learning_schedule(self, schedule_func_dict: dict[str, Any]) -> None:
+        """Difficulty functions (``step -> difficulty``) for ``custom`` schedules, by metric."""
+        self._data_efficiency_runtime().set_custom_curriculum_learning_schedule(schedule_func_dict)
+
+    def set_data_post_process_func(self, post_process_func: Any) -> None:
+        """``fn(batch, sampler_progress) -> batch`` for every batch of the curriculum loader."""
+        self._data_efficiency_runtime().set_data_post_process_func(post_process_func)
+
+    def random_ltd_initialize(self) -> None:
+        """Attach the random-LTD scheduler to the module's RandomLayerTokenDrop wrappers
+        (slipstream.data.convert_to_random_ltd(engine, LayerClass) calls it)."""
+        self._data_efficiency_runtime().attach_random_ltd(self.module)
+
     # ------------------------------------------------------------------ checkpoints
     def save_checkpoint(
         self,
@@ -640,8 +696,12 @@ class SlipstreamEngine(torch.nn.Module):
         """Save model, optimizer, schedule, loss scale, counters and RNG under ``save_dir/tag``."""
         self._check_alive()
         self._refuse_expert_parallel_checkpoint()
+        client_state = dict(client_state or {})
+        if self.data_efficiency is not None:
+            # Scheduler states, sampler position and consumed samples travel in client state.
+            client_state[DATA_EFFICIENCY_STATE_KEY] = self.data_efficiency.state_dict()
         with self._optimizer_resident():
-            return checkpointing.save(self, save_dir, tag, client_state or {}, save_latest)
+            return checkpointing.save(self, save_dir, tag, client_state, save_latest)
 
     def _optimizer_resident(self) -> Any:
         """NVMe offload: masters and optimizer states in host memory for a checkpoint."""
@@ -662,7 +722,7 @@ class SlipstreamEngine(torch.nn.Module):
         self._check_alive()
         self._refuse_expert_parallel_checkpoint()
         with self._optimizer_resident():
-            return checkpointing.load(
+            path, client_state = checkpointing.load(
                 self,
                 load_dir,
                 tag,
@@ -671,6 +731,10 @@ class SlipstreamEngine(torch.nn.Module):
                 load_lr_scheduler_states=load_lr_scheduler_states and not load_module_only,
                 load_module_only=load_module_only,
             )
+        data_state = client_state.pop(DATA_EFFICIENCY_STATE_KEY, None)
+        if data_state is not None and self.data_efficiency is not None:
+            self.data_efficiency.load_state_dict(data_state)
+        return path, client_state
 
     def _refuse_expert_parallel_checkpoint(self) -> None:
         if self._experts.is_expert_parallel:

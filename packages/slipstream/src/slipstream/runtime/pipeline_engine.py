@@ -417,6 +417,14 @@ def _check_supported(config: SlipstreamConfig) -> None:
             "stage's data-parallel group",
             "zero_optimization.stage",
         )
+    if config.curriculum_learning.enabled or config.data_efficiency.enabled:
+        key = "curriculum_learning" if config.curriculum_learning.enabled else "data_efficiency"
+        raise NotImplementedFeatureError(
+            f"{key}.enabled with pipeline parallelism is not implemented (the pipeline engine "
+            "cannot pass curriculum_seqlen through its stages, as in DeepSpeed); train without "
+            "a pipeline, or switch the block off",
+            f"{key}.enabled",
+        )
     if config.fp16.enabled:
         raise NotImplementedFeatureError(
             "fp16.enabled with pipeline parallelism is not implemented yet (the loss scale "
