@@ -28,6 +28,7 @@ TEST_EXTRAS: dict[str, list[str]] = {
         "triton>=3.9"
     ],  # the CPU interpreter (TRITON_INTERPRET=1); 3.6's breaks on NumPy 2.4
     "moe": ["transformers>=4.40"],
+    "inference": ["transformers>=4.45"],
     "offload_io": ["aiofiles>=23.1"],
 }
 
@@ -41,6 +42,7 @@ class Package(enum.Enum):
     zero = "packages/zero"
     pipeline = "packages/pipeline"
     moe = "packages/moe"
+    inference = "packages/inference"
     slipstream = "packages/slipstream"
 
     @property

@@ -53,12 +53,13 @@ def _sliding_window(config: Any, family: str) -> int | None:
     return window
 
 
-def _llama_like(model: nn.Module, family: str) -> tuple[DecoderSpec, dict[str, Any], dict]:
+def _llama_like(model: Any, family: str) -> tuple[DecoderSpec, dict[str, Any], dict]:
     """Llama 1/2/3, Mistral, Qwen2, Phi-3 and Mixtral: pre-norm RMSNorm, rotary, gated SiLU."""
     config, base = model.config, model.model
     if getattr(config, "hidden_act", "silu") != "silu":
         _refuse(family, f"hidden_act {config.hidden_act!r}")
-    heads, kv_heads = config.num_attention_heads, config.num_key_value_heads or heads
+    heads = config.num_attention_heads
+    kv_heads = config.num_key_value_heads or heads
     head_dim = getattr(config, "head_dim", None) or config.hidden_size // heads
     inv_freq, scaling = _rotary_of(base.rotary_emb, family)
     moe = family == "mixtral"
@@ -124,7 +125,7 @@ def _llama_like(model: nn.Module, family: str) -> tuple[DecoderSpec, dict[str, A
     return spec, kwargs, state
 
 
-def _gpt2(model: nn.Module, family: str) -> tuple[DecoderSpec, dict[str, Any], dict]:
+def _gpt2(model: Any, family: str) -> tuple[DecoderSpec, dict[str, Any], dict]:
     config, base = model.config, model.transformer
     if getattr(config, "scale_attn_by_inverse_layer_idx", False):
         _refuse(family, "scale_attn_by_inverse_layer_idx")
@@ -173,7 +174,7 @@ def _gpt2(model: nn.Module, family: str) -> tuple[DecoderSpec, dict[str, Any], d
     return spec, {"attn_bias": True, "out_bias": True, "mlp_bias": True}, state
 
 
-def _opt(model: nn.Module, family: str) -> tuple[DecoderSpec, dict[str, Any], dict]:
+def _opt(model: Any, family: str) -> tuple[DecoderSpec, dict[str, Any], dict]:
     config, base = model.config, model.model.decoder
     if not config.do_layer_norm_before:
         _refuse(family, "do_layer_norm_before=False (post-norm OPT-350m)")
@@ -229,7 +230,7 @@ def _opt(model: nn.Module, family: str) -> tuple[DecoderSpec, dict[str, Any], di
     return spec, {"attn_bias": bias, "out_bias": bias, "mlp_bias": bias}, state
 
 
-def _falcon(model: nn.Module, family: str) -> tuple[DecoderSpec, dict[str, Any], dict]:
+def _falcon(model: Any, family: str) -> tuple[DecoderSpec, dict[str, Any], dict]:
     config, base = model.config, model.transformer
     if config.new_decoder_architecture:
         _refuse(family, "new_decoder_architecture (Falcon-40B/180B layout)")
@@ -287,7 +288,7 @@ def _falcon(model: nn.Module, family: str) -> tuple[DecoderSpec, dict[str, Any],
     return spec, {"inv_freq": inv_freq, "rotary_scaling": scaling}, state
 
 
-_Adapter = Callable[[nn.Module, str], tuple[DecoderSpec, dict[str, Any], dict]]
+_Adapter = Callable[[Any, str], tuple[DecoderSpec, dict[str, Any], dict]]
 # HF `config.model_type` -> adapter.
 _ADAPTERS: dict[str, _Adapter] = {
     "llama": _llama_like,

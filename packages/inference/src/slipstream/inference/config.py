@@ -98,6 +98,13 @@ class MoEInferenceConfig(ConfigBlock):
             not_implemented(key_path(path, "type"), self.type, "residual MoE", _NOT_YET)
 
 
+def _parse_moe(value: Any, path: str) -> MoEInferenceConfig:
+    """``moe`` is ``true``/``false`` (DeepSpeed's old form) or the block."""
+    if isinstance(value, bool):
+        return MoEInferenceConfig(enabled=value)
+    return MoEInferenceConfig.from_dict(value, path)
+
+
 @dataclasses.dataclass(kw_only=True)
 class WeightQuantConfig(ConfigBlock):
     """``quant.weight``: weight-only group-wise quantization (used when ``dtype`` is int8)."""
@@ -233,7 +240,10 @@ class InferenceConfig(ConfigBlock):
     triton_autotune: bool = False
     zero: InferenceZeroConfig = dataclasses.field(default_factory=InferenceZeroConfig)
     triangular_masking: bool = dataclasses.field(default=True, metadata={"aliases": ("tm",)})
-    moe: bool | MoEInferenceConfig = False
+    moe: MoEInferenceConfig = dataclasses.field(
+        default_factory=lambda: MoEInferenceConfig(enabled=False),
+        metadata={"parser": _parse_moe, "serializer": lambda block: block.to_dict()},
+    )
     quant: QuantConfig = dataclasses.field(default_factory=QuantConfig)
     checkpoint: str | dict[str, Any] | None = None
     base_dir: str = ""
@@ -335,9 +345,7 @@ class InferenceConfig(ConfigBlock):
         }
         for name, (asked, feature) in refused.items():
             if asked:
-                not_implemented(
-                    key_path(path, name), getattr(self, name), feature, _NOT_YET
-                )
+                not_implemented(key_path(path, name), getattr(self, name), feature, _NOT_YET)
 
 
 def load_inference_config(

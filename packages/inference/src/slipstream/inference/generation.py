@@ -172,7 +172,7 @@ def generate_tokens(
         scores = process_logits(logits.float(), sequences, step, settings)
         tokens = select_tokens(scores, settings, generator)
         if eos.numel():
-            tokens = torch.where(unfinished, tokens, settings.pad_token_id)
+            tokens = torch.where(unfinished, tokens, settings.pad_token_id or 0)
             unfinished = unfinished & ~torch.isin(tokens, eos)
         sequences = torch.cat([sequences, tokens[:, None]], dim=-1)
         # One host sync per token: stopping early on EOS needs the flag on the host.

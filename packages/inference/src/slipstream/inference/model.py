@@ -293,14 +293,16 @@ class FusedDecoder(nn.Module):
         self.head = nn.Linear(spec.hidden_size, spec.vocab_size, bias=head_bias)
         if spec.position == "rotary" and inv_freq is None:
             inv_freq = 1.0 / (
-                10000.0 ** (torch.arange(0, spec.rotary_dim, 2, dtype=torch.float64) / spec.rotary_dim)
+                10000.0
+                ** (torch.arange(0, spec.rotary_dim, 2, dtype=torch.float64) / spec.rotary_dim)
             )
         self.register_buffer(
             "inv_freq",
             inv_freq.float() if inv_freq is not None else torch.zeros(0),
             persistent=False,
         )
-        self.rotary_scaling = rotary_scaling
+        self.rotary_scaling = float(rotary_scaling)
+        self.inv_freq: torch.Tensor
         self.head_group: dist.ProcessGroup | None = None  # vocab-parallel head under TP
         self.layer_hook: LayerHook | None = None  # ZeRO-Inference streams weights through this
 

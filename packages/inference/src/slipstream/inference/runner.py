@@ -48,7 +48,7 @@ class StaticCacheRunner:
         bucket = self.buckets.get(batch)
         if bucket is None:
             param = self.model.embed.weight
-            kv_heads = self.model.blocks[0].kv_heads
+            kv_heads = int(self.model.blocks[0].kv_heads)  # type: ignore[arg-type]
             cache = KVCache.allocate(
                 self.model.spec, batch, self.max_len, kv_heads, param.dtype, param.device
             )
@@ -74,9 +74,7 @@ class StaticCacheRunner:
         bucket.key_valid.zero_()
         bucket.key_valid[:, :length] = key_valid
         slots = torch.arange(length, device=input_ids.device)
-        logits = self.model(
-            input_ids, positions, bucket.key_valid[:, :length], slots, bucket.cache
-        )
+        logits = self.model(input_ids, positions, bucket.key_valid[:, :length], slots, bucket.cache)
         return logits[:, -1]
 
     @torch.no_grad()
@@ -98,7 +96,11 @@ class StaticCacheRunner:
                 return bucket.logits.clone()
         slots = torch.tensor([slot], device=tokens.device)
         logits = self.model(
-            tokens[:, None], positions[:, None], bucket.key_valid[:, : slot + 1], slots, bucket.cache
+            tokens[:, None],
+            positions[:, None],
+            bucket.key_valid[:, : slot + 1],
+            slots,
+            bucket.cache,
         )
         return logits[:, -1]
 
@@ -129,7 +131,7 @@ class StaticCacheRunner:
             with torch.cuda.graph(graph):
                 bucket.logits = self._graph_step(bucket)
             bucket.graph = graph
-        except Exception as error:  # noqa: BLE001 - any capture failure falls back to eager
+        except Exception as error:  # any capture failure falls back to eager
             bucket.graph, bucket.graph_failed = None, True
             logger.warning(
                 "CUDA graph capture of the decode step failed for batch %d (%s); this batch "

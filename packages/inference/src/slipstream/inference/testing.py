@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import importlib
 from typing import Any
 
 import torch
@@ -13,8 +14,10 @@ FAMILIES = ("llama", "mistral", "qwen2", "phi3", "mixtral", "gpt2", "opt", "falc
 
 
 def _config(family: str, layers: int) -> Any:
-    import transformers as hf
+    hf: Any = importlib.import_module("transformers")
 
+    common: dict[str, Any]
+    llama_like: dict[str, Any]
     vocab, hidden, heads = 96, 64, 4
     common = {"vocab_size": vocab, "num_hidden_layers": layers, "num_attention_heads": heads}
     llama_like = {
@@ -39,17 +42,32 @@ def _config(family: str, layers: int) -> Any:
         return hf.MixtralConfig(**llama_like, num_local_experts=4, num_experts_per_tok=2)
     if family == "gpt2":
         return hf.GPT2Config(
-            vocab_size=vocab, n_embd=hidden, n_layer=layers, n_head=heads, n_positions=128,
-            bos_token_id=1, eos_token_id=2,
+            vocab_size=vocab,
+            n_embd=hidden,
+            n_layer=layers,
+            n_head=heads,
+            n_positions=128,
+            bos_token_id=1,
+            eos_token_id=2,
         )
     if family == "opt":
         return hf.OPTConfig(
-            **common, hidden_size=hidden, ffn_dim=96, max_position_embeddings=128,
-            word_embed_proj_dim=hidden, bos_token_id=1, eos_token_id=2, pad_token_id=0,
+            **common,
+            hidden_size=hidden,
+            ffn_dim=96,
+            max_position_embeddings=128,
+            word_embed_proj_dim=hidden,
+            bos_token_id=1,
+            eos_token_id=2,
+            pad_token_id=0,
         )
     if family == "falcon":
         return hf.FalconConfig(
-            **common, hidden_size=hidden, bos_token_id=1, eos_token_id=2, pad_token_id=0,
+            **common,
+            hidden_size=hidden,
+            bos_token_id=1,
+            eos_token_id=2,
+            pad_token_id=0,
             max_position_embeddings=128,
         )
     raise ValueError(f"unknown family {family!r}; one of {FAMILIES}")
@@ -61,10 +79,12 @@ def tiny_hf_model(family: str, layers: int = 2, seed: int = 0) -> nn.Module:
     Weights are drawn with a larger spread than Hugging Face's init so that the logits are far
     from uniform and greedy choices are decisive.
     """
-    import transformers as hf
+    hf: Any = importlib.import_module("transformers")
 
     torch.manual_seed(seed)
-    model = hf.AutoModelForCausalLM.from_config(_config(family, layers), attn_implementation="eager")
+    model = hf.AutoModelForCausalLM.from_config(
+        _config(family, layers), attn_implementation="eager"
+    )
     with torch.no_grad():
         for name, param in model.named_parameters():
             if "norm" in name or "ln" in name:
