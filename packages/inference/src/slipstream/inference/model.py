@@ -231,15 +231,20 @@ class FusedBlock(nn.Module):
             cache[1].index_copy_(2, slots, v)
             k = cache[0][:, :, : mask.shape[-1]]
             v = cache[1][:, :, : mask.shape[-1]]
-        out = F.scaled_dot_product_attention(
-            q,
-            k,
-            v,
-            attn_mask=mask,
-            scale=self.spec.scale,
-            enable_gqa=self.heads != self.kv_heads,
-        )
-        return self.out(out.transpose(1, 2).reshape(batch, length, self.heads * hd))
+        group = self.heads // self.kv_heads
+        if group > 1:
+            # Grouped-query attention without repeating K/V: the `group` query heads sharing a
+            # KV head become extra query rows of it (head h reads KV head h // group, as HF's
+            # repeat_kv does), so decode reads each cached key once, not `group` times.
+            q = q.reshape(batch, self.kv_heads, group * length, hd)
+            mask = (
+                mask[:, :, None]
+                .expand(-1, -1, group, -1, -1)
+                .reshape(batch, 1, group * length, mask.shape[-1])
+            )
+        out = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, scale=self.spec.scale)
+        out = out.reshape(batch, self.heads, length, hd).transpose(1, 2)
+        return self.out(out.reshape(batch, length, self.heads * hd))
 
     def forward(
         self,
@@ -322,8 +327,9 @@ class FusedDecoder(nn.Module):
         key_valid: torch.Tensor,
         slots: torch.Tensor,
         cache: KVCache | None = None,
+        last_only: bool = False,
     ) -> torch.Tensor:
-        """Logits for ``input_ids`` ``(batch, tokens)``.
+        """Logits for ``input_ids`` ``(batch, tokens)`` (only the last token's if ``last_only``).
 
         Args:
             positions: ``(batch, tokens)`` position ids (rotary angle or learned position).
@@ -344,6 +350,8 @@ class FusedDecoder(nn.Module):
             x = block(x, rotary, layer_cache, slots, mask)
             if self.layer_hook is not None:
                 self.layer_hook.after(index)
+        if last_only:
+            x = x[:, -1:]  # a prefill needs only the next token's logits: skip the rest of the head
         logits = self.head(self.final_norm(x))
         if self.head_group is not None:
             parts = [torch.empty_like(logits) for _ in range(dist.get_world_size(self.head_group))]

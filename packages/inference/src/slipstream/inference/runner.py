@@ -74,7 +74,9 @@ class StaticCacheRunner:
         bucket.key_valid.zero_()
         bucket.key_valid[:, :length] = key_valid
         slots = torch.arange(length, device=input_ids.device)
-        logits = self.model(input_ids, positions, bucket.key_valid[:, :length], slots, bucket.cache)
+        logits = self.model(
+            input_ids, positions, bucket.key_valid[:, :length], slots, bucket.cache, last_only=True
+        )
         return logits[:, -1]
 
     @torch.no_grad()
