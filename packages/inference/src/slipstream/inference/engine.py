@@ -88,17 +88,18 @@ class InferenceEngine(nn.Module):
 
             load_hf_checkpoint(model, config.checkpoint_path)
         fused = from_hf(model)
-        # The order matters: cast before quantizing (scales come from the cast weights), and
-        # shard before placing, so that each rank moves only its own slice to the device.
+        # The order matters: cast before quantizing (scales come from the cast weights), shard
+        # before quantizing (each rank's groups lie inside its own slice) and before placing (each
+        # rank moves only its slice to the device).
         _cast_parameters(fused, dtype)
-        if config.weight_bits is not None:
-            from slipstream.inference.quantize import quantize_decoder
-
-            quantize_decoder(fused, config.weight_bits, config.quant.weight.group_size)
         if config.tp_size > 1:
             from slipstream.inference.tensor_parallel import shard_decoder
 
             shard_decoder(fused, _tp_group(config))
+        if config.weight_bits is not None:
+            from slipstream.inference.quantize import quantize_decoder
+
+            quantize_decoder(fused, config.weight_bits, config.quant.weight.group_size)
         if config.zero.offload_param.device == "cpu":
             from slipstream.inference.zero_inference import offload_decoder
 
