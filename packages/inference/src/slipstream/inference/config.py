@@ -343,6 +343,14 @@ class InferenceConfig(ConfigBlock):
                 "DeepSpeed's JSON load policies (checkpoint as an object)",
             ),
         }
+        if self.enable_cuda_graph and self.zero.offload_param.device != "none":
+            not_implemented(
+                key_path(path, "enable_cuda_graph"),
+                True,
+                "CUDA graphs over weights streamed by ZeRO-Inference (their addresses change)",
+                _NOT_YET,
+                "Set enable_cuda_graph to false with zero.offload_param.",
+            )
         for name, (asked, feature) in refused.items():
             if asked:
                 not_implemented(key_path(path, name), getattr(self, name), feature, _NOT_YET)
