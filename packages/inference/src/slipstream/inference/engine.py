@@ -36,7 +36,8 @@ class CausalLMOutput:
 def _default_device(model: nn.Module) -> torch.device:
     if torch.cuda.is_available():
         return torch.device("cuda", torch.cuda.current_device())
-    return next(model.parameters()).device
+    device = next(model.parameters()).device
+    return torch.device("cpu") if device.type == "meta" else device  # meta: filled by a checkpoint
 
 
 def _cast_parameters(module: nn.Module, dtype: torch.dtype) -> None:
