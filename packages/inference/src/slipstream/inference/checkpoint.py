@@ -103,7 +103,8 @@ def load_hf_checkpoint(model: nn.Module, path: str | Path) -> None:
             f"{', '.join(unexpected[:8])}{' ...' if len(unexpected) > 8 else ''}"
         )
     if hasattr(model, "tie_weights"):
-        model.tie_weights()  # a tied head absent from the checkpoint follows the embedding
+        # A tied head absent from the checkpoint follows the embedding.
+        model.tie_weights()  # type: ignore[operator]
     _rebuild_meta_rotary(model)
     loaded = {tensor.data_ptr() for name, tensor in model.state_dict().items() if name in seen}
     missing = [
