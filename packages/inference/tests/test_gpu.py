@@ -38,3 +38,19 @@ def test_cuda_graph_decode_equals_eager_and_hf(dtype: torch.dtype) -> None:
     assert torch.equal(outputs[0], outputs[1])
     if dtype == torch.float32:
         assert torch.equal(outputs[0], model.generate(ids, attention_mask=mask, **kwargs))
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
+@pytest.mark.parametrize("bits", [8, 4])
+def test_dequant_gemv_on_gpu(bits: int) -> None:
+    from torch import nn
+
+    from slipstream.inference import quant_matmul
+    from slipstream.inference.quantize import WeightOnlyLinear
+
+    torch.manual_seed(0)
+    layer = WeightOnlyLinear(nn.Linear(4096, 1000).cuda().bfloat16(), bits, group_size=128)
+    x = torch.randn(3, 1, 4096, device="cuda", dtype=torch.bfloat16)
+    assert quant_matmul.gemv_supported(x, 128)
+    expected = (x.float() @ layer.dequantized_weight(torch.float32).t()).bfloat16() + layer.bias
+    torch.testing.assert_close(layer(x), expected, rtol=2e-2, atol=2e-2)
