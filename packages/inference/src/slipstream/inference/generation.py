@@ -22,8 +22,11 @@ _REFUSED = {
     "streamer": None,
     "logits_processor": None,
     "stopping_criteria": None,
+    "return_dict_in_generate": False,
+    "output_scores": False,
+    "output_logits": False,
 }
-_IGNORED = {"use_cache", "return_dict_in_generate", "output_scores", "output_logits"}
+_IGNORED = {"use_cache"}
 
 
 @dataclasses.dataclass
