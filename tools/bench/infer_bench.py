@@ -17,12 +17,15 @@ One JSON line per result. Run on one GPU (the lead's command):
     PYTHONPATH=$(ls -d kernels/src packages/*/src | tr '\\n' ':') python tools/bench/infer_bench.py
 
 CPU smoke run of the harness (tiny model): ``--preset tiny --device cpu --skip-hf-compiled``.
+Tensor parallelism (Slipstream only; per-GPU bandwidth fraction of each rank's slice):
+``torchrun --nproc_per_node 2 tools/bench/infer_bench.py --batch 1``.
 """
 
 from __future__ import annotations
 
 import argparse
 import json
+import os
 import time
 from collections.abc import Callable
 from typing import Any
@@ -73,9 +76,13 @@ def parse_args() -> argparse.Namespace:
     return parser.parse_args()
 
 
+EMIT = True  # False on every tensor-parallel rank but 0
+
+
 def emit(**row: Any) -> None:
     """One result as a JSON line."""
-    print(json.dumps(row), flush=True)
+    if EMIT:
+        print(json.dumps(row), flush=True)
 
 
 def sync(device: torch.device) -> None:
@@ -148,13 +155,14 @@ def bench_batch(
     first = best_time(lambda: ours(1), device, args.repeats)
     step = (full - first) / max(args.new_tokens - 1, 1)
     kv_bytes = (
-        2 * spec.num_layers * batch * spec.num_kv_heads * max_len * spec.head_dim
+        2 * spec.num_layers * batch * engine.fused.blocks[0].kv_heads * max_len * spec.head_dim
     ) * dtype.itemsize
     fraction = (weight_bytes + kv_bytes) / step / bandwidth
     prefill = best_time(lambda: engine(ids, attention_mask=mask), device, args.repeats)
     tokens = batch * args.prompt
     attention = 2 * spec.num_layers * batch * args.prompt**2 * spec.num_heads * spec.head_dim
-    prefill_flops = 2 * params * tokens + attention  # causal: half of QK^T and PV, counted once
+    # Causal attention: half of QK^T and PV, counted once. Under TP: the work of all ranks.
+    prefill_flops = 2 * params * tokens + attention
     emit(
         result="slipstream",
         decode_tokens_per_s=round(batch / step, 1),
@@ -197,13 +205,19 @@ def bench_batch(
 
 def main() -> None:
     args = parse_args()
-    if args.device == "cpu" or not torch.cuda.is_available():
-        device = torch.device("cpu")
-    else:
-        device = torch.device("cuda", torch.cuda.current_device())
+    cpu = args.device == "cpu" or not torch.cuda.is_available()
+    world = int(os.environ.get("WORLD_SIZE", "1"))
+    if world > 1:  # tensor parallelism over the launched ranks; rank 0 prints
+        from slipstream import comm
+
+        comm.init_distributed("gloo" if cpu else "nccl")
+        global EMIT
+        EMIT = int(os.environ["RANK"]) == 0
+        args.skip_hf_eager = args.skip_hf_compiled = True  # HF runs one GPU only
+    device = torch.device("cpu") if cpu else torch.device("cuda", torch.cuda.current_device())
     dtype = DTYPES[args.dtype]
     machine = torch.cuda.get_device_name(device) if device.type == "cuda" else "cpu"
-    common = {"preset": args.preset, "dtype": args.dtype, "device": machine}
+    common = {"preset": args.preset, "dtype": args.dtype, "device": machine, "tp": world}
     bandwidth = copy_bandwidth(device)
     emit(result="copy_bandwidth", gb_per_s=round(bandwidth / 1e9, 1), **common)
 
@@ -214,6 +228,7 @@ def main() -> None:
         "replace_with_kernel_inject": True,
         "enable_cuda_graph": not args.no_cuda_graph,
         "max_out_tokens": max_len,
+        "tensor_parallel": {"tp_size": world},
     }
     if args.weights != "native":
         bits = 8 if args.weights == "int8" else 4
@@ -241,7 +256,7 @@ def main() -> None:
         logits_max_abs_hf=round(expected.abs().max().item(), 4),
         params_non_embedding=params,
         weight_bytes_read_per_step=weight_bytes,
-        bytes_per_parameter=round(weight_bytes / params, 3),
+        bytes_per_parameter=round(weight_bytes * world / params, 3),  # this rank: 1/world
         weights=args.weights,
         **common,
     )
