@@ -214,16 +214,13 @@ class FusedBlock(nn.Module):
         mask: torch.Tensor,
     ) -> torch.Tensor:
         batch, length, _ = h.shape
-        hd = self.spec.head_dim
-        q, k, v = self.qkv(h).split(
-            [self.heads * hd, self.kv_heads * hd, self.kv_heads * hd], dim=-1
-        )
-        q = q.view(batch, length, self.heads, hd)
-        k = k.view(batch, length, self.kv_heads, hd)
-        v = v.view(batch, length, self.kv_heads, hd)
+        hd, heads, kv_heads = self.spec.head_dim, self.heads, self.kv_heads
+        qkv = self.qkv(h)
+        qk = qkv[..., : (heads + kv_heads) * hd].view(batch, length, heads + kv_heads, hd)
         if rotary is not None:
-            q = rotary_embedding(q, *rotary)
-            k = rotary_embedding(k, *rotary)
+            qk = rotary_embedding(qk, *rotary)  # queries and keys in one kernel
+        q, k = qk[:, :, :heads], qk[:, :, heads:]
+        v = qkv[..., (heads + kv_heads) * hd :].view(batch, length, kv_heads, hd)
         q, k, v = (t.transpose(1, 2) for t in (q, k, v))
         if cache is not None:
             # index_copy_ with a device tensor of slots keeps this step capturable in a graph.
@@ -231,20 +228,14 @@ class FusedBlock(nn.Module):
             cache[1].index_copy_(2, slots, v)
             k = cache[0][:, :, : mask.shape[-1]]
             v = cache[1][:, :, : mask.shape[-1]]
-        group = self.heads // self.kv_heads
-        if group > 1:
-            # Grouped-query attention without repeating K/V: the `group` query heads sharing a
-            # KV head become extra query rows of it (head h reads KV head h // group, as HF's
-            # repeat_kv does), so decode reads each cached key once, not `group` times.
-            q = q.reshape(batch, self.kv_heads, group * length, hd)
-            mask = (
-                mask[:, :, None]
-                .expand(-1, -1, group, -1, -1)
-                .reshape(batch, 1, group * length, mask.shape[-1])
-            )
+        if heads > kv_heads:
+            # Grouped-query attention without repeating K/V: the query heads sharing a KV head
+            # become extra query rows of it (head h reads KV head h // group, as HF's repeat_kv
+            # does), so decode reads each cached key once; `mask` comes grouped to match.
+            q = q.reshape(batch, kv_heads, (heads // kv_heads) * length, hd)
         out = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, scale=self.spec.scale)
-        out = out.reshape(batch, self.heads, length, hd).transpose(1, 2)
-        return self.out(out.reshape(batch, length, self.heads * hd))
+        out = out.reshape(batch, heads, length, hd).transpose(1, 2)
+        return self.out(out.reshape(batch, length, heads * hd))
 
     def forward(
         self,
@@ -254,7 +245,11 @@ class FusedBlock(nn.Module):
         slots: torch.Tensor,
         mask: torch.Tensor,
     ) -> torch.Tensor:
-        """``x`` ``(batch, tokens, hidden)`` at cache ``slots``; ``mask`` from attention_mask."""
+        """``x`` ``(batch, tokens, hidden)`` at cache ``slots``.
+
+        ``mask`` is :func:`attention_mask`'s, with its query rows repeated once per query head
+        of a KV head (``group`` times) when the block has grouped-query attention.
+        """
         h = self.input_norm(x)
         attn = self._attention(h, rotary, cache, slots, mask)
         if self.post_norm is None:  # parallel residual: one reduction for both branches
@@ -343,6 +338,11 @@ class FusedDecoder(nn.Module):
             x = x + self.positions(positions + self.spec.learned_offset)
         rotary = self._rotary(positions)
         mask = attention_mask(key_valid, slots, self.spec.sliding_window)
+        first = self.blocks[0]
+        assert isinstance(first, FusedBlock)
+        group = first.heads // first.kv_heads
+        if group > 1:  # once per step, not per layer: (batch, 1, group * tokens, keys)
+            mask = mask[:, :, None].expand(-1, -1, group, -1, -1).flatten(2, 3)
         for index, block in enumerate(self.blocks):
             layer_cache = None if cache is None else (cache.keys[index], cache.values[index])
             if self.layer_hook is not None:
