@@ -73,6 +73,12 @@ def parse_args() -> argparse.Namespace:
     parser.add_argument("--skip-hf-eager", action="store_true")
     parser.add_argument("--skip-hf-compiled", action="store_true")
     parser.add_argument("--repeats", type=int, default=3, help="timed runs; the best is kept")
+    parser.add_argument(
+        "--offload",
+        action="store_true",
+        help="ZeRO-Inference: blocks stream from pinned host memory (no CUDA graph, no HF "
+        "baselines); slow, so pair it with --new-tokens 8 --repeats 1",
+    )
     return parser.parse_args()
 
 
@@ -110,6 +116,13 @@ def copy_bandwidth(device: torch.device) -> float:
     dst = torch.empty_like(src)
     seconds = best_time(lambda: dst.copy_(src), device, 5)
     return 2 * size / seconds
+
+
+def host_to_device_bandwidth(device: torch.device) -> float:
+    """Bytes/s of a pinned host -> device copy of 1 GiB (what ZeRO-Inference streams over)."""
+    src = torch.empty(1 << 30, dtype=torch.uint8).pin_memory()
+    dst = torch.empty(src.shape, dtype=torch.uint8, device=device)
+    return src.numel() / best_time(lambda: dst.copy_(src, non_blocking=True), device, 3)
 
 
 def build_model(preset: str, dtype: torch.dtype, device: torch.device) -> torch.nn.Module:
@@ -171,7 +184,8 @@ def bench_batch(
         end_to_end_tokens_per_s=round(batch * args.new_tokens / full, 1),
         prefill_tflops=round(prefill_flops / prefill / 1e12, 2),
         prefill_ms=round(prefill * 1e3, 2),
-        cuda_graph=not args.no_cuda_graph and device.type == "cuda",
+        cuda_graph=not args.no_cuda_graph and not args.offload and device.type == "cuda",
+        offload=args.offload,
         weights=args.weights,
         **run,
     )
@@ -221,15 +235,18 @@ def main() -> None:
     bandwidth = copy_bandwidth(device)
     emit(result="copy_bandwidth", gb_per_s=round(bandwidth / 1e9, 1), **common)
 
-    model = build_model(args.preset, dtype, device)
+    model = build_model(args.preset, dtype, torch.device("cpu") if args.offload else device)
     max_len = args.prompt + args.new_tokens
     config: dict[str, Any] = {
         "dtype": args.dtype if args.weights == "native" else "int8",
         "replace_with_kernel_inject": True,
-        "enable_cuda_graph": not args.no_cuda_graph,
+        "enable_cuda_graph": not args.no_cuda_graph and not args.offload,
         "max_out_tokens": max_len,
         "tensor_parallel": {"tp_size": world},
     }
+    if args.offload:
+        config["zero"] = {"stage": 3, "offload_param": {"device": "cpu", "pin_memory": True}}
+        args.skip_hf_eager = args.skip_hf_compiled = True
     if args.weights != "native":
         bits = 8 if args.weights == "int8" else 4
         config["quant"] = {
@@ -246,14 +263,25 @@ def main() -> None:
         if not name.startswith("embed.")
     )
     params = sum(p.numel() for name, p in model.named_parameters() if "embed_tokens" not in name)
-    probe = torch.randint(3, spec.vocab_size, (1, args.prompt), device=device)
-    with torch.no_grad():
-        expected = model(input_ids=probe).logits.float()
-    logits_error = (engine(probe).logits.float() - expected).abs().max().item()
+    checks: dict[str, float] = {}
+    if args.offload:
+        # The fraction is then of the host -> device bandwidth, over the streamed blocks' bytes.
+        weight_bytes = sum(t.numel() * t.element_size() for t in fused.blocks.state_dict().values())
+        bandwidth = host_to_device_bandwidth(device) if device.type == "cuda" else bandwidth
+        emit(result="h2d_bandwidth", gb_per_s=round(bandwidth / 1e9, 1), **common)
+    else:
+        probe = torch.randint(3, spec.vocab_size, (1, args.prompt), device=device)
+        with torch.no_grad():
+            expected = model(input_ids=probe).logits.float()
+        error = (engine(probe).logits.float() - expected).abs().max().item()
+        checks = {
+            "logits_max_abs_diff_vs_hf": round(error, 4),
+            "logits_max_abs_hf": round(expected.abs().max().item(), 4),
+        }
     emit(
         result="model",
-        logits_max_abs_diff_vs_hf=round(logits_error, 4),
-        logits_max_abs_hf=round(expected.abs().max().item(), 4),
+        offload=args.offload,
+        **checks,
         params_non_embedding=params,
         weight_bytes_read_per_step=weight_bytes,
         bytes_per_parameter=round(weight_bytes * world / params, 3),  # this rank: 1/world
