@@ -103,8 +103,15 @@ def _llama_like(model: Any, family: str) -> tuple[DecoderSpec, dict[str, Any], d
         state[prefix + "post_norm.weight"] = layer.post_attention_layernorm.weight
         if moe:
             state[prefix + "moe.router.weight"] = mlp.gate.weight
-            state[prefix + "moe.gate_up"] = mlp.experts.gate_up_proj
-            state[prefix + "moe.down"] = mlp.experts.down_proj
+            if hasattr(mlp.experts, "gate_up_proj"):  # transformers 5: experts as 3-D tensors
+                state[prefix + "moe.gate_up"] = mlp.experts.gate_up_proj
+                state[prefix + "moe.down"] = mlp.experts.down_proj
+            else:  # transformers 4: one module per expert, w1 = gate, w3 = up, w2 = down
+                experts = list(mlp.experts)
+                state[prefix + "moe.gate_up"] = torch.stack(
+                    [torch.cat([e.w1.weight, e.w3.weight]).detach() for e in experts]
+                )
+                state[prefix + "moe.down"] = torch.stack([e.w2.weight.detach() for e in experts])
             continue
         ups = [mlp.gate_up_proj] if hasattr(mlp, "gate_up_proj") else [mlp.gate_proj, mlp.up_proj]
         state[prefix + "up.weight"] = _cat([m.weight for m in ups])
