@@ -48,6 +48,7 @@ def test_json_file(tmp_path) -> None:
         ({"max_out_tokens": 4, "min_out_tokens": 8}, "raise max_out_tokens"),
         ({"mp_size": 2, "tensor_parallel": {"tp_size": 4}}, "keep only tensor_parallel.tp_size"),
         ({"zero": {"offload_param": {"device": "cpu"}}}, "zero.stage"),
+        ({"zero": {"stage": 2}}, "stages 1 and 2 shard optimizer states"),
         ({"quant": {"weight": {"num_bits": 3}}}, "quant.weight.num_bits"),
         ({"enable_cuda_graph": "yes"}, "enable_cuda_graph"),
     ],

@@ -192,6 +192,13 @@ class InferenceZeroConfig(ConfigBlock):
     offload_param: OffloadParamConfig = dataclasses.field(default_factory=OffloadParamConfig)
 
     def validate(self, path: str) -> None:
+        if self.stage in (1, 2):
+            config_fail(
+                key_path(path, "stage"),
+                self.stage,
+                "0 or 3 (stages 1 and 2 shard optimizer states and gradients, which inference "
+                "does not have)",
+            )
         if self.offload_param.device != "none" and self.stage != 3:
             raise ConfigError(
                 f"{key_path(path, 'offload_param.device')} = {self.offload_param.device!r} needs "
