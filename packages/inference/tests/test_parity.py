@@ -39,6 +39,9 @@ def test_logits_and_greedy_generate_equal_hf(family: str) -> None:
     expected_tokens = model.generate(ids, attention_mask=mask, eos_token_id=None, **kwargs)
     tokens = engine.generate(ids, attention_mask=mask, eos_token_id=None, **kwargs)
     assert torch.equal(tokens, expected_tokens)
+    if family == "llama":  # without a mask, pad tokens (pad != EOS) are padding, as in HF
+        no_mask = model.generate(ids, eos_token_id=None, **kwargs)
+        assert torch.equal(engine.generate(ids, eos_token_id=None, **kwargs), no_mask)
     # EOS: a token the first row produces early ends that row (padded afterwards), as in HF.
     eos = int(expected_tokens[0, 12])
     expected_tokens = model.generate(ids, attention_mask=mask, eos_token_id=eos, **kwargs)

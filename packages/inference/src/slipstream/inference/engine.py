@@ -199,7 +199,12 @@ class InferenceEngine(nn.Module):
         settings = GenerationSettings.resolve(generation_config, input_ids.shape[1], kwargs)
         input_ids = input_ids.to(self.device)
         if attention_mask is None:
-            attention_mask = torch.ones_like(input_ids)
+            # As HF: a pad token that is not also EOS marks padding; otherwise every token counts.
+            pad = settings.pad_token_id
+            if pad is not None and pad not in settings.eos_token_id:
+                attention_mask = input_ids.ne(pad).long()
+            else:
+                attention_mask = torch.ones_like(input_ids)
         attention_mask = attention_mask.to(self.device)
         if bool((attention_mask[:, -1] == 0).any()):
             raise ValueError(
