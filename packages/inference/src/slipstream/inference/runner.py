@@ -42,6 +42,10 @@ class StaticCacheRunner:
         self.model = model
         self.max_len = max_len
         self.cuda_graph = cuda_graph
+        if cuda_graph and model.spec.mlp == "moe":
+            # The expert loop has data-dependent shapes (tokens per expert): not capturable.
+            logger.warning("enable_cuda_graph: MoE decoders decode eagerly (no CUDA graph yet)")
+            self.cuda_graph = False
         self.buckets: dict[int, _Bucket] = {}
 
     def _bucket(self, batch: int) -> _Bucket:
