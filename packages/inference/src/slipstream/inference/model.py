@@ -144,17 +144,24 @@ class MoEFeedForward(nn.Module):
         flat = x.reshape(-1, x.shape[-1])
         probs = torch.softmax(self.router(flat).float(), dim=-1)
         weights, experts = torch.topk(probs, self.top_k, dim=-1)
-        weights = (weights / weights.sum(dim=-1, keepdim=True)).to(x.dtype)
+        weights = weights / weights.sum(dim=-1, keepdim=True)  # fp32, as HF's router
         out = torch.zeros_like(flat)
-        # A loop over experts (gathering their tokens) is exact and cheap at decode batch sizes;
-        # Mixtral has 8 experts, so the host-side loop is short.
-        for expert in range(self.gate_up.shape[0]):
-            rows, slot = torch.where(experts == expert)
-            if rows.numel() == 0:
+        # Group the (token, slot) pairs by expert: one host sync per layer for the counts, then
+        # one gathered matmul pair per expert that has tokens.
+        picks = experts.reshape(-1)
+        order = torch.argsort(picks, stable=True)
+        counts = torch.bincount(picks, minlength=self.gate_up.shape[0]).tolist()
+        start = 0
+        for expert, count in enumerate(counts):
+            if count == 0:
                 continue
+            chosen = order[start : start + count]
+            start += count
+            rows = chosen // self.top_k
             gate, up = F.linear(flat[rows], self.gate_up[expert]).chunk(2, dim=-1)
             hidden = F.linear(F.silu(gate) * up, self.down[expert])
-            out.index_add_(0, rows, hidden * weights[rows, slot, None])
+            scaled = hidden * weights.reshape(-1)[chosen, None]
+            out.index_add_(0, rows, scaled.to(out.dtype))
         return out.view_as(x)
 
 
