@@ -29,6 +29,7 @@ TEST_EXTRAS: dict[str, list[str]] = {
     ],  # the CPU interpreter (TRITON_INTERPRET=1); 3.6's breaks on NumPy 2.4
     "moe": ["transformers>=4.40"],
     "data_efficiency": ["triton>=3.9"],  # the token kernels under TRITON_INTERPRET=1
+    "inference": ["transformers>=4.45"],
     "offload_io": ["aiofiles>=23.1"],
 }
 
@@ -43,6 +44,7 @@ class Package(enum.Enum):
     pipeline = "packages/pipeline"
     moe = "packages/moe"
     data_efficiency = "packages/data-efficiency"
+    inference = "packages/inference"
     slipstream = "packages/slipstream"
 
     @property

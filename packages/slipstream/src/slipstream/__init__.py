@@ -18,6 +18,7 @@ _LAZY = {
     "initialize": ("slipstream.entry", "initialize"),
     "add_config_arguments": ("slipstream.arguments", "add_config_arguments"),
     "init_distributed": ("slipstream.comm", "init_distributed"),
+    "init_inference": ("slipstream.inference", "init_inference"),
     "SlipstreamEngine": ("slipstream.runtime.engine", "SlipstreamEngine"),
     "load_config": ("slipstream.config", "load_config"),
     "get_fp32_state_dict_from_zero_checkpoint": (
@@ -27,7 +28,9 @@ _LAZY = {
 }
 # Sub-packages a DeepSpeed user reaches as attributes after `import slipstream`
 # (`slipstream.zero.Init(...)`, `slipstream.checkpointing.checkpoint(...)`), imported on first use.
-_SUBMODULES = frozenset({"comm", "kernels", "zero", "pipeline", "pipe", "moe", "checkpointing"})
+_SUBMODULES = frozenset(
+    {"comm", "kernels", "zero", "pipeline", "pipe", "moe", "inference", "checkpointing"}
+)
 
 __all__ = ["__version__", *_LAZY]
 

@@ -1,0 +1,401 @@
+"""The inference config block: DeepSpeed's ``DeepSpeedInferenceConfig`` keys, typed and checked."""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import os
+from collections.abc import Mapping
+from pathlib import Path
+from typing import Any, Literal
+
+import torch
+
+from slipstream.kernels.config_schema import (
+    ConfigBlock,
+    ConfigError,
+    config_fail,
+    key_path,
+    not_implemented,
+)
+
+__all__ = [
+    "DTYPE_NAMES",
+    "CheckpointConfig",
+    "InferenceConfig",
+    "InferenceZeroConfig",
+    "MoEInferenceConfig",
+    "OffloadParamConfig",
+    "QuantConfig",
+    "TensorParallelConfig",
+    "WeightQuantConfig",
+    "load_inference_config",
+]
+
+# DeepSpeed's DtypeEnum spellings, each mapped to its canonical name.
+DTYPE_NAMES: dict[str, str] = {
+    **dict.fromkeys(("torch.float16", "fp16", "float16", "half", "torch.half"), "fp16"),
+    **dict.fromkeys(("torch.float32", "fp32", "float32", "float", "torch.float"), "fp32"),
+    **dict.fromkeys(("torch.bfloat16", "bf16", "bfloat16", "bfloat"), "bf16"),
+    **dict.fromkeys(("torch.int8", "int8"), "int8"),
+}
+TORCH_DTYPES = {"fp16": torch.float16, "fp32": torch.float32, "bf16": torch.bfloat16}
+_NOT_YET = "a later release of slipstream-inference"
+
+
+def _parse_dtype(value: Any, path: str) -> str:
+    if isinstance(value, torch.dtype):
+        value = str(value)
+    if isinstance(value, str) and value in DTYPE_NAMES:
+        return DTYPE_NAMES[value]
+    config_fail(path, str(value), "torch.float16/half/fp16, torch.bfloat16/bf16, fp32 or int8")
+
+
+def _parse_free_mapping(value: Any, path: str) -> dict[Any, Any] | None:
+    """A mapping whose keys may be classes (DeepSpeed's ``injection_policy``)."""
+    if value is None:
+        return None
+    if not isinstance(value, Mapping):
+        config_fail(path, value, "an object mapping module classes to layer names, or null")
+    return dict(value)
+
+
+@dataclasses.dataclass(kw_only=True)
+class TensorParallelConfig(ConfigBlock):
+    """``tensor_parallel``: split each block's linears over ``tp_size`` ranks (AutoTP)."""
+
+    enabled: bool = True
+    tp_size: int = dataclasses.field(default=1, metadata={"ge": 1})
+    # A model-parallel unit (``get_model_parallel_group()``) or a process group, as in DeepSpeed.
+    mpu: Any = None
+    tp_group: Any = None
+    tp_grain_size: int = dataclasses.field(default=64, metadata={"ge": 1})
+
+
+@dataclasses.dataclass(kw_only=True)
+class MoEInferenceConfig(ConfigBlock):
+    """``moe``: DeepSpeed's MoE inference settings; experts run on every TP rank (ep_size 1)."""
+
+    enabled: bool = True
+    ep_size: int = dataclasses.field(default=1, metadata={"ge": 1})
+    moe_experts: list[int] = dataclasses.field(
+        default_factory=lambda: [1], metadata={"aliases": ("num_experts",)}
+    )
+    type: Literal["standard", "residual"] = "standard"
+    ep_mp_group: Any = None
+    ep_group: Any = dataclasses.field(default=None, metadata={"aliases": ("expert_group",)})
+
+    def validate(self, path: str) -> None:
+        if self.ep_size != 1:
+            not_implemented(
+                key_path(path, "ep_size"),
+                self.ep_size,
+                "expert parallelism at inference",
+                _NOT_YET,
+                "Use tensor_parallel.tp_size: the experts' FFNs are split over the TP ranks.",
+            )
+        if self.type != "standard":
+            not_implemented(key_path(path, "type"), self.type, "residual MoE", _NOT_YET)
+
+
+def _parse_moe(value: Any, path: str) -> MoEInferenceConfig:
+    """``moe`` is ``true``/``false`` (DeepSpeed's old form) or the block."""
+    if isinstance(value, bool):
+        return MoEInferenceConfig(enabled=value)
+    return MoEInferenceConfig.from_dict(value, path)
+
+
+@dataclasses.dataclass(kw_only=True)
+class WeightQuantConfig(ConfigBlock):
+    """``quant.weight``: weight-only group-wise quantization (used when ``dtype`` is int8)."""
+
+    enabled: bool = True
+    num_bits: Literal[8, 4] = 8
+    q_type: Literal["symmetric", "asymmetric"] = "symmetric"
+    q_groups: int = dataclasses.field(default=1, metadata={"ge": 1})
+    quantized_initialization: dict[str, Any] = dataclasses.field(default_factory=dict)
+    post_init_quant: dict[str, Any] = dataclasses.field(default_factory=dict)
+    # Slipstream keys: elements per quantization group along a row, and the compute dtype.
+    group_size: int = dataclasses.field(default=128, metadata={"ge": 2})
+    compute_dtype: Literal["fp16", "bf16", "fp32"] = "fp16"
+
+    def validate(self, path: str) -> None:
+        if self.q_type != "symmetric":
+            not_implemented(
+                key_path(path, "q_type"), self.q_type, "asymmetric weight quantization", _NOT_YET
+            )
+        if self.q_groups != 1:
+            not_implemented(
+                key_path(path, "q_groups"),
+                self.q_groups,
+                "a fixed group count per matrix",
+                _NOT_YET,
+                f"Set {key_path(path, 'group_size')} (elements per group) instead.",
+            )
+        for name in ("quantized_initialization", "post_init_quant"):
+            if getattr(self, name):
+                not_implemented(
+                    key_path(path, name), getattr(self, name), "per-layer quantization", _NOT_YET
+                )
+
+
+@dataclasses.dataclass(kw_only=True)
+class _EnabledBlock(ConfigBlock):
+    enabled: bool = True
+    num_bits: int = 8
+    q_type: Literal["symmetric", "asymmetric"] = "symmetric"
+    q_groups: int = 1
+
+
+@dataclasses.dataclass(kw_only=True)
+class _QKVQuantConfig(ConfigBlock):
+    enabled: bool = True
+
+
+@dataclasses.dataclass(kw_only=True)
+class QuantConfig(ConfigBlock):
+    """``quant``: DeepSpeed's quantization block. Only the weight part acts (weight-only)."""
+
+    enabled: bool = True
+    activation: _EnabledBlock = dataclasses.field(default_factory=_EnabledBlock)
+    weight: WeightQuantConfig = dataclasses.field(default_factory=WeightQuantConfig)
+    qkv: _QKVQuantConfig = dataclasses.field(default_factory=_QKVQuantConfig)
+
+
+@dataclasses.dataclass(kw_only=True)
+class OffloadParamConfig(ConfigBlock):
+    """``zero.offload_param``: where ZeRO-Inference keeps the weights between uses."""
+
+    device: Literal["none", "cpu", "nvme"] = "none"
+    pin_memory: bool = True
+    nvme_path: str | None = None
+    buffer_count: int = dataclasses.field(default=5, metadata={"ge": 1})
+    buffer_size: int = dataclasses.field(default=100_000_000, metadata={"ge": 1})
+    max_in_cpu: int = dataclasses.field(default=1_000_000_000, metadata={"ge": 0})
+
+    def validate(self, path: str) -> None:
+        if self.device == "nvme":
+            not_implemented(
+                key_path(path, "device"),
+                self.device,
+                "ZeRO-Inference from NVMe",
+                _NOT_YET,
+                'Use "cpu" (weights in pinned host memory, streamed layer by layer).',
+            )
+
+
+@dataclasses.dataclass(kw_only=True)
+class InferenceZeroConfig(ConfigBlock):
+    """``zero``: ZeRO-Inference is stage 3 with ``offload_param.device`` = ``cpu``."""
+
+    stage: int = dataclasses.field(default=0, metadata={"ge": 0, "le": 3})
+    offload_param: OffloadParamConfig = dataclasses.field(default_factory=OffloadParamConfig)
+
+    def validate(self, path: str) -> None:
+        if self.stage in (1, 2):
+            config_fail(
+                key_path(path, "stage"),
+                self.stage,
+                "0 or 3 (stages 1 and 2 shard optimizer states and gradients, which inference "
+                "does not have)",
+            )
+        if self.offload_param.device != "none" and self.stage != 3:
+            raise ConfigError(
+                f"{key_path(path, 'offload_param.device')} = {self.offload_param.device!r} needs "
+                f"{key_path(path, 'stage')} = 3 (got {self.stage}), as in DeepSpeed's "
+                "ZeRO-Inference",
+                key_path(path, "stage"),
+            )
+        if self.stage == 3 and self.offload_param.device == "none":
+            not_implemented(
+                key_path(path, "stage"),
+                self.stage,
+                "ZeRO-3 sharded inference without offload",
+                _NOT_YET,
+                'Set zero.offload_param.device = "cpu", or use tensor_parallel.tp_size.',
+            )
+
+
+@dataclasses.dataclass(kw_only=True)
+class CheckpointConfig(ConfigBlock):
+    """``checkpoint_config`` (alias ``ckpt_config``)."""
+
+    checkpoint_dir: str | None = None
+    save_mp_checkpoint_path: str | None = None
+    base_dir: str | None = None
+
+
+@dataclasses.dataclass(kw_only=True)
+class InferenceConfig(ConfigBlock):
+    """Every key of DeepSpeed's inference config; see ``docs/inference.md``.
+
+    >>> InferenceConfig.from_dict({"dtype": "bf16", "tensor_parallel": {"tp_size": 2}}).tp_size
+    2
+    """
+
+    replace_with_kernel_inject: bool = dataclasses.field(
+        default=False, metadata={"aliases": ("kernel_inject",)}
+    )
+    dtype: str = dataclasses.field(
+        default="fp16", metadata={"parser": _parse_dtype, "serializer": str}
+    )
+    tensor_parallel: TensorParallelConfig = dataclasses.field(
+        default_factory=TensorParallelConfig, metadata={"aliases": ("tp",)}
+    )
+    enable_cuda_graph: bool = False
+    use_triton: bool = False
+    triton_autotune: bool = False
+    zero: InferenceZeroConfig = dataclasses.field(default_factory=InferenceZeroConfig)
+    triangular_masking: bool = dataclasses.field(default=True, metadata={"aliases": ("tm",)})
+    moe: MoEInferenceConfig = dataclasses.field(
+        default_factory=lambda: MoEInferenceConfig(enabled=False),
+        metadata={"parser": _parse_moe, "serializer": lambda block: block.to_dict()},
+    )
+    quant: QuantConfig = dataclasses.field(default_factory=QuantConfig)
+    checkpoint: str | dict[str, Any] | None = None
+    base_dir: str = ""
+    set_empty_params: bool = False
+    save_mp_checkpoint_path: str | None = None
+    checkpoint_config: CheckpointConfig = dataclasses.field(
+        default_factory=CheckpointConfig, metadata={"aliases": ("ckpt_config",)}
+    )
+    return_tuple: bool = True
+    training_mp_size: int = dataclasses.field(default=1, metadata={"ge": 1})
+    replace_method: str = "auto"
+    injection_policy: Any = dataclasses.field(
+        default=None, metadata={"aliases": ("injection_dict",), "parser": _parse_free_mapping}
+    )
+    injection_policy_tuple: Any = None
+    config: dict[str, Any] | None = dataclasses.field(default=None, metadata={"aliases": ("args",)})
+    max_out_tokens: int = dataclasses.field(
+        default=1024, metadata={"aliases": ("max_tokens",), "ge": 1}
+    )
+    min_out_tokens: int = dataclasses.field(
+        default=1, metadata={"aliases": ("min_tokens",), "ge": 1}
+    )
+    transposed_mode: bool = False
+    # Deprecated DeepSpeed spellings, folded into their new places by validate().
+    mp_size: int = dataclasses.field(default=1, metadata={"ge": 1})
+    mpu: Any = None
+    ep_size: int = dataclasses.field(default=1, metadata={"ge": 1})
+    ep_group: Any = dataclasses.field(default=None, metadata={"aliases": ("expert_group",)})
+    ep_mp_group: Any = dataclasses.field(default=None, metadata={"aliases": ("expert_mp_group",)})
+    moe_experts: list[int] = dataclasses.field(default_factory=lambda: [1])
+    moe_type: Literal["standard", "residual"] = "standard"
+    tp_grain_size: int = dataclasses.field(default=64, metadata={"ge": 1})
+
+    @property
+    def tp_size(self) -> int:
+        """The tensor-parallel degree (``tensor_parallel.tp_size``, or the old ``mp_size``)."""
+        return self.tensor_parallel.tp_size if self.tensor_parallel.enabled else 1
+
+    @property
+    def torch_dtype(self) -> torch.dtype:
+        """The dtype the model computes in (for int8 weights: ``quant.weight.compute_dtype``)."""
+        if self.dtype == "int8":
+            return TORCH_DTYPES[self.quant.weight.compute_dtype]
+        return TORCH_DTYPES[self.dtype]
+
+    @property
+    def weight_bits(self) -> int | None:
+        """Bits of the weight-only quantization (None when weights stay in ``dtype``)."""
+        if self.dtype != "int8" or not (self.quant.enabled and self.quant.weight.enabled):
+            return None
+        return self.quant.weight.num_bits
+
+    @property
+    def checkpoint_path(self) -> str | None:
+        """The Hugging Face checkpoint to load (``checkpoint`` or ``checkpoint_config``)."""
+        path = self.checkpoint if isinstance(self.checkpoint, str) else None
+        path = path or self.checkpoint_config.checkpoint_dir
+        base = self.base_dir or self.checkpoint_config.base_dir or ""
+        return os.path.join(base, path) if path and base else path
+
+    def validate(self, path: str) -> None:
+        if self.mp_size != 1:
+            if self.tensor_parallel.tp_size not in (1, self.mp_size):
+                raise ConfigError(
+                    f"{key_path(path, 'mp_size')} = {self.mp_size} (deprecated) disagrees with "
+                    f"{key_path(path, 'tensor_parallel.tp_size')} = "
+                    f"{self.tensor_parallel.tp_size}; keep only tensor_parallel.tp_size",
+                    key_path(path, "mp_size"),
+                )
+            self.tensor_parallel.tp_size = self.mp_size
+        if self.mpu is not None and self.tensor_parallel.mpu is None:
+            self.tensor_parallel.mpu = self.mpu
+        if self.max_out_tokens < self.min_out_tokens:
+            raise ConfigError(
+                f"{key_path(path, 'max_out_tokens')} = {self.max_out_tokens} is below "
+                f"{key_path(path, 'min_out_tokens')} = {self.min_out_tokens}; raise max_out_tokens",
+                key_path(path, "max_out_tokens"),
+            )
+        if self.replace_method != "auto":
+            config_fail(key_path(path, "replace_method"), self.replace_method, '"auto"')
+        refused = {
+            "triton_autotune": (self.triton_autotune, "Triton autotuning at init"),
+            "triangular_masking": (not self.triangular_masking, "non-causal attention masks"),
+            "set_empty_params": (self.set_empty_params, "empty-parameter injection"),
+            "save_mp_checkpoint_path": (
+                self.save_mp_checkpoint_path or self.checkpoint_config.save_mp_checkpoint_path,
+                "saving a resharded checkpoint",
+            ),
+            "training_mp_size": (self.training_mp_size != 1, "loading Megatron TP checkpoints"),
+            "injection_policy_tuple": (self.injection_policy_tuple, "tuple injection policies"),
+            "config": (self.config, "a model config given apart from the model"),
+            "transposed_mode": (self.transposed_mode, "transposed weights"),
+            "ep_size": (self.ep_size != 1, "expert parallelism at inference"),
+            "moe_type": (self.moe_type != "standard", "residual MoE"),
+            "checkpoint": (
+                isinstance(self.checkpoint, dict),
+                "DeepSpeed's JSON load policies (checkpoint as an object)",
+            ),
+        }
+        if self.enable_cuda_graph and self.zero.offload_param.device != "none":
+            not_implemented(
+                key_path(path, "enable_cuda_graph"),
+                True,
+                "CUDA graphs over weights streamed by ZeRO-Inference (their addresses change)",
+                _NOT_YET,
+                "Set enable_cuda_graph to false with zero.offload_param.",
+            )
+        for name, (asked, feature) in refused.items():
+            if asked:
+                not_implemented(key_path(path, name), getattr(self, name), feature, _NOT_YET)
+
+
+def load_inference_config(
+    config: str | os.PathLike[str] | Mapping[str, Any] | InferenceConfig | None,
+    **kwargs: Any,
+) -> InferenceConfig:
+    """Parse ``config`` (dict, JSON path or parsed block) merged with keyword arguments.
+
+    Keywords follow DeepSpeed: a key given both in ``config`` and as a keyword must agree.
+    """
+    if isinstance(config, InferenceConfig):
+        if not kwargs:
+            return config
+        config = config.to_dict()
+    if isinstance(config, (str, os.PathLike)):
+        text = Path(config).read_text()
+        try:
+            data: dict[str, Any] = json.loads(text)
+        except json.JSONDecodeError as error:
+            raise ConfigError(f"inference config file {config}: not valid JSON ({error})") from None
+    elif config is None:
+        data = {}
+    elif isinstance(config, Mapping):
+        data = dict(config)
+    else:
+        raise ConfigError(
+            f"init_inference: config must be a dict, a JSON file path or None, got "
+            f"{type(config).__name__}"
+        )
+    for key, value in kwargs.items():
+        if key in data and data[key] != value:
+            raise ConfigError(
+                f"'{key}' is given both in the config ({data[key]!r}) and as a keyword "
+                f"({value!r}); give it once",
+                key,
+            )
+        data[key] = value
+    return InferenceConfig.from_dict(data)

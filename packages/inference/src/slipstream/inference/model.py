@@ -1,0 +1,377 @@
+"""The fused decoder: one block type for every supported family, over a static KV cache."""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+from typing import Literal
+
+import torch
+import torch.distributed as dist
+import torch.nn.functional as F
+from torch import nn
+
+from slipstream.kernels.ops import layer_norm, rms_norm, rotary_embedding
+
+__all__ = ["DecoderSpec", "FusedBlock", "FusedDecoder", "KVCache", "attention_mask"]
+
+
+@dataclasses.dataclass(frozen=True)
+class DecoderSpec:
+    """The shape and the variant choices of a decoder, read from a Hugging Face config.
+
+    Heads are the global counts; a tensor-parallel model holds ``num_heads // tp_size`` of them
+    (see :func:`slipstream.inference.tensor_parallel.shard_decoder`).
+    """
+
+    family: str
+    vocab_size: int
+    hidden_size: int
+    num_layers: int
+    num_heads: int
+    num_kv_heads: int
+    head_dim: int
+    intermediate_size: int
+    norm: Literal["rms", "layer"] = "rms"
+    norm_eps: float = 1e-6
+    position: Literal["rotary", "learned"] = "rotary"
+    rotary_dim: int = 0  # features rotated per head (partial rotary when < head_dim)
+    learned_offset: int = 0  # OPT's learned positions start at 2
+    max_positions: int = 2048
+    mlp: Literal["gated", "plain", "moe"] = "gated"
+    activation: Literal["silu", "gelu", "gelu_tanh", "relu"] = "silu"
+    parallel_residual: bool = False  # Falcon: attention and MLP both read the same normed input
+    sliding_window: int | None = None
+    num_experts: int = 0
+    experts_per_token: int = 0
+    attention_scale: float | None = None  # default 1/sqrt(head_dim)
+
+    @property
+    def scale(self) -> float:
+        """The softmax scale of the attention scores."""
+        return self.attention_scale or 1.0 / math.sqrt(self.head_dim)
+
+
+@dataclasses.dataclass
+class KVCache:
+    """Preallocated keys and values: ``(layers, batch, kv_heads, max_len, head_dim)`` each.
+
+    Slot ``s`` of every row holds the token fed at step ``s``; left padding occupies slots too
+    and is masked out by ``key_valid`` (the semantics of Hugging Face's static cache).
+    """
+
+    keys: torch.Tensor
+    values: torch.Tensor
+
+    @classmethod
+    def allocate(
+        cls,
+        spec: DecoderSpec,
+        batch: int,
+        max_len: int,
+        kv_heads: int,
+        dtype: torch.dtype,
+        device: torch.device,
+    ) -> KVCache:
+        """Zeroed buffers for ``batch`` rows of ``max_len`` slots (``kv_heads`` local heads)."""
+        shape = (spec.num_layers, batch, kv_heads, max_len, spec.head_dim)
+        return cls(
+            torch.zeros(shape, dtype=dtype, device=device),
+            torch.zeros(shape, dtype=dtype, device=device),
+        )
+
+    @property
+    def max_len(self) -> int:
+        """Slots per row."""
+        return self.keys.shape[3]
+
+
+def attention_mask(
+    key_valid: torch.Tensor, slots: torch.Tensor, sliding_window: int | None
+) -> torch.Tensor:
+    """Boolean ``(batch, 1, queries, keys)``: a query at slot ``q`` sees valid keys at ``k <= q``.
+
+    ``key_valid`` is ``(batch, keys)``, ``slots`` the queries' slot indices ``(queries,)``.
+    A query whose row has no visible key (a pad position) is let see itself, so that softmax
+    stays finite; its output is never used.
+    """
+    key_slots = torch.arange(key_valid.shape[1], device=key_valid.device)
+    causal = key_slots[None, :] <= slots[:, None]
+    if sliding_window is not None:
+        causal = causal & (slots[:, None] - key_slots[None, :] < sliding_window)
+    allowed = causal[None] & key_valid[:, None, :]
+    allowed = allowed | (key_slots[None, :] == slots[:, None])[None]
+    return allowed[:, None]
+
+
+def _activation(name: str, x: torch.Tensor) -> torch.Tensor:
+    if name == "silu":
+        return F.silu(x)
+    if name == "gelu":
+        return F.gelu(x)
+    if name == "gelu_tanh":
+        return F.gelu(x, approximate="tanh")
+    return F.relu(x)
+
+
+class Norm(nn.Module):
+    """RMSNorm or LayerNorm through ``slipstream.kernels`` (Triton on GPU, torch on CPU)."""
+
+    def __init__(self, kind: str, size: int, eps: float, bias: bool) -> None:
+        super().__init__()
+        self.kind, self.eps = kind, eps
+        self.weight = nn.Parameter(torch.ones(size))
+        self.bias = nn.Parameter(torch.zeros(size)) if bias else None
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if self.kind == "rms":
+            return rms_norm(x, self.weight, self.eps)
+        return layer_norm(x, self.weight, self.bias, self.eps)
+
+
+class MoEFeedForward(nn.Module):
+    """Mixtral's sparse MLP: softmax router, top-k experts renormalised, gated SiLU experts."""
+
+    def __init__(self, spec: DecoderSpec, intermediate: int) -> None:
+        super().__init__()
+        self.top_k = spec.experts_per_token
+        self.router = nn.Linear(spec.hidden_size, spec.num_experts, bias=False)
+        e, h = spec.num_experts, spec.hidden_size
+        self.gate_up = nn.Parameter(torch.empty(e, 2 * intermediate, h))
+        self.down = nn.Parameter(torch.empty(e, h, intermediate))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        flat = x.reshape(-1, x.shape[-1])
+        probs = torch.softmax(self.router(flat).float(), dim=-1)
+        weights, experts = torch.topk(probs, self.top_k, dim=-1)
+        weights = weights / weights.sum(dim=-1, keepdim=True)  # fp32, as HF's router
+        out = torch.zeros_like(flat)
+        # Group the (token, slot) pairs by expert: one host sync per layer for the counts, then
+        # one gathered matmul pair per expert that has tokens.
+        picks = experts.reshape(-1)
+        order = torch.argsort(picks, stable=True)
+        counts = torch.bincount(picks, minlength=self.gate_up.shape[0]).tolist()
+        start = 0
+        for expert, count in enumerate(counts):
+            if count == 0:
+                continue
+            chosen = order[start : start + count]
+            start += count
+            rows = chosen // self.top_k
+            gate, up = F.linear(flat[rows], self.gate_up[expert]).chunk(2, dim=-1)
+            hidden = F.linear(F.silu(gate) * up, self.down[expert])
+            scaled = hidden * weights.reshape(-1)[chosen, None]
+            out.index_add_(0, rows, scaled.to(out.dtype))
+        return out.view_as(x)
+
+
+class FusedBlock(nn.Module):
+    """One decoder layer: fused QKV, rotary, SDPA over the cache, fused gate/up MLP.
+
+    Tensor parallelism sets ``tp_group``: QKV and gate/up hold this rank's columns, the output
+    and down projections its rows, and one all-reduce sums the block's two partial outputs
+    (one, for a parallel-residual block).
+    """
+
+    def __init__(self, spec: DecoderSpec, *, attn_bias: bool, out_bias: bool, mlp_bias: bool):
+        super().__init__()
+        self.spec = spec
+        self.heads, self.kv_heads = spec.num_heads, spec.num_kv_heads
+        hd = spec.head_dim
+        self.input_norm = Norm(spec.norm, spec.hidden_size, spec.norm_eps, spec.norm == "layer")
+        self.post_norm = (
+            None
+            if spec.parallel_residual
+            else Norm(spec.norm, spec.hidden_size, spec.norm_eps, spec.norm == "layer")
+        )
+        qkv_out = (spec.num_heads + 2 * spec.num_kv_heads) * hd
+        self.qkv = nn.Linear(spec.hidden_size, qkv_out, bias=attn_bias)
+        self.out = nn.Linear(spec.num_heads * hd, spec.hidden_size, bias=out_bias)
+        self.moe: MoEFeedForward | None = None
+        if spec.mlp == "moe":
+            self.moe = MoEFeedForward(spec, spec.intermediate_size)
+        else:
+            up = 2 * spec.intermediate_size if spec.mlp == "gated" else spec.intermediate_size
+            self.up = nn.Linear(spec.hidden_size, up, bias=mlp_bias)
+            self.down = nn.Linear(spec.intermediate_size, spec.hidden_size, bias=mlp_bias)
+        self.tp_group: dist.ProcessGroup | None = None
+
+    def _reduce(self, x: torch.Tensor) -> torch.Tensor:
+        if self.tp_group is not None:
+            dist.all_reduce(x, group=self.tp_group)
+        return x
+
+    def _mlp(self, h: torch.Tensor) -> torch.Tensor:
+        if self.moe is not None:
+            return self.moe(h)
+        up = self.up(h)
+        if self.spec.mlp == "gated":
+            gate, up = up.chunk(2, dim=-1)
+            up = _activation(self.spec.activation, gate) * up
+        else:
+            up = _activation(self.spec.activation, up)
+        return self.down(up)
+
+    def _attention(
+        self,
+        h: torch.Tensor,
+        rotary: tuple[torch.Tensor, torch.Tensor] | None,
+        cache: tuple[torch.Tensor, torch.Tensor] | None,
+        slots: torch.Tensor,
+        mask: torch.Tensor,
+    ) -> torch.Tensor:
+        batch, length, _ = h.shape
+        hd, heads, kv_heads = self.spec.head_dim, self.heads, self.kv_heads
+        qkv = self.qkv(h)
+        qk = qkv[..., : (heads + kv_heads) * hd].view(batch, length, heads + kv_heads, hd)
+        if rotary is not None:
+            qk = rotary_embedding(qk, *rotary)  # queries and keys in one kernel
+        q, k = qk[:, :, :heads], qk[:, :, heads:]
+        v = qkv[..., (heads + kv_heads) * hd :].view(batch, length, kv_heads, hd)
+        q, k, v = (t.transpose(1, 2) for t in (q, k, v))
+        if cache is not None:
+            # index_copy_ with a device tensor of slots keeps this step capturable in a graph.
+            cache[0].index_copy_(2, slots, k)
+            cache[1].index_copy_(2, slots, v)
+            k = cache[0][:, :, : mask.shape[-1]]
+            v = cache[1][:, :, : mask.shape[-1]]
+        if heads > kv_heads:
+            # Grouped-query attention without repeating K/V: the query heads sharing a KV head
+            # become extra query rows of it (head h reads KV head h // group, as HF's repeat_kv
+            # does), so decode reads each cached key once; `mask` comes grouped to match.
+            q = q.reshape(batch, kv_heads, (heads // kv_heads) * length, hd)
+        out = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, scale=self.spec.scale)
+        out = out.reshape(batch, heads, length, hd).transpose(1, 2)
+        return self.out(out.reshape(batch, length, heads * hd))
+
+    def forward(
+        self,
+        x: torch.Tensor,
+        rotary: tuple[torch.Tensor, torch.Tensor] | None,
+        cache: tuple[torch.Tensor, torch.Tensor] | None,
+        slots: torch.Tensor,
+        mask: torch.Tensor,
+    ) -> torch.Tensor:
+        """``x`` ``(batch, tokens, hidden)`` at cache ``slots``.
+
+        ``mask`` is :func:`attention_mask`'s, with its query rows repeated once per query head
+        of a KV head (``group`` times) when the block has grouped-query attention.
+        """
+        h = self.input_norm(x)
+        attn = self._attention(h, rotary, cache, slots, mask)
+        if self.post_norm is None:  # parallel residual: one reduction for both branches
+            return x + self._reduce(attn + self._mlp(h))
+        x = x + self._reduce(attn)
+        return x + self._reduce(self._mlp(self.post_norm(x)))
+
+
+class FusedDecoder(nn.Module):
+    """A decoder-only language model built from :class:`FusedBlock` s.
+
+    Built by :func:`slipstream.inference.adapters.from_hf` from a Hugging Face model.
+    ``forward`` returns logits ``(batch, tokens, vocab)`` for the tokens fed, writing their keys
+    and values into ``cache`` at ``slots``.
+    """
+
+    def __init__(
+        self,
+        spec: DecoderSpec,
+        *,
+        attn_bias: bool = False,
+        out_bias: bool = False,
+        mlp_bias: bool = False,
+        head_bias: bool = False,
+        inv_freq: torch.Tensor | None = None,
+        rotary_scaling: float = 1.0,
+    ) -> None:
+        super().__init__()
+        self.spec = spec
+        self.embed = nn.Embedding(spec.vocab_size, spec.hidden_size)
+        self.positions = (
+            nn.Embedding(spec.max_positions + spec.learned_offset, spec.hidden_size)
+            if spec.position == "learned"
+            else None
+        )
+        self.blocks = nn.ModuleList(
+            FusedBlock(spec, attn_bias=attn_bias, out_bias=out_bias, mlp_bias=mlp_bias)
+            for _ in range(spec.num_layers)
+        )
+        self.final_norm = Norm(spec.norm, spec.hidden_size, spec.norm_eps, spec.norm == "layer")
+        self.head = nn.Linear(spec.hidden_size, spec.vocab_size, bias=head_bias)
+        if spec.position == "rotary" and inv_freq is None:
+            inv_freq = 1.0 / (
+                10000.0
+                ** (torch.arange(0, spec.rotary_dim, 2, dtype=torch.float64) / spec.rotary_dim)
+            )
+        self.register_buffer(
+            "inv_freq",
+            inv_freq.float() if inv_freq is not None else torch.zeros(0),
+            persistent=False,
+        )
+        self.rotary_scaling = float(rotary_scaling)
+        self.inv_freq: torch.Tensor
+        self.head_group: dist.ProcessGroup | None = None  # vocab-parallel head under TP
+        self.layer_hook: LayerHook | None = None  # ZeRO-Inference streams weights through this
+
+    def _rotary(self, positions: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor] | None:
+        if self.spec.position != "rotary":
+            return None
+        # fp32 angles, as Hugging Face computes them; (batch, tokens, 1, rotary_dim / 2).
+        angles = positions[..., None].float() * self.inv_freq
+        return (angles.cos() * self.rotary_scaling)[:, :, None], (
+            angles.sin() * self.rotary_scaling
+        )[:, :, None]
+
+    def forward(
+        self,
+        input_ids: torch.Tensor,
+        positions: torch.Tensor,
+        key_valid: torch.Tensor,
+        slots: torch.Tensor,
+        cache: KVCache | None = None,
+        last_only: bool = False,
+    ) -> torch.Tensor:
+        """Logits for ``input_ids`` ``(batch, tokens)`` (only the last token's if ``last_only``).
+
+        Args:
+            positions: ``(batch, tokens)`` position ids (rotary angle or learned position).
+            key_valid: ``(batch, keys)`` which cache slots hold real tokens; its width is the
+                number of slots attended (the whole cache for a graph-captured decode step).
+            slots: ``(tokens,)`` the cache slots the tokens are written to.
+            cache: the KV cache; None attends only to the tokens given (``slots`` = 0..n-1).
+        """
+        x = self.embed(input_ids)
+        if self.positions is not None:
+            x = x + self.positions(positions + self.spec.learned_offset)
+        rotary = self._rotary(positions)
+        mask = attention_mask(key_valid, slots, self.spec.sliding_window)
+        first = self.blocks[0]
+        assert isinstance(first, FusedBlock)
+        group = first.heads // first.kv_heads
+        if group > 1:  # once per step, not per layer: (batch, 1, group * tokens, keys)
+            mask = mask[:, :, None].expand(-1, -1, group, -1, -1).flatten(2, 3)
+        for index, block in enumerate(self.blocks):
+            layer_cache = None if cache is None else (cache.keys[index], cache.values[index])
+            if self.layer_hook is not None:
+                self.layer_hook.before(index)
+            x = block(x, rotary, layer_cache, slots, mask)
+            if self.layer_hook is not None:
+                self.layer_hook.after(index)
+        if last_only:
+            x = x[:, -1:]  # a prefill needs only the next token's logits: skip the rest of the head
+        logits = self.head(self.final_norm(x))
+        if self.head_group is not None:
+            parts = [torch.empty_like(logits) for _ in range(dist.get_world_size(self.head_group))]
+            dist.all_gather(parts, logits.contiguous(), group=self.head_group)
+            logits = torch.cat(parts, dim=-1)
+        return logits
+
+
+class LayerHook:
+    """Called around each block's forward (ZeRO-Inference fetches and releases weights here)."""
+
+    def before(self, index: int) -> None:
+        """Make block ``index``'s weights ready on the compute device."""
+
+    def after(self, index: int) -> None:
+        """Block ``index`` is done with its weights."""

@@ -1,0 +1,147 @@
+"""Prefill and decode over a static KV cache, the decode step replayed from a CUDA graph."""
+
+from __future__ import annotations
+
+import dataclasses
+import logging
+
+import torch
+
+from slipstream.inference.model import FusedDecoder, KVCache
+
+__all__ = ["StaticCacheRunner"]
+
+logger = logging.getLogger(__name__)
+
+
+@dataclasses.dataclass
+class _Bucket:
+    """Per batch size: the cache, the key-valid mask and (on GPU) the captured decode graph."""
+
+    cache: KVCache
+    key_valid: torch.Tensor  # (batch, max_len) bool
+    graph: torch.cuda.CUDAGraph | None = None
+    tokens: torch.Tensor | None = None  # static graph inputs (batch, 1)
+    positions: torch.Tensor | None = None
+    slot: torch.Tensor | None = None  # (1,)
+    logits: torch.Tensor | None = None  # static graph output (batch, vocab)
+    graph_failed: bool = False
+
+
+class StaticCacheRunner:
+    """Runs a :class:`FusedDecoder` for ``generate``: one cache of ``max_len`` slots per batch size.
+
+    With ``cuda_graph`` on a CUDA device, the first decode step of each batch size is captured
+    (gpt-fast's idea, done with a raw ``torch.cuda.CUDAGraph`` rather than ``torch.compile``)
+    and every later step is one replay: inputs are copied into static buffers, the slot is a
+    device tensor, and attention covers all ``max_len`` slots under the key-valid mask, so that
+    shapes never change. A capture that fails logs one warning and that batch size runs eagerly.
+    """
+
+    def __init__(self, model: FusedDecoder, max_len: int, *, cuda_graph: bool) -> None:
+        self.model = model
+        self.max_len = max_len
+        self.cuda_graph = cuda_graph
+        if cuda_graph and model.spec.mlp == "moe":
+            # The expert loop has data-dependent shapes (tokens per expert): not capturable.
+            logger.warning("enable_cuda_graph: MoE decoders decode eagerly (no CUDA graph yet)")
+            self.cuda_graph = False
+        self.buckets: dict[int, _Bucket] = {}
+
+    def _bucket(self, batch: int) -> _Bucket:
+        bucket = self.buckets.get(batch)
+        if bucket is None:
+            param = self.model.embed.weight
+            kv_heads = int(self.model.blocks[0].kv_heads)  # type: ignore[arg-type]
+            cache = KVCache.allocate(
+                self.model.spec, batch, self.max_len, kv_heads, param.dtype, param.device
+            )
+            key_valid = torch.zeros(batch, self.max_len, dtype=torch.bool, device=param.device)
+            bucket = self.buckets[batch] = _Bucket(cache, key_valid)
+        return bucket
+
+    def _check_length(self, needed: int) -> None:
+        if needed > self.max_len:
+            raise ValueError(
+                f"prompt plus new tokens need {needed} KV-cache slots but max_out_tokens is "
+                f"{self.max_len}; raise max_out_tokens in the inference config"
+            )
+
+    @torch.no_grad()
+    def prefill(
+        self, input_ids: torch.Tensor, positions: torch.Tensor, key_valid: torch.Tensor
+    ) -> torch.Tensor:
+        """Fill the cache with the prompts; returns the last token's logits ``(batch, vocab)``."""
+        batch, length = input_ids.shape
+        self._check_length(length)
+        bucket = self._bucket(batch)
+        bucket.key_valid.zero_()
+        bucket.key_valid[:, :length] = key_valid
+        slots = torch.arange(length, device=input_ids.device)
+        logits = self.model(
+            input_ids, positions, bucket.key_valid[:, :length], slots, bucket.cache, last_only=True
+        )
+        return logits[:, -1]
+
+    @torch.no_grad()
+    def decode(self, tokens: torch.Tensor, positions: torch.Tensor, slot: int) -> torch.Tensor:
+        """One token per row at cache ``slot``; returns logits ``(batch, vocab)``."""
+        self._check_length(slot + 1)
+        bucket = self._bucket(tokens.shape[0])
+        bucket.key_valid[:, slot] = True
+        if self.cuda_graph and tokens.is_cuda and not bucket.graph_failed:
+            if bucket.graph is None:
+                self._capture(bucket, tokens, positions, slot)
+            if bucket.graph is not None:
+                assert bucket.tokens is not None and bucket.positions is not None
+                assert bucket.slot is not None and bucket.logits is not None
+                bucket.tokens.copy_(tokens[:, None])
+                bucket.positions.copy_(positions[:, None])
+                bucket.slot.fill_(slot)
+                bucket.graph.replay()
+                return bucket.logits.clone()
+        slots = torch.tensor([slot], device=tokens.device)
+        logits = self.model(
+            tokens[:, None],
+            positions[:, None],
+            bucket.key_valid[:, : slot + 1],
+            slots,
+            bucket.cache,
+        )
+        return logits[:, -1]
+
+    def _graph_step(self, bucket: _Bucket) -> torch.Tensor:
+        assert bucket.tokens is not None and bucket.positions is not None
+        assert bucket.slot is not None
+        logits = self.model(
+            bucket.tokens, bucket.positions, bucket.key_valid, bucket.slot, bucket.cache
+        )
+        return logits[:, -1]
+
+    def _capture(
+        self, bucket: _Bucket, tokens: torch.Tensor, positions: torch.Tensor, slot: int
+    ) -> None:
+        bucket.tokens = tokens[:, None].clone()
+        bucket.positions = positions[:, None].clone()
+        bucket.slot = torch.tensor([slot], device=tokens.device)
+        try:
+            # Warm up on a side stream (lazy inits, Triton compiles) before capturing; the warm-up
+            # writes this step's keys and values, which the captured replay rewrites identically.
+            side = torch.cuda.Stream()
+            side.wait_stream(torch.cuda.current_stream())
+            with torch.cuda.stream(side):
+                for _ in range(2):
+                    self._graph_step(bucket)
+            torch.cuda.current_stream().wait_stream(side)
+            graph = torch.cuda.CUDAGraph()
+            with torch.cuda.graph(graph):
+                bucket.logits = self._graph_step(bucket)
+            bucket.graph = graph
+        except Exception as error:  # any capture failure falls back to eager
+            bucket.graph, bucket.graph_failed = None, True
+            logger.warning(
+                "CUDA graph capture of the decode step failed for batch %d (%s); this batch "
+                "size runs eagerly",
+                tokens.shape[0],
+                error,
+            )

@@ -1,0 +1,299 @@
+"""Decode and prefill speed of ``slipstream.init_inference`` beside Hugging Face ``generate``.
+
+A Llama-3-8B-shaped model (hidden 4096, 32 layers, 32 heads, 8 KV heads, FFN 14336, vocabulary
+128256) with random weights, prompts of ``--prompt`` tokens, ``--new-tokens`` generated greedily
+(no EOS, so every run produces the same count), for each ``--batch``. In one process:
+
+- the copy bandwidth of the device (``dst.copy_(src)`` of 1 GiB, read + write bytes / time);
+- Slipstream (kernel injection, CUDA-graph decode): decode tokens/s from two ``generate`` runs
+  (``new`` and 1 new tokens: the difference is ``new - 1`` decode steps), the bandwidth-limit
+  fraction (decode steps/s × bytes read per step ÷ copy bandwidth; the bytes are every weight but
+  the embedding table, plus the KV cache attended), and prefill TFLOP/s (forward over the prompt);
+- Hugging Face ``generate`` eager (dynamic cache) and with a static cache, whose decode steps
+  ``generate`` compiles itself (``torch.compile``): end-to-end tokens/s of each.
+
+One JSON line per result. Run on one GPU (the lead's command):
+
+    PYTHONPATH=$(ls -d kernels/src packages/*/src | tr '\\n' ':') python tools/bench/infer_bench.py
+
+CPU smoke run of the harness (tiny model): ``--preset tiny --device cpu --skip-hf-compiled``.
+Tensor parallelism (Slipstream only; per-GPU bandwidth fraction of each rank's slice):
+``torchrun --nproc_per_node 2 tools/bench/infer_bench.py --batch 1``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import time
+from collections.abc import Callable
+from typing import Any
+
+import torch
+
+from slipstream.inference import init_inference
+
+PRESETS: dict[str, dict[str, Any]] = {
+    "llama3-8b": {
+        "hidden_size": 4096,
+        "num_hidden_layers": 32,
+        "num_attention_heads": 32,
+        "num_key_value_heads": 8,
+        "intermediate_size": 14336,
+        "vocab_size": 128256,
+        "rope_theta": 500000.0,
+        "max_position_embeddings": 8192,
+    },
+    "tiny": {
+        "hidden_size": 128,
+        "num_hidden_layers": 2,
+        "num_attention_heads": 4,
+        "num_key_value_heads": 2,
+        "intermediate_size": 256,
+        "vocab_size": 512,
+        "max_position_embeddings": 1024,
+    },
+}
+DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}
+
+
+def parse_args() -> argparse.Namespace:
+    """Command-line options (defaults: the issue's Llama-3-8B run on one GPU)."""
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--preset", choices=sorted(PRESETS), default="llama3-8b")
+    parser.add_argument("--prompt", type=int, default=128)
+    parser.add_argument("--new-tokens", type=int, default=256)
+    parser.add_argument("--batch", type=int, nargs="+", default=[1, 32])
+    parser.add_argument("--dtype", choices=sorted(DTYPES), default="bf16")
+    parser.add_argument("--device", choices=["auto", "cpu"], default="auto")
+    parser.add_argument("--weights", choices=["native", "int8", "int4"], default="native")
+    parser.add_argument("--group-size", type=int, default=128, help="int8/int4 weight groups")
+    parser.add_argument("--no-cuda-graph", action="store_true")
+    parser.add_argument("--skip-hf-eager", action="store_true")
+    parser.add_argument("--skip-hf-compiled", action="store_true")
+    parser.add_argument("--repeats", type=int, default=3, help="timed runs; the best is kept")
+    parser.add_argument(
+        "--offload",
+        action="store_true",
+        help="ZeRO-Inference: blocks stream from pinned host memory (no CUDA graph, no HF "
+        "baselines); slow, so pair it with --new-tokens 8 --repeats 1",
+    )
+    return parser.parse_args()
+
+
+EMIT = True  # False on every tensor-parallel rank but 0
+
+
+def emit(**row: Any) -> None:
+    """One result as a JSON line."""
+    if EMIT:
+        print(json.dumps(row), flush=True)
+
+
+def sync(device: torch.device) -> None:
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+
+
+def best_time(fn: Callable[[], Any], device: torch.device, repeats: int) -> float:
+    """Seconds of the fastest of ``repeats`` calls, after one warm-up call."""
+    fn()
+    sync(device)
+    times = []
+    for _ in range(repeats):
+        start = time.perf_counter()
+        fn()
+        sync(device)
+        times.append(time.perf_counter() - start)
+    return min(times)
+
+
+def copy_bandwidth(device: torch.device) -> float:
+    """Bytes/s of a device-to-device copy of 1 GiB (64 MiB on CPU), read plus write."""
+    size = (1 << 30) if device.type == "cuda" else (64 << 20)
+    src = torch.empty(size, dtype=torch.uint8, device=device)
+    dst = torch.empty_like(src)
+    seconds = best_time(lambda: dst.copy_(src), device, 5)
+    return 2 * size / seconds
+
+
+def host_to_device_bandwidth(device: torch.device) -> float:
+    """Bytes/s of a pinned host -> device copy of 1 GiB (what ZeRO-Inference streams over)."""
+    src = torch.empty(1 << 30, dtype=torch.uint8).pin_memory()
+    dst = torch.empty(src.shape, dtype=torch.uint8, device=device)
+    return src.numel() / best_time(lambda: dst.copy_(src, non_blocking=True), device, 3)
+
+
+def build_model(preset: str, dtype: torch.dtype, device: torch.device) -> torch.nn.Module:
+    """A random-weight ``LlamaForCausalLM`` built directly on ``device`` in ``dtype``."""
+    import transformers
+
+    config = transformers.LlamaConfig(**PRESETS[preset], bos_token_id=1, eos_token_id=2)
+    torch.manual_seed(0)
+    # Built in place on the device in `dtype` (HF's init draws the random weights there): no
+    # fp32 copy on the host. The default dtype is the one knob every transformers release reads.
+    default = torch.get_default_dtype()
+    torch.set_default_dtype(dtype)
+    try:
+        with device:
+            model = transformers.LlamaForCausalLM(config)
+    finally:
+        torch.set_default_dtype(default)
+    return model.eval()
+
+
+def bench_batch(
+    args: argparse.Namespace,
+    engine: Any,
+    model: torch.nn.Module,
+    ids: torch.Tensor,
+    weight_bytes: int,
+    params: int,
+    bandwidth: float,
+    common: dict[str, Any],
+) -> None:
+    """Slipstream and the Hugging Face baselines on one batch of prompts ``ids``."""
+    device, dtype, spec = ids.device, DTYPES[args.dtype], engine.fused.spec
+    batch, max_len = ids.shape[0], args.prompt + args.new_tokens
+    mask = torch.ones_like(ids)
+    run = {"batch": batch, "prompt": args.prompt, "new_tokens": args.new_tokens, **common}
+
+    def ours(new: int) -> torch.Tensor:
+        return engine.generate(  # type: ignore[no-any-return]
+            ids, attention_mask=mask, max_new_tokens=new, do_sample=False, eos_token_id=None
+        )
+
+    full = best_time(lambda: ours(args.new_tokens), device, args.repeats)
+    first = best_time(lambda: ours(1), device, args.repeats)
+    step = (full - first) / max(args.new_tokens - 1, 1)
+    kv_bytes = (
+        2 * spec.num_layers * batch * engine.fused.blocks[0].kv_heads * max_len * spec.head_dim
+    ) * dtype.itemsize
+    fraction = (weight_bytes + kv_bytes) / step / bandwidth
+    prefill = best_time(lambda: engine(ids, attention_mask=mask), device, args.repeats)
+    tokens = batch * args.prompt
+    attention = 2 * spec.num_layers * batch * args.prompt**2 * spec.num_heads * spec.head_dim
+    # Causal attention: half of QK^T and PV, counted once. Under TP: the work of all ranks.
+    prefill_flops = 2 * params * tokens + attention
+    emit(
+        result="slipstream",
+        decode_tokens_per_s=round(batch / step, 1),
+        decode_step_ms=round(step * 1e3, 3),
+        bandwidth_fraction=round(fraction, 3),
+        end_to_end_tokens_per_s=round(batch * args.new_tokens / full, 1),
+        prefill_tflops=round(prefill_flops / prefill / 1e12, 2),
+        prefill_ms=round(prefill * 1e3, 2),
+        cuda_graph=not args.no_cuda_graph and not args.offload and device.type == "cuda",
+        offload=args.offload,
+        weights=args.weights,
+        **run,
+    )
+    hf_kwargs = {
+        "attention_mask": mask,
+        "max_new_tokens": args.new_tokens,
+        "min_new_tokens": args.new_tokens,
+        "do_sample": False,
+        "pad_token_id": 0,
+    }
+    if not args.skip_hf_eager:
+        seconds = best_time(lambda: model.generate(ids, **hf_kwargs), device, args.repeats)
+        emit(
+            result="hf_eager",
+            end_to_end_tokens_per_s=round(batch * args.new_tokens / seconds, 1),
+            **run,
+        )
+    if not args.skip_hf_compiled:
+        seconds = best_time(
+            lambda: model.generate(ids, cache_implementation="static", **hf_kwargs),
+            device,
+            args.repeats,
+        )
+        emit(
+            result="hf_static_compiled",
+            end_to_end_tokens_per_s=round(batch * args.new_tokens / seconds, 1),
+            compiled=device.type == "cuda",  # generate compiles static-cache decoding on GPUs
+            **run,
+        )
+
+
+def main() -> None:
+    args = parse_args()
+    cpu = args.device == "cpu" or not torch.cuda.is_available()
+    world = int(os.environ.get("WORLD_SIZE", "1"))
+    if world > 1:  # tensor parallelism over the launched ranks; rank 0 prints
+        from slipstream import comm
+
+        comm.init_distributed("gloo" if cpu else "nccl")
+        global EMIT
+        EMIT = int(os.environ["RANK"]) == 0
+        args.skip_hf_eager = args.skip_hf_compiled = True  # HF runs one GPU only
+    device = torch.device("cpu") if cpu else torch.device("cuda", torch.cuda.current_device())
+    dtype = DTYPES[args.dtype]
+    machine = torch.cuda.get_device_name(device) if device.type == "cuda" else "cpu"
+    common = {"preset": args.preset, "dtype": args.dtype, "device": machine, "tp": world}
+    bandwidth = copy_bandwidth(device)
+    emit(result="copy_bandwidth", gb_per_s=round(bandwidth / 1e9, 1), **common)
+
+    model = build_model(args.preset, dtype, torch.device("cpu") if args.offload else device)
+    max_len = args.prompt + args.new_tokens
+    config: dict[str, Any] = {
+        "dtype": args.dtype if args.weights == "native" else "int8",
+        "replace_with_kernel_inject": True,
+        "enable_cuda_graph": not args.no_cuda_graph and not args.offload,
+        "max_out_tokens": max_len,
+        "tensor_parallel": {"tp_size": world},
+    }
+    if args.offload:
+        config["zero"] = {"stage": 3, "offload_param": {"device": "cpu", "pin_memory": True}}
+        args.skip_hf_eager = args.skip_hf_compiled = True
+    if args.weights != "native":
+        bits = 8 if args.weights == "int8" else 4
+        config["quant"] = {
+            "weight": {"num_bits": bits, "group_size": args.group_size, "compute_dtype": args.dtype}
+        }
+    engine = init_inference(model, config)
+    fused = engine.fused
+    assert fused is not None
+    spec = fused.spec
+    # Bytes a decode step reads: every weight but the embedding table (only gathered rows).
+    weight_bytes = sum(
+        t.numel() * t.element_size()
+        for name, t in list(fused.named_parameters()) + list(fused.named_buffers())
+        if not name.startswith("embed.")
+    )
+    params = sum(p.numel() for name, p in model.named_parameters() if "embed_tokens" not in name)
+    checks: dict[str, float] = {}
+    if args.offload:
+        # The fraction is then of the host -> device bandwidth, over the streamed blocks' bytes.
+        weight_bytes = sum(t.numel() * t.element_size() for t in fused.blocks.state_dict().values())
+        bandwidth = host_to_device_bandwidth(device) if device.type == "cuda" else bandwidth
+        emit(result="h2d_bandwidth", gb_per_s=round(bandwidth / 1e9, 1), **common)
+    else:
+        probe = torch.randint(3, spec.vocab_size, (1, args.prompt), device=device)
+        with torch.no_grad():
+            expected = model(input_ids=probe).logits.float()
+        error = (engine(probe).logits.float() - expected).abs().max().item()
+        checks = {
+            "logits_max_abs_diff_vs_hf": round(error, 4),
+            "logits_max_abs_hf": round(expected.abs().max().item(), 4),
+        }
+    emit(
+        result="model",
+        offload=args.offload,
+        **checks,
+        params_non_embedding=params,
+        weight_bytes_read_per_step=weight_bytes,
+        bytes_per_parameter=round(weight_bytes * world / params, 3),  # this rank: 1/world
+        weights=args.weights,
+        **common,
+    )
+
+    generator = torch.Generator().manual_seed(0)
+    for batch in args.batch:
+        ids = torch.randint(3, spec.vocab_size, (batch, args.prompt), generator=generator)
+        bench_batch(args, engine, model, ids.to(device), weight_bytes, params, bandwidth, common)
+
+
+if __name__ == "__main__":
+    main()
