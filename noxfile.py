@@ -28,6 +28,8 @@ TEST_EXTRAS: dict[str, list[str]] = {
         "triton>=3.9"
     ],  # the CPU interpreter (TRITON_INTERPRET=1); 3.6's breaks on NumPy 2.4
     "moe": ["transformers>=4.40"],
+    # serving: its [serve] extra (ASGI stack) and httpx for the HTTP tests
+    "inference": ["transformers>=4.40", "starlette>=0.37", "uvicorn>=0.29", "httpx>=0.27"],
     "offload_io": ["aiofiles>=23.1"],
 }
 

@@ -196,7 +196,11 @@ class Deployment:
             "num_requests_waiting": (len(scheduler.waiting), "requests queued for the KV cache"),
             "num_requests_running": (len(scheduler.running), "requests holding KV blocks"),
             "kv_cache_usage": (scheduler.kv_cache_usage, "fraction of KV blocks in use"),
-            "num_preemptions_total": (self.engine.stats.preemptions, "requests preempted"),
+            "num_preemptions": (self.engine.stats.preemptions, "requests preempted so far"),
+            "generation_tokens_per_second": (
+                self.metrics.tokens_per_second(),
+                "tokens generated per second over the last 10 s",
+            ),
         }
 
     def _run(self) -> None:
@@ -234,7 +238,7 @@ class Deployment:
                     else:
                         metrics.inter_token_latency.observe(now - timing.last_token)
                     timing.last_token = now
-                    metrics.generation_tokens += len(out.new_token_ids)
+                    metrics.record_tokens(len(out.new_token_ids), now)
                 if out.finished:
                     metrics.request_latency.observe(now - timing.arrival)
                     reason = out.finish_reason or "stop"

@@ -4,6 +4,8 @@ from __future__ import annotations
 
 import bisect
 import threading
+import time
+from collections import deque
 
 LATENCY_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0)
 
@@ -46,6 +48,20 @@ class ServingMetrics:
         self.prompt_tokens = 0
         self.generation_tokens = 0
         self.requests = {"stop": 0, "length": 0, "abort": 0}
+        self._recent: deque[tuple[float, int]] = deque()  # (time, tokens) of the last window
+
+    def record_tokens(self, count: int, now: float, window: float = 10.0) -> None:
+        """Count generated tokens for the tokens/s gauge (caller holds ``lock``)."""
+        self.generation_tokens += count
+        self._recent.append((now, count))
+        while self._recent and self._recent[0][0] < now - window:
+            self._recent.popleft()
+
+    def tokens_per_second(self, window: float = 10.0) -> float:
+        """Generated tokens per second over the last ``window`` seconds."""
+        with self.lock:
+            cutoff = time.monotonic() - window
+            return sum(n for t, n in self._recent if t >= cutoff) / window
 
     def render(self, gauges: dict[str, tuple[float, str]], prefix: str = "slipstream") -> str:
         """All metrics, with ``gauges`` (name -> (value, help)) read at scrape time."""
