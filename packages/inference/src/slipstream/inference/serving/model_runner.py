@@ -50,14 +50,16 @@ class PagedDecoder:
     cache through block tables (``(num_blocks, block_size, kv_heads, head_dim)`` per layer)."""
 
     def __init__(self, model: nn.Module, *, num_blocks: int, block_size: int) -> None:
-        config: Any = model.config
-        self.model = model.eval()
-        self.decoder: Any = model.model  # type: ignore[attr-defined]
-        self.lm_head: nn.Module = model.lm_head  # type: ignore[assignment]
+        hf: Any = model.eval()
+        config = hf.config
+        self.model = model
+        self.decoder: Any = hf.model
+        self.lm_head: nn.Module = hf.lm_head
         self.block_size = block_size
         self.num_blocks = num_blocks
-        weight = self.decoder.embed_tokens.weight
-        self.device, self.dtype = weight.device, weight.dtype
+        weight: torch.Tensor = self.decoder.embed_tokens.weight
+        self.device: torch.device = weight.device
+        self.dtype: torch.dtype = weight.dtype
         self.num_heads = config.num_attention_heads
         self.num_kv_heads = config.num_key_value_heads
         self.head_dim = self.decoder.layers[0].self_attn.head_dim
@@ -70,9 +72,10 @@ class PagedDecoder:
     @staticmethod
     def bytes_per_block(model: nn.Module, block_size: int) -> int:
         """KV-cache bytes one block takes over all layers (keys and values)."""
-        config: Any = model.config
-        head_dim = model.model.layers[0].self_attn.head_dim  # type: ignore[attr-defined]
-        element = model.model.embed_tokens.weight.element_size()  # type: ignore[attr-defined]
+        hf: Any = model
+        config = hf.config
+        head_dim = hf.model.layers[0].self_attn.head_dim
+        element = hf.model.embed_tokens.weight.element_size()
         per_token = 2 * config.num_key_value_heads * head_dim * element
         return int(per_token * block_size * config.num_hidden_layers)
 
