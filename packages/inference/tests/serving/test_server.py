@@ -113,13 +113,15 @@ def test_completion_streaming_and_not(server: RunningServer, expected: dict[str,
         "temperature": 0,
         "ignore_eos": True,
         "stream": True,
+        "stream_options": {"include_usage": True},
     }
     with httpx.stream("POST", f"{server.url}/v1/completions", json=request, timeout=60) as response:
         assert response.headers["content-type"].startswith("text/event-stream")
         events = _events(response)
-    assert events[-1] == "[DONE]" and events[-2]["choices"][0]["finish_reason"] == "length"
-    assert "".join(e["choices"][0]["text"] for e in events[:-1]) == expected["hello world"]
-    assert len(events) > 3  # streamed piece by piece, not in one event
+    assert events[-1] == "[DONE]" and events[-3]["choices"][0]["finish_reason"] == "length"
+    assert events[-2]["usage"] == body["usage"] and events[-2]["choices"] == []
+    assert "".join(e["choices"][0]["text"] for e in events[:-2]) == expected["hello world"]
+    assert len(events) == 12 + 2  # one event per generated token, then usage and [DONE]
 
 
 def test_chat_completion_streaming_and_not(server: RunningServer, tokenizer) -> None:

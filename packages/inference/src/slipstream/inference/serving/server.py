@@ -214,6 +214,7 @@ class OpenAIServer:
             ids = self._tokenize(body.get("prompt"))
             params = self._sampling(body, len(ids), default_max=16)
             stream = _field(body, "stream", (bool,), False)
+            usage = _include_usage(body)
             request_id = f"cmpl-{uuid.uuid4().hex}"
             handle = self._submit(ids, params, request_id)
         except RequestError as error:
@@ -230,7 +231,10 @@ class OpenAIServer:
 
         if stream:
             return self._sse(
-                handle, lambda out: {**base, "choices": [choice(out.text, out.finish_reason)]}, None
+                handle,
+                lambda out: {**base, "choices": [choice(out.text, out.finish_reason)]},
+                None,
+                base if usage else None,
             )
         total = await self._collect(handle, request)
         if total is None:
@@ -270,6 +274,7 @@ class OpenAIServer:
             ids = self._tokenize(text, add_special_tokens=False)  # the template writes them
             params = self._sampling(body, len(ids), default_max=None)
             stream = _field(body, "stream", (bool,), False)
+            usage = _include_usage(body)
             request_id = f"chatcmpl-{uuid.uuid4().hex}"
             handle = self._submit(ids, params, request_id)
         except RequestError as error:
@@ -296,7 +301,8 @@ class OpenAIServer:
                     "choices": [{"index": 0, "delta": delta, "finish_reason": out.finish_reason}],
                 }
 
-            return self._sse(handle, chunk, first)
+            usage_base = {**base, "object": "chat.completion.chunk"} if usage else None
+            return self._sse(handle, chunk, first, usage_base)
         total = await self._collect(handle, request)
         if total is None:
             return Response(status_code=499)
@@ -329,19 +335,31 @@ class OpenAIServer:
                 return None
 
     def _sse(
-        self, handle: RequestStream, render: Any, first: dict[str, Any] | None
+        self,
+        handle: RequestStream,
+        render: Any,
+        first: dict[str, Any] | None,
+        usage_base: dict[str, Any] | None,
     ) -> StreamingResponse:
+        """Server-sent events: one per generated token (its text may be empty while a
+        multi-byte character or a possible stop string is pending), a usage chunk when asked
+        (``stream_options.include_usage``), then ``[DONE]``."""
         deployment = self.deployment
 
         async def events() -> AsyncIterator[str]:
             finished = False
+            last: RequestOutput | None = None
             try:
                 if first is not None:
                     yield f"data: {json.dumps(first)}\n\n"
                 async for out in handle:
-                    finished = out.finished
-                    if out.text or out.finished:
+                    finished, last = out.finished, out
+                    if out.new_token_ids or out.text or out.finished:
                         yield f"data: {json.dumps(render(out))}\n\n"
+                if usage_base is not None and last is not None:
+                    last.num_prompt_tokens = handle.num_prompt_tokens
+                    usage = {**usage_base, "choices": [], "usage": _usage(last)}
+                    yield f"data: {json.dumps(usage)}\n\n"
                 yield "data: [DONE]\n\n"
             finally:
                 if not finished:  # the client went away mid-stream: free its KV blocks
@@ -349,6 +367,11 @@ class OpenAIServer:
                     deployment.abort(handle.request_id)
 
         return StreamingResponse(events(), media_type="text/event-stream")
+
+
+def _include_usage(body: dict[str, Any]) -> bool:
+    options = _field(body, "stream_options", (dict,), {})
+    return bool(_field(options, "include_usage", (bool,), False))
 
 
 def _usage(total: RequestOutput) -> dict[str, int]:
