@@ -62,3 +62,24 @@ def test_unsupported_architecture_is_refused() -> None:
     gpt2 = transformers.GPT2LMHeadModel(config)
     with pytest.raises(ValueError, match="model_type='gpt2'"):
         ServingEngine(gpt2, None, ServingConfig(num_blocks=8))
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA or ROCm GPU")
+def test_batched_serving_equals_hf_greedy_on_gpu(make_model) -> None:
+    """The Triton paged-attention kernel in the loop (fp32, IEEE dots): same tokens as HF."""
+    model = make_model("llama").cuda()
+    prompts = _prompts(model.config.vocab_size)
+    expected = []
+    for prompt in prompts:
+        out = model.generate(
+            torch.tensor([prompt], device="cuda"),
+            max_new_tokens=NEW_TOKENS,
+            do_sample=False,
+            eos_token_id=None,
+            pad_token_id=0,
+        )
+        expected.append(out[0, len(prompt) :].tolist())
+    engine = ServingEngine(model, None, ServingConfig(max_num_batched_tokens=24, num_blocks=64))
+    outputs = engine.generate(prompts, SamplingParams(max_tokens=NEW_TOKENS, ignore_eos=True))
+    assert [out.new_token_ids for out in outputs] == expected
