@@ -90,3 +90,19 @@ def test_deployment_serves_threads_and_drains_on_shutdown(model, tokenizer) -> N
     assert outs[-1].finish_reason == "length" and sum(len(o.new_token_ids) for o in outs) == 20
     with pytest.raises(DeploymentClosedError):
         deployment.submit("hello")
+
+
+def test_engine_failure_reaches_every_caller(model, tokenizer) -> None:
+    deployment = pipeline(model, tokenizer=tokenizer, num_blocks=16).serve()
+
+    def broken_step() -> list:
+        raise RuntimeError("kernel exploded")
+
+    deployment.engine.step = broken_step  # type: ignore[method-assign]
+    stream = deployment.submit("hello")
+    with pytest.raises(RuntimeError, match="kernel exploded"):
+        list(stream)
+    assert not deployment.healthy
+    with pytest.raises(RuntimeError, match="serving loop failed"):
+        deployment.submit("hello")
+    deployment.shutdown()

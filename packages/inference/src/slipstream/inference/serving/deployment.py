@@ -111,6 +111,11 @@ class Deployment:
         return self.engine.max_model_len
 
     @property
+    def healthy(self) -> bool:
+        """False once the engine loop has failed (every later submit raises)."""
+        return self._error is None and self._thread.is_alive()
+
+    @property
     def num_in_flight(self) -> int:
         """Submitted requests that have not finished."""
         with self._lock:

@@ -85,9 +85,11 @@ class OpenAIServer:
         await asyncio.to_thread(self.deployment.shutdown, True)
 
     async def health(self, request: Request) -> Response:
-        """200 while serving, 503 while draining for shutdown."""
+        """200 while serving; 503 while draining for shutdown or after the engine failed."""
         if self.draining:
             return JSONResponse({"status": "draining"}, status_code=503)
+        if not self.deployment.healthy:
+            return JSONResponse({"status": "engine failed"}, status_code=503)
         return JSONResponse({"status": "ok"})
 
     async def metrics(self, request: Request) -> Response:
