@@ -106,3 +106,17 @@ def test_engine_failure_reaches_every_caller(model, tokenizer) -> None:
     with pytest.raises(RuntimeError, match="serving loop failed"):
         deployment.submit("hello")
     deployment.shutdown()
+
+
+def test_config_and_cli_errors_name_the_key() -> None:
+    from slipstream.inference.serving import ServingConfig
+    from slipstream.inference.serving.cli import main as serve_main
+
+    assert ServingConfig.from_dict({"dtype": "auto"}, "serving").dtype == "auto"
+    with pytest.raises(ValueError, match=r"did you mean 'serving\.block_size'"):
+        ServingConfig.from_dict({"blok_size": 16}, "serving")
+    with pytest.raises(ValueError, match=r"serving\.block_size = 24"):
+        ServingConfig.from_dict({"block_size": 24}, "serving")
+    # Refused before any model is loaded.
+    with pytest.raises(NotImplementedError, match=r"serving\.tensor_parallel=2"):
+        serve_main(["no/such-model", "--tp", "2"])

@@ -39,7 +39,10 @@ class ServingConfig(ConfigBlock):
     max_num_seqs: int = dataclasses.field(default=256, metadata={"ge": 1})
     max_model_len: int | None = dataclasses.field(default=None, metadata={"ge": 2})
     enable_prefix_caching: bool = True
-    dtype: Literal["auto", "float32", "bfloat16", "float16"] = "auto"
+    dtype: Literal["auto", "float32", "bfloat16", "float16"] = dataclasses.field(
+        default="auto",
+        metadata={"allow_auto": True},  # "auto" means the model's own dtype
+    )
     tensor_parallel: int = dataclasses.field(default=1, metadata={"ge": 1})
 
     def validate(self, path: str) -> None:
