@@ -171,21 +171,55 @@ async def _one(client: Any, url: str, prompt: list[int], output_len: int, delay:
     return result
 
 
-async def run_client(url: str, workload: Workload, warmup: int) -> list[RequestResult]:
-    """Replay ``workload`` against ``url`` (after ``warmup`` unmeasured requests)."""
+async def run_client(url: str, workload: Workload) -> list[RequestResult]:
+    """Replay ``workload`` against ``url``: each request sent at its arrival time, streamed."""
     import httpx
 
     limits = httpx.Limits(max_connections=None, max_keepalive_connections=None)
     async with httpx.AsyncClient(timeout=None, limits=limits) as client:
-        for index in range(warmup):
-            prompt = workload.prompts[index % len(workload.prompts)]
-            await _one(client, url, prompt, 8, 0.0, time.perf_counter())
         origin = time.perf_counter()
         jobs = [
             _one(client, url, p, n, a, origin)
             for p, n, a in zip(workload.prompts, workload.output_lens, workload.arrivals)
         ]
         return list(await asyncio.gather(*jobs))
+
+
+async def _warm(url: str, workload: Workload, count: int) -> None:
+    """``count`` short requests, one at a time (compiles the kernels before measuring)."""
+    import httpx
+
+    async with httpx.AsyncClient(timeout=None) as client:
+        for index in range(count):
+            prompt = workload.prompts[index % len(workload.prompts)]
+            await _one(client, url, prompt, 8, 0.0, time.perf_counter())
+
+
+def _engine_counters(url: str) -> dict[str, float]:
+    import httpx
+
+    counters = {}
+    for line in httpx.get(f"{url}/metrics", timeout=30).text.splitlines():
+        if line.startswith(("slipstream_engine_", "slipstream_num_preemptions")):
+            name, value = line.split()
+            counters[name.removeprefix("slipstream_")] = float(value)
+    return counters
+
+
+def where_time_goes(before: dict[str, float], after: dict[str, float], duration: float) -> dict:
+    """Per-step engine time by phase over the measured run, and how busy the engine was."""
+    delta = {k: after[k] - before.get(k, 0.0) for k in after}
+    steps = max(delta.get("engine_steps", 0.0), 1.0)
+    phases = ("schedule", "forward", "sample", "update")
+    per_step = {p: round(delta.get(f"engine_{p}_seconds", 0.0) / steps * 1000, 3) for p in phases}
+    busy = sum(delta.get(f"engine_{p}_seconds", 0.0) for p in phases)
+    return {
+        "steps": int(delta.get("engine_steps", 0)),
+        "tokens_per_step": round(delta.get("engine_batched_tokens", 0.0) / steps, 1),
+        "ms_per_step": per_step,
+        "engine_busy_fraction": round(busy / duration, 3),
+        "preemptions": int(delta.get("num_preemptions", 0)),
+    }
 
 
 def _percentile(values: list[float], q: float) -> float | None:
@@ -259,16 +293,11 @@ def run_slipstream(args: argparse.Namespace, workload: Workload) -> dict:
                 raise SystemExit("the server did not start in time")
             time.sleep(0.5)
     try:
-        results = asyncio.run(run_client(url, workload, args.warmup))
+        asyncio.run(_warm(url, workload, args.warmup))  # compiles kernels; not measured
+        before = _engine_counters(url)
+        results = asyncio.run(run_client(url, workload))
         summary = summarize("slipstream", results, args)
-        if process is not None:
-            import httpx
-
-            summary["server_metrics"] = {
-                line.split()[0]: float(line.split()[1])
-                for line in httpx.get(f"{url}/metrics").text.splitlines()
-                if line.startswith(("slipstream_num_preemptions", "slipstream_kv_cache_usage"))
-            }
+        summary["engine"] = where_time_goes(before, _engine_counters(url), summary["duration_s"])
         return summary
     finally:
         if process is not None:
@@ -365,6 +394,14 @@ def main(argv: list[str] | None = None) -> int:
     for s in summaries:
         print(f"{s['backend']:<20}{s['output_tokens_per_s']:>10}{ms(s['ttft_p50_s']):>10}"
               f"{ms(s['ttft_p99_s']):>10}{ms(s['itl_p50_s']):>10}{ms(s['itl_p99_s']):>10}")  # fmt: skip
+    for s in summaries:
+        if "engine" in s:
+            engine = s["engine"]
+            print(
+                f"slipstream engine: {engine['steps']} steps, {engine['tokens_per_step']} tokens "
+                f"per step, ms per step {engine['ms_per_step']}, busy "
+                f"{engine['engine_busy_fraction']:.0%} of the run, {engine['preemptions']} preemptions"
+            )
     return 0 if all(s["failed"] == 0 for s in summaries) else 1
 
 

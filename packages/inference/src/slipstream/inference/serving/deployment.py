@@ -195,9 +195,17 @@ class Deployment:
         return results
 
     def gauges(self) -> dict[str, tuple[float, str]]:
-        """Queue depth, running requests and KV-cache use now (for /metrics)."""
+        """Queue depth, running requests, KV-cache use and engine totals now (for /metrics)."""
         scheduler = self.engine.scheduler
+        stats = self.engine.stats
+        engine_time = {
+            f"engine_{phase}_seconds": (value, f"engine time in {phase} so far")
+            for phase, value in stats.seconds.items()
+        }
         return {
+            **engine_time,
+            "engine_steps": (stats.steps, "forward passes so far"),
+            "engine_batched_tokens": (stats.batched_tokens, "tokens of all forward passes"),
             "num_requests_waiting": (len(scheduler.waiting), "requests queued for the KV cache"),
             "num_requests_running": (len(scheduler.running), "requests holding KV blocks"),
             "kv_cache_usage": (scheduler.kv_cache_usage, "fraction of KV blocks in use"),

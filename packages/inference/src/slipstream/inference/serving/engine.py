@@ -45,7 +45,14 @@ class EngineStats:
     generated_tokens: int = 0
     steps: int = 0
     preemptions: int = 0
+    batched_tokens: int = 0  # tokens of all forward passes (prompt chunks + decodes)
     requests_finished: dict[str, int] = field(default_factory=dict)
+    # Where the engine's time goes, in seconds: planning the step, launching the forward,
+    # waiting for its logits and sampling (the GPU's time shows here: the first device-to-host
+    # copy), and bookkeeping plus detokenization after it.
+    seconds: dict[str, float] = field(
+        default_factory=lambda: {"schedule": 0.0, "forward": 0.0, "sample": 0.0, "update": 0.0}
+    )
 
 
 def _num_blocks(model: nn.Module, config: ServingConfig, device: torch.device) -> int:
@@ -152,11 +159,19 @@ class ServingEngine:
 
     def step(self) -> list[RequestOutput]:
         """Run one forward pass of the scheduled batch; return each touched request's output."""
+        clock = time.perf_counter()
         plan = self.scheduler.schedule()
         self.stats.preemptions += len(plan.preempted)
         if not plan.chunks:
             return []
+        seconds = self.stats.seconds
+        now = time.perf_counter()
+        seconds["schedule"] += now - clock
+        clock = now
         logits = self.runner.forward(plan.chunks)
+        now = time.perf_counter()
+        seconds["forward"] += now - clock
+        clock = now
         sampling = [c for c in plan.chunks if c.samples]
         requests = [self.scheduler.requests[c.request_id] for c in sampling]
         tokens = sample(
@@ -164,7 +179,11 @@ class ServingEngine:
             [r.sampling for r in requests],
             [self._generators[r.request_id] for r in requests],
         )
+        now = time.perf_counter()
+        seconds["sample"] += now - clock
+        clock = now
         self.stats.steps += 1
+        self.stats.batched_tokens += plan.num_tokens
         self.stats.prompt_tokens += sum(
             len(c.token_ids)
             for c in plan.chunks
@@ -192,6 +211,7 @@ class ServingEngine:
                 outputs.append(self._finish(request, [token], text))
             else:
                 outputs.append(self._output(request, [token], text))
+        seconds["update"] += time.perf_counter() - clock
         return outputs
 
     def _output(self, request: Request, tokens: list[int], text: str) -> RequestOutput:
