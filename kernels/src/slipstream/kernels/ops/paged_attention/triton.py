@@ -14,7 +14,10 @@ from slipstream.kernels.triton_support import (
     next_power_of_2,
 )
 
-BLOCK_M = 16  # query rows per program: (query token, head of the GQA group) pairs
+# Query rows per program, (query token, head of the GQA group) pairs: 16 (the least tl.dot
+# takes) when every sequence has few rows, as in decode; 64 when some prompt chunk fills
+# them, so a prefill tile reuses each loaded key block for four times more queries.
+BLOCK_M_DECODE, BLOCK_M_PREFILL = 16, 64
 
 
 @triton.jit
@@ -170,7 +173,9 @@ def paged_attention(
     scale = head_dim**-0.5 if scale is None else scale
     out = torch.empty_like(query)
     num_seqs = seq_lens.shape[0]
-    grid = (num_seqs, kv_heads, triton.cdiv(max(max_query_len, 1) * group, BLOCK_M))
+    rows = max(max_query_len, 1) * group
+    block_m = BLOCK_M_PREFILL if rows >= BLOCK_M_PREFILL else BLOCK_M_DECODE
+    grid = (num_seqs, kv_heads, triton.cdiv(rows, block_m))
     paged_attention_kernel[grid](
         query,
         key_cache,
@@ -193,7 +198,7 @@ def paged_attention(
         block_tables.stride(0),
         head_dim,
         GROUP=group,
-        BLOCK_M=BLOCK_M,
+        BLOCK_M=block_m,
         BLOCK_SIZE=block_size,
         BLOCK_D=max(16, next_power_of_2(head_dim)),
         IEEE=query.dtype == torch.float32,
@@ -206,55 +211,56 @@ def paged_attention(
 def aot_specs() -> list[AotSpec]:
     """The specialisations ``slipstream.kernels.aot`` compiles for every GPU target."""
     specs = []
-    for dtype in ("bf16", "fp16"):
-        for group in (1, 4, 8):
-            signature = {
-                "q_ptr": f"*{dtype}",
-                "k_cache_ptr": f"*{dtype}",
-                "v_cache_ptr": f"*{dtype}",
-                "out_ptr": f"*{dtype}",
-                "block_tables_ptr": "*i32",
-                "seq_lens_ptr": "*i32",
-                "query_start_ptr": "*i32",
-                "scale": "fp32",
-                **{
-                    name: "i64"
-                    for name in (
-                        "q_stride_t",
-                        "q_stride_h",
-                        "k_stride_b",
-                        "k_stride_t",
-                        "k_stride_h",
-                        "v_stride_b",
-                        "v_stride_t",
-                        "v_stride_h",
-                        "o_stride_t",
-                        "o_stride_h",
-                        "bt_stride_s",
-                    )
-                },
-                "head_dim": "i32",
-                "GROUP": "constexpr",
-                "BLOCK_M": "constexpr",
-                "BLOCK_SIZE": "constexpr",
-                "BLOCK_D": "constexpr",
-                "IEEE": "constexpr",
-                "UPCAST": "constexpr",
-            }
-            constexprs = {
-                "GROUP": group,
-                "BLOCK_M": BLOCK_M,
-                "BLOCK_SIZE": 16,
-                "BLOCK_D": 128,
-                "IEEE": False,
-                "UPCAST": False,
-            }
-            specs.append(
-                AotSpec(
-                    f"paged_attention[{dtype},group={group}]",
-                    paged_attention_kernel,
-                    signature,
-                    constexprs,
+    variants = [(dtype, group, BLOCK_M_DECODE) for dtype in ("bf16", "fp16") for group in (1, 4, 8)]
+    variants.append(("bf16", 4, BLOCK_M_PREFILL))
+    for dtype, group, block_m in variants:
+        signature = {
+            "q_ptr": f"*{dtype}",
+            "k_cache_ptr": f"*{dtype}",
+            "v_cache_ptr": f"*{dtype}",
+            "out_ptr": f"*{dtype}",
+            "block_tables_ptr": "*i32",
+            "seq_lens_ptr": "*i32",
+            "query_start_ptr": "*i32",
+            "scale": "fp32",
+            **{
+                name: "i64"
+                for name in (
+                    "q_stride_t",
+                    "q_stride_h",
+                    "k_stride_b",
+                    "k_stride_t",
+                    "k_stride_h",
+                    "v_stride_b",
+                    "v_stride_t",
+                    "v_stride_h",
+                    "o_stride_t",
+                    "o_stride_h",
+                    "bt_stride_s",
                 )
+            },
+            "head_dim": "i32",
+            "GROUP": "constexpr",
+            "BLOCK_M": "constexpr",
+            "BLOCK_SIZE": "constexpr",
+            "BLOCK_D": "constexpr",
+            "IEEE": "constexpr",
+            "UPCAST": "constexpr",
+        }
+        constexprs = {
+            "GROUP": group,
+            "BLOCK_M": block_m,
+            "BLOCK_SIZE": 16,
+            "BLOCK_D": 128,
+            "IEEE": False,
+            "UPCAST": False,
+        }
+        specs.append(
+            AotSpec(
+                f"paged_attention[{dtype},group={group},block_m={block_m}]",
+                paged_attention_kernel,
+                signature,
+                constexprs,
             )
+        )
     return specs
