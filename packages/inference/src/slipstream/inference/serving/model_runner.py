@@ -1,8 +1,9 @@
 """A ragged (unpadded) forward of a Llama-architecture Hugging Face model over a paged KV cache.
 
-[Note: weights] This runner calls the Hugging Face module's own submodules (projections, norms,
-MLP, rotary tables) and replaces only attention with a paged one, so any checkpoint that loads
-into ``LlamaForCausalLM``, ``MistralForCausalLM`` or ``Qwen2ForCausalLM`` serves as is. When
+[Note: weights] This runner calls the Hugging Face module's own projections, MLP and rotary
+tables, and runs norms, RoPE and paged attention through ``slipstream.kernels`` ops, so any
+checkpoint that loads into ``LlamaForCausalLM``, ``MistralForCausalLM`` or
+``Qwen2ForCausalLM`` serves as is. When
 ``slipstream.inference``'s model adapters (fused blocks, quantized or sharded weights) land,
 :class:`PagedDecoder` should take an adapter in place of the HF module: the paged parts
 (slot mapping, cache writes, ``paged_attention``) stay as they are.
@@ -17,14 +18,16 @@ import torch
 from torch import nn
 
 from slipstream.inference.serving.scheduler import ScheduledChunk
-from slipstream.kernels.ops import paged_attention
+from slipstream.kernels.ops import paged_attention, rms_norm, rotary_embedding
 
 SUPPORTED_MODEL_TYPES = ("llama", "mistral", "qwen2")
 
 
-def _rotate_half(x: torch.Tensor) -> torch.Tensor:
-    half = x.shape[-1] // 2
-    return torch.cat((-x[..., half:], x[..., :half]), dim=-1)
+def _norm(module: Any, x: torch.Tensor) -> torch.Tensor:
+    """A Hugging Face RMSNorm through the kernels' ``rms_norm`` op (one Triton kernel on a GPU
+    instead of seven eager ops; in fp32 the same arithmetic as Hugging Face's)."""
+    eps = getattr(module, "variance_epsilon", getattr(module, "eps", 1e-6))
+    return rms_norm(x, module.weight, eps)
 
 
 def check_supported(model: nn.Module, max_model_len: int) -> None:
@@ -122,16 +125,19 @@ class PagedDecoder:
         meta = self._metadata(chunks)
         hidden = self.decoder.embed_tokens(meta["input_ids"])
         cos, sin = self.decoder.rotary_emb(hidden[None], meta["positions"][None])
-        cos, sin = cos[0, :, None, :], sin[0, :, None, :]  # (tokens, 1, head_dim)
+        # Hugging Face's tables repeat the half table twice (NeoX "rotate half" layout): the
+        # rotary op takes the half, (tokens, 1, head_dim / 2), in fp32.
+        half = self.head_dim // 2
+        cos, sin = cos[0, :, None, :half].float(), sin[0, :, None, :half].float()
         tokens = hidden.shape[0]
         for index, layer in enumerate(self.decoder.layers):
             attn = layer.self_attn
-            x = layer.input_layernorm(hidden)
+            x = _norm(layer.input_layernorm, hidden)
             q = attn.q_proj(x).view(tokens, self.num_heads, self.head_dim)
             k = attn.k_proj(x).view(tokens, self.num_kv_heads, self.head_dim)
             v = attn.v_proj(x).view(tokens, self.num_kv_heads, self.head_dim)
-            q = q * cos + _rotate_half(q) * sin
-            k = k * cos + _rotate_half(k) * sin
+            q = rotary_embedding(q, cos, sin)
+            k = rotary_embedding(k, cos, sin)
             key_cache, value_cache = self.key_cache[index], self.value_cache[index]
             # Every token's keys/values of this layer land in the cache before any attention
             # reads it (see [Note: caching blocks before they are written] in block_pool.py).
@@ -148,6 +154,6 @@ class PagedDecoder:
                 max_query_len=meta["max_query_len"],
             )
             hidden = hidden + attn.o_proj(out.reshape(tokens, -1))
-            hidden = hidden + layer.mlp(layer.post_attention_layernorm(hidden))
-        last = self.decoder.norm(hidden[meta["sample_rows"]])
+            hidden = hidden + layer.mlp(_norm(layer.post_attention_layernorm, hidden))
+        last = _norm(self.decoder.norm, hidden[meta["sample_rows"]])
         return self.lm_head(last).float()  # type: ignore[no-any-return]
