@@ -7,11 +7,17 @@ CPU check (tiny random Llama, about a minute)::
     PYTHONPATH=$(ls -d kernels/src packages/*/src | tr '\\n' ':') python3 tools/bench/serve_bench.py \\
         --model tiny --num-requests 16 --rate 8 --prompt-len 16:64 --output-len 16:48
 
-One H100, a Llama-3-8B-shaped model with random bf16 weights (64 requests of 64-200 prompt
-tokens and 256 new tokens, all arriving at once, then at 4 requests/s)::
+One H100, a Llama-3-8B-shaped model with random bf16 weights: 64 requests of 64-200 prompt
+tokens and 256 new tokens, all at once (the HF baseline's setting), then Poisson arrivals at
+4 requests/s (about 3-4 minutes in all)::
 
     python3 tools/bench/serve_bench.py --model llama3-8b --num-requests 64 --rate inf \\
         --prompt-len 64:200 --output-len 256 --backend both --json serve_bench.jsonl
+    python3 tools/bench/serve_bench.py --model llama3-8b --num-requests 64 --rate 4 \\
+        --prompt-len 64:200 --output-len 256 --backend slipstream --json serve_bench.jsonl
+
+``--backend slipstream`` needs starlette, uvicorn and httpx (``slipstream-inference[serve]``);
+``--backend in-process`` replays the same workload on the engine without HTTP and needs none.
 
 Prompts are random token ids (no tokenizer is needed or downloaded); every request generates
 exactly its output length (``ignore_eos``), as serving benchmarks do.
@@ -126,13 +132,7 @@ def serve_only(args: argparse.Namespace) -> int:
     from slipstream.inference.serving.server import build_server
 
     model = build_model(args.model, args.device)
-    config = {
-        "max_num_batched_tokens": args.max_num_batched_tokens,
-        "max_num_seqs": args.max_num_seqs,
-        "num_blocks": args.num_blocks,
-        "max_model_len": args.max_model_len,
-    }
-    deployment = serve(model, config=config)
+    deployment = serve(model, config=_serving_config(args))
     deployment.model_name = MODEL_NAME
     build_server(deployment, "127.0.0.1", args.port, log_level="warning").run()
     return 0
@@ -305,6 +305,67 @@ def run_slipstream(args: argparse.Namespace, workload: Workload) -> dict:
             process.wait(timeout=120)
 
 
+def _serving_config(args: argparse.Namespace) -> dict[str, Any]:
+    return {
+        "max_num_batched_tokens": args.max_num_batched_tokens,
+        "max_num_seqs": args.max_num_seqs,
+        "num_blocks": args.num_blocks,
+        "max_model_len": args.max_model_len,
+    }
+
+
+def run_in_process(args: argparse.Namespace, workload: Workload) -> dict:
+    """The same workload through a :class:`Deployment` in this process, without HTTP (needs
+    no starlette/uvicorn/httpx): the engine's own throughput and latencies."""
+    from slipstream.inference.serving import SamplingParams, serve
+
+    deployment = serve(build_model(args.model, args.device), config=_serving_config(args))
+
+    async def one(prompt: list[int], output_len: int, delay: float, origin: float) -> RequestResult:
+        await asyncio.sleep(max(0.0, origin + delay - time.perf_counter()))
+        result = RequestResult(len(prompt))
+        params = SamplingParams(max_tokens=output_len, ignore_eos=True)
+        result.start = last = time.perf_counter()
+        stream = deployment.submit(prompt, params, loop=asyncio.get_running_loop())
+        async for out in stream:
+            now = time.perf_counter()
+            if out.new_token_ids:
+                if result.ttft is None:
+                    result.ttft = now - result.start
+                else:
+                    result.itl.append(now - last)
+                last = now
+            result.output_len = out.num_output_tokens
+        result.end = time.perf_counter()
+        return result
+
+    async def replay(warmup: int) -> list[RequestResult]:
+        for index in range(warmup):
+            await one(workload.prompts[index % len(workload.prompts)], 8, 0.0, time.perf_counter())
+        origin = time.perf_counter()
+        jobs = [
+            one(p, n, a, origin)
+            for p, n, a in zip(workload.prompts, workload.output_lens, workload.arrivals)
+        ]
+        return list(await asyncio.gather(*jobs))
+
+    try:
+        asyncio.run(replay(args.warmup))
+        before = _engine_totals(deployment)
+        results = asyncio.run(replay(0))
+        summary = summarize("slipstream-in-process", results, args)
+        summary["engine"] = where_time_goes(
+            before, _engine_totals(deployment), summary["duration_s"]
+        )
+        return summary
+    finally:
+        deployment.shutdown()
+
+
+def _engine_totals(deployment: Any) -> dict[str, float]:
+    return {name: float(value) for name, (value, _) in deployment.gauges().items()}
+
+
 def run_hf_continuous_batching(args: argparse.Namespace, workload: Workload) -> dict:
     """The same prompts through ``model.generate_batch`` (all submitted at once: its API has
     no arrivals; compare with ``--rate inf``). One max_new_tokens for all requests: the
@@ -345,7 +406,15 @@ def main(argv: list[str] | None = None) -> int:
         "--model", default="tiny", help="tiny, llama3-8b (random) or an HF id/folder"
     )
     parser.add_argument("--device", default=None, help="default: cuda when available")
-    parser.add_argument("--backend", choices=["slipstream", "hf", "both"], default="slipstream")
+    parser.add_argument(
+        "--backend",
+        nargs="+",
+        choices=["slipstream", "in-process", "hf", "both"],
+        default=["slipstream"],
+        help="one or more, run in order. slipstream: the HTTP server in a child process; "
+        "in-process: its engine without HTTP; hf: Transformers' generate_batch; "
+        "both: slipstream and hf",
+    )
     parser.add_argument("--num-requests", type=int, default=64)
     parser.add_argument(
         "--rate", type=float, default=math.inf, help="requests/s (inf: all at once)"
@@ -376,10 +445,16 @@ def main(argv: list[str] | None = None) -> int:
     vocab = {"tiny": 512, "llama3-8b": 128256}.get(args.model, 32000)
     workload = make_workload(args, vocab)
     summaries = []
-    if args.backend in ("slipstream", "both"):
-        summaries.append(run_slipstream(args, workload))
-    if args.backend in ("hf", "both"):
-        summaries.append(run_hf_continuous_batching(args, workload))
+    backends = [
+        b for name in args.backend for b in (["slipstream", "hf"] if name == "both" else [name])
+    ]
+    runners = {
+        "slipstream": run_slipstream,
+        "in-process": run_in_process,
+        "hf": run_hf_continuous_batching,
+    }
+    for backend in backends:
+        summaries.append(runners[backend](args, workload))
     for summary in summaries:
         print(json.dumps(summary))
         if args.json:
