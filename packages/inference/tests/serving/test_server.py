@@ -257,3 +257,25 @@ def test_graceful_shutdown_drains_in_flight_streams(model, tokenizer) -> None:
     with pytest.raises(httpx.ConnectError):
         httpx.get(f"{running.url}/health", timeout=5)
     assert not running.deployment._thread.is_alive()  # the lifespan drained and stopped it
+
+
+def test_client_leaving_a_non_streamed_request_aborts_it(
+    server: RunningServer, monkeypatch
+) -> None:
+    engine = server.deployment.engine
+    real_step = engine.step
+
+    def slow_step() -> list:  # 250 tokens take over 2 s: the client leaves long before
+        time.sleep(0.01)
+        return real_step()
+
+    monkeypatch.setattr(engine, "step", slow_step)
+    aborted_before = server.deployment.metrics.requests["abort"]
+    request = {"model": MODEL, "prompt": "hi", "max_tokens": 250, "ignore_eos": True}
+    with pytest.raises(httpx.ReadTimeout):
+        httpx.post(f"{server.url}/v1/completions", json=request, timeout=0.3)
+    deadline = time.monotonic() + 20
+    while server.deployment.num_in_flight:
+        assert time.monotonic() < deadline, "the abandoned request kept running"
+        time.sleep(0.02)
+    assert server.deployment.metrics.requests["abort"] == aborted_before + 1
