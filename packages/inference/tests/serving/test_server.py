@@ -194,6 +194,8 @@ def test_concurrent_clients(server: RunningServer, expected: dict[str, str]) -> 
             "top_p=0.0 is invalid",
         ),
         ("/v1/completions", {"model": MODEL, "prompt": 5}, 400, "'prompt' must be"),
+        ("/v1/completions", {"model": MODEL, "prompt": "ab", "seed": -1}, 400, "seed=-1"),
+        ("/v1/completions", {"model": MODEL, "prompt": [5, 100000]}, 400, "got [100000]"),
         ("/v1/completions", {"model": MODEL, "prompt": "ab", "n": 2}, 400, "'n' other than 1"),
         ("/v1/chat/completions", {"model": MODEL, "messages": "hi"}, 400, "'messages' must be"),
     ],

@@ -149,7 +149,7 @@ class Deployment:
         def add() -> None:
             try:
                 self.engine.add_request(token_ids, params, request_id)
-            except ValueError as error:
+            except Exception as error:  # a bad request fails alone, never the serving loop
                 self._close(request_id, error)
 
         with self._lock:

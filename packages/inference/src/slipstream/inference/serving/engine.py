@@ -90,6 +90,7 @@ class ServingEngine:
         self.max_model_len = self.config.max_model_len or int(model_config.max_position_embeddings)
         check_supported(model, self.max_model_len)
         self.tokenizer = tokenizer
+        self.vocab_size = int(model_config.vocab_size)
         eos = model_config.eos_token_id if tokenizer is None else tokenizer.eos_token_id
         self.eos_token_id: int | None = eos[0] if isinstance(eos, list) else eos
         device = next(model.parameters()).device
@@ -121,7 +122,15 @@ class ServingEngine:
             if self.tokenizer is None:
                 raise ValueError("this engine has no tokenizer: pass prompts as token-id lists")
             return list(self.tokenizer(prompt, add_special_tokens=True)["input_ids"])
-        return list(prompt)
+        ids = list(prompt)
+        # An id past the embedding would fail inside a batched forward (on a GPU, as a device
+        # assert that ends the process): refuse it here, for this request alone.
+        bad = [t for t in ids if not isinstance(t, int) or not 0 <= t < self.vocab_size]
+        if bad:
+            raise ValueError(
+                f"prompt token ids must be integers in [0, {self.vocab_size}); got {bad[:5]}"
+            )
+        return ids
 
     def add_request(
         self,

@@ -52,6 +52,10 @@ class SamplingParams:
         for ok, name, value, allowed in checks:
             if not ok:
                 raise ValueError(f"sampling parameter {name}={value!r} is invalid; use {allowed}")
+        if self.seed is not None and not 0 <= self.seed < 2**63:
+            raise ValueError(
+                f"sampling parameter seed={self.seed!r} is invalid; use 0 <= seed < 2**63"
+            )
         if any(not isinstance(s, str) or not s for s in self.stop):
             raise ValueError(f"sampling parameter stop={self.stop!r}: use non-empty strings")
 
