@@ -88,6 +88,9 @@ def make_workload(args: argparse.Namespace, vocab: int) -> Workload:
         [rng.randrange(10, vocab) for _ in range(length(prompt_bounds))]
         for _ in range(args.num_requests)
     ]
+    if args.shared_prefix:  # one system prompt before every prompt: prefix caching's case
+        prefix = [rng.randrange(10, vocab) for _ in range(args.shared_prefix)]
+        prompts = [prefix + prompt for prompt in prompts]
     outputs = [length(output_bounds) for _ in range(args.num_requests)]
     arrivals, now = [], 0.0
     for _ in range(args.num_requests):
@@ -200,7 +203,14 @@ def _engine_counters(url: str) -> dict[str, float]:
 
     counters = {}
     for line in httpx.get(f"{url}/metrics", timeout=30).text.splitlines():
-        if line.startswith(("slipstream_engine_", "slipstream_num_preemptions")):
+        if line.startswith(
+            (
+                "slipstream_engine_",
+                "slipstream_num_preemptions",
+                "slipstream_prefix_cache_hit",
+                "slipstream_prompt_tokens",
+            )
+        ):
             name, value = line.split()
             counters[name.removeprefix("slipstream_")] = float(value)
     return counters
@@ -219,6 +229,11 @@ def where_time_goes(before: dict[str, float], after: dict[str, float], duration:
         "ms_per_step": per_step,
         "engine_busy_fraction": round(busy / duration, 3),
         "preemptions": int(delta.get("num_preemptions", 0)),
+        "prefix_cache_hit_rate": round(
+            delta.get("prefix_cache_hit_tokens_total", 0.0)
+            / max(delta.get("prompt_tokens_total", 0.0), 1.0),
+            3,
+        ),
     }
 
 
@@ -271,6 +286,8 @@ def run_slipstream(args: argparse.Namespace, workload: Workload) -> dict:
                    "--device", args.device, "--port", str(args.port),
                    "--max-num-batched-tokens", str(args.max_num_batched_tokens),
                    "--max-num-seqs", str(args.max_num_seqs)]  # fmt: skip
+        if args.no_prefix_caching:
+            command.append("--no-prefix-caching")
         for flag, value in (
             ("--num-blocks", args.num_blocks),
             ("--max-model-len", args.max_model_len),
@@ -311,6 +328,7 @@ def _serving_config(args: argparse.Namespace) -> dict[str, Any]:
         "max_num_seqs": args.max_num_seqs,
         "num_blocks": args.num_blocks,
         "max_model_len": args.max_model_len,
+        "enable_prefix_caching": not args.no_prefix_caching,
     }
 
 
@@ -339,9 +357,11 @@ def run_in_process(args: argparse.Namespace, workload: Workload) -> dict:
         result.end = time.perf_counter()
         return result
 
-    async def replay(warmup: int) -> list[RequestResult]:
-        for index in range(warmup):
+    async def warm() -> None:
+        for index in range(args.warmup):
             await one(workload.prompts[index % len(workload.prompts)], 8, 0.0, time.perf_counter())
+
+    async def replay() -> list[RequestResult]:
         origin = time.perf_counter()
         jobs = [
             one(p, n, a, origin)
@@ -350,9 +370,9 @@ def run_in_process(args: argparse.Namespace, workload: Workload) -> dict:
         return list(await asyncio.gather(*jobs))
 
     try:
-        asyncio.run(replay(args.warmup))
+        asyncio.run(warm())  # compiles kernels; not measured
         before = _engine_totals(deployment)
-        results = asyncio.run(replay(0))
+        results = asyncio.run(replay())
         summary = summarize("slipstream-in-process", results, args)
         summary["engine"] = where_time_goes(
             before, _engine_totals(deployment), summary["duration_s"]
@@ -363,7 +383,10 @@ def run_in_process(args: argparse.Namespace, workload: Workload) -> dict:
 
 
 def _engine_totals(deployment: Any) -> dict[str, float]:
-    return {name: float(value) for name, (value, _) in deployment.gauges().items()}
+    totals = {name: float(value) for name, (value, _) in deployment.gauges().items()}
+    totals["prompt_tokens_total"] = float(deployment.metrics.prompt_tokens)
+    totals["prefix_cache_hit_tokens_total"] = float(deployment.metrics.cached_prompt_tokens)
+    return totals
 
 
 def run_hf_continuous_batching(args: argparse.Namespace, workload: Workload) -> dict:
@@ -422,6 +445,12 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--prompt-len", default="64:200", help="MIN:MAX or N tokens")
     parser.add_argument("--output-len", default="256", help="MIN:MAX or N tokens")
     parser.add_argument("--lengths", choices=["uniform", "lognormal"], default="uniform")
+    parser.add_argument(
+        "--shared-prefix", type=int, default=0, help="tokens of a system prompt shared by all"
+    )
+    parser.add_argument(
+        "--no-prefix-caching", action="store_true", help="serve without prefix caching"
+    )
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--warmup", type=int, default=2, help="unmeasured requests first")
     parser.add_argument("--url", help="use a running server (model name 'bench') instead")
@@ -475,7 +504,8 @@ def main(argv: list[str] | None = None) -> int:
             print(
                 f"slipstream engine: {engine['steps']} steps, {engine['tokens_per_step']} tokens "
                 f"per step, ms per step {engine['ms_per_step']}, busy "
-                f"{engine['engine_busy_fraction']:.0%} of the run, {engine['preemptions']} preemptions"
+                f"{engine['engine_busy_fraction']:.0%} of the run, {engine['preemptions']} preemptions, "
+                f"prefix-cache hits {engine['prefix_cache_hit_rate']:.0%} of prompt tokens"
             )
     return 0 if all(s["failed"] == 0 for s in summaries) else 1
 

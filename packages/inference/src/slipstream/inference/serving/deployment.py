@@ -248,6 +248,7 @@ class Deployment:
                     if timing.last_token is None:
                         metrics.time_to_first_token.observe(now - timing.arrival)
                         metrics.prompt_tokens += out.num_prompt_tokens
+                        metrics.cached_prompt_tokens += out.num_cached_tokens
                     else:
                         metrics.inter_token_latency.observe(now - timing.last_token)
                     timing.last_token = now

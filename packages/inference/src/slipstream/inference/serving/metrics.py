@@ -46,6 +46,7 @@ class ServingMetrics:
         self.inter_token_latency = Histogram()
         self.request_latency = Histogram()
         self.prompt_tokens = 0
+        self.cached_prompt_tokens = 0  # prompt tokens found in the prefix cache
         self.generation_tokens = 0
         self.requests = {"stop": 0, "length": 0, "abort": 0}
         self._recent: deque[tuple[float, int]] = deque()  # (time, tokens) of the last window
@@ -71,7 +72,12 @@ class ServingMetrics:
                 lines += [f"# HELP {prefix}_{name} {help_text}", f"# TYPE {prefix}_{name} gauge"]
                 lines.append(f"{prefix}_{name} {value}")
             for name, value, help_text in (
-                ("prompt_tokens_total", self.prompt_tokens, "prompt tokens computed"),
+                ("prompt_tokens_total", self.prompt_tokens, "prompt tokens of started requests"),
+                (
+                    "prefix_cache_hit_tokens_total",
+                    self.cached_prompt_tokens,
+                    "prompt tokens reused from the prefix cache",
+                ),
                 ("generation_tokens_total", self.generation_tokens, "tokens generated"),
             ):
                 lines += [f"# HELP {prefix}_{name} {help_text}", f"# TYPE {prefix}_{name} counter"]
