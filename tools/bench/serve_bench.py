@@ -188,13 +188,19 @@ async def run_client(url: str, workload: Workload) -> list[RequestResult]:
         return list(await asyncio.gather(*jobs))
 
 
+def _warmup_prompt(workload: Workload, index: int) -> list[int]:
+    """A prompt of a workload's length, reversed so that it shares no prefix-cache block with
+    the measured requests."""
+    return list(reversed(workload.prompts[index % len(workload.prompts)]))
+
+
 async def _warm(url: str, workload: Workload, count: int) -> None:
     """``count`` short requests, one at a time (compiles the kernels before measuring)."""
     import httpx
 
     async with httpx.AsyncClient(timeout=None) as client:
         for index in range(count):
-            prompt = workload.prompts[index % len(workload.prompts)]
+            prompt = _warmup_prompt(workload, index)
             await _one(client, url, prompt, 8, 0.0, time.perf_counter())
 
 
@@ -359,7 +365,7 @@ def run_in_process(args: argparse.Namespace, workload: Workload) -> dict:
 
     async def warm() -> None:
         for index in range(args.warmup):
-            await one(workload.prompts[index % len(workload.prompts)], 8, 0.0, time.perf_counter())
+            await one(_warmup_prompt(workload, index), 8, 0.0, time.perf_counter())
 
     async def replay() -> list[RequestResult]:
         origin = time.perf_counter()
@@ -380,6 +386,9 @@ def run_in_process(args: argparse.Namespace, workload: Workload) -> dict:
         return summary
     finally:
         deployment.shutdown()
+        # Free the KV cache now: the next backend in this process needs the GPU memory.
+        deployment.engine.runner.key_cache.clear()
+        deployment.engine.runner.value_cache.clear()
 
 
 def _engine_totals(deployment: Any) -> dict[str, float]:
@@ -402,7 +411,9 @@ def run_hf_continuous_batching(args: argparse.Namespace, workload: Workload) -> 
     accepted = inspect.signature(model.generate_batch).parameters
     extra = {"record_timestamps": True} if "record_timestamps" in accepted else {}
     model.generate_batch(
-        inputs=workload.prompts[: max(1, args.warmup)], generation_config=config, **extra
+        inputs=[_warmup_prompt(workload, i) for i in range(max(1, args.warmup))],
+        generation_config=config,
+        **extra,
     )
     start = time.perf_counter()
     outputs = model.generate_batch(inputs=workload.prompts, generation_config=config, **extra)
@@ -418,6 +429,16 @@ def run_hf_continuous_batching(args: argparse.Namespace, workload: Workload) -> 
     summary = summarize("hf-generate_batch", results, args)
     summary["note"] = "offline: all requests at once; ttft/itl from record_timestamps when present"
     return summary
+
+
+def _release_memory() -> None:
+    import gc
+
+    import torch
+
+    gc.collect()
+    if torch.cuda.is_available():
+        torch.cuda.empty_cache()
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -484,6 +505,7 @@ def main(argv: list[str] | None = None) -> int:
     }
     for backend in backends:
         summaries.append(runners[backend](args, workload))
+        _release_memory()
     for summary in summaries:
         print(json.dumps(summary))
         if args.json:
