@@ -29,7 +29,8 @@ TEST_EXTRAS: dict[str, list[str]] = {
     ],  # the CPU interpreter (TRITON_INTERPRET=1); 3.6's breaks on NumPy 2.4
     "moe": ["transformers>=4.40"],
     "data_efficiency": ["triton>=3.9"],  # the token kernels under TRITON_INTERPRET=1
-    "inference": ["transformers>=4.45"],
+    # inference: HF models for parity; serving: its [serve] extra (ASGI stack) and httpx for tests
+    "inference": ["triton>=3.9", "transformers>=4.45", "starlette>=0.37", "uvicorn>=0.29", "httpx>=0.27"],
     "offload_io": ["aiofiles>=23.1"],
 }
 

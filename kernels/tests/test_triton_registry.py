@@ -20,6 +20,7 @@ TRITON_OPS = {
     "lamb",
     "layer_norm",
     "lion",
+    "paged_attention",
     "quantize",
     "rms_norm",
     "rotary_embedding",

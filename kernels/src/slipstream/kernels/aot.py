@@ -46,6 +46,7 @@ KERNEL_MODULES = (
     "slipstream.kernels.ops.lion.triton",
     "slipstream.kernels.ops.lamb.triton",
     "slipstream.kernels.ops.quantize.triton",
+    "slipstream.kernels.ops.paged_attention.triton",
 )
 
 _BINARY_KINDS = ("cubin", "hsaco")

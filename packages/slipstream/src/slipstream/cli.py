@@ -1,5 +1,6 @@
 """The `slipstream` command: `run` (launcher), `build-ops`, `report`, `estimate` (memory),
-`convert` (checkpoints) and `io-bench` (NVMe offload bandwidth)."""
+`convert` (checkpoints), `io-bench` (NVMe offload bandwidth) and `serve` (OpenAI-compatible
+model server)."""
 
 from __future__ import annotations
 
@@ -168,6 +169,11 @@ def main(argv: list[str] | None = None) -> int:
         from slipstream.offload.io_bench import main as io_bench_main
 
         return io_bench_main(argv[1:])
+    if argv and argv[0] == "serve":
+        # slipstream-inference owns the serving options (pip install slipstream-inference[serve]).
+        from slipstream.inference.serving.cli import main as serve_main
+
+        return serve_main(argv[1:])
 
     parser = argparse.ArgumentParser(
         prog="slipstream",
@@ -189,6 +195,11 @@ def main(argv: list[str] | None = None) -> int:
         "io-bench",
         help="measure NVMe offload read/write GB/s against the raw disk; suggest aio settings "
         "(see `slipstream io-bench --help`)",
+        add_help=False,
+    )
+    sub.add_parser(
+        "serve",
+        help="serve a model over an OpenAI-compatible HTTP API (see `slipstream serve --help`)",
         add_help=False,
     )
     report = sub.add_parser(

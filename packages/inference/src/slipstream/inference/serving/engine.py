@@ -1,0 +1,264 @@
+"""The serving engine loop: admit requests, schedule a step, run it, sample, stream outputs."""
+
+from __future__ import annotations
+
+import itertools
+import logging
+import time
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+from torch import nn
+
+from slipstream.inference.serving.config import ServingConfig
+from slipstream.inference.serving.detokenizer import IncrementalDetokenizer
+from slipstream.inference.serving.model_runner import PagedDecoder, check_supported
+from slipstream.inference.serving.request import Request, RequestStatus, SamplingParams
+from slipstream.inference.serving.sampler import sample
+from slipstream.inference.serving.scheduler import Scheduler
+
+logger = logging.getLogger(__name__)
+
+_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+
+
+@dataclass
+class RequestOutput:
+    """What one step produced for one request (a streaming increment, or the final one)."""
+
+    request_id: str
+    new_token_ids: list[int]
+    text: str  # the text delta of ``new_token_ids`` ("" without a tokenizer)
+    finished: bool = False
+    finish_reason: str | None = None  # "stop", "length" or "abort" once finished
+    num_prompt_tokens: int = 0
+    num_output_tokens: int = 0
+    num_cached_tokens: int = 0
+
+
+@dataclass
+class EngineStats:
+    """Counters the server's /metrics reads (monotonic totals, and the latest gauges)."""
+
+    prompt_tokens: int = 0
+    generated_tokens: int = 0
+    steps: int = 0
+    preemptions: int = 0
+    batched_tokens: int = 0  # tokens of all forward passes (prompt chunks + decodes)
+    requests_finished: dict[str, int] = field(default_factory=dict)
+    # Where the engine's time goes, in seconds: planning the step, launching the forward,
+    # waiting for its logits and sampling (the GPU's time shows here: the first device-to-host
+    # copy), and bookkeeping plus detokenization after it.
+    seconds: dict[str, float] = field(
+        default_factory=lambda: {"schedule": 0.0, "forward": 0.0, "sample": 0.0, "update": 0.0}
+    )
+
+
+def _num_blocks(model: nn.Module, config: ServingConfig, device: torch.device) -> int:
+    if config.num_blocks is not None:
+        return config.num_blocks
+    per_block = PagedDecoder.bytes_per_block(model, config.block_size)
+    if device.type == "cuda":
+        free, _ = torch.cuda.mem_get_info(device)
+        budget = int(free * config.kv_cache_memory_fraction)
+    else:
+        budget = config.cpu_kv_cache_bytes
+    return max(1, budget // per_block)
+
+
+class ServingEngine:
+    """Continuous batching over a paged KV cache for one Llama-architecture model.
+
+    Single-threaded: call :meth:`add_request`, :meth:`abort` and :meth:`step` from one thread
+    (:class:`~slipstream.inference.serving.deployment.Deployment` runs it on its own thread).
+
+    >>> engine = ServingEngine(model, tokenizer, ServingConfig(num_blocks=64))  # doctest: +SKIP
+    >>> engine.add_request("Hello", SamplingParams(max_tokens=8))  # doctest: +SKIP
+    >>> while engine.has_unfinished:  # doctest: +SKIP
+    ...     for out in engine.step():
+    ...         print(out.text, end="")
+    """
+
+    def __init__(
+        self, model: nn.Module, tokenizer: Any = None, config: ServingConfig | None = None
+    ) -> None:
+        self.config = config or ServingConfig()
+        if self.config.dtype != "auto":
+            model = model.to(_DTYPES[self.config.dtype])
+        model_config: Any = model.config  # type: ignore[attr-defined]
+        self.max_model_len = self.config.max_model_len or int(model_config.max_position_embeddings)
+        check_supported(model, self.max_model_len)
+        self.tokenizer = tokenizer
+        self.vocab_size = int(model_config.vocab_size)
+        eos = model_config.eos_token_id if tokenizer is None else tokenizer.eos_token_id
+        self.eos_token_id: int | None = eos[0] if isinstance(eos, list) else eos
+        device = next(model.parameters()).device
+        num_blocks = _num_blocks(model, self.config, device)
+        self.runner = PagedDecoder(model, num_blocks=num_blocks, block_size=self.config.block_size)
+        self.scheduler = Scheduler(
+            num_blocks=num_blocks,
+            block_size=self.config.block_size,
+            max_num_batched_tokens=self.config.max_num_batched_tokens,
+            max_num_seqs=self.config.max_num_seqs,
+            max_model_len=self.max_model_len,
+            enable_prefix_caching=self.config.enable_prefix_caching,
+        )
+        self.stats = EngineStats()
+        self._detokenizers: dict[str, IncrementalDetokenizer] = {}
+        self._generators: dict[str, torch.Generator | None] = {}
+        self._ids = itertools.count()
+        logger.info(
+            "serving engine: %d KV blocks of %d tokens (%.2f GiB), budget %d tokens/step",
+            num_blocks,
+            self.config.block_size,
+            num_blocks * PagedDecoder.bytes_per_block(model, self.config.block_size) / 2**30,
+            self.config.max_num_batched_tokens,
+        )
+
+    def tokenize(self, prompt: str | list[int]) -> list[int]:
+        """Token ids of ``prompt`` (ids pass through)."""
+        if isinstance(prompt, str):
+            if self.tokenizer is None:
+                raise ValueError("this engine has no tokenizer: pass prompts as token-id lists")
+            return list(self.tokenizer(prompt, add_special_tokens=True)["input_ids"])
+        ids = list(prompt)
+        # An id past the embedding would fail inside a batched forward (on a GPU, as a device
+        # assert that ends the process): refuse it here, for this request alone.
+        bad = [t for t in ids if not isinstance(t, int) or not 0 <= t < self.vocab_size]
+        if bad:
+            raise ValueError(
+                f"prompt token ids must be integers in [0, {self.vocab_size}); got {bad[:5]}"
+            )
+        return ids
+
+    def add_request(
+        self,
+        prompt: str | list[int],
+        params: SamplingParams | None = None,
+        request_id: str | None = None,
+    ) -> str:
+        """Queue a prompt (text or token ids); returns its request id.
+
+        ValueError when it can never be served (too long for ``max_model_len``, empty).
+        """
+        params = params or SamplingParams()
+        request_id = request_id if request_id is not None else f"req-{next(self._ids)}"
+        request = Request(request_id, self.tokenize(prompt), params, self.eos_token_id)
+        self.scheduler.add_request(request)
+        if self.tokenizer is not None:
+            self._detokenizers[request_id] = IncrementalDetokenizer(self.tokenizer, params.stop)
+        generator = None
+        if params.seed is not None:
+            generator = torch.Generator(device=self.runner.device).manual_seed(params.seed)
+        self._generators[request_id] = generator
+        return request_id
+
+    def abort(self, request_id: str) -> RequestOutput | None:
+        """Cancel a request (frees its KV blocks); None if it already finished."""
+        request = self.scheduler.finish(request_id, RequestStatus.FINISHED_ABORTED)
+        if request is None:
+            return None
+        return self._finish(request, [], "")
+
+    @property
+    def has_unfinished(self) -> bool:
+        """True while any request waits or runs."""
+        return self.scheduler.num_unfinished > 0
+
+    def step(self) -> list[RequestOutput]:
+        """Run one forward pass of the scheduled batch; return each touched request's output."""
+        clock = time.perf_counter()
+        plan = self.scheduler.schedule()
+        self.stats.preemptions += len(plan.preempted)
+        if not plan.chunks:
+            return []
+        seconds = self.stats.seconds
+        now = time.perf_counter()
+        seconds["schedule"] += now - clock
+        clock = now
+        logits = self.runner.forward(plan.chunks)
+        now = time.perf_counter()
+        seconds["forward"] += now - clock
+        clock = now
+        sampling = [c for c in plan.chunks if c.samples]
+        requests = [self.scheduler.requests[c.request_id] for c in sampling]
+        tokens = sample(
+            logits,
+            [r.sampling for r in requests],
+            [self._generators[r.request_id] for r in requests],
+        )
+        now = time.perf_counter()
+        seconds["sample"] += now - clock
+        clock = now
+        self.stats.steps += 1
+        self.stats.batched_tokens += plan.num_tokens
+        self.stats.prompt_tokens += sum(
+            len(c.token_ids)
+            for c in plan.chunks
+            if c.start < self.scheduler.requests[c.request_id].num_prompt_tokens
+        )
+        finished = {
+            r.request_id
+            for r in self.scheduler.update(
+                plan, dict(zip([c.request_id for c in sampling], tokens))
+            )
+        }
+        outputs = []
+        for request, token in zip(requests, tokens):
+            self.stats.generated_tokens += 1
+            text, stopped = "", False
+            detokenizer = self._detokenizers.get(request.request_id)
+            if detokenizer is not None:
+                text, stopped = detokenizer.update(
+                    request.output_token_ids, request.request_id in finished
+                )
+            if stopped and request.request_id not in finished:
+                self.scheduler.finish(request.request_id, RequestStatus.FINISHED_STOPPED)
+                request.status = RequestStatus.FINISHED_STOPPED
+            if request.status.finished:
+                outputs.append(self._finish(request, [token], text))
+            else:
+                outputs.append(self._output(request, [token], text))
+        seconds["update"] += time.perf_counter() - clock
+        return outputs
+
+    def _output(self, request: Request, tokens: list[int], text: str) -> RequestOutput:
+        return RequestOutput(
+            request_id=request.request_id,
+            new_token_ids=tokens,
+            text=text,
+            num_prompt_tokens=request.num_prompt_tokens,
+            num_output_tokens=request.num_output_tokens,
+            num_cached_tokens=request.num_cached_prompt_tokens,
+        )
+
+    def _finish(self, request: Request, tokens: list[int], text: str) -> RequestOutput:
+        self._detokenizers.pop(request.request_id, None)
+        self._generators.pop(request.request_id, None)
+        reason = request.status.value
+        self.stats.requests_finished[reason] = self.stats.requests_finished.get(reason, 0) + 1
+        out = self._output(request, tokens, text)
+        out.finished, out.finish_reason = True, reason
+        return out
+
+    def generate(
+        self, prompts: list[str] | list[list[int]], params: SamplingParams | None = None
+    ) -> list[RequestOutput]:
+        """Serve ``prompts`` together to completion; one output per prompt (all tokens, text)."""
+        ids = [self.add_request(prompt, params) for prompt in prompts]
+        results = {rid: RequestOutput(rid, [], "") for rid in ids}
+        started = time.perf_counter()
+        while any(not results[rid].finished for rid in ids):
+            for out in self.step():
+                if out.request_id not in results:
+                    continue
+                total = results[out.request_id]
+                total.new_token_ids += out.new_token_ids
+                total.text += out.text
+                total.finished, total.finish_reason = out.finished, out.finish_reason
+                total.num_prompt_tokens = out.num_prompt_tokens
+                total.num_output_tokens = out.num_output_tokens
+                total.num_cached_tokens = out.num_cached_tokens
+        logger.debug("generate: %d prompts in %.3fs", len(ids), time.perf_counter() - started)
+        return [results[rid] for rid in ids]

@@ -1,0 +1,546 @@
+"""Serving load generator: Poisson arrivals and realistic lengths against the OpenAI-compatible
+server over HTTP on localhost (throughput, TTFT and ITL p50/p99, SLO goodput), and the same
+workload through Hugging Face Transformers' continuous batching (``generate_batch``).
+
+CPU check (tiny random Llama, about a minute)::
+
+    PYTHONPATH=$(ls -d kernels/src packages/*/src | tr '\\n' ':') python3 tools/bench/serve_bench.py \\
+        --model tiny --num-requests 16 --rate 8 --prompt-len 16:64 --output-len 16:48
+
+One H100, a Llama-3-8B-shaped model with random bf16 weights: 64 requests of 64-200 prompt
+tokens and 256 new tokens, all at once (the HF baseline's setting), then Poisson arrivals at
+4 requests/s (about 3-4 minutes in all)::
+
+    python3 tools/bench/serve_bench.py --model llama3-8b --num-requests 64 --rate inf \\
+        --prompt-len 64:200 --output-len 256 --backend both --json serve_bench.jsonl
+    python3 tools/bench/serve_bench.py --model llama3-8b --num-requests 64 --rate 4 \\
+        --prompt-len 64:200 --output-len 256 --backend slipstream --json serve_bench.jsonl
+
+``--backend slipstream`` needs starlette, uvicorn and httpx (``slipstream-inference[serve]``);
+``--backend in-process`` replays the same workload on the engine without HTTP and needs none.
+
+Prompts are random token ids (no tokenizer is needed or downloaded); every request generates
+exactly its output length (``ignore_eos``), as serving benchmarks do.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import inspect
+import itertools
+import json
+import math
+import os
+import random
+import signal
+import subprocess
+import sys
+import time
+from dataclasses import dataclass, field
+from typing import Any
+
+MODEL_NAME = "bench"
+
+
+@dataclass
+class Workload:
+    """Prompts (token ids), output lengths and arrival times (seconds from the start)."""
+
+    prompts: list[list[int]]
+    output_lens: list[int]
+    arrivals: list[float]
+
+
+@dataclass
+class RequestResult:
+    """What the client saw of one request."""
+
+    prompt_len: int
+    output_len: int = 0
+    ttft: float | None = None
+    itl: list[float] = field(default_factory=list)
+    start: float = 0.0
+    end: float = 0.0
+    error: str | None = None
+
+
+def _range(text: str) -> tuple[int, int]:
+    low, _, high = text.partition(":")
+    return int(low), int(high or low)
+
+
+def make_workload(args: argparse.Namespace, vocab: int) -> Workload:
+    """Lengths uniform in MIN:MAX, or lognormal (a long tail, as chat traffic has) clipped to it."""
+    rng = random.Random(args.seed)
+
+    def length(bounds: tuple[int, int]) -> int:
+        low, high = bounds
+        if low == high:
+            return low
+        if args.lengths == "lognormal":
+            median = math.sqrt(low * high)
+            return int(min(high, max(low, rng.lognormvariate(math.log(median), 0.6))))
+        return rng.randint(low, high)
+
+    prompt_bounds, output_bounds = _range(args.prompt_len), _range(args.output_len)
+    prompts = [
+        [rng.randrange(10, vocab) for _ in range(length(prompt_bounds))]
+        for _ in range(args.num_requests)
+    ]
+    if args.shared_prefix:  # one system prompt before every prompt: prefix caching's case
+        prefix = [rng.randrange(10, vocab) for _ in range(args.shared_prefix)]
+        prompts = [prefix + prompt for prompt in prompts]
+    outputs = [length(output_bounds) for _ in range(args.num_requests)]
+    arrivals, now = [], 0.0
+    for _ in range(args.num_requests):
+        arrivals.append(now)
+        if args.rate != math.inf:
+            now += rng.expovariate(args.rate)  # Poisson process: exponential gaps
+    return Workload(prompts, outputs, arrivals)
+
+
+def build_model(name: str, device: str) -> Any:
+    """A random model of a known shape ("tiny", "llama3-8b") or a Hugging Face id / folder."""
+    import torch
+    import transformers
+
+    shapes = {
+        "tiny": dict(hidden_size=128, intermediate_size=256, num_hidden_layers=2,
+                     num_attention_heads=4, num_key_value_heads=2, vocab_size=512,
+                     max_position_embeddings=1024),
+        "llama3-8b": dict(hidden_size=4096, intermediate_size=14336, num_hidden_layers=32,
+                          num_attention_heads=32, num_key_value_heads=8, vocab_size=128256,
+                          max_position_embeddings=8192, rope_theta=500000.0),
+    }  # fmt: skip
+    if name not in shapes:
+        dtype = torch.bfloat16 if device.startswith("cuda") else torch.float32
+        return transformers.AutoModelForCausalLM.from_pretrained(name, dtype=dtype).to(device)
+    dtype = torch.float32 if name == "tiny" else torch.bfloat16
+    config = transformers.LlamaConfig(**shapes[name], bos_token_id=1, eos_token_id=2)
+    previous = torch.get_default_dtype()
+    torch.set_default_dtype(dtype)
+    try:
+        with torch.device(device):
+            torch.manual_seed(0)
+            model = transformers.LlamaForCausalLM(config)
+    finally:
+        torch.set_default_dtype(previous)
+    return model.eval()
+
+
+def serve_only(args: argparse.Namespace) -> int:
+    """The server process: build the model, serve it on 127.0.0.1:port until SIGTERM."""
+    from slipstream.inference.serving import serve
+    from slipstream.inference.serving.server import build_server
+
+    model = build_model(args.model, args.device)
+    deployment = serve(model, config=_serving_config(args))
+    deployment.model_name = MODEL_NAME
+    build_server(deployment, "127.0.0.1", args.port, log_level="warning").run()
+    return 0
+
+
+async def _one(client: Any, url: str, prompt: list[int], output_len: int, delay: float,
+               origin: float) -> RequestResult:  # fmt: skip
+    await asyncio.sleep(max(0.0, origin + delay - time.perf_counter()))
+    result = RequestResult(len(prompt))
+    body = {
+        "model": MODEL_NAME, "prompt": prompt, "max_tokens": output_len, "temperature": 0,
+        "ignore_eos": True, "stream": True, "stream_options": {"include_usage": True},
+    }  # fmt: skip
+    result.start = last = time.perf_counter()
+    try:
+        async with client.stream("POST", f"{url}/v1/completions", json=body) as response:
+            if response.status_code != 200:
+                result.error = f"HTTP {response.status_code}: {(await response.aread())[:200]!r}"
+                return result
+            async for line in response.aiter_lines():
+                if not line.startswith("data: ") or line == "data: [DONE]":
+                    continue
+                event = json.loads(line[6:])
+                now = time.perf_counter()
+                if event.get("usage"):
+                    result.output_len = event["usage"]["completion_tokens"]
+                elif event["choices"]:
+                    if result.ttft is None:
+                        result.ttft = now - result.start
+                    else:
+                        result.itl.append(now - last)
+                    last = now
+    except Exception as error:
+        result.error = repr(error)
+    result.end = time.perf_counter()
+    return result
+
+
+async def run_client(url: str, workload: Workload) -> list[RequestResult]:
+    """Replay ``workload`` against ``url``: each request sent at its arrival time, streamed."""
+    import httpx
+
+    limits = httpx.Limits(max_connections=None, max_keepalive_connections=None)
+    async with httpx.AsyncClient(timeout=None, limits=limits) as client:
+        origin = time.perf_counter()
+        jobs = [
+            _one(client, url, p, n, a, origin)
+            for p, n, a in zip(workload.prompts, workload.output_lens, workload.arrivals)
+        ]
+        return list(await asyncio.gather(*jobs))
+
+
+def _warmup_prompt(workload: Workload, index: int) -> list[int]:
+    """A prompt of a workload's length, reversed so that it shares no prefix-cache block with
+    the measured requests."""
+    return list(reversed(workload.prompts[index % len(workload.prompts)]))
+
+
+async def _warm(url: str, workload: Workload, count: int) -> None:
+    """``count`` short requests, one at a time (compiles the kernels before measuring)."""
+    import httpx
+
+    async with httpx.AsyncClient(timeout=None) as client:
+        for index in range(count):
+            prompt = _warmup_prompt(workload, index)
+            await _one(client, url, prompt, 8, 0.0, time.perf_counter())
+
+
+def _engine_counters(url: str) -> dict[str, float]:
+    import httpx
+
+    counters = {}
+    for line in httpx.get(f"{url}/metrics", timeout=30).text.splitlines():
+        if line.startswith(
+            (
+                "slipstream_engine_",
+                "slipstream_num_preemptions",
+                "slipstream_prefix_cache_hit",
+                "slipstream_prompt_tokens",
+            )
+        ):
+            name, value = line.split()
+            counters[name.removeprefix("slipstream_")] = float(value)
+    return counters
+
+
+def where_time_goes(before: dict[str, float], after: dict[str, float], duration: float) -> dict:
+    """Per-step engine time by phase over the measured run, and how busy the engine was."""
+    delta = {k: after[k] - before.get(k, 0.0) for k in after}
+    steps = max(delta.get("engine_steps", 0.0), 1.0)
+    phases = ("schedule", "forward", "sample", "update")
+    per_step = {p: round(delta.get(f"engine_{p}_seconds", 0.0) / steps * 1000, 3) for p in phases}
+    busy = sum(delta.get(f"engine_{p}_seconds", 0.0) for p in phases)
+    return {
+        "steps": int(delta.get("engine_steps", 0)),
+        "tokens_per_step": round(delta.get("engine_batched_tokens", 0.0) / steps, 1),
+        "ms_per_step": per_step,
+        "engine_busy_fraction": round(busy / duration, 3),
+        "preemptions": int(delta.get("num_preemptions", 0)),
+        "prefix_cache_hit_rate": round(
+            delta.get("prefix_cache_hit_tokens_total", 0.0)
+            / max(delta.get("prompt_tokens_total", 0.0), 1.0),
+            3,
+        ),
+    }
+
+
+def _percentile(values: list[float], q: float) -> float | None:
+    if not values:
+        return None
+    ordered = sorted(values)
+    return ordered[min(len(ordered) - 1, max(0, math.ceil(q / 100 * len(ordered)) - 1))]
+
+
+def summarize(backend: str, results: list[RequestResult], args: argparse.Namespace) -> dict:
+    """Throughput, TTFT/ITL percentiles and SLO goodput of one run."""
+    done = [r for r in results if r.error is None]
+    duration = max(r.end for r in results) - min(r.start for r in results)
+    itl = [x for r in done for x in r.itl]
+    ttft = [r.ttft for r in done if r.ttft is not None]
+    good = [
+        r for r in done
+        if r.ttft is not None and r.ttft <= args.slo_ttft
+        and (_percentile(r.itl, 99) or 0.0) <= args.slo_itl
+    ]  # fmt: skip
+    out_tokens = sum(r.output_len for r in done)
+    return {
+        "backend": backend,
+        "model": args.model,
+        "requests": len(results),
+        "failed": len(results) - len(done),
+        "errors": sorted({r.error for r in results if r.error})[:3],
+        "rate": args.rate,
+        "duration_s": round(duration, 3),
+        "output_tokens": out_tokens,
+        "output_tokens_per_s": round(out_tokens / duration, 1),
+        "requests_per_s": round(len(done) / duration, 3),
+        "ttft_p50_s": _percentile(ttft, 50),
+        "ttft_p99_s": _percentile(ttft, 99),
+        "itl_p50_s": _percentile(itl, 50),
+        "itl_p99_s": _percentile(itl, 99),
+        "goodput_requests_per_s": round(len(good) / duration, 3),
+        "slo": {"ttft_s": args.slo_ttft, "itl_p99_s": args.slo_itl},
+    }
+
+
+def run_slipstream(args: argparse.Namespace, workload: Workload) -> dict:
+    """Start the server in a child process (unless --url), replay, stop it with SIGTERM."""
+    url, process = args.url, None
+    if url is None:
+        import httpx
+
+        command = [sys.executable, __file__, "--serve-only", "--model", args.model,
+                   "--device", args.device, "--port", str(args.port),
+                   "--max-num-batched-tokens", str(args.max_num_batched_tokens),
+                   "--max-num-seqs", str(args.max_num_seqs)]  # fmt: skip
+        if args.no_prefix_caching:
+            command.append("--no-prefix-caching")
+        for flag, value in (
+            ("--num-blocks", args.num_blocks),
+            ("--max-model-len", args.max_model_len),
+        ):
+            if value is not None:
+                command += [flag, str(value)]
+        process = subprocess.Popen(command, env=os.environ.copy())
+        url = f"http://127.0.0.1:{args.port}"
+        deadline = time.monotonic() + args.startup_timeout
+        while True:
+            if process.poll() is not None:
+                raise SystemExit(f"the server exited with {process.returncode} before serving")
+            try:
+                if httpx.get(f"{url}/health", timeout=2).status_code == 200:
+                    break
+            except httpx.TransportError:
+                pass
+            if time.monotonic() > deadline:
+                process.kill()
+                raise SystemExit("the server did not start in time")
+            time.sleep(0.5)
+    try:
+        asyncio.run(_warm(url, workload, args.warmup))  # compiles kernels; not measured
+        before = _engine_counters(url)
+        results = asyncio.run(run_client(url, workload))
+        summary = summarize("slipstream", results, args)
+        summary["engine"] = where_time_goes(before, _engine_counters(url), summary["duration_s"])
+        return summary
+    finally:
+        if process is not None:
+            process.send_signal(signal.SIGTERM)  # graceful: drains, then exits
+            process.wait(timeout=120)
+
+
+def _serving_config(args: argparse.Namespace) -> dict[str, Any]:
+    return {
+        "max_num_batched_tokens": args.max_num_batched_tokens,
+        "max_num_seqs": args.max_num_seqs,
+        "num_blocks": args.num_blocks,
+        "max_model_len": args.max_model_len,
+        "enable_prefix_caching": not args.no_prefix_caching,
+    }
+
+
+def run_in_process(args: argparse.Namespace, workload: Workload) -> dict:
+    """The same workload through a :class:`Deployment` in this process, without HTTP (needs
+    no starlette/uvicorn/httpx): the engine's own throughput and latencies."""
+    from slipstream.inference.serving import SamplingParams, serve
+
+    deployment = serve(build_model(args.model, args.device), config=_serving_config(args))
+
+    async def one(prompt: list[int], output_len: int, delay: float, origin: float) -> RequestResult:
+        await asyncio.sleep(max(0.0, origin + delay - time.perf_counter()))
+        result = RequestResult(len(prompt))
+        params = SamplingParams(max_tokens=output_len, ignore_eos=True)
+        result.start = last = time.perf_counter()
+        stream = deployment.submit(prompt, params, loop=asyncio.get_running_loop())
+        async for out in stream:
+            now = time.perf_counter()
+            if out.new_token_ids:
+                if result.ttft is None:
+                    result.ttft = now - result.start
+                else:
+                    result.itl.append(now - last)
+                last = now
+            result.output_len = out.num_output_tokens
+        result.end = time.perf_counter()
+        return result
+
+    async def warm() -> None:
+        for index in range(args.warmup):
+            await one(_warmup_prompt(workload, index), 8, 0.0, time.perf_counter())
+
+    async def replay() -> list[RequestResult]:
+        origin = time.perf_counter()
+        jobs = [
+            one(p, n, a, origin)
+            for p, n, a in zip(workload.prompts, workload.output_lens, workload.arrivals)
+        ]
+        return list(await asyncio.gather(*jobs))
+
+    try:
+        asyncio.run(warm())  # compiles kernels; not measured
+        before = _engine_totals(deployment)
+        results = asyncio.run(replay())
+        summary = summarize("slipstream-in-process", results, args)
+        summary["engine"] = where_time_goes(
+            before, _engine_totals(deployment), summary["duration_s"]
+        )
+        return summary
+    finally:
+        deployment.shutdown()
+        # Free the KV cache now: the next backend in this process needs the GPU memory.
+        deployment.engine.runner.key_cache.clear()
+        deployment.engine.runner.value_cache.clear()
+
+
+def _engine_totals(deployment: Any) -> dict[str, float]:
+    totals = {name: float(value) for name, (value, _) in deployment.gauges().items()}
+    totals["prompt_tokens_total"] = float(deployment.metrics.prompt_tokens)
+    totals["prefix_cache_hit_tokens_total"] = float(deployment.metrics.cached_prompt_tokens)
+    return totals
+
+
+def run_hf_continuous_batching(args: argparse.Namespace, workload: Workload) -> dict:
+    """The same prompts through ``model.generate_batch`` (all submitted at once: its API has
+    no arrivals; compare with ``--rate inf``). One max_new_tokens for all requests: the
+    longest output length (tokens actually generated are counted)."""
+    import transformers
+
+    model = build_model(args.model, args.device)
+    config = transformers.GenerationConfig(
+        max_new_tokens=max(workload.output_lens), do_sample=False, eos_token_id=-1, pad_token_id=0
+    )
+    accepted = inspect.signature(model.generate_batch).parameters
+    extra = {"record_timestamps": True} if "record_timestamps" in accepted else {}
+    model.generate_batch(
+        inputs=[_warmup_prompt(workload, i) for i in range(max(1, args.warmup))],
+        generation_config=config,
+        **extra,
+    )
+    start = time.perf_counter()
+    outputs = model.generate_batch(inputs=workload.prompts, generation_config=config, **extra)
+    end = time.perf_counter()
+    results = []
+    for out in outputs.values():
+        result = RequestResult(len(out.prompt_ids), len(out.generated_tokens), start=start, end=end)
+        lifespan = getattr(out, "lifespan", None)
+        if lifespan and getattr(out, "created_time", None):
+            # Transformers' own clock: from the request's creation to its last token, leaving
+            # out what the call spends around generation (its warm-up, manager start and stop).
+            result.start, result.end = out.created_time, lifespan[1]
+        stamps = getattr(out, "timestamps", None)
+        if stamps:
+            result.ttft = stamps[0] - out.created_time
+            result.itl = [b - a for a, b in itertools.pairwise(stamps)]
+        results.append(result)
+    summary = summarize("hf-generate_batch", results, args)
+    summary["call_duration_s"] = round(end - start, 3)
+    summary["note"] = (
+        "offline: all requests at once; duration from the requests' creation to their last "
+        "token (Transformers' timestamps) where present, else the whole call; ttft/itl from "
+        "record_timestamps when present"
+    )
+    return summary
+
+
+def _release_memory() -> None:
+    import gc
+
+    import torch
+
+    gc.collect()
+    if torch.cuda.is_available():
+        torch.cuda.empty_cache()
+
+
+def main(argv: list[str] | None = None) -> int:
+    """Parse options, run the chosen backends, print and (optionally) append JSON lines."""
+    parser = argparse.ArgumentParser(
+        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
+    parser.add_argument(
+        "--model", default="tiny", help="tiny, llama3-8b (random) or an HF id/folder"
+    )
+    parser.add_argument("--device", default=None, help="default: cuda when available")
+    parser.add_argument(
+        "--backend",
+        nargs="+",
+        choices=["slipstream", "in-process", "hf", "both"],
+        default=["slipstream"],
+        help="one or more, run in order. slipstream: the HTTP server in a child process; "
+        "in-process: its engine without HTTP; hf: Transformers' generate_batch; "
+        "both: slipstream and hf",
+    )
+    parser.add_argument("--num-requests", type=int, default=64)
+    parser.add_argument(
+        "--rate", type=float, default=math.inf, help="requests/s (inf: all at once)"
+    )
+    parser.add_argument("--prompt-len", default="64:200", help="MIN:MAX or N tokens")
+    parser.add_argument("--output-len", default="256", help="MIN:MAX or N tokens")
+    parser.add_argument("--lengths", choices=["uniform", "lognormal"], default="uniform")
+    parser.add_argument(
+        "--shared-prefix", type=int, default=0, help="tokens of a system prompt shared by all"
+    )
+    parser.add_argument(
+        "--no-prefix-caching", action="store_true", help="serve without prefix caching"
+    )
+    parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--warmup", type=int, default=2, help="unmeasured requests first")
+    parser.add_argument("--url", help="use a running server (model name 'bench') instead")
+    parser.add_argument("--port", type=int, default=18431)
+    parser.add_argument("--max-num-batched-tokens", type=int, default=2048)
+    parser.add_argument("--max-num-seqs", type=int, default=256)
+    parser.add_argument("--num-blocks", type=int)
+    parser.add_argument("--max-model-len", type=int)
+    parser.add_argument("--slo-ttft", type=float, default=2.0, help="seconds, for goodput")
+    parser.add_argument("--slo-itl", type=float, default=0.1, help="p99 seconds, for goodput")
+    parser.add_argument("--startup-timeout", type=float, default=600)
+    parser.add_argument("--json", help="append one JSON line per backend here")
+    parser.add_argument("--serve-only", action="store_true", help=argparse.SUPPRESS)
+    args = parser.parse_args(argv)
+    if args.device is None:
+        import torch
+
+        args.device = "cuda" if torch.cuda.is_available() else "cpu"
+    if args.serve_only:
+        return serve_only(args)
+    vocab = {"tiny": 512, "llama3-8b": 128256}.get(args.model, 32000)
+    workload = make_workload(args, vocab)
+    summaries = []
+    backends = [
+        b for name in args.backend for b in (["slipstream", "hf"] if name == "both" else [name])
+    ]
+    runners = {
+        "slipstream": run_slipstream,
+        "in-process": run_in_process,
+        "hf": run_hf_continuous_batching,
+    }
+    for backend in backends:
+        summaries.append(runners[backend](args, workload))
+        _release_memory()
+    for summary in summaries:
+        print(json.dumps(summary))
+        if args.json:
+            with open(args.json, "a") as handle:
+                handle.write(json.dumps({**summary, "argv": sys.argv[1:]}) + "\n")
+    header = f"{'backend':<20}{'tok/s':>10}{'TTFT p50':>10}{'TTFT p99':>10}{'ITL p50':>10}{'ITL p99':>10}"
+    print(header)
+
+    def ms(value: float | None) -> str:
+        return "-" if value is None else f"{value * 1000:.1f}ms"
+
+    for s in summaries:
+        print(f"{s['backend']:<20}{s['output_tokens_per_s']:>10}{ms(s['ttft_p50_s']):>10}"
+              f"{ms(s['ttft_p99_s']):>10}{ms(s['itl_p50_s']):>10}{ms(s['itl_p99_s']):>10}")  # fmt: skip
+    for s in summaries:
+        if "engine" in s:
+            engine = s["engine"]
+            print(
+                f"slipstream engine: {engine['steps']} steps, {engine['tokens_per_step']} tokens "
+                f"per step, ms per step {engine['ms_per_step']}, busy "
+                f"{engine['engine_busy_fraction']:.0%} of the run, {engine['preemptions']} preemptions, "
+                f"prefix-cache hits {engine['prefix_cache_hit_rate']:.0%} of prompt tokens"
+            )
+    return 0 if all(s["failed"] == 0 for s in summaries) else 1
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
