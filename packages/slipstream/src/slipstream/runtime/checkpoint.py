@@ -341,14 +341,11 @@ def first_non_finite(named: Any) -> str | None:
 
 def _stage0_tensors(engine: SlipstreamEngine) -> Any:
     """What a stage-0 checkpoint stores, for the non-finite check."""
+    for name, tensor in engine.module.state_dict().items():
+        yield f"model tensor {name}", tensor
     if engine.masters is not None:
         for (name, _), master in zip(engine.named_trainable_parameters, engine.masters.masters):
             yield f"master weight {name}", master
-    else:
-        for name, param in engine.named_trainable_parameters:
-            yield f"parameter {name}", param
-    for name, buffer in engine.module.named_buffers():
-        yield f"buffer {name}", buffer
     if engine.optimizer is not None:
         names = _optimizer_param_names(engine)
         index = 0

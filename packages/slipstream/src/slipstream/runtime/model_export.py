@@ -83,9 +83,13 @@ def parse_size(text: str) -> int:
     value = text.strip().upper()
     number = value.rstrip("KMGIB")
     unit = value[len(number) :]
-    if unit not in _UNITS or not number:
+    try:
+        amount = float(number)
+    except ValueError:
+        amount = -1.0
+    if unit not in _UNITS or amount <= 0:
         raise ValueError(f"size {text!r} is not understood; write e.g. 5GB, 500MB or 2GiB")
-    return int(float(number) * _UNITS[unit])
+    return int(amount * _UNITS[unit])
 
 
 _DTYPES = {"fp32": torch.float32, "fp16": torch.float16, "bf16": torch.bfloat16}
@@ -98,6 +102,7 @@ def convert_to_hf_safetensors(
     max_shard_bytes: int = 5 * 10**9,
     dtype: str = "fp32",
     progress: bool = True,
+    verify_checksums: bool = True,
 ) -> list[Path]:
     """Consolidate a (ZeRO or stage-0) checkpoint into Hugging Face-style safetensors.
 
@@ -108,12 +113,32 @@ def convert_to_hf_safetensors(
     file is ``model.safetensors``; several are ``model-0000i-of-0000n.safetensors`` with a
     ``model.safetensors.index.json`` weight map. Tied parameters are stored once, under
     their first name (the index's ``metadata.tied`` lists the aliases).
+
+    Every checkpoint file is verified against the checksum its manifest records before the
+    first output file is written (``verify_checksums=False`` skips that pass).
+
+    Raises:
+        CheckpointNotFoundError, CorruptCheckpointError: a missing or damaged checkpoint.
+        ValueError: an unknown ``dtype``.
     """
     if dtype not in _DTYPES:
         raise ValueError(f"dtype {dtype!r} is not one of {sorted(_DTYPES)}")
     target = _DTYPES[dtype]
     path = ckpt._resolve(checkpoint_dir, tag)
-    manifest = ckpt.read_manifest(path)
+    manifest = ckpt.read_manifest(path, verify_checksums=False)
+    if verify_checksums:
+        total = sum(int(entry["bytes"]) for entry in manifest.get("files", []))
+        done = [0]
+
+        def advance(count: int) -> None:
+            done[0] += count
+            if progress:
+                sys.stderr.write(f"\rverifying {done[0] / 1e6:,.0f} / {total / 1e6:,.0f} MB")
+                sys.stderr.flush()
+
+        ckpt.read_manifest(path, verify_checksums=True, progress=advance)
+        if progress:
+            sys.stderr.write("\n")
     out = Path(out_dir)
     out.mkdir(parents=True, exist_ok=True)
     names = list(manifest["parameters"])

@@ -102,6 +102,9 @@ def tensors_to_check(engine: SlipstreamEngine) -> Iterator[tuple[str, torch.Tens
             yield f"optimizer state {names[id(master)]}/{key}", value
     for name, buffer in engine.module.named_buffers():
         yield f"buffer {name}", buffer
+    for name, param in _named_params(engine.module):
+        if sharded_state_of(param) is None:  # stage-3 shards: their masters were checked
+            yield f"parameter {name}", param
 
 
 def write_rank_files(
