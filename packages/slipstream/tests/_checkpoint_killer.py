@@ -2,7 +2,7 @@
 
 ``python _checkpoint_killer.py ROOT WORLD STAGE``: trains the tests' tiny model, and at each
 step first records every rank's weights and optimizer state (``ROOT/ref/step<k>.rank<r>.pt``,
-written atomically), then saves the checkpoint twice: a new tag ``step<k>`` and a re-save of the
+and rank 0 the module's state as ``step<k>.full.pt``; written atomically), then saves the checkpoint twice: a new tag ``step<k>`` and a re-save of the
 tag ``rolling`` (which ``latest`` names), printing ``saved <k>`` after each step's saves. Runs
 until killed (or 200 steps).
 """
@@ -34,6 +34,11 @@ def _loop(root: str, stage: int) -> None:
         ref = base / "ref" / f"step{step + 1}.rank{rank}.pt"
         torch.save(_snapshot(engine), ref.with_suffix(".tmp"))
         os.replace(ref.with_suffix(".tmp"), ref)
+        if rank == 0:
+            full = base / "ref" / f"step{step + 1}.full.pt"
+            module_state = {k: v.detach().clone() for k, v in engine.module.state_dict().items()}
+            torch.save(module_state, full.with_suffix(".tmp"))
+            os.replace(full.with_suffix(".tmp"), full)
         engine.save_checkpoint(base, tag=f"step{step + 1}", client_state={"step": step + 1})
         engine.save_checkpoint(base, tag="rolling", client_state={"step": step + 1})
         if rank == 0:

@@ -16,7 +16,6 @@ import sys
 import time
 from pathlib import Path
 
-import pytest
 import torch
 
 from slipstream.comm.testing import run_distributed
@@ -93,7 +92,6 @@ def _single_rank_worker(root: str) -> dict:
     engine = _engine(stage=0)
     _train(engine, 0, 2)
     engine.save_checkpoint(base, tag="good")
-    good = _snapshot(engine)
 
     # 1. checksums: a flipped byte inside tensor data (size unchanged) is refused...
     engine.save_checkpoint(base, tag="flipped", save_latest=False)
@@ -115,7 +113,7 @@ def _single_rank_worker(root: str) -> dict:
         other = _engine(stage=0, dim=dim)
         _train(other, 0, 1)
         before = _snapshot(other)
-        results[name] = _outcome(lambda: other.load_checkpoint(base, tag="good"))
+        results[name] = _outcome(lambda o=other: o.load_checkpoint(base, tag="good"))
         results[name + "_unchanged"] = _same(before, _snapshot(other))
 
     # 5. non-finite weights are refused, 'latest' stays; forcing writes them.
@@ -264,7 +262,7 @@ def _two_rank_worker(root: str, blocker: str) -> dict:
         _train(other, 0, 1)
         other.save_checkpoint(base, tag=name, save_latest=False)
         before = _snapshot(engine)
-        results[name] = _outcome(lambda: engine.load_checkpoint(base, tag=name))
+        results[name] = _outcome(lambda t=name: engine.load_checkpoint(base, tag=t))
         results[name + "_unchanged"] = _same(before, _snapshot(engine))
 
     # The last good checkpoint still loads and resumes exactly like the uninterrupted run.
@@ -381,14 +379,27 @@ def _verify_after_kill(root: str) -> dict:
     return {"tag": latest_tag(root), "path": path.name, "loaded": loaded_ok, "resumed": resumed_ok}
 
 
-@pytest.mark.parametrize(("world", "stage"), [(1, 0), (2, 1)])
-def test_kill_9_during_saves_keeps_the_last_good_checkpoint(tmp_path, world, stage) -> None:
+def test_kill_9_during_saves_one_rank_resumes_exactly(tmp_path) -> None:
     root = tmp_path / "ckpt"
-    kills = 2 if world == 1 else 1
-    for attempt in range(kills):
-        _kill_during_saves(root, world, stage, seed=1000 * world + attempt)
-        results = run_distributed(_verify_after_kill, world, str(root), timeout=240)
-        for result in results:
-            assert result["loaded"], result
-            assert result["resumed"] in (True, None), result
-            assert result["path"] == result["tag"]
+    _kill_during_saves(root, 1, 0, seed=11)
+    (result,) = run_distributed(_verify_after_kill, 1, str(root), timeout=240)
+    assert result["loaded"], result
+    assert result["resumed"] in (True, None), result
+    assert result["path"] == result["tag"]
+
+
+def test_kill_9_during_saves_two_ranks_zero(tmp_path) -> None:
+    """Two ranks at ZeRO-1 killed together: 'latest' is complete, verified and exact (read
+    here without a process group: the consolidated fp32 weights against the loop's record)."""
+    from slipstream.runtime.checkpoint import latest_tag
+    from slipstream.runtime.zero_checkpoint import get_fp32_state_dict_from_zero_checkpoint
+
+    root = tmp_path / "ckpt"
+    _kill_during_saves(root, 2, 1, seed=22)
+    state = get_fp32_state_dict_from_zero_checkpoint(root)  # verifies every checksum
+    manifest = json.loads((root / str(latest_tag(root)) / "manifest.json").read_text())
+    step = manifest["engine"]["global_steps"]
+    expected = torch.load(root / "ref" / f"step{step}.full.pt")
+    assert state.keys() == expected.keys()
+    for name, tensor in expected.items():
+        assert torch.equal(state[name], tensor.float()), name
