@@ -28,7 +28,11 @@ TEST_EXTRAS: dict[str, list[str]] = {
         "triton>=3.9"
     ],  # the CPU interpreter (TRITON_INTERPRET=1); 3.6's breaks on NumPy 2.4
     "moe": ["transformers>=4.40"],
-    "offload_io": ["aiofiles>=23.1"],
+    "offload_io": ["aiofiles>=23.1", "xxhash>=3.0"],
+    # swap payload and checkpoint checksums (slipstream.offload.checksum)
+    "zero": ["xxhash>=3.0"],
+    "slipstream": ["xxhash>=3.0"],
+    "integration": ["xxhash>=3.0"],
 }
 
 

@@ -32,8 +32,9 @@ __all__ = [
     "tensor_checksum",
 ]
 
+_xxhash: Any
 try:  # pragma: no cover - which branch runs depends on the environment
-    import xxhash as _xxhash
+    import xxhash as _xxhash  # type: ignore[import-not-found,unused-ignore]
 except ImportError:  # pragma: no cover
     _xxhash = None
 

@@ -127,13 +127,13 @@ def convert_to_hf_safetensors(
     path = ckpt._resolve(checkpoint_dir, tag)
     manifest = ckpt.read_manifest(path, verify_checksums=False)
     if verify_checksums:
-        total = sum(int(entry["bytes"]) for entry in manifest.get("files", []))
-        done = [0]
+        to_read = sum(int(entry["bytes"]) for entry in manifest.get("files", []))
+        verified = [0]
 
         def advance(count: int) -> None:
-            done[0] += count
+            verified[0] += count
             if progress:
-                sys.stderr.write(f"\rverifying {done[0] / 1e6:,.0f} / {total / 1e6:,.0f} MB")
+                sys.stderr.write(f"\rverifying {verified[0] / 1e6:,.0f} / {to_read / 1e6:,.0f} MB")
                 sys.stderr.flush()
 
         ckpt.read_manifest(path, verify_checksums=True, progress=advance)
