@@ -86,6 +86,7 @@ def _flip_byte(path: Path, offset_from_end: int = 5) -> None:
 # ---------------------------------------------------------------------------- one rank, stage 0
 def _single_rank_worker(root: str) -> dict:
     from slipstream.runtime import checkpoint as ckpt
+    from slipstream.runtime import checkpoint_store as store
 
     results: dict = {}
     base = Path(root)
@@ -142,7 +143,7 @@ def _single_rank_worker(root: str) -> dict:
     # 3. crash inside the switch of a re-saved tag, where the file system cannot exchange
     # directories: 'latest' still loads (from the complete hidden copy) and the next save
     # restores it instead of deleting both copies.
-    real_exchange, real_replace = ckpt._exchange, os.replace
+    real_exchange, real_replace = store._exchange, os.replace
     calls = []
 
     def crash_on_second(src, dst):
@@ -151,14 +152,14 @@ def _single_rank_worker(root: str) -> dict:
             raise KeyboardInterrupt("simulated kill between the two renames")
         real_replace(src, dst)
 
-    ckpt._exchange = lambda first, second: False
-    ckpt.os.replace = crash_on_second
+    store._exchange = lambda first, second: False
+    os.replace = crash_on_second
     try:
         _outcome(lambda: fresh.save_checkpoint(base, tag="good"))
     except KeyboardInterrupt:
         pass
     finally:
-        ckpt._exchange, ckpt.os.replace = real_exchange, real_replace
+        store._exchange, os.replace = real_exchange, real_replace
     results["window_tag_missing"] = not (base / "good").exists()
     restored = _engine(stage=0, seed=2)
     restored.load_checkpoint(base)  # latest = "good": its new, complete copy under a hidden name

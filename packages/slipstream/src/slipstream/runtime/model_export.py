@@ -13,6 +13,7 @@ from safetensors.torch import save_file
 
 from slipstream import comm
 from slipstream.runtime import checkpoint as ckpt
+from slipstream.runtime import checkpoint_store
 from slipstream.runtime.zero_checkpoint import ShardReader
 
 if TYPE_CHECKING:
@@ -62,7 +63,7 @@ def save_16bit_model(engine: SlipstreamEngine, save_dir: str | Path, save_filena
         ckpt._fsync_file(tmp)
         tmp.replace(directory / save_filename)
         ckpt._fsync_dir(directory)
-    ckpt._barrier()
+    checkpoint_store._barrier()
     return True
 
 

@@ -478,7 +478,7 @@ def _load_optimizer(
             state[index] = entry
     saved_groups = ckpt._from_json(saved["param_groups"])
     current = engine.optimizer.state_dict()["param_groups"]
-    groups = [{**dict(s), "params": c["params"]} for s, c in zip(saved_groups, current)]
+    groups = [{**c, **s, "params": c["params"]} for s, c in zip(saved_groups, current)]
     engine.optimizer.load_state_dict({"state": state, "param_groups": groups})
 
 
