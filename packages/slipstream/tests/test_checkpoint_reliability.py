@@ -23,7 +23,7 @@ from slipstream.comm.testing import run_distributed
 GLOBAL_BATCH = 8
 
 
-def _engine(stage: int, seed: int = 0, dim: int = 16, optimizer: str = "AdamW", **extra):
+def _engine(stage: int, seed: int = 0, dim: int = 16, optimizer: str = "AdamW", zero=None, **extra):
     import slipstream
     from slipstream.zero.testing import TinyTransformer
 
@@ -33,7 +33,7 @@ def _engine(stage: int, seed: int = 0, dim: int = 16, optimizer: str = "AdamW", 
         "train_batch_size": GLOBAL_BATCH,
         "steps_per_print": 1000,
         "optimizer": {"type": optimizer, "params": params},
-        "zero_optimization": {"stage": stage, "reduce_bucket_size": 2000},
+        "zero_optimization": {"stage": stage, "reduce_bucket_size": 2000, **(zero or {})},
         **extra,
     }
     engine, *_ = slipstream.initialize(model=TinyTransformer(dim=dim), config=config)
@@ -298,6 +298,49 @@ def test_two_rank_checks(tmp_path: Path) -> None:
             assert result[name][0] == "CheckpointShapeError", result[name]
             assert result[name + "_unchanged"]
         assert result["loaded_good"] and result["resumed_exactly"]
+
+
+# ---------------------------------------------------------------------------- NVMe swap files
+def _nvme_swap_corruption(swap_dir: str, root: str) -> dict:
+    """A swap payload overwritten between steps: SwapFileCorruptError, not a step on garbage;
+    the last checkpoint then resumes exactly."""
+    from slipstream.offload.swap import HEADER_BYTES
+
+    def build():
+        offload = {"device": "nvme", "nvme_path": swap_dir}
+        return _engine(
+            stage=2,
+            zero={"sub_group_size": 700, "offload_optimizer": offload},
+            aio={"o_direct": False},
+        )
+
+    first = build()
+    _train(first, 0, 2)
+    first.save_checkpoint(root, tag="two")
+    _train(first, 2, 3)
+    with first._optimizer_resident():  # swapped-out tensors have no storage to read
+        expected = _snapshot(first)
+    space = first.zero.optimizer.offload.space
+    victim = sorted(space.path.glob("*.exp_avg.swap"))[0]
+    with open(victim, "r+b") as handle:
+        handle.seek(HEADER_BYTES + 8)
+        handle.write(b"\x7f" * 8)
+    error = _outcome(lambda: _train(first, 3, 4))
+    resumed = build()
+    resumed.load_checkpoint(root, tag="two")
+    _train(resumed, 2, 3)
+    with resumed._optimizer_resident():
+        same = _same(expected, _snapshot(resumed))
+    return {"error": error, "victim": victim.name, "resumed": same}
+
+
+def test_nvme_swap_payload_overwritten_between_steps(tmp_path: Path) -> None:
+    swap = tmp_path / "nvme"
+    swap.mkdir()
+    (r,) = run_distributed(_nvme_swap_corruption, 1, str(swap), str(tmp_path / "ckpt"))
+    assert r["error"][0] == "SwapFileCorruptError", r
+    assert "checksum" in r["error"][1] and r["victim"] in r["error"][1]
+    assert r["resumed"]
 
 
 # ---------------------------------------------------------------------------- convert
