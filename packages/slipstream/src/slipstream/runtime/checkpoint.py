@@ -224,16 +224,23 @@ def _restore_rng(path: Path) -> None:
 
 
 def first_non_finite(named: Any) -> str | None:
-    """The name of the first floating-point tensor of ``(name, tensor)`` pairs holding NaN/inf."""
+    """The name of the first floating-point tensor of ``(name, tensor)`` pairs holding NaN/inf.
+
+    One host sync per device, not per tensor (a GPU model has hundreds of them).
+    """
+    names: list[str] = []
+    flags: dict[torch.device, list[tuple[int, torch.Tensor]]] = {}
     for name, tensor in named:
-        if (
-            isinstance(tensor, torch.Tensor)
-            and tensor.is_floating_point()
-            and tensor.numel()
-            and not bool(torch.isfinite(tensor).all())
-        ):
-            return str(name)
-    return None
+        if isinstance(tensor, torch.Tensor) and tensor.is_floating_point() and tensor.numel():
+            names.append(str(name))
+            flags.setdefault(tensor.device, []).append(
+                (len(names) - 1, torch.isfinite(tensor).all())
+            )
+    bad: list[int] = []
+    for items in flags.values():
+        finite = torch.stack([flag for _, flag in items]).cpu()  # the one sync of this device
+        bad += [items[i][0] for i in (~finite).nonzero().flatten().tolist()]
+    return names[min(bad)] if bad else None
 
 
 def _stage0_tensors(engine: SlipstreamEngine) -> Any:
