@@ -549,7 +549,6 @@ FEATURE_CASES: dict[str, tuple[Any, Any]] = {
     "elasticity": ({"enabled": False}, {"enabled": True}),
     "autotuning": ({"enabled": False}, {"enabled": True}),
     "sparse_attention": (NONE, {"mode": "fixed"}),
-    "checkpoint": ({"tag_validation": "warn", "load_universal": False}, {"load_universal": True}),
     "data_types": ({"grad_accum_dtype": "fp32"}, {"grad_accum_dtype": "bf16"}),
     "compile": ({"deepcompile": False}, {"deepcompile": True}),
     "hybrid_engine": ({"enabled": False, "max_out_tokens": 512}, {"enabled": True}),

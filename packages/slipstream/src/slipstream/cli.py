@@ -91,16 +91,24 @@ def _estimate(args: argparse.Namespace) -> int:
 
 
 def _convert(args: argparse.Namespace) -> int:
+    from slipstream.runtime.checkpoint import CheckpointError
     from slipstream.runtime.model_export import convert_to_hf_safetensors, parse_size
 
-    written = convert_to_hf_safetensors(
-        args.checkpoint_dir,
-        args.out_dir,
-        tag=args.tag,
-        max_shard_bytes=parse_size(args.max_shard_size),
-        dtype=args.dtype,
-        progress=not args.quiet,
-    )
+    try:
+        written = convert_to_hf_safetensors(
+            args.checkpoint_dir,
+            args.out_dir,
+            tag=args.tag,
+            max_shard_bytes=parse_size(args.max_shard_size),
+            dtype=args.dtype,
+            progress=not args.quiet,
+            verify_checksums=not args.no_verify,
+        )
+    except (CheckpointError, ValueError, OSError) as error:
+        # User errors (a missing directory or tag, a damaged file, an unwritable output
+        # folder, a bad size): one line, no traceback.
+        print(f"slipstream convert: error: {error}", file=sys.stderr)
+        return 2
     for path in written:
         print(path)
     return 0
@@ -146,6 +154,11 @@ def _add_tool_commands(sub: argparse._SubParsersAction) -> None:
     convert.add_argument("--max-shard-size", default="5GB", help="per output file (default 5GB)")
     convert.add_argument("--dtype", choices=["fp32", "bf16", "fp16"], default="fp32")
     convert.add_argument("--quiet", action="store_true", help="no progress bar")
+    convert.add_argument(
+        "--no-verify",
+        action="store_true",
+        help="skip checking every file against the manifest's checksums (faster, unsafe)",
+    )
     convert.set_defaults(handler=_convert)
 
 

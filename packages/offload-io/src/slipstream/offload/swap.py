@@ -6,7 +6,12 @@ offset 4096 (so the payload stays aligned for O_DIRECT). The header holds a magi
 version, the dtype name, the element count, the payload size and a CRC-32 of those fields; a
 read checks all of them and the file size first, so a file damaged (or replaced) behind the
 engine's back raises :class:`SwapFileCorruptError` instead of loading garbage into an optimizer
-state. ``allocate`` reserves the payload with ``posix_fallocate``: a swap folder that cannot
+state. The payload itself is covered by a side record kept in memory (the file is private to this
+process, so the record cannot be lost while the file is useful): each ``write`` hashes the tensor
+(xxh3_64, slipstream.offload.checksum) before it is submitted, and each ``read`` hashes what
+arrived once the transfer has finished; a mismatch (a bit flip, an overwritten or torn payload)
+makes that read's ``wait()`` raise :class:`SwapFileCorruptError`.
+``aio.verify_checksums = false`` skips both hashes. ``allocate`` reserves the payload with ``posix_fallocate``: a swap folder that cannot
 hold the model fails at setup with :class:`DiskFullError`, not half-way through a step.
 
 The folder (``slipstream-<name>-rank<r>-<pid>-<id>``) belongs to one process. It is removed by
@@ -44,6 +49,7 @@ from slipstream.offload.aio.errors import (
     direct_io_error,
     disk_full_error,
 )
+from slipstream.offload.checksum import tensor_checksum
 
 __all__ = ["HEADER_BYTES", "SwapSpace"]
 
@@ -108,13 +114,15 @@ def _round_up(value: int, multiple: int) -> int:
 
 
 class _Entry:
-    __slots__ = ("dtype", "file", "nbytes", "numel")
+    __slots__ = ("checksum", "dtype", "file", "nbytes", "numel")
 
     def __init__(self, file: Path, dtype: torch.dtype, numel: int, nbytes: int) -> None:
         self.file = file
         self.dtype = dtype
         self.numel = numel
         self.nbytes = nbytes
+        # Of the last payload written (None: never written, or verification is off).
+        self.checksum: str | None = None
 
 
 class SwapSpace:
@@ -339,17 +347,37 @@ class SwapSpace:
     def write(self, key: str, tensor: torch.Tensor) -> IORequest:
         """Start writing ``tensor`` (matching the allocation) to ``key``'s payload."""
         entry = self._entry(key, tensor, "write")
+        # Hashed before submission: the caller must not change the tensor until wait() anyway.
+        entry.checksum = tensor_checksum(tensor) if self.engine.settings.verify_checksums else None
         return self._track(self.engine.write(tensor, entry.file, HEADER_BYTES))
 
     def read(self, key: str, out: torch.Tensor) -> IORequest:
         """Check ``key``'s header, then start filling ``out`` from its payload.
 
         Raises:
-            SwapFileCorruptError: The header or the file size does not match the allocation.
+            SwapFileCorruptError: The header or the file size does not match the allocation
+                (raised here), or the payload's checksum does not match the last write's
+                (raised by the request's ``wait()``).
         """
         entry = self._entry(key, out, "read")
         self._verify(key, entry)
-        return self._track(self.engine.read(out, entry.file, HEADER_BYTES))
+        request = self.engine.read(out, entry.file, HEADER_BYTES)
+        expected = entry.checksum
+        if expected is not None:
+            file = entry.file
+
+            def check() -> None:
+                actual = tensor_checksum(out, like=expected)
+                if actual != expected:
+                    raise SwapFileCorruptError(
+                        f"swap file {file} for key {key!r}: the payload read back has checksum "
+                        f"{actual}, the last write had {expected}; the file was overwritten "
+                        "behind the engine (or the drive is failing): restart from a checkpoint",
+                        file,
+                    )
+
+            request.add_check(check)
+        return self._track(request)
 
     def keys(self) -> list[str]:
         """The allocated keys."""

@@ -122,21 +122,6 @@ RECOGNISED_FEATURES: dict[str, RecognisedFeature] = {
             "(none: remove the block)",
         ),
         RecognisedFeature(
-            "checkpoint",
-            "checkpoint options",
-            "slipstream's checkpointing (" + _UMBRELLA_LATER + ")",
-            non_default(
-                {
-                    "tag_validation": "Warn",
-                    "load_universal": False,
-                    "use_node_local_storage": False,
-                    "parallel_write": {"pipeline_stage": False},
-                },
-                strict=False,
-            ),
-            'all keys at their defaults ("tag_validation": "Warn", the rest false)',
-        ),
-        RecognisedFeature(
             "data_types",
             "per-tensor data types",
             _UMBRELLA_LATER,

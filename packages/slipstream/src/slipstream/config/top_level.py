@@ -12,6 +12,7 @@ import torch
 from slipstream.comm.config import CommsLoggerConfig
 from slipstream.config.batch import resolve_batch_sizes
 from slipstream.config.blocks import AmdSpecificConfig, OptimizerConfig, SchedulerConfig
+from slipstream.config.checkpoint import CheckpointConfig
 from slipstream.config.features import RECOGNISED_FEATURES, check_recognised_features
 from slipstream.config.loading import ConfigSource, read_config_source
 from slipstream.config.precision import (
@@ -91,6 +92,7 @@ class SlipstreamConfig(ConfigBlock):
         default_factory=CurriculumLearningConfig
     )
     data_efficiency: DataEfficiencyConfig = dataclasses.field(default_factory=DataEfficiencyConfig)
+    checkpoint: CheckpointConfig = dataclasses.field(default_factory=CheckpointConfig)
 
     raw: dict[str, Any] = dataclasses.field(
         default_factory=dict, init=False, repr=False, compare=False

@@ -9,77 +9,94 @@ Layout of ``save_dir``::
     <tag>/rng.rank<R>.safetensors   each rank's torch RNG states (+ Python/NumPy state in metadata)
     <tag>/client_state.json|.pt     what the caller passed as client_state
 
-A tag is assembled in a hidden staging directory and renamed into place only after every file
-is written and fsync'ed, so an interrupted save never leaves a directory that looks complete;
-``latest`` is replaced only after that. Loading checks every file the manifest lists (presence,
-size, safetensors header) before touching the engine.
+Every file's size and checksum are in the manifest. A tag is assembled in a hidden staging
+directory and switched into place in one atomic step after every file is written and fsync'ed;
+``latest`` is replaced only after that. Loading verifies every file and checks the checkpoint
+against the engine on every rank, and agrees, before it copies anything. The directory protocol
+shared with ZeRO checkpoints (errors, agreement, manifest verifier, tag switch, recovery) is in
+checkpoint_store.py; the guarantees are stated in docs/reliability.md.
 """
 
 from __future__ import annotations
 
 import json
 import logging
-import os
 import random
-import shutil
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 import numpy as np
 import torch
-from safetensors import SafetensorError, safe_open
+from safetensors import safe_open
 from safetensors.torch import load_file, save_file
 
 import slipstream
 from slipstream import comm
+from slipstream.offload.checksum import ALGORITHM as CHECKSUM_ALGORITHM
+from slipstream.runtime.checkpoint_store import (
+    FORMAT,
+    FORMAT_VERSION,
+    LATEST,
+    MANIFEST,
+    CheckpointDiskFullError,
+    CheckpointError,
+    CheckpointMismatchError,
+    CheckpointNotFoundError,
+    CheckpointSaveError,
+    CheckpointShapeError,
+    CorruptCheckpointError,
+    NonFiniteCheckpointError,
+    _attempt,
+    _check_tag,
+    _commit,
+    _distributed,
+    _fsync_dir,
+    _fsync_file,
+    _header,
+    _prepare_staging,
+    _resolve,
+    _write_text_atomic,
+    agree,
+    available_tags,
+    file_entry,
+    latest_tag,
+    read_manifest,
+    recover_leftovers,
+)
 
 if TYPE_CHECKING:
     from slipstream.runtime.engine import SlipstreamEngine
 
 logger = logging.getLogger(__name__)
 
-FORMAT = "slipstream-checkpoint"
-FORMAT_VERSION = 1
-MANIFEST = "manifest.json"
-LATEST = "latest"
-
-
-class CheckpointError(RuntimeError):
-    """A checkpoint could not be saved or loaded."""
-
-
-class CheckpointNotFoundError(CheckpointError, FileNotFoundError):
-    """The checkpoint directory, its `latest` file or the requested tag does not exist."""
-
-
-class CorruptCheckpointError(CheckpointError):
-    """The checkpoint exists but is incomplete or damaged."""
+__all__ = [
+    "FORMAT",
+    "FORMAT_VERSION",
+    "LATEST",
+    "MANIFEST",
+    "CheckpointDiskFullError",
+    "CheckpointError",
+    "CheckpointMismatchError",
+    "CheckpointNotFoundError",
+    "CheckpointSaveError",
+    "CheckpointShapeError",
+    "CorruptCheckpointError",
+    "NonFiniteCheckpointError",
+    "agree",
+    "available_tags",
+    "check_optimizer_fits",
+    "check_tensor_fits",
+    "file_entry",
+    "first_non_finite",
+    "latest_tag",
+    "load",
+    "read_manifest",
+    "recover_leftovers",
+    "save",
+]
 
 
 # ---------------------------------------------------------------------------- file helpers
-def _fsync_file(path: Path) -> None:
-    with open(path, "rb") as f:
-        os.fsync(f.fileno())
-
-
-def _fsync_dir(path: Path) -> None:
-    fd = os.open(path, os.O_RDONLY)
-    try:
-        os.fsync(fd)
-    finally:
-        os.close(fd)
-
-
-def _write_text_atomic(path: Path, text: str) -> None:
-    tmp = path.with_name(f".{path.name}.tmp")
-    with open(tmp, "w") as f:
-        f.write(text)
-        f.flush()
-        os.fsync(f.fileno())
-    os.replace(tmp, path)
-    _fsync_dir(path.parent)
-
-
 def _save_tensors(
     path: Path, tensors: dict[str, torch.Tensor], metadata: dict[str, str] | None = None
 ) -> None:
@@ -206,14 +223,41 @@ def _restore_rng(path: Path) -> None:
         np.random.set_state((name, np.array(keys, dtype=np.uint32), pos, has_gauss, cached))
 
 
-# ---------------------------------------------------------------------------- save
-def _check_tag(tag: str) -> str:
-    if not tag or "/" in tag or "\\" in tag or tag.startswith(".") or tag == LATEST:
-        raise ValueError(
-            f"checkpoint tag {tag!r} is not usable as a directory name; use letters, digits, "
-            "'-', '_' or '.', not starting with '.' and not 'latest'"
-        )
-    return tag
+def first_non_finite(named: Any) -> str | None:
+    """The name of the first floating-point tensor of ``(name, tensor)`` pairs holding NaN/inf.
+
+    One host sync per device, not per tensor (a GPU model has hundreds of them).
+    """
+    names: list[str] = []
+    flags: dict[torch.device, list[tuple[int, torch.Tensor]]] = {}
+    for name, tensor in named:
+        if isinstance(tensor, torch.Tensor) and tensor.is_floating_point() and tensor.numel():
+            names.append(str(name))
+            flags.setdefault(tensor.device, []).append(
+                (len(names) - 1, torch.isfinite(tensor).all())
+            )
+    bad: list[int] = []
+    for items in flags.values():
+        finite = torch.stack([flag for _, flag in items]).cpu()  # the one sync of this device
+        bad += [items[i][0] for i in (~finite).nonzero().flatten().tolist()]
+    return names[min(bad)] if bad else None
+
+
+def _stage0_tensors(engine: SlipstreamEngine) -> Any:
+    """What a stage-0 checkpoint stores, for the non-finite check."""
+    for name, tensor in engine.module.state_dict().items():
+        yield f"model tensor {name}", tensor
+    if engine.masters is not None:
+        for (name, _), master in zip(engine.named_trainable_parameters, engine.masters.masters):
+            yield f"master weight {name}", master
+    if engine.optimizer is not None:
+        names = _optimizer_param_names(engine)
+        index = 0
+        for group in engine.optimizer.param_groups:
+            for param in group["params"]:
+                for key, value in engine.optimizer.state.get(param, {}).items():
+                    yield f"optimizer state {names[index]}/{key}", value
+                index += 1
 
 
 def save(
@@ -222,64 +266,97 @@ def save(
     tag: str | None,
     client_state: dict[str, Any],
     save_latest: bool,
+    allow_non_finite: bool | None = None,
 ) -> Path:
-    """Save ``engine`` under ``save_dir/tag`` (collective: every rank must call it)."""
-    if engine.zero is not None:
-        from slipstream.runtime import zero_checkpoint
+    """Save ``engine`` under ``save_dir/tag`` (collective: every rank must call it).
 
-        return zero_checkpoint.save(engine, save_dir, tag, client_state, save_latest)
-    tag = _check_tag(str(tag) if tag is not None else f"global_step{engine.global_steps}")
+    The phases (see the module docstring and [Note: checkpoint agreement]): check (tag,
+    non-finite values), prepare the staging directory (rank 0), write each rank's files,
+    write the manifest and switch the tag and ``latest`` over (rank 0). A failure anywhere
+    raises the same error on every rank and leaves the previous checkpoints as they were.
+    """
+    zero = engine.zero is not None
+    if zero:
+        from slipstream.runtime import zero_checkpoint as layout
     save_dir = Path(save_dir)
-    rank, world = comm.get_rank(), comm.get_world_size()
-    staging = save_dir / f".{tag}.partial"
-    final = save_dir / tag
+    if allow_non_finite is None:
+        allow_non_finite = _checkpoint_config(engine, "allow_non_finite", False)
+    chosen = str(tag) if tag is not None else f"global_step{engine.global_steps}"
+    what = f"saving checkpoint {str(save_dir / chosen)!r}"
 
-    if rank == 0:
-        save_dir.mkdir(parents=True, exist_ok=True)
-        if staging.exists():
-            shutil.rmtree(staging)  # left by an interrupted save of the same tag
-        staging.mkdir()
-    _barrier()
-
-    files: list[dict[str, Any]] = []
-    rng_tensors, rng_meta = _rng_state()
-    rng_name = f"rng.rank{rank}.safetensors"
-    _save_tensors(staging / rng_name, rng_tensors, rng_meta)
-
-    manifest: dict[str, Any] | None = None
-    if rank == 0:
-        manifest = _save_replicated_state(engine, staging, client_state, files)
-    _barrier()
-
-    if rank == 0:
-        assert manifest is not None
-        for r in range(world):
-            name = f"rng.rank{r}.safetensors"
-            files.append(
-                {"name": name, "kind": "rng", "rank": r, "bytes": (staging / name).stat().st_size}
+    def check() -> None:
+        _check_tag(chosen)
+        if allow_non_finite:
+            return
+        bad = first_non_finite(layout.tensors_to_check(engine) if zero else _stage0_tensors(engine))
+        if bad is not None:
+            raise NonFiniteCheckpointError(
+                f"{bad} holds NaN or inf: refusing to checkpoint non-finite weights, so "
+                f"'{LATEST}' keeps naming the last good checkpoint. Find the step that diverged "
+                "(lower the learning rate, enable gradient clipping), or pass "
+                'save_checkpoint(..., allow_non_finite=True) / "checkpoint": '
+                '{"allow_non_finite": true} to write it anyway.'
             )
-        manifest["files"] = files
+
+    agree(_attempt(check)[1], what)
+    rank = comm.get_rank()
+    staging = save_dir / f".{chosen}.partial"
+    final = save_dir / chosen
+    error = _attempt(_prepare_staging, save_dir, staging, saving=True)[1] if rank == 0 else None
+    agree(error, what)
+
+    def write() -> dict[str, Any]:
+        if zero:
+            files, info = layout.write_rank_files(engine, staging)
+        else:
+            files, info = _write_stage0_rank_files(engine, staging)
+        return {"files": files, "info": info}
+
+    part, error = _attempt(write, saving=True)
+    parts = agree(error, what, part)
+
+    def finish() -> None:
+        files = [entry for p in parts for entry in p["files"]]
+        specific = (
+            layout.manifest_fields(engine, [p["info"] for p in parts])
+            if zero
+            else _stage0_manifest_fields(engine, [p["info"] for p in parts])
+        )
+        manifest = _common_manifest(engine, staging, client_state, files)
+        manifest.update(specific)
+        manifest["files"] = sorted(manifest["files"], key=lambda e: (e["kind"], e["name"]))
         (staging / MANIFEST).write_text(json.dumps(manifest, indent=1))
         _fsync_file(staging / MANIFEST)
         _fsync_dir(staging)
-        _replace_dir(staging, final)
+        _commit(staging, final)
         if save_latest:
-            _write_text_atomic(save_dir / LATEST, tag)
-        logger.info("saved checkpoint %s (%d files)", final, len(files) + 1)
-    _barrier()
+            _write_text_atomic(save_dir / LATEST, chosen)
+        logger.info("saved checkpoint %s (%d files)", final, len(manifest["files"]) + 1)
+
+    agree(_attempt(finish, saving=True)[1] if rank == 0 else None, what)
     return final
 
 
-def _save_replicated_state(
-    engine: SlipstreamEngine,
-    staging: Path,
-    client_state: dict[str, Any],
-    files: list[dict[str, Any]],
-) -> dict[str, Any]:
-    """Rank 0's part at stage 0: model, optimizer, schedule and client state are replicated."""
+def _checkpoint_config(engine: SlipstreamEngine, key: str, default: bool) -> bool:
+    block = getattr(engine.config, "checkpoint", None)
+    return bool(getattr(block, key, default))
+
+
+def _write_stage0_rank_files(
+    engine: SlipstreamEngine, staging: Path
+) -> tuple[list[dict[str, Any]], dict[str, Any]]:
+    """Every rank: its RNG state; rank 0 also the (replicated) model and optimizer."""
+    rank = comm.get_rank()
+    rng_tensors, rng_meta = _rng_state()
+    rng_name = f"rng.rank{rank}.safetensors"
+    _save_tensors(staging / rng_name, rng_tensors, rng_meta)
+    files = [file_entry(staging, rng_name, "rng", rank)]
+    info: dict[str, Any] = {}
+    if rank != 0:
+        return files, info
     model_tensors, aliases = _model_tensors(engine.module)
     _save_tensors(staging / "model.safetensors", model_tensors)
-    files.append({"name": "model.safetensors", "kind": "model", "rank": 0})
+    files.append(file_entry(staging, "model.safetensors", "model", 0))
 
     names = _optimizer_param_names(engine)
     state_dict: dict[str, Any] = (
@@ -300,34 +377,8 @@ def _save_replicated_state(
         for (name, _), master in zip(engine.named_trainable_parameters, engine.masters.masters):
             opt_tensors[f"master/{name}"] = master.detach()
     _save_tensors(staging / "optimizer.safetensors", opt_tensors)
-    files.append({"name": "optimizer.safetensors", "kind": "optimizer", "rank": 0})
-
-    scheduler_file = (
-        _dump_object(staging, "lr_scheduler", engine.lr_scheduler.state_dict())
-        if engine.lr_scheduler is not None and hasattr(engine.lr_scheduler, "state_dict")
-        else None
-    )
-    client_file = _dump_object(staging, "client_state", client_state)
-    for name in (scheduler_file, client_file):
-        if name is not None:
-            files.append({"name": name, "kind": "object", "rank": 0})
-    for entry in files:
-        entry["bytes"] = (staging / entry["name"]).stat().st_size
-
-    return {
-        "format": FORMAT,
-        "format_version": FORMAT_VERSION,
-        "slipstream_version": slipstream.__version__,
-        "torch_version": torch.__version__,
-        "world_size": comm.get_world_size(),
-        "dp_world_size": engine.dp_world_size,
-        "zero_stage": 0,
-        "partitioning": "replicated",
-        "dtype": str(engine.compute_dtype or torch.float32).removeprefix("torch."),
-        "parameters": {
-            name: {"shape": list(p.shape), "dtype": str(p.dtype).removeprefix("torch.")}
-            for name, p in engine.named_trainable_parameters
-        },
+    files.append(file_entry(staging, "optimizer.safetensors", "optimizer", 0))
+    info = {
         "tied": aliases,
         "optimizer": {
             "class": type(engine.optimizer).__name__,
@@ -335,6 +386,47 @@ def _save_replicated_state(
             "param_groups": _to_json(state_dict["param_groups"]),
             "scalars": _to_json(opt_scalars),
         },
+    }
+    return files, info
+
+
+def _stage0_manifest_fields(
+    engine: SlipstreamEngine, infos: list[dict[str, Any]]
+) -> dict[str, Any]:
+    return {
+        "zero_stage": 0,
+        "partitioning": "replicated",
+        "parameters": {
+            name: {"shape": list(p.shape), "dtype": str(p.dtype).removeprefix("torch.")}
+            for name, p in engine.named_trainable_parameters
+        },
+        **infos[0],
+    }
+
+
+def _common_manifest(
+    engine: SlipstreamEngine, staging: Path, client_state: dict[str, Any], files: list[Any]
+) -> dict[str, Any]:
+    """Rank 0: what both layouts record alike, plus the schedule and client-state files."""
+    scheduler_file = (
+        _dump_object(staging, "lr_scheduler", engine.lr_scheduler.state_dict())
+        if engine.lr_scheduler is not None and hasattr(engine.lr_scheduler, "state_dict")
+        else None
+    )
+    client_file = _dump_object(staging, "client_state", client_state)
+    files = list(files)
+    for name in (scheduler_file, client_file):
+        if name is not None:
+            files.append(file_entry(staging, name, "object", 0))
+    return {
+        "format": FORMAT,
+        "format_version": FORMAT_VERSION,
+        "slipstream_version": slipstream.__version__,
+        "torch_version": torch.__version__,
+        "checksum_algorithm": CHECKSUM_ALGORITHM,
+        "world_size": comm.get_world_size(),
+        "dp_world_size": engine.dp_world_size,
+        "dtype": str(engine.compute_dtype or torch.float32).removeprefix("torch."),
         "lr_scheduler_file": scheduler_file,
         "client_state_file": client_file,
         "engine": {
@@ -345,106 +437,16 @@ def _save_replicated_state(
             "loss_scaler": engine.loss_scaler.state_dict() if engine.loss_scaler else None,
         },
         "config": engine.config.raw,
+        "files": files,
     }
 
 
-def _replace_dir(staging: Path, final: Path) -> None:
-    old = final.with_name(f".{final.name}.old")
-    if old.exists():
-        shutil.rmtree(old)
-    if final.exists():
-        os.replace(final, old)
-    os.replace(staging, final)
-    _fsync_dir(final.parent)
-    if old.exists():
-        shutil.rmtree(old)
-
-
-def _barrier() -> None:
-    if comm.is_initialized() and comm.get_world_size() > 1:
-        comm.barrier()
-
-
-# ---------------------------------------------------------------------------- load
-def available_tags(load_dir: str | Path) -> list[str]:
-    """Complete checkpoints (those with a manifest) under ``load_dir``, oldest first."""
-    root = Path(load_dir)
-    if not root.is_dir():
-        return []
-    tags = [
-        p
-        for p in root.iterdir()
-        if p.is_dir() and not p.name.startswith(".") and (p / MANIFEST).exists()
-    ]
-    return [p.name for p in sorted(tags, key=lambda p: p.stat().st_mtime)]
-
-
-def latest_tag(load_dir: str | Path) -> str | None:
-    """The tag named by ``load_dir/latest``, or None when there is none."""
-    path = Path(load_dir) / LATEST
-    return path.read_text().strip() if path.is_file() else None
-
-
-def _resolve(load_dir: str | Path, tag: str | None) -> Path:
-    root = Path(load_dir)
-    if not root.is_dir():
-        raise CheckpointNotFoundError(f"checkpoint directory {str(root)!r} does not exist")
-    if tag is None:
-        tag = latest_tag(root)
-        if tag is None:
-            tags = available_tags(root)
-            raise CheckpointNotFoundError(
-                f"no '{LATEST}' file in {str(root)!r}, so there is no checkpoint to resume from; "
-                + (f"pass tag= one of {tags}" if tags else "the directory holds no checkpoint")
-            )
-    path = root / str(tag)
-    if not path.is_dir():
-        raise CheckpointNotFoundError(
-            f"checkpoint tag {tag!r} not found in {str(root)!r}; available: {available_tags(root) or 'none'}"
-        )
-    return path
-
-
-def read_manifest(path: Path) -> dict[str, Any]:
-    """Read and verify a checkpoint's manifest and every file it lists."""
-    manifest_path = path / MANIFEST
-    if not manifest_path.is_file():
-        raise CorruptCheckpointError(
-            f"{str(path)!r} has no {MANIFEST}: the checkpoint is incomplete (a save that was "
-            "interrupted, or not a Slipstream checkpoint). Load an earlier tag."
-        )
-    try:
-        manifest = json.loads(manifest_path.read_text())
-    except json.JSONDecodeError as error:
-        raise CorruptCheckpointError(
-            f"{str(manifest_path)!r} is not valid JSON: {error}"
-        ) from error
-    if manifest.get("format") != FORMAT:
-        raise CorruptCheckpointError(f"{str(manifest_path)!r} is not a {FORMAT} manifest")
-    if manifest.get("format_version", 0) > FORMAT_VERSION:
-        raise CheckpointError(
-            f"{str(path)!r} was written by a newer Slipstream ({manifest.get('slipstream_version')}); "
-            f"this version reads format {FORMAT_VERSION}. Upgrade slipstream."
-        )
-    for entry in manifest.get("files", []):
-        file = path / entry["name"]
-        if not file.is_file():
-            raise CorruptCheckpointError(f"checkpoint file {str(file)!r} is missing")
-        size = file.stat().st_size
-        if size != entry["bytes"]:
-            raise CorruptCheckpointError(
-                f"checkpoint file {str(file)!r} has {size} bytes but the manifest records "
-                f"{entry['bytes']}: it is truncated or was modified"
-            )
-        if file.suffix == ".safetensors":
-            try:
-                with safe_open(str(file), framework="pt") as f:
-                    f.keys()
-            except (SafetensorError, OSError, ValueError) as error:
-                raise CorruptCheckpointError(
-                    f"checkpoint file {str(file)!r} is corrupt: {error}"
-                ) from error
-    return manifest
+def _open_checkpoint(engine: SlipstreamEngine, load_dir: str | Path, tag: str | None) -> Any:
+    """Every rank: resolve and verify (each rank checks its share of the files' content)."""
+    path = _resolve(load_dir, tag)
+    share = (comm.get_rank(), comm.get_world_size()) if _distributed() else None
+    verify = _checkpoint_config(engine, "verify_checksums", True)
+    return path, read_manifest(path, verify_checksums=verify, share=share)
 
 
 def load(
@@ -457,84 +459,102 @@ def load(
     load_lr_scheduler_states: bool,
     load_module_only: bool,
 ) -> tuple[Path, dict[str, Any]]:
-    """Restore ``engine`` from a checkpoint; returns ``(path, client_state)``."""
-    if engine.zero is not None:
-        from slipstream.runtime import zero_checkpoint
+    """Restore ``engine`` from a checkpoint; returns ``(path, client_state)``.
 
-        return zero_checkpoint.load(
-            engine,
-            load_dir,
-            tag,
-            load_module_strict=load_module_strict,
-            load_optimizer_states=load_optimizer_states,
-            load_lr_scheduler_states=load_lr_scheduler_states,
-            load_module_only=load_module_only,
-        )
-    path = _resolve(load_dir, tag)
-    manifest = read_manifest(path)
-    if manifest.get("zero_stage", 0) > 0:
-        raise CheckpointError(
-            f"{str(path)!r} is a ZeRO stage-{manifest['zero_stage']} checkpoint (sharded over "
-            f"{manifest.get('dp_world_size')} ranks); load it with zero_optimization.stage >= 1 "
-            "(any world size), or consolidate it first with "
-            "slipstream.runtime.zero_checkpoint.get_fp32_state_dict_from_zero_checkpoint"
-        )
-    device = engine.device
+    Transactional: the checkpoint is resolved, its files verified and every name, shape,
+    dtype and the optimizer's class and groups compared with this engine, on every rank and
+    agreed, before the first tensor is copied; a refused load leaves the engine as it was.
+    """
+    what = f"loading checkpoint from {str(load_dir)!r}"
+    zero = engine.zero is not None
+    if zero:
+        from slipstream.runtime import zero_checkpoint as layout
+    options = {
+        "load_module_strict": load_module_strict,
+        "load_optimizer_states": load_optimizer_states,
+        "load_lr_scheduler_states": load_lr_scheduler_states,
+        "load_module_only": load_module_only,
+    }
 
-    model_state = load_file(str(path / "model.safetensors"), device=str(device))
-    for alias, source in manifest.get("tied", {}).items():
-        model_state[alias] = model_state[source]
-    try:
-        engine.module.load_state_dict(model_state, strict=load_module_strict)
-    except RuntimeError as error:
-        raise CheckpointError(
-            f"the model in {str(path)!r} does not fit this module: {error}"
-        ) from error
+    def prepare() -> tuple[Path, dict[str, Any], Any, _Extras]:
+        path, manifest = _open_checkpoint(engine, load_dir, tag)
+        if zero:
+            plan = layout.validate(engine, path, manifest, options)
+        else:
+            plan = _validate_stage0(engine, path, manifest, options)
+        extras = _read_extras(engine, path, manifest, load_lr_scheduler_states, load_module_only)
+        return path, manifest, plan, extras
 
-    optimizer_tensors: dict[str, torch.Tensor] | None = None
-    if load_optimizer_states or engine.masters is not None:
-        # On the CPU: Optimizer.load_state_dict moves state to each parameter's device itself,
-        # and keeps Adam's `step` counters on the CPU where the non-fused kernels expect them.
-        optimizer_tensors = load_file(str(path / "optimizer.safetensors"), device="cpu")
-    if engine.masters is not None:
-        assert optimizer_tensors is not None
-        _restore_masters(engine, optimizer_tensors, use_saved=not load_module_only)
-    if load_optimizer_states and engine.optimizer is not None:
-        assert optimizer_tensors is not None
-        _restore_optimizer(engine, manifest["optimizer"], optimizer_tensors, path)
-
-    return path, restore_engine_state(
-        engine, path, manifest, load_lr_scheduler_states, load_module_only
-    )
+    prepared, error = _attempt(prepare)
+    agree(error, what)
+    path, manifest, plan, extras = prepared
+    if zero:
+        layout.apply(engine, path, manifest, plan, options)
+    else:
+        _apply_stage0(engine, path, manifest, plan, options)
+    return path, apply_extras(engine, path, manifest, extras)
 
 
-def restore_engine_state(
+# ---------------------------------------------------------------------------- validation
+class _Extras:
+    """What a load reads besides tensors, read before anything is changed."""
+
+    def __init__(self) -> None:
+        self.scheduler: Any = None
+        self.client_state: dict[str, Any] = {}
+        self.rng: Path | None = None
+        self.counters: dict[str, Any] | None = None
+
+
+def _read_extras(
     engine: SlipstreamEngine,
     path: Path,
     manifest: dict[str, Any],
     load_lr_scheduler_states: bool,
     load_module_only: bool,
-) -> dict[str, Any]:
-    """Restore schedule, counters, loss scale, RNG and client state; return the client state."""
+) -> _Extras:
+    extras = _Extras()
     if (
         load_lr_scheduler_states
         and engine.lr_scheduler is not None
         and manifest.get("lr_scheduler_file")
     ):
-        engine.lr_scheduler.load_state_dict(_load_object(path, manifest["lr_scheduler_file"]))
-
-    client_state: dict[str, Any] = {}
+        extras.scheduler = _load_object(path, manifest["lr_scheduler_file"])
+        current = engine.lr_scheduler.state_dict()
+        if isinstance(extras.scheduler, dict) and isinstance(current, dict):
+            if set(extras.scheduler) != set(current):
+                raise CheckpointMismatchError(
+                    f"the learning-rate schedule in {str(path)!r} has keys "
+                    f"{sorted(extras.scheduler)}, this engine's scheduler "
+                    f"({type(engine.lr_scheduler).__name__}) {sorted(current)}: another "
+                    "scheduler type. Pass load_lr_scheduler_states=False to keep this one."
+                )
     if not load_module_only:
-        state = manifest["engine"]
+        extras.counters = manifest["engine"]
+        rng = path / f"rng.rank{comm.get_rank()}.safetensors"
+        extras.rng = rng if rng.is_file() else None
+        if manifest.get("client_state_file"):
+            extras.client_state = _load_object(path, manifest["client_state_file"])
+    return extras
+
+
+def apply_extras(
+    engine: SlipstreamEngine, path: Path, manifest: dict[str, Any], extras: _Extras
+) -> dict[str, Any]:
+    """Restore schedule, counters, loss scale and RNG (read and checked already)."""
+    if extras.scheduler is not None:
+        assert engine.lr_scheduler is not None
+        engine.lr_scheduler.load_state_dict(extras.scheduler)
+    if extras.counters is not None:
+        state = extras.counters
         engine.global_steps = state["global_steps"]
         engine.global_samples = state["global_samples"]
         engine.micro_steps = state["micro_steps"]
         engine.skipped_steps = state["skipped_steps"]
         if engine.loss_scaler is not None and state.get("loss_scaler"):
             engine.loss_scaler.load_state_dict(state["loss_scaler"])
-        rng = path / f"rng.rank{comm.get_rank()}.safetensors"
-        if rng.is_file():
-            _restore_rng(rng)
+        if extras.rng is not None:
+            _restore_rng(extras.rng)
         else:
             logger.warning(
                 "checkpoint %s was saved by %d ranks; rank %d has no RNG state there and keeps its own",
@@ -542,11 +562,183 @@ def restore_engine_state(
                 manifest["world_size"],
                 comm.get_rank(),
             )
-        if manifest.get("client_state_file"):
-            client_state = _load_object(path, manifest["client_state_file"])
     if comm.get_rank() == 0:
         logger.info("loaded checkpoint %s (step %d)", path, manifest["engine"]["global_steps"])
-    return client_state
+    return extras.client_state
+
+
+_FLOAT_CODES = {"F64", "F32", "F16", "BF16", "F8_E4M3", "F8_E5M2"}
+
+
+def check_tensor_fits(
+    path: Path, what: str, saved_shape: list[int], saved_dtype: str | None, target: torch.Tensor
+) -> None:
+    """A saved tensor must have the target's shape, and be floating point exactly where it is.
+
+    Floating-point precision may differ (a bf16 run resuming an fp32 checkpoint casts);
+    floating point against integer (or bool) may not.
+    """
+    if list(saved_shape) != list(target.shape):
+        raise CheckpointShapeError(
+            f"{what} has shape {list(saved_shape)} in {str(path)!r} but "
+            f"{list(target.shape)} in this model: the checkpoint is of a different model "
+            "(size or architecture). Load a checkpoint of this model, or build the model the "
+            "checkpoint was saved from."
+        )
+    if saved_dtype is not None:
+        saved_float = saved_dtype.upper() in _FLOAT_CODES or saved_dtype.startswith(
+            ("float", "bfloat")
+        )
+        if saved_float != target.is_floating_point():
+            raise CheckpointMismatchError(
+                f"{what} is {saved_dtype} in {str(path)!r} but {target.dtype} in this model"
+            )
+
+
+_IMPLEMENTATION_KEYS = frozenset(
+    {
+        "foreach",
+        "fused",
+        "maximize",
+        "capturable",
+        "differentiable",
+        "decoupled_weight_decay",
+        "initial_lr",
+        "params",
+    }
+)
+
+
+def check_optimizer_fits(
+    engine: SlipstreamEngine, saved: dict[str, Any], names: list[str], path: Path
+) -> None:
+    """Same optimizer class, parameters, group count and hyper-parameter keys."""
+    assert engine.optimizer is not None
+    current_class = type(engine.optimizer).__name__
+    if saved.get("class") != current_class:
+        raise CheckpointMismatchError(
+            f"the optimizer state in {str(path)!r} is {saved.get('class')}'s, this engine's "
+            f"optimizer is {current_class}: its state and hyper-parameters would not fit. "
+            f"Configure {saved.get('class')} as the checkpoint's run did, or pass "
+            "load_optimizer_states=False to load the weights alone."
+        )
+    if sorted(names) != sorted(saved["param_names"]):
+        missing = sorted(set(saved["param_names"]) - set(names))[:5]
+        extra = sorted(set(names) - set(saved["param_names"]))[:5]
+        raise CheckpointMismatchError(
+            f"the optimizer state in {str(path)!r} is for other parameters (in the checkpoint only: "
+            f"{missing}; in this model only: {extra}). Pass load_optimizer_states=False to load the "
+            "weights alone."
+        )
+    saved_groups = _from_json(saved["param_groups"])
+    current_groups = engine.optimizer.state_dict()["param_groups"]
+    if len(saved_groups) != len(current_groups):
+        raise CheckpointMismatchError(
+            f"the checkpoint has {len(saved_groups)} optimizer parameter groups, this optimizer "
+            f"{len(current_groups)}"
+        )
+    for index, (old, new) in enumerate(zip(saved_groups, current_groups)):
+        # Implementation switches (foreach, fused, ...) come and go between torch versions and
+        # are taken from this optimizer where the checkpoint lacks them; a missing
+        # hyper-parameter (momentum, betas, ...) would fail at the next step instead.
+        lacking = sorted(set(new) - set(old) - _IMPLEMENTATION_KEYS)
+        if lacking:
+            raise CheckpointMismatchError(
+                f"optimizer parameter group {index} in {str(path)!r} lacks the hyper-parameters "
+                f"{lacking} of this {current_class}; it was saved by another optimizer setup. "
+                "Pass load_optimizer_states=False to load the weights alone."
+            )
+        if len(old["params"]) != len(new["params"]):
+            raise CheckpointMismatchError(
+                f"optimizer parameter group {index} holds {len(old['params'])} parameters in "
+                f"{str(path)!r}, {len(new['params'])} in this optimizer"
+            )
+    # State keys: where this optimizer already has state, the checkpoint's must match it.
+    scalars = _from_json(saved["scalars"])
+    for name, param in zip(names, (p for g in engine.optimizer.param_groups for p in g["params"])):
+        have = set(engine.optimizer.state.get(param, {}))
+        if have and name in scalars and not set(scalars[name]) <= have:
+            raise CheckpointMismatchError(
+                f"the optimizer state of {name!r} in {str(path)!r} has keys "
+                f"{sorted(scalars[name])}, this optimizer's {sorted(have)}"
+            )
+
+
+def _validate_stage0(
+    engine: SlipstreamEngine, path: Path, manifest: dict[str, Any], options: dict[str, bool]
+) -> dict[str, Any]:
+    if manifest.get("zero_stage", 0) > 0:
+        raise CheckpointMismatchError(
+            f"{str(path)!r} is a ZeRO stage-{manifest['zero_stage']} checkpoint (sharded over "
+            f"{manifest.get('dp_world_size')} ranks); load it with zero_optimization.stage >= 1 "
+            "(any world size), or consolidate it first with "
+            "slipstream.runtime.zero_checkpoint.get_fp32_state_dict_from_zero_checkpoint"
+        )
+    header = _header(path / "model.safetensors")
+    tied = manifest.get("tied", {})
+    current = engine.module.state_dict()
+    saved_names = set(header) | set(tied)
+    missing = sorted(set(current) - saved_names)
+    unexpected = sorted(saved_names - set(current))
+    if options["load_module_strict"] and (missing or unexpected):
+        raise CheckpointMismatchError(
+            f"the model in {str(path)!r} does not fit this module: missing {missing[:5]}, "
+            f"unexpected {unexpected[:5]} (load_module_strict=False loads the names both have)"
+        )
+    for name, tensor in current.items():
+        source = tied.get(name, name)
+        if source in header:
+            shape, dtype = header[source]
+            check_tensor_fits(path, f"model tensor {name!r}", shape, dtype, tensor)
+    load_optimizer = options["load_optimizer_states"] and engine.optimizer is not None
+    optimizer_header: dict[str, tuple[list[int], str]] = {}
+    if load_optimizer or engine.masters is not None:
+        optimizer_header = _header(path / "optimizer.safetensors")
+    if engine.masters is not None:
+        for name, param in engine.named_trainable_parameters:
+            if f"master/{name}" in optimizer_header:
+                shape, dtype = optimizer_header[f"master/{name}"]
+                check_tensor_fits(path, f"master weight {name!r}", shape, dtype, param)
+    if load_optimizer:
+        names = _optimizer_param_names(engine)
+        check_optimizer_fits(engine, manifest["optimizer"], names, path)
+        shapes = dict(engine.named_trainable_parameters)
+        for key, (shape, _) in optimizer_header.items():
+            if key.startswith("state/"):
+                name = key[len("state/") :].rpartition("/")[0]
+                numel = 1
+                for size in shape:
+                    numel *= size
+                if name in shapes and numel > 1 and shape != list(shapes[name].shape):
+                    raise CheckpointShapeError(
+                        f"optimizer state {key!r} has shape {shape} in {str(path)!r}, the "
+                        f"parameter {list(shapes[name].shape)} in this model"
+                    )
+    return {"load_optimizer": load_optimizer}
+
+
+def _apply_stage0(
+    engine: SlipstreamEngine,
+    path: Path,
+    manifest: dict[str, Any],
+    plan: dict[str, Any],
+    options: dict[str, bool],
+) -> None:
+    model_state = load_file(str(path / "model.safetensors"), device=str(engine.device))
+    for alias, source in manifest.get("tied", {}).items():
+        model_state[alias] = model_state[source]
+    engine.module.load_state_dict(model_state, strict=options["load_module_strict"])
+    optimizer_tensors: dict[str, torch.Tensor] | None = None
+    if plan["load_optimizer"] or engine.masters is not None:
+        # On the CPU: Optimizer.load_state_dict moves state to each parameter's device itself,
+        # and keeps Adam's `step` counters on the CPU where the non-fused kernels expect them.
+        optimizer_tensors = load_file(str(path / "optimizer.safetensors"), device="cpu")
+    if engine.masters is not None:
+        assert optimizer_tensors is not None
+        _restore_masters(engine, optimizer_tensors, use_saved=not options["load_module_only"])
+    if plan["load_optimizer"]:
+        assert optimizer_tensors is not None
+        _restore_optimizer(engine, manifest["optimizer"], optimizer_tensors)
 
 
 def _restore_masters(
@@ -563,25 +755,12 @@ def _restore_masters(
 
 
 def _restore_optimizer(
-    engine: SlipstreamEngine, saved: dict[str, Any], tensors: dict[str, torch.Tensor], path: Path
+    engine: SlipstreamEngine, saved: dict[str, Any], tensors: dict[str, torch.Tensor]
 ) -> None:
+    assert engine.optimizer is not None
     names = _optimizer_param_names(engine)
-    if sorted(names) != sorted(saved["param_names"]):
-        missing = sorted(set(saved["param_names"]) - set(names))[:5]
-        extra = sorted(set(names) - set(saved["param_names"]))[:5]
-        raise CheckpointError(
-            f"the optimizer state in {str(path)!r} is for other parameters (in the checkpoint only: "
-            f"{missing}; in this model only: {extra}). Pass load_optimizer_states=False to load the "
-            "weights alone."
-        )
     saved_groups = _from_json(saved["param_groups"])
-    assert engine.optimizer is not None  # checked by load()
     current_groups = engine.optimizer.state_dict()["param_groups"]
-    if len(saved_groups) != len(current_groups):
-        raise CheckpointError(
-            f"the checkpoint has {len(saved_groups)} optimizer parameter groups, this optimizer "
-            f"{len(current_groups)}"
-        )
     scalars = _from_json(saved["scalars"])
     state: dict[int, dict[str, Any]] = {}
     for index, name in enumerate(names):
@@ -592,9 +771,5 @@ def _restore_optimizer(
                 entry[key[len(prefix) :]] = tensor
         if entry:
             state[index] = entry
-    groups = []
-    for saved_group, current in zip(saved_groups, current_groups):
-        group = dict(saved_group)
-        group["params"] = current["params"]
-        groups.append(group)
+    groups = [{**c, **s, "params": c["params"]} for s, c in zip(saved_groups, current_groups)]
     engine.optimizer.load_state_dict({"state": state, "param_groups": groups})

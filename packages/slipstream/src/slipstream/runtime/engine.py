@@ -692,8 +692,16 @@ class SlipstreamEngine(torch.nn.Module):
         tag: str | None = None,
         client_state: dict[str, Any] | None = None,
         save_latest: bool = True,
+        *,
+        allow_non_finite: bool | None = None,
     ) -> Path:
-        """Save model, optimizer, schedule, loss scale, counters and RNG under ``save_dir/tag``."""
+        """Save model, optimizer, schedule, loss scale, counters and RNG under ``save_dir/tag``.
+
+        Collective, crash-safe and checked (docs/reliability.md): weights or optimizer state
+        holding NaN/inf raise NonFiniteCheckpointError unless ``allow_non_finite`` (default:
+        the config's ``checkpoint.allow_non_finite``); any rank's failure raises the same
+        error on every rank.
+        """
         self._check_alive()
         self._refuse_expert_parallel_checkpoint()
         client_state = dict(client_state or {})
@@ -701,7 +709,9 @@ class SlipstreamEngine(torch.nn.Module):
             # Scheduler states, sampler position and consumed samples travel in client state.
             client_state[DATA_EFFICIENCY_STATE_KEY] = self.data_efficiency.state_dict()
         with self._optimizer_resident():
-            return checkpointing.save(self, save_dir, tag, client_state, save_latest)
+            return checkpointing.save(
+                self, save_dir, tag, client_state, save_latest, allow_non_finite
+            )
 
     def _optimizer_resident(self) -> Any:
         """NVMe offload: masters and optimizer states in host memory for a checkpoint."""

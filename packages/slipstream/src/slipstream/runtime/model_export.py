@@ -13,6 +13,7 @@ from safetensors.torch import save_file
 
 from slipstream import comm
 from slipstream.runtime import checkpoint as ckpt
+from slipstream.runtime import checkpoint_store
 from slipstream.runtime.zero_checkpoint import ShardReader
 
 if TYPE_CHECKING:
@@ -62,7 +63,7 @@ def save_16bit_model(engine: SlipstreamEngine, save_dir: str | Path, save_filena
         ckpt._fsync_file(tmp)
         tmp.replace(directory / save_filename)
         ckpt._fsync_dir(directory)
-    ckpt._barrier()
+    checkpoint_store._barrier()
     return True
 
 
@@ -83,9 +84,13 @@ def parse_size(text: str) -> int:
     value = text.strip().upper()
     number = value.rstrip("KMGIB")
     unit = value[len(number) :]
-    if unit not in _UNITS or not number:
+    try:
+        amount = float(number)
+    except ValueError:
+        amount = -1.0
+    if unit not in _UNITS or amount <= 0:
         raise ValueError(f"size {text!r} is not understood; write e.g. 5GB, 500MB or 2GiB")
-    return int(float(number) * _UNITS[unit])
+    return int(amount * _UNITS[unit])
 
 
 _DTYPES = {"fp32": torch.float32, "fp16": torch.float16, "bf16": torch.bfloat16}
@@ -98,6 +103,7 @@ def convert_to_hf_safetensors(
     max_shard_bytes: int = 5 * 10**9,
     dtype: str = "fp32",
     progress: bool = True,
+    verify_checksums: bool = True,
 ) -> list[Path]:
     """Consolidate a (ZeRO or stage-0) checkpoint into Hugging Face-style safetensors.
 
@@ -108,12 +114,32 @@ def convert_to_hf_safetensors(
     file is ``model.safetensors``; several are ``model-0000i-of-0000n.safetensors`` with a
     ``model.safetensors.index.json`` weight map. Tied parameters are stored once, under
     their first name (the index's ``metadata.tied`` lists the aliases).
+
+    Every checkpoint file is verified against the checksum its manifest records before the
+    first output file is written (``verify_checksums=False`` skips that pass).
+
+    Raises:
+        CheckpointNotFoundError, CorruptCheckpointError: a missing or damaged checkpoint.
+        ValueError: an unknown ``dtype``.
     """
     if dtype not in _DTYPES:
         raise ValueError(f"dtype {dtype!r} is not one of {sorted(_DTYPES)}")
     target = _DTYPES[dtype]
     path = ckpt._resolve(checkpoint_dir, tag)
-    manifest = ckpt.read_manifest(path)
+    manifest = ckpt.read_manifest(path, verify_checksums=False)
+    if verify_checksums:
+        to_read = sum(int(entry["bytes"]) for entry in manifest.get("files", []))
+        verified = [0]
+
+        def advance(count: int) -> None:
+            verified[0] += count
+            if progress:
+                sys.stderr.write(f"\rverifying {verified[0] / 1e6:,.0f} / {to_read / 1e6:,.0f} MB")
+                sys.stderr.flush()
+
+        ckpt.read_manifest(path, verify_checksums=True, progress=advance)
+        if progress:
+            sys.stderr.write("\n")
     out = Path(out_dir)
     out.mkdir(parents=True, exist_ok=True)
     names = list(manifest["parameters"])

@@ -19,9 +19,7 @@ two old files that cover it, and a stage-0 checkpoint reads as one shard of worl
 
 from __future__ import annotations
 
-import json
 import logging
-import shutil
 from collections.abc import Iterator
 from contextlib import AbstractContextManager, ExitStack, nullcontext
 from pathlib import Path
@@ -30,7 +28,6 @@ from typing import TYPE_CHECKING, Any
 import torch
 from safetensors import safe_open
 
-import slipstream
 from slipstream import comm
 from slipstream.runtime import checkpoint as ckpt
 from slipstream.zero import ShardSpec, sharded_state_of
@@ -42,7 +39,15 @@ logger = logging.getLogger(__name__)
 
 PARTITIONING = "flat-per-parameter"
 
-__all__ = ["ShardReader", "get_fp32_state_dict_from_zero_checkpoint", "load", "save"]
+__all__ = [
+    "ShardReader",
+    "apply",
+    "get_fp32_state_dict_from_zero_checkpoint",
+    "manifest_fields",
+    "tensors_to_check",
+    "validate",
+    "write_rank_files",
+]
 
 
 # ---------------------------------------------------------------------------- engine views
@@ -87,32 +92,32 @@ def _master_names(engine: SlipstreamEngine) -> dict[int, str]:
 
 
 # ---------------------------------------------------------------------------- save
-def save(
-    engine: SlipstreamEngine,
-    save_dir: str | Path,
-    tag: str | None,
-    client_state: dict[str, Any],
-    save_latest: bool,
-) -> Path:
-    """Save a ZeRO engine: each rank its shards, rank 0 the manifest (collective)."""
+def tensors_to_check(engine: SlipstreamEngine) -> Iterator[tuple[str, torch.Tensor]]:
+    """What this rank's part of a ZeRO checkpoint holds, for the non-finite check."""
     assert engine.zero is not None and engine.optimizer is not None
-    tag = ckpt._check_tag(str(tag) if tag is not None else f"global_step{engine.global_steps}")
-    save_dir = Path(save_dir)
-    rank, world = engine._zero_group().rank, engine.dp_world_size
-    staging = save_dir / f".{tag}.partial"
-    final = save_dir / tag
-    if comm.get_rank() == 0:
-        save_dir.mkdir(parents=True, exist_ok=True)
-        if staging.exists():
-            shutil.rmtree(staging)
-        staging.mkdir()
-    ckpt._barrier()
+    names = _master_names(engine)
+    for master in engine.zero.masters.masters:
+        yield f"master weight {names[id(master)]}", master
+        for key, value in engine.optimizer.state.get(master, {}).items():
+            yield f"optimizer state {names[id(master)]}/{key}", value
+    for name, buffer in engine.module.named_buffers():
+        yield f"buffer {name}", buffer
+    for name, param in _named_params(engine.module):
+        if sharded_state_of(param) is None:  # stage-3 shards: their masters were checked
+            yield f"parameter {name}", param
 
+
+def write_rank_files(
+    engine: SlipstreamEngine, staging: Path
+) -> tuple[list[dict[str, Any]], dict[str, Any]]:
+    """Every rank: its model and optimizer shards and RNG state; rank 0 also the buffers."""
+    assert engine.zero is not None and engine.optimizer is not None
+    rank, world = engine._zero_group().rank, engine.dp_world_size
     named = _named_params(engine.module)
+    model_name = f"model.rank{rank}.safetensors"
     with _shards_resident(engine, dirty=False):
         ckpt._save_tensors(
-            staging / f"model.rank{rank}.safetensors",
-            {name: _model_shard(p, world, rank) for name, p in named},
+            staging / model_name, {name: _model_shard(p, world, rank) for name, p in named}
         )
     names = _master_names(engine)
     tensors: dict[str, torch.Tensor] = {}
@@ -125,42 +130,28 @@ def save(
                 tensors[f"state/{name}/{key}"] = value
                 if value.dim() == 1 and value.numel() == master.numel():
                     sharded_keys.add(key)
-    ckpt._save_tensors(staging / f"optimizer.rank{rank}.safetensors", tensors)
+    optimizer_name = f"optimizer.rank{rank}.safetensors"
+    ckpt._save_tensors(staging / optimizer_name, tensors)
     rng_tensors, rng_meta = ckpt._rng_state()
-    ckpt._save_tensors(staging / f"rng.rank{comm.get_rank()}.safetensors", rng_tensors, rng_meta)
-    gathered: list[Any] = [None] * comm.get_world_size() if comm.get_world_size() > 1 else []
-    if comm.get_world_size() > 1:
-        torch.distributed.all_gather_object(gathered, sorted(sharded_keys))
-        sharded_keys = {key for keys in gathered for key in keys}
+    rng_name = f"rng.rank{comm.get_rank()}.safetensors"
+    ckpt._save_tensors(staging / rng_name, rng_tensors, rng_meta)
+    files = [
+        ckpt.file_entry(staging, model_name, "model", rank),
+        ckpt.file_entry(staging, optimizer_name, "optimizer", rank),
+        ckpt.file_entry(staging, rng_name, "rng", comm.get_rank()),
+    ]
     if comm.get_rank() == 0:
-        _save_rank0_part(engine, staging, client_state, sorted(sharded_keys), save_latest, tag)
-        ckpt._replace_dir(staging, final)
-        if save_latest:
-            ckpt._write_text_atomic(save_dir / ckpt.LATEST, tag)
-        logger.info("saved ZeRO stage-%d checkpoint %s (%d ranks)", engine.zero_stage, final, world)
-    ckpt._barrier()
-    return final
+        buffers = {name: b for name, b in engine.module.named_buffers()}
+        ckpt._save_tensors(staging / "buffers.safetensors", buffers)
+        files.append(ckpt.file_entry(staging, "buffers.safetensors", "buffers", 0))
+    return files, {"sharded_keys": sorted(sharded_keys)}
 
 
-def _save_rank0_part(
-    engine: SlipstreamEngine,
-    staging: Path,
-    client_state: dict[str, Any],
-    sharded_keys: list[str],
-    save_latest: bool,
-    tag: str,
-) -> None:
+def manifest_fields(engine: SlipstreamEngine, infos: list[dict[str, Any]]) -> dict[str, Any]:
+    """Rank 0: the ZeRO layout's part of the manifest (``infos``: every rank's write info)."""
     assert engine.optimizer is not None and engine.zero is not None
     world = engine.dp_world_size
-    buffers = {name: b for name, b in engine.module.named_buffers()}
-    ckpt._save_tensors(staging / "buffers.safetensors", buffers)
-    files: list[dict[str, Any]] = [{"name": "buffers.safetensors", "kind": "buffers", "rank": 0}]
-    for r in range(world):
-        files.append({"name": f"model.rank{r}.safetensors", "kind": "model", "rank": r})
-        files.append({"name": f"optimizer.rank{r}.safetensors", "kind": "optimizer", "rank": r})
-    for r in range(comm.get_world_size()):
-        files.append({"name": f"rng.rank{r}.safetensors", "kind": "rng", "rank": r})
-
+    sharded_keys = sorted({key for info in infos for key in info["sharded_keys"]})
     names = _master_names(engine)
     param_names = [names[id(p)] for g in engine.optimizer.param_groups for p in g["params"]]
     state_dict = engine.optimizer.state_dict()
@@ -169,27 +160,9 @@ def _save_rank0_part(
         for key, value in per_param.items():
             if not isinstance(value, torch.Tensor):
                 scalars.setdefault(param_names[index], {})[key] = value
-    scheduler_file = (
-        ckpt._dump_object(staging, "lr_scheduler", engine.lr_scheduler.state_dict())
-        if engine.lr_scheduler is not None and hasattr(engine.lr_scheduler, "state_dict")
-        else None
-    )
-    client_file = ckpt._dump_object(staging, "client_state", client_state)
-    for name in (scheduler_file, client_file):
-        if name is not None:
-            files.append({"name": name, "kind": "object", "rank": 0})
-    for entry in files:
-        entry["bytes"] = (staging / entry["name"]).stat().st_size
-    manifest = {
-        "format": ckpt.FORMAT,
-        "format_version": ckpt.FORMAT_VERSION,
-        "slipstream_version": slipstream.__version__,
-        "torch_version": torch.__version__,
-        "world_size": comm.get_world_size(),
-        "dp_world_size": world,
+    return {
         "zero_stage": engine.zero_stage,
         "partitioning": PARTITIONING,
-        "dtype": str(engine.compute_dtype or torch.float32).removeprefix("torch."),
         "parameters": {
             name: {
                 "shape": list(p.shape),
@@ -208,21 +181,7 @@ def _save_rank0_part(
             "scalars": ckpt._to_json(scalars),
             "sharded_state_keys": sharded_keys,
         },
-        "lr_scheduler_file": scheduler_file,
-        "client_state_file": client_file,
-        "engine": {
-            "global_steps": engine.global_steps,
-            "global_samples": engine.global_samples,
-            "micro_steps": engine.micro_steps,
-            "skipped_steps": engine.skipped_steps,
-            "loss_scaler": engine.loss_scaler.state_dict() if engine.loss_scaler else None,
-        },
-        "config": engine.config.raw,
-        "files": files,
     }
-    (staging / ckpt.MANIFEST).write_text(json.dumps(manifest, indent=1))
-    ckpt._fsync_file(staging / ckpt.MANIFEST)
-    ckpt._fsync_dir(staging)
 
 
 # ---------------------------------------------------------------------------- reading
@@ -385,34 +344,89 @@ def _load_model_shards(
             param.data.copy_(reader.read("model", name, 0, numel).view(param.shape))
 
 
-def load(
-    engine: SlipstreamEngine,
-    load_dir: str | Path,
-    tag: str | None,
-    *,
-    load_module_strict: bool,
-    load_optimizer_states: bool,
-    load_lr_scheduler_states: bool,
-    load_module_only: bool,
-) -> tuple[Path, dict[str, Any]]:
-    """Restore a ZeRO engine from a ZeRO or stage-0 checkpoint of any world size."""
+def validate(
+    engine: SlipstreamEngine, path: Path, manifest: dict[str, Any], options: dict[str, bool]
+) -> dict[str, Any]:
+    """Check a (ZeRO or stage-0) checkpoint against a ZeRO engine before anything is copied.
+
+    Names, every parameter's and buffer's shape (a larger or smaller model is a
+    CheckpointShapeError), the saved world layout's files, and (when optimizer state is
+    loaded) the optimizer's class, parameters and groups.
+    """
     assert engine.zero is not None and engine.optimizer is not None
-    path = ckpt._resolve(load_dir, tag)
-    manifest = ckpt.read_manifest(path)
-    world, rank = engine.dp_world_size, engine._zero_group().rank
     named = _named_params(engine.module)
     saved = manifest["parameters"]
-    known = set(saved) | set(manifest.get("tied", {}))
-    if manifest.get("partitioning") != PARTITIONING:
-        with safe_open(str(path / "model.safetensors"), framework="pt") as f:
-            known |= set(f.keys())  # stage 0 lists trainable parameters only
+    tied = manifest.get("tied", {})
+    zero_layout = manifest.get("partitioning") == PARTITIONING
+    shapes: dict[str, tuple[list[int], str | None]] = {
+        name: (info["shape"], info.get("dtype")) for name, info in saved.items()
+    }
+    buffer_header: dict[str, tuple[list[int], str]]
+    if zero_layout:
+        buffer_header = ckpt._header(path / "buffers.safetensors")
+        saved_world = int(manifest["dp_world_size"])
+        listed = {entry["name"] for entry in manifest.get("files", [])}
+        for r in range(saved_world):
+            for kind in ("model", "optimizer"):
+                if f"{kind}.rank{r}.safetensors" not in listed:
+                    raise ckpt.CorruptCheckpointError(
+                        f"{str(path)!r} was saved by {saved_world} ranks but lists no "
+                        f"{kind}.rank{r}.safetensors: the checkpoint is incomplete"
+                    )
+        for name, info in saved.items():
+            numel = 1
+            for size in info["shape"]:
+                numel *= int(size)
+            if (
+                int(info["shard_numel"])
+                != ShardSpec(torch.Size(info["shape"]), saved_world).shard_numel
+            ):
+                raise ckpt.CorruptCheckpointError(
+                    f"{str(path)!r}: parameter {name!r} of {numel} elements records shards of "
+                    f"{info['shard_numel']} over {saved_world} ranks; the manifest is inconsistent"
+                )
+    else:
+        header = ckpt._header(path / "model.safetensors")  # stage 0 lists trainable ones only
+        for key, value in header.items():
+            shapes.setdefault(key, value)
+        buffer_header = header
+    known = set(shapes) | set(tied)
     missing = [n for n, _ in named if n not in known]
     extra = [n for n in saved if n not in dict(named)]
-    if missing or (extra and load_module_strict):
-        raise ckpt.CheckpointError(
+    if missing or (extra and options["load_module_strict"]):
+        raise ckpt.CheckpointMismatchError(
             f"the model in {str(path)!r} does not fit this module: missing {missing[:5]}, "
             f"unexpected {extra[:5]}"
         )
+    for name, param in named:
+        shape, dtype = shapes[tied.get(name, name) if name not in shapes else name]
+        ckpt.check_tensor_fits(path, f"parameter {name!r}", shape, dtype, param)
+    for name, buffer in engine.module.named_buffers():
+        if name in buffer_header:
+            shape, dtype = buffer_header[name]
+            ckpt.check_tensor_fits(path, f"buffer {name!r}", shape, dtype, buffer)
+        elif options["load_module_strict"] and zero_layout:
+            raise ckpt.CheckpointMismatchError(
+                f"buffer {name!r} of this module is not in {str(path)!r}"
+            )
+    if options["load_optimizer_states"]:
+        names = _master_names(engine)
+        order = [names[id(p)] for g in engine.optimizer.param_groups for p in g["params"]]
+        ckpt.check_optimizer_fits(engine, manifest["optimizer"], order, path)
+    return {}
+
+
+def apply(
+    engine: SlipstreamEngine,
+    path: Path,
+    manifest: dict[str, Any],
+    plan: dict[str, Any],
+    options: dict[str, bool],
+) -> None:
+    """Copy a validated checkpoint into a ZeRO engine (each rank reads its new shards)."""
+    assert engine.zero is not None and engine.optimizer is not None
+    world, rank = engine.dp_world_size, engine._zero_group().rank
+    named = _named_params(engine.module)
     with ShardReader(path, manifest) as reader, torch.no_grad():
         with _shards_resident(engine, dirty=True):
             _load_model_shards(reader, named, world, rank)
@@ -424,31 +438,23 @@ def load(
         for param, master in zip(engine.zero.params, engine.zero.masters.masters):
             spec = ShardSpec(param.shape, world)
             start, end = spec.valid_range(rank)
-            kind = "master" if not load_module_only else "model"
+            kind = "master" if not options["load_module_only"] else "model"
             master.copy_(
                 _padded(reader.read(kind, names[id(master)], start, end).float(), spec.shard_numel)
             )
-        if load_optimizer_states:
-            _load_optimizer(engine, reader, manifest, path)
+        if options["load_optimizer_states"]:
+            _load_optimizer(engine, reader, manifest)
     if engine._stage3 is not None:
         engine._stage3.release_all()  # gathered copies (persistent ones) hold old values
-    return path, ckpt.restore_engine_state(
-        engine, path, manifest, load_lr_scheduler_states, load_module_only
-    )
 
 
 def _load_optimizer(
-    engine: SlipstreamEngine, reader: ShardReader, manifest: dict[str, Any], path: Path
+    engine: SlipstreamEngine, reader: ShardReader, manifest: dict[str, Any]
 ) -> None:
     assert engine.zero is not None and engine.optimizer is not None
     saved = manifest["optimizer"]
     names = _master_names(engine)
     order = [names[id(p)] for g in engine.optimizer.param_groups for p in g["params"]]
-    if sorted(order) != sorted(saved["param_names"]):
-        raise ckpt.CheckpointError(
-            f"the optimizer state in {str(path)!r} is for other parameters; pass "
-            "load_optimizer_states=False to load the weights alone"
-        )
     scalars = ckpt._from_json(saved["scalars"])
     world, rank = engine.dp_world_size, engine._zero_group().rank
     state: dict[int, dict[str, Any]] = {}
@@ -472,12 +478,7 @@ def _load_optimizer(
             state[index] = entry
     saved_groups = ckpt._from_json(saved["param_groups"])
     current = engine.optimizer.state_dict()["param_groups"]
-    if len(saved_groups) != len(current):
-        raise ckpt.CheckpointError(
-            f"the checkpoint has {len(saved_groups)} optimizer parameter groups, this optimizer "
-            f"{len(current)}"
-        )
-    groups = [{**dict(s), "params": c["params"]} for s, c in zip(saved_groups, current)]
+    groups = [{**c, **s, "params": c["params"]} for s, c in zip(saved_groups, current)]
     engine.optimizer.load_state_dict({"state": state, "param_groups": groups})
 
 

@@ -39,7 +39,7 @@ import errno
 import logging
 import os
 import threading
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from pathlib import Path
@@ -360,6 +360,9 @@ class IORequest:
         self._finished = batch is None
         self._reported = False  # the error was raised to a caller (by wait or wait_all)
         self._lock = threading.Lock()
+        # Run once when the transfer has succeeded (SwapSpace's payload checksum); what it
+        # raises becomes this request's error.
+        self._check: Callable[[], None] | None = None
 
     @property
     def path(self) -> Path:
@@ -370,6 +373,19 @@ class IORequest:
     def nbytes(self) -> int:
         """Payload bytes transferred (without O_DIRECT padding)."""
         return self._nbytes
+
+    def add_check(self, check: Callable[[], None]) -> None:
+        """Run ``check`` once the transfer has succeeded; an OffloadIOError it raises is the
+        request's error (raised by :meth:`wait`). Used to verify a payload's checksum."""
+        with self._lock:
+            if self._finished:
+                if self._error is None:
+                    try:
+                        check()
+                    except OffloadIOError as error:
+                        self._error = error
+                return
+            self._check = check
 
     def done(self) -> bool:
         """Whether the I/O has finished (successfully or not); never blocks."""
@@ -396,6 +412,12 @@ class IORequest:
                 assert self._batch is not None
                 result = self._batch.wait()
                 self._error = self._make_error(*result) if result[0] else None
+                check, self._check = self._check, None
+                if self._error is None and check is not None:
+                    try:
+                        check()
+                    except OffloadIOError as error:
+                        self._error = error
                 self._finished = True
                 self._tensor = None  # release the tensor (and the batch) once finished
                 self._batch = None
