@@ -45,7 +45,10 @@ def _checkout_root(start: Path) -> Path | None:
 def checkout_members(root: Path) -> dict[str, tuple[str, Path]]:
     """Every distribution of the clone at `root`: name -> (version, folder)."""
     members: dict[str, tuple[str, Path]] = {}
-    for pyproject in [root / "kernels" / "pyproject.toml", *sorted(root.glob("packages/*/pyproject.toml"))]:
+    for pyproject in [
+        root / "kernels" / "pyproject.toml",
+        *sorted(root.glob("packages/*/pyproject.toml")),
+    ]:
         project = tomllib.loads(pyproject.read_text())["project"]
         members[project["name"]] = (project["version"], pyproject.parent.resolve())
     return members
