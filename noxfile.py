@@ -32,6 +32,8 @@ TEST_EXTRAS: dict[str, list[str]] = {
         "triton>=3.9"
     ],  # the CPU interpreter (TRITON_INTERPRET=1); 3.6's breaks on NumPy 2.4
     "moe": ["transformers>=4.40"],
+    # The Trainer, Accelerate and Lightning integrations (docs/integrations.md's tested versions).
+    "integration": ["transformers>=4.46", "accelerate>=1.1", "lightning>=2.4"],
     "offload_io": ["aiofiles>=23.1"],
 }
 
