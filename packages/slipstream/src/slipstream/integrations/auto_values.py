@@ -62,8 +62,9 @@ def hidden_size_values(model: Any) -> dict[str, Any]:
     """
     config = getattr(model, "config", None)
     hidden = getattr(config, "hidden_size", None)
-    if hidden is None and getattr(config, "hidden_sizes", None):
-        hidden = max(config.hidden_sizes)
+    sizes = getattr(config, "hidden_sizes", None)
+    if hidden is None and sizes:
+        hidden = max(sizes)
     if not isinstance(hidden, int):
         return {}
     return {

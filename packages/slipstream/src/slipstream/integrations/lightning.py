@@ -178,7 +178,7 @@ class SlipstreamStrategy(DDPStrategy):
         self.optimizers = []
         self.lr_scheduler_configs = []
 
-    def _setup_model(self, model: torch.nn.Module) -> torch.nn.Module:
+    def _setup_model(self, model: torch.nn.Module) -> torch.nn.Module:  # type: ignore[override]
         return model  # no DDP wrapper: the engine reduces gradients
 
     @property

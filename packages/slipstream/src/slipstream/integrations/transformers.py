@@ -179,6 +179,7 @@ class Trainer(transformers.Trainer):
         # Every rank writes its shards (model, optimizer, the engine's scheduler, RNG).
         self.accelerator._engine().save_checkpoint(output_dir)  # type: ignore[attr-defined]
         if self.args.should_save and not self._engine_owns_scheduler():
+            assert self.lr_scheduler is not None  # created before the first save
             torch.save(self.lr_scheduler.state_dict(), os.path.join(output_dir, SCHEDULER_NAME))
 
     def _load_from_checkpoint(self, resume_from_checkpoint: str, model: Any = None) -> None:
@@ -191,7 +192,11 @@ class Trainer(transformers.Trainer):
             return super()._load_optimizer_and_scheduler(checkpoint)
         self.accelerator._engine().load_checkpoint(checkpoint)  # type: ignore[attr-defined]
         path = os.path.join(checkpoint, SCHEDULER_NAME)
-        if not self._engine_owns_scheduler() and os.path.isfile(path):
+        if (
+            self.lr_scheduler is not None
+            and not self._engine_owns_scheduler()
+            and os.path.isfile(path)
+        ):
             self.lr_scheduler.load_state_dict(torch.load(path, weights_only=True))
 
     def save_model(self, output_dir: str | None = None, _internal_call: bool = False) -> None:
@@ -285,7 +290,9 @@ def _no_init_weights() -> Any:
     try:
         from transformers.initialization import no_init_weights  # Transformers 5
     except ImportError:  # Transformers 4
-        from transformers.modeling_utils import no_init_weights  # type: ignore[no-redef]
+        from transformers.modeling_utils import (  # type: ignore[attr-defined,no-redef]
+            no_init_weights,
+        )
     return no_init_weights()
 
 
