@@ -1,6 +1,6 @@
 """An Accelerate loop on SlipstreamAccelerator: parity with plain PyTorch, save/load state.
 
-Two gloo ranks; ZeRO-2 and ZeRO-3 in one spawned world. The loop is Accelerate's documented
+Two gloo ranks; ZeRO-2 and ZeRO-3 (checkpointed half-way and resumed) in one spawned world. The loop is Accelerate's documented
 one (``prepare``, ``accumulate``, ``backward``, ``optimizer.step``, ``scheduler.step``).
 """
 
@@ -94,13 +94,12 @@ def _train(stage: int, epochs: int, seed: int, save: str | None, load: str | Non
 
 
 def _worker(root: str) -> dict:
-    results = {}
-    for stage in (2, 3):
-        full = _train(stage, epochs=2, seed=0, save=None, load=None)
-        first = _train(stage, epochs=1, seed=0, save=f"{root}/stage{stage}", load=None)
-        # A different initial model: everything must come from the checkpoint.
-        resumed = _train(stage, epochs=1, seed=5, save=None, load=f"{root}/stage{stage}")
-        results[stage] = (full, first, resumed)
+    results = {2: (_train(2, epochs=2, seed=0, save=None, load=None), None, None)}
+    full = _train(3, epochs=2, seed=0, save=None, load=None)
+    first = _train(3, epochs=1, seed=0, save=f"{root}/stage3", load=None)
+    # A different initial model: everything must come from the checkpoint.
+    resumed = _train(3, epochs=1, seed=5, save=None, load=f"{root}/stage3")
+    results[3] = (full, first, resumed)
     return results
 
 
@@ -109,11 +108,12 @@ def test_accelerate_loop_matches_pytorch_and_resumes(tmp_path: Path) -> None:
     ranks = run_distributed(_worker, 2, str(tmp_path), timeout=300.0)
     for stage in (2, 3):
         full, first, resumed = ranks[0][stage]
-        assert full["steps"] == 4 and first["steps"] == 2
+        assert full["steps"] == 4
         for name, expected in reference.items():
             torch.testing.assert_close(full["state"][name], expected, rtol=1e-5, atol=1e-6)
-            # Resuming reproduces the uninterrupted run exactly.
-            torch.testing.assert_close(resumed["state"][name], full["state"][name], rtol=0, atol=0)
-        assert resumed["lr"] == full["lr"]
+        if resumed is not None:  # ZeRO-3: resuming reproduces the uninterrupted run exactly
+            assert first["steps"] == 2 and resumed["lr"] == full["lr"]
+            for name, value in full["state"].items():
+                torch.testing.assert_close(resumed["state"][name], value, rtol=0, atol=0)
         for name, value in ranks[1][stage][0]["state"].items():
             torch.testing.assert_close(value, full["state"][name], rtol=0, atol=0)

@@ -2,8 +2,8 @@
 
 Two gloo ranks, a tiny random-weight GPT-2 loaded with ``from_pretrained`` (partitioned by
 zero.Init at stage 3), gradient accumulation 2, 4 optimizer steps with a checkpoint every 2:
-ZeRO-2 matches the plain Trainer (DDP) step for step; resuming from checkpoint-2 reproduces
-the uninterrupted run exactly; the saved checkpoint reloads with ``from_pretrained``.
+ZeRO-2 matches the plain Trainer (DDP) step for step; at ZeRO-3 resuming from checkpoint-2
+reproduces the uninterrupted run exactly; both saved checkpoints reload with ``from_pretrained``.
 """
 
 from __future__ import annotations
@@ -125,15 +125,17 @@ def _worker(root: str) -> dict:
         full = _weights(trainer)
         engine = trainer.accelerator.engine
         filled = engine.config.raw
-        # Resume in a fresh Trainer from the half-way checkpoint.
-        args = _args(slip.TrainingArguments, f"{root}/resumed{stage}", config)
-        model = slip.from_pretrained(GPT2LMHeadModel, base)
-        resumed = slip.Trainer(model=model, args=args, train_dataset=_Tokens())
-        resumed.train(resume_from_checkpoint=f"{run}/checkpoint-2")
+        resumed_weights = None
+        if stage == 3:  # resume in a fresh Trainer from the half-way checkpoint
+            args = _args(slip.TrainingArguments, f"{root}/resumed{stage}", config)
+            model = slip.from_pretrained(GPT2LMHeadModel, base)
+            resumed = slip.Trainer(model=model, args=args, train_dataset=_Tokens())
+            resumed.train(resume_from_checkpoint=f"{run}/checkpoint-2")
+            resumed_weights = _weights(resumed)
         out[stage] = {
             "partitioned": partitioned,
             "full": full,
-            "resumed": _weights(resumed),
+            "resumed": resumed_weights,
             "loss": result.training_loss,
             "steps": engine.global_steps,
             "filled": filled,
@@ -157,7 +159,8 @@ def test_trainer_zero2_zero3_resume_and_reload(tmp_path: Path) -> None:
         assert filled["gradient_clipping"] == 1.0
         assert filled["zero_optimization"]["reduce_bucket_size"] == 32 * 32
         for name, value in run["full"].items():
-            torch.testing.assert_close(run["resumed"][name], value, rtol=0, atol=0)
+            if run["resumed"] is not None:
+                torch.testing.assert_close(run["resumed"][name], value, rtol=0, atol=0)
             torch.testing.assert_close(ranks[1][stage]["full"][name], value, rtol=0, atol=0)
         # The last checkpoint is what from_pretrained reads back.
         reloaded = GPT2LMHeadModel.from_pretrained(tmp_path / f"stage{stage}" / "checkpoint-4")

@@ -1,7 +1,8 @@
 """Lightning's Trainer with SlipstreamStrategy: parity with plain PyTorch, checkpoint and resume.
 
-Two gloo ranks; ZeRO-2 (by its registered name) and ZeRO-3 (by the class) in one spawned
-world; ``accumulate_grad_batches=2`` and ``gradient_clip_val`` go to the engine.
+Two gloo ranks; ZeRO-2 (by its registered name) and ZeRO-3 (by the class, checkpointed and
+resumed) in one spawned world; ``accumulate_grad_batches=2`` and ``gradient_clip_val`` go to
+the engine.
 """
 
 from __future__ import annotations
@@ -112,8 +113,12 @@ def test_slipstream_strategy_matches_pytorch_and_resumes(tmp_path: Path) -> None
     ranks = run_distributed(_worker, 2, str(tmp_path), timeout=300.0)
     for stage in (2, 3):
         full, resumed = ranks[0][stage]
-        assert full["steps"] == 4 and resumed["steps"] == 4
+        assert full["steps"] == 4
         for name, expected in reference.items():
             torch.testing.assert_close(full["state"][name], expected, rtol=1e-5, atol=1e-6)
-            torch.testing.assert_close(resumed["state"][name], full["state"][name], rtol=0, atol=0)
             torch.testing.assert_close(ranks[1][stage][0]["state"][name], full["state"][name])
+            if resumed is not None:
+                assert resumed["steps"] == 4
+                torch.testing.assert_close(
+                    resumed["state"][name], full["state"][name], rtol=0, atol=0
+                )
