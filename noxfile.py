@@ -1,15 +1,18 @@
 """Every developer task of the Slipstream monorepo: tests per package, lint, typecheck, demo, build.
 
-Sessions create their virtualenvs with ``--system-site-packages`` so that a torch installed in the
-base interpreter (as ``.ci/run`` does) is reused instead of being installed again per session;
-where the base has no torch, it is installed once per venv from ``SLIPSTREAM_TORCH_SPEC``
-(default ``torch==2.13.0``). Venvs are reused between runs (``-R`` is implied).
+torch is installed once, not per session: the torch of the interpreter that runs nox (a venv or
+the system's: what the README asks you to install first) is shared with every session's venv
+through a ``.pth`` file; where that interpreter has none, ``SLIPSTREAM_TORCH_SPEC`` (default
+``torch==2.13.0``) is installed once into ``.nox/_shared-torch`` and shared the same way. Session
+venvs therefore hold only the small test tools, and are reused between runs (``-R`` is implied).
 """
 
 from __future__ import annotations
 
 import enum
+import importlib.util
 import os
+import sysconfig
 from pathlib import Path
 
 import nox
@@ -20,7 +23,8 @@ nox.options.default_venv_backend = "venv"
 nox.options.sessions = ["lint", "typecheck", "tests", "kernels"]
 
 TORCH_SPEC = os.environ.get("SLIPSTREAM_TORCH_SPEC", "torch==2.13.0")
-VENV_PARAMS = ["--system-site-packages"]
+SHARED_TORCH = ROOT / ".nox" / "_shared-torch"
+VENV_PARAMS: list[str] = []
 TEST_TOOLS = ["pytest>=8", "pytest-timeout", "hatchling>=1.18", "editables"]
 # What a package's tests need beyond the package itself (real HF models for MoE conversion).
 TEST_EXTRAS: dict[str, list[str]] = {
@@ -35,7 +39,8 @@ TEST_EXTRAS: dict[str, list[str]] = {
     # swap payload and checkpoint checksums (slipstream.offload.checksum)
     "zero": ["xxhash>=3.0"],
     "slipstream": ["xxhash>=3.0"],
-    "integration": ["xxhash>=3.0"],
+    # The Trainer, Accelerate and Lightning integrations (docs/integrations.md's tested versions).
+    "integration": ["xxhash>=3.0", "transformers>=4.46", "accelerate>=1.1", "lightning>=2.4"],
 }
 
 
@@ -61,13 +66,29 @@ class Package(enum.Enum):
         return members[: members.index(self) + 1]
 
 
+def _torch_site(session: nox.Session) -> Path:
+    """The folder holding torch for every session: nox's own interpreter's, else a shared one."""
+    spec = importlib.util.find_spec("torch")  # this process's interpreter: no probe to run
+    if spec is not None and spec.origin is not None:
+        return Path(spec.origin).resolve().parents[1]
+    marker = SHARED_TORCH / ".installed"
+    if not marker.is_file() or marker.read_text() != TORCH_SPEC:
+        session.log(f"installing {TORCH_SPEC} once into {SHARED_TORCH} (shared by every session)")
+        session.run(
+            "python", "-m", "pip", "install", "--quiet", "--upgrade", "--target",
+            str(SHARED_TORCH), TORCH_SPEC,
+        )  # fmt: skip
+        marker.write_text(TORCH_SPEC)
+    return SHARED_TORCH
+
+
 def _install_torch(session: nox.Session) -> None:
-    """Install torch only where the venv (or the base interpreter it sees) lacks it."""
-    probe = "import importlib.util, sys; sys.exit(importlib.util.find_spec('torch') is None)"
-    try:
-        session.run("python", "-c", probe, silent=True, log=False)
-    except nox.command.CommandFailed:
-        session.install(TORCH_SPEC)
+    """Make the shared torch importable in the session's venv (a .pth file; nothing copied)."""
+    venv = str(session.virtualenv.location)
+    site = Path(sysconfig.get_path("purelib", vars={"base": venv, "platbase": venv}))
+    # Named to sort after the editable installs' .pth files, so that the src/ folders of this
+    # checkout come first on sys.path.
+    (site / "zz_slipstream_shared_torch.pth").write_text(f"{_torch_site(session)}\n")
 
 
 def _install(session: nox.Session, packages: list[Package], *extra: str) -> None:
@@ -97,8 +118,9 @@ def tests(session: nox.Session, package: str) -> None:
         session.run("python", "-m", "slipstream.kernels.build_ops")
     if package == "offload_io":
         session.run("python", "-m", "slipstream.offload.build")  # the NVMe I/O engine
-    # The ten slowest tests of each package in the log: CI must stay well under 30 minutes.
-    args = session.posargs or ["-m", "not gpu and not aot", "--durations=10"]
+    # One line per test (progress in long sessions) and the ten slowest tests of each package
+    # in the log: CI must stay well under 30 minutes.
+    args = session.posargs or ["-m", "not gpu and not aot", "-v", "--durations=10"]
     session.run("python", "-m", "pytest", str(test_dir), *args, env={"OMP_NUM_THREADS": "1"})
 
 
@@ -178,7 +200,11 @@ def bench(session: nox.Session) -> None:
 
 @nox.session(venv_params=VENV_PARAMS)
 def build(session: nox.Session) -> None:
-    """Build a wheel and an sdist of every distribution into dist/."""
+    """Build a wheel and an sdist of every distribution into dist/, as they are published.
+
+    ``SLIPSTREAM_SIBLINGS=index`` keeps the umbrella's sibling pins as ``==`` (an index resolves
+    them); without it, a build from this clone would point them at its folders.
+    """
     session.install("build", "hatchling>=1.18")
     for package in Package:
         session.run(
@@ -189,4 +215,5 @@ def build(session: nox.Session) -> None:
             "--outdir",
             str(ROOT / "dist"),
             str(package.path),
+            env={"SLIPSTREAM_SIBLINGS": "index"},
         )

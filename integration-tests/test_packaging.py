@@ -24,6 +24,14 @@ DISTRIBUTIONS = {
 IMPORT_NAMES = {"slipstream-offload-io": "offload", "slipstream-data-efficiency": "data"}
 
 
+def _dependencies(project_file: Path) -> list[str]:
+    """`project.dependencies`, or the umbrella's list for its hatch hook (hatch_build.py)."""
+    document = tomllib.loads(project_file.read_text())
+    if "dependencies" in document["project"].get("dynamic", []):
+        return document["tool"]["hatch"]["metadata"]["hooks"]["custom"]["dependencies"]
+    return document["project"].get("dependencies", [])
+
+
 def _import_name(distribution: str) -> str:
     return IMPORT_NAMES.get(distribution, distribution.removeprefix("slipstream-"))
 
@@ -31,9 +39,10 @@ def _import_name(distribution: str) -> str:
 def _sibling_requirements(distribution: str) -> list[str]:
     """The Slipstream distributions `distribution` needs, transitively."""
     folder = DISTRIBUTIONS[distribution]
-    project = tomllib.loads((folder / "pyproject.toml").read_text())["project"]
     direct = [
-        r.split("==")[0] for r in project.get("dependencies", []) if r.startswith("slipstream")
+        r.split("==")[0]
+        for r in _dependencies(folder / "pyproject.toml")
+        if r.startswith("slipstream")
     ]
     needed: list[str] = []
     for name in direct:
@@ -122,7 +131,7 @@ def test_one_version_and_exact_sibling_pins() -> None:
         project = tomllib.loads((folder / "pyproject.toml").read_text())["project"]
         assert project["name"] == name
         versions[name] = project["version"]
-        for requirement in project.get("dependencies", []):
+        for requirement in _dependencies(folder / "pyproject.toml"):
             if requirement.startswith("slipstream"):
                 match = re.fullmatch(r"(slipstream[-a-z]*)==(.+)", requirement)
                 assert match, f"{name}: sibling requirement {requirement!r} is not an exact pin"

@@ -11,6 +11,7 @@ from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
 PYPROJECTS = [
+    ROOT / "pyproject.toml",  # slipstream-workspace (pip install . of the clone)
     ROOT / "kernels" / "pyproject.toml",
     *sorted((ROOT / "packages").glob("*/pyproject.toml")),
 ]

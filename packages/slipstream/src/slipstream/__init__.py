@@ -48,3 +48,9 @@ def __getattr__(name: str):
 
         return importlib.import_module(f"slipstream.{name}")
     raise AttributeError(f"module 'slipstream' has no attribute {name!r}")
+
+
+def __dir__() -> list[str]:
+    # The lazy names and sub-packages are public although they are not loaded yet.
+    dunders = [name for name in globals() if name.startswith("__")]
+    return sorted({*dunders, *__all__, *_SUBMODULES})

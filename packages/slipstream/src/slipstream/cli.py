@@ -163,7 +163,11 @@ def _add_tool_commands(sub: argparse._SubParsersAction) -> None:
 
 
 def main(argv: list[str] | None = None) -> int:
-    """Entry point of the `slipstream` console script."""
+    """Every subcommand, ``run`` included (``python -m slipstream.cli`` from source folders).
+
+    Installed, the ``slipstream`` script is slipstream-comm's, which calls the ``*_command``
+    functions below for the subcommands this distribution adds.
+    """
     argv = list(sys.argv[1:] if argv is None else argv)
     if argv and argv[0] == "run":
         # The launcher owns its whole argument list (script arguments included).
@@ -225,6 +229,33 @@ def main(argv: list[str] | None = None) -> int:
         parser.print_help()
         return 2
     return int(args.handler(args))
+
+
+# The subcommands this distribution adds to the `slipstream` script of slipstream-comm (the
+# "slipstream.commands" entry points in pyproject.toml); each takes the arguments after its name.
+def report_command(argv: list[str]) -> int:
+    """``slipstream report``."""
+    return main(["report", *argv])
+
+
+def estimate_command(argv: list[str]) -> int:
+    """``slipstream estimate``."""
+    return main(["estimate", *argv])
+
+
+def convert_command(argv: list[str]) -> int:
+    """``slipstream convert``."""
+    return main(["convert", *argv])
+
+
+def build_ops_command(argv: list[str]) -> int:
+    """``slipstream build-ops``."""
+    return main(["build-ops", *argv])
+
+
+def io_bench_command(argv: list[str]) -> int:
+    """``slipstream io-bench``."""
+    return main(["io-bench", *argv])
 
 
 def _version_line() -> str:
