@@ -15,7 +15,7 @@ import csv
 import importlib
 import logging
 import os
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from typing import TYPE_CHECKING, Any, Protocol
 
 from slipstream import comm
@@ -194,7 +194,7 @@ class MonitorMaster:
     ) -> None:
         self.rank = rank if rank is not None else comm.get_rank()
         self.backends: list[MonitorBackend] = []
-        blocks: list[tuple[Any, type[MonitorBackend]]] = [
+        blocks: list[tuple[Any, Callable[[Any], MonitorBackend]]] = [
             (tensorboard, TensorBoardMonitor),
             (wandb, WandbMonitor),
             (csv_monitor, CsvMonitor),
