@@ -34,7 +34,13 @@ TEST_EXTRAS: dict[str, list[str]] = {
     "moe": ["transformers>=4.40"],
     "data_efficiency": ["triton>=3.9"],  # the token kernels under TRITON_INTERPRET=1
     # inference: HF models for parity; serving: its [serve] extra (ASGI stack) and httpx for tests
-    "inference": ["triton>=3.9", "transformers>=4.45", "starlette>=0.37", "uvicorn>=0.29", "httpx>=0.27"],
+    "inference": [
+        "triton>=3.9",
+        "transformers>=4.45",
+        "starlette>=0.37",
+        "uvicorn>=0.29",
+        "httpx>=0.27",
+    ],
     "offload_io": ["aiofiles>=23.1", "xxhash>=3.0"],
     # swap payload and checkpoint checksums (slipstream.offload.checksum)
     "zero": ["xxhash>=3.0"],
