@@ -534,10 +534,6 @@ def test_optimizer_errors() -> None:
 NONE = object()
 FEATURE_CASES: dict[str, tuple[Any, Any]] = {
     "flops_profiler": ({"enabled": False, "profile_step": 1}, {"enabled": True}),
-    "tensorboard": ({"enabled": False, "output_path": "x"}, {"enabled": True}),
-    "wandb": ({"enabled": False}, {"enabled": True, "project": "p"}),
-    "csv_monitor": ({"enabled": False}, {"enabled": True}),
-    "comet": ({"enabled": False}, {"enabled": True}),
     "compression_training": (
         {"weight_quantization": {"shared_parameters": {"enabled": False}}},
         {"weight_quantization": {"shared_parameters": {"enabled": True}}},
@@ -631,14 +627,14 @@ def test_several_active_features_are_reported_together() -> None:
     with pytest.raises(NotImplementedFeatureError) as info:
         load(
             {
-                "tensorboard": {"enabled": True},
+                "flops_profiler": {"enabled": True},
                 "disable_allgather": True,
-                "wandb": {"enabled": False},
+                "nebula": {"enabled": False},
             }
         )
     message = str(info.value)
-    assert "tensorboard = " in message and "disable_allgather = true" in message
-    assert "wandb" not in message
+    assert "flops_profiler = " in message and "disable_allgather = true" in message
+    assert "nebula" not in message
     assert "slipstream-zero" in message
 
 
@@ -911,10 +907,39 @@ def test_to_dict_round_trips_through_load_config(caplog: pytest.LogCaptureFixtur
     dumped = original.to_dict()
     assert dumped["communication_data_type"] == "fp32"
     assert dumped["train_micro_batch_size_per_gpu"] == 4
-    assert dumped["tensorboard"] == {"enabled": False}
+    assert dumped["tensorboard"] == {
+        "enabled": False,
+        "output_path": "",
+        "job_name": "DeepSpeedJobName",
+    }
     json.dumps(dumped)  # JSON-ready
     with caplog.at_level(logging.WARNING, logger="slipstream.config"):
         again = load_config(dumped, world_size=2)
     assert again == original
     assert again.to_dict() == dumped
     assert not caplog.records
+
+
+def test_monitor_blocks_take_deepspeeds_keys_and_defaults() -> None:
+    config = load(
+        {
+            "tensorboard": {"enabled": True, "output_path": "runs/", "job_name": "j"},
+            "wandb": {"enabled": True, "team": "t", "group": "g"},
+            "csv_monitor": {"enabled": True},
+            "comet": {"enabled": True, "samples_log_interval": 8, "online": False},
+        }
+    )
+    assert (config.tensorboard.enabled, config.tensorboard.output_path) == (True, "runs/")
+    assert config.tensorboard.job_name == "j"
+    assert (config.wandb.team, config.wandb.group, config.wandb.project) == ("t", "g", "deepspeed")
+    assert (config.csv_monitor.output_path, config.csv_monitor.job_name) == (
+        "",
+        "DeepSpeedJobName",
+    )
+    assert (config.comet.samples_log_interval, config.comet.online) == (8, False)
+    assert config.comet.mode is None and config.comet.api_key is None
+    assert load({}).comet.samples_log_interval == 100
+    with pytest.raises(ConfigError, match=r"comet.mode = \"maybe\""):
+        load({"comet": {"mode": "maybe"}})
+    with pytest.raises(ConfigError, match=r"did you mean 'wandb.project'"):
+        load({"wandb": {"projct": "p"}})

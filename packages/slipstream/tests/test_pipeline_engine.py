@@ -81,18 +81,27 @@ def _engine(config, **kwargs):
     return initialize_pipeline(model=module, config=config)
 
 
-def test_single_stage_engine_matches_plain_training():
+def test_single_stage_engine_matches_plain_training(tmp_path):
+    csv_monitor = {"enabled": True, "output_path": str(tmp_path), "job_name": "job"}
     engine, optimizer, loader, scheduler = _engine(
-        _config(pipeline={"schedule": "zero_bubble", "stages": 1}), num_stages=1
+        _config(pipeline={"schedule": "zero_bubble", "stages": 1}, csv_monitor=csv_monitor),
+        num_stages=1,
     )
     assert loader is None and scheduler is not None and optimizer is engine.optimizer
     assert engine.train_batch_size() == 8 and engine.gradient_accumulation_steps() == 4
     assert engine.is_first_stage() and engine.is_last_stage()
     expected_losses, expected_lrs, expected_state = _reference_run(3)
+    losses, lrs = [], []
     for step in range(3):
         assert engine.get_lr() == [pytest.approx(expected_lrs[step])]
         loss = engine.train_batch(iter(_batches(step)))
         assert loss.item() == pytest.approx(expected_losses[step], rel=1e-6)
+        losses.append(loss.item())
+        lrs.append(engine.get_lr()[0])
+    # DeepSpeed's pipeline events: the batch's mean loss and the lr after each step.
+    for name, values in (("train_loss", losses), ("lr", lrs)):
+        lines = (tmp_path / "job" / f"Train_Samples_{name}.csv").read_text().splitlines()
+        assert lines == [f"step,{name}"] + [f"{8 * (i + 1)},{v}" for i, v in enumerate(values)]
     assert engine.global_steps == 3 and engine.global_samples == 24
     assert engine.get_global_grad_norm() is not None
     state = engine.module.state_dict()

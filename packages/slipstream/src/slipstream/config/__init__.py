@@ -17,6 +17,7 @@ from slipstream.config.features import (
     check_recognised_features,
 )
 from slipstream.config.loading import parse_config_text, read_config_source, strip_json_comments
+from slipstream.config.monitor import CometConfig, CsvMonitorConfig, TensorBoardConfig, WandbConfig
 from slipstream.config.precision import BF16Config, FP16Config, parse_communication_dtype
 from slipstream.config.top_level import SlipstreamConfig, load_config
 from slipstream.config.zero import AioConfig, OffloadOptimizerConfig, OffloadParamConfig, ZeroConfig
@@ -33,8 +34,10 @@ __all__ = [
     "AutoValueError",
     "BF16Config",
     "BatchSizes",
+    "CometConfig",
     "CommsLoggerConfig",
     "ConfigError",
+    "CsvMonitorConfig",
     "FP16Config",
     "NotImplementedFeatureError",
     "OffloadOptimizerConfig",
@@ -43,6 +46,8 @@ __all__ = [
     "RecognisedFeature",
     "SchedulerConfig",
     "SlipstreamConfig",
+    "TensorBoardConfig",
+    "WandbConfig",
     "ZeroConfig",
     "check_recognised_features",
     "load_config",

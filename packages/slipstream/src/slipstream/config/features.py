@@ -61,8 +61,6 @@ _UMBRELLA_LATER = "a later release of the slipstream package"
 _OFF = '{"enabled": false}'
 
 
-_MONITOR = "slipstream's monitors (" + _UMBRELLA_LATER + ")"
-
 RECOGNISED_FEATURES: dict[str, RecognisedFeature] = {
     entry.key: entry
     for entry in [
@@ -73,10 +71,6 @@ RECOGNISED_FEATURES: dict[str, RecognisedFeature] = {
             enabled_flag(),
             _OFF,
         ),
-        RecognisedFeature("tensorboard", "TensorBoard monitoring", _MONITOR, enabled_flag(), _OFF),
-        RecognisedFeature("wandb", "Weights & Biases monitoring", _MONITOR, enabled_flag(), _OFF),
-        RecognisedFeature("csv_monitor", "CSV monitoring", _MONITOR, enabled_flag(), _OFF),
-        RecognisedFeature("comet", "Comet monitoring", _MONITOR, enabled_flag(), _OFF),
         RecognisedFeature(
             "compression_training",
             "compression-aware training",

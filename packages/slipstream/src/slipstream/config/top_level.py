@@ -15,6 +15,12 @@ from slipstream.config.blocks import AmdSpecificConfig, OptimizerConfig, Schedul
 from slipstream.config.checkpoint import CheckpointConfig
 from slipstream.config.features import RECOGNISED_FEATURES, check_recognised_features
 from slipstream.config.loading import ConfigSource, read_config_source
+from slipstream.config.monitor import (
+    CometConfig,
+    CsvMonitorConfig,
+    TensorBoardConfig,
+    WandbConfig,
+)
 from slipstream.config.precision import (
     BF16Config,
     FP16Config,
@@ -93,6 +99,11 @@ class SlipstreamConfig(ConfigBlock):
     )
     data_efficiency: DataEfficiencyConfig = dataclasses.field(default_factory=DataEfficiencyConfig)
     checkpoint: CheckpointConfig = dataclasses.field(default_factory=CheckpointConfig)
+    # The monitors (slipstream.monitor): rank 0 writes the engine's events to each enabled one.
+    tensorboard: TensorBoardConfig = dataclasses.field(default_factory=TensorBoardConfig)
+    wandb: WandbConfig = dataclasses.field(default_factory=WandbConfig)
+    csv_monitor: CsvMonitorConfig = dataclasses.field(default_factory=CsvMonitorConfig)
+    comet: CometConfig = dataclasses.field(default_factory=CometConfig)
 
     raw: dict[str, Any] = dataclasses.field(
         default_factory=dict, init=False, repr=False, compare=False

@@ -19,6 +19,7 @@ from slipstream.data import STATE_KEY as DATA_EFFICIENCY_STATE_KEY
 from slipstream.data import DataEfficiency, RandomLayerTokenDrop
 from slipstream.kernels import get_accelerator
 from slipstream.kernels.loss_scaler import LossScaler, grads_have_inf_or_nan
+from slipstream.monitor import MonitorMaster
 from slipstream.runtime import checkpoint as checkpointing
 from slipstream.runtime import zero_setup
 from slipstream.runtime.data_parallel import GradientReducer, ReduceSettings, register_ready_hooks
@@ -225,6 +226,9 @@ class SlipstreamEngine(torch.nn.Module):
         self.last_report: ProgressReport | None = None  # the numbers of the latest log line
 
         self.timers = WallClockTimers(config.wall_clock_breakdown, self.accelerator.synchronize)
+        # The tensorboard/wandb/csv_monitor/comet blocks; users may write_events too.
+        self.monitor = MonitorMaster.from_config(config, rank=self.global_rank)
+        self._monitor_loss: torch.Tensor | None = None
         n_params = sum(p.numel() for p in self._params)
         device_name = (
             self.accelerator.device_name(self._device.index or 0)
@@ -376,6 +380,7 @@ class SlipstreamEngine(torch.nn.Module):
         if self._destroyed:
             return
         self._destroyed = True
+        self.monitor.close()
         if self.zero is not None and not isinstance(self.zero, ExpertParallelZero):
             offload = self.zero.optimizer.offload
             if offload is not None:
@@ -433,6 +438,8 @@ class SlipstreamEngine(torch.nn.Module):
             )
         self._record_loss(loss)
         scaled = loss / self._gas if scale_wrt_gas else loss
+        if self.monitor.enabled:
+            self._monitor_train_loss(scaled)
         to_backprop = scaled * self.loss_scaler.loss_scale if self.loss_scaler else scaled
         if self.zero is not None:
             self._zero_backward(to_backprop, retain_graph)
@@ -508,6 +515,8 @@ class SlipstreamEngine(torch.nn.Module):
                 self._take_optimizer_step(lr_kwargs)
             self.global_steps += 1
             self.global_samples += self._train_batch
+            if self.monitor.enabled:
+                self._monitor_step()
             if self.global_steps % self.config.steps_per_print == 0:
                 self._log_progress()
         self.micro_steps += 1
@@ -643,6 +652,35 @@ class SlipstreamEngine(torch.nn.Module):
                 logger.info(
                     "time per %d steps: %s", self.config.steps_per_print, self.timers.report()
                 )
+
+    def _monitor_train_loss(self, scaled: torch.Tensor) -> None:
+        """DeepSpeed's ``Train/Samples/train_loss``: the sum of loss / GAS over the accumulation
+        window (rank 0's own micro-batches), written by the window's last backward against
+        the samples trained before this step."""
+        if self.global_rank != 0:
+            return
+        value = scaled.detach().float()
+        total = value if self._monitor_loss is None else self._monitor_loss + value
+        self._monitor_loss = total
+        if self.is_gradient_accumulation_boundary():
+            self._monitor_loss = None
+            # float(): a host sync per step, paid only while a monitor is enabled.
+            events = [("Train/Samples/train_loss", float(total), self.global_samples)]
+            self.monitor.write_events(events)
+
+    def _monitor_step(self) -> None:
+        """DeepSpeed's events after an optimizer step: the first group's learning rate, the
+        fp16 loss scale, and with ``wall_clock_breakdown`` the step's forward, backward and
+        step milliseconds."""
+        if self.global_rank != 0:
+            return
+        samples = self.global_samples
+        events = [("Train/Samples/lr", self.get_lr()[0], samples)]
+        if self.loss_scaler is not None:
+            events.append(("Train/Samples/loss_scale", self.loss_scaler.loss_scale, samples))
+        for name, ms in self.timers.take_step_ms().items():
+            events.append((f"Train/Samples/elapsed_time_ms_{name}", ms, samples))
+        self.monitor.write_events(events)
 
     # ------------------------------------------------------------------ data efficiency
     def _setup_data_efficiency(self) -> None:

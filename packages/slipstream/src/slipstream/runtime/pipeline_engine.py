@@ -27,6 +27,7 @@ from slipstream.config import SlipstreamConfig, load_config, read_config_source
 from slipstream.config.loading import ConfigSource
 from slipstream.kernels import get_accelerator
 from slipstream.kernels.config_schema import ConfigError, NotImplementedFeatureError
+from slipstream.monitor import MonitorMaster
 from slipstream.pipeline import checkpointing as activation_checkpointing
 from slipstream.pipeline.checkpointing import ActivationCheckpointingConfig
 from slipstream.pipeline.config import PipelineConfig
@@ -168,6 +169,7 @@ class PipelineEngine:
 
         self.global_steps = 0
         self.global_samples = 0
+        self.monitor = MonitorMaster.from_config(config, rank=comm.get_rank())
         self.data_iterator: Iterator[Any] | None = None
         self._last_grad_norm: torch.Tensor | None = None
         if comm.get_rank() == 0:
@@ -283,6 +285,14 @@ class PipelineEngine:
             self.lr_scheduler.step()
         self.global_steps += 1
         self.global_samples += self._train_batch
+        if self.monitor.enabled and comm.get_rank() == 0:
+            # DeepSpeed's pipeline events, after the step (float(loss): a host sync).
+            self.monitor.write_events(
+                [
+                    ("Train/Samples/lr", self.get_lr()[0], self.global_samples),
+                    ("Train/Samples/train_loss", float(loss), self.global_samples),
+                ]
+            )
         if self.global_steps % self.config.steps_per_print == 0 and comm.get_rank() == 0:
             # float(loss): a host sync, once per log line.
             logger.info(

@@ -19,6 +19,7 @@ class WallClockTimers:
         self.enabled = enabled
         self._synchronize = synchronize
         self._elapsed_ms: dict[str, float] = {}
+        self._step_ms: dict[str, float] = {}  # since the last take_step_ms (the monitors)
 
     @contextmanager
     def region(self, name: str) -> Iterator[None]:
@@ -32,9 +33,14 @@ class WallClockTimers:
             yield
         finally:
             self._synchronize()
-            self._elapsed_ms[name] = (
-                self._elapsed_ms.get(name, 0.0) + (time.perf_counter() - start) * 1e3
-            )
+            elapsed = (time.perf_counter() - start) * 1e3
+            self._elapsed_ms[name] = self._elapsed_ms.get(name, 0.0) + elapsed
+            self._step_ms[name] = self._step_ms.get(name, 0.0) + elapsed
+
+    def take_step_ms(self) -> dict[str, float]:
+        """Milliseconds per name since the last call, then reset (empty when disabled)."""
+        taken, self._step_ms = self._step_ms, {}
+        return taken
 
     def report(self) -> str:
         """`name: X ms` for every region since the last report, then reset."""
