@@ -664,7 +664,9 @@ def test_deepspeed_leniencies(caplog: pytest.LogCaptureFixture) -> None:
     assert load({"amd_specific": {"rocm_stream_priority": False}}).amd_specific == (
         load({}).amd_specific
     )
-    assert load({"amd_specific": {"rocm_stream_priority": -2}}).amd_specific.rocm_stream_priority == -2
+    assert (
+        load({"amd_specific": {"rocm_stream_priority": -2}}).amd_specific.rocm_stream_priority == -2
+    )
 
 
 def test_feature_values_are_shape_checked() -> None:

@@ -268,8 +268,13 @@ def test_resolve_optimizer(caplog: pytest.LogCaptureFixture) -> None:
 
 
 def _adam_without_bias_correction(
-    param: torch.Tensor, grads: list[torch.Tensor], lr: float, betas: tuple[float, float],
-    eps: float, weight_decay: float, decoupled: bool,
+    param: torch.Tensor,
+    grads: list[torch.Tensor],
+    lr: float,
+    betas: tuple[float, float],
+    eps: float,
+    weight_decay: float,
+    decoupled: bool,
 ) -> torch.Tensor:
     """Adam as DeepSpeed writes it with bias_correction=False: raw moments, no 1 - beta^t."""
     param = param.clone()

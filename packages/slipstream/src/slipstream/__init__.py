@@ -27,7 +27,20 @@ _LAZY = {
 }
 # Sub-packages a DeepSpeed user reaches as attributes after `import slipstream`
 # (`slipstream.zero.Init(...)`, `slipstream.checkpointing.checkpoint(...)`), imported on first use.
-_SUBMODULES = frozenset({"comm", "kernels", "zero", "pipeline", "pipe", "moe", "checkpointing"})
+_SUBMODULES = frozenset(
+    {
+        "accelerator",
+        "checkpointing",
+        "comm",
+        "kernels",
+        "moe",
+        "pipe",
+        "pipeline",
+        "runtime",
+        "utils",
+        "zero",
+    }
+)
 
 __all__ = ["__version__", *_LAZY]
 

@@ -112,6 +112,11 @@ def initialize(
     loader = None
     if training_data is not None:
         loader = _build_dataloader(training_data, parsed, collate_fn, mpu)
+    # DeepSpeed's engine.training_dataloader, and the owner slipstream.utils.safe_get_* look up.
+    engine.training_dataloader = loader
+    from slipstream.utils.tensor_fragment import track_engine
+
+    track_engine(engine)
     return engine, engine.optimizer, loader, engine.lr_scheduler
 
 

@@ -367,7 +367,9 @@ def check_recognised_features(blocks: Mapping[str, Any], path: str = "") -> dict
         entry = RECOGNISED_FEATURES[key]
         where = key_path(path, key)
         if entry.ignored:
-            logger.info("%s: a legacy DeepSpeed key, accepted and ignored (as DeepSpeed does)", where)
+            logger.info(
+                "%s: a legacy DeepSpeed key, accepted and ignored (as DeepSpeed does)", where
+            )
         if not entry.is_active(value, where):
             continue
         if entry.provider is None:
