@@ -324,7 +324,7 @@ def _moe_tutorial_script() -> None:
     ds_config = {"train_micro_batch_size_per_gpu": 2, "zero_optimization": {"stage": 2}}
     engine, *_ = deepspeed.initialize(model=model, optimizer=optimizer, config=ds_config)
     losses = []
-    for step in range(4):
+    for _ in range(4):
         x, y = _batch(0, engine.global_rank)  # the same batch: the loss must go down
         logits, l_aux = engine(x)
         loss = nn.functional.cross_entropy(logits, y) + 0.01 * l_aux
