@@ -21,6 +21,81 @@ from torch import nn
 
 from slipstream.comm.testing import run_distributed
 
+DOC = Path(__file__).resolve().parents[3] / "docs" / "deepspeed-compat.md"
+STATUSES = ("works", "differs", "raises", "absent")
+
+
+def _doc_rows() -> list[tuple[str, str, str, str]]:
+    """(DeepSpeed name, Slipstream name or "—", status, notes) for every row of the tables."""
+    rows = []
+    for line in DOC.read_text().splitlines():
+        cells = [cell.strip() for cell in line.strip().strip("|").split("|")]
+        if len(cells) != 4 or cells[2] not in STATUSES:
+            continue
+        deepspeed_name, slipstream_name, status, notes = cells
+        rows.append((deepspeed_name.strip("`"), slipstream_name.strip("`"), status, notes))
+    return rows
+
+
+def _resolve(dotted: str) -> object:
+    """Import the longest importable prefix of ``dotted`` and walk the rest as attributes."""
+    import importlib
+
+    parts = dotted.split(".")
+    for cut in range(len(parts), 0, -1):
+        try:
+            value: object = importlib.import_module(".".join(parts[:cut]))
+        except ImportError:
+            continue
+        for attr in parts[cut:]:
+            value = getattr(value, attr)
+        return value
+    raise ImportError(dotted)
+
+
+def _check_engine_rows(engine: object) -> int:
+    """The engine rows of the table against a live engine; returns how many were checked."""
+    checked = 0
+    for deepspeed_name, slipstream_name, status, _ in _doc_rows():
+        if not deepspeed_name.startswith("DeepSpeedEngine."):
+            continue
+        attribute = deepspeed_name.split(".", 1)[1]
+        if status == "absent":
+            assert not hasattr(engine, attribute), f"{deepspeed_name} is marked absent but exists"
+        else:
+            assert slipstream_name.startswith("engine."), slipstream_name
+            assert hasattr(engine, slipstream_name.split(".", 1)[1]), slipstream_name
+        checked += 1
+    return checked
+
+
+def test_the_compat_table_matches_the_code() -> None:
+    from slipstream.accelerator import DeepSpeedAccelerator
+
+    rows = _doc_rows()
+    assert len(rows) > 150, "the tables of docs/deepspeed-compat.md were not found"
+    for deepspeed_name, slipstream_name, status, notes in rows:
+        if deepspeed_name.startswith("DeepSpeedEngine."):
+            continue  # checked on a live engine in the two-rank world below
+        if status == "absent":
+            assert slipstream_name == "—", deepspeed_name
+            assert "#" in notes or "not planned" in notes or "use" in notes, deepspeed_name
+            if deepspeed_name.startswith("deepspeed."):
+                with pytest.raises((ImportError, AttributeError)):
+                    _resolve("slipstream." + deepspeed_name.split(".", 1)[1])
+            continue
+        if slipstream_name.startswith("get_accelerator()."):
+            assert hasattr(DeepSpeedAccelerator, slipstream_name.split(".", 1)[1]), deepspeed_name
+            continue
+        assert _resolve(slipstream_name) is not None, deepspeed_name
+        if status == "works" and deepspeed_name.startswith("deepspeed."):
+            # Same name, same place: only the package name changes.
+            assert slipstream_name == "slipstream." + deepspeed_name.split(".", 1)[1], (
+                f"{deepspeed_name} is marked 'works' but lives at {slipstream_name}; "
+                "mark it 'differs' and say how"
+            )
+
+
 # --------------------------------------------------------------------------- one process
 
 
@@ -205,6 +280,8 @@ def _cifar_style_script(stage: int, save_dir: Path) -> None:
     with pytest.raises(AttributeError, match="nor its module"):
         _ = model_engine.no_such_attribute
     device = torch.device(get_accelerator().device_name(model_engine.local_rank))
+    if stage == 0:
+        assert _check_engine_rows(model_engine) > 40
 
     for step in range(3):
         inputs, labels = (t.to(device) for t in _batch(step, rank))

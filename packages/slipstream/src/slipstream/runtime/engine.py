@@ -704,6 +704,10 @@ class SlipstreamEngine(torch.nn.Module):
     # ------------------------------------------------------------------ DeepSpeed's engine surface
     # The accessors DeepSpeed's examples call on its engine, with DeepSpeed's meanings
     # (docs/deepspeed-compat.md lists them, and those that are absent).
+
+    #: The loader ``initialize`` built from ``training_data`` (None without one).
+    training_dataloader: Any = None
+
     @property
     def local_rank(self) -> int:
         """This process's rank on its node (``LOCAL_RANK``)."""
