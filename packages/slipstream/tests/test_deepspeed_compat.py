@@ -192,6 +192,38 @@ def test_gathered_copies_survive_the_block() -> None:
     assert layer.weight.untyped_storage().nbytes() == 0  # the parameter itself is released
 
 
+def test_ops_optimizers_take_deepspeeds_arguments() -> None:
+    from slipstream.ops.adam import DeepSpeedCPUAdam, FusedAdam
+    from slipstream.ops.lamb import FusedLamb
+    from slipstream.ops.lion import DeepSpeedCPULion, FusedLion
+
+    torch.manual_seed(0)
+    start = torch.randn(64)
+    grads = [torch.randn(64) for _ in range(3)]
+    reference = torch.nn.Parameter(start.clone())
+    torch_adamw = torch.optim.AdamW([reference], lr=0.01, weight_decay=0.1)
+    for cls, kwargs in ((DeepSpeedCPUAdam, {"adamw_mode": True}), (FusedAdam, {})):
+        param = torch.nn.Parameter(start.clone())
+        optimizer = cls([param], lr=0.01, weight_decay=0.1, **kwargs)
+        for grad in grads:
+            param.grad = grad.clone()
+            optimizer.step()
+        if cls is DeepSpeedCPUAdam:
+            for grad in grads:
+                reference.grad = grad.clone()
+                torch_adamw.step()
+        torch.testing.assert_close(param.detach(), reference.detach(), rtol=1e-5, atol=1e-6)
+    with pytest.raises(NotImplementedError, match="amsgrad"):
+        FusedAdam([torch.nn.Parameter(torch.ones(2))], amsgrad=True)
+    with pytest.raises(NotImplementedError, match="gradient_clipping"):
+        FusedLamb([torch.nn.Parameter(torch.ones(2))], max_grad_norm=1.0)
+    for cls in (FusedLion, DeepSpeedCPULion, FusedLamb):
+        param = torch.nn.Parameter(torch.ones(4))
+        param.grad = torch.ones(4)
+        cls([param], lr=0.1).step()
+        assert torch.all(param < 1.0), cls
+
+
 def test_comm_has_deepspeeds_names() -> None:
     from slipstream import comm as dist
 

@@ -34,6 +34,7 @@ _SUBMODULES = frozenset(
         "comm",
         "kernels",
         "moe",
+        "ops",
         "pipe",
         "pipeline",
         "runtime",
