@@ -466,6 +466,9 @@ def _pipeline_script() -> None:
         model=model, model_parameters=[p for p in model.parameters()], config=ds_config
     )
     ref_optimizer = torch.optim.SGD(reference.parameters(), lr=0.1)
+    assert engine.local_rank == int(os.environ["LOCAL_RANK"]) and engine.world_size == 2
+    assert not engine.fp16_enabled() and engine.zero_optimization_stage() == 0
+    assert engine.num_stages == 2  # an attribute of the PipelineModule, through the engine
     for step in range(2):
         data = [_batch(step, m) for m in range(2)]
         loss = engine.train_batch(iter(data))
