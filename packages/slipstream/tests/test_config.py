@@ -652,6 +652,9 @@ def test_deepspeed_leniencies(caplog: pytest.LogCaptureFixture) -> None:
     assert config.features == {"disable_allgather": True, "vocabulary_size": 50257}
     assert "disable_allgather: a legacy DeepSpeed key, accepted and ignored" in caplog.text
     assert "vocabulary_size: a legacy DeepSpeed key" in caplog.text
+    with caplog.at_level(logging.INFO, logger="slipstream.config.blocks"):
+        load({"optimizer": {"type": "Adam", "legacy_fusion": True}})
+    assert "optimizer.legacy_fusion: a legacy DeepSpeed key, accepted and ignored" in caplog.text
     # DeepSpeed tests the flag for truth: 0/1 stand for false/true, nothing else does.
     assert load({"zero_allow_untested_optimizer": 1}).zero_allow_untested_optimizer is True
     assert load({"zero_allow_untested_optimizer": 0}).zero_allow_untested_optimizer is False

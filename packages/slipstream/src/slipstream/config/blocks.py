@@ -3,11 +3,14 @@
 from __future__ import annotations
 
 import dataclasses
+import logging
 from typing import Any
 
 from slipstream.kernels.config_schema import ConfigBlock, config_fail, key_path
 
 __all__ = ["AmdSpecificConfig", "OptimizerConfig", "SchedulerConfig", "parse_stream_priority"]
+
+logger = logging.getLogger(__name__)
 
 #: The stream priority that ``"rocm_stream_priority": true`` asks for: torch's high priority
 #: (lower numbers are higher; -1 is the highest that CUDA and HIP both give).
@@ -34,8 +37,13 @@ class OptimizerConfig(ConfigBlock):
     legacy_fusion: bool = False
 
     def validate(self, path: str) -> None:
-        """Require a non-empty optimizer name."""
+        """Require a non-empty optimizer name; note that ``legacy_fusion`` does nothing."""
         _check_type_name(path, self.type)
+        if self.legacy_fusion:
+            logger.info(
+                "%s: a legacy DeepSpeed key, accepted and ignored (as DeepSpeed does)",
+                key_path(path, "legacy_fusion"),
+            )
 
 
 @dataclasses.dataclass(kw_only=True)
