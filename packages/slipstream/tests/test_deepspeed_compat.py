@@ -14,7 +14,6 @@ import os
 import random
 from pathlib import Path
 
-import numpy
 import pytest
 import torch
 from torch import nn
@@ -127,6 +126,8 @@ def test_accelerator_has_deepspeeds_meanings() -> None:
 def test_utils_and_runtime_helpers(caplog: pytest.LogCaptureFixture) -> None:
     from slipstream.runtime.utils import move_to_device, set_random_seed
     from slipstream.utils import RepeatingLoader, log_dist, logger
+
+    numpy = pytest.importorskip("numpy")  # set_random_seed seeds NumPy when it is installed
 
     loader = RepeatingLoader(torch.utils.data.DataLoader(list(range(3)), batch_size=2))
     assert [next(loader).tolist() for _ in range(4)] == [[0, 1], [2], [0, 1], [2]]
