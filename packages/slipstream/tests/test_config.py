@@ -558,7 +558,7 @@ FEATURE_CASES: dict[str, tuple[Any, Any]] = {
     "seq_parallel_communication_data_type": ("fp32", "bf16"),
     "seq_parallel_comm_data_type": ("FP32", "fp16"),
     "use_data_before_expert_parallelism": (False, True),
-    "disable_allgather": (False, True),
+    "disable_allgather": (True, NONE),
     "sparse_gradients": (False, True),
     "memory_breakdown": (False, True),
     "graph_harvesting": (False, True),
@@ -628,14 +628,41 @@ def test_several_active_features_are_reported_together() -> None:
         load(
             {
                 "flops_profiler": {"enabled": True},
-                "disable_allgather": True,
+                "use_data_before_expert_parallelism": True,
                 "nebula": {"enabled": False},
             }
         )
     message = str(info.value)
-    assert "flops_profiler = " in message and "disable_allgather = true" in message
+    assert "flops_profiler = " in message and "use_data_before_expert_parallelism = true" in message
     assert "nebula" not in message
-    assert "slipstream-zero" in message
+    assert "slipstream-moe" in message
+
+
+def test_deepspeed_leniencies(caplog: pytest.LogCaptureFixture) -> None:
+    # Legacy keys DeepSpeed parses and never reads: accepted, ignored, with a logged notice.
+    with caplog.at_level(logging.INFO, logger="slipstream.config.features"):
+        config = load({"disable_allgather": True, "vocabulary_size": 50257})
+    assert config.features == {"disable_allgather": True, "vocabulary_size": 50257}
+    assert "disable_allgather: a legacy DeepSpeed key, accepted and ignored" in caplog.text
+    assert "vocabulary_size: a legacy DeepSpeed key" in caplog.text
+    with caplog.at_level(logging.INFO, logger="slipstream.config.blocks"):
+        load({"optimizer": {"type": "Adam", "legacy_fusion": True}})
+    assert "optimizer.legacy_fusion: a legacy DeepSpeed key, accepted and ignored" in caplog.text
+    # DeepSpeed tests the flag for truth: 0/1 stand for false/true, nothing else does.
+    assert load({"zero_allow_untested_optimizer": 1}).zero_allow_untested_optimizer is True
+    assert load({"zero_allow_untested_optimizer": 0}).zero_allow_untested_optimizer is False
+    with pytest.raises(ConfigError, match=r"zero_allow_untested_optimizer = 2"):
+        load({"zero_allow_untested_optimizer": 2})
+    # The AMD guide's boolean stream priority: true is high priority (-1), false the default.
+    amd = load({"amd_specific": {"rocm_mem_pool_init": True, "rocm_stream_priority": True}})
+    assert amd.amd_specific.rocm_stream_priority == -1
+    assert amd.amd_specific.rocm_mem_pool_init is True
+    assert load({"amd_specific": {"rocm_stream_priority": False}}).amd_specific == (
+        load({}).amd_specific
+    )
+    assert (
+        load({"amd_specific": {"rocm_stream_priority": -2}}).amd_specific.rocm_stream_priority == -2
+    )
 
 
 def test_feature_values_are_shape_checked() -> None:

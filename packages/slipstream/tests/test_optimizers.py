@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import logging
 import math
 from types import SimpleNamespace
 
@@ -209,8 +210,8 @@ def test_bad_param_values_are_config_errors() -> None:
         build_optimizer(block("adam", lr=-1.0), params())
     with pytest.raises(ConfigError, match="betas"):
         build_optimizer(block("lion", betas=[0.9, 1.5]), params())
-    with pytest.raises(NotImplementedFeatureError, match=r"optimizer\.params\.bias_correction"):
-        build_optimizer(block("adam", bias_correction=False), params())
+    with pytest.raises(NotImplementedFeatureError, match=r"optimizer\.params\.amsgrad"):
+        build_optimizer(block("adam", bias_correction=False, amsgrad=True), params())
     assert (
         type(build_optimizer(block("adam", bias_correction=True, set_grad_none=True), params()))
         is torch.optim.AdamW
@@ -239,7 +240,7 @@ def test_empty_or_malformed_parameters() -> None:
         build_optimizer(block("adam"), [{"lr": 0.1}])
 
 
-def test_resolve_optimizer() -> None:
+def test_resolve_optimizer(caplog: pytest.LogCaptureFixture) -> None:
     ps = params()
     client = torch.optim.SGD(ps, lr=0.1)
     assert resolve_optimizer(client, None, ps) is client
@@ -256,9 +257,64 @@ def test_resolve_optimizer() -> None:
     made = resolve_optimizer(factory, None, iter(ps))
     assert isinstance(made, torch.optim.Adam) and seen[0] == ps
 
-    with pytest.raises(ConfigError, match="remove one"):
-        resolve_optimizer(client, block("adam"), ps)
+    # DeepSpeed uses the client optimizer and ignores the config block; so do we, with a warning.
+    with caplog.at_level(logging.WARNING, logger="slipstream.runtime.optimizers"):
+        assert resolve_optimizer(client, block("adam"), ps) is client
+    assert "using the client optimizer" in caplog.text and "'adam'" in caplog.text
     with pytest.raises(TypeError, match="returned"):
         resolve_optimizer(lambda given: "not an optimizer", None, ps)
     with pytest.raises(TypeError, match="initialize"):
         resolve_optimizer(42, None, ps)
+
+
+def _adam_without_bias_correction(
+    param: torch.Tensor,
+    grads: list[torch.Tensor],
+    lr: float,
+    betas: tuple[float, float],
+    eps: float,
+    weight_decay: float,
+    decoupled: bool,
+) -> torch.Tensor:
+    """Adam as DeepSpeed writes it with bias_correction=False: raw moments, no 1 - beta^t."""
+    param = param.clone()
+    m = torch.zeros_like(param)
+    v = torch.zeros_like(param)
+    for grad in grads:
+        if decoupled:
+            param.mul_(1 - lr * weight_decay)
+        else:
+            grad = grad + weight_decay * param
+        m.mul_(betas[0]).add_(grad, alpha=1 - betas[0])
+        v.mul_(betas[1]).addcmul_(grad, grad, value=1 - betas[1])
+        param.addcdiv_(m, v.sqrt().add_(eps), value=-lr)
+    return param
+
+
+@pytest.mark.parametrize("adam_w_mode", [True, False])
+def test_adam_without_bias_correction_matches_the_formula(adam_w_mode: bool) -> None:
+    torch.manual_seed(0)
+    start = torch.randn(1000)
+    grads = [torch.randn(1000) for _ in range(4)]
+    settings = dict(lr=1e-2, betas=(0.8, 0.9), eps=1e-6, weight_decay=0.1)
+    param = torch.nn.Parameter(start.clone())
+    optimizer = build_optimizer(
+        block("adam", bias_correction=False, adam_w_mode=adam_w_mode, **settings), [param]
+    )
+    assert type(optimizer).__name__ == "FusedAdam"
+    assert optimizer.param_groups[0]["bias_correction"] is False
+    for grad in grads:
+        param.grad = grad.clone()
+        optimizer.step()
+    expected = _adam_without_bias_correction(start, grads, decoupled=adam_w_mode, **settings)
+    # fp32 on both sides; the C++/torch kernels fuse the arithmetic differently.
+    torch.testing.assert_close(param.detach(), expected, rtol=1e-5, atol=1e-6)
+    # The first step differs from bias-corrected Adam by far more than that tolerance.
+    corrected = torch.nn.Parameter(start.clone())
+    torch_adam = torch.optim.AdamW(
+        [corrected], lr=1e-2, betas=(0.8, 0.9), eps=1e-6, weight_decay=0.1
+    )
+    corrected.grad = grads[0].clone()
+    torch_adam.step()
+    first = _adam_without_bias_correction(start, grads[:1], decoupled=True, **settings)
+    assert (corrected.detach() - first).abs().max() > 1e-3

@@ -29,7 +29,21 @@ _LAZY = {
 # Sub-packages a DeepSpeed user reaches as attributes after `import slipstream`
 # (`slipstream.zero.Init(...)`, `slipstream.checkpointing.checkpoint(...)`), imported on first use.
 _SUBMODULES = frozenset(
-    {"comm", "kernels", "zero", "pipeline", "pipe", "moe", "inference", "checkpointing"}
+    {
+        "accelerator",
+        "checkpointing",
+        "comm",
+        "data",
+        "inference",
+        "kernels",
+        "moe",
+        "ops",
+        "pipe",
+        "pipeline",
+        "runtime",
+        "utils",
+        "zero",
+    }
 )
 
 __all__ = ["__version__", *_LAZY]

@@ -114,6 +114,11 @@ def initialize(
         loader = _curriculum_dataloader(engine, training_data, collate_fn, mpu)
         if loader is None:
             loader = _build_dataloader(training_data, parsed, collate_fn, mpu)
+    # DeepSpeed's engine.training_dataloader, and the owner slipstream.utils.safe_get_* look up.
+    engine.training_dataloader = loader
+    from slipstream.utils.tensor_fragment import track_engine
+
+    track_engine(engine)
     return engine, engine.optimizer, loader, engine.lr_scheduler
 
 

@@ -279,7 +279,11 @@ class PipelineExecutor:
             slot.inputs = []
         grad_mode = torch.enable_grad() if train else torch.no_grad()
         with grad_mode, self._autocast():
-            out = self.module(slot.input_value, chunk=chunk)
+            # A received activation is a leaf that collects the gradient to send upstream; the
+            # stage gets a copy, so that a first layer working in place (ReLU(inplace=True))
+            # does not modify a leaf that requires grad (DeepSpeed clones its inputs too).
+            value = slot.input_value if not slot.inputs else _clone_leaves(slot.input_value)
+            out = self.module(value, chunk=chunk)
             if self.module.is_last_part(chunk):
                 if return_outputs:
                     outputs.append(_detach(out))
@@ -344,6 +348,15 @@ class PipelineExecutor:
         )
         for tensor, grad in zip(needing, input_grads):
             tensor.grad = grad
+
+
+def _clone_leaves(value: Any) -> Any:
+    """``value`` with each leaf tensor that requires grad replaced by a clone (in the graph)."""
+    if isinstance(value, torch.Tensor):
+        return value.clone() if value.requires_grad and value.is_leaf else value
+    if isinstance(value, (tuple, list)):
+        return type(value)(_clone_leaves(v) for v in value)
+    return value
 
 
 def _detach(value: Any) -> Any:

@@ -10,6 +10,7 @@ SlipstreamConfig.
 from __future__ import annotations
 
 import dataclasses
+import logging
 from collections.abc import Mapping
 from typing import Any
 
@@ -33,6 +34,8 @@ from slipstream.kernels.config_schema import (
 
 __all__ = ["RECOGNISED_FEATURES", "RecognisedFeature", "check_recognised_features"]
 
+logger = logging.getLogger(__name__)
+
 
 @dataclasses.dataclass(frozen=True)
 class RecognisedFeature:
@@ -47,6 +50,8 @@ class RecognisedFeature:
             for the feature (an inert value is accepted).
         inert: the inert form, for the docs and error messages.
         replacement: for retired keys, what to write instead.
+        ignored: a legacy key that DeepSpeed accepts and ignores; Slipstream does the same and
+            logs a notice saying so.
     """
 
     key: str
@@ -55,6 +60,17 @@ class RecognisedFeature:
     is_active: ActivePredicate
     inert: str
     replacement: str = ""
+    ignored: bool = False
+
+
+def _ignored(check: ActivePredicate) -> ActivePredicate:
+    """An accepted-and-ignored legacy key: its value is checked, and it never asks for anything."""
+
+    def is_active(value: Any, path: str) -> bool:
+        check(value, path)
+        return False
+
+    return is_active
 
 
 _UMBRELLA_LATER = "a later release of the slipstream package"
@@ -204,10 +220,11 @@ RECOGNISED_FEATURES: dict[str, RecognisedFeature] = {
         ),
         RecognisedFeature(
             "disable_allgather",
-            "disabling the ZeRO all-gather",
-            "the slipstream-zero package",
-            scalar(False, (bool,), "a boolean"),
-            "false",
+            "nothing (DeepSpeed parses it and never reads it)",
+            None,
+            _ignored(scalar(False, (bool,), "a boolean")),
+            "true or false",
+            ignored=True,
         ),
         RecognisedFeature(
             "sparse_gradients",
@@ -271,6 +288,7 @@ RECOGNISED_FEATURES: dict[str, RecognisedFeature] = {
             None,
             always(False),
             "any integer",
+            ignored=True,
         ),
         RecognisedFeature(
             "allgather_size",
@@ -278,6 +296,7 @@ RECOGNISED_FEATURES: dict[str, RecognisedFeature] = {
             None,
             always(False),
             "any integer",
+            ignored=True,
         ),
         RecognisedFeature(
             "amp",
@@ -312,6 +331,10 @@ def check_recognised_features(blocks: Mapping[str, Any], path: str = "") -> dict
     for key, value in blocks.items():
         entry = RECOGNISED_FEATURES[key]
         where = key_path(path, key)
+        if entry.ignored:
+            logger.info(
+                "%s: a legacy DeepSpeed key, accepted and ignored (as DeepSpeed does)", where
+            )
         if not entry.is_active(value, where):
             continue
         if entry.provider is None:

@@ -82,7 +82,10 @@ class SlipstreamConfig(ConfigBlock):
     scheduler: SchedulerConfig | None = None
     zero_optimization: ZeroConfig = dataclasses.field(default_factory=ZeroConfig)
     aio: AioConfig = dataclasses.field(default_factory=AioConfig)
-    zero_allow_untested_optimizer: bool = False
+    # DeepSpeed reads this flag for truth, so configs in the wild write 1 for true.
+    zero_allow_untested_optimizer: bool = dataclasses.field(
+        default=False, metadata={"parser": lambda value, path: lenient_bool(value, path)}
+    )
     zero_force_ds_cpu_optimizer: bool = True
     amd_specific: AmdSpecificConfig = dataclasses.field(default_factory=AmdSpecificConfig)
     comms_logger: CommsLoggerConfig = dataclasses.field(default_factory=CommsLoggerConfig)
@@ -143,6 +146,15 @@ class SlipstreamConfig(ConfigBlock):
                 "(bf16 needs no loss scaling and is the usual choice where the hardware has it)",
                 "fp16.enabled",
             )
+
+
+def lenient_bool(value: Any, path: str) -> bool:
+    """A boolean that also takes 0 and 1, where DeepSpeed only tests the value for truth."""
+    if isinstance(value, bool):
+        return value
+    if isinstance(value, int) and value in (0, 1):
+        return bool(value)
+    config_fail(path, value, "true or false (or 0/1)")
 
 
 def _normalise_legacy_zero(data: Mapping[str, Any]) -> Mapping[str, Any]:

@@ -813,6 +813,137 @@ class SlipstreamEngine(torch.nn.Module):
         """(name, parameter) for every trainable parameter, in optimizer order."""
         return list(zip(self._param_names, self._params))
 
+    # ------------------------------------------------------------------ DeepSpeed's engine surface
+    # The accessors DeepSpeed's examples call on its engine, with DeepSpeed's meanings
+    # (docs/deepspeed-compat.md lists them, and those that are absent).
+
+    #: The loader ``initialize`` built from ``training_data`` (None without one).
+    training_dataloader: Any = None
+
+    @property
+    def local_rank(self) -> int:
+        """This process's rank on its node (``LOCAL_RANK``)."""
+        return comm.get_local_rank()
+
+    @property
+    def world_size(self) -> int:
+        """Processes in the default group (all ranks)."""
+        return comm.get_world_size()
+
+    @property
+    def data_parallel_group(self) -> Any:
+        """The data-parallel process group (the default group unless an ``mpu`` gave one)."""
+        return self.dp_group if self.dp_group is not None else dist.group.WORLD
+
+    def fp16_enabled(self) -> bool:
+        """Whether fp16 mixed precision is on."""
+        return self.config.fp16.enabled
+
+    def bfloat16_enabled(self) -> bool:
+        """Whether bf16 mixed precision is on."""
+        return self.config.bf16.enabled
+
+    def amp_enabled(self) -> bool:
+        """False: Apex AMP is not supported (use fp16 or bf16)."""
+        return False
+
+    def zero_optimization(self) -> bool:
+        """Whether a ZeRO stage (1-3) is on."""
+        return self.zero_stage > 0
+
+    def zero_optimization_stage(self) -> int:
+        """The ZeRO stage, 0-3."""
+        return self.zero_stage
+
+    def zero_offload_optimizer(self) -> Any:
+        """The ``offload_optimizer`` settings, or None."""
+        return self.config.zero_optimization.optimizer_offload()
+
+    def gradient_clipping(self) -> float:
+        """The global gradient-norm clip (0: none)."""
+        return self.config.gradient_clipping
+
+    def steps_per_print(self) -> int:
+        """Optimizer steps between progress lines."""
+        return self.config.steps_per_print
+
+    def wall_clock_breakdown(self) -> bool:
+        """Whether per-phase timers are on."""
+        return self.config.wall_clock_breakdown
+
+    def dynamic_loss_scale(self) -> bool:
+        """Whether fp16 loss scaling is dynamic (``fp16.loss_scale`` 0)."""
+        return self.config.fp16.loss_scale == 0
+
+    def loss_scale(self) -> float:
+        """The configured static fp16 loss scale (0: dynamic), as DeepSpeed's ``loss_scale()``."""
+        return self.config.fp16.loss_scale
+
+    @property
+    def cur_scale(self) -> float:
+        """The loss scale in use now (1.0 without fp16)."""
+        return float(self.loss_scaler.loss_scale) if self.loss_scaler is not None else 1.0
+
+    def get_mom(self) -> list[Any]:
+        """Each parameter group's momentum: Adam's ``betas`` or SGD's ``momentum``."""
+        if self.optimizer is None:
+            return []
+        return [g.get("betas", g.get("momentum")) for g in self.optimizer.param_groups]
+
+    def get_batch_info(self) -> tuple[int, int, int]:
+        """(train batch size, micro-batch per GPU, gradient accumulation steps)."""
+        return self._train_batch, self._micro_batch, self._gas
+
+    def set_train_batch_size(self, train_batch_size: int) -> None:
+        """Change the global batch by changing gradient accumulation (the micro-batch stays)."""
+        per_step = self._micro_batch * self.dp_world_size
+        if train_batch_size <= 0 or train_batch_size % per_step:
+            raise ValueError(
+                f"set_train_batch_size({train_batch_size}): the batch must be a positive "
+                f"multiple of micro-batch x data-parallel size = {per_step}"
+            )
+        self._gas = train_batch_size // per_step
+        self._train_batch = train_batch_size
+
+    def empty_partition_cache(self) -> None:
+        """ZeRO-3: free every gathered parameter no one holds, then the device cache."""
+        if self._stage3 is not None:
+            self._stage3.release_all()
+        self.accelerator.empty_cache()
+
+    def save_fp16_model(
+        self, save_dir: str | Path, save_filename: str = "model.safetensors"
+    ) -> bool:
+        """DeepSpeed's older name of :meth:`save_16bit_model`."""
+        return self.save_16bit_model(save_dir, save_filename)
+
+    def module_state_dict(self) -> dict[str, Any]:
+        """The wrapped module's state dict (keys without the ``module.`` prefix); stages 0-2."""
+        if self._stage3 is not None:
+            raise NotImplementedError(
+                "engine.module_state_dict() at ZeRO stage 3: the parameters are sharded; use "
+                "engine.save_16bit_model(...) or read them inside "
+                "slipstream.zero.GatheredParameters(list(engine.module.parameters()))"
+            )
+        self.wait_for_step()
+        return self.module.state_dict()
+
+    def __getattr__(self, name: str) -> Any:
+        # As DeepSpeed's engine: what the engine lacks is looked up on the wrapped module.
+        try:
+            return super().__getattr__(name)
+        except AttributeError:
+            module = self.__dict__["_modules"].get("module")
+            if module is None or name.startswith("__"):
+                raise
+        try:
+            return getattr(module, name)
+        except AttributeError:
+            raise AttributeError(
+                f"neither the {type(self).__name__} nor its module ({type(module).__name__}) "
+                f"has an attribute {name!r}"
+            ) from None
+
 
 def _refuse_partitioned(model: torch.nn.Module, stage: int) -> None:
     from slipstream.zero import sharded_state_of

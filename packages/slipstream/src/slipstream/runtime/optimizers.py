@@ -16,7 +16,7 @@ from slipstream.kernels.config_schema import (
     config_fail,
     unknown_keys_error,
 )
-from slipstream.kernels.optim import Lamb, Lion
+from slipstream.kernels.optim import FusedAdam, Lamb, Lion
 
 logger = logging.getLogger(__name__)
 
@@ -167,17 +167,19 @@ def resolve_optimizer(
     ``model_parameters`` and returns one. Otherwise the ``optimizer`` config block is built
     with :func:`build_optimizer`. With neither, returns ``None`` (no training step).
 
+    When both a client optimizer and an ``optimizer`` block are given, the client's is used
+    and the block is ignored, as ``deepspeed.initialize`` does; a warning names both.
+
     Raises:
-        ConfigError: both a client optimizer and an ``optimizer`` block were given. (DeepSpeed
-            silently ignores the config block in that case; the HF Accelerate integration
-            raises. Slipstream raises, so that a config that does nothing is never kept.)
         TypeError: the client optimizer is neither an optimizer nor a callable returning one.
     """
     if client_optimizer is not None and optimizer_config is not None:
-        raise ConfigError(
-            "an optimizer was passed to initialize(optimizer=...) and the config also has an "
-            f"'optimizer' block (type {getattr(optimizer_config, 'type', '?')!r}); remove one of "
-            "them: either drop the config block, or let the config build the optimizer"
+        logger.warning(
+            "initialize(optimizer=%s) was given and the config also has an 'optimizer' block "
+            "(type %r): using the client optimizer and ignoring the config block, as DeepSpeed "
+            "does; remove one of them to silence this warning",
+            type(client_optimizer).__name__,
+            getattr(optimizer_config, "type", "?"),
         )
     if client_optimizer is None:
         if optimizer_config is None:
@@ -218,11 +220,10 @@ def _adam_arguments(
     kwargs.pop("torch_adam", None)
     kwargs.pop("adam_w_mode", None)
     if not kwargs.pop("bias_correction", True):
-        raise NotImplementedFeatureError(
-            "optimizer.params.bias_correction=false (Adam without bias correction) is not "
-            "implemented yet: torch's Adam/AdamW always correct the moments' bias. Remove the key",
-            "optimizer.params.bias_correction",
-        )
+        # torch's Adam/AdamW always correct the moments' bias; FusedAdam (the adam op: C++ on
+        # CPU, Triton/CUDA on GPUs) has DeepSpeed's switch.
+        _consume_set_grad_none(kwargs)
+        return FusedAdam, _fused_adam_arguments(kwargs, decoupled=cls is torch.optim.AdamW)
     _consume_set_grad_none(kwargs)
     if (
         not torch_adam
@@ -233,6 +234,26 @@ def _adam_arguments(
         # The single-kernel CUDA implementation; DeepSpeed uses its FusedAdam here.
         kwargs["fused"] = not kwargs.get("differentiable", False)
     return cls, kwargs
+
+
+def _fused_adam_arguments(kwargs: dict[str, Any], *, decoupled: bool) -> dict[str, Any]:
+    """FusedAdam's arguments for ``bias_correction: false``, or a clear error for the rest."""
+    unsupported = sorted(
+        key
+        for key, value in kwargs.items()
+        if key not in ("lr", "betas", "eps", "weight_decay") and value not in (False, None)
+    )
+    if unsupported:
+        raise NotImplementedFeatureError(
+            "optimizer.params.bias_correction=false is implemented by Slipstream's FusedAdam, "
+            f"which does not take {', '.join('optimizer.params.' + k for k in unsupported)}; "
+            "remove those keys or keep bias correction on",
+            "optimizer.params.bias_correction",
+        )
+    chosen = {k: v for k, v in kwargs.items() if k in ("lr", "betas", "eps", "weight_decay")}
+    if "betas" in chosen:
+        chosen["betas"] = tuple(chosen["betas"])
+    return {**chosen, "bias_correction": False, "adam_w_mode": decoupled}
 
 
 def _consume_set_grad_none(kwargs: dict[str, Any]) -> None:

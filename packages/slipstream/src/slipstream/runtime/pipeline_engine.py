@@ -261,6 +261,47 @@ class PipelineEngine:
         """The whole model's gradient norm at the last step, before clipping."""
         return None if self._last_grad_norm is None else float(self._last_grad_norm)
 
+    # -- DeepSpeed's engine accessors (docs/deepspeed-compat.md) ---------------------------
+    @property
+    def local_rank(self) -> int:
+        """This process's rank on its node (``LOCAL_RANK``)."""
+        return comm.get_local_rank()
+
+    @property
+    def global_rank(self) -> int:
+        """This process's rank in the default group."""
+        return comm.get_rank()
+
+    @property
+    def world_size(self) -> int:
+        """Processes in the default group (all stages and replicas)."""
+        return comm.get_world_size()
+
+    def fp16_enabled(self) -> bool:
+        """Whether fp16 is on (never with pipelines yet: the config refuses it)."""
+        return self.config.fp16.enabled
+
+    def bfloat16_enabled(self) -> bool:
+        """Whether bf16 autocast is on."""
+        return self.config.bf16.enabled
+
+    def zero_optimization_stage(self) -> int:
+        """The ZeRO stage, 0-2."""
+        return self.zero_stage
+
+    def __getattr__(self, name: str) -> Any:
+        # As DeepSpeed's engine: what the engine lacks is looked up on the module.
+        module = self.__dict__.get("module")
+        if module is None or name.startswith("__"):
+            raise AttributeError(f"'{type(self).__name__}' object has no attribute {name!r}")
+        try:
+            return getattr(module, name)
+        except AttributeError:
+            raise AttributeError(
+                f"neither the {type(self).__name__} nor its module ({type(module).__name__}) "
+                f"has an attribute {name!r}"
+            ) from None
+
     def set_dataiterator(self, iterator: Iterator[Any]) -> None:
         """The iterator ``train_batch()`` reads when called without one."""
         self.data_iterator = iterator

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import functools
 import json
 import logging
 from collections.abc import Iterable
@@ -62,7 +63,11 @@ class Init:
     ``dtype`` (default: fp16/bf16 if ``config_dict_or_path`` enables it, else unchanged) is
     the dtype of the shards; ``enabled=False`` makes the block a no-op. ``remote_device``
     ``"cpu"``/``"nvme"`` (ZeRO-Infinity) is not implemented; ``pin_memory`` is accepted and
-    has no effect without it.
+    has no effect without it. ``config`` is DeepSpeed's older alias of ``config_dict_or_path``;
+    ``mem_efficient_linear`` is accepted and has no effect (no ``F.linear`` replacement is
+    needed). Wrapped ``__init__`` methods keep their signatures (``torch.nn.utils.skip_init``
+    inspects them); parameters built on the ``meta`` device are left whole, to be sharded when
+    materialised and handed to the engine.
 
     A module that reads or re-initialises a child's parameters in its own ``__init__``
     after the child was built must do so inside :class:`GatheredParameters`, as with
@@ -76,13 +81,25 @@ class Init:
         self,
         module: torch.nn.Module | None = None,
         data_parallel_group: dist.ProcessGroup | None = None,
+        mem_efficient_linear: bool = True,
         remote_device: str | None = None,
         pin_memory: bool = False,
         config_dict_or_path: Any = None,
+        config: Any = None,
         enabled: bool = True,
         dtype: torch.dtype | None = None,
         mpu: Any = None,
     ) -> None:
+        if config is not None:
+            if config_dict_or_path is not None:
+                raise TypeError(
+                    "zero.Init got both config= and config_dict_or_path=; pass the config once "
+                    "(config_dict_or_path is the current name, config DeepSpeed's older alias)"
+                )
+            config_dict_or_path = config
+        # DeepSpeed swaps F.linear for a variant that saves less for backward; stage 3 here
+        # gathers weights per module and needs no replacement, so the flag changes nothing.
+        self.mem_efficient_linear = mem_efficient_linear
         if remote_device not in (None, "none", "cuda", "cpu") or (
             remote_device == "cpu" and torch.cuda.is_available()
         ):
@@ -109,7 +126,9 @@ class Init:
         return get_accelerator().device()
 
     def _partition(self, param: torch.nn.Parameter) -> None:
-        if sharded_state_of(param) is not None:
+        if sharded_state_of(param) is not None or param.is_meta:
+            # A meta parameter (torch.nn.utils.skip_init, device="meta") has no values to
+            # shard; the engine's stage 3 shards it once it is materialised.
             return
         assert self.group is not None
         ShardedParameter.partition(param, self.group, self._device(), self.dtype)
@@ -120,6 +139,7 @@ class Init:
             return
         context = self
 
+        @functools.wraps(original)
         def __init__(module: torch.nn.Module, *args: Any, **kwargs: Any) -> None:
             original(module, *args, **kwargs)
             if type(module).__init__ is __init__ or _is_outermost(module, cls):
@@ -237,6 +257,6 @@ class GatheredParameters:
         for member in self._members:
             member.holders -= 1
             if member.holders == 0 and not member.persistent:
-                member.free()
+                member.free(keep_views=True)
             elif self.modifier_rank is not None and member.persistent and member.holders == 0:
-                member.free()  # re-gathered from the new shards at the next use
+                member.free(keep_views=True)  # re-gathered from the new shards at the next use

@@ -99,8 +99,17 @@ class ShardedParameter:
         """Bytes of the full tensor."""
         return self.spec.numel * self.param.element_size()
 
-    def free(self) -> None:
-        """Release the full storage (only the shard stays)."""
+    def free(self, keep_views: bool = False) -> None:
+        """Release the full storage (only the shard stays).
+
+        ``keep_views``: first move the parameter onto a storage of its own, so that tensors
+        sharing the gathered storage (``p.detach()``, or ``p.cpu()`` on a CPU device, taken
+        inside :class:`~slipstream.zero.GatheredParameters`) keep their values, as they do
+        with DeepSpeed; the hot path frees in place instead.
+        """
+        if keep_views:
+            with torch.no_grad():
+                self.param.data = torch.empty_like(self.param.data)
         self.param.untyped_storage().resize_(0)
         self.state = ShardState.SHARDED
 
