@@ -30,7 +30,7 @@ import time
 
 import torch
 
-__all__ = ["drain", "hold", "held_count"]
+__all__ = ["drain", "held_count", "hold"]
 
 logger = logging.getLogger(__name__)
 
