@@ -185,8 +185,6 @@ def test_bfloat16_is_an_alias_of_bf16() -> None:
         ({"fp16": {"fp16_master_weights_and_grads": True}}, "fp16.fp16_master_weights_and_grads"),
         ({"bf16": {"bf16_master_weights_and_grads": True}}, "bf16.bf16_master_weights_and_grads"),
         ({"bf16": {"bf16_optimizer_states": True}}, "bf16.bf16_optimizer_states"),
-        ({"bf16": {"check_grad_overflow": True}}, "bf16.check_grad_overflow"),
-        ({"bf16": {"check_overflow": True}}, "bf16.check_grad_overflow"),
     ],
 )
 def test_unimplemented_precision_options(block: dict[str, Any], key: str) -> None:

@@ -41,9 +41,15 @@ _held: list[torch.Tensor] = []
 _DRAIN_TIMEOUT_S = 30.0
 
 
+def _torch_holds(tensor: torch.Tensor) -> bool:
+    """Whether anything besides the alias's own Python object references it (torch's
+    ``Tensor._use_count``; a torch without it gets no protection: nothing is held)."""
+    use_count = getattr(tensor, "_use_count", None)
+    return use_count is not None and int(use_count()) > 1
+
+
 def _prune_locked() -> None:
-    # One reference: the alias's own Python object. More: torch still holds it.
-    _held[:] = [tensor for tensor in _held if tensor._use_count() > 1]
+    _held[:] = [tensor for tensor in _held if _torch_holds(tensor)]
 
 
 def hold(tensor: torch.Tensor) -> torch.Tensor:

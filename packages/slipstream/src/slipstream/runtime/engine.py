@@ -173,8 +173,11 @@ class SlipstreamEngine(torch.nn.Module):
                     self.zero.overlap_forward(self.module)
         self.lr_scheduler = resolve_scheduler(lr_scheduler, config.scheduler, self.optimizer)
 
-        # 3. fp16 loss scaling.
+        # 3. fp16 loss scaling; fp32/bf16 skip non-finite steps instead (docs/reliability.md).
         self.loss_scaler = LossScaler.from_config(config.fp16) if config.fp16.enabled else None
+        self._check_nonfinite = not config.fp16.enabled and (
+            config.bf16.check_grad_overflow if config.bf16.enabled else config.check_grad_overflow
+        )
 
         # 4. Gradient reduction across the data-parallel group, overlapped with backward.
         self._grad_sources: list[torch.Tensor] = (
@@ -207,6 +210,8 @@ class SlipstreamEngine(torch.nn.Module):
         self.global_samples = 0
         self.micro_steps = 0
         self.skipped_steps = 0
+        self.nonfinite_skipped_steps = 0  # fp32/bf16 steps skipped for an inf or nan
+        self._cycle_loss: torch.Tensor | None = None  # losses since the last optimizer step
         self._boundary_override: bool | None = None
         self._inside_no_sync = False
         self._last_grad_norm: torch.Tensor | None = None
@@ -474,6 +479,8 @@ class SlipstreamEngine(torch.nn.Module):
         value = loss.detach().float().reshape(())
         self._loss_sum = value if self._loss_sum is None else self._loss_sum + value
         self._loss_count += 1
+        # An inf or nan in any micro-batch's loss makes the sum non-finite too.
+        self._cycle_loss = value if self._cycle_loss is None else self._cycle_loss + value
 
     def step(self, lr_kwargs: dict[str, Any] | None = None) -> None:
         """Advance one micro-step; at an accumulation boundary, update the weights."""
@@ -491,6 +498,7 @@ class SlipstreamEngine(torch.nn.Module):
                 )
             with self.timers.region("step"):
                 self._take_optimizer_step(lr_kwargs)
+            self._cycle_loss = None
             self.global_steps += 1
             self.global_samples += self._train_batch
             if self.global_steps % self.config.steps_per_print == 0:
@@ -512,6 +520,13 @@ class SlipstreamEngine(torch.nn.Module):
                 if self._experts.is_expert_parallel
                 else grads_have_inf_or_nan(grads)
             )
+        elif self._check_nonfinite:
+            # The gradients are reduced (equal on every rank), the losses are not: one scalar
+            # MAX all-reduce makes every rank take the same decision. One host sync per step.
+            if agree_overflow([*grads, self._nonfinite_check_value()], self._device):
+                self._skip_nonfinite_step()
+                self.zero_grad()
+                return
         if overflow:
             assert self.loss_scaler is not None
             old_scale = self.loss_scaler.loss_scale
@@ -558,14 +573,36 @@ class SlipstreamEngine(torch.nn.Module):
             self._device,
         )
 
+    def _nonfinite_check_value(self) -> torch.Tensor:
+        """This rank's losses since the last step (zero if none were recorded), on the device."""
+        if self._cycle_loss is None:
+            return torch.zeros((), dtype=torch.float32, device=self._device)
+        return self._cycle_loss
+
+    def _skip_nonfinite_step(self) -> None:
+        """fp32/bf16: the step is skipped on every rank (they voted); say so, with the count."""
+        self.skipped_steps += 1
+        self.nonfinite_skipped_steps += 1
+        if self.global_rank == 0:
+            logger.warning(
+                "non-finite loss or gradient at step %d (on some rank): skipping the update "
+                "(weights, optimizer state and learning-rate schedule unchanged); %d step(s) "
+                "skipped for inf/nan so far",
+                self.global_steps + 1,
+                self.nonfinite_skipped_steps,
+            )
+
     def _take_zero_step(self, lr_kwargs: dict[str, Any] | None) -> None:
         assert self.zero is not None
         scaler = self.loss_scaler
         outcome = self.zero.optimizer.step(
             loss_scale=scaler.loss_scale if scaler is not None else None,
             max_grad_norm=self.config.gradient_clipping,
+            nonfinite_check=self._nonfinite_check_value() if self._check_nonfinite else None,
         )
-        if outcome.overflow:
+        if outcome.overflow and scaler is None:
+            self._skip_nonfinite_step()
+        elif outcome.overflow:
             assert scaler is not None
             old_scale = scaler.loss_scale
             scaler.update(True)
