@@ -19,6 +19,7 @@ from slipstream.kernels import get_accelerator
 from slipstream.kernels.loss_scaler import LossScaler, grads_have_inf_or_nan
 from slipstream.runtime import checkpoint as checkpointing
 from slipstream.runtime import zero_setup
+from slipstream.runtime.agreement import check_ranks_agree, parameter_signature
 from slipstream.runtime.data_parallel import GradientReducer, ReduceSettings, register_ready_hooks
 from slipstream.runtime.lr_schedules import resolve_scheduler
 from slipstream.runtime.moe_gradients import (
@@ -79,6 +80,9 @@ class SlipstreamEngine(torch.nn.Module):
         self.global_rank = comm.get_rank()
         # load_config() has resolved the batch triple; keep it as plain ints for the hot path.
         self._micro_batch, self._gas, self._train_batch = _resolved_batch_triple(config)
+        # Before any other collective: ranks with different configs or models fail here, with
+        # the same error naming the difference on every rank (runtime/agreement.py).
+        check_ranks_agree(config.to_dict(), parameter_signature(model), self.accelerator.device())
 
         # 1. Placement and precision. DeepSpeed keeps the whole module in fp16/bf16 and the
         # optimizer on fp32 masters; the same here.
