@@ -919,3 +919,12 @@ def test_to_dict_round_trips_through_load_config(caplog: pytest.LogCaptureFixtur
     assert again == original
     assert again.to_dict() == dumped
     assert not caplog.records
+
+
+def test_communication_data_type_error_says_what_null_means() -> None:
+    # docs/config.md: null reduces in fp32; the message used to say it follows the precision.
+    with pytest.raises(ConfigError) as info:
+        load({"communication_data_type": "int8"})
+    assert info.value.path == "communication_data_type"
+    assert "null (the default: reduce in fp32" in str(info.value)
+    assert "follow the training precision" not in str(info.value)

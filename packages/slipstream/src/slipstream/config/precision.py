@@ -115,7 +115,11 @@ _COMM_DTYPES: dict[str, torch.dtype] = {
     "torch.bfloat16": torch.bfloat16,
 }
 _COMM_NAMES = {torch.float32: "fp32", torch.float16: "fp16", torch.bfloat16: "bf16"}
-COMMUNICATION_DTYPE_EXPECTED = '"fp32", "fp16" or "bf16" (or null to follow the training precision)'
+# docs/config.md: null reduces in fp32 (DeepSpeed's null follows the training precision).
+COMMUNICATION_DTYPE_EXPECTED = (
+    '"fp32", "fp16" or "bf16", or null (the default: reduce in fp32, from and into the fp32 '
+    'master gradients; set "bf16" for DeepSpeed\'s reduction under bf16)'
+)
 
 
 def parse_communication_dtype(value: Any, path: str) -> torch.dtype | None:
