@@ -17,6 +17,7 @@ from slipstream import comm
 from slipstream.config import SlipstreamConfig
 from slipstream.kernels import get_accelerator
 from slipstream.kernels.loss_scaler import LossScaler, grads_have_inf_or_nan
+from slipstream.offload import OffloadIOError
 from slipstream.runtime import checkpoint as checkpointing
 from slipstream.runtime import zero_setup
 from slipstream.runtime.agreement import check_ranks_agree, parameter_signature
@@ -101,6 +102,8 @@ class SlipstreamEngine(torch.nn.Module):
         self.zero: ZeroGradientPath | ExpertParallelZero | None = None
         self._stage3: Any = None
         self._destroyed = False
+        # Set when an optimizer step failed half-way through its swap I/O (see _check_alive).
+        self._failed_step: str | None = None
         # Expert-parallel MoE parameters (slipstream.moe, ep_size > 1) reduce over their own
         # expert-data-parallel groups (see runtime/moe_gradients.py).
         self._experts = expert_layout(
@@ -400,6 +403,14 @@ class SlipstreamEngine(torch.nn.Module):
                 "this engine was destroyed (engine.destroy()): its offload worker and swap files "
                 "are gone; build a new one with slipstream.initialize"
             )
+        if self._failed_step is not None:
+            raise RuntimeError(
+                f"this engine cannot train or checkpoint any more: {self._failed_step}. Part "
+                "of that step may have reached the weights and optimizer state (the swapped "
+                "sub-groups are stepped one after another), so going on, or saving, would "
+                "keep a half-applied step. Fix the cause, build a new engine with "
+                "slipstream.initialize and load the last checkpoint"
+            )
 
     # ------------------------------------------------------------------ the loop
     def forward(self, *args: Any, **kwargs: Any) -> Any:
@@ -425,6 +436,8 @@ class SlipstreamEngine(torch.nn.Module):
                 + (f" of shape {tuple(loss.shape)}" if isinstance(loss, torch.Tensor) else "")
                 + "; reduce it to a scalar (e.g. loss.mean()) first"
             )
+        if self._failed_step is not None:
+            self._check_alive()
         self._record_loss(loss)
         scaled = loss / self._gas if scale_wrt_gas else loss
         to_backprop = scaled * self.loss_scaler.loss_scale if self.loss_scaler else scaled
@@ -501,7 +514,14 @@ class SlipstreamEngine(torch.nn.Module):
                     "add an 'optimizer' block to the config"
                 )
             with self.timers.region("step"):
-                self._take_optimizer_step(lr_kwargs)
+                try:
+                    self._take_optimizer_step(lr_kwargs)
+                except OffloadIOError as error:  # e.g. DiskFullError while swapping states out
+                    self._failed_step = (
+                        f"its optimizer step {self.global_steps + 1} failed with "
+                        f"{type(error).__name__}: {error}"
+                    )
+                    raise
             self._cycle_loss = None
             self.global_steps += 1
             self.global_samples += self._train_batch
