@@ -36,9 +36,10 @@ logger = logging.getLogger(__name__)
 
 _lock = threading.Lock()
 _held: list[torch.Tensor] = []
-# How long drain() waits at most for torch's threads to release the last collectives; a
-# collective that never completes (a peer that died) must not turn a clean exit into a hang.
-_DRAIN_TIMEOUT_S = 30.0
+# How long drain() waits at most for torch's threads to release the last collectives. A
+# finished collective is released within microseconds of its thread being scheduled; one that
+# never completes (its peer died) must not keep a failing job from exiting for long.
+_DRAIN_TIMEOUT_S = 5.0
 
 
 def _torch_holds(tensor: torch.Tensor) -> bool:
