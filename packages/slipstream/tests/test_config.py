@@ -185,8 +185,6 @@ def test_bfloat16_is_an_alias_of_bf16() -> None:
         ({"fp16": {"fp16_master_weights_and_grads": True}}, "fp16.fp16_master_weights_and_grads"),
         ({"bf16": {"bf16_master_weights_and_grads": True}}, "bf16.bf16_master_weights_and_grads"),
         ({"bf16": {"bf16_optimizer_states": True}}, "bf16.bf16_optimizer_states"),
-        ({"bf16": {"check_grad_overflow": True}}, "bf16.check_grad_overflow"),
-        ({"bf16": {"check_overflow": True}}, "bf16.check_grad_overflow"),
     ],
 )
 def test_unimplemented_precision_options(block: dict[str, Any], key: str) -> None:
@@ -970,3 +968,12 @@ def test_monitor_blocks_take_deepspeeds_keys_and_defaults() -> None:
         load({"comet": {"mode": "maybe"}})
     with pytest.raises(ConfigError, match=r"did you mean 'wandb.project'"):
         load({"wandb": {"projct": "p"}})
+
+
+def test_communication_data_type_error_says_what_null_means() -> None:
+    # docs/config.md: null reduces in fp32; the message used to say it follows the precision.
+    with pytest.raises(ConfigError) as info:
+        load({"communication_data_type": "int8"})
+    assert info.value.path == "communication_data_type"
+    assert "null (the default: reduce in fp32" in str(info.value)
+    assert "follow the training precision" not in str(info.value)

@@ -313,6 +313,16 @@ def _nvme_checkpoint_and_disk_full(swap_dir: str, checkpoint_dir: str) -> dict:
         train(resumed, range(3, 4))
     except DiskFullError as exc:
         message = str(exc)
+    # The engine refuses to go on (or to save) from a half-applied step, naming the cause.
+    refusals = []
+    for attempt in (
+        lambda: train(resumed, range(4, 5)),
+        lambda: resumed.save_checkpoint(checkpoint_dir, tag="after-failure"),
+    ):
+        try:
+            attempt()
+        except RuntimeError as exc:
+            refusals.append(str(exc))
     # The last checkpoint is untouched and still loads.
     again = build()
     again.load_checkpoint(checkpoint_dir, tag="two")
@@ -322,6 +332,7 @@ def _nvme_checkpoint_and_disk_full(swap_dir: str, checkpoint_dir: str) -> dict:
         "resumed_equal": resumed_equal,
         "message": message,
         "checkpoint_intact": checkpoint_intact,
+        "refusals": refusals,
     }
 
 
@@ -335,6 +346,10 @@ def test_nvme_offload_checkpoints_and_a_full_disk(tmp_path) -> None:
     assert "no space left on device" in result["message"]
     assert str(swap) in result["message"]
     assert result["checkpoint_intact"]
+    assert len(result["refusals"]) == 2, result["refusals"]
+    for refusal in result["refusals"]:
+        assert "DiskFullError" in refusal and "load the last checkpoint" in refusal
+    assert not (checkpoints / "after-failure").exists()
     assert not any(swap.iterdir()), "swap folders must be removed when the process ends"
 
 

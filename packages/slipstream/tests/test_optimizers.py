@@ -206,8 +206,10 @@ def test_bad_param_values_are_config_errors() -> None:
         build_optimizer(block("adam", max_grad_norm=1.0), params())
     with pytest.raises(ConfigError, match=r"optimizer\.params\.adam_w_mode"):
         build_optimizer(block("adam", adam_w_mode="yes"), params())
-    with pytest.raises(ConfigError, match="rejected"):
+    with pytest.raises(ConfigError, match=r"optimizer\.params\.lr = -1\.0"):
         build_optimizer(block("adam", lr=-1.0), params())
+    with pytest.raises(ConfigError, match="rejected"):
+        build_optimizer(block("sgd", lr=0.1, momentum=-1.0), params())
     with pytest.raises(ConfigError, match="betas"):
         build_optimizer(block("lion", betas=[0.9, 1.5]), params())
     with pytest.raises(NotImplementedFeatureError, match=r"optimizer\.params\.amsgrad"):
@@ -318,3 +320,26 @@ def test_adam_without_bias_correction_matches_the_formula(adam_w_mode: bool) -> 
     torch_adam.step()
     first = _adam_without_bias_correction(start, grads[:1], decoupled=True, **settings)
     assert (corrected.detach() - first).abs().max() > 1e-3
+
+
+@pytest.mark.parametrize(
+    ("name", "params", "key"),
+    [
+        ("AdamW", {"betas": [0.9]}, "optimizer.params.betas"),
+        ("Adam", {"betas": [0.9, 0.999, 0.5]}, "optimizer.params.betas"),
+        ("Lion", {"betas": "0.9"}, "optimizer.params.betas"),
+        ("AdamW", {"betas": [0.9, 1.5]}, "optimizer.params.betas"),
+        ("Lamb", {"lr": "1e-3"}, "optimizer.params.lr"),
+        ("AdamW", {"eps": -1.0}, "optimizer.params.eps"),
+        ("SGD", {"lr": 0.1, "weight_decay": True}, "optimizer.params.weight_decay"),
+    ],
+)
+def test_wrong_length_or_typed_hyperparameters_name_the_key(
+    name: str, params: dict, key: str
+) -> None:
+    # betas: [0.9] used to build, then fail inside torch's first step with an IndexError.
+    block = SimpleNamespace(type=name, params=params)
+    with pytest.raises(ConfigError) as info:
+        build_optimizer(block, [torch.nn.Parameter(torch.zeros(2))])
+    assert info.value.path == key
+    assert key in str(info.value)

@@ -14,6 +14,7 @@ import torch
 import torch.distributed as dist
 
 from slipstream.comm.comms_logger import comms_logger
+from slipstream.comm.in_flight import hold
 
 __all__ = [
     "all_gather_into_tensor",
@@ -53,6 +54,7 @@ def all_reduce(
     log_name: str | None = None,
 ) -> dist.Work | None:
     """:func:`torch.distributed.all_reduce`, logged (size: the tensor)."""
+    tensor = hold(tensor)  # see [Note: why collectives hold their tensors until exit]
     if not comms_logger.enabled:
         return dist.all_reduce(tensor, op=op, group=group, async_op=async_op)
     return comms_logger.run_logged(
@@ -76,6 +78,7 @@ def all_gather_into_tensor(
     log_name: str | None = None,
 ) -> dist.Work | None:
     """:func:`torch.distributed.all_gather_into_tensor`, logged (size: the gathered output)."""
+    output_tensor, input_tensor = hold(output_tensor), hold(input_tensor)
     if not comms_logger.enabled:
         return _all_gather_single(output_tensor, input_tensor, group=group, async_op=async_op)
     return comms_logger.run_logged(
@@ -100,6 +103,7 @@ def reduce_scatter_tensor(
     log_name: str | None = None,
 ) -> dist.Work | None:
     """:func:`torch.distributed.reduce_scatter_tensor`, logged (size: the full input)."""
+    output, input = hold(output), hold(input)
     if not comms_logger.enabled:
         return _reduce_scatter_single(output, input, op=op, group=group, async_op=async_op)
     return comms_logger.run_logged(
@@ -124,6 +128,7 @@ def broadcast(
     log_name: str | None = None,
 ) -> dist.Work | None:
     """:func:`torch.distributed.broadcast`, logged (size: the tensor)."""
+    tensor = hold(tensor)
     extra = _optional(group_src=group_src)
     if not comms_logger.enabled:
         return dist.broadcast(tensor, src, group=group, async_op=async_op, **extra)
@@ -150,6 +155,7 @@ def all_to_all_single(
     log_name: str | None = None,
 ) -> dist.Work | None:
     """:func:`torch.distributed.all_to_all_single`, logged (size: this rank's input)."""
+    output, input = hold(output), hold(input)
 
     def call() -> dist.Work | None:
         return dist.all_to_all_single(
@@ -211,6 +217,7 @@ def send(
     log_name: str | None = None,
 ) -> None:
     """:func:`torch.distributed.send`, logged (size: the tensor)."""
+    tensor = hold(tensor)
     extra = _optional(group_dst=group_dst)
     if not comms_logger.enabled:
         dist.send(tensor, dst, group=group, tag=tag, **extra)
@@ -236,6 +243,7 @@ def recv(
     log_name: str | None = None,
 ) -> int:
     """:func:`torch.distributed.recv`, logged (size: the tensor); returns the sender's rank."""
+    tensor = hold(tensor)
     extra = _optional(group_src=group_src)
     if not comms_logger.enabled:
         return dist.recv(tensor, src, group=group, tag=tag, **extra)

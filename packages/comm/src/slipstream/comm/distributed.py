@@ -9,7 +9,7 @@ import socket
 
 import torch.distributed as dist
 
-from slipstream.comm import _device
+from slipstream.comm import _device, in_flight
 from slipstream.comm.launch_env import DEFAULT_PORT, LaunchEnvironment, detect_launch_environment
 
 __all__ = [
@@ -216,8 +216,14 @@ def get_local_rank() -> int:
 
 
 def destroy() -> None:
-    """Tear down the default process group (if any) so that a new one can be initialised."""
+    """Tear down the default process group (if any) so that a new one can be initialised.
+
+    First waits until torch's communication threads have released the tensors of every
+    collective issued through :mod:`slipstream.comm`, so that none of them is left to be freed
+    while the interpreter exits (see ``slipstream/comm/in_flight.py``).
+    """
     global _launch
+    in_flight.drain()
     if is_initialized():
         dist.destroy_process_group()
     _launch = None

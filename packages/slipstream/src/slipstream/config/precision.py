@@ -64,8 +64,9 @@ class BF16Config(ConfigBlock):
         immediate_grad_update: accepted for DeepSpeed compatibility; Slipstream always adds
             each micro-batch's bf16 gradient into the fp32 master gradient as soon as it is
             produced, so either value behaves the same.
-        check_grad_overflow: skip steps whose gradients hold inf/nan; not implemented yet for
-            bf16 (``check_overflow`` in some DeepSpeed versions).
+        check_grad_overflow: skip, on every rank, an optimizer step whose loss or gradients
+            hold an inf or nan, with a warning (``check_overflow`` in some DeepSpeed
+            versions). On by default here; DeepSpeed's default is off (docs/reliability.md).
         bf16_master_weights_and_grads: keep ZeRO master weights in bf16; not implemented yet.
         bf16_optimizer_states: keep optimizer states in bf16; not implemented yet.
     """
@@ -73,13 +74,13 @@ class BF16Config(ConfigBlock):
     enabled: bool = False
     immediate_grad_update: bool = False
     check_grad_overflow: bool = dataclasses.field(
-        default=False, metadata={"aliases": ("check_overflow",)}
+        default=True, metadata={"aliases": ("check_overflow",)}
     )
     bf16_master_weights_and_grads: bool = False
     bf16_optimizer_states: bool = False
 
     def validate(self, path: str) -> None:
-        """Reject the bf16 options that need ZeRO or an overflow check the engine lacks."""
+        """Reject the bf16 options that need ZeRO master weights or states in bf16."""
         if self.bf16_master_weights_and_grads:
             not_implemented(
                 key_path(path, "bf16_master_weights_and_grads"),
@@ -95,14 +96,6 @@ class BF16Config(ConfigBlock):
                 "keeping optimizer states in bf16",
                 _ZERO,
                 "Leave it false.",
-            )
-        if self.check_grad_overflow:
-            not_implemented(
-                key_path(path, "check_grad_overflow"),
-                True,
-                "skipping bf16 steps whose gradients overflow",
-                "a later release of the slipstream engine",
-                "Leave it false (DeepSpeed's default), or use fp16 with dynamic loss scaling.",
             )
 
 
@@ -122,7 +115,11 @@ _COMM_DTYPES: dict[str, torch.dtype] = {
     "torch.bfloat16": torch.bfloat16,
 }
 _COMM_NAMES = {torch.float32: "fp32", torch.float16: "fp16", torch.bfloat16: "bf16"}
-COMMUNICATION_DTYPE_EXPECTED = '"fp32", "fp16" or "bf16" (or null to follow the training precision)'
+# docs/config.md: null reduces in fp32 (DeepSpeed's null follows the training precision).
+COMMUNICATION_DTYPE_EXPECTED = (
+    '"fp32", "fp16" or "bf16", or null (the default: reduce in fp32, from and into the fp32 '
+    'master gradients; set "bf16" for DeepSpeed\'s reduction under bf16)'
+)
 
 
 def parse_communication_dtype(value: Any, path: str) -> torch.dtype | None:

@@ -65,6 +65,9 @@ class SlipstreamConfig(ConfigBlock):
     train_micro_batch_size_per_gpu: int | None = None
     gradient_accumulation_steps: int | None = None
     gradient_clipping: float = dataclasses.field(default=0.0, metadata={"ge": 0})
+    # Slipstream's own key (DeepSpeed has none for fp32): bf16 runs read bf16.check_grad_overflow
+    # and fp16 runs always skip through the loss scaler. See docs/reliability.md.
+    check_grad_overflow: bool = True
     steps_per_print: int = dataclasses.field(default=10, metadata={"ge": 1})
     wall_clock_breakdown: bool = False
     dump_state: bool = False

@@ -20,8 +20,10 @@ from slipstream.data import DataEfficiency, RandomLayerTokenDrop
 from slipstream.kernels import get_accelerator
 from slipstream.kernels.loss_scaler import LossScaler, grads_have_inf_or_nan
 from slipstream.monitor import MonitorMaster
+from slipstream.offload import OffloadIOError
 from slipstream.runtime import checkpoint as checkpointing
 from slipstream.runtime import zero_setup
+from slipstream.runtime.agreement import check_ranks_agree, parameter_signature
 from slipstream.runtime.data_parallel import GradientReducer, ReduceSettings, register_ready_hooks
 from slipstream.runtime.lr_schedules import resolve_scheduler
 from slipstream.runtime.moe_gradients import (
@@ -82,6 +84,9 @@ class SlipstreamEngine(torch.nn.Module):
         self.global_rank = comm.get_rank()
         # load_config() has resolved the batch triple; keep it as plain ints for the hot path.
         self._micro_batch, self._gas, self._train_batch = _resolved_batch_triple(config)
+        # Before any other collective: ranks with different configs or models fail here, with
+        # the same error naming the difference on every rank (runtime/agreement.py).
+        check_ranks_agree(config.to_dict(), parameter_signature(model), self.accelerator.device())
 
         # 1. Placement and precision. DeepSpeed keeps the whole module in fp16/bf16 and the
         # optimizer on fp32 masters; the same here.
@@ -100,6 +105,8 @@ class SlipstreamEngine(torch.nn.Module):
         self.zero: ZeroGradientPath | ExpertParallelZero | None = None
         self._stage3: Any = None
         self._destroyed = False
+        # Set when an optimizer step failed half-way through its swap I/O (see _check_alive).
+        self._failed_step: str | None = None
         # Expert-parallel MoE parameters (slipstream.moe, ep_size > 1) reduce over their own
         # expert-data-parallel groups (see runtime/moe_gradients.py).
         self._experts = expert_layout(
@@ -184,8 +191,11 @@ class SlipstreamEngine(torch.nn.Module):
         )
         self._setup_data_efficiency()
 
-        # 3. fp16 loss scaling.
+        # 3. fp16 loss scaling; fp32/bf16 skip non-finite steps instead (docs/reliability.md).
         self.loss_scaler = LossScaler.from_config(config.fp16) if config.fp16.enabled else None
+        self._check_nonfinite = not config.fp16.enabled and (
+            config.bf16.check_grad_overflow if config.bf16.enabled else config.check_grad_overflow
+        )
 
         # 4. Gradient reduction across the data-parallel group, overlapped with backward.
         self._grad_sources: list[torch.Tensor] = (
@@ -218,6 +228,8 @@ class SlipstreamEngine(torch.nn.Module):
         self.global_samples = 0
         self.micro_steps = 0
         self.skipped_steps = 0
+        self.nonfinite_skipped_steps = 0  # fp32/bf16 steps skipped for an inf or nan
+        self._cycle_loss: torch.Tensor | None = None  # losses since the last optimizer step
         self._boundary_override: bool | None = None
         self._inside_no_sync = False
         self._last_grad_norm: torch.Tensor | None = None
@@ -406,6 +418,14 @@ class SlipstreamEngine(torch.nn.Module):
                 "this engine was destroyed (engine.destroy()): its offload worker and swap files "
                 "are gone; build a new one with slipstream.initialize"
             )
+        if self._failed_step is not None:
+            raise RuntimeError(
+                f"this engine cannot train or checkpoint any more: {self._failed_step}. Part "
+                "of that step may have reached the weights and optimizer state (the swapped "
+                "sub-groups are stepped one after another), so going on, or saving, would "
+                "keep a half-applied step. Fix the cause, build a new engine with "
+                "slipstream.initialize and load the last checkpoint"
+            )
 
     # ------------------------------------------------------------------ the loop
     def forward(self, *args: Any, **kwargs: Any) -> Any:
@@ -436,6 +456,8 @@ class SlipstreamEngine(torch.nn.Module):
                 + (f" of shape {tuple(loss.shape)}" if isinstance(loss, torch.Tensor) else "")
                 + "; reduce it to a scalar (e.g. loss.mean()) first"
             )
+        if self._failed_step is not None:
+            self._check_alive()
         self._record_loss(loss)
         scaled = loss / self._gas if scale_wrt_gas else loss
         if self.monitor.enabled:
@@ -496,6 +518,8 @@ class SlipstreamEngine(torch.nn.Module):
         value = loss.detach().float().reshape(())
         self._loss_sum = value if self._loss_sum is None else self._loss_sum + value
         self._loss_count += 1
+        # An inf or nan in any micro-batch's loss makes the sum non-finite too.
+        self._cycle_loss = value if self._cycle_loss is None else self._cycle_loss + value
 
     def step(self, lr_kwargs: dict[str, Any] | None = None) -> None:
         """Advance one micro-step; at an accumulation boundary, update the weights."""
@@ -512,7 +536,15 @@ class SlipstreamEngine(torch.nn.Module):
                     "add an 'optimizer' block to the config"
                 )
             with self.timers.region("step"):
-                self._take_optimizer_step(lr_kwargs)
+                try:
+                    self._take_optimizer_step(lr_kwargs)
+                except OffloadIOError as error:  # e.g. DiskFullError while swapping states out
+                    self._failed_step = (
+                        f"its optimizer step {self.global_steps + 1} failed with "
+                        f"{type(error).__name__}: {error}"
+                    )
+                    raise
+            self._cycle_loss = None
             self.global_steps += 1
             self.global_samples += self._train_batch
             if self.monitor.enabled:
@@ -536,6 +568,13 @@ class SlipstreamEngine(torch.nn.Module):
                 if self._experts.is_expert_parallel
                 else grads_have_inf_or_nan(grads)
             )
+        elif self._check_nonfinite:
+            # The gradients are reduced (equal on every rank), the losses are not: one scalar
+            # MAX all-reduce makes every rank take the same decision. One host sync per step.
+            if agree_overflow([*grads, self._nonfinite_check_value()], self._device):
+                self._skip_nonfinite_step()
+                self.zero_grad()
+                return
         if overflow:
             assert self.loss_scaler is not None
             old_scale = self.loss_scaler.loss_scale
@@ -582,14 +621,36 @@ class SlipstreamEngine(torch.nn.Module):
             self._device,
         )
 
+    def _nonfinite_check_value(self) -> torch.Tensor:
+        """This rank's losses since the last step (zero if none were recorded), on the device."""
+        if self._cycle_loss is None:
+            return torch.zeros((), dtype=torch.float32, device=self._device)
+        return self._cycle_loss
+
+    def _skip_nonfinite_step(self) -> None:
+        """fp32/bf16: the step is skipped on every rank (they voted); say so, with the count."""
+        self.skipped_steps += 1
+        self.nonfinite_skipped_steps += 1
+        if self.global_rank == 0:
+            logger.warning(
+                "non-finite loss or gradient at step %d (on some rank): skipping the update "
+                "(weights, optimizer state and learning-rate schedule unchanged); %d step(s) "
+                "skipped for inf/nan so far",
+                self.global_steps + 1,
+                self.nonfinite_skipped_steps,
+            )
+
     def _take_zero_step(self, lr_kwargs: dict[str, Any] | None) -> None:
         assert self.zero is not None
         scaler = self.loss_scaler
         outcome = self.zero.optimizer.step(
             loss_scale=scaler.loss_scale if scaler is not None else None,
             max_grad_norm=self.config.gradient_clipping,
+            nonfinite_check=self._nonfinite_check_value() if self._check_nonfinite else None,
         )
-        if outcome.overflow:
+        if outcome.overflow and scaler is None:
+            self._skip_nonfinite_step()
+        elif outcome.overflow:
             assert scaler is not None
             old_scale = scaler.loss_scale
             scaler.update(True)

@@ -278,12 +278,22 @@ class ExpertParallelZero:
         loss_scale: float | None = None,
         max_grad_norm: float = 0.0,
         grad_norm: torch.Tensor | None = None,
+        nonfinite_check: torch.Tensor | None = None,
     ) -> StepOutcome:
-        """One update of every part: overflow vote, unscale, global norm, clip, step, publish."""
+        """One update of every part: overflow vote, unscale, global norm, clip, step, publish.
+
+        ``nonfinite_check``: as in :meth:`slipstream.zero.ZeroOptimizer.step` (fp32/bf16).
+        """
         dense = self.dense.masters.grads()
         expert = {name: part.masters.grads() for name, part in self.experts.items()}
         grads = [*dense, *(g for gs in expert.values() for g in gs)]
         if loss_scale is not None and agree_overflow(grads, self.device):
+            return StepOutcome(overflow=True, grad_norm=None)
+        if (
+            loss_scale is None
+            and nonfinite_check is not None
+            and agree_overflow([*grads, nonfinite_check.detach()], self.device)
+        ):
             return StepOutcome(overflow=True, grad_norm=None)
         if loss_scale is not None and loss_scale != 1.0 and grads:
             torch._foreach_mul_(grads, 1.0 / loss_scale)

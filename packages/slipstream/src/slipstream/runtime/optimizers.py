@@ -300,9 +300,30 @@ def check_constructor_params(
                 f"{path}.{pname} is required by {cls.__name__}; add it", f"{path}.{pname}"
             )
     kwargs = dict(params)
+    if path.startswith("optimizer"):
+        _check_hyperparameter_values(kwargs, path)
     if isinstance(kwargs.get("betas"), list):
         kwargs["betas"] = tuple(kwargs["betas"])
     return kwargs
+
+
+def _is_number(value: Any) -> bool:
+    return isinstance(value, (int, float)) and not isinstance(value, bool)
+
+
+def _check_hyperparameter_values(params: Mapping[str, Any], path: str) -> None:
+    """The hyper-parameters every optimizer reads the same way: checked here, so that a wrong
+    value is a ConfigError naming the key instead of an IndexError inside the first step."""
+    betas = params.get("betas")
+    if "betas" in params and not (
+        isinstance(betas, (list, tuple))
+        and len(betas) == 2
+        and all(_is_number(b) and 0.0 <= b < 1.0 for b in betas)
+    ):
+        config_fail(f"{path}.betas", betas, "a list of two numbers in [0, 1), e.g. [0.9, 0.999]")
+    for key in ("lr", "eps", "weight_decay"):
+        if key in params and not (_is_number(params[key]) and params[key] >= 0):
+            config_fail(f"{path}.{key}", params[key], "a number >= 0")
 
 
 def _as_param_list(model_parameters: ParamsLike) -> list[Any]:

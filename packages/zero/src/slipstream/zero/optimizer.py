@@ -101,16 +101,28 @@ class ZeroOptimizer:
         loss_scale: float | None = None,
         max_grad_norm: float = 0.0,
         grad_norm: torch.Tensor | None = None,
+        nonfinite_check: torch.Tensor | None = None,
     ) -> StepOutcome:
         """Take one update from the reduced gradient shards; skip it on an fp16 overflow.
 
         ``grad_norm``: the global norm of the (unscaled) gradients when the caller has computed
         it, e.g. a pipeline's norm, which also spans the other stages this group does not
         reach. None: computed here from the shards over the data-parallel group.
+
+        ``nonfinite_check``: without a loss scale (fp32, bf16), a device scalar (e.g. the sum
+        of this rank's losses since the last step) that asks for the same vote fp16 takes:
+        when it or any rank's gradient holds an inf or nan, every rank skips the step
+        (``StepOutcome.overflow`` is then True). None: no check.
         """
         if self.offload is not None and self.offload.tail_kept:
             self._complete()  # the last step still ran (two steps without a forward between)
         grads = self.masters.grads()
+        if (
+            loss_scale is None
+            and nonfinite_check is not None
+            and overflow_on_any_rank([*grads, nonfinite_check.detach()], self.group, self.device)
+        ):
+            return self._overflow()
         squares = self.masters.device_squares
         if self.offload is not None and squares is not None:
             # Offload: the reducer took the sum of squares on the device; an inf or nan in
@@ -142,6 +154,14 @@ class ZeroOptimizer:
         """An fp16 overflow skips the step: a speculative step taken during backward is
         discarded, and the weights it published are published again from the masters."""
         offload = self.offload
+        if offload is not None and offload.eager and offload.take_eager_steps() > 0:
+            raise RuntimeError(
+                "an inf or nan gradient was already applied to the masters: "
+                "offload_optimizer.overlap_step steps each bucket during backward, before the "
+                "step can be skipped. The weights are no longer finite; resume from the last "
+                "checkpoint, and set offload_optimizer.overlap_step to false to have such "
+                "steps skipped"
+            )
         if offload is not None and offload.speculative and offload.take_eager_steps() > 0:
             offload.settle_speculation(None)
             self._publish_all()
