@@ -21,6 +21,9 @@ from slipstream import comm
 __all__ = ["RanksDisagreeError", "check_ranks_agree", "parameter_signature"]
 
 _DIGEST_BYTES = 32
+# Blocks that only rank 0 acts on (the monitors write from rank 0 alone), so ranks may differ in
+# them without harm, e.g. a per-rank job name or output path from the launch script.
+RANK_LOCAL_BLOCKS = frozenset({"tensorboard", "csv_monitor", "wandb", "comet"})
 
 
 class RanksDisagreeError(RuntimeError):
@@ -57,7 +60,11 @@ def check_ranks_agree(
     if not comm.is_initialized() or comm.get_world_size() == 1:
         return
     world = comm.get_world_size()
-    flat_config = _flatten(config)
+    flat_config = {
+        key: value
+        for key, value in _flatten(config).items()
+        if key.split(".", 1)[0] not in RANK_LOCAL_BLOCKS
+    }
     local = _digest(flat_config) + _digest(parameters)
     mine = torch.frombuffer(bytearray(local), dtype=torch.int64).to(device)
     everyone = torch.empty(world * mine.numel(), dtype=torch.int64, device=device)
