@@ -246,12 +246,17 @@ class Stage3GradientPath:
             kept_device=model.compute_device,
         )
         release_shards(trainable, dirty=False)
-        for sharded, master in zip(trainable, self.masters.masters):
+        for i, (sharded, master) in enumerate(zip(trainable, self.masters.masters)):
             sharded.master = master
-            if swapped:
+            if swapped or master.device != sharded.shard.device:
                 continue
-            if master.dtype == sharded.shard.dtype and master.device == sharded.shard.device:
-                sharded.shard = master.data  # fp32: the master *is* the gathered shard
+            # The master *is* the shard the all-gather reads (cast to the parameter's dtype
+            # inside it): no 16-bit copy beside the fp32 master ([Note: ZeRO-3 memory]).
+            # Not for a master the CPU step updates in host memory while the shard is there
+            # too (offload_param): the gathers upload the shard, in the compute dtype.
+            host_step = offload is not None and self.masters.offloaded[i]
+            if master.dtype == sharded.shard.dtype or not host_step:
+                sharded.shard = master.data
         self.masters.swap_into(optimizer)
         # Offload: the CPU step writes each updated master in the shard's dtype into the shard
         # itself when it lives on the host (offload_param). A shard on the device is refreshed

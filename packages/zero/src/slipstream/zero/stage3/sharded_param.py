@@ -44,9 +44,12 @@ class ShardedParameter:
     does not see the refill as an in-place modification.
 
     Attributes:
-        param: the parameter. shard: this rank's shard (flat, padded, the compute dtype; the
-        all-gather input). master: the fp32 master shard once an optimizer is attached (the
-        same tensor as ``shard`` in fp32 training). holders: active uses (a module's forward
+        param: the parameter. shard: this rank's shard (flat, padded; the all-gather input,
+        cast to the parameter's dtype on its way into the collective). Before an optimizer
+        is attached it is in the compute dtype; after, on the compute device, it *is* the fp32
+        master shard (no separate 16-bit copy: [Note: ZeRO-3 memory]); with optimizer or
+        parameter offload it stays a compute-dtype copy that each step refreshes. master:
+        the fp32 master shard once an optimizer is attached. holders: active uses (a module's forward
         or backward, a prefetch, GatheredParameters); the storage is freed when it drops to 0,
         unless ``persistent``. store: with ``offload_param.device="nvme"``, the
         slipstream.offload.ParamSwapStore that swaps ``shard`` to disk between uses; code
@@ -175,7 +178,9 @@ class PendingGather:
 
     def __init__(self, members: list[ShardedParameter], async_op: bool) -> None:
         group = members[0].group
-        dtype = members[0].shard.dtype
+        # The parameter's dtype: a shard that is the fp32 master is cast here, into the send
+        # buffer, so that half the bytes travel (see [Note: ZeRO-3 memory]).
+        dtype = members[0].param.dtype
         self.members = members
         self.offsets: list[int] = []
         total = 0
@@ -190,7 +195,7 @@ class PendingGather:
         send = (
             torch.cat([m.shard.to(device=device, dtype=dtype, non_blocking=True) for m in members])
             if len(members) > 1
-            else members[0].shard.to(device=device, non_blocking=True)
+            else members[0].shard.to(device=device, dtype=dtype, non_blocking=True)
         )
         self.uploaded: torch.cuda.Event | None = None
         if send.device.type == "cuda" and members[0].shard.device.type == "cpu":
@@ -223,9 +228,10 @@ class PendingGather:
 
 
 def gather_full(members: list[ShardedParameter], async_op: bool = False) -> list[PendingGather]:
-    """Start gathering every SHARDED member not already in flight; one collective per dtype."""
+    """Start gathering every SHARDED member not already in flight; one collective per
+    parameter dtype."""
     need = [m for m in members if m.state is ShardState.SHARDED and m.pending is None]
     by_dtype: dict[torch.dtype, list[ShardedParameter]] = {}
     for member in need:
-        by_dtype.setdefault(member.shard.dtype, []).append(member)
+        by_dtype.setdefault(member.param.dtype, []).append(member)
     return [PendingGather(group, async_op) for group in by_dtype.values()]
