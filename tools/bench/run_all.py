@@ -64,6 +64,11 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--steps", type=int, default=12)
     parser.add_argument("--warmup", type=int, default=4)
     parser.add_argument("--seq", type=int, default=2048)
+    parser.add_argument(
+        "--memory-phases",
+        action="store_true",
+        help="train_bench.py --memory-phases on every run: the peak by phase, in the table",
+    )
     args = parser.parse_args(argv)
 
     env = dict(os.environ)
@@ -76,7 +81,7 @@ def main(argv: list[str] | None = None) -> int:
             sys.executable, "-m", "torch.distributed.run", "--standalone",
             f"--nproc_per_node={args.gpus}", str(HERE / "train_bench.py"), *_parse(spec),
             "--steps", str(args.steps), "--warmup", str(args.warmup), "--seq", str(args.seq),
-            "--out", str(args.out),
+            "--out", str(args.out), *(["--memory-phases"] if args.memory_phases else []),
         ]  # fmt: skip
         print("$", " ".join(command), flush=True)
         done = subprocess.run(command, env=env, capture_output=True, text=True)
@@ -100,9 +105,11 @@ def main(argv: list[str] | None = None) -> int:
         if "error" in r:
             print(f"| {r['impl']} | failed: {r['error'][:80]} | | | |")
             continue
+        memory = r.get("memory_phases")
+        where = f" (in {memory['peak_phase']})" if memory else ""
         print(
             f"| {r['impl']} | {r['model']}, {r['micro']} | {r['tflops_per_gpu']} | "
-            f"{r['tokens_per_s']:,.0f} | {r['peak_alloc_gib']} / {r['peak_reserved_gib']} |"
+            f"{r['tokens_per_s']:,.0f} | {r['peak_alloc_gib']} / {r['peak_reserved_gib']}{where} |"
         )
     return 0 if all("error" not in r for r in rows) else 1
 

@@ -197,6 +197,24 @@ class GradientReduceScatter:
         """Reduce-scatters per reduction."""
         return len(self._buckets)
 
+    @property
+    def bucket_nbytes(self) -> list[int]:
+        """Bytes of each bucket's send buffer (``world x bucket shard`` elements)."""
+        size = torch.empty((), dtype=self.dtype).element_size()
+        return [self.group.world_size * b.shard_numel * size for b in self._buckets]
+
+    def live_bytes(self) -> int:
+        """Bytes the reduction holds now beyond the master grads: send buffers being filled or
+        in flight, and outputs not yet handed over (at most two buckets' worth on the device:
+        [Note: bucket lifetime])."""
+        total = 0
+        for bucket in self._buckets:
+            if bucket.buffer is not None:
+                total += bucket.buffer.numel() * bucket.buffer.element_size()
+            if bucket.output is not None:
+                total += bucket.output.numel() * bucket.output.element_size()
+        return total
+
     def mark_ready(self, index: int) -> None:
         """Take parameter ``index``'s finished gradient into its bucket (from a grad hook)."""
         bucket = self._buckets[self._bucket_of[index]]

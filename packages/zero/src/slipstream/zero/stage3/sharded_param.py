@@ -107,11 +107,15 @@ class ShardedParameter:
         self.param.untyped_storage().resize_(0)
         self.state = ShardState.SHARDED
 
-    def fill(self, rows: torch.Tensor, offset: int) -> None:
-        """Allocate the full storage and copy this parameter's columns of gathered ``rows`` in."""
+    def allocate(self) -> None:
+        """Give the parameter its full storage back (contents undefined until filled)."""
         storage = self.param.untyped_storage()
         if storage.nbytes() != self.full_nbytes:
             storage.resize_(self.full_nbytes)
+
+    def fill(self, rows: torch.Tensor, offset: int) -> None:
+        """Allocate the full storage and copy this parameter's columns of gathered ``rows`` in."""
+        self.allocate()
         spec = self.spec
         full = rows[:, offset : offset + spec.shard_numel].reshape(-1)[: spec.numel]
         with torch.no_grad():
@@ -203,7 +207,19 @@ class PendingGather:
             self.uploaded.record()
         self.total = total
         self.world = group.world_size
-        self.out = torch.empty(self.world * total, dtype=dtype, device=send.device)
+        # One parameter without padding: gathered straight into its own storage (no receive
+        # buffer, no copy). Otherwise into ``[world, total]`` and copied out in wait().
+        only = members[0]
+        self.in_place = (
+            len(members) == 1
+            and only.spec.padded_numel == only.spec.numel
+            and only.param.device == send.device
+        )
+        if self.in_place:
+            only.allocate()
+            self.out = only.param.data.view(-1)
+        else:
+            self.out = torch.empty(self.world * total, dtype=dtype, device=send.device)
         self.work: dist.Work | None = group.all_gather_into(self.out, send, async_op=async_op)
         for member in members:
             member.pending = self
@@ -219,10 +235,14 @@ class PendingGather:
             self.uploaded.synchronize()  # the host shards were read by the upload
             self.uploaded = None
         release_shards(self.members, dirty=False)
-        rows = self.out.view(self.world, self.total)
-        for member, offset in zip(self.members, self.offsets):
-            member.fill(rows, offset)
-            member.pending = None
+        if self.in_place:
+            self.members[0].state = ShardState.UNSHARDED
+            self.members[0].pending = None
+        else:
+            rows = self.out.view(self.world, self.total)
+            for member, offset in zip(self.members, self.offsets):
+                member.fill(rows, offset)
+                member.pending = None
         self.done = True
         del self.out
 
