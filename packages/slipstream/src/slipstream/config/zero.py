@@ -49,9 +49,16 @@ class OffloadParamConfig(ConfigBlock):
 class OffloadOptimizerConfig(ConfigBlock):
     """``zero_optimization.offload_optimizer``: optimizer state offload to CPU or NVMe.
 
-    DeepSpeed's keys and defaults, plus ``overlap_forward`` (a Slipstream addition, off by
-    default): ``engine.step()`` returns while the CPU still steps the last gradient buckets,
-    and the next forward waits for each layer's (docs/offload.md).
+    DeepSpeed's keys and defaults, plus Slipstream additions (docs/config.md, "Deviations";
+    docs/offload.md): ``overlap_forward`` (off by default): ``engine.step()`` returns while the
+    CPU still steps the last gradient buckets, and the next forward waits for each layer's;
+    ``overlap_step`` and ``speculative_step`` (on): at stages 1-2 on the CPU, step each bucket
+    during backward (exactly without clipping or fp16 loss scaling; speculatively with
+    either); ``overlap_bucket_size`` (1e8): the reduce buckets' cap while stepping during
+    backward; ``early_upload`` (on): with ``overlap_forward`` on a GPU, upload each deferred
+    bucket as its CPU step ends; ``threads`` (0: chosen from the cores and
+    ``cpuadam_cores_perc``) and ``cpu_schedule`` (``"static"`` or ``"dynamic"``) of the
+    CPU step.
     """
 
     device: OffloadDevice = "none"
@@ -68,6 +75,13 @@ class OffloadOptimizerConfig(ConfigBlock):
     # A Slipstream addition (docs/offload.md): engine.step() returns while the CPU still steps
     # the last buckets, which the next forward waits for layer by layer.
     overlap_forward: bool = False
+    # Slipstream additions: what the CPU step does during backward and how it runs.
+    overlap_step: bool = True
+    speculative_step: bool = True
+    overlap_bucket_size: int = dataclasses.field(default=100_000_000, metadata={"ge": 1})
+    early_upload: bool = True
+    threads: int = _ge0(0)
+    cpu_schedule: Literal["static", "dynamic"] = "static"
 
 
 @dataclasses.dataclass(kw_only=True)

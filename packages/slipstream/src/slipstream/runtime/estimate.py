@@ -248,7 +248,8 @@ def format_estimate(
     spares = cpu[1].speculation_host
     lines.append(
         f"  stages 1-2 on the CPU with gradient_clipping or fp16: + {spares / gib:.2f} GiB host "
-        "per rank for the speculative step's spare buffers (SLIPSTREAM_OFFLOAD_SPECULATE=0: none)"
+        "per rank for the speculative step's spare buffers "
+        "(offload_optimizer.speculative_step false: none)"
     )
     if param_bytes == 2:
         saved = 2 * float(num_params) / world_size
