@@ -173,7 +173,8 @@ def _ids() -> list[str]:  # unique (checked below)
         if "allgather_bucket_size" in extra:
             parts.append("gather-buckets")
         if "_clip" in extra:
-            parts.append("noclip-eager" if "_overlap" not in extra else "noclip-not-eager")
+            overlap = extra["offload_optimizer"].get("overlap_step", True)
+            parts.append("noclip-eager" if overlap else "noclip-not-eager")
         if extra.get("offload_optimizer", {}).get("pipeline_read"):
             parts.append("pipelined")
         if extra.get("offload_param", {}).get("max_in_cpu"):

@@ -43,15 +43,14 @@ def _stage3_bf16_accounting() -> dict:
     # Registered after the gradient path's hooks, so each runs once its bucket took the grad.
     for p in zero.params:
         p.register_post_accumulate_grad_hook(measure)
-    for step in range(2):
-        ids, labels = batch_for(step, zero.masters.params[0].device.index or 0, 2, vocab=64)
-        model(ids, labels).backward()
-        zero.finish_backward()
-        after_backward = reducer.live_bytes()
-        zero.optimizer.step()
-        zero.zero_grad()
-        model(ids, labels).backward()  # grads of the next step, as a training loop holds them
-        zero.finish_backward()
+    ids, labels = batch_for(0, sharded.group.rank, 2, vocab=64)
+    model(ids, labels).backward()
+    zero.finish_backward()
+    after_backward = reducer.live_bytes()
+    zero.optimizer.step()  # Adam's moments exist from here on
+    zero.zero_grad()
+    model(ids, labels).backward()  # the next step's grads, as a training loop holds them
+    zero.finish_backward()
 
     optimizer = zero.optimizer.optimizer
     states = [v for s in optimizer.state.values() for v in s.values() if v.dim() > 0]
