@@ -69,7 +69,7 @@ def _slipstream_config(args: argparse.Namespace) -> dict[str, Any]:
             "stage": args.stage,
             "overlap_comm": True,
             "contiguous_gradients": True,
-            "reduce_bucket_size": 5e8,
+            "reduce_bucket_size": args.reduce_bucket_size,
             "allgather_bucket_size": 5e8,
             **_offload_blocks(args),
         },
@@ -306,6 +306,12 @@ def main(argv: list[str] | None = None) -> int:
         "and print each rank's summary (tools/bench/offload_timeline.py)",
     )
     parser.add_argument(
+        "--reduce-bucket-size",
+        type=float,
+        default=5e8,
+        help="zero_optimization.reduce_bucket_size (the DeepSpeed config of BENCHMARKS.md: 5e8)",
+    )
+    parser.add_argument(
         "--memory-phases",
         action="store_true",
         help="one more step after the timed ones with the allocated and peak GPU memory at "
@@ -414,7 +420,8 @@ def main(argv: list[str] | None = None) -> int:
         + ("+noclip" if args.clip == 0 else "")
         + (f"+{args.comm_dtype}comm" if args.comm_dtype else "")
         + (f"+ratio{args.offload_ratio:g}" if args.offload_ratio != 1.0 else "")
-        + ("+ovf" if args.overlap_forward else ""),
+        + ("+ovf" if args.overlap_forward else "")
+        + (f"+rb{args.reduce_bucket_size:g}" if args.reduce_bucket_size != 5e8 else ""),
         "model": args.model,
         "params": params,
         "micro": args.micro,
