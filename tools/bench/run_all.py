@@ -1,11 +1,12 @@
 """Run several training benchmarks side by side and print a markdown table of the results.
 
-Each spec is ``IMPL[:STAGE[+cpu|+nvme][+param|+nvmeparam][+noclip][+bf16comm][+ratioR][+rbN][+ovf]]@MODEL/MICRO`` (e.g.
+Each spec is ``IMPL[:STAGE[+cpu|+nvme][+param|+nvmeparam][+noclip][+bf16comm][+ratioR][+rbN][+tN][+dyn][+ovf]]@MODEL/MICRO`` (e.g.
 ``fsdp2@1.3b/4``, ``slipstream:3@7b/2``, ``slipstream:2+cpu@1.3b/4`` for CPU optimizer
 offload, ``slipstream:3+cpu+nvmeparam@1.3b/2`` with the parameter shards on NVMe,
 ``+bf16comm`` for ``communication_data_type`` bf16, DeepSpeed's default under bf16;
 ``+ratio0.7`` for partial offload, ``offload_optimizer.ratio`` 0.7; ``+rb1e8`` for
-``reduce_bucket_size`` 1e8 (default 5e8); ``+ovf`` for
+``reduce_bucket_size`` 1e8 (default 5e8); ``+t16`` for ``offload_optimizer.threads`` 16
+(formerly ``SLIPSTREAM_OFFLOAD_THREADS=16``), ``+dyn`` for ``cpu_schedule`` dynamic; ``+ovf`` for
 ``offload_optimizer.overlap_forward``; ``deepspeed:2+cpu@7b/2`` runs DeepSpeed, when
 installed, on the same config); every
 run is a fresh ``torchrun`` of train_bench.py on ``--gpus`` processes, one after the other on
@@ -49,6 +50,10 @@ def _parse(spec: str) -> list[str]:
             args += ["--comm-dtype", extra.removesuffix("comm")]
         elif extra == "ovf":
             args += ["--overlap-forward"]
+        elif extra == "dyn":
+            args += ["--cpu-schedule", "dynamic"]
+        elif extra[:1] == "t" and extra[1:].isdigit():
+            args += ["--offload-threads", extra[1:]]
         elif extra.startswith("rb"):
             args += ["--reduce-bucket-size", extra.removeprefix("rb")]
         elif extra.startswith("ratio"):

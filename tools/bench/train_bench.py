@@ -81,8 +81,21 @@ def _offload_blocks(args: argparse.Namespace) -> dict[str, Any]:
     blocks: dict[str, Any] = {}
     if args.offload == "cpu":
         blocks["offload_optimizer"] = {"device": "cpu", "pin_memory": True}
-        if args.impl == "deepspeed" and (args.offload_ratio != 1.0 or args.overlap_forward):
-            raise SystemExit("--offload-ratio / --overlap-forward: slipstream only")
+        ours = (
+            args.offload_ratio != 1.0,
+            args.overlap_forward,
+            args.offload_threads,
+            args.cpu_schedule,
+        )
+        if args.impl == "deepspeed" and any(ours):
+            raise SystemExit(
+                "--offload-ratio / --overlap-forward / --offload-threads / --cpu-schedule: "
+                "slipstream only"
+            )
+        if args.offload_threads:
+            blocks["offload_optimizer"]["threads"] = args.offload_threads
+        if args.cpu_schedule:
+            blocks["offload_optimizer"]["cpu_schedule"] = args.cpu_schedule
         if args.offload_ratio != 1.0:
             blocks["offload_optimizer"]["ratio"] = args.offload_ratio
         if args.overlap_forward:
@@ -288,6 +301,18 @@ def main(argv: list[str] | None = None) -> int:
         action="store_true",
         help="--offload cpu: offload_optimizer.overlap_forward (the CPU step's last buckets "
         "finish during the next forward)",
+    )
+    parser.add_argument(
+        "--offload-threads",
+        type=int,
+        default=0,
+        help="--offload cpu: offload_optimizer.threads (0: chosen from the cores)",
+    )
+    parser.add_argument(
+        "--cpu-schedule",
+        choices=["static", "dynamic"],
+        default=None,
+        help="--offload cpu: offload_optimizer.cpu_schedule",
     )
     parser.add_argument("--nvme-path", type=Path, default=Path("/tmp/slipstream-nvme"))
     parser.add_argument("--clip", type=float, default=1.0, help="gradient_clipping (0: off)")
