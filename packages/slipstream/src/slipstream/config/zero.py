@@ -90,7 +90,9 @@ class AioConfig(ConfigBlock):
 
     DeepSpeed's keys and defaults, plus ``o_direct`` (a Slipstream addition: open swap files
     with ``O_DIRECT``, bypassing the page cache; set false only for file systems that reject
-    it, such as tmpfs). ``use_gds`` (GPUDirect Storage) is not supported.
+    it, such as tmpfs) and ``kernel_aio`` (a Slipstream addition: with O_DIRECT, issue Linux
+    kernel AIO; false keeps the C++ engine on its pread/pwrite thread pool). ``use_gds``
+    (GPUDirect Storage) is not supported.
     """
 
     block_size: int = dataclasses.field(default=1048576, metadata={"ge": 1})
@@ -102,6 +104,7 @@ class AioConfig(ConfigBlock):
     overlap_events: bool = True
     use_gds: bool = False
     o_direct: bool = True
+    kernel_aio: bool = True
 
     def validate(self, path: str) -> None:
         """GPUDirect Storage is not implemented; O_DIRECT needs 4 KiB-aligned blocks."""

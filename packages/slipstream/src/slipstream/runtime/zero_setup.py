@@ -78,6 +78,7 @@ def offload_settings(config: SlipstreamConfig) -> tuple[Any, Any]:
         single_submit=aio_block.single_submit,
         overlap_events=aio_block.overlap_events,
         o_direct=aio_block.o_direct,
+        kernel_aio=aio_block.kernel_aio,
     )
     _warn_inert_offload_keys(optimizer, param)
     optimizer_settings = None

@@ -35,6 +35,9 @@ class AioSettings:
             whole batch to finish (kernel AIO only; the thread pools always overlap).
         use_gds: GPUDirect Storage; not supported, so ``True`` is refused.
         o_direct: Open swap files with O_DIRECT (bypassing the page cache).
+        kernel_aio: With ``o_direct``, the C++ backend issues Linux kernel AIO (falling back
+            to its thread pool when ``io_setup`` fails); False uses the thread pool of
+            blocking pread/pwrite calls always (a Slipstream addition, for comparing them).
     """
 
     block_size: int = 1048576
@@ -44,13 +47,14 @@ class AioSettings:
     overlap_events: bool = True
     use_gds: bool = False
     o_direct: bool = True
+    kernel_aio: bool = True
 
     def __post_init__(self) -> None:
         for name in ("block_size", "queue_depth", "intra_op_parallelism"):
             value = getattr(self, name)
             if isinstance(value, bool) or not isinstance(value, int) or value < 1:
                 raise ValueError(f"aio.{name} must be a positive integer, got {value!r}")
-        for name in ("single_submit", "overlap_events", "use_gds", "o_direct"):
+        for name in ("single_submit", "overlap_events", "use_gds", "o_direct", "kernel_aio"):
             value = getattr(self, name)
             if not isinstance(value, bool):
                 raise ValueError(f"aio.{name} must be true or false, got {value!r}")
