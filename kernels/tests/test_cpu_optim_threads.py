@@ -61,7 +61,7 @@ def test_thread_count_applies_to_steps_from_other_threads(cpu_optim) -> None:
     assert result.stdout.split() == ["3", "3", "True"]
 
 
-def _run_all_kernels(cpu_optim, seed: int) -> list:
+def _run_all_kernels(cpu_optim, seed: int, schedule: str = "static") -> list:
     """Adam (in place and out of place, bf16 grads and copies), Adagrad and Lion on tensors
     of several chunks each (a chunk is 16 Ki elements) plus odd small ones."""
     import torch
@@ -76,15 +76,20 @@ def _run_all_kernels(cpu_optim, seed: int) -> list:
     v = [t.abs() for t in fresh()]  # second moments are not negative
     copies = [torch.empty(n, dtype=torch.bfloat16) for n in sizes]
     adam = dict(lr=1e-2, beta1=0.9, beta2=0.99, eps=1e-8, weight_decay=0.1, adam_w_mode=True,
-                bias_correction=True, step=3)  # fmt: skip
+                bias_correction=True, step=3, schedule=schedule)  # fmt: skip
     outs = tuple([torch.empty(n) for n in sizes] for _ in range(3))
     cpu_optim.adam(params, grads, m, v, param_copies=copies, out=outs, **adam)
     results = [t.clone() for group in outs for t in group] + [c.clone() for c in copies]
     cpu_optim.adam(params, grads, m, v, param_copies=copies, **adam)
     results += [t.clone() for t in params + m + v + copies]
-    cpu_optim.adagrad(params, grads, v, lr=0.05, eps=1e-10, weight_decay=0.1, param_copies=copies)
+    cpu_optim.adagrad(
+        params, grads, v, lr=0.05, eps=1e-10, weight_decay=0.1, param_copies=copies,
+        schedule=schedule,
+    )  # fmt: skip
     results += [t.clone() for t in params + v + copies]
-    cpu_optim.lion(params, grads, m, lr=1e-3, beta1=0.9, beta2=0.99, weight_decay=0.1)
+    cpu_optim.lion(
+        params, grads, m, lr=1e-3, beta1=0.9, beta2=0.99, weight_decay=0.1, schedule=schedule
+    )
     return results + [t.clone() for t in params + m]
 
 
@@ -98,8 +103,7 @@ def test_dynamic_schedule_steps_bit_for_bit_like_static(cpu_optim, monkeypatch) 
             monkeypatch.setenv("SLIPSTREAM_CPU_ISA", isa)
             runs = {}
             for schedule in ("static", "dynamic"):
-                monkeypatch.setenv(cpu_optim.SCHEDULE_ENV, schedule)
-                runs[schedule] = _run_all_kernels(cpu_optim, seed=5)
+                runs[schedule] = _run_all_kernels(cpu_optim, seed=5, schedule=schedule)
             assert len(runs["static"]) == len(runs["dynamic"])
             for a, b in zip(runs["static"], runs["dynamic"]):
                 assert torch.equal(a, b), isa
@@ -107,16 +111,14 @@ def test_dynamic_schedule_steps_bit_for_bit_like_static(cpu_optim, monkeypatch) 
         cpu_optim.set_num_threads(threads)
 
 
-def test_schedule_errors_name_the_setting(cpu_optim, monkeypatch) -> None:
+def test_schedule_errors_name_the_setting(cpu_optim) -> None:
     import torch
 
     p = torch.zeros(8)
     args = ([p], [torch.ones_like(p)], [torch.zeros_like(p)])
-    monkeypatch.setenv(cpu_optim.SCHEDULE_ENV, "guided")
-    with pytest.raises(ValueError, match="SLIPSTREAM_CPU_SCHEDULE='guided' is not one of"):
-        cpu_optim.lion(*args, lr=0.1, beta1=0.9, beta2=0.99, weight_decay=0.0)
+    with pytest.raises(ValueError, match="schedule='guided' is not one of"):
+        cpu_optim.lion(*args, lr=0.1, beta1=0.9, beta2=0.99, weight_decay=0.0, schedule="guided")
     # The C++ side checks the value it is given too.
-    monkeypatch.delenv(cpu_optim.SCHEDULE_ENV)
     ext = cpu_optim._extension()
     with pytest.raises(RuntimeError, match="schedule must be 'static' or 'dynamic'"):
         ext.lion_step(*args, [], 0.1, 0.9, 0.99, 0.0, 1.0, "auto", "guided")

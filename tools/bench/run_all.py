@@ -1,10 +1,12 @@
 """Run several training benchmarks side by side and print a markdown table of the results.
 
-Each spec is ``IMPL[:STAGE[+cpu|+nvme][+param|+nvmeparam][+noclip][+bf16comm][+ratioR][+ovf]]@MODEL/MICRO`` (e.g.
+Each spec is ``IMPL[:STAGE[+cpu|+nvme][+param|+nvmeparam][+noclip][+bf16comm][+ratioR][+rbN][+tN][+dyn][+ovf]]@MODEL/MICRO`` (e.g.
 ``fsdp2@1.3b/4``, ``slipstream:3@7b/2``, ``slipstream:2+cpu@1.3b/4`` for CPU optimizer
 offload, ``slipstream:3+cpu+nvmeparam@1.3b/2`` with the parameter shards on NVMe,
 ``+bf16comm`` for ``communication_data_type`` bf16, DeepSpeed's default under bf16;
-``+ratio0.7`` for partial offload, ``offload_optimizer.ratio`` 0.7; ``+ovf`` for
+``+ratio0.7`` for partial offload, ``offload_optimizer.ratio`` 0.7; ``+rb1e8`` for
+``reduce_bucket_size`` 1e8 (default 5e8); ``+t16`` for ``offload_optimizer.threads`` 16
+(formerly ``SLIPSTREAM_OFFLOAD_THREADS=16``), ``+dyn`` for ``cpu_schedule`` dynamic; ``+ovf`` for
 ``offload_optimizer.overlap_forward``; ``deepspeed:2+cpu@7b/2`` runs DeepSpeed, when
 installed, on the same config); every
 run is a fresh ``torchrun`` of train_bench.py on ``--gpus`` processes, one after the other on
@@ -48,6 +50,12 @@ def _parse(spec: str) -> list[str]:
             args += ["--comm-dtype", extra.removesuffix("comm")]
         elif extra == "ovf":
             args += ["--overlap-forward"]
+        elif extra == "dyn":
+            args += ["--cpu-schedule", "dynamic"]
+        elif extra[:1] == "t" and extra[1:].isdigit():
+            args += ["--offload-threads", extra[1:]]
+        elif extra.startswith("rb"):
+            args += ["--reduce-bucket-size", extra.removeprefix("rb")]
         elif extra.startswith("ratio"):
             args += ["--offload-ratio", extra.removeprefix("ratio")]
         else:
@@ -64,6 +72,11 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--steps", type=int, default=12)
     parser.add_argument("--warmup", type=int, default=4)
     parser.add_argument("--seq", type=int, default=2048)
+    parser.add_argument(
+        "--memory-phases",
+        action="store_true",
+        help="train_bench.py --memory-phases on every run: the peak by phase, in the table",
+    )
     args = parser.parse_args(argv)
 
     env = dict(os.environ)
@@ -76,7 +89,7 @@ def main(argv: list[str] | None = None) -> int:
             sys.executable, "-m", "torch.distributed.run", "--standalone",
             f"--nproc_per_node={args.gpus}", str(HERE / "train_bench.py"), *_parse(spec),
             "--steps", str(args.steps), "--warmup", str(args.warmup), "--seq", str(args.seq),
-            "--out", str(args.out),
+            "--out", str(args.out), *(["--memory-phases"] if args.memory_phases else []),
         ]  # fmt: skip
         print("$", " ".join(command), flush=True)
         done = subprocess.run(command, env=env, capture_output=True, text=True)
@@ -100,9 +113,11 @@ def main(argv: list[str] | None = None) -> int:
         if "error" in r:
             print(f"| {r['impl']} | failed: {r['error'][:80]} | | | |")
             continue
+        memory = r.get("memory_phases")
+        where = f" (in {memory['peak_phase']})" if memory else ""
         print(
             f"| {r['impl']} | {r['model']}, {r['micro']} | {r['tflops_per_gpu']} | "
-            f"{r['tokens_per_s']:,.0f} | {r['peak_alloc_gib']} / {r['peak_reserved_gib']} |"
+            f"{r['tokens_per_s']:,.0f} | {r['peak_alloc_gib']} / {r['peak_reserved_gib']}{where} |"
         )
     return 0 if all("error" not in r for r in rows) else 1
 

@@ -69,7 +69,7 @@ def _slipstream_config(args: argparse.Namespace) -> dict[str, Any]:
             "stage": args.stage,
             "overlap_comm": True,
             "contiguous_gradients": True,
-            "reduce_bucket_size": 5e8,
+            "reduce_bucket_size": args.reduce_bucket_size,
             "allgather_bucket_size": 5e8,
             **_offload_blocks(args),
         },
@@ -81,8 +81,21 @@ def _offload_blocks(args: argparse.Namespace) -> dict[str, Any]:
     blocks: dict[str, Any] = {}
     if args.offload == "cpu":
         blocks["offload_optimizer"] = {"device": "cpu", "pin_memory": True}
-        if args.impl == "deepspeed" and (args.offload_ratio != 1.0 or args.overlap_forward):
-            raise SystemExit("--offload-ratio / --overlap-forward: slipstream only")
+        ours = (
+            args.offload_ratio != 1.0,
+            args.overlap_forward,
+            args.offload_threads,
+            args.cpu_schedule,
+        )
+        if args.impl == "deepspeed" and any(ours):
+            raise SystemExit(
+                "--offload-ratio / --overlap-forward / --offload-threads / --cpu-schedule: "
+                "slipstream only"
+            )
+        if args.offload_threads:
+            blocks["offload_optimizer"]["threads"] = args.offload_threads
+        if args.cpu_schedule:
+            blocks["offload_optimizer"]["cpu_schedule"] = args.cpu_schedule
         if args.offload_ratio != 1.0:
             blocks["offload_optimizer"]["ratio"] = args.offload_ratio
         if args.overlap_forward:
@@ -134,10 +147,14 @@ def _build(args: argparse.Namespace, device: torch.device) -> tuple[Any, Any, An
         extra = {"model_parameters": model.parameters()} if args.impl == "deepspeed" else {}
         engine, *_ = front.initialize(model=model, config=config, **extra)
 
-        def step(input_ids: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
+        def step(input_ids: torch.Tensor, labels: torch.Tensor, mark: Any = None) -> torch.Tensor:
+            mark = mark or _no_mark
             loss = engine(input_ids, labels)
+            mark("forward")
             engine.backward(loss)
+            mark("backward")
             engine.step()
+            mark("step")
             return loss
 
         return step, engine, params
@@ -165,16 +182,45 @@ def _build(args: argparse.Namespace, device: torch.device) -> tuple[Any, Any, An
     optimizer = torch.optim.AdamW(model.parameters(), lr=1e-4, weight_decay=0.0, fused=fused)
     autocast = args.impl == "ddp"
 
-    def step(input_ids: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
+    def step(input_ids: torch.Tensor, labels: torch.Tensor, mark: Any = None) -> torch.Tensor:
+        mark = mark or _no_mark
         with torch.autocast(device.type, dtype=amp_dtype, enabled=autocast):
             loss = wrapped(input_ids, labels)
+        mark("forward")
         loss.backward()
+        mark("backward")
         torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
         optimizer.step()
         optimizer.zero_grad(set_to_none=True)
+        mark("step")
         return loss
 
+    step.optimizer = optimizer  # type: ignore[attr-defined]
     return step, wrapped, params
+
+
+def _no_mark(phase: str) -> None:
+    """A step's phase boundary when no memory timeline is recording."""
+
+
+def _memory_phases(
+    step: Any, engine: Any, input_ids: Any, labels: Any, device: torch.device, snapshot: Any
+) -> dict[str, Any]:
+    """One more step with the allocated/peak bytes at each phase boundary (memory_timeline.py),
+    and what persists between steps by kind; rank 0 dumps an allocator snapshot if asked."""
+    from memory_timeline import MemoryTimeline, state_bytes
+
+    record = snapshot is not None and device.type == "cuda" and dist.get_rank() == 0
+    if record:
+        torch.cuda.memory._record_memory_history(max_entries=200_000)
+    timeline = MemoryTimeline(device)
+    states = state_bytes(engine, getattr(step, "optimizer", None))
+    step(input_ids, labels, timeline.mark)
+    getattr(engine, "wait_for_step", lambda: None)()
+    if record:
+        torch.cuda.memory._dump_snapshot(str(snapshot))
+        torch.cuda.memory._record_memory_history(enabled=None)
+    return {"memory_phases": timeline.summary(), "memory_states": states}
 
 
 def _offload_of(engine: Any) -> Any:
@@ -256,6 +302,18 @@ def main(argv: list[str] | None = None) -> int:
         help="--offload cpu: offload_optimizer.overlap_forward (the CPU step's last buckets "
         "finish during the next forward)",
     )
+    parser.add_argument(
+        "--offload-threads",
+        type=int,
+        default=0,
+        help="--offload cpu: offload_optimizer.threads (0: chosen from the cores)",
+    )
+    parser.add_argument(
+        "--cpu-schedule",
+        choices=["static", "dynamic"],
+        default=None,
+        help="--offload cpu: offload_optimizer.cpu_schedule",
+    )
     parser.add_argument("--nvme-path", type=Path, default=Path("/tmp/slipstream-nvme"))
     parser.add_argument("--clip", type=float, default=1.0, help="gradient_clipping (0: off)")
     parser.add_argument(
@@ -271,6 +329,26 @@ def main(argv: list[str] | None = None) -> int:
         default=None,
         help="--offload cpu: write host timestamps of the last timed step to PATH.rank<r>.json "
         "and print each rank's summary (tools/bench/offload_timeline.py)",
+    )
+    parser.add_argument(
+        "--reduce-bucket-size",
+        type=float,
+        default=5e8,
+        help="zero_optimization.reduce_bucket_size (the DeepSpeed config of BENCHMARKS.md: 5e8)",
+    )
+    parser.add_argument(
+        "--memory-phases",
+        action="store_true",
+        help="one more step after the timed ones with the allocated and peak GPU memory at "
+        "each phase boundary (forward, backward, step) and the model states by kind "
+        "(memory_timeline.py): where the peak comes from",
+    )
+    parser.add_argument(
+        "--memory-snapshot",
+        type=Path,
+        default=None,
+        help="with --memory-phases: rank 0's allocator history of that step, for "
+        "https://pytorch.org/memory_viz",
     )
     parser.add_argument(
         "--no-phases",
@@ -340,6 +418,8 @@ def main(argv: list[str] | None = None) -> int:
     final_loss = float(loss)  # host sync once, after timing
     timed_phases = args.impl in ("slipstream", "deepspeed") and args.phases
     phases = _phase_times(engine, input_ids, labels, sync) if timed_phases else {}
+    if args.memory_phases:
+        phases.update(_memory_phases(step, engine, input_ids, labels, device, args.memory_snapshot))
 
     tokens_per_s = args.steps * args.micro * args.seq * world / elapsed
     flops = shape.flops_per_token(args.seq, params)
@@ -365,7 +445,8 @@ def main(argv: list[str] | None = None) -> int:
         + ("+noclip" if args.clip == 0 else "")
         + (f"+{args.comm_dtype}comm" if args.comm_dtype else "")
         + (f"+ratio{args.offload_ratio:g}" if args.offload_ratio != 1.0 else "")
-        + ("+ovf" if args.overlap_forward else ""),
+        + ("+ovf" if args.overlap_forward else "")
+        + (f"+rb{args.reduce_bucket_size:g}" if args.reduce_bucket_size != 5e8 else ""),
         "model": args.model,
         "params": params,
         "micro": args.micro,
@@ -389,6 +470,14 @@ def main(argv: list[str] | None = None) -> int:
         "torch": torch.__version__,
     }
     if rank == 0:
+        if "memory_phases" in result:
+            memory = result["memory_phases"]
+            print(
+                f"MEMORY peak {memory['peak_gib']} GiB in {memory['peak_phase']}; between steps "
+                f"{memory['start_gib']} GiB = {result['memory_states']}; phases "
+                f"{memory['phases']}",
+                flush=True,
+            )
         print("BENCH " + json.dumps(result), flush=True)
         if args.out is not None:
             with args.out.open("a") as handle:

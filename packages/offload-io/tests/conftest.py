@@ -8,10 +8,10 @@ import pytest
 
 from slipstream.kernels.build_ops import compiler_path
 from slipstream.offload.aio.config import AioSettings
-from slipstream.offload.aio.engine import KERNEL_AIO_ENV, AsyncIOEngine
+from slipstream.offload.aio.engine import AsyncIOEngine
 
 # "cpp" runs kernel AIO for O_DIRECT engines; "cpp-threads" the same extension's pread/pwrite
-# pool (SLIPSTREAM_AIO_KERNEL_AIO=0); "python" the ThreadPoolExecutor fallback.
+# pool (AioSettings.kernel_aio=False); "python" the ThreadPoolExecutor fallback.
 VARIANTS = ("cpp", "cpp-threads", "python")
 
 
@@ -27,12 +27,11 @@ def cpp_ready() -> bool:
 
 
 @pytest.fixture(params=VARIANTS)
-def backend_variant(request: pytest.FixtureRequest, monkeypatch: pytest.MonkeyPatch) -> str:
+def backend_variant(request: pytest.FixtureRequest) -> str:
     """Each way of executing I/O in turn (cpp is skipped only where no C++ compiler exists)."""
     variant = str(request.param)
     if variant.startswith("cpp") and not request.getfixturevalue("cpp_ready"):
         pytest.skip("no C++ compiler on PATH: the cpp aio backend cannot be built")
-    monkeypatch.setenv(KERNEL_AIO_ENV, "0" if variant == "cpp-threads" else "1")
     return variant
 
 
@@ -48,6 +47,7 @@ def make_engine(backend: str, backend_variant: str) -> Iterator[Callable[..., As
     engines: list[AsyncIOEngine] = []
 
     def make(**settings: object) -> AsyncIOEngine:
+        settings.setdefault("kernel_aio", backend_variant != "cpp-threads")
         engine = AsyncIOEngine(AioSettings(**settings), backend=backend)  # type: ignore[arg-type]
         assert engine.backend_name == backend
         kernel = backend_variant == "cpp" and engine.settings.o_direct

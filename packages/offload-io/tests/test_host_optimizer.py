@@ -131,11 +131,10 @@ def test_partial_offload_settings_are_checked() -> None:
 
 
 def test_thread_choice(monkeypatch: pytest.MonkeyPatch) -> None:
-    from slipstream.offload.threads import THREADS_ENV, choose_threads
+    from slipstream.offload.threads import choose_threads
 
-    monkeypatch.setenv(THREADS_ENV, "3")
-    assert choose_threads().threads == 3
-    monkeypatch.delenv(THREADS_ENV)
+    choice = choose_threads(threads=3)  # offload_optimizer.threads
+    assert choice.threads == 3 and "offload_optimizer.threads" in choice.reason
     monkeypatch.setenv("TORCHELASTIC_RUN_ID", "x")
     monkeypatch.setenv("OMP_NUM_THREADS", "1")
     monkeypatch.setenv("LOCAL_WORLD_SIZE", "1")
@@ -149,9 +148,12 @@ def test_thread_choice(monkeypatch: pytest.MonkeyPatch) -> None:
     assert "slipstream run" in choice.reason
     monkeypatch.setenv("OMP_NUM_THREADS", "2")  # changed by the user after the launcher
     assert choose_threads().threads == 2
-    monkeypatch.setenv(THREADS_ENV, "zero")
-    with pytest.raises(ValueError, match=THREADS_ENV):
-        choose_threads()
+    with pytest.raises(ValueError, match=r"offload_optimizer\.threads=-1"):
+        choose_threads(threads=-1)
+    with pytest.raises(ValueError, match="cpu_schedule='guided'"):
+        OptimizerOffload(cpu_schedule="guided")  # type: ignore[arg-type]
+    with pytest.raises(ValueError, match="threads=-2"):
+        OptimizerOffload(threads=-2)
 
 
 # -- speculative steps (out of place, then committed or discarded) ---------------------------

@@ -35,7 +35,6 @@ def _run(stage: int, gas: int, land_low: bool, speculate: bool, device: str, tmp
     OffloadedStep.reads_low_precision_grads = property(  # type: ignore[method-assign]
         lambda self: land_low and self.host.kernel is not None
     )
-    os.environ["SLIPSTREAM_OFFLOAD_SPECULATE"] = "1" if speculate else "0"
     world, rank = comm.get_world_size(), comm.get_rank()
     torch.manual_seed(0)
     model = TinyTransformer(unused=True)
@@ -44,7 +43,11 @@ def _run(stage: int, gas: int, land_low: bool, speculate: bool, device: str, tmp
     optimizer = torch.optim.AdamW(
         [{"params": decay, "weight_decay": 0.1}, {"params": other, "lr": 0.02}], lr=0.01
     )
-    offload: dict = {"device": device, "pin_memory": torch.cuda.is_available()}
+    offload: dict = {
+        "device": device,
+        "pin_memory": torch.cuda.is_available(),
+        "speculative_step": speculate,
+    }
     if device == "cpu-partial":  # the first parameters' masters stay with the model
         offload.update(device="cpu", ratio=0.5)
     params = {"offload_param": {"device": "cpu"}} if device == "cpu+param" else {}

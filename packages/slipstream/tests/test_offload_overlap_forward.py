@@ -27,7 +27,15 @@ KEEP, CLIP = 1e3, 1e-3  # a clip the norm never reaches, and one it always excee
 CLIPS = [KEEP, KEEP, CLIP, CLIP, KEEP, KEEP, KEEP]  # kept, discarded (paused once), kept
 
 
-def _config(stage: int, precision: str, gas: int, clip: float, ratio: float, overlap: bool):
+def _config(
+    stage: int,
+    precision: str,
+    gas: int,
+    clip: float,
+    ratio: float,
+    overlap: bool,
+    speculate: bool = True,
+):
     config = {
         "train_micro_batch_size_per_gpu": MICRO,
         "gradient_accumulation_steps": gas,
@@ -46,6 +54,7 @@ def _config(stage: int, precision: str, gas: int, clip: float, ratio: float, ove
                 "pin_memory": torch.cuda.is_available(),
                 "ratio": ratio,
                 "overlap_forward": overlap,
+                "speculative_step": speculate,
             },
         },
     }
@@ -56,7 +65,7 @@ def _config(stage: int, precision: str, gas: int, clip: float, ratio: float, ove
     return config
 
 
-def _engine(stage, precision, gas, clip, ratio, overlap):
+def _engine(stage, precision, gas, clip, ratio, overlap, speculate=True):
     import slipstream
     from slipstream.zero.testing import TinyTransformer
 
@@ -67,7 +76,7 @@ def _engine(stage, precision, gas, clip, ratio, overlap):
     optimizer = torch.optim.AdamW(
         [{"params": decay, "weight_decay": 0.1}, {"params": other, "lr": 0.02}], lr=0.01
     )
-    config = _config(stage, precision, gas, clip, ratio, overlap)
+    config = _config(stage, precision, gas, clip, ratio, overlap, speculate)
     engine, *_ = slipstream.initialize(model=model, optimizer=optimizer, config=config)
     return engine
 
@@ -90,7 +99,6 @@ def _run(stage, precision, gas, clipping, ratio, overlap, early=False) -> dict:
     from slipstream import comm
     from slipstream.zero.testing import batch_for
 
-    os.environ["SLIPSTREAM_OFFLOAD_SPECULATE"] = "1"
     world, rank = comm.get_world_size(), comm.get_rank()
     clips = CLIPS if clipping else [0.0] * len(CLIPS)
     engine = _engine(stage, precision, gas, clips[0], ratio, overlap)
@@ -341,7 +349,6 @@ def _without_cpu_step_in_backward() -> dict:
     has no effect."""
     import logging
 
-    os.environ["SLIPSTREAM_OFFLOAD_SPECULATE"] = "0"
     records: list[str] = []
 
     class Catch(logging.Handler):
@@ -351,7 +358,7 @@ def _without_cpu_step_in_backward() -> dict:
     handler = Catch()
     logging.getLogger("slipstream").addHandler(handler)
     try:
-        engine = _engine(2, "fp32", 1, 1.0, 1.0, True)
+        engine = _engine(2, "fp32", 1, 1.0, 1.0, True, speculate=False)
     finally:
         logging.getLogger("slipstream").removeHandler(handler)
     return {

@@ -130,10 +130,10 @@ CASES = [
     (2, 2, {"offload_optimizer": {"device": "cpu"}, "allgather_bucket_size": 500}),
     (1, 1, {"offload_optimizer": {"device": "cpu"}, "allgather_bucket_size": 500}),
     # No clipping: each bucket steps on the CPU as it lands (overlap_step), during backward;
-    # on by default, off with SLIPSTREAM_OFFLOAD_OVERLAP_STEP=0 ("_overlap").
+    # on by default, off with offload_optimizer.overlap_step false.
     (1, 2, {"offload_optimizer": {"device": "cpu"}, "_clip": 0.0}),
     (2, 2, {"offload_optimizer": {"device": "cpu"}, "_clip": 0.0}),
-    (2, 2, {"offload_optimizer": {"device": "cpu"}, "_clip": 0.0, "_overlap": "0"}),
+    (2, 2, {"offload_optimizer": {"device": "cpu", "overlap_step": False}, "_clip": 0.0}),
     # Parameter shards on NVMe (ZeRO-Infinity): read back for each gather and each step's
     # sub-group, written back after it; max_in_cpu keeps the first (small) shards resident.
     (3, 1, {"offload_optimizer": {"device": "cpu"}, "offload_param": _NVME_PARAMS}),
@@ -173,7 +173,8 @@ def _ids() -> list[str]:  # unique (checked below)
         if "allgather_bucket_size" in extra:
             parts.append("gather-buckets")
         if "_clip" in extra:
-            parts.append("noclip-eager" if "_overlap" not in extra else "noclip-not-eager")
+            overlap = extra["offload_optimizer"].get("overlap_step", True)
+            parts.append("noclip-eager" if overlap else "noclip-not-eager")
         if extra.get("offload_optimizer", {}).get("pipeline_read"):
             parts.append("pipelined")
         if extra.get("offload_param", {}).get("max_in_cpu"):
@@ -200,12 +201,10 @@ TOLERANCE = {"sgd": (1e-6, 1e-6), "adamw": (5e-6, 1e-6)}
 @pytest.mark.parametrize("optimizer_name", ["sgd", "adamw"])
 @pytest.mark.parametrize(("stage", "world", "extra"), CASES, ids=_ids())
 def test_offload_matches_the_same_run_without_it_fp32(
-    stage, world, extra, optimizer_name, tmp_path, monkeypatch
+    stage, world, extra, optimizer_name, tmp_path
 ) -> None:
     extra = dict(extra)  # shared by the parametrisations
-    eager = "_clip" in extra and "_overlap" not in extra
-    if "_overlap" in extra:
-        monkeypatch.setenv("SLIPSTREAM_OFFLOAD_OVERLAP_STEP", extra.pop("_overlap"))
+    eager = "_clip" in extra and extra.get("offload_optimizer", {}).get("overlap_step", True)
     extra = {
         key: {k: (str(tmp_path) if v == "TMP" else v) for k, v in block.items()}
         if isinstance(block, dict)

@@ -9,7 +9,7 @@ steps so that speculation is kept, discarded, and paused by the back-off.
 
 from __future__ import annotations
 
-import os
+import copy
 
 import pytest
 import torch
@@ -44,7 +44,6 @@ def _run(
     from slipstream import comm
     from slipstream.zero.testing import TinyTransformer, batch_for
 
-    os.environ["SLIPSTREAM_OFFLOAD_SPECULATE"] = "1" if speculate else "0"
     world, rank = comm.get_world_size(), comm.get_rank()
     torch.manual_seed(0)
     model = TinyTransformer(unused=True)  # a parameter without a gradient, too
@@ -66,6 +65,7 @@ def _run(
                 "device": "cpu",
                 "pin_memory": torch.cuda.is_available(),
                 "ratio": ratio,  # below 1: the first parameters step on the device
+                "speculative_step": speculate,
             },
         },
     }
@@ -236,12 +236,18 @@ def _corpus_fp16_run(speculate: bool) -> dict:
     from slipstream import comm
     from slipstream.zero.testing import TinyTransformer, batch_for
 
-    os.environ["SLIPSTREAM_OFFLOAD_SPECULATE"] = "1" if speculate else "0"
     world, rank = comm.get_world_size(), comm.get_rank()
     torch.manual_seed(0)
     model = TinyTransformer()
     optimizer = torch.optim.AdamW(model.parameters(), lr=0.01)
-    engine, *_ = slipstream.initialize(model=model, optimizer=optimizer, config=MEGATRON_OFFLOAD)
+    config = copy.deepcopy(MEGATRON_OFFLOAD)
+    if not speculate:  # the same offload, spelled out, with the speculative step off
+        del config["zero_optimization"]["cpu_offload"]
+        config["zero_optimization"]["offload_optimizer"] = {
+            "device": "cpu",
+            "speculative_step": False,
+        }
+    engine, *_ = slipstream.initialize(model=model, optimizer=optimizer, config=config)
     micro = engine.train_micro_batch_size_per_gpu()
     mine = slice(rank * micro, (rank + 1) * micro)
     losses, scales = [], []

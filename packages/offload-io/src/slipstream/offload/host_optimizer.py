@@ -184,7 +184,7 @@ class HostOptimizer:
             except ImportError as exc:
                 why = f"the C++ CPU optimizers are unavailable ({exc})"
                 self.kernel = None
-        self.threads = choose_threads(settings.cores_fraction)
+        self.threads = choose_threads(settings.cores_fraction, settings.threads)
         if self.kernel is not None:
             self._ops.set_num_threads(self.threads.threads)
         self.description = (
@@ -390,6 +390,7 @@ class HostOptimizer:
                         [t.exp_avg.view(-1) for t in taken],
                         [t.exp_avg_sq.view(-1) for t in taken],
                     ),
+                    schedule=self.settings.cpu_schedule,
                 )
 
     def speculative_value(self, param: torch.Tensor) -> torch.Tensor | None:
@@ -514,6 +515,7 @@ class HostOptimizer:
                     step=int(step),
                     param_copies=copies,
                     grad_scale=scale,
+                    schedule=self.settings.cpu_schedule,
                 )
 
     def _adagrad(self, group: dict[str, Any], members: list[torch.Tensor], scale: float) -> None:
@@ -538,6 +540,7 @@ class HostOptimizer:
                 weight_decay=float(group["weight_decay"]),
                 param_copies=copies,
                 grad_scale=scale,
+                schedule=self.settings.cpu_schedule,
             )
 
     def _lion(self, group: dict[str, Any], members: list[torch.Tensor], scale: float) -> None:
@@ -560,4 +563,5 @@ class HostOptimizer:
                 weight_decay=float(group["weight_decay"]),
                 param_copies=copies,
                 grad_scale=scale,
+                schedule=self.settings.cpu_schedule,
             )

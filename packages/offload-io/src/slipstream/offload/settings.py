@@ -63,6 +63,18 @@ class OptimizerOffload:
             The parameters kept on the GPU are the model's first ones (in parameter order):
             their gradients are the last to arrive in backward, so the CPU no longer steps
             them after it. 1.0 (the default) offloads everything. Not with ``device="nvme"``.
+        threads: OpenMP threads of the CPU step in this process; 0 (the default) chooses
+            from the cores this rank may use and ``cores_fraction`` (see
+            :func:`slipstream.offload.choose_threads`).
+        cpu_schedule: how those threads share a step's elements: ``"static"`` (one
+            contiguous share each) or ``"dynamic"`` (16 Ki-element chunks handed out in
+            turn; better when other threads of the process share the cores).
+        early_upload: ZeRO 1-2 with ``overlap_forward`` on a GPU: upload each deferred
+            bucket's updated shards on a side stream as soon as its CPU step ends, instead
+            of from the forward hook that needs them.
+        overlap_bucket_numel: ZeRO 1-2 stepping during backward (``overlap_step`` or
+            ``speculative_step``): the reduce buckets hold at most this many elements (the
+            smaller of it and ``reduce_bucket_size``), so the CPU starts stepping early.
     """
 
     device: Device = "cpu"
@@ -78,9 +90,25 @@ class OptimizerOffload:
     overlap_step: bool = False
     speculative_step: bool = False
     ratio: float = 1.0
+    threads: int = 0
+    cpu_schedule: Literal["static", "dynamic"] = "static"
+    early_upload: bool = True
+    overlap_bucket_numel: int = 100_000_000
 
     def __post_init__(self) -> None:
         _check_device("offload_optimizer", self.device, self.nvme_path)
+        if self.threads < 0:
+            raise ValueError(
+                f"offload_optimizer.threads={self.threads} must be >= 0 (0: chosen from the cores)"
+            )
+        if self.cpu_schedule not in ("static", "dynamic"):
+            raise ValueError(
+                f"offload_optimizer.cpu_schedule={self.cpu_schedule!r}: use 'static' or 'dynamic'"
+            )
+        if self.overlap_bucket_numel < 1:
+            raise ValueError(
+                f"offload_optimizer.overlap_bucket_size={self.overlap_bucket_numel} must be >= 1"
+            )
         if not 0.0 <= self.ratio <= 1.0:
             raise ValueError(f"offload_optimizer.ratio={self.ratio} must be in [0, 1]")
         if self.ratio < 1.0 and self.device != "cpu":

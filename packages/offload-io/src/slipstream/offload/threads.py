@@ -5,8 +5,8 @@ oversubscribe its cores. For a CPU optimizer step that is ruinous: the step over
 fp32 values is memory-bound and needs many threads to reach the host's bandwidth (DeepSpeed's
 CPU-offload runs crawl under torchrun for this reason). Slipstream therefore gives the step its
 share of the cores this process may run on: ``affinity / local ranks * cpuadam_cores_perc``,
-unless the user chose explicitly (``SLIPSTREAM_OFFLOAD_THREADS``, or an ``OMP_NUM_THREADS``
-that neither torchrun nor ``slipstream run`` set). Only the optimizer extension's OpenMP pool is resized; torch's
+unless the user chose explicitly (``offload_optimizer.threads`` in the config, or an
+``OMP_NUM_THREADS`` that neither torchrun nor ``slipstream run`` set). Only the optimizer extension's OpenMP pool is resized; torch's
 intra-op threads stay as the launcher set them.
 """
 
@@ -15,9 +15,7 @@ from __future__ import annotations
 import os
 from dataclasses import dataclass
 
-__all__ = ["THREADS_ENV", "ThreadChoice", "choose_threads"]
-
-THREADS_ENV = "SLIPSTREAM_OFFLOAD_THREADS"
+__all__ = ["ThreadChoice", "choose_threads"]
 
 
 @dataclass(frozen=True, slots=True)
@@ -46,25 +44,19 @@ def _launcher_default(omp: str) -> str | None:
     return None
 
 
-def choose_threads(cores_fraction: float = 0.8) -> ThreadChoice:
+def choose_threads(cores_fraction: float = 0.8, threads: int = 0) -> ThreadChoice:
     """The OpenMP threads of the CPU optimizer step in this process.
 
     Args:
         cores_fraction: the share of this rank's cores the step may use (DeepSpeed's
             ``offload_optimizer.cpuadam_cores_perc``); the rest stays free for the data
             loader and the Python thread that drives the GPU.
+        threads: an explicit count (``offload_optimizer.threads``); 0 chooses.
     """
-    explicit = os.environ.get(THREADS_ENV, "").strip()
-    if explicit:
-        try:
-            threads = int(explicit)
-        except ValueError:
-            raise ValueError(
-                f"{THREADS_ENV}={explicit!r} is not a whole number of threads"
-            ) from None
-        if threads < 1:
-            raise ValueError(f"{THREADS_ENV}={explicit!r} must be at least 1")
-        return ThreadChoice(threads, f"{THREADS_ENV}={threads}")
+    if threads < 0:
+        raise ValueError(f"offload_optimizer.threads={threads} must be >= 0 (0: choose)")
+    if threads:
+        return ThreadChoice(threads, f"offload_optimizer.threads={threads}")
     omp = os.environ.get("OMP_NUM_THREADS", "").strip()
     launcher = _launcher_default(omp) if omp else None
     if omp and launcher is None:
@@ -75,8 +67,8 @@ def choose_threads(cores_fraction: float = 0.8) -> ThreadChoice:
     cores = _available_cores()
     local = max(1, int(os.environ.get("LOCAL_WORLD_SIZE", "1") or 1))
     share = max(1, cores // local)
-    threads = max(1, int(share * cores_fraction))
+    chosen = max(1, int(share * cores_fraction))
     reason = f"{cores} cores / {local} local rank(s) x cpuadam_cores_perc {cores_fraction:g}"
     if omp:
         reason += f"; {launcher}'s OMP_NUM_THREADS={omp} applies to torch's ops only"
-    return ThreadChoice(threads, reason)
+    return ThreadChoice(chosen, reason)

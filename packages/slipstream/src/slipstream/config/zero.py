@@ -49,9 +49,16 @@ class OffloadParamConfig(ConfigBlock):
 class OffloadOptimizerConfig(ConfigBlock):
     """``zero_optimization.offload_optimizer``: optimizer state offload to CPU or NVMe.
 
-    DeepSpeed's keys and defaults, plus ``overlap_forward`` (a Slipstream addition, off by
-    default): ``engine.step()`` returns while the CPU still steps the last gradient buckets,
-    and the next forward waits for each layer's (docs/offload.md).
+    DeepSpeed's keys and defaults, plus Slipstream additions (docs/config.md, "Deviations";
+    docs/offload.md): ``overlap_forward`` (off by default): ``engine.step()`` returns while the
+    CPU still steps the last gradient buckets, and the next forward waits for each layer's;
+    ``overlap_step`` and ``speculative_step`` (on): at stages 1-2 on the CPU, step each bucket
+    during backward (exactly without clipping or fp16 loss scaling; speculatively with
+    either); ``overlap_bucket_size`` (1e8): the reduce buckets' cap while stepping during
+    backward; ``early_upload`` (on): with ``overlap_forward`` on a GPU, upload each deferred
+    bucket as its CPU step ends; ``threads`` (0: chosen from the cores and
+    ``cpuadam_cores_perc``) and ``cpu_schedule`` (``"static"`` or ``"dynamic"``) of the
+    CPU step.
     """
 
     device: OffloadDevice = "none"
@@ -68,6 +75,13 @@ class OffloadOptimizerConfig(ConfigBlock):
     # A Slipstream addition (docs/offload.md): engine.step() returns while the CPU still steps
     # the last buckets, which the next forward waits for layer by layer.
     overlap_forward: bool = False
+    # Slipstream additions: what the CPU step does during backward and how it runs.
+    overlap_step: bool = True
+    speculative_step: bool = True
+    overlap_bucket_size: int = dataclasses.field(default=100_000_000, metadata={"ge": 1})
+    early_upload: bool = True
+    threads: int = _ge0(0)
+    cpu_schedule: Literal["static", "dynamic"] = "static"
 
 
 @dataclasses.dataclass(kw_only=True)
@@ -76,9 +90,10 @@ class AioConfig(ConfigBlock):
 
     DeepSpeed's keys and defaults, plus ``o_direct`` (a Slipstream addition: open swap files
     with ``O_DIRECT``, bypassing the page cache; set false only for file systems that reject
-    it, such as tmpfs) and ``verify_checksums`` (check every swap payload read against the
-    checksum recorded at its write; default true). ``use_gds`` (GPUDirect Storage) is not
-    supported.
+    it, such as tmpfs), ``verify_checksums`` (check every swap payload read against the
+    checksum recorded at its write; default true) and ``kernel_aio`` (a Slipstream addition:
+    with O_DIRECT, issue Linux kernel AIO; false keeps the C++ engine on its pread/pwrite thread
+    pool). ``use_gds`` (GPUDirect Storage) is not supported.
     """
 
     block_size: int = dataclasses.field(default=1048576, metadata={"ge": 1})
@@ -91,6 +106,7 @@ class AioConfig(ConfigBlock):
     use_gds: bool = False
     o_direct: bool = True
     verify_checksums: bool = True
+    kernel_aio: bool = True
 
     def validate(self, path: str) -> None:
         """GPUDirect Storage is not implemented; O_DIRECT needs 4 KiB-aligned blocks."""

@@ -9,13 +9,15 @@ stage       parameters         gradients                     optimizer (masters+
 0           d·Ψ                4·Ψ (fp32)                    (m + k)·Ψ
 1           d·Ψ                4·Ψ accumulators + 4·Ψ/N      (4 + k)·Ψ/N
 2           d·Ψ                4·Ψ/N                         (4 + k)·Ψ/N
-3           d·Ψ/N              4·Ψ/N                         (m + k)·Ψ/N
+3           4·Ψ/N              4·Ψ/N                         k·Ψ/N
 ==========  =================  ============================  ==========================
 
 Ψ parameters, N data-parallel ranks, d bytes per model parameter (2 for fp16/bf16, 4 for
 fp32), m the master copy (4 with fp16/bf16, 0 in fp32 where the parameters themselves are
 updated), k optimizer-state bytes per parameter (8 for Adam's two fp32 moments). In fp32 at
-stages 1 and 2 the master shard is a separate fp32 copy (4·Ψ/N); at stage 3 it is the shard.
+stages 1 and 2 the master shard is a separate fp32 copy (4·Ψ/N). At stage 3 the fp32 master
+shard *is* the parameter shard in any precision (the all-gather casts it to d bytes on the way:
+[Note: ZeRO-3 memory] in slipstream.zero); with optimizer offload the GPU keeps a d·Ψ/N copy.
 Stage 1 keeps fp32 full-size gradient accumulators only with fp16/bf16 (in fp32 the
 parameters' own ``.grad`` is that buffer, 4·Ψ).
 """
@@ -74,7 +76,7 @@ def estimate_model_states(
         ModelStateEstimate(0, param_bytes * p, 4 * p, (master + k) * p),
         ModelStateEstimate(1, param_bytes * p, 4 * p + 4 * p / n, (4 + k) * p / n),
         ModelStateEstimate(2, param_bytes * p, 4 * p / n, (4 + k) * p / n),
-        ModelStateEstimate(3, param_bytes * p / n, 4 * p / n, (master + k) * p / n),
+        ModelStateEstimate(3, 4 * p / n, 4 * p / n, k * p / n),
     ]
 
 
@@ -128,6 +130,8 @@ def estimate_offload(
     out = []
     for stage, param_offload in ((1, False), (2, False), (3, False), (3, True)):
         gpu = 0.0 if param_offload else rows[stage].params
+        if stage == 3 and not param_offload:
+            gpu = d * p / n  # the model-dtype shard (the fp32 master is on the host)
         if stage == 1 and param_bytes == 2:
             gpu += 4 * p
         masters_and_states = (4 + k) * p / n
@@ -248,7 +252,8 @@ def format_estimate(
     spares = cpu[1].speculation_host
     lines.append(
         f"  stages 1-2 on the CPU with gradient_clipping or fp16: + {spares / gib:.2f} GiB host "
-        "per rank for the speculative step's spare buffers (SLIPSTREAM_OFFLOAD_SPECULATE=0: none)"
+        "per rank for the speculative step's spare buffers "
+        "(offload_optimizer.speculative_step false: none)"
     )
     if param_bytes == 2:
         saved = 2 * float(num_params) / world_size

@@ -69,7 +69,7 @@ def _tied(module: torch.nn.Module) -> dict[str, str]:
 def _model_shard(param: torch.nn.Parameter, world: int, rank: int) -> torch.Tensor:
     sharded = sharded_state_of(param)
     if sharded is not None:
-        return sharded.shard
+        return sharded.shard.to(param.dtype)  # the fp32 master when they share (stage 3)
     return ShardSpec(param.shape, world).shard_of(param, rank)
 
 

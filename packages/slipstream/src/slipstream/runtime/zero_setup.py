@@ -9,7 +9,6 @@ import torch
 
 from slipstream.config import SlipstreamConfig
 from slipstream.zero import DataParallelGroup, ShardedOptimizerStates, ZeroOptimizer, ZeroSettings
-from slipstream.zero.offload import SPECULATE_ENV
 
 logger = logging.getLogger(__name__)
 
@@ -80,6 +79,7 @@ def offload_settings(config: SlipstreamConfig) -> tuple[Any, Any]:
         overlap_events=aio_block.overlap_events,
         o_direct=aio_block.o_direct,
         verify_checksums=aio_block.verify_checksums,
+        kernel_aio=aio_block.kernel_aio,
     )
     _warn_inert_offload_keys(optimizer, param)
     optimizer_settings = None
@@ -88,7 +88,7 @@ def offload_settings(config: SlipstreamConfig) -> tuple[Any, Any]:
         # The CPU step during backward (stages 1-2): exact without clipping or fp16 loss
         # scaling; speculative with either (the global norm, and the overflow vote, come only
         # at the end of backward).
-        overlap = _env_flag(OVERLAP_STEP_ENV) and optimizer.device == "cpu" and zero.stage in (1, 2)
+        overlap = optimizer.overlap_step and optimizer.device == "cpu" and zero.stage in (1, 2)
         fp16 = config.fp16.enabled
         optimizer_settings = package.OptimizerOffload(
             device=optimizer.device,
@@ -110,8 +110,12 @@ def offload_settings(config: SlipstreamConfig) -> tuple[Any, Any]:
             # the spare buffers).
             speculative_step=overlap
             and (config.gradient_clipping > 0 or fp16)
-            and _env_flag(SPECULATE_ENV),
+            and optimizer.speculative_step,
             ratio=optimizer.ratio,
+            threads=optimizer.threads,
+            cpu_schedule=optimizer.cpu_schedule,
+            early_upload=optimizer.early_upload,
+            overlap_bucket_numel=max(1, int(optimizer.overlap_bucket_size)),
         )
     param_settings = None
     if param is not None:
@@ -152,20 +156,6 @@ def attach_optimizer(
     if settings.stage == 3:
         return stage3_model.attach_optimizer(optimizer)  # type: ignore[no-any-return]
     return ShardedOptimizerStates(params, optimizer, settings, group)
-
-
-OVERLAP_STEP_ENV = "SLIPSTREAM_OFFLOAD_OVERLAP_STEP"
-
-
-def _env_flag(name: str) -> bool:
-    """An on-by-default switch: off when the variable is 0, false, no or off.
-
-    ``SLIPSTREAM_OFFLOAD_OVERLAP_STEP=0``: no CPU step during backward at all;
-    ``SLIPSTREAM_OFFLOAD_SPECULATE=0``: none under clipping (for comparing on a given host).
-    """
-    import os
-
-    return os.environ.get(name, "1").strip().lower() not in ("0", "false", "no", "off")
 
 
 def _warn_inert_offload_keys(optimizer: Any, param: Any) -> None:

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
+from enum import Enum, auto
 from functools import partial
 from typing import Any
 
@@ -14,7 +15,24 @@ from slipstream.zero.group import DataParallelGroup
 from slipstream.zero.layout import ShardSpec
 from slipstream.zero.masters import ShardedMasterWeights
 
-__all__ = ["GradientReduceScatter", "plan_buckets"]
+__all__ = ["BucketState", "GradientReduceScatter", "plan_buckets"]
+
+
+class BucketState(Enum):
+    """Where one reduce-scatter bucket is in a reduction (one backward pass).
+
+    FILLING: gradients are copied into its send buffer as they arrive. LAUNCHED: its
+    reduce-scatter is issued (the send buffer and the output are alive). LANDED: a bucket
+    whose masters are on the device has been waited for, post-scaled and handed to the
+    master gradients, and its send buffer freed (its output lives on only as those
+    gradients). Back to FILLING in :meth:`GradientReduceScatter.finish`. Buckets of masters
+    in host memory (optimizer offload) stay LAUNCHED until ``finish``: their copy to the host
+    runs on a side stream.
+    """
+
+    FILLING = auto()
+    LAUNCHED = auto()
+    LANDED = auto()
 
 
 def plan_buckets(
@@ -51,6 +69,7 @@ class _Bucket:
     offsets: list[int]  # offset of each parameter's shard inside the bucket's shard
     shard_numel: int
     pending: int = 0
+    state: BucketState = BucketState.FILLING
     buffer: torch.Tensor | None = None  # [world, shard_numel]: rank r's pieces in row r
     output: torch.Tensor | None = None
     work: dist.Work | None = None
@@ -82,6 +101,17 @@ class GradientReduceScatter:
     bucket and all before it are complete, otherwise all in :meth:`finish`. ``finish`` also
     reduces zeros for parameters that received no gradient (unused in this backward), so
     every rank's collectives match, then waits and adds the results into the masters.
+
+    [Note: bucket lifetime] A bucket of masters on the device lands as soon as a later
+    bucket is launched (:meth:`_land_earlier`): its collective is waited for (the compute
+    stream waits for it, the host does not), its result post-scaled and handed to the
+    master grads, and its ``[world, shard]`` send buffer freed. So at most two buckets'
+    send buffers exist at a time (the one in flight and the one filling) instead of every
+    bucket's until the end of backward: that was a full-size fp32 copy of all gradients
+    at the end of each backward (27 GB per rank at 7B). The first reduction since zero_grad
+    of a bucket whose output is already fp32 hands over *views* of the output as the
+    master grads, so the output is not copied either. The send buffer is filled straight
+    from each gradient (no full-size padded temporary).
 
     Averaging follows DeepSpeed: divide by ``gradient_predivide_factor`` before and by
     ``world / factor`` after (or by ``world`` before with ``prescale``). ``divisor`` replaces
@@ -167,6 +197,24 @@ class GradientReduceScatter:
         """Reduce-scatters per reduction."""
         return len(self._buckets)
 
+    @property
+    def bucket_nbytes(self) -> list[int]:
+        """Bytes of each bucket's send buffer (``world x bucket shard`` elements)."""
+        size = torch.empty((), dtype=self.dtype).element_size()
+        return [self.group.world_size * b.shard_numel * size for b in self._buckets]
+
+    def live_bytes(self) -> int:
+        """Bytes the reduction holds now beyond the master grads: send buffers being filled or
+        in flight, and outputs not yet handed over (at most two buckets' worth on the device:
+        [Note: bucket lifetime])."""
+        total = 0
+        for bucket in self._buckets:
+            if bucket.buffer is not None:
+                total += bucket.buffer.numel() * bucket.buffer.element_size()
+            if bucket.output is not None:
+                total += bucket.output.numel() * bucket.output.element_size()
+        return total
+
     def mark_ready(self, index: int) -> None:
         """Take parameter ``index``'s finished gradient into its bucket (from a grad hook)."""
         bucket = self._buckets[self._bucket_of[index]]
@@ -191,7 +239,7 @@ class GradientReduceScatter:
         grad = self.grad_of(index)
         if grad is None:
             return
-        if bucket.output is not None:
+        if bucket.state is not BucketState.FILLING:
             raise RuntimeError(
                 "a gradient arrived for a bucket whose reduce-scatter is already under way "
                 "(a second backward pass over the same parameters before the gradients were "
@@ -201,13 +249,21 @@ class GradientReduceScatter:
         spec = self.masters.specs[index]
         position = bucket.indices.index(index)
         offset = bucket.offsets[position]
-        padded = torch.zeros(spec.padded_numel, dtype=self.dtype, device=buffer.device)
-        padded[: spec.numel].copy_(grad.reshape(-1))
-        target = buffer[:, offset : offset + spec.shard_numel]
-        if index in bucket.filled:
-            target.add_(spec.padded_view(padded))  # retain_graph: a second backward pass
-        else:
-            target.copy_(spec.padded_view(padded))
+        n = spec.shard_numel
+        target = buffer[:, offset : offset + n]
+        flat = grad.detach().reshape(-1)
+        accumulate = index in bucket.filled  # retain_graph: a second backward pass
+        # Rank r's piece of the flat gradient goes to row r; the padding stays zero (the
+        # buffer starts zeroed). Whole rows in one copy, the ragged last piece in another.
+        rows = spec.numel // n
+        pieces = [(target[:rows], flat[: rows * n].view(rows, n))] if rows else []
+        if rows < spec.world_size and spec.numel > rows * n:
+            pieces.append((target[rows, : spec.numel - rows * n], flat[rows * n :]))
+        for into, piece in pieces:
+            if accumulate:
+                into.add_(piece)
+            else:
+                into.copy_(piece)
         bucket.filled.add(index)
         self.release(index)  # the full-size gradient is no longer needed
 
@@ -215,8 +271,37 @@ class GradientReduceScatter:
         while self._next < len(self._buckets) and self._buckets[self._next].pending <= 0:
             self._launch(self._buckets[self._next])
             self._next += 1
+            self._land_earlier()
+
+    def _land_earlier(self) -> None:
+        """Land every launched bucket of device masters but the latest one (see [Note:
+        bucket lifetime]): at most one reduce-scatter's buffers stay in flight."""
+        for bucket in self._buckets[: self._next - 1]:
+            if bucket.state is BucketState.LAUNCHED and not bucket.to_host:
+                self._land(bucket)
+
+    def _land(self, bucket: _Bucket) -> None:
+        """Wait for a device bucket's reduction, hand it to the master grads, free its buffer."""
+        output = self._reduced(bucket)
+        first = not any(self.masters.has_grad(i) for i in bucket.indices)
+        for index, offset in zip(bucket.indices, bucket.offsets):
+            n = self.masters.specs[index].shard_numel
+            piece = output[offset : offset + n]
+            master = self.masters.masters[index]
+            if (
+                first
+                and piece.dtype == master.dtype
+                and piece.device == master.device
+                and master.dim() == 1
+            ):
+                master.grad = piece  # a view: the output *is* the master grads
+            else:
+                self.masters.add_grad_(index, piece)
+        bucket.buffer = bucket.output = None
+        bucket.state = BucketState.LANDED
 
     def _launch(self, bucket: _Bucket) -> None:
+        bucket.state = BucketState.LAUNCHED
         buffer = self._ensure_buffer(bucket)
         if self.prescale:
             buffer.mul_(1.0 / self.divisor)
@@ -310,11 +395,12 @@ class GradientReduceScatter:
         while self._next < len(self._buckets):
             self._launch(self._buckets[self._next])
             self._next += 1
+            self._land_earlier()
         squares: list[torch.Tensor] = []
         first_reduction = True
         if self._to_host:
             for bucket in self._buckets:
-                if not bucket.to_host:
+                if not bucket.to_host and bucket.state is not BucketState.LANDED:
                     self._reduced(bucket)  # partial offload: squares for the norm now
         if self.before_stepped is not None and any(b.job is not None for b in self._buckets):
             # Every bucket is on its way to the host (with a GPU): its squares are queued on
@@ -340,27 +426,26 @@ class GradientReduceScatter:
                 squares.append(bucket.squares)
                 first_reduction &= bucket.first
                 self._hand_over(bucket, bucket.target)
-            else:
-                output = self._reduced(bucket)
-                if bucket.to_host:
-                    squares.append(output.float().pow(2).sum())
-                    target = self._host_target(bucket)
+            elif bucket.state is BucketState.LANDED or not bucket.to_host:
+                if bucket.state is not BucketState.LANDED:
+                    self._land(bucket)
+                if self._to_host:  # partial offload: a bucket of masters on the device
+                    assert bucket.squares is not None
+                    squares.append(bucket.squares)
                     first_reduction &= bucket.first
-                    target.copy_(output)
-                    self._hand_over(bucket, target)
-                    if self.on_final_bucket is not None and self.final:
-                        deferred.append(list(bucket.indices))
-                else:
-                    if self._to_host:  # partial offload: a bucket of masters on the device
-                        assert bucket.squares is not None
-                        squares.append(bucket.squares)
-                        first_reduction &= bucket.first
-                    for index, offset in zip(bucket.indices, bucket.offsets):
-                        n = self.masters.specs[index].shard_numel
-                        self.masters.add_grad_(index, output[offset : offset + n])
+            else:  # offload without a GPU: reduced, copied to the host here
+                output = self._reduced(bucket)
+                squares.append(output.float().pow(2).sum())
+                target = self._host_target(bucket)
+                first_reduction &= bucket.first
+                target.copy_(output)
+                self._hand_over(bucket, target)
+                if self.on_final_bucket is not None and self.final:
+                    deferred.append(list(bucket.indices))
             bucket.buffer = bucket.output = bucket.work = None
             bucket.target = bucket.copied = bucket.squares = bucket.job = None
             bucket.scaled = False
+            bucket.state = BucketState.FILLING
             bucket.pending = len(bucket.indices)
             bucket.filled.clear()
         self._next = 0

@@ -35,8 +35,6 @@ if TYPE_CHECKING:
     from slipstream.offload.settings import OptimizerOffload
 
 __all__ = [
-    "OVERLAP_BUCKET_NUMEL",
-    "SPECULATE_ENV",
     "OffloadedStep",
     "SpeculationStats",
     "offloaded_flags",
@@ -45,9 +43,6 @@ __all__ = [
 
 logger = logging.getLogger(__name__)
 
-# Turns the speculative step under gradient clipping off (for comparing, or to save its
-# host memory); read by the umbrella when it builds the offload settings.
-SPECULATE_ENV = "SLIPSTREAM_OFFLOAD_SPECULATE"
 
 # Speculation is not tried when its spare buffers would take more than this share of the
 # host memory that is available when the engine is built.
@@ -118,11 +113,6 @@ class SpeculationStats:
             f"(called off early: {self.cancelled}), paused={self.paused})"
         )
 
-
-# With overlap_step, gradient buckets are at most this many elements (whatever
-# reduce_bucket_size says): a bucket's CPU step can start only once the whole bucket has
-# landed, so smaller buckets start the CPU sooner in backward and leave less after it.
-OVERLAP_BUCKET_NUMEL = 100_000_000
 
 _SubGroupHook = Callable[[list[torch.Tensor]], None]
 
@@ -398,9 +388,8 @@ class OffloadedStep:
                     "steps during backward, speculatively (kept when nothing is clipped and "
                     "nothing overflowed, else stepped again, or skipped, after backward); "
                     "spare buffers: %.2f GiB of host memory per rank "
-                    "(%s=0 turns this off)",
+                    "(offload_optimizer.speculative_step=false turns this off)",
                     self.host.spare_bytes() / 2**30,
-                    SPECULATE_ENV,
                 )
         return not why
 

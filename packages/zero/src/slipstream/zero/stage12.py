@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import logging
 import math
-import os
 from collections.abc import Sequence
 from functools import partial
 from typing import Any
@@ -165,9 +164,18 @@ class ShardedOptimizerStates:
         bucket_numel = settings.reduce_bucket_numel
         during_backward = step is not None and (step.eager or step.speculative)
         if during_backward:
-            from slipstream.zero.offload import OVERLAP_BUCKET_NUMEL
-
-            bucket_numel = min(bucket_numel, OVERLAP_BUCKET_NUMEL)
+            # A bucket's CPU step starts only once the whole bucket has landed: smaller buckets
+            # start the CPU sooner in backward and leave less after it.
+            assert offload is not None
+            capped = min(bucket_numel, offload.overlap_bucket_numel)
+            if capped < bucket_numel and self.group.rank == 0:
+                logger.info(
+                    "CPU step during backward: reduce buckets of %s elements "
+                    "(offload_optimizer.overlap_bucket_size; reduce_bucket_size is %s)",
+                    f"{capped:,}",
+                    f"{bucket_numel:,}",
+                )
+            bucket_numel = capped
         self.reducer = GradientReduceScatter(
             self.masters,
             self.group,
@@ -268,7 +276,8 @@ class ShardedOptimizerStates:
             return False
         assert step is not None
         self.reducer.defer_job = self._defer
-        early = os.environ.get("SLIPSTREAM_OFFLOAD_EARLY_UPLOAD", "1").strip() != "0"
+        offload = self.settings.offload_optimizer
+        early = offload is not None and offload.early_upload
         on_gpu = bool(self.params) and self.params[0].device.type == "cuda"
         if early and on_gpu and self._staging is None:
             step.stage_upload = self._stage_upload

@@ -18,10 +18,10 @@ import torch
 from slipstream.kernels.build_ops import load_cpu_optimizer
 
 ISA_ENV = "SLIPSTREAM_CPU_ISA"
-# How the OpenMP threads share a step's chunks: "static" (default: one contiguous share each)
-# or "dynamic" (one 16 Ki-element chunk at a time, so that a descheduled thread does not hold
-# the step up when other threads of the process share the cores).
-SCHEDULE_ENV = "SLIPSTREAM_CPU_SCHEDULE"
+# How the OpenMP threads share a step's chunks (each step's ``schedule`` argument): "static"
+# (default: one contiguous share each) or "dynamic" (one 16 Ki-element chunk at a time, so that
+# a descheduled thread does not hold the step up when other threads of the process share the
+# cores). Callers take it from their typed settings (offload_optimizer.cpu_schedule).
 SCHEDULES = ("static", "dynamic")
 
 
@@ -36,10 +36,9 @@ def _isa() -> str:
     return os.environ.get(ISA_ENV, "auto").strip() or "auto"
 
 
-def _schedule() -> str:
-    value = os.environ.get(SCHEDULE_ENV, "").strip() or "static"
+def _schedule(value: str) -> str:
     if value not in SCHEDULES:
-        raise ValueError(f"{SCHEDULE_ENV}={value!r} is not one of {', '.join(SCHEDULES)}")
+        raise ValueError(f"schedule={value!r} is not one of {', '.join(SCHEDULES)}")
     return value
 
 
@@ -90,6 +89,7 @@ def adam(
     grad_scale: float = 1.0,
     out: tuple[Sequence[torch.Tensor], Sequence[torch.Tensor], Sequence[torch.Tensor]]
     | None = None,
+    schedule: str = "static",
 ) -> None:
     """C++ Adam/AdamW with the semantics of :func:`slipstream.kernels.ops.adam.reference.adam`.
 
@@ -101,6 +101,9 @@ def adam(
     ``exp_avgs`` and ``exp_avg_sqs`` untouched: a step that can still be thrown away
     (CPU offload's speculative step during backward). Same values, bit for bit, as in place;
     the outputs are written with non-temporal stores.
+
+    ``schedule``: how the OpenMP threads share the elements, ``"static"`` or ``"dynamic"``
+    (see :data:`SCHEDULES`); the same values either way.
     """
     outputs: tuple[list[torch.Tensor], list[torch.Tensor], list[torch.Tensor]] = ([], [], [])
     if out is not None:
@@ -121,7 +124,7 @@ def adam(
         int(step),
         float(grad_scale),
         _isa(),
-        _schedule(),
+        _schedule(schedule),
         *outputs,
     )
 
@@ -136,6 +139,7 @@ def adagrad(
     weight_decay: float,
     param_copies: Sequence[torch.Tensor] | None = None,
     grad_scale: float = 1.0,
+    schedule: str = "static",
 ) -> None:
     """C++ Adagrad with the semantics of :func:`slipstream.kernels.ops.adagrad.reference.adagrad`."""
     _extension().adagrad_step(
@@ -148,7 +152,7 @@ def adagrad(
         float(weight_decay),
         float(grad_scale),
         _isa(),
-        _schedule(),
+        _schedule(schedule),
     )
 
 
@@ -163,6 +167,7 @@ def lion(
     weight_decay: float,
     param_copies: Sequence[torch.Tensor] | None = None,
     grad_scale: float = 1.0,
+    schedule: str = "static",
 ) -> None:
     """C++ Lion with the semantics of :func:`slipstream.kernels.ops.lion.reference.lion`."""
     _extension().lion_step(
@@ -176,5 +181,5 @@ def lion(
         float(weight_decay),
         float(grad_scale),
         _isa(),
-        _schedule(),
+        _schedule(schedule),
     )

@@ -39,6 +39,9 @@ class AioSettings:
             was written (xxh3_64); a mismatch raises SwapFileCorruptError. A Slipstream
             addition; false saves the hashing (about 26 GB/s per core) at the price of
             training on whatever the drive returns.
+        kernel_aio: With ``o_direct``, the C++ backend issues Linux kernel AIO (falling back
+            to its thread pool when ``io_setup`` fails); False uses the thread pool of
+            blocking pread/pwrite calls always (a Slipstream addition, for comparing them).
     """
 
     block_size: int = 1048576
@@ -49,6 +52,7 @@ class AioSettings:
     use_gds: bool = False
     o_direct: bool = True
     verify_checksums: bool = True
+    kernel_aio: bool = True
 
     def __post_init__(self) -> None:
         for name in ("block_size", "queue_depth", "intra_op_parallelism"):
@@ -61,6 +65,7 @@ class AioSettings:
             "use_gds",
             "o_direct",
             "verify_checksums",
+            "kernel_aio",
         ):
             value = getattr(self, name)
             if not isinstance(value, bool):

@@ -17,7 +17,8 @@ Up to ``intra_op_parallelism × queue_depth`` pieces are in flight at once:
 - ``cpp`` backend with O_DIRECT: Linux kernel AIO (``csrc/aio.cpp``, raw ``io_submit``
   syscalls): ``intra_op_parallelism`` threads, each keeping ``queue_depth`` pieces in flight,
   honouring ``single_submit`` and ``overlap_events``. Falls back to its thread pool (logged)
-  when ``io_setup`` fails; ``SLIPSTREAM_AIO_KERNEL_AIO=0`` forces the pool.
+  when ``io_setup`` fails; ``AioSettings.kernel_aio=False`` (``aio.kernel_aio``) forces the
+  pool.
 - ``cpp`` without O_DIRECT, and ``python``: ``intra_op_parallelism × queue_depth`` worker
   threads each blocked in one pread/pwrite (buffered I/O through kernel AIO would run
   synchronously inside ``io_submit``). The ``python`` backend is a ``ThreadPoolExecutor`` doing
@@ -61,9 +62,6 @@ __all__ = ["AsyncIOEngine", "IORequest", "plan_ops"]
 logger = logging.getLogger(__name__)
 
 BACKENDS = ("auto", "cpp", "python")
-# "0" keeps the cpp backend on its thread pool even with O_DIRECT (comparisons, tests, or
-# systems where kernel AIO misbehaves).
-KERNEL_AIO_ENV = "SLIPSTREAM_AIO_KERNEL_AIO"
 UNEXPECTED_EOF = -1  # backend result code: the file ended before the bytes a read needs
 SHORT_ONCE = -1  # Op.inject value: the first syscall of the op transfers only half
 _fallback_warned = False
@@ -137,12 +135,7 @@ class _CppBackend:
         from slipstream.offload.build import load_aio
 
         self._module = load_aio()
-        kernel_aio = settings.o_direct and os.environ.get(KERNEL_AIO_ENV, "1").strip() not in (
-            "0",
-            "false",
-            "no",
-            "off",
-        )
+        kernel_aio = settings.o_direct and settings.kernel_aio
         self._engine = self._module.Engine(
             settings.intra_op_parallelism,
             settings.queue_depth,

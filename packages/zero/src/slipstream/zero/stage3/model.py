@@ -215,7 +215,37 @@ class Stage3Model:
 
 
 class Stage3GradientPath:
-    """The optimizer side of stage 3: masters, the reduce-scatter buckets, publishing."""
+    """The optimizer side of stage 3: masters, the reduce-scatter buckets, publishing.
+
+    [Note: ZeRO-3 memory] What one rank holds, for ``P`` parameters over ``N`` ranks in
+    bf16 training with AdamW and no offload (docs/zero.md has the 7B numbers):
+
+    persistent (the model states, as FSDP2 keeps them)
+        the fp32 master shard, ``4P/N`` bytes: it *is* the all-gather's source, cast to
+        bf16 inside the gather (``PendingGather``), so no bf16 shard is kept beside it;
+        Adam's two moments, ``8P/N``; the fp32 gradient shards, ``4P/N``, from the first
+        bucket landed in backward until ``zero_grad`` (views of the buckets' outputs, not
+        copies: [Note: bucket lifetime]); persistent small parameters, gathered.
+    transient, forward and backward
+        the gathered bf16 parameters of the unit in use, of the prefetched ones (at most
+        ``stage3_prefetch_bucket_size`` elements, and none beyond
+        ``stage3_max_live_parameters`` gathered) and, in backward, of the unit whose
+        gradients are not all in yet; a gather's send buffer (``shard`` in bf16) and, unless
+        the unit is one unpadded parameter gathered in place, its ``[N, shard]`` receive
+        buffer; each parameter's full bf16 ``.grad`` until its bucket has copied it; the
+        reduce-scatter send buffers of at most two buckets (one in flight, one filling:
+        ``N x bucket shard`` elements in the communication dtype, fp32 by default, i.e.
+        ``4 * reduce_bucket_size`` bytes each).
+    transient, step
+        the fused AdamW kernel's (none); the norm's per-tensor squares, one tensor at a time.
+
+    Before this accounting, stage 3 also kept a bf16 shard beside each fp32 master
+    (``2P/N``), every bucket's send buffer and output until the end of backward (a full
+    fp32 copy of all gradients, ``4P``, plus ``4P/N``), copied the outputs into fresh
+    master grads (``4P/N`` more at once), and padded each gradient into a full-size fp32
+    temporary: at 7B over 2 ranks that was 6.3 + 25.1 + 12.6 GiB on top of the model states,
+    the out-of-memory of docs/benchmarks.md.
+    """
 
     def __init__(self, model: Stage3Model, optimizer: torch.optim.Optimizer) -> None:
         self.model = model
@@ -234,11 +264,14 @@ class Stage3GradientPath:
             from slipstream.zero.offload import offloaded_flags
 
             offloaded = offloaded_flags([s.spec.shard_numel for s in trainable], offload.ratio)
+        # Without optimizer offload the masters live on the compute device; on a CPU one that
+        # is "with their shards" (None), not "moved to the host", which is offload's path.
+        device = model.compute_device if model.compute_device.type != "cpu" else None
         self.masters = ShardedMasterWeights(
             self.params,
             self.specs,
             [s.shard for s in trainable],
-            device=torch.device("cpu") if offload is not None else model.compute_device,
+            device=torch.device("cpu") if offload is not None else device,
             pin=offload is not None and offload.pin_memory,
             share=(offload is None or offload.device == "cpu") and not swapped,
             own_storage=offload is not None and offload.device == "nvme",
@@ -246,12 +279,17 @@ class Stage3GradientPath:
             kept_device=model.compute_device,
         )
         release_shards(trainable, dirty=False)
-        for sharded, master in zip(trainable, self.masters.masters):
+        for i, (sharded, master) in enumerate(zip(trainable, self.masters.masters)):
             sharded.master = master
-            if swapped:
+            if swapped or master.device != sharded.shard.device:
                 continue
-            if master.dtype == sharded.shard.dtype and master.device == sharded.shard.device:
-                sharded.shard = master.data  # fp32: the master *is* the gathered shard
+            # The master *is* the shard the all-gather reads (cast to the parameter's dtype
+            # inside it): no 16-bit copy beside the fp32 master ([Note: ZeRO-3 memory]).
+            # Not for a master the CPU step updates in host memory while the shard is there
+            # too (offload_param): the gathers upload the shard, in the compute dtype.
+            host_step = offload is not None and self.masters.offloaded[i]
+            if master.dtype == sharded.shard.dtype or not host_step:
+                sharded.shard = master.data
         self.masters.swap_into(optimizer)
         # Offload: the CPU step writes each updated master in the shard's dtype into the shard
         # itself when it lives on the host (offload_param). A shard on the device is refreshed

@@ -44,9 +44,12 @@ class ShardedParameter:
     does not see the refill as an in-place modification.
 
     Attributes:
-        param: the parameter. shard: this rank's shard (flat, padded, the compute dtype; the
-        all-gather input). master: the fp32 master shard once an optimizer is attached (the
-        same tensor as ``shard`` in fp32 training). holders: active uses (a module's forward
+        param: the parameter. shard: this rank's shard (flat, padded; the all-gather input,
+        cast to the parameter's dtype on its way into the collective). Before an optimizer
+        is attached it is in the compute dtype; after, on the compute device, it *is* the fp32
+        master shard (no separate 16-bit copy: [Note: ZeRO-3 memory]); with optimizer or
+        parameter offload it stays a compute-dtype copy that each step refreshes. master:
+        the fp32 master shard once an optimizer is attached. holders: active uses (a module's forward
         or backward, a prefetch, GatheredParameters); the storage is freed when it drops to 0,
         unless ``persistent``. store: with ``offload_param.device="nvme"``, the
         slipstream.offload.ParamSwapStore that swaps ``shard`` to disk between uses; code
@@ -113,11 +116,15 @@ class ShardedParameter:
         self.param.untyped_storage().resize_(0)
         self.state = ShardState.SHARDED
 
-    def fill(self, rows: torch.Tensor, offset: int) -> None:
-        """Allocate the full storage and copy this parameter's columns of gathered ``rows`` in."""
+    def allocate(self) -> None:
+        """Give the parameter its full storage back (contents undefined until filled)."""
         storage = self.param.untyped_storage()
         if storage.nbytes() != self.full_nbytes:
             storage.resize_(self.full_nbytes)
+
+    def fill(self, rows: torch.Tensor, offset: int) -> None:
+        """Allocate the full storage and copy this parameter's columns of gathered ``rows`` in."""
+        self.allocate()
         spec = self.spec
         full = rows[:, offset : offset + spec.shard_numel].reshape(-1)[: spec.numel]
         with torch.no_grad():
@@ -184,7 +191,9 @@ class PendingGather:
 
     def __init__(self, members: list[ShardedParameter], async_op: bool) -> None:
         group = members[0].group
-        dtype = members[0].shard.dtype
+        # The parameter's dtype: a shard that is the fp32 master is cast here, into the send
+        # buffer, so that half the bytes travel (see [Note: ZeRO-3 memory]).
+        dtype = members[0].param.dtype
         self.members = members
         self.offsets: list[int] = []
         total = 0
@@ -199,7 +208,7 @@ class PendingGather:
         send = (
             torch.cat([m.shard.to(device=device, dtype=dtype, non_blocking=True) for m in members])
             if len(members) > 1
-            else members[0].shard.to(device=device, non_blocking=True)
+            else members[0].shard.to(device=device, dtype=dtype, non_blocking=True)
         )
         self.uploaded: torch.cuda.Event | None = None
         if send.device.type == "cuda" and members[0].shard.device.type == "cpu":
@@ -207,7 +216,19 @@ class PendingGather:
             self.uploaded.record()
         self.total = total
         self.world = group.world_size
-        self.out = torch.empty(self.world * total, dtype=dtype, device=send.device)
+        # One parameter without padding: gathered straight into its own storage (no receive
+        # buffer, no copy). Otherwise into ``[world, total]`` and copied out in wait().
+        only = members[0]
+        self.in_place = (
+            len(members) == 1
+            and only.spec.padded_numel == only.spec.numel
+            and only.param.device == send.device
+        )
+        if self.in_place:
+            only.allocate()
+            self.out = only.param.data.view(-1)
+        else:
+            self.out = torch.empty(self.world * total, dtype=dtype, device=send.device)
         self.work: dist.Work | None = group.all_gather_into(self.out, send, async_op=async_op)
         for member in members:
             member.pending = self
@@ -223,18 +244,23 @@ class PendingGather:
             self.uploaded.synchronize()  # the host shards were read by the upload
             self.uploaded = None
         release_shards(self.members, dirty=False)
-        rows = self.out.view(self.world, self.total)
-        for member, offset in zip(self.members, self.offsets):
-            member.fill(rows, offset)
-            member.pending = None
+        if self.in_place:
+            self.members[0].state = ShardState.UNSHARDED
+            self.members[0].pending = None
+        else:
+            rows = self.out.view(self.world, self.total)
+            for member, offset in zip(self.members, self.offsets):
+                member.fill(rows, offset)
+                member.pending = None
         self.done = True
         del self.out
 
 
 def gather_full(members: list[ShardedParameter], async_op: bool = False) -> list[PendingGather]:
-    """Start gathering every SHARDED member not already in flight; one collective per dtype."""
+    """Start gathering every SHARDED member not already in flight; one collective per
+    parameter dtype."""
     need = [m for m in members if m.state is ShardState.SHARDED and m.pending is None]
     by_dtype: dict[torch.dtype, list[ShardedParameter]] = {}
     for member in need:
-        by_dtype.setdefault(member.shard.dtype, []).append(member)
+        by_dtype.setdefault(member.param.dtype, []).append(member)
     return [PendingGather(group, async_op) for group in by_dtype.values()]
