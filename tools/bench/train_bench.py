@@ -418,11 +418,7 @@ def main(argv: list[str] | None = None) -> int:
     final_loss = float(loss)  # host sync once, after timing
     timed_phases = args.impl in ("slipstream", "deepspeed") and args.phases
     phases = _phase_times(engine, input_ids, labels, sync) if timed_phases else {}
-    if args.memory_phases:
-        phases.update(_memory_phases(step, engine, input_ids, labels, device, args.memory_snapshot))
-
-    tokens_per_s = args.steps * args.micro * args.seq * world / elapsed
-    flops = shape.flops_per_token(args.seq, params)
+    # The timed steps' peaks, read before the memory timeline's step resets the peak counters.
     peak = torch.tensor(
         [
             torch.cuda.max_memory_allocated() / 2**30 if device.type == "cuda" else 0.0,
@@ -431,6 +427,11 @@ def main(argv: list[str] | None = None) -> int:
         device=device,
     )
     dist.all_reduce(peak, op=dist.ReduceOp.MAX)
+    if args.memory_phases:
+        phases.update(_memory_phases(step, engine, input_ids, labels, device, args.memory_snapshot))
+
+    tokens_per_s = args.steps * args.micro * args.seq * world / elapsed
+    flops = shape.flops_per_token(args.seq, params)
     # Host memory: the peak resident set of rank 0's process (pinned memory counts), and the
     # page-locked bytes the offload path's arena holds, if any.
     host_peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 2**20  # KiB -> GiB
