@@ -46,6 +46,19 @@ class CurriculumScheduleConfig(ConfigBlock):
     max_step: list[int] | None = None
 
 
+def _schedule_params(block: Any) -> dict[str, Any]:
+    """A block's ``min/max_difficulty``, ``schedule_type`` and set ``schedule_config`` keys as
+    the plain dict that CurriculumScheduler takes (the legacy block and each metric share it)."""
+    return {
+        "min_difficulty": block.min_difficulty,
+        "max_difficulty": block.max_difficulty,
+        "schedule_type": block.schedule_type,
+        "schedule_config": {
+            k: v for k, v in block.schedule_config.to_dict().items() if v is not None
+        },
+    }
+
+
 def _check_schedule(
     path: str, schedule_type: str, schedule: CurriculumScheduleConfig, low: float, high: float
 ) -> None:
@@ -147,14 +160,7 @@ class CurriculumLearningConfig(ConfigBlock):
 
     def schedule_params(self) -> dict[str, Any]:
         """The schedule as the plain dict that CurriculumScheduler takes."""
-        return {
-            "min_difficulty": self.min_difficulty,
-            "max_difficulty": self.max_difficulty,
-            "schedule_type": self.schedule_type,
-            "schedule_config": {
-                k: v for k, v in self.schedule_config.to_dict().items() if v is not None
-            },
-        }
+        return _schedule_params(self)
 
 
 @dataclasses.dataclass(kw_only=True)
@@ -207,14 +213,7 @@ class CurriculumMetricConfig(ConfigBlock):
 
     def schedule_params(self) -> dict[str, Any]:
         """The schedule as the plain dict that CurriculumScheduler takes."""
-        return {
-            "min_difficulty": self.min_difficulty,
-            "max_difficulty": self.max_difficulty,
-            "schedule_type": self.schedule_type,
-            "schedule_config": {
-                k: v for k, v in self.schedule_config.to_dict().items() if v is not None
-            },
-        }
+        return _schedule_params(self)
 
 
 @dataclasses.dataclass(kw_only=True)
