@@ -296,8 +296,9 @@ def _keep_columns(module: nn.Module, keep: torch.Tensor) -> None:
 
 
 def _final_mask(state: CompressionState, technique: str) -> torch.Tensor:
+    """The mask in use (what the last forward applied), or one at the final dense ratio."""
     mask = state.masks.get(technique)
-    if mask is None or technique not in state.prune_ratio:
+    if mask is None:
         mask = state.compute_mask(technique, state.prune[technique].dense_ratio)
     return mask
 
@@ -336,6 +337,29 @@ def redundancy_clean(model: nn.Module, deepspeed_config: Any, mpu: Any = None) -
     _check_mpu(mpu)
     compression_config(deepspeed_config)  # validated: a bad block fails before any change
     states = [(n, m) for n, m in model.named_modules() if isinstance(m, CompressionState)]
+    # 1. Every mask and the quantization go into the weights at their full shapes (what the
+    # masked model computes); 2. then the pruned rows, heads and channels are cut out.
+    for _, state in states:
+        for technique in state.prune:
+            state.set_prune_ratio(technique, state.prune[technique].dense_ratio)
+            state.masks[technique] = _final_mask(state, technique)
+        full, rows = state.weight_masks()
+        if full is not None:
+            state.weight.mul_(full)
+        if rows is not None and getattr(state, "bias", None) is not None:
+            state.bias.mul_(rows.to(state.bias.dtype))  # type: ignore[attr-defined]
+        if state.weight_quant is not None:
+            settings_q = state.weight_quant
+            state.weight_bits = settings_q.target_bits
+            state.weight.copy_(
+                quantized_values(
+                    state.weight, settings_q.target_bits, settings_q.groups, settings_q.symmetric
+                )
+            )
+            settings_q.mixed_change_ratio = None
+            state.baked = True
+        if state.act_quant is not None:
+            state.act_bits = state.act_quant.bits
     row_sizes: dict[int, set[int]] = {}
     head_counts: dict[int, set[int]] = {}
     for _, state in states:
@@ -366,23 +390,9 @@ def redundancy_clean(model: nn.Module, deepspeed_config: Any, mpu: Any = None) -
             head_counts.setdefault(settings.num_heads, set()).add(kept)
             state.prune.pop("head_pruning")
             state.set_prune_ratio("head_pruning", None)
-        if "sparse_pruning" in state.prune:
-            mask = _final_mask(state, "sparse_pruning")
-            state.weight.mul_(mask.to(state.weight.dtype))
+        if "sparse_pruning" in state.prune:  # already in the weight
             state.prune.pop("sparse_pruning")
             state.set_prune_ratio("sparse_pruning", None)
-    for _, state in states:
-        if state.weight_quant is not None:
-            settings_q = state.weight_quant
-            state.weight_bits = settings_q.target_bits
-            state.weight.copy_(
-                quantized_values(
-                    state.weight, settings_q.target_bits, settings_q.groups, settings_q.symmetric
-                )
-            )
-            settings_q.mixed_change_ratio = None
-        if state.act_quant is not None:
-            state.act_bits = state.act_quant.bits
     _update_hf_config(model, row_sizes, head_counts)
     return model
 

@@ -111,8 +111,10 @@ class CompressionState:
     mixed_ratio: float
     prune_ratio: dict[str, float]  # the kept share in use now, per technique
     masks: dict[str, torch.Tensor]
+    baked: bool
 
     def _init_compression(self) -> None:
+        self.baked = False  # redundancy_clean put the weight on its grid: no fake quant left
         self.weight_quant = None
         self.act_quant = None
         self.prune = {}
@@ -197,7 +199,7 @@ class CompressionState:
         full, rows = self.weight_masks()
         if full is not None:
             w = w * full
-        if self.weight_bits is not None and self.weight_quant is not None:
+        if self.weight_bits is not None and self.weight_quant is not None and not self.baked:
             settings = self.weight_quant
             q = fake_quantize(
                 w, self.weight_bits, settings.groups, settings.symmetric, settings.stochastic
@@ -208,9 +210,17 @@ class CompressionState:
         return w, rows
 
     def compressed_input(self, x: torch.Tensor) -> torch.Tensor:
-        """The input after activation fake quantization (when on)."""
+        """The input after the head mask and activation fake quantization (when on).
+
+        Masking the pruned heads' input features (as well as the weight's columns) keeps them
+        out of the token-wise activation range, so the cleaned model, which no longer has
+        them, quantizes its input exactly as the masked one did.
+        """
         if self.act_bits is None or self.act_quant is None:
             return x
+        heads = self.current_mask("head_pruning")
+        if heads is not None:
+            x = x * heads.repeat_interleave(x.shape[-1] // heads.numel()).to(x.dtype)
         settings = self.act_quant
         if not settings.static:
             return quantize_activation(x, self.act_bits, settings.symmetric)
