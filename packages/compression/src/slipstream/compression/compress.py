@@ -111,6 +111,7 @@ def _configure(model: nn.Module, config: CompressionConfig) -> None:
                 symmetric=shared.quantization_type == "symmetric",
                 stochastic=shared.rounding == "stochastic",
                 mixed_change_ratio=mixed.quantize_change_ratio if mixed.enabled else None,
+                group_size=shared.quantize_group_size,
             )
     activation = config.activation_quantization
     if activation.shared_parameters.enabled:
@@ -135,6 +136,8 @@ def _configure(model: nn.Module, config: CompressionConfig) -> None:
         for group, name, related in _groups(technique, block.different_groups, model, excluded):
             state = make_compressible(model.get_submodule(name))
             assert state is not None
+            if technique == "head_pruning":
+                _check_head_related(model, name, state, related)
             state.prune[technique] = PruneSettings(
                 dense_ratio=group.params.dense_ratio,
                 method=shared.method,
@@ -143,6 +146,21 @@ def _configure(model: nn.Module, config: CompressionConfig) -> None:
                 stride=getattr(shared, "schedule_offset_stride", 1),
                 num_heads=getattr(shared, "num_heads", None),
                 related=related,
+            )
+
+
+def _check_head_related(
+    model: nn.Module, name: str, state: CompressionState, related: list[str]
+) -> None:
+    """Head pruning cuts the same rows from every related projection: sizes must agree."""
+    for other in related:
+        weight: torch.Tensor = model.get_submodule(other).weight  # type: ignore[assignment]
+        width = weight.shape[0]
+        if width != state.weight.shape[1]:
+            raise NotImplementedError(
+                f"head pruning of {name}: related module {other} has {width} output features "
+                f"but {name} reads {state.weight.shape[1]}; grouped-query attention (fewer "
+                "key/value heads than query heads) cannot be head-pruned yet"
             )
 
 
@@ -353,7 +371,10 @@ def redundancy_clean(model: nn.Module, deepspeed_config: Any, mpu: Any = None) -
             state.weight_bits = settings_q.target_bits
             state.weight.copy_(
                 quantized_values(
-                    state.weight, settings_q.target_bits, settings_q.groups, settings_q.symmetric
+                    state.weight,
+                    settings_q.target_bits,
+                    settings_q.groups_for(state.weight),
+                    settings_q.symmetric,
                 )
             )
             settings_q.mixed_change_ratio = None

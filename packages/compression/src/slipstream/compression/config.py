@@ -165,6 +165,10 @@ class WeightQuantizationShared(ConfigBlock):
             the optimizer step; Slipstream always quantizes in the forward (same numbers).
         rounding: ``"nearest"`` or ``"stochastic"``.
         fp16_mixed_quantize: blend from the full-precision to the quantized weight.
+        quantize_group_size: Slipstream's key: elements per group along each row (it replaces
+            ``quantize_groups``, whose groups may straddle rows). The packed export of int8 and
+            int4 weights is served by ``slipstream.inference`` exactly when every quantized
+            weight uses the same row-aligned group size (``quant.weight.group_size`` there).
     """
 
     enabled: bool = False
@@ -178,6 +182,7 @@ class WeightQuantizationShared(ConfigBlock):
     fp16_mixed_quantize: FP16MixedQuantizeConfig = dataclasses.field(
         default_factory=FP16MixedQuantizeConfig
     )
+    quantize_group_size: int | None = dataclasses.field(default=None, metadata={"ge": 1})
 
 
 @dataclasses.dataclass(kw_only=True)

@@ -48,6 +48,22 @@ class WeightQuantSettings:
     symmetric: bool = True
     stochastic: bool = False
     mixed_change_ratio: float | None = None  # fp16_mixed_quantize's step, None when off
+    group_size: int | None = None  # row-aligned groups (quantize_group_size), else `groups`
+
+    def groups_for(self, weight: torch.Tensor) -> int:
+        """Groups of ``weight``: ``quantize_group_size`` along rows, else ``quantize_groups``."""
+        if self.group_size is None:
+            return self.groups
+        row = weight.shape[1] if weight.dim() > 1 else weight.numel()
+        if weight.dim() > 2:
+            row = weight[0].numel()
+        if row % self.group_size:
+            raise ValueError(
+                f"weight_quantization.shared_parameters.quantize_group_size = {self.group_size} "
+                f"does not divide the {row} elements of a row of a weight of shape "
+                f"{tuple(weight.shape)}; choose a divisor of every matched layer's input size"
+            )
+        return weight.numel() // self.group_size
 
     def bits_at(self, step: int) -> int | None:
         """Bits at ``step`` (None before ``offset``): one bit fewer every ``period`` steps."""
@@ -102,7 +118,7 @@ def _topk_mask(scores: torch.Tensor, ratio: float) -> torch.Tensor:
 class CompressionState:
     """What one module compresses and how far the schedule has gone; mixed into the layers."""
 
-    weight: nn.Parameter
+    weight: Any  # the layer's nn.Parameter (declared by nn.Linear / nn.Embedding / nn.Conv2d)
     weight_quant: WeightQuantSettings | None
     act_quant: ActivationQuantSettings | None
     prune: dict[str, PruneSettings]
@@ -202,7 +218,11 @@ class CompressionState:
         if self.weight_bits is not None and self.weight_quant is not None and not self.baked:
             settings = self.weight_quant
             q = fake_quantize(
-                w, self.weight_bits, settings.groups, settings.symmetric, settings.stochastic
+                w,
+                self.weight_bits,
+                settings.groups_for(w),
+                settings.symmetric,
+                settings.stochastic,
             )
             if settings.mixed_change_ratio is not None and self.mixed_ratio < 1.0:
                 q = self.mixed_ratio * q + (1.0 - self.mixed_ratio) * w
@@ -250,7 +270,7 @@ class LinearCompress(nn.Linear, CompressionState):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         weight, rows = self.compressed_weight()
-        bias = self.bias
+        bias: torch.Tensor | None = self.bias
         if bias is not None and rows is not None:
             bias = bias * rows.to(bias.dtype)
         return F.linear(self.compressed_input(x), weight, bias)
@@ -280,7 +300,7 @@ class Conv2dCompress(nn.Conv2d, CompressionState):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         weight, rows = self.compressed_weight()
-        bias = self.bias
+        bias: torch.Tensor | None = self.bias
         if bias is not None and rows is not None:
             bias = bias * rows.to(bias.dtype)
         return self._conv_forward(self.compressed_input(x), weight, bias)
