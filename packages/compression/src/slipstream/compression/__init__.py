@@ -8,12 +8,15 @@ from slipstream.compression.compress import (
     student_initialization,
 )
 from slipstream.compression.config import CompressionConfig, compression_config
+from slipstream.compression.distillation import distill, distillation_loss, layerwise_distillation
+from slipstream.compression.export import save_compressed
 from slipstream.compression.layers import (
     CompressionState,
     Conv2dCompress,
     EmbeddingCompress,
     LinearCompress,
 )
+from slipstream.compression.recipes import xtc, xtc_config, zeroquant, zeroquant_config
 from slipstream.compression.scheduler import CompressionScheduler
 
 __all__ = [
@@ -24,7 +27,15 @@ __all__ = [
     "EmbeddingCompress",
     "LinearCompress",
     "compression_config",
+    "distill",
+    "distillation_loss",
     "init_compression",
+    "layerwise_distillation",
     "redundancy_clean",
+    "save_compressed",
     "student_initialization",
+    "xtc",
+    "xtc_config",
+    "zeroquant",
+    "zeroquant_config",
 ]

@@ -1,8 +1,8 @@
 """Fake quantization with a straight-through estimator: symmetric, asymmetric, ternary, binary.
 
-Every function returns a tensor of the input's shape and dtype whose values lie on the quantized
-grid, and whose gradient with respect to the input is the identity (the straight-through
-estimator): ``x + (q - x).detach()``.
+Every function returns a tensor of the input's shape and dtype whose values lie exactly on the
+quantized grid, and whose gradient with respect to the input is the identity (the straight-through
+estimator; ``x + (q - x).detach()`` would be off the grid by rounding).
 
 [Note: the symmetric grid] DeepSpeed's symmetric quantizer uses the codes
 ``[-2^(b-1), 2^(b-1) - 1]``; Slipstream uses the restricted range ``[-(2^(b-1) - 1),
@@ -13,6 +13,8 @@ training is then stored and served with exactly the codes it trained with.
 
 from __future__ import annotations
 
+from typing import Any
+
 import torch
 
 __all__ = [
@@ -20,11 +22,30 @@ __all__ = [
     "binary_codes",
     "fake_quantize",
     "quantize_activation",
+    "straight_through",
     "symmetric_codes",
     "ternary_codes",
 ]
 
 _TINY = 1e-8
+
+
+class _StraightThrough(torch.autograd.Function):
+    """Forward: the quantized values exactly. Backward: the gradient passes to ``x`` unchanged."""
+
+    @staticmethod
+    def forward(ctx: Any, x: torch.Tensor, q: torch.Tensor) -> torch.Tensor:
+        return q
+
+    @staticmethod
+    def backward(ctx: Any, grad: torch.Tensor) -> tuple[torch.Tensor, None]:
+        return grad, None
+
+
+def straight_through(x: torch.Tensor, q: torch.Tensor) -> torch.Tensor:
+    """``q`` in the forward, the identity with respect to ``x`` in the backward."""
+    out: torch.Tensor = _StraightThrough.apply(x, q.detach())
+    return out
 
 
 def _grouped(x: torch.Tensor, groups: int) -> torch.Tensor:
@@ -117,8 +138,7 @@ def fake_quantize(
     ``bits`` 1 is binary and 2 ternary (XTC's extreme quantization); 3 and more are integer
     grids, symmetric (see the note on the symmetric grid) or asymmetric with a zero point.
     """
-    q = quantized_values(x, bits, groups, symmetric, stochastic)
-    return x + (q - x).detach()
+    return straight_through(x, quantized_values(x, bits, groups, symmetric, stochastic))
 
 
 def quantize_activation(
@@ -145,4 +165,4 @@ def quantize_activation(
         zero = torch.round(-low / scale)
         q = (torch.round(data / scale) + zero).clamp(0, levels)
         q = (q - zero) * scale
-    return x + (q.to(x.dtype) - x).detach()
+    return straight_through(x, q.to(x.dtype))
