@@ -151,13 +151,17 @@ def _group_size(state: CompressionState, weight: torch.Tensor) -> int:
 
 
 @torch.no_grad()
-def save_compressed(model: nn.Module, directory: str | Path) -> dict[str, Any]:
+def save_compressed(
+    model: nn.Module, directory: str | Path, dense_dtype: torch.dtype | None = None
+) -> dict[str, Any]:
     """Write the cleaned ``model`` to ``directory`` in the packed format (see the note above).
 
     Run :func:`redundancy_clean` first: weights must be on their grid and pruned shapes cut.
     Only symmetric quantization is packed (asymmetric weights would need a zero point that
-    the inference kernels do not read: they raise). Returns a summary: bytes of the file's
-    tensors, bytes the same tensors take in their dense dtype, and the packed weights.
+    the inference kernels do not read: they raise). ``dense_dtype`` (e.g. ``torch.bfloat16``)
+    casts the floating tensors that are not packed (norms, embeddings, unquantized layers).
+    Returns a summary: bytes of the file's tensors, bytes the same tensors take in their
+    dense dtype, and the packed weights.
     """
     directory = Path(directory)
     directory.mkdir(parents=True, exist_ok=True)
@@ -213,7 +217,10 @@ def save_compressed(model: nn.Module, directory: str | Path) -> dict[str, Any]:
         if pointer in seen and value.numel():
             continue  # a tied weight (LM head = embedding) is stored once
         seen.add(pointer)
-        tensors[key] = value.detach().cpu().contiguous()
+        value = value.detach().cpu()
+        if dense_dtype is not None and value.is_floating_point():
+            value = value.to(dense_dtype)
+        tensors[key] = value.contiguous()
     metadata = {
         "format": FORMAT_NAME,
         "version": FORMAT_VERSION,
