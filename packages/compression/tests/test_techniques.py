@@ -238,3 +238,18 @@ def test_qat_trains_with_an_optimizer_built_before_init_compression() -> None:
         scheduler.step()
         losses.append(loss.item())
     assert losses[-1] < 0.5 * losses[0]
+
+
+def test_conv1d_layers_become_equal_linears() -> None:
+    from transformers.pytorch_utils import Conv1D
+
+    from slipstream.compression.helper import convert_conv1d_to_linear
+
+    torch.manual_seed(0)
+    model = nn.ModuleList([Conv1D(12, 8) for _ in range(2)])  # DeepSpeed's test: a list of them
+    x = torch.randn(3, 8)
+    expected = [layer(x) for layer in model]
+    convert_conv1d_to_linear(model, Conv1D)
+    for layer, want in zip(model, expected):
+        assert type(layer) is nn.Linear
+        torch.testing.assert_close(layer(x), want)
