@@ -4,6 +4,7 @@ step for step equal to a plain loop that drives the CompressionScheduler itself.
 from __future__ import annotations
 
 import copy
+from pathlib import Path
 from typing import Any
 
 import pytest
@@ -42,7 +43,7 @@ def _data(step: int) -> tuple[torch.Tensor, torch.Tensor]:
     return x, x.sum(dim=1, keepdim=True)
 
 
-def _qat_worker() -> dict[str, Any]:
+def _qat_worker(save_dir: str) -> dict[str, Any]:
     import slipstream
     from slipstream.compression import CompressionScheduler, init_compression
 
@@ -75,12 +76,28 @@ def _qat_worker() -> dict[str, Any]:
         scheduler.step()
         expected.append(ref_loss.item())
     zeros = float((engine.module[1].compressed_weight()[0] == 0).float().mean())
-    return {"losses": losses, "expected": expected, "bits": bits, "zeros": zeros}
+    # The scheduler's step count travels with the checkpoint: a resumed run quantizes alike.
+    engine.save_checkpoint(save_dir, tag="qat")
+    resumed, *_ = slipstream.initialize(model=Net(), config=config)
+    resumed.load_checkpoint(save_dir, tag="qat")
+    x, y = _data(8)
+    same = torch.allclose(resumed(x, y), engine(x, y))
+    return {
+        "losses": losses,
+        "expected": expected,
+        "bits": bits,
+        "zeros": zeros,
+        "resumed_steps": resumed.compression_scheduler.training_steps,
+        "resumed_bits": resumed.module[0].weight_bits,
+        "resumed_same_loss": same,
+    }
 
 
-def test_qat_and_pruning_follow_the_engine_steps() -> None:
-    for result in run_distributed(_qat_worker, 2):
+def test_qat_and_pruning_follow_the_engine_steps(tmp_path: Path) -> None:
+    for result in run_distributed(_qat_worker, 2, str(tmp_path)):
         assert result["bits"] == [None, None, 8, 8, 7, 7, 6, 6]
+        assert result["resumed_steps"] == 8 and result["resumed_bits"] == 5
+        assert result["resumed_same_loss"]
         assert result["zeros"] == pytest.approx(0.5)
         torch.testing.assert_close(result["losses"], result["expected"], rtol=1e-5, atol=1e-6)
 

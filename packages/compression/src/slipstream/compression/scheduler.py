@@ -66,11 +66,28 @@ class CompressionScheduler:
             for technique, settings in module.prune.items():
                 module.set_prune_ratio(technique, settings.ratio_at(step))
 
-    def state_dict(self) -> dict[str, int]:
-        """The step count (checkpointed by the engine)."""
-        return {"training_steps": self.training_steps}
+    def state_dict(self) -> dict[str, Any]:
+        """The step count and the pruning masks in use (checkpointed by the engine).
 
-    def load_state_dict(self, state: dict[str, int]) -> None:
-        """Restore the step count and the modules' state at that step."""
+        Masks are part of the state: an ``l1`` mask was fixed from the weights of the step it
+        switched on, and recomputing it from later weights would change the model.
+        """
+        masks = {
+            name: {technique: mask.detach().cpu() for technique, mask in module.masks.items()}
+            for name, module in self.modules()
+            if module.masks
+        }
+        return {"training_steps": self.training_steps, "masks": masks}
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        """Restore the step count, the masks, and the modules' state at that step."""
         self.training_steps = int(state["training_steps"])
+        modules = dict(self.modules())
+        for name, masks in state.get("masks", {}).items():
+            module = modules[name]
+            for technique, mask in masks.items():
+                ratio = module.prune[technique].ratio_at(self.training_steps)
+                if ratio is not None:
+                    module.prune_ratio[technique] = ratio
+                    module.masks[technique] = mask.to(module.weight.device)
         self.apply()
