@@ -253,3 +253,50 @@ def test_conv1d_layers_become_equal_linears() -> None:
     for layer, want in zip(model, expected):
         assert type(layer) is nn.Linear
         torch.testing.assert_close(layer(x), want)
+
+
+def test_mixed_quantize_static_activations_and_stochastic_rounding() -> None:
+    torch.manual_seed(0)
+    # fp16_mixed_quantize: the forward blends toward the quantized weight by the change ratio.
+    model = nn.Sequential(nn.Linear(8, 4, bias=False))
+    config = _wq(3, fp16_mixed_quantize={"enabled": True, "quantize_change_ratio": 0.25})
+    init_compression(model, config)
+    scheduler = CompressionScheduler(model, config)
+    weight = model[0].weight.detach().clone()
+    q = quantized_values(weight, 3, 1)
+    for step in range(5):
+        expected = min(1.0, 0.25 * step) * q + (1 - min(1.0, 0.25 * step)) * weight
+        torch.testing.assert_close(model[0].compressed_weight()[0], expected)
+        scheduler.step()
+    # Static activation ranges: a running range in training, frozen in eval.
+    layer = nn.Sequential(nn.Linear(4, 2))
+    init_compression(
+        layer,
+        {
+            "compression_training": {
+                "activation_quantization": {
+                    "shared_parameters": {
+                        "enabled": True,
+                        "schedule_offset": 0,
+                        "range_calibration": "static",
+                    },
+                    "different_groups": {"aq1": {"params": {"bits": 4}}},
+                }
+            }
+        },
+    )
+    linear = layer[0]
+    layer.train()
+    layer(torch.full((2, 4), 1.0))
+    layer(torch.full((2, 4), 3.0))
+    _, high = linear.static_range
+    assert float(high) == pytest.approx(0.95 * 1.0 + 0.05 * 3.0)
+    layer.eval()
+    layer(torch.full((2, 4), 100.0))
+    assert float(linear.static_range[1]) == float(high)
+    # Stochastic rounding stays on the grid and is unbiased on average.
+    x = torch.full((4000,), 0.3)
+    x[0] = 1.0  # absmax 1, step 1/7 at 4 bits: 0.3 lies between 2/7 and 3/7
+    values = quantized_values(x, 4, 1, stochastic=True)
+    assert set((values * 7).round().unique().tolist()) <= {2.0, 3.0, 7.0}
+    assert float(values[1:].mean()) == pytest.approx(0.3, abs=0.01)
