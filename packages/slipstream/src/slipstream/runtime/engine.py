@@ -1030,7 +1030,9 @@ def _compression_scheduler(
     before ``initialize``.
     """
     block = config.compression_training
-    if not block.enabled:
+    grouped = any(t.shared_parameters.enabled for t in block.techniques().values())
+    if not grouped:
+        # Nothing to schedule; layer reduction is a one-time change made by init_compression.
         return None
     if config.zero_optimization.stage == 3:
         raise ConfigError(
