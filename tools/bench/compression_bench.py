@@ -6,8 +6,8 @@
    validation loss (``floor``); training stops at ``floor + --target-gap`` or ``--train-steps``.
 2. Compressed copies, each with its validation perplexity (same held-out batches) and size:
    W8A8 ZeroQuant; W4 ZeroQuant without and with layer-by-layer distillation (LKD); XTC (layer
-   reduction, then ternary weights, both with logit distillation); 50% head pruning (then
-   distillation with the masks on, then ``redundancy_clean``). Sizes are the packed export's bytes
+   reduction, then ternary weights, both with logit distillation); 50% structured pruning of
+   heads and MLP rows (then distillation with the masks on, then ``redundancy_clean``). Sizes are the packed export's bytes
    against bf16 for the same tensors.
 3. The W8 and W4 exports are loaded by ``init_inference`` (kernel injection, CUDA-graph decode,
    fp16 compute) and decode speed is compared with the bf16 model served the same way
@@ -157,7 +157,10 @@ def train(args: argparse.Namespace, preset: dict[str, Any], source: MarkovSource
     g = torch.Generator().manual_seed(args.seed + 1)
     optimizer = torch.optim.AdamW(model.parameters(), lr=preset["lr"], weight_decay=0.0)
     schedule = torch.optim.lr_scheduler.OneCycleLR(
-        optimizer, max_lr=preset["lr"], total_steps=args.train_steps, pct_start=0.05
+        optimizer,
+        max_lr=preset["lr"],
+        total_steps=args.train_steps,
+        pct_start=max(0.05, 4 / args.train_steps),
     )
     autocast = torch.autocast(args.device, dtype=torch.bfloat16, enabled=args.device == "cuda")
     start = time.perf_counter()
@@ -325,7 +328,8 @@ def main() -> None:
     report("xtc_ternary", student, xtc_config, kept_layers=keep,
            seconds=round(time.perf_counter() - start, 1))  # fmt: skip
 
-    # 50% structured pruning: half of every layer's attention heads, recovered by distillation.
+    # 50% structured pruning: half of every layer's attention heads and MLP rows (up_proj with
+    # its sibling gate_proj and the follower down_proj), recovered by distillation.
     heads = preset["num_attention_heads"]
     prune_block = {
         "head_pruning": {
@@ -335,14 +339,21 @@ def main() -> None:
                 "hp1": {"params": {"dense_ratio": 0.5}, "modules": ["self_attn.o_proj"],
                         "related_modules": [["q_proj", "k_proj", "v_proj"]]}
             },
-        }
+        },
+        "row_pruning": {
+            "shared_parameters": {"enabled": True, "schedule_offset": 0, "method": "l1"},
+            "different_groups": {
+                "rp1": {"params": {"dense_ratio": 0.5}, "modules": ["mlp.up_proj"],
+                        "related_modules": [["mlp.gate_proj", "mlp.down_proj"]]}
+            },
+        },
     }  # fmt: skip
     pruned = init_compression(copy.deepcopy(base), {"compression_training": prune_block})
     before = perplexity(logits_fn(pruned), val)
     scheduler = CompressionScheduler(pruned, prune_block)
     distill(pruned, base, train_batches, args.kd_steps, lr=3e-4,
             on_step=lambda step, loss: scheduler.step())  # fmt: skip
-    report("heads_pruned_50pct", pruned, {"compression_training": prune_block},
+    report("structured_pruned_50pct", pruned, {"compression_training": prune_block},
            ppl_before_distillation=round(before, 4))  # fmt: skip
 
     # Serving: the W8 and W4 exports through init_inference, against the bf16 model.

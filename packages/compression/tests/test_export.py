@@ -27,7 +27,7 @@ def test_packed_size_and_exact_round_trip(bits: int, code_bytes: float) -> None:
     torch.testing.assert_close(restored, weight, rtol=0, atol=1e-6)
 
 
-def _llama_config(bits: int, **extra: Any) -> dict[str, Any]:
+def _llama_config(bits: int) -> dict[str, Any]:
     return {
         "compression_training": {
             "weight_quantization": {
@@ -43,12 +43,23 @@ def _llama_config(bits: int, **extra: Any) -> dict[str, Any]:
                     }
                 },
             },
-            **extra,
         }
     }
 
 
 HEAD_PRUNING = {
+    # Llama's MLP: up_proj rows go, with the same rows of its sibling gate_proj (same shape)
+    # and the matching input columns of down_proj (DeepSpeed's related module).
+    "row_pruning": {
+        "shared_parameters": {"enabled": True, "schedule_offset": 0},
+        "different_groups": {
+            "rp1": {
+                "params": {"dense_ratio": 0.5},
+                "modules": ["mlp.up_proj"],
+                "related_modules": [["mlp.gate_proj", "mlp.down_proj"]],
+            }
+        },
+    },
     "head_pruning": {
         "shared_parameters": {"enabled": True, "schedule_offset": 0, "num_heads": 4},
         "different_groups": {
@@ -58,14 +69,14 @@ HEAD_PRUNING = {
                 "related_modules": [["q_proj", "k_proj", "v_proj"]],
             }
         },
-    }
+    },
 }
 
 
 @pytest.mark.parametrize(
     "bits,extra",
     [(8, {}), (4, {}), (2, {}), (8, HEAD_PRUNING)],
-    ids=["w8", "w4", "ternary", "w8-heads"],
+    ids=["w8", "w4", "ternary", "w8-heads-rows"],
 )
 def test_export_is_served_by_init_inference(
     bits: int, extra: dict[str, Any], tmp_path: Path
@@ -77,10 +88,19 @@ def test_export_is_served_by_init_inference(
 
     # Head pruning needs as many key/value heads as query heads (no grouped-query attention).
     model = tiny_llama() if extra else tiny_hf_model("llama")
-    config = _llama_config(bits, **extra)
+    ids = torch.randint(3, 96, (2, 10))
+    if extra:  # prune first (shapes cut), then quantize the pruned model: an exact export
+        pruning = {"compression_training": extra}
+        init_compression(model, pruning)
+        with torch.no_grad():
+            masked = model(ids).logits
+        redundancy_clean(model, pruning)
+        with torch.no_grad():  # gate_proj lost up_proj's rows, down_proj their columns
+            torch.testing.assert_close(model(ids).logits, masked, rtol=1e-5, atol=1e-5)
+        assert model.model.layers[0].mlp.gate_proj.weight.shape == (64, 64)  # type: ignore[union-attr]
+    config = _llama_config(bits)
     init_compression(model, config)
     redundancy_clean(model, config)
-    ids = torch.randint(3, 96, (2, 10))
     with torch.no_grad():
         expected = model(ids).logits
     summary = save_compressed(model, tmp_path)
@@ -94,6 +114,7 @@ def test_export_is_served_by_init_inference(
     hf_config = transformers.AutoConfig.from_pretrained(tmp_path)
     if extra:
         assert hf_config.num_attention_heads == 2 and hf_config.head_dim == 16
+        assert hf_config.intermediate_size == 64
     fresh = transformers.AutoModelForCausalLM.from_config(hf_config, attn_implementation="eager")
     engine = init_inference(
         fresh.eval(), dtype="fp32", replace_with_kernel_inject=True, checkpoint=str(tmp_path)

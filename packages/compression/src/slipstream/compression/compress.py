@@ -313,6 +313,19 @@ def _keep_columns(module: nn.Module, keep: torch.Tensor) -> None:
         )
 
 
+def _is_sibling(module: nn.Module, shape: tuple[int, ...]) -> bool:
+    """A related Linear with the pruned one's (non-square) shape is a sibling that reads the same
+    input and loses the same rows (Llama's gate_proj beside a row-pruned up_proj); any other
+    related module follows the pruned one and loses input columns (DeepSpeed's meaning)."""
+    weight = getattr(module, "weight", None)
+    return (
+        isinstance(module, nn.Linear)
+        and isinstance(weight, torch.Tensor)
+        and tuple(weight.shape) == shape
+        and shape[0] != shape[1]
+    )
+
+
 def _final_mask(state: CompressionState, technique: str) -> torch.Tensor:
     """The mask in use (what the last forward applied), or one at the final dense ratio."""
     mask = state.masks.get(technique)
@@ -389,10 +402,15 @@ def redundancy_clean(model: nn.Module, deepspeed_config: Any, mpu: Any = None) -
                 continue
             keep = _final_mask(state, technique).nonzero().flatten()
             before = state.weight.shape[0]
+            shape = tuple(state.weight.shape)
             _keep_rows(state, keep)  # type: ignore[arg-type]
             row_sizes.setdefault(before, set()).add(int(keep.numel()))
             for other in state.prune[technique].related:
-                _keep_columns(model.get_submodule(other), keep)
+                related = model.get_submodule(other)
+                if _is_sibling(related, shape):
+                    _keep_rows(related, keep)
+                else:
+                    _keep_columns(related, keep)
             state.prune.pop(technique)
             state.set_prune_ratio(technique, None)
         if "head_pruning" in state.prune:
