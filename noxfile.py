@@ -41,6 +41,8 @@ TEST_EXTRAS: dict[str, list[str]] = {
         "uvicorn>=0.29",
         "httpx>=0.27",
     ],
+    # compression: tiny HF models; its export test serves through inference (installed before it)
+    "compression": ["transformers>=4.45"],
     "offload_io": ["aiofiles>=23.1", "xxhash>=3.0"],
     # swap payload and checkpoint checksums (slipstream.offload.checksum)
     "zero": ["xxhash>=3.0"],
@@ -61,6 +63,7 @@ class Package(enum.Enum):
     moe = "packages/moe"
     data_efficiency = "packages/data-efficiency"
     inference = "packages/inference"
+    compression = "packages/compression"
     slipstream = "packages/slipstream"
 
     @property

@@ -532,10 +532,6 @@ def test_optimizer_errors() -> None:
 NONE = object()
 FEATURE_CASES: dict[str, tuple[Any, Any]] = {
     "flops_profiler": ({"enabled": False, "profile_step": 1}, {"enabled": True}),
-    "compression_training": (
-        {"weight_quantization": {"shared_parameters": {"enabled": False}}},
-        {"weight_quantization": {"shared_parameters": {"enabled": True}}},
-    ),
     "quantize_training": ({"enabled": False}, {"enabled": True}),
     "weight_quantization": ({"enabled": False}, {"post_init_quant": {}}),
     "eigenvalue": ({"enabled": False}, {"enabled": True}),

@@ -85,9 +85,11 @@ class InferenceEngine(nn.Module):
             model.to(device=self.device, dtype=dtype)
             return
         if config.checkpoint_path:
-            from slipstream.inference.checkpoint import load_hf_checkpoint
+            from slipstream.inference.compressed import load_checkpoint
 
-            load_hf_checkpoint(model, config.checkpoint_path)
+            # Hugging Face safetensors, or slipstream-compression's packed export (which sets
+            # the config's weight bits and group size to the export's).
+            load_checkpoint(model, config)
         fused = from_hf(model)
         # The order matters: cast before quantizing (scales come from the cast weights), shard
         # before quantizing (each rank's groups lie inside its own slice) and before placing (each

@@ -17,7 +17,6 @@ from typing import Any
 from slipstream.config.feature_rules import (
     ActivePredicate,
     always,
-    any_nested_enabled,
     data_types_active,
     enabled_flag,
     non_default,
@@ -86,13 +85,6 @@ RECOGNISED_FEATURES: dict[str, RecognisedFeature] = {
             "slipstream's profiler (" + _UMBRELLA_LATER + ")",
             enabled_flag(),
             _OFF,
-        ),
-        RecognisedFeature(
-            "compression_training",
-            "compression-aware training",
-            "the slipstream-compression package",
-            any_nested_enabled,
-            "every technique disabled",
         ),
         RecognisedFeature(
             "quantize_training",

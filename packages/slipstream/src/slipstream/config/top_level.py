@@ -10,6 +10,7 @@ from typing import Any
 import torch
 
 from slipstream.comm.config import CommsLoggerConfig
+from slipstream.compression.config import CompressionConfig
 from slipstream.config.batch import resolve_batch_sizes
 from slipstream.config.blocks import AmdSpecificConfig, OptimizerConfig, SchedulerConfig
 from slipstream.config.checkpoint import CheckpointConfig
@@ -104,6 +105,8 @@ class SlipstreamConfig(ConfigBlock):
         default_factory=CurriculumLearningConfig
     )
     data_efficiency: DataEfficiencyConfig = dataclasses.field(default_factory=DataEfficiencyConfig)
+    # Owned by slipstream-compression: the engine steps its CompressionScheduler.
+    compression_training: CompressionConfig = dataclasses.field(default_factory=CompressionConfig)
     checkpoint: CheckpointConfig = dataclasses.field(default_factory=CheckpointConfig)
     # The monitors (slipstream.monitor): rank 0 writes the engine's events to each enabled one.
     tensorboard: TensorBoardConfig = dataclasses.field(default_factory=TensorBoardConfig)

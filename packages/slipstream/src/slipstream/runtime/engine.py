@@ -14,10 +14,12 @@ import torch
 import torch.distributed as dist
 
 from slipstream import comm
+from slipstream.compression import CompressionScheduler, CompressionState, init_compression
 from slipstream.config import SlipstreamConfig
 from slipstream.data import STATE_KEY as DATA_EFFICIENCY_STATE_KEY
 from slipstream.data import DataEfficiency, RandomLayerTokenDrop
 from slipstream.kernels import get_accelerator
+from slipstream.kernels.config_schema import ConfigError
 from slipstream.kernels.loss_scaler import LossScaler, grads_have_inf_or_nan
 from slipstream.monitor import MonitorMaster
 from slipstream.offload import OffloadIOError
@@ -190,6 +192,8 @@ class SlipstreamEngine(torch.nn.Module):
             micro_batch_size=self._micro_batch,
         )
         self._setup_data_efficiency()
+        # Compression-aware training (slipstream.compression): None when no technique is on.
+        self.compression_scheduler = _compression_scheduler(self.module, config)
 
         # 3. fp16 loss scaling; fp32/bf16 skip non-finite steps instead (docs/reliability.md).
         self.loss_scaler = LossScaler.from_config(config.fp16) if config.fp16.enabled else None
@@ -547,6 +551,8 @@ class SlipstreamEngine(torch.nn.Module):
             self._cycle_loss = None
             self.global_steps += 1
             self.global_samples += self._train_batch
+            if self.compression_scheduler is not None:
+                self.compression_scheduler.step()  # bits, masks and ratios of the next step
             if self.monitor.enabled:
                 self._monitor_step()
             if self.global_steps % self.config.steps_per_print == 0:
@@ -807,6 +813,8 @@ class SlipstreamEngine(torch.nn.Module):
         if self.data_efficiency is not None:
             # Scheduler states, sampler position and consumed samples travel in client state.
             client_state[DATA_EFFICIENCY_STATE_KEY] = self.data_efficiency.state_dict()
+        if self.compression_scheduler is not None:
+            client_state[COMPRESSION_STATE_KEY] = self.compression_scheduler.state_dict()
         with self._optimizer_resident():
             return checkpointing.save(
                 self, save_dir, tag, client_state, save_latest, allow_non_finite
@@ -840,6 +848,9 @@ class SlipstreamEngine(torch.nn.Module):
                 load_lr_scheduler_states=load_lr_scheduler_states and not load_module_only,
                 load_module_only=load_module_only,
             )
+        compression_state = client_state.pop(COMPRESSION_STATE_KEY, None)
+        if compression_state is not None and self.compression_scheduler is not None:
+            self.compression_scheduler.load_state_dict(compression_state)
         data_state = client_state.pop(DATA_EFFICIENCY_STATE_KEY, None)
         if data_state is not None and self.data_efficiency is not None:
             self.data_efficiency.load_state_dict(data_state)
@@ -1004,6 +1015,42 @@ class SlipstreamEngine(torch.nn.Module):
                 f"neither the {type(self).__name__} nor its module ({type(module).__name__}) "
                 f"has an attribute {name!r}"
             ) from None
+
+
+COMPRESSION_STATE_KEY = "compression_scheduler"
+
+
+def _compression_scheduler(
+    model: torch.nn.Module, config: SlipstreamConfig
+) -> CompressionScheduler | None:
+    """The scheduler of ``compression_training`` (None when every technique is off).
+
+    A model that ``init_compression`` has not prepared yet is prepared here (its parameters
+    stay the same objects); layer reduction changes the model's depth, so it must happen
+    before ``initialize``.
+    """
+    block = config.compression_training
+    grouped = any(t.shared_parameters.enabled for t in block.techniques().values())
+    if not grouped:
+        # Nothing to schedule; layer reduction is a one-time change made by init_compression.
+        return None
+    if config.zero_optimization.stage == 3:
+        raise ConfigError(
+            "compression_training with zero_optimization.stage = 3 is not supported: the "
+            "compressed layers need their whole weight in every forward; use stage 0, 1 or 2",
+            "compression_training",
+        )
+    prepared = any(isinstance(module, CompressionState) for module in model.modules())
+    if not prepared:
+        if block.layer_reduction.enabled:
+            raise ConfigError(
+                "compression_training.layer_reduction changes the model's depth: call "
+                "slipstream.compression.init_compression(model, config, teacher_model) before "
+                "slipstream.initialize",
+                "compression_training.layer_reduction",
+            )
+        init_compression(model, block)
+    return CompressionScheduler(model, block)
 
 
 def _refuse_partitioned(model: torch.nn.Module, stage: int) -> None:
