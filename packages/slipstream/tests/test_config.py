@@ -552,7 +552,6 @@ FEATURE_CASES: dict[str, tuple[Any, Any]] = {
     "torch_autocast": ({"enabled": False}, {"enabled": True, "dtype": "bfloat16"}),
     "tensor_parallel": ({"autotp_size": 0}, {"autotp_size": 4}),
     "expert_parallel": ({"enabled": False, "autoep_size": 4}, {"enabled": True}),
-    "sequence_parallel_size": (1, 4),
     "seq_parallel_communication_data_type": ("fp32", "bf16"),
     "seq_parallel_comm_data_type": ("FP32", "fp16"),
     "use_data_before_expert_parallelism": (False, True),

@@ -223,6 +223,9 @@ class SlipstreamEngine(torch.nn.Module):
                 )
             self._hooks = register_ready_hooks(self._params, self._on_grad_ready)
 
+        # Ulysses (DeepSpeed's names): set by initialize() from sequence_parallel_size.
+        self.sequence_parallel_size = 1
+        self.seq_parallel_group: Any = None
         # Loop state, named as in DeepSpeed.
         self.global_steps = 0
         self.global_samples = 0
