@@ -105,6 +105,8 @@ def initialize(
     )
     parsed: SlipstreamConfig = load_config(source, world_size=dp_world)
     _apply_amd_specific(parsed)
+    if "comms_logger" in parsed.raw:
+        comm.configure(parsed.comms_logger)  # deepspeed.initialize applies this block too
     from slipstream import checkpointing
 
     checkpointing.configure(mpu, deepspeed_config=parsed.activation_checkpointing)
