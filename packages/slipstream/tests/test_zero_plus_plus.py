@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import copy
 
+import pytest
 import torch
 
 from slipstream.comm.testing import run_distributed
@@ -12,7 +13,9 @@ from slipstream.comm.testing import run_distributed
 STEPS, MICRO, VOCAB, DIM = 3, 2, 64, 32
 
 
-def _run(model: torch.nn.Module, extra: dict) -> tuple[list[float], list[torch.Tensor], dict]:
+def _run(
+    model: torch.nn.Module, extra: dict, directory: str = ""
+) -> tuple[list[float], list[torch.Tensor], dict]:
     """Train a copy of ``model`` at ZeRO-3 with ``extra`` ZeRO keys; losses, weights, bytes."""
     import slipstream
     from slipstream import comm
@@ -54,6 +57,11 @@ def _run(model: torch.nn.Module, extra: dict) -> tuple[list[float], list[torch.T
     )
     with GatheredParameters(list(engine.module.parameters())):
         weights = [p.detach().clone() for p in engine.module.parameters()]
+    if "mics_shard_size" in extra:
+        from slipstream.runtime.checkpoint_store import CheckpointError
+
+        with pytest.raises(CheckpointError, match="checkpoints of MiCS runs"):
+            engine.save_checkpoint(str(directory))
     return losses, weights, sent
 
 
@@ -63,7 +71,7 @@ def _rel(a: list[torch.Tensor], b: list[torch.Tensor]) -> float:
     return float(diff.norm() / torch.cat([y.reshape(-1) for y in b]).norm())
 
 
-def _zero_plus_plus_world() -> dict:
+def _zero_plus_plus_world(directory: str) -> dict:
     from slipstream.zero.testing import TinyTransformer
 
     torch.manual_seed(0)
@@ -72,7 +80,7 @@ def _zero_plus_plus_world() -> dict:
     qwz = _run(model, {"zero_quantized_weights": True})
     qgz = _run(model, {"zero_quantized_gradients": True})
     both = _run(model, {"zero_quantized_weights": True, "zero_quantized_gradients": True})
-    mics = _run(model, {"mics_shard_size": 2})
+    mics = _run(model, {"mics_shard_size": 2}, directory)
     out = {"plain": plain[2], "qwz": qwz[2], "qgz": qgz[2], "mics": mics[2]}
     for name, run in (("qwz", qwz), ("qgz", qgz), ("both", both), ("mics", mics)):
         out[name + "_loss"] = max(abs(a - b) / b for a, b in zip(run[0], plain[0]))
@@ -80,8 +88,8 @@ def _zero_plus_plus_world() -> dict:
     return out
 
 
-def test_qwz_qgz_mics_match_plain_zero3_with_fewer_bytes() -> None:
-    result = run_distributed(_zero_plus_plus_world, 4, timeout=300)[0]
+def test_qwz_qgz_mics_match_plain_zero3_with_fewer_bytes(tmp_path) -> None:
+    result = run_distributed(_zero_plus_plus_world, 4, str(tmp_path), timeout=300)[0]
     plain, qwz, qgz, mics = result["plain"], result["qwz"], result["qgz"], result["mics"]
     # MiCS reorders the same fp32 sums (within 2 ranks, then across 2 replicas): equal to
     # plain ZeRO-3 up to rounding.
