@@ -305,7 +305,6 @@ def test_zero_stages_1_to_3_load(stage: int) -> None:
 @pytest.mark.parametrize(
     ("key", "value"),
     [
-        ("zero_hpz_partition_size", 8),
         ("zero_quantized_nontrainable_weights", True),
         ("mics_hierarchical_params_gather", True),
     ],
@@ -319,7 +318,12 @@ def test_unbuilt_zero_plus_plus_keys_are_not_implemented(key: str, value: Any) -
 
 @pytest.mark.parametrize(
     ("key", "value"),
-    [("zero_quantized_weights", True), ("zero_quantized_gradients", True), ("mics_shard_size", 4)],
+    [
+        ("zero_quantized_weights", True),
+        ("zero_quantized_gradients", True),
+        ("mics_shard_size", 4),
+        ("zero_hpz_partition_size", 8),
+    ],
 )
 def test_zero_plus_plus_and_mics_load_at_stage_3_only(key: str, value: Any) -> None:
     assert getattr(load({"zero_optimization": {"stage": 3, key: value}}).zero_optimization, key)

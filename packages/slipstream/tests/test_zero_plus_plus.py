@@ -81,8 +81,9 @@ def _zero_plus_plus_world(directory: str) -> dict:
     qgz = _run(model, {"zero_quantized_gradients": True})
     both = _run(model, {"zero_quantized_weights": True, "zero_quantized_gradients": True})
     mics = _run(model, {"mics_shard_size": 2}, directory)
-    out = {"plain": plain[2], "qwz": qwz[2], "qgz": qgz[2], "mics": mics[2]}
-    for name, run in (("qwz", qwz), ("qgz", qgz), ("both", both), ("mics", mics)):
+    hpz = _run(model, {"zero_hpz_partition_size": 2})
+    out = {"plain": plain[2], "qwz": qwz[2], "qgz": qgz[2], "mics": mics[2], "hpz": hpz[2]}
+    for name, run in (("qwz", qwz), ("qgz", qgz), ("both", both), ("mics", mics), ("hpz", hpz)):
         out[name + "_loss"] = max(abs(a - b) / b for a, b in zip(run[0], plain[0]))
         out[name + "_weights"] = _rel(run[1], plain[1])
     return out
@@ -100,6 +101,15 @@ def test_qwz_qgz_mics_match_plain_zero3_with_fewer_bytes(tmp_path) -> None:
     ratio = mics["all_gather_into_tensor_bus"] / plain["all_gather_into_tensor_bus"]
     assert abs(ratio - (1 / 2) / (3 / 4)) < 1e-9, result
     assert mics["all_reduce"] > plain.get("all_reduce", 0), result
+    # hpZ gathers the same values (primary shards across 4 ranks on first use, secondary ones
+    # within each 2-rank "node" after): bit-equal training, fewer bytes over the busiest link.
+    hpz = result["hpz"]
+    assert result["hpz_loss"] == 0 and result["hpz_weights"] == 0, result
+    assert hpz["all_gather_into_tensor"] == plain["all_gather_into_tensor"], result
+    # Each parameter is gathered once in forward (3/4 of it per rank) and once in backward
+    # (1/2 instead of 3/4 within the node): (3/4 + 1/2) / (3/4 + 3/4) = 0.83 of the bus bytes.
+    ratio = hpz["all_gather_into_tensor_bus"] / plain["all_gather_into_tensor_bus"]
+    assert 0.78 < ratio < 0.84, result
     # qwZ/qgZ: int8 with one fp32 scale per 256 values (or per shard when smaller) bounds each
     # value's error by half a step, |block max| / 254 (0.4% of the block's largest value), so
     # the weights (gradients) each step sees are within 0.4% of the plain run's; over 3 SGD

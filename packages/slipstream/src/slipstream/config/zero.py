@@ -135,7 +135,6 @@ STAGE0_EFFECTIVE_KEYS = frozenset({"stage", "reduce_bucket_size"})
 # ZeRO++ / MiCS switches not built yet: (field, inert value, what it asks for).
 _ZERO_PLUS_PLUS: tuple[tuple[str, Any, str], ...] = (
     ("zero_quantized_nontrainable_weights", False, "ZeRO++ quantized frozen weights"),
-    ("zero_hpz_partition_size", 1, "ZeRO++ hierarchical partitioning (hpZ)"),
     ("mics_hierarchical_params_gather", False, "MiCS hierarchical (two-hop) parameter gather"),
 )
 # ZeRO++ / MiCS switches that run (stage 3 only; slipstream.zero.zeropp): field, inert value.
@@ -143,6 +142,7 @@ _ZERO_PLUS_PLUS_STAGE3: tuple[tuple[str, Any], ...] = (
     ("zero_quantized_weights", False),
     ("zero_quantized_gradients", False),
     ("mics_shard_size", -1),
+    ("zero_hpz_partition_size", 1),
 )
 
 

@@ -67,6 +67,7 @@ def zero_group(config: SlipstreamConfig, dp_group: Any) -> DataParallelGroup:
         quantize_weights=zero.zero_quantized_weights,
         quantize_gradients=zero.zero_quantized_gradients,
         mics_shard_size=zero.mics_shard_size,
+        hpz_partition_size=zero.zero_hpz_partition_size,
     )
 
 

@@ -13,6 +13,12 @@ reduce code is unchanged:
 - **qgZ** (``zero_quantized_gradients``): the reduce-scatter becomes an all-to-all of int8
   blocks (each rank quantizes the piece of its gradient bucket that every other rank owns),
   followed by a local fp32 dequantize-and-sum of the pieces received.
+- **hpZ** (``zero_hpz_partition_size``): after a parameter's first full gather, each rank
+  keeps a *secondary* shard, its ``1/hpz`` slice of the full value within its group of
+  ``hpz`` adjacent ranks (a node); later gathers (backward, a module's second call) all-gather
+  those secondaries inside the node instead of the primary shards across the world. The
+  secondaries are dropped whenever the values change (after each optimizer step, a
+  checkpoint load, an edit under ``GatheredParameters``), so the next gather is a primary one.
 - **MiCS** (``mics_shard_size``): parameters, gradients and optimizer states are sharded over
   groups of ``mics_shard_size`` adjacent ranks and replicated across those groups; all-gathers
   stay inside a group, and gradients are reduce-scattered inside it and then all-reduced
@@ -42,6 +48,7 @@ __all__ = [
     "ZeroPlusPlusGroup",
     "build_zero_group",
     "full_precision_gathers",
+    "hpz_gathers",
 ]
 
 # Elements per quantization block (one fp32 scale each): 1/64 overhead in bytes on int8.
@@ -133,6 +140,9 @@ class ZeroPlusPlusGroup(DataParallelGroup):
     quantize_gradients: bool = False
     replica_group: dist.ProcessGroup | None = None
     replicas: int = 1
+    hpz_group: dist.ProcessGroup | None = None
+    hpz_size: int = 1
+    hpz_rank: int = 0
 
     # ------------------------------------------------------------------ parameters
     def all_gather_into(
@@ -221,12 +231,97 @@ class ZeroPlusPlusGroup(DataParallelGroup):
         return tensor
 
 
+class _SecondaryGather:
+    """hpZ: an all-gather of the members' secondary shards within the node group."""
+
+    def __init__(self, members: list[Any], async_op: bool) -> None:
+        from slipstream.zero.layout import ShardSpec
+
+        group: ZeroPlusPlusGroup = members[0].group
+        self.members = members
+        self.size = group.hpz_size
+        self.specs = [ShardSpec(m.param.shape, self.size) for m in members]
+        send = torch.cat([m.secondary.reshape(-1) for m in members])
+        self.total = send.numel()
+        self.out = torch.empty(self.size * self.total, dtype=send.dtype, device=send.device)
+        self.work = comm.all_gather_into_tensor(
+            self.out, send, group=group.hpz_group, async_op=async_op
+        )
+        for member in members:
+            member.pending = self
+        self.done = False
+
+    def wait(self) -> None:
+        """Finish the collective and copy each parameter's full value into its storage."""
+        from slipstream.zero.stage3.state import ShardState
+
+        if self.done:
+            return
+        if self.work is not None:
+            self.work.wait()
+        rows = self.out.view(self.size, self.total)
+        offset = 0
+        for member, spec in zip(self.members, self.specs):
+            member.allocate()
+            full = rows[:, offset : offset + spec.shard_numel].reshape(-1)[: spec.numel]
+            with torch.no_grad():
+                member.param.data.copy_(full.view(spec.shape))
+            member.state = ShardState.UNSHARDED
+            member.pending = None
+            offset += spec.shard_numel
+        self.done = True
+        del self.out
+
+
+class _PrimaryGather:
+    """hpZ: the ordinary (primary) gather, which keeps each member's secondary shard once the
+    full value is in."""
+
+    def __init__(self, pending: Any) -> None:
+        self.pending = pending
+        self.members = pending.members
+        for member in self.members:
+            member.pending = self
+
+    def wait(self) -> None:
+        """Finish the primary gather, then cut the secondaries from the full values."""
+        from slipstream.zero.layout import ShardSpec
+
+        if self.pending is None:
+            return
+        for member in self.members:
+            member.pending = self.pending
+        self.pending.wait()
+        self.pending = None
+        for member in self.members:
+            group = member.group
+            spec = ShardSpec(member.param.shape, group.hpz_size)
+            member.secondary = spec.shard_of(member.param.data, group.hpz_rank)
+
+
+def hpz_gathers(by_dtype: list[list[Any]], async_op: bool) -> list[Any]:
+    """Stage 3's gathers under hpZ: within the node from secondaries where every member has
+    one, else primary gathers that keep secondaries (one collective per dtype group)."""
+    from slipstream.zero.stage3.sharded_param import PendingGather
+
+    if _exact():  # GatheredParameters: the primary shards, exactly (no secondaries kept)
+        return [PendingGather(members, async_op) for members in by_dtype]
+    out: list[Any] = []
+    for members in by_dtype:
+        if all(m.secondary is not None for m in members):
+            out.append(_SecondaryGather(members, async_op))
+        else:
+            out.append(_PrimaryGather(PendingGather(members, async_op)))
+    return out
+
+
 def build_zero_group(
     group: dist.ProcessGroup | None = None,
     *,
     quantize_weights: bool = False,
     quantize_gradients: bool = False,
     mics_shard_size: int = -1,
+    hpz_partition_size: int = 1,
 ) -> DataParallelGroup:
     """The group stage 3 should shard over for these ZeRO++/MiCS settings.
 
@@ -237,8 +332,42 @@ def build_zero_group(
     """
     base = DataParallelGroup.of(group)
     mics = mics_shard_size > 0 and mics_shard_size != base.world_size
-    if not (quantize_weights or quantize_gradients or mics):
+    hpz = hpz_partition_size > 1 and base.world_size > hpz_partition_size
+    if not (quantize_weights or quantize_gradients or mics or hpz):
         return base
+    if mics and hpz:
+        raise ValueError(
+            f"zero_hpz_partition_size={hpz_partition_size} and mics_shard_size="
+            f"{mics_shard_size} both set: hpZ and MiCS are two ways to keep gathers inside a "
+            "node; choose one"
+        )
+    if hpz:
+        if group is not None:
+            raise ValueError(
+                f"zero_hpz_partition_size={hpz_partition_size} needs the default process group "
+                "as the data-parallel group (an mpu's was given); drop the mpu or hpZ"
+            )
+        if base.world_size % hpz_partition_size:
+            raise ValueError(
+                f"zero_hpz_partition_size={hpz_partition_size} does not divide the "
+                f"data-parallel world size {base.world_size}; use the number of GPUs per node"
+            )
+        node_group = None
+        for start in range(0, base.world_size, hpz_partition_size):
+            ranks = list(range(start, start + hpz_partition_size))
+            made = dist.new_group(ranks)  # collective: every rank creates every group
+            if base.rank in ranks:
+                node_group = made
+        return ZeroPlusPlusGroup(
+            base.group,
+            base.world_size,
+            base.rank,
+            quantize_weights=quantize_weights,
+            quantize_gradients=quantize_gradients,
+            hpz_group=node_group,
+            hpz_size=hpz_partition_size,
+            hpz_rank=base.rank % hpz_partition_size,
+        )
     if not mics:
         return ZeroPlusPlusGroup(
             base.group,
