@@ -88,6 +88,8 @@ def _zero_plus_plus(args: argparse.Namespace) -> dict[str, Any]:
         keys["zero_quantized_gradients"] = True
     if args.mics > 0:
         keys["mics_shard_size"] = args.mics
+    if args.hpz > 1:
+        keys["zero_hpz_partition_size"] = args.hpz
     return keys
 
 
@@ -416,6 +418,7 @@ def main(argv: list[str] | None = None) -> int:
         help="stage 3: zero_quantized_gradients (int8 all-to-all reduce-scatter)",
     )
     parser.add_argument("--mics", type=int, default=-1, help="stage 3: mics_shard_size")
+    parser.add_argument("--hpz", type=int, default=1, help="stage 3: zero_hpz_partition_size")
     parser.add_argument(
         "--comms-log",
         action="store_true",

@@ -153,8 +153,8 @@ class ZeroConfig(ConfigBlock):
     Stages 0 (plain data parallelism) to 3 run (stages 1-3 through the slipstream-zero
     package; docs/zero.md says which key does what), with optimizer offload to CPU or NVMe and
     parameter offload to CPU (slipstream-offload-io; docs/offload.md). At stage 3, ZeRO++'s
-    quantized weight all-gather and gradient reduce-scatter and MiCS shard groups run
-    (slipstream.zero.zeropp). Parameter offload to NVMe, hpZ, quantized frozen weights, MiCS's
+    quantized weight all-gather and gradient reduce-scatter, hpZ and MiCS shard groups run
+    (slipstream.zero.zeropp). Parameter offload to NVMe, quantized frozen weights, MiCS's
     hierarchical gather and ZenFlow are recognised and rejected with a clear error; every
     key is typed and checked so a config keeps working unchanged when they arrive. The ``stage3_*`` keys
     also accept DeepSpeed's Python names without the prefix (``prefetch_bucket_size``).
