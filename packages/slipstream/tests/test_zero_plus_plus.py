@@ -14,7 +14,7 @@ STEPS, MICRO, VOCAB, DIM = 3, 2, 64, 32
 
 
 def _run(
-    model: torch.nn.Module, extra: dict, directory: str = ""
+    model: torch.nn.Module, extra: dict, directory: str = "", top: dict | None = None
 ) -> tuple[list[float], list[torch.Tensor], dict]:
     """Train a copy of ``model`` at ZeRO-3 with ``extra`` ZeRO keys; losses, weights, bytes."""
     import slipstream
@@ -34,6 +34,7 @@ def _run(
             "reduce_bucket_size": 4096,
             **extra,
         },
+        **(top or {}),
     }
     engine, _, _, _ = slipstream.initialize(model=copy.deepcopy(model), config=config)
     comm.comms_logger.configure(enabled=True, prof_all=True)
@@ -82,7 +83,15 @@ def _zero_plus_plus_world(directory: str) -> dict:
     both = _run(model, {"zero_quantized_weights": True, "zero_quantized_gradients": True})
     mics = _run(model, {"mics_shard_size": 2}, directory)
     hpz = _run(model, {"zero_hpz_partition_size": 2})
+    # bf16 parameters and gradient reduction: the bytes that int8 halves.
+    bf16 = {"bf16": {"enabled": True}, "communication_data_type": "bf16"}
+    plain_bf16 = _run(model, {}, top=bf16)
+    quantized_bf16 = _run(
+        model, {"zero_quantized_weights": True, "zero_quantized_gradients": True}, top=bf16
+    )
     out = {"plain": plain[2], "qwz": qwz[2], "qgz": qgz[2], "mics": mics[2], "hpz": hpz[2]}
+    out["plain_bf16"], out["quantized_bf16"] = plain_bf16[2], quantized_bf16[2]
+    out["bf16_loss"] = max(abs(a - b) / b for a, b in zip(quantized_bf16[0], plain_bf16[0]))
     for name, run in (("qwz", qwz), ("qgz", qgz), ("both", both), ("mics", mics), ("hpz", hpz)):
         out[name + "_loss"] = max(abs(a - b) / b for a, b in zip(run[0], plain[0]))
         out[name + "_weights"] = _rel(run[1], plain[1])
@@ -124,3 +133,9 @@ def test_qwz_qgz_mics_match_plain_zero3_with_fewer_bytes(tmp_path) -> None:
     assert plain["all_gather_into_tensor"] / qwz["all_gather_into_tensor"] > 3.2, result
     assert "reduce_scatter_tensor" not in qgz, result
     assert plain["reduce_scatter_tensor"] / qgz["all_to_all_single"] > 3.4, result
+    # Against bf16 (2 B/value): 2 / (1 + 4/256) = 1.97x for large shards; 1.6x+ here.
+    plain_bf16, quantized_bf16 = result["plain_bf16"], result["quantized_bf16"]
+    ratio = plain_bf16["all_gather_into_tensor"] / quantized_bf16["all_gather_into_tensor"]
+    assert ratio > 1.6, result
+    assert plain_bf16["reduce_scatter_tensor"] / quantized_bf16["all_to_all_single"] > 1.7, result
+    assert result["bf16_loss"] <= 2e-2, result
