@@ -179,7 +179,7 @@ def _build(args: argparse.Namespace, device: torch.device) -> tuple[Any, Any, An
         else:
             import slipstream as front
 
-            if args.stage == 3:
+            if args.stage == 3 and args.mics <= 0:  # zero.Init shards over the whole world
                 import slipstream.zero as zero
 
                 init = zero.Init(config_dict_or_path=config)
