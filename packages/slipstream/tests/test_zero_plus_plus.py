@@ -83,6 +83,7 @@ def _zero_plus_plus_world(directory: str) -> dict:
     both = _run(model, {"zero_quantized_weights": True, "zero_quantized_gradients": True})
     mics = _run(model, {"mics_shard_size": 2}, directory)
     hpz = _run(model, {"zero_hpz_partition_size": 2})
+    hpz_qgz = _run(model, {"zero_hpz_partition_size": 2, "zero_quantized_gradients": True})
     # bf16 parameters and gradient reduction: the bytes that int8 halves.
     bf16 = {"bf16": {"enabled": True}, "communication_data_type": "bf16"}
     plain_bf16 = _run(model, {}, top=bf16)
@@ -91,6 +92,9 @@ def _zero_plus_plus_world(directory: str) -> dict:
     )
     out = {"plain": plain[2], "qwz": qwz[2], "qgz": qgz[2], "mics": mics[2], "hpz": hpz[2]}
     out["plain_bf16"], out["quantized_bf16"] = plain_bf16[2], quantized_bf16[2]
+    out["hpz_qgz"] = hpz_qgz[2]
+    out["hpz_qgz_loss"] = max(abs(a - b) / b for a, b in zip(hpz_qgz[0], plain[0]))
+    out["hpz_qgz_weights"] = _rel(hpz_qgz[1], plain[1])
     out["bf16_loss"] = max(abs(a - b) / b for a, b in zip(quantized_bf16[0], plain_bf16[0]))
     for name, run in (("qwz", qwz), ("qgz", qgz), ("both", both), ("mics", mics), ("hpz", hpz)):
         out[name + "_loss"] = max(abs(a - b) / b for a, b in zip(run[0], plain[0]))
@@ -119,6 +123,12 @@ def test_qwz_qgz_mics_match_plain_zero3_with_fewer_bytes(tmp_path) -> None:
     # (1/2 instead of 3/4 within the node): (3/4 + 1/2) / (3/4 + 3/4) = 0.83 of the bus bytes.
     ratio = hpz["all_gather_into_tensor_bus"] / plain["all_gather_into_tensor_bus"]
     assert 0.78 < ratio < 0.84, result
+    # hpZ + qgZ: the gradient all-to-all in two int8 hops (inside the 2-rank node, then across
+    # nodes on half the rows): all-to-all bytes 1 + 1/2 times the flat qgZ's, of which only
+    # the second hop's third crosses nodes; two roundings, the same error budget.
+    assert 0 < result["hpz_qgz_loss"] <= 1e-2 and 0 < result["hpz_qgz_weights"] <= 1e-2, result
+    ratio = result["hpz_qgz"]["all_to_all_single"] / qgz["all_to_all_single"]
+    assert 1.4 < ratio < 1.6, result
     # qwZ/qgZ: int8 with one fp32 scale per 256 values (or per shard when smaller) bounds each
     # value's error by half a step, |block max| / 254 (0.4% of the block's largest value), so
     # the weights (gradients) each step sees are within 0.4% of the plain run's; over 3 SGD

@@ -19,6 +19,8 @@ reduce code is unchanged:
   those secondaries inside the node instead of the primary shards across the world. The
   secondaries are dropped whenever the values change (after each optimizer step, a
   checkpoint load, an edit under ``GatheredParameters``), so the next gather is a primary one.
+  With qgZ too, the gradient all-to-all is hierarchical: int8 inside the node, then int8
+  across nodes on ``1/hpz`` of the bytes.
 - **MiCS** (``mics_shard_size``): parameters, gradients and optimizer states are sharded over
   groups of ``mics_shard_size`` adjacent ranks and replicated across those groups; all-gathers
   stay inside a group, and gradients are reduce-scattered inside it and then all-reduced
@@ -143,6 +145,7 @@ class ZeroPlusPlusGroup(DataParallelGroup):
     hpz_group: dist.ProcessGroup | None = None
     hpz_size: int = 1
     hpz_rank: int = 0
+    cross_group: dist.ProcessGroup | None = None  # hpZ: same local index on every node
 
     # ------------------------------------------------------------------ parameters
     def all_gather_into(
@@ -197,6 +200,8 @@ class ZeroPlusPlusGroup(DataParallelGroup):
     def _quantized_reduce_scatter(
         self, output: torch.Tensor, full: torch.Tensor, async_op: bool
     ) -> Any:
+        if self.hpz_size > 1 and self.cross_group is not None:
+            return self._hierarchical_reduce_scatter(output, full, async_op)
         world, numel = self.world_size, output.numel()
         # Row r is the piece rank r owns; each is quantized in its own blocks and sent to r.
         codes, scales, _ = _quantize_rows(full.reshape(world, numel))
@@ -210,6 +215,42 @@ class ZeroPlusPlusGroup(DataParallelGroup):
             # The sum of every rank's piece, in fp32 whatever the bucket's dtype.
             pieces = _dequantize_rows(got_codes, got_scales, numel, torch.float32)
             output.copy_(pieces.sum(dim=0))
+
+        deferred = _Deferred(works, finish)
+        if async_op:
+            return deferred
+        deferred.wait()
+        return None
+
+    def _hierarchical_reduce_scatter(
+        self, output: torch.Tensor, full: torch.Tensor, async_op: bool
+    ) -> Any:
+        """qgZ with hpZ nodes: int8 all-to-all inside the node, then across nodes.
+
+        Rank ``a*h + j`` (node ``a``, local index ``j``) owns row ``a*h + j`` of the bucket.
+        Hop 1 sends each node peer ``j'`` the rows its local index owns on every node and sums
+        what arrives: ``[N/h, n]`` node partial sums. Hop 2 sends row ``a`` of those to node
+        ``a``'s rank of the same local index and sums: this rank's piece. Only ``1/h`` of the
+        int8 bytes cross nodes (the second hop).
+        """
+        world, numel, size = self.world_size, output.numel(), self.hpz_size
+        nodes = world // size
+        by_peer = full.reshape(nodes, size, numel).transpose(0, 1).reshape(world, numel)
+        codes, scales, _ = _quantize_rows(by_peer)
+        got_codes, got_scales = torch.empty_like(codes), torch.empty_like(scales)
+        works = [
+            comm.all_to_all_single(got_codes, codes, group=self.hpz_group, async_op=async_op),
+            comm.all_to_all_single(got_scales, scales, group=self.hpz_group, async_op=async_op),
+        ]
+
+        def finish() -> None:
+            pieces = _dequantize_rows(got_codes, got_scales, numel, torch.float32)
+            node_sums = pieces.view(size, nodes, numel).sum(dim=0)
+            codes2, scales2, _ = _quantize_rows(node_sums)
+            got2, got_scales2 = torch.empty_like(codes2), torch.empty_like(scales2)
+            comm.all_to_all_single(got2, codes2, group=self.cross_group)
+            comm.all_to_all_single(got_scales2, scales2, group=self.cross_group)
+            output.copy_(_dequantize_rows(got2, got_scales2, numel, torch.float32).sum(dim=0))
 
         deferred = _Deferred(works, finish)
         if async_op:
@@ -352,12 +393,17 @@ def build_zero_group(
                 f"zero_hpz_partition_size={hpz_partition_size} does not divide the "
                 f"data-parallel world size {base.world_size}; use the number of GPUs per node"
             )
-        node_group = None
+        node_group = cross_group = None
         for start in range(0, base.world_size, hpz_partition_size):
             ranks = list(range(start, start + hpz_partition_size))
             made = dist.new_group(ranks)  # collective: every rank creates every group
             if base.rank in ranks:
                 node_group = made
+        for local in range(hpz_partition_size):
+            ranks = list(range(local, base.world_size, hpz_partition_size))
+            made = dist.new_group(ranks)
+            if base.rank in ranks:
+                cross_group = made
         return ZeroPlusPlusGroup(
             base.group,
             base.world_size,
@@ -367,6 +413,7 @@ def build_zero_group(
             hpz_group=node_group,
             hpz_size=hpz_partition_size,
             hpz_rank=base.rank % hpz_partition_size,
+            cross_group=cross_group,
         )
     if not mics:
         return ZeroPlusPlusGroup(
