@@ -32,6 +32,8 @@ TEST_EXTRAS: dict[str, list[str]] = {
         "triton>=3.9"
     ],  # the CPU interpreter (TRITON_INTERPRET=1); 3.6's breaks on NumPy 2.4
     "moe": ["transformers>=4.40"],
+    # Ulysses: the HF attention helper's parity test (AttentionInterface, masking_utils)
+    "comm": ["transformers>=4.53"],
     "data_efficiency": ["triton>=3.9"],  # the token kernels under TRITON_INTERPRET=1
     # inference: HF models for parity; serving: its [serve] extra (ASGI stack) and httpx for tests
     "inference": [
@@ -46,7 +48,8 @@ TEST_EXTRAS: dict[str, list[str]] = {
     "offload_io": ["aiofiles>=23.1", "xxhash>=3.0"],
     # swap payload and checkpoint checksums (slipstream.offload.checksum)
     "zero": ["xxhash>=3.0"],
-    "slipstream": ["xxhash>=3.0", "tensorboard>=2.14"],  # + the tensorboard monitor's files
+    # + the tensorboard monitor's files; transformers: Ulysses training on a tiny Llama
+    "slipstream": ["xxhash>=3.0", "tensorboard>=2.14", "transformers>=4.53"],
     # The Trainer, Accelerate and Lightning integrations (docs/integrations.md's tested versions).
     "integration": ["xxhash>=3.0", "transformers>=4.46", "accelerate>=1.1", "lightning>=2.4"],
 }

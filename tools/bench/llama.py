@@ -9,6 +9,7 @@ numbers measured here compare with the table there.
 from __future__ import annotations
 
 import dataclasses
+from typing import Any
 
 import torch
 import torch.nn.functional as F
@@ -39,6 +40,11 @@ SHAPES: dict[str, LlamaShape] = {
 }
 
 
+def causal_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
+    """SDPA with a causal mask over the whole (local) sequence."""
+    return F.scaled_dot_product_attention(q, k, v, is_causal=True)
+
+
 class Block(nn.Module):
     """One decoder layer: attention and SwiGLU MLP, each behind an RMSNorm and a residual."""
 
@@ -51,12 +57,15 @@ class Block(nn.Module):
         self.mlp_norm = nn.RMSNorm(shape.hidden)
         self.up = nn.Linear(shape.hidden, 2 * shape.ffn, bias=False)
         self.down = nn.Linear(shape.ffn, shape.hidden, bias=False)
+        # Causal attention on [batch, heads, seq, head_dim]; train_bench --sp wraps it in
+        # slipstream.comm.sequence.DistributedAttention (Ulysses).
+        self.attend: Any = causal_attention
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         batch, seq, hidden = x.shape
         q, k, v = self.qkv(self.attn_norm(x)).split(hidden, dim=-1)
         q, k, v = (t.view(batch, seq, self.heads, -1).transpose(1, 2) for t in (q, k, v))
-        attn = F.scaled_dot_product_attention(q, k, v, is_causal=True)
+        attn = self.attend(q, k, v)
         x = x + self.proj(attn.transpose(1, 2).reshape(batch, seq, hidden))
         gate, value = self.up(self.mlp_norm(x)).chunk(2, dim=-1)
         return x + self.down(F.silu(gate) * value)

@@ -72,8 +72,50 @@ def _slipstream_config(args: argparse.Namespace) -> dict[str, Any]:
             "reduce_bucket_size": args.reduce_bucket_size,
             "allgather_bucket_size": 5e8,
             **_offload_blocks(args),
+            **_zero_plus_plus(args),
         },
+        **({"sequence_parallel_size": args.sp} if args.sp > 1 else {}),
+        **({"comms_logger": {"enabled": True, "prof_all": True}} if args.comms_log else {}),
     }
+
+
+def _zero_plus_plus(args: argparse.Namespace) -> dict[str, Any]:
+    """``--qwz``, ``--qgz`` and ``--mics N`` as their zero_optimization keys (stage 3)."""
+    keys: dict[str, Any] = {}
+    if args.qwz:
+        keys["zero_quantized_weights"] = True
+    if args.qgz:
+        keys["zero_quantized_gradients"] = True
+    if args.mics > 0:
+        keys["mics_shard_size"] = args.mics
+    if args.hpz > 1:
+        keys["zero_hpz_partition_size"] = args.hpz
+    return keys
+
+
+def _comms_summary(steps: int) -> dict[str, dict[str, float]]:
+    """Per timed step and collective (as the comms logger names them): MB sent and ms spent."""
+    from slipstream import comm
+
+    out = {}
+    for name, sizes in comm.comms_logger.records.items():
+        out[name] = {
+            "MB": round(sum(s.total_bytes for s in sizes.values()) / steps / 1e6, 2),
+            "ms": round(sum(s.total_latency_s for s in sizes.values()) / steps * 1e3, 2),
+        }
+    return out
+
+
+def _use_ulysses(engine: Any, model: Any) -> None:
+    """--sp: every block's attention becomes Ulysses attention over the engine's SP group
+    (q/k/v are [batch, heads, seq/SP, head_dim]: heads are dimension 1, the sequence 2)."""
+    from slipstream.comm.sequence import DistributedAttention
+
+    for block in model.blocks:
+        local = block.attend
+        block.attend = DistributedAttention(
+            local, engine.seq_parallel_group, scatter_idx=1, gather_idx=2
+        )
 
 
 def _offload_blocks(args: argparse.Namespace) -> dict[str, Any]:
@@ -137,7 +179,7 @@ def _build(args: argparse.Namespace, device: torch.device) -> tuple[Any, Any, An
         else:
             import slipstream as front
 
-            if args.stage == 3:
+            if args.stage == 3 and args.mics <= 0:  # zero.Init shards over the whole world
                 import slipstream.zero as zero
 
                 init = zero.Init(config_dict_or_path=config)
@@ -146,6 +188,10 @@ def _build(args: argparse.Namespace, device: torch.device) -> tuple[Any, Any, An
         params = sum(getattr(p, "ds_numel", p.numel()) for p in model.parameters())
         extra = {"model_parameters": model.parameters()} if args.impl == "deepspeed" else {}
         engine, *_ = front.initialize(model=model, config=config, **extra)
+        if args.sp > 1:
+            if args.impl != "slipstream":
+                raise SystemExit("--sp: Ulysses attention is wired for --impl slipstream only")
+            _use_ulysses(engine, model)
 
         def step(input_ids: torch.Tensor, labels: torch.Tensor, mark: Any = None) -> torch.Tensor:
             mark = mark or _no_mark
@@ -356,6 +402,29 @@ def main(argv: list[str] | None = None) -> int:
         action="store_false",
         help="skip the two extra phase-timed steps (for runs whose steps take minutes)",
     )
+    parser.add_argument(
+        "--sp",
+        type=int,
+        default=1,
+        help="slipstream: sequence_parallel_size (Ulysses); each rank runs --seq/SP tokens of "
+        "its replica's sequences, tokens/s counts each token once",
+    )
+    parser.add_argument(
+        "--qwz", action="store_true", help="stage 3: zero_quantized_weights (int8 all-gather)"
+    )
+    parser.add_argument(
+        "--qgz",
+        action="store_true",
+        help="stage 3: zero_quantized_gradients (int8 all-to-all reduce-scatter)",
+    )
+    parser.add_argument("--mics", type=int, default=-1, help="stage 3: mics_shard_size")
+    parser.add_argument("--hpz", type=int, default=1, help="stage 3: zero_hpz_partition_size")
+    parser.add_argument(
+        "--comms-log",
+        action="store_true",
+        help="slipstream: comms_logger on; the result gets each collective's bytes and time "
+        "over the timed steps (the logger times every op: compare throughput without it)",
+    )
     args = parser.parse_args(argv)
     if "nvme" in (args.offload, args.offload_param):
         args.nvme_path.mkdir(parents=True, exist_ok=True)
@@ -364,16 +433,28 @@ def main(argv: list[str] | None = None) -> int:
     torch.manual_seed(0)
     step, engine, params = _build(args, device)
     shape = SHAPES[args.model]
-    generator = torch.Generator(device="cpu").manual_seed(1234 + rank)
+    # --sp: the ranks of one SP group share their replica's sequences (seeded by the DP
+    # index) and each takes its contiguous slice; labels are shifted before slicing.
+    replica, piece = divmod(rank, args.sp)
+    generator = torch.Generator(device="cpu").manual_seed(1234 + replica)
     tokens = torch.randint(0, shape.vocab, (args.micro, args.seq + 1), generator=generator)
-    input_ids, labels = tokens[:, :-1].to(device), tokens[:, 1:].to(device)
+    local = slice(piece * args.seq // args.sp, (piece + 1) * args.seq // args.sp)
+    input_ids, labels = tokens[:, :-1][:, local].to(device), tokens[:, 1:][:, local].to(device)
 
     sync = torch.cuda.synchronize if device.type == "cuda" else (lambda: None)
     # overlap_forward leaves each step's end to the next forward: the window starts with
     # nothing left over from the warm-up and ends once its last step is done.
     wait_for_step = getattr(engine, "wait_for_step", lambda: None)
-    for _ in range(args.warmup):
-        step(input_ids, labels)
+    try:
+        for _ in range(args.warmup):
+            step(input_ids, labels)
+    except torch.OutOfMemoryError as error:
+        # The answer to "does this length fit?" (--sp runs): one line, not a traceback.
+        if rank == 0:
+            result = {"impl": args.impl, "model": args.model, "micro": args.micro}
+            result.update(seq=args.seq, sp=args.sp, world=world, stage=args.stage, oom=True)
+            print("BENCH " + json.dumps({**result, "error": str(error)[:200]}), flush=True)
+        return 3
     wait_for_step()
     sync()
     if device.type == "cuda":
@@ -389,6 +470,10 @@ def main(argv: list[str] | None = None) -> int:
         timeline.install(engine)
     stats = _speculation_of(engine)
     before = _counts(stats)
+    if args.comms_log:
+        from slipstream import comm
+
+        comm.comms_logger.reset()
     start = time.perf_counter()
     ends = []
     for _ in range(args.steps):
@@ -399,6 +484,7 @@ def main(argv: list[str] | None = None) -> int:
     wait_for_step()
     sync()
     elapsed = time.perf_counter() - start
+    comms = _comms_summary(args.steps) if args.comms_log else {}
     step_ms = [round(1e3 * (b - a), 1) for a, b in zip([start, *ends[:-1]], ends, strict=True)]
     timed_speculation = (
         None if stats is None else {k: v - before[k] for k, v in _counts(stats).items()}
@@ -430,7 +516,7 @@ def main(argv: list[str] | None = None) -> int:
     if args.memory_phases:
         phases.update(_memory_phases(step, engine, input_ids, labels, device, args.memory_snapshot))
 
-    tokens_per_s = args.steps * args.micro * args.seq * world / elapsed
+    tokens_per_s = args.steps * args.micro * args.seq * (world // args.sp) / elapsed
     flops = shape.flops_per_token(args.seq, params)
     # Host memory: the peak resident set of rank 0's process (pinned memory counts), and the
     # page-locked bytes the offload path's arena holds, if any.
@@ -452,6 +538,9 @@ def main(argv: list[str] | None = None) -> int:
         "params": params,
         "micro": args.micro,
         "seq": args.seq,
+        "sp": args.sp,
+        "zero_plus_plus": _zero_plus_plus(args),
+        **({"comms_per_step": comms} if comms else {}),
         "world": world,
         "tokens_per_s": round(tokens_per_s, 1),
         "tflops_per_gpu": round(tokens_per_s / world * flops / 1e12, 1),

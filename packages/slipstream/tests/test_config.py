@@ -305,17 +305,36 @@ def test_zero_stages_1_to_3_load(stage: int) -> None:
 @pytest.mark.parametrize(
     ("key", "value"),
     [
-        ("zero_quantized_weights", True),
-        ("zero_quantized_gradients", True),
-        ("zero_hpz_partition_size", 8),
-        ("mics_shard_size", 4),
+        ("zero_quantized_nontrainable_weights", True),
+        ("mics_hierarchical_params_gather", True),
     ],
 )
-def test_zero_plus_plus_and_mics_are_not_implemented(key: str, value: Any) -> None:
+def test_unbuilt_zero_plus_plus_keys_are_not_implemented(key: str, value: Any) -> None:
     with pytest.raises(NotImplementedFeatureError) as info:
         load({"zero_optimization": {"stage": 3, key: value}})
     assert info.value.path == f"zero_optimization.{key}"
     assert "slipstream-zero" in str(info.value)
+
+
+@pytest.mark.parametrize(
+    ("key", "value"),
+    [
+        ("zero_quantized_weights", True),
+        ("zero_quantized_gradients", True),
+        ("mics_shard_size", 4),
+        ("zero_hpz_partition_size", 8),
+    ],
+)
+def test_zero_plus_plus_and_mics_load_at_stage_3_only(key: str, value: Any) -> None:
+    assert getattr(load({"zero_optimization": {"stage": 3, key: value}}).zero_optimization, key)
+    with pytest.raises(ConfigError, match=r"needs zero_optimization\.stage 3") as info:
+        load({"zero_optimization": {"stage": 2, key: value}})
+    assert info.value.path == f"zero_optimization.{key}"
+
+
+def test_mics_shard_size_zero_is_refused() -> None:
+    with pytest.raises(ConfigError, match="expected -1"):
+        load({"zero_optimization": {"stage": 3, "mics_shard_size": 0}})
 
 
 def test_zero_stage_outside_0_to_3_is_a_value_error() -> None:
@@ -548,7 +567,6 @@ FEATURE_CASES: dict[str, tuple[Any, Any]] = {
     "torch_autocast": ({"enabled": False}, {"enabled": True, "dtype": "bfloat16"}),
     "tensor_parallel": ({"autotp_size": 0}, {"autotp_size": 4}),
     "expert_parallel": ({"enabled": False, "autoep_size": 4}, {"enabled": True}),
-    "sequence_parallel_size": (1, 4),
     "seq_parallel_communication_data_type": ("fp32", "bf16"),
     "seq_parallel_comm_data_type": ("FP32", "fp16"),
     "use_data_before_expert_parallelism": (False, True),

@@ -81,6 +81,7 @@ def initialize(
     from slipstream.pipeline.module import PipelineModule
 
     if isinstance(model, PipelineModule):
+        _refuse_sequence_parallel_pipeline(source)
         # A pipeline trains whole batches (train_batch/eval_batch) on its own engine, whose
         # data-parallel size comes from the module's topology.
         from slipstream.runtime.pipeline_engine import initialize_pipeline
@@ -95,9 +96,17 @@ def initialize(
             collate_fn=collate_fn,
         )
 
-    dp_world = mpu.get_data_parallel_world_size() if mpu is not None else comm.get_world_size()
+    # Ulysses: SP ranks share one data-parallel replica's micro-batch (the loader shards over
+    # world / SP), while ZeRO and gradient averaging span the whole world (DP×SP).
+    sequence_grid = _sequence_parallel_grid(source, mpu)
+    data_mpu = sequence_grid if sequence_grid is not None else mpu
+    dp_world = (
+        data_mpu.get_data_parallel_world_size() if data_mpu is not None else comm.get_world_size()
+    )
     parsed: SlipstreamConfig = load_config(source, world_size=dp_world)
     _apply_amd_specific(parsed)
+    if "comms_logger" in parsed.raw:
+        comm.configure(parsed.comms_logger)  # deepspeed.initialize applies this block too
     from slipstream import checkpointing
 
     checkpointing.configure(mpu, deepspeed_config=parsed.activation_checkpointing)
@@ -109,17 +118,63 @@ def initialize(
         lr_scheduler=lr_scheduler,
         mpu=mpu,
     )
+    # DeepSpeed's names for the sequence-parallel group and degree.
+    engine.sequence_parallel_size = parsed.sequence_parallel_size
+    engine.seq_parallel_group = sequence_grid.sequence_group if sequence_grid else None
     loader = None
     if training_data is not None:
-        loader = _curriculum_dataloader(engine, training_data, collate_fn, mpu)
+        loader = _curriculum_dataloader(engine, training_data, collate_fn, data_mpu)
         if loader is None:
-            loader = _build_dataloader(training_data, parsed, collate_fn, mpu)
+            loader = _build_dataloader(training_data, parsed, collate_fn, data_mpu)
     # DeepSpeed's engine.training_dataloader, and the owner slipstream.utils.safe_get_* look up.
     engine.training_dataloader = loader
     from slipstream.utils.tensor_fragment import track_engine
 
     track_engine(engine)
     return engine, engine.optimizer, loader, engine.lr_scheduler
+
+
+def _refuse_sequence_parallel_pipeline(source: Any) -> None:
+    from slipstream.config.loading import read_config_source
+
+    size = read_config_source(source)[0].get("sequence_parallel_size", 1)
+    if size != 1:
+        raise NotImplementedError(
+            f"sequence_parallel_size={size} with a PipelineModule: Ulysses sequence "
+            "parallelism is not composed with pipelines yet; use a plain module (ZeRO 0-3) "
+            "or set sequence_parallel_size to 1"
+        )
+
+
+def _sequence_parallel_grid(source: Any, mpu: Any) -> Any:
+    """The SP × DP grid for ``sequence_parallel_size`` > 1 (None otherwise)."""
+    from slipstream.config.loading import read_config_source
+
+    raw, _ = read_config_source(source)
+    size = raw.get("sequence_parallel_size", 1)
+    if isinstance(size, bool) or not isinstance(size, int) or size < 1:
+        raise ValueError(
+            f"sequence_parallel_size={size!r}: expected an integer >= 1 (1 turns Ulysses "
+            "sequence parallelism off)"
+        )
+    if size == 1:
+        return None
+    if mpu is not None:
+        raise NotImplementedError(
+            f"sequence_parallel_size={size} with an mpu: Slipstream builds the sequence-"
+            "parallel groups itself and does not read them from an mpu yet; drop mpu= (or "
+            "set sequence_parallel_size to 1 and wrap attention with "
+            "slipstream.comm.sequence.DistributedAttention over your own group)"
+        )
+    world = comm.get_world_size()
+    if world % size:
+        raise ValueError(
+            f"sequence_parallel_size={size} does not divide the world size {world}; choose a "
+            "divisor of the number of ranks"
+        )
+    from slipstream.comm.sequence import SequenceParallelGrid
+
+    return SequenceParallelGrid(size)
 
 
 def _apply_amd_specific(config: SlipstreamConfig) -> None:

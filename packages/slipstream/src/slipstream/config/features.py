@@ -183,13 +183,6 @@ RECOGNISED_FEATURES: dict[str, RecognisedFeature] = {
             _OFF,
         ),
         RecognisedFeature(
-            "sequence_parallel_size",
-            "Ulysses sequence parallelism",
-            "the slipstream-comm package",
-            scalar(1, (int,), "an integer"),
-            "1",
-        ),
-        RecognisedFeature(
             "seq_parallel_communication_data_type",
             "a sequence-parallel communication dtype",
             "the slipstream-comm package",

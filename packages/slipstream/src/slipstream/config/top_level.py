@@ -100,6 +100,9 @@ class SlipstreamConfig(ConfigBlock):
         default_factory=ActivationCheckpointingConfig
     )
     dataloader_drop_last: bool = False
+    # Ulysses sequence parallelism (slipstream.comm.sequence): initialize() builds the SP
+    # groups; the data loader shards over world / SP replicas (docs/sequence-parallel.md).
+    sequence_parallel_size: int = dataclasses.field(default=1, metadata={"ge": 1})
     # Owned by slipstream-data-efficiency: the engine's DataEfficiency runtime reads both.
     curriculum_learning: CurriculumLearningConfig = dataclasses.field(
         default_factory=CurriculumLearningConfig

@@ -132,13 +132,17 @@ class AioConfig(ConfigBlock):
 STAGE0_EFFECTIVE_KEYS = frozenset({"stage", "reduce_bucket_size"})
 
 
-# ZeRO++ / MiCS switches: (field, inert value, what it asks for).
+# ZeRO++ / MiCS switches not built yet: (field, inert value, what it asks for).
 _ZERO_PLUS_PLUS: tuple[tuple[str, Any, str], ...] = (
-    ("zero_quantized_weights", False, "ZeRO++ quantized weight all-gather (qwZ)"),
     ("zero_quantized_nontrainable_weights", False, "ZeRO++ quantized frozen weights"),
-    ("zero_quantized_gradients", False, "ZeRO++ quantized gradient reduction (qgZ)"),
-    ("zero_hpz_partition_size", 1, "ZeRO++ hierarchical partitioning (hpZ)"),
-    ("mics_shard_size", -1, "MiCS sharding within sub-groups"),
+    ("mics_hierarchical_params_gather", False, "MiCS hierarchical (two-hop) parameter gather"),
+)
+# ZeRO++ / MiCS switches that run (stage 3 only; slipstream.zero.zeropp): field, inert value.
+_ZERO_PLUS_PLUS_STAGE3: tuple[tuple[str, Any], ...] = (
+    ("zero_quantized_weights", False),
+    ("zero_quantized_gradients", False),
+    ("mics_shard_size", -1),
+    ("zero_hpz_partition_size", 1),
 )
 
 
@@ -148,9 +152,10 @@ class ZeroConfig(ConfigBlock):
 
     Stages 0 (plain data parallelism) to 3 run (stages 1-3 through the slipstream-zero
     package; docs/zero.md says which key does what), with optimizer offload to CPU or NVMe and
-    parameter offload to CPU (slipstream-offload-io; docs/offload.md). Parameter offload to
-    NVMe, ZeRO++ (quantized weights and
-    gradients, hpZ), MiCS and ZenFlow are recognised and rejected with a clear error; every
+    parameter offload to CPU (slipstream-offload-io; docs/offload.md). At stage 3, ZeRO++'s
+    quantized weight all-gather and gradient reduce-scatter, hpZ and MiCS shard groups run
+    (slipstream.zero.zeropp). Parameter offload to NVMe, quantized frozen weights, MiCS's
+    hierarchical gather and ZenFlow are recognised and rejected with a clear error; every
     key is typed and checked so a config keeps working unchanged when they arrive. The ``stage3_*`` keys
     also accept DeepSpeed's Python names without the prefix (``prefetch_bucket_size``).
     ``overlap_comm`` left unset means DeepSpeed's default: on at stage 3, off otherwise.
@@ -259,6 +264,21 @@ class ZeroConfig(ConfigBlock):
                     "a later release of " + _ZERO,
                     f"Remove it or set it to {inert!r}.",
                 )
+        for name, inert in _ZERO_PLUS_PLUS_STAGE3:
+            value = getattr(self, name)
+            if value != inert and self.stage in (1, 2):
+                raise ConfigError(
+                    f"{key_path(path, name)}={value!r} needs zero_optimization.stage 3 (ZeRO++ "
+                    f"and MiCS change how stage 3 gathers parameters), but stage is "
+                    f"{self.stage}; set stage to 3 or remove {name}",
+                    key_path(path, name),
+                )
+        if self.mics_shard_size == 0 or self.mics_shard_size < -1:
+            raise ConfigError(
+                f"{key_path(path, 'mics_shard_size')}={self.mics_shard_size}: expected -1 (off) "
+                "or a positive number of ranks per shard group that divides the world size",
+                key_path(path, "mics_shard_size"),
+            )
         if self.zenflow is not None:
             not_implemented(
                 key_path(path, "zenflow"), self.zenflow, "ZenFlow", _ZERO, "Remove the block."

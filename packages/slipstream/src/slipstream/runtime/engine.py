@@ -105,6 +105,7 @@ class SlipstreamEngine(torch.nn.Module):
         self._zero_settings = zero_setup.zero_settings(config) if self.zero_stage else None
         self._reduce = self._reduce_settings()
         self.zero: ZeroGradientPath | ExpertParallelZero | None = None
+        self._zero_comm_group: DataParallelGroup | None = None
         self._stage3: Any = None
         self._destroyed = False
         # Set when an optimizer step failed half-way through its swap I/O (see _check_alive).
@@ -227,6 +228,9 @@ class SlipstreamEngine(torch.nn.Module):
                 )
             self._hooks = register_ready_hooks(self._params, self._on_grad_ready)
 
+        # Ulysses (DeepSpeed's names): set by initialize() from sequence_parallel_size.
+        self.sequence_parallel_size = 1
+        self.seq_parallel_group: Any = None
         # Loop state, named as in DeepSpeed.
         self.global_steps = 0
         self.global_samples = 0
@@ -298,7 +302,10 @@ class SlipstreamEngine(torch.nn.Module):
                     comm.broadcast(tensor.data, src=src, group=self.dp_group)
 
     def _zero_group(self) -> DataParallelGroup:
-        return DataParallelGroup.of(self.dp_group)
+        # Built once (MiCS creates process groups): ZeRO++/MiCS swap stage 3's collectives.
+        if self._zero_comm_group is None:
+            self._zero_comm_group = zero_setup.zero_group(self.config, self.dp_group)
+        return self._zero_comm_group
 
     def _zero_settings_for_stage(self) -> ZeroSettings:
         assert self._zero_settings is not None  # built whenever zero_stage > 0

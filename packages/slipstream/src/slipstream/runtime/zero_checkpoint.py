@@ -107,11 +107,26 @@ def tensors_to_check(engine: SlipstreamEngine) -> Iterator[tuple[str, torch.Tens
             yield f"parameter {name}", param
 
 
+def _refuse_mics(engine: SlipstreamEngine) -> None:
+    """MiCS shards over groups smaller than the data-parallel world (its replicas hold equal
+    shards): the one-file-per-DP-rank layout does not describe that yet."""
+    replicas = getattr(engine._zero_group(), "replicas", 1)
+    if replicas > 1:
+        raise NotImplementedError(
+            f"checkpoints of MiCS runs (zero_optimization.mics_shard_size="
+            f"{engine._zero_group().world_size}, {replicas} replicas) are not implemented: "
+            "the checkpoint layout has one shard per data-parallel rank. Save with "
+            "engine.save_16bit_model(...) (stage3_gather_16bit_weights_on_model_save: true) "
+            "or train without mics_shard_size"
+        )
+
+
 def write_rank_files(
     engine: SlipstreamEngine, staging: Path
 ) -> tuple[list[dict[str, Any]], dict[str, Any]]:
     """Every rank: its model and optimizer shards and RNG state; rank 0 also the buffers."""
     assert engine.zero is not None and engine.optimizer is not None
+    _refuse_mics(engine)
     rank, world = engine._zero_group().rank, engine.dp_world_size
     named = _named_params(engine.module)
     model_name = f"model.rank{rank}.safetensors"
@@ -425,6 +440,7 @@ def apply(
 ) -> None:
     """Copy a validated checkpoint into a ZeRO engine (each rank reads its new shards)."""
     assert engine.zero is not None and engine.optimizer is not None
+    _refuse_mics(engine)
     world, rank = engine.dp_world_size, engine._zero_group().rank
     named = _named_params(engine.module)
     with ShardReader(path, manifest) as reader, torch.no_grad():

@@ -57,6 +57,20 @@ def zero_settings(config: SlipstreamConfig) -> ZeroSettings:
     )
 
 
+def zero_group(config: SlipstreamConfig, dp_group: Any) -> DataParallelGroup:
+    """The group ZeRO shards over: ZeRO++ (qwZ, qgZ) and MiCS change its collectives."""
+    from slipstream.zero.zeropp import build_zero_group
+
+    zero = config.zero_optimization
+    return build_zero_group(
+        dp_group,
+        quantize_weights=zero.zero_quantized_weights,
+        quantize_gradients=zero.zero_quantized_gradients,
+        mics_shard_size=zero.mics_shard_size,
+        hpz_partition_size=zero.zero_hpz_partition_size,
+    )
+
+
 def offload_settings(config: SlipstreamConfig) -> tuple[Any, Any]:
     """``(OptimizerOffload | None, ParamOffload | None)`` from ``offload_*`` and ``aio``.
 

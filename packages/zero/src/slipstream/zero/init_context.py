@@ -16,6 +16,7 @@ import torch.distributed as dist
 from slipstream.zero.group import DataParallelGroup
 from slipstream.zero.stage3.model import register_external_parameter
 from slipstream.zero.stage3.sharded_param import ShardedParameter, gather_full, sharded_state_of
+from slipstream.zero.zeropp import full_precision_gathers
 
 __all__ = ["GatheredParameters", "Init"]
 
@@ -236,8 +237,9 @@ class GatheredParameters:
         for member in self._members:
             if member.pending is not None:
                 member.pending.wait()
-        for pending in gather_full(self._members):
-            pending.wait()
+        with full_precision_gathers():  # see [Note: full-precision gathers] (zeropp.py)
+            for pending in gather_full(self._members):
+                pending.wait()
         return self
 
     def __exit__(

@@ -206,6 +206,7 @@ class Stage3Model:
     def release_all(self) -> None:
         """Free every gathered parameter that nobody holds (persistent ones included)."""
         for sharded in self.sharded:
+            sharded.secondary = None  # hpZ: the values changed (see zeropp.py)
             if sharded.holders == 0 and sharded.state is ShardState.UNSHARDED:
                 sharded.free()
 

@@ -69,6 +69,9 @@ class ShardedParameter:
         self.pending: PendingGather | None = None
         self.state = ShardState.UNSHARDED
         self.store: Any = None
+        # hpZ: this rank's slice of the full value within its node group (zeropp.py), kept
+        # from a forward gather until the values change; None otherwise.
+        self.secondary: torch.Tensor | None = None
         setattr(param, ATTR, self)
 
     @classmethod
@@ -152,6 +155,7 @@ class ShardedParameter:
     def refresh_shard(self) -> None:
         """Re-cut this rank's shard (and master) from the full data, after it was edited."""
         ensure_shards([self])
+        self.secondary = None
         with torch.no_grad():
             self.shard.copy_(self.spec.shard_of(self.param.data, self.group.rank, self.shard.dtype))
             if self.master is not None and self.master.data_ptr() != self.shard.data_ptr():
@@ -263,4 +267,8 @@ def gather_full(members: list[ShardedParameter], async_op: bool = False) -> list
     by_dtype: dict[torch.dtype, list[ShardedParameter]] = {}
     for member in need:
         by_dtype.setdefault(member.param.dtype, []).append(member)
+    if need and getattr(need[0].group, "hpz_size", 1) > 1:
+        from slipstream.zero.zeropp import hpz_gathers
+
+        return hpz_gathers(list(by_dtype.values()), async_op)
     return [PendingGather(group, async_op) for group in by_dtype.values()]
