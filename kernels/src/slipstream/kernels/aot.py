@@ -47,6 +47,7 @@ KERNEL_MODULES = (
     "slipstream.kernels.ops.lamb.triton",
     "slipstream.kernels.ops.quantize.triton",
     "slipstream.kernels.ops.paged_attention.triton",
+    "slipstream.kernels.ops.quant_matmul.triton",
 )
 
 _BINARY_KINDS = ("cubin", "hsaco")

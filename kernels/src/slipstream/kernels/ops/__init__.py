@@ -16,6 +16,7 @@ from slipstream.kernels.ops.lamb import lamb
 from slipstream.kernels.ops.layer_norm import layer_norm
 from slipstream.kernels.ops.lion import lion
 from slipstream.kernels.ops.paged_attention import paged_attention
+from slipstream.kernels.ops.quant_matmul import quant_matmul
 from slipstream.kernels.ops.quantize import QuantizedTensor, dequantize, quantize
 from slipstream.kernels.ops.rms_norm import rms_norm
 from slipstream.kernels.ops.rotary_embedding import rotary_cos_sin, rotary_embedding
@@ -32,6 +33,7 @@ __all__ = [
     "layer_norm",
     "lion",
     "paged_attention",
+    "quant_matmul",
     "quantize",
     "rms_norm",
     "rotary_cos_sin",
