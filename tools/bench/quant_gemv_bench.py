@@ -195,7 +195,7 @@ def main() -> None:
             act_bytes = (rows * k + rows * n) * x.element_size()
             seconds = bench_kernel(x, weights, fmt, args.group_size, None, launches, args.repeats)
             dense_calls = [
-                lambda w=w: F.linear(x, w)
+                lambda w=w, x=x: F.linear(x, w)
                 for w in itertools.islice(itertools.cycle(weights.dense), launches)
             ]
             dense_seconds = time_calls(dense_calls, device, args.repeats)
