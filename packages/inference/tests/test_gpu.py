@@ -46,16 +46,17 @@ def test_cuda_graph_decode_equals_eager_and_hf(dtype: torch.dtype) -> None:
 
 
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
-@pytest.mark.parametrize("bits", [8, 4])
-def test_dequant_gemv_on_gpu(bits: int) -> None:
+@pytest.mark.parametrize("format", ["int8", "int4", "fp8_e4m3"])
+@pytest.mark.parametrize("rows", [1, 3, 40])
+def test_quant_matmul_on_gpu(format: str, rows: int) -> None:
     from torch import nn
 
-    from slipstream.inference import quant_matmul
     from slipstream.inference.quantize import WeightOnlyLinear
 
     torch.manual_seed(0)
-    layer = WeightOnlyLinear(nn.Linear(4096, 1000).cuda().bfloat16(), bits, group_size=128)
-    x = torch.randn(3, 1, 4096, device="cuda", dtype=torch.bfloat16)
-    assert quant_matmul.gemv_supported(x, 128)
-    expected = (x.float() @ layer.dequantized_weight(torch.float32).t()).bfloat16() + layer.bias
-    torch.testing.assert_close(layer(x), expected, rtol=2e-2, atol=2e-2)
+    layer = WeightOnlyLinear(
+        nn.Linear(4096, 1000).cuda().bfloat16(), 8, group_size=128, format=format
+    )
+    x = torch.randn(rows, 1, 4096, device="cuda", dtype=torch.bfloat16)
+    expected = (x.float() @ layer.dequantized_weight(torch.float32).t()) + layer.bias.float()
+    torch.testing.assert_close(layer(x).float(), expected, rtol=2e-2, atol=2e-2)

@@ -100,7 +100,10 @@ class InferenceEngine(nn.Module):
         if config.weight_bits is not None:
             from slipstream.inference.quantize import quantize_decoder
 
-            quantize_decoder(fused, config.weight_bits, config.quant.weight.group_size)
+            weight = config.quant.weight
+            quantize_decoder(
+                fused, config.weight_bits, weight.group_size, format=weight.code_format
+            )
         if config.zero.offload_param.device == "cpu":
             from slipstream.inference.zero_inference import offload_decoder
 
