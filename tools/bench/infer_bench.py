@@ -67,12 +67,23 @@ def parse_args() -> argparse.Namespace:
     parser.add_argument("--batch", type=int, nargs="+", default=[1, 32])
     parser.add_argument("--dtype", choices=sorted(DTYPES), default="bf16")
     parser.add_argument("--device", choices=["auto", "cpu"], default="auto")
-    parser.add_argument("--weights", choices=["native", "int8", "int4"], default="native")
-    parser.add_argument("--group-size", type=int, default=128, help="int8/int4 weight groups")
+    parser.add_argument("--weights", choices=["native", "int8", "int4", "fp8"], default="native")
+    parser.add_argument(
+        "--group-size", type=int, default=128, help="int8/int4/fp8 weight groups (-1: per row)"
+    )
     parser.add_argument("--no-cuda-graph", action="store_true")
     parser.add_argument("--skip-hf-eager", action="store_true")
     parser.add_argument("--skip-hf-compiled", action="store_true")
     parser.add_argument("--repeats", type=int, default=3, help="timed runs; the best is kept")
+    parser.add_argument(
+        "--profile",
+        type=int,
+        default=0,
+        metavar="STEPS",
+        help="after the timings, profile STEPS decode steps of the first batch with "
+        "torch.profiler and print one JSON line per GPU kernel (calls and microseconds per "
+        "step, share of the step): the per-kernel breakdown of a decode step",
+    )
     parser.add_argument(
         "--offload",
         action="store_true",
@@ -248,9 +259,14 @@ def main() -> None:
         config["zero"] = {"stage": 3, "offload_param": {"device": "cpu", "pin_memory": True}}
         args.skip_hf_eager = args.skip_hf_compiled = True
     if args.weights != "native":
-        bits = 8 if args.weights == "int8" else 4
+        bits = 4 if args.weights == "int4" else 8
         config["quant"] = {
-            "weight": {"num_bits": bits, "group_size": args.group_size, "compute_dtype": args.dtype}
+            "weight": {
+                "num_bits": bits,
+                "group_size": args.group_size,
+                "compute_dtype": args.dtype,
+                "format": "fp8_e4m3" if args.weights == "fp8" else "int",
+            }
         }
     engine = init_inference(model, config)
     fused = engine.fused
@@ -293,6 +309,64 @@ def main() -> None:
     for batch in args.batch:
         ids = torch.randint(3, spec.vocab_size, (batch, args.prompt), generator=generator)
         bench_batch(args, engine, model, ids.to(device), weight_bytes, params, bandwidth, common)
+    if args.profile:
+        ids = torch.randint(3, spec.vocab_size, (args.batch[0], args.prompt), generator=generator)
+        profile_decode(engine, ids.to(device), args.profile, common)
+
+
+def profile_decode(engine: Any, ids: torch.Tensor, steps: int, common: dict[str, Any]) -> None:
+    """Per-kernel GPU time of a decode step: ``generate`` of 1 and of ``1 + steps`` new tokens
+    are profiled, and the difference per kernel name, divided by ``steps``, is one decode step
+    (inside the CUDA graph the kernels are still reported one by one)."""
+    from torch.profiler import ProfilerActivity, profile
+
+    def kernels(new: int) -> dict[str, tuple[int, float]]:
+        mask = torch.ones_like(ids)
+        engine.generate(ids, attention_mask=mask, max_new_tokens=new, eos_token_id=None)
+        sync(ids.device)
+        activities = [ProfilerActivity.CPU]
+        if ids.is_cuda:
+            activities.append(ProfilerActivity.CUDA)
+        with profile(activities=activities) as prof:
+            engine.generate(ids, attention_mask=mask, max_new_tokens=new, eos_token_id=None)
+            sync(ids.device)
+        table: dict[str, tuple[int, float]] = {}
+        for event in prof.events():
+            on_device = getattr(event, "device_type", None) == torch.autograd.DeviceType.CUDA
+            if not on_device and ids.is_cuda:
+                continue
+            if not ids.is_cuda and event.cpu_parent is not None:
+                continue  # CPU run: top-level ops only
+            time_us = event.device_time if ids.is_cuda else event.cpu_time
+            calls, total = table.get(event.name, (0, 0.0))
+            table[event.name] = (calls + 1, total + time_us)
+        return table
+
+    base, longer = kernels(1), kernels(1 + steps)
+    rows = []
+    for name, (calls, total) in longer.items():
+        base_calls, base_total = base.get(name, (0, 0.0))
+        per_step_calls = (calls - base_calls) / steps
+        per_step_us = (total - base_total) / steps
+        if per_step_calls > 0 or per_step_us > 0.5:
+            rows.append((per_step_us, per_step_calls, name))
+    rows.sort(reverse=True)
+    step_us = sum(row[0] for row in rows)
+    emit(
+        result="decode_profile_total",
+        kernels_per_step=round(sum(row[1] for row in rows), 1),
+        kernel_us_per_step=round(step_us, 1),
+        batch=ids.shape[0],
+        **common,
+    )
+    for per_step_us, per_step_calls, name in rows[:40]:
+        emit(
+            result="decode_profile",
+            kernel=name[:120],
+            calls_per_step=round(per_step_calls, 2),
+            us_per_step=round(per_step_us, 2),
+            share=round(per_step_us / max(step_us, 1e-9), 4),
+        )
 
 
 if __name__ == "__main__":
