@@ -48,6 +48,7 @@ KERNEL_MODULES = (
     "slipstream.kernels.ops.quantize.triton",
     "slipstream.kernels.ops.paged_attention.triton",
     "slipstream.kernels.ops.quant_matmul.triton",
+    "slipstream.kernels.ops.rotary_kv_write.triton",
 )
 
 _BINARY_KINDS = ("cubin", "hsaco")

@@ -20,6 +20,7 @@ from slipstream.kernels.ops.quant_matmul import quant_matmul
 from slipstream.kernels.ops.quantize import QuantizedTensor, dequantize, quantize
 from slipstream.kernels.ops.rms_norm import rms_norm
 from slipstream.kernels.ops.rotary_embedding import rotary_cos_sin, rotary_embedding
+from slipstream.kernels.ops.rotary_kv_write import rotary_kv_write
 from slipstream.kernels.ops.softmax import causal_keep_mask, softmax
 
 __all__ = [
@@ -38,5 +39,6 @@ __all__ = [
     "rms_norm",
     "rotary_cos_sin",
     "rotary_embedding",
+    "rotary_kv_write",
     "softmax",
 ]

@@ -11,7 +11,7 @@ import torch.distributed as dist
 import torch.nn.functional as F
 from torch import nn
 
-from slipstream.kernels.ops import layer_norm, rms_norm, rotary_embedding
+from slipstream.kernels.ops import layer_norm, rms_norm, rotary_embedding, rotary_kv_write
 
 __all__ = ["DecoderSpec", "FusedBlock", "FusedDecoder", "KVCache", "attention_mask"]
 
@@ -223,18 +223,21 @@ class FusedBlock(nn.Module):
         batch, length, _ = h.shape
         hd, heads, kv_heads = self.spec.head_dim, self.heads, self.kv_heads
         qkv = self.qkv(h)
-        qk = qkv[..., : (heads + kv_heads) * hd].view(batch, length, heads + kv_heads, hd)
-        if rotary is not None:
-            qk = rotary_embedding(qk, *rotary)  # queries and keys in one kernel
-        q, k = qk[:, :, :heads], qk[:, :, heads:]
-        v = qkv[..., (heads + kv_heads) * hd :].view(batch, length, kv_heads, hd)
-        q, k, v = (t.transpose(1, 2) for t in (q, k, v))
         if cache is not None:
-            # index_copy_ with a device tensor of slots keeps this step capturable in a graph.
-            cache[0].index_copy_(2, slots, k)
-            cache[1].index_copy_(2, slots, v)
+            # One kernel rotates Q and K, writes K and V at the (device-tensor) slots and lays Q
+            # out contiguous: four launches fewer per layer than rotary + two index_copy_ +
+            # the query copy, and still capturable in a CUDA graph.
+            cos, sin = (None, None) if rotary is None else (rotary[0][:, :, 0], rotary[1][:, :, 0])
+            q = rotary_kv_write(qkv, cos, sin, cache[0], cache[1], slots, heads, kv_heads)
             k = cache[0][:, :, : mask.shape[-1]]
             v = cache[1][:, :, : mask.shape[-1]]
+        else:
+            qk = qkv[..., : (heads + kv_heads) * hd].view(batch, length, heads + kv_heads, hd)
+            if rotary is not None:
+                qk = rotary_embedding(qk, *rotary)  # queries and keys in one kernel
+            q, k = qk[:, :, :heads], qk[:, :, heads:]
+            v = qkv[..., (heads + kv_heads) * hd :].view(batch, length, kv_heads, hd)
+            q, k, v = (t.transpose(1, 2) for t in (q, k, v))
         if heads > kv_heads:
             # Grouped-query attention without repeating K/V: the query heads sharing a KV head
             # become extra query rows of it (head h reads KV head h // group, as HF's repeat_kv
