@@ -49,6 +49,8 @@ KERNEL_MODULES = (
     "slipstream.kernels.ops.paged_attention.triton",
     "slipstream.kernels.ops.quant_matmul.triton",
     "slipstream.kernels.ops.rotary_kv_write.triton",
+    "slipstream.kernels.ops.add_rms_norm.triton",
+    "slipstream.kernels.ops.gated_activation.triton",
 )
 
 _BINARY_KINDS = ("cubin", "hsaco")

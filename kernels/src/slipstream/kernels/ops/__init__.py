@@ -11,7 +11,9 @@ from __future__ import annotations
 
 from slipstream.kernels.ops.adagrad import adagrad
 from slipstream.kernels.ops.adam import adam
+from slipstream.kernels.ops.add_rms_norm import add_rms_norm
 from slipstream.kernels.ops.cross_entropy import cross_entropy
+from slipstream.kernels.ops.gated_activation import gated_activation
 from slipstream.kernels.ops.lamb import lamb
 from slipstream.kernels.ops.layer_norm import layer_norm
 from slipstream.kernels.ops.lion import lion
@@ -27,9 +29,11 @@ __all__ = [
     "QuantizedTensor",
     "adagrad",
     "adam",
+    "add_rms_norm",
     "causal_keep_mask",
     "cross_entropy",
     "dequantize",
+    "gated_activation",
     "lamb",
     "layer_norm",
     "lion",

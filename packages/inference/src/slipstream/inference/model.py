@@ -11,7 +11,14 @@ import torch.distributed as dist
 import torch.nn.functional as F
 from torch import nn
 
-from slipstream.kernels.ops import layer_norm, rms_norm, rotary_embedding, rotary_kv_write
+from slipstream.kernels.ops import (
+    add_rms_norm,
+    gated_activation,
+    layer_norm,
+    rms_norm,
+    rotary_embedding,
+    rotary_kv_write,
+)
 
 __all__ = ["DecoderSpec", "FusedBlock", "FusedDecoder", "KVCache", "attention_mask"]
 
@@ -128,6 +135,15 @@ class Norm(nn.Module):
             return rms_norm(x, self.weight, self.eps)
         return layer_norm(x, self.weight, self.bias, self.eps)
 
+    def add_forward(
+        self, x: torch.Tensor, residual: torch.Tensor
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """``(x + residual, norm(x + residual))``: one kernel for RMSNorm, two for LayerNorm."""
+        if self.kind == "rms":
+            return add_rms_norm(x, residual, self.weight, self.eps)  # type: ignore[no-any-return]
+        total = x + residual
+        return total, self(total)
+
 
 class MoEFeedForward(nn.Module):
     """Mixtral's sparse MLP: softmax router, top-k experts renormalised, gated SiLU experts."""
@@ -206,8 +222,7 @@ class FusedBlock(nn.Module):
             return self.moe(h)
         up = self.up(h)
         if self.spec.mlp == "gated":
-            gate, up = up.chunk(2, dim=-1)
-            up = _activation(self.spec.activation, gate) * up
+            up = gated_activation(up, self.spec.activation)  # act(gate) * up in one kernel
         else:
             up = _activation(self.spec.activation, up)
         return self.down(up)
@@ -257,15 +272,16 @@ class FusedBlock(nn.Module):
     ) -> torch.Tensor:
         """``x`` ``(batch, tokens, hidden)`` at cache ``slots``.
 
-        ``mask`` is :func:`attention_mask`'s, with its query rows repeated once per query head
-        of a KV head (``group`` times) when the block has grouped-query attention.
+        ``mask`` is :func:`attention_mask`'s (boolean, or the additive 0 / -inf form the
+        decoder passes), with its query rows repeated once per query head of a KV head
+        (``group`` times) when the block has grouped-query attention.
         """
         h = self.input_norm(x)
         attn = self._attention(h, rotary, cache, slots, mask)
         if self.post_norm is None:  # parallel residual: one reduction for both branches
             return x + self._reduce(attn + self._mlp(h))
-        x = x + self._reduce(attn)
-        return x + self._reduce(self._mlp(self.post_norm(x)))
+        x, h = self.post_norm.add_forward(self._reduce(attn), x)  # residual add + norm fused
+        return x + self._reduce(self._mlp(h))
 
 
 class FusedDecoder(nn.Module):
@@ -353,6 +369,11 @@ class FusedDecoder(nn.Module):
         group = first.heads // first.kv_heads
         if group > 1:  # once per step, not per layer: (batch, 1, group * tokens, keys)
             mask = mask[:, :, None].expand(-1, -1, group, -1, -1).flatten(2, 3)
+        # An additive mask, built once per step: SDPA would otherwise turn the boolean mask into
+        # one in every layer (extra kernels per layer at decode).
+        mask = torch.zeros(mask.shape, dtype=x.dtype, device=x.device).masked_fill_(
+            ~mask, float("-inf")
+        )
         for index, block in enumerate(self.blocks):
             layer_cache = None if cache is None else (cache.keys[index], cache.values[index])
             if self.layer_hook is not None:
