@@ -92,7 +92,25 @@ def test_triton_dispatch_shapes(triton_device: torch.device) -> None:
     torch.testing.assert_close(out, reference(x, codes, scales, "int4", 64), rtol=1e-5, atol=1e-5)
     assert backend.default_config(1, 40, 128, "int4", 16, triton_device) is None  # < tl.dot's K
     few = backend.default_config(1, 64, 4096, "int8", 128, torch.device("cpu"))
-    assert few is not None and few.split_k > 1  # 4 column blocks cannot fill 8 "SMs": split K
+    assert few is not None and few.split_k == 4  # 2 column blocks cannot fill 8 "SMs": split K
     many = backend.default_config(1, 28672, 4096, "int8", 128, torch.device("cpu"))
     assert many is not None and many.split_k == 1
+    short = backend.default_config(1, 64, 128, "int8", 64, torch.device("cpu"))
+    assert short is not None and short.split_k == 2  # never more splits than K steps
+    # Prefill rows: the weight dequantized by the row kernel (bit-equal to the reference's
+    # dequantization), then the matmul.
+    for fmt in ("int8", "int4", "fp8_e4m3"):
+        _, codes, scales = _weight(fmt)
+        codes, scales = codes.to(triton_device), scales.to(triton_device)
+        for dtype in (torch.float32, torch.float16):
+            weight = backend.dequantize_rows(codes, scales, fmt, 64, 128, dtype)
+            expected = dequantize_weight(codes, scales, fmt, 64, 128, dtype)
+            torch.testing.assert_close(weight, expected, rtol=0, atol=0)
+        x = torch.randn(backend.DEQUANTIZE_ABOVE_ROWS + 1, 128, device=triton_device)
+        torch.testing.assert_close(
+            backend.quant_matmul(x, codes, scales, fmt, 64),
+            reference(x, codes, scales, fmt, 64),
+            rtol=1e-5,
+            atol=1e-5,
+        )
     assert backend.default_config(64, 4096, 4096, "int8", 128, torch.device("cpu")).block_m == 64  # type: ignore[union-attr]

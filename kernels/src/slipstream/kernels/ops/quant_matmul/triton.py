@@ -30,20 +30,24 @@ from __future__ import annotations
 import dataclasses
 
 import torch
+import torch.nn.functional as F
 import triton
 import triton.language as tl
 
-from slipstream.kernels.ops.quant_matmul.reference import check_weight
+from slipstream.kernels.ops.quant_matmul.reference import (
+    check_weight,
+    dequantize_weight,
+)
 from slipstream.kernels.ops.quant_matmul.reference import quant_matmul as reference_quant_matmul
 from slipstream.kernels.triton_support import AotSpec, check_kernel_device, interpreting
 
 __all__ = ["FORMAT_CODES", "QuantMatmulConfig", "default_config", "launch", "quant_matmul"]
 
 FORMAT_CODES = {"int8": 0, "int4": 1, "fp8_e4m3": 2}
-# Above this many rows the weight is read once per many rows anyway (compute-bound): dequantize
-# it once and let the matmul library multiply. Unmeasured; tools/bench/quant_gemv_bench.py
-# reports both paths for the lead to move it.
-DEQUANTIZE_ABOVE_ROWS = 256
+# Above this many rows (prefill) the weight is dequantized once into a scratch of the activation
+# dtype by a bandwidth-bound Triton kernel and cuBLAS multiplies: the tiled kernel measured 2-14x
+# slower than bf16 cuBLAS at 128-512 rows on an H100 (tools/bench/quant_gemv_bench.py).
+DEQUANTIZE_ABOVE_ROWS = 16
 
 
 @dataclasses.dataclass(frozen=True)
@@ -105,17 +109,31 @@ def quant_matmul_kernel(
                 codes_ptr + col_offsets[None, :] * (K // 2) + (k0 // 2 + j)[:, None],
                 mask=col_ok[None, :],
                 other=0,
-            ).to(tl.int32)
-            low = (((packed & 15) ^ 8) - 8).to(tl.float32).to(x_type)
-            high = ((((packed >> 4) & 15) ^ 8) - 8).to(tl.float32).to(x_type)
+            )
             k = tl.arange(0, BLOCK_K)
             xk = tl.load(x_rows + (k0 + k)[None, :], mask=row_ok[:, None], other=0.0)
             x_even, x_odd = tl.split(tl.reshape(xk, (BLOCK_M, BLOCK_K // 2, 2)))
             if IEEE:
+                wide = packed.to(tl.int32)
+                low = (((wide & 15) ^ 8) - 8).to(tl.float32)
+                high = ((((wide >> 4) & 15) ^ 8) - 8).to(tl.float32)
                 part = tl.dot(x_even, low, input_precision="ieee")
                 part += tl.dot(x_odd, high, input_precision="ieee")
             else:
-                part = tl.dot(x_even, low) + tl.dot(x_odd, high)
+                # No integer-to-float conversions: each nibble (two's complement, made offset
+                # binary u = code + 8 by xor 8) is placed in the mantissa of 16.0, where one
+                # unit of the field is 1.0 (bf16: bits 3-6; fp16: bits 6-9), giving the value
+                # 16 + u = code + 24 exactly; the dot is corrected by 24 * sum(x) per row.
+                flipped = packed.to(tl.int16) ^ 0x88
+                if x_type == tl.float16:
+                    low = ((flipped << 6) & 0x3C0) | 0x4C00
+                    high = ((flipped << 2) & 0x3C0) | 0x4C00
+                else:
+                    low = ((flipped << 3) & 0x78) | 0x4180
+                    high = ((flipped >> 1) & 0x78) | 0x4180
+                part = tl.dot(x_even, low.to(x_type, bitcast=True))
+                part += tl.dot(x_odd, high.to(x_type, bitcast=True))
+                part -= 24.0 * tl.sum(xk.to(tl.float32), axis=1)[:, None]
         else:
             k = tl.arange(0, BLOCK_K)
             raw = tl.load(
@@ -126,7 +144,9 @@ def quant_matmul_kernel(
             if FORMAT == 2:
                 byte = raw.to(tl.int32) & 0xFF
                 half_bits = ((byte & 0x80) << 8) | ((byte & 0x7F) << 7)
-                w = half_bits.to(tl.int16).to(tl.float16, bitcast=True).to(tl.float32).to(x_type)
+                w = half_bits.to(tl.int16).to(tl.float16, bitcast=True)
+                if x_type != tl.float16:
+                    w = w.to(tl.float32).to(x_type)
             else:
                 w = raw.to(tl.float32).to(x_type)
             xk = tl.load(x_rows + (k0 + k)[None, :], mask=row_ok[:, None], other=0.0)
@@ -146,6 +166,84 @@ def quant_matmul_kernel(
         tl.store(out_ptrs, acc.to(out_ptr.dtype.element_ty), mask=keep)
     else:
         tl.atomic_add(out_ptrs, acc, mask=keep)
+
+
+@triton.jit
+def dequantize_rows_kernel(
+    codes_ptr,
+    scales_ptr,
+    out_ptr,
+    N,
+    K,
+    FORMAT: tl.constexpr,
+    GROUP: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+    BLOCK_K: tl.constexpr,
+):
+    """out[n, k] = code[n, k] * scale[n, k // GROUP] in fp32, rounded once to out's dtype."""
+    cols = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
+    k0 = tl.program_id(1) * BLOCK_K
+    col_ok = cols < N
+    rows64 = cols.to(tl.int64)
+    scale = tl.load(scales_ptr + rows64 * (K // GROUP) + k0 // GROUP, mask=col_ok, other=0.0)
+    k = tl.arange(0, BLOCK_K)
+    if FORMAT == 1:
+        j = tl.arange(0, BLOCK_K // 2)
+        packed = tl.load(
+            codes_ptr + rows64[:, None] * (K // 2) + (k0 // 2 + j)[None, :],
+            mask=col_ok[:, None],
+            other=0,
+        ).to(tl.int32)
+        low = (((packed & 15) ^ 8) - 8).to(tl.float32)
+        high = ((((packed >> 4) & 15) ^ 8) - 8).to(tl.float32)
+        values = tl.reshape(tl.join(low, high), (BLOCK_N, BLOCK_K))  # k = 2j low, 2j + 1 high
+    else:
+        raw = tl.load(
+            codes_ptr + rows64[:, None] * K + (k0 + k)[None, :], mask=col_ok[:, None], other=0
+        )
+        if FORMAT == 2:
+            byte = raw.to(tl.int32) & 0xFF
+            half_bits = ((byte & 0x80) << 8) | ((byte & 0x7F) << 7)
+            values = half_bits.to(tl.int16).to(tl.float16, bitcast=True).to(tl.float32) * 256.0
+        else:
+            values = raw.to(tl.float32)
+    out = values * scale[:, None]
+    tl.store(
+        out_ptr + rows64[:, None] * K + (k0 + k)[None, :],
+        out.to(out_ptr.dtype.element_ty),
+        mask=col_ok[:, None],
+    )
+
+
+def dequantize_rows(
+    codes: torch.Tensor,
+    scales: torch.Tensor,
+    format: str,
+    group_size: int,
+    in_features: int,
+    dtype: torch.dtype,
+) -> torch.Tensor:
+    """The ``(out, in)`` weight in ``dtype``, equal to the reference's (fp32 product, one rounding)."""
+    out_features = check_weight(codes, scales, format, group_size, in_features)
+    block_k = _block_k(format, group_size)
+    if block_k is None:
+        return dequantize_weight(codes, scales, format, group_size, in_features, dtype)
+    if codes.dtype != torch.uint8 and codes.dtype != torch.int8:
+        codes = codes.view(torch.uint8)
+    out = torch.empty(out_features, in_features, device=codes.device, dtype=dtype)
+    grid = (triton.cdiv(out_features, 32), in_features // block_k)
+    dequantize_rows_kernel[grid](
+        codes,
+        scales,
+        out,
+        out_features,
+        in_features,
+        FORMAT=FORMAT_CODES[format],
+        GROUP=group_size,
+        BLOCK_N=32,
+        BLOCK_K=block_k,
+    )
+    return out
 
 
 def _block_k(format: str, group_size: int) -> int | None:
@@ -175,24 +273,26 @@ def default_config(
 ) -> QuantMatmulConfig | None:
     """The launch used when none is given; None when the kernel cannot run this shape.
 
-    Few rows (decode): a 16-row tile, narrow column blocks so that there are at least two
-    programs per SM, and split-K only when even 16-column blocks leave SMs idle. More rows
-    (prefill): 64 x 64 tiles. Heuristic, not tuned; ``quant_gemv_bench.py --sweep`` measures
-    the alternatives.
+    Few rows (decode): a 16-row tile over 32 columns, split-K when the columns give too few
+    programs to keep every SM streaming. More rows: 64 x 64 tiles (the op itself dequantizes
+    and calls the matmul library above ``DEQUANTIZE_ABOVE_ROWS``).
     """
     block_k = _block_k(format, group_size)
     if block_k is None:
         return None
-    sms = _multiprocessors(device)
     if rows > 16:
         return QuantMatmulConfig(block_m=64, block_n=64, block_k=block_k, num_stages=3)
-    block_n = 32 if triton.cdiv(out_features, 32) >= 2 * sms else 16
-    programs = triton.cdiv(out_features, block_n)
-    split = 1
+    # The H100 sweep's winners (tools/bench/quant_gemv_bench.py --sweep, Llama-8B shapes, all
+    # formats, 1-16 rows): 32-column blocks, 4 warps, 3 stages; no split when the columns
+    # alone give >= 4 programs per SM (gate/up), else split K in 4 (QKV, output, down),
+    # which beat the unsplit kernel there even with its zero-fill and cast launches.
+    sms = _multiprocessors(device)
+    programs = triton.cdiv(out_features, 32)
     steps = in_features // block_k
-    while programs * split < sms and split * 2 <= min(8, steps):
-        split *= 2
-    return QuantMatmulConfig(block_n=block_n, block_k=block_k, split_k=split)
+    split = 1 if programs >= 4 * sms else (2 if programs >= 2 * sms else 4)
+    while split > 1 and steps < split:
+        split //= 2
+    return QuantMatmulConfig(block_n=32, block_k=block_k, split_k=split, num_stages=3)
 
 
 def launch(
@@ -266,14 +366,18 @@ def quant_matmul(
 ) -> torch.Tensor:
     """``x @ W^T + bias`` reading the quantized ``W`` in place (see the module docstring).
 
-    Shapes the kernel cannot tile (a group not a multiple of 16, or 32 for int4) and inputs of
-    more than ``DEQUANTIZE_ABOVE_ROWS`` rows run the reference (dequantize, then matmul).
+    Shapes the kernel cannot tile (a group not a multiple of 16, or 32 for int4) run the
+    reference; inputs of more than ``DEQUANTIZE_ABOVE_ROWS`` rows dequantize the weight with
+    :func:`dequantize_rows`, then multiply.
     """
     check_kernel_device("quant_matmul", x, codes, scales, bias)
     rows = x.numel() // max(x.shape[-1], 1)
     config = default_config(rows, -1, x.shape[-1], format, group_size, x.device)
-    if config is None or rows == 0 or rows > DEQUANTIZE_ABOVE_ROWS:
+    if config is None or rows == 0:
         return reference_quant_matmul(x, codes, scales, format, group_size, bias)
+    if rows > DEQUANTIZE_ABOVE_ROWS:
+        weight = dequantize_rows(codes, scales, format, group_size, x.shape[-1], x.dtype)
+        return F.linear(x, weight, bias)
     out_features = check_weight(codes, scales, format, group_size, x.shape[-1])
     config = default_config(rows, out_features, x.shape[-1], format, group_size, x.device)
     assert config is not None
@@ -325,4 +429,24 @@ def aot_specs() -> list[AotSpec]:
                         },
                     )
                 )
+    for dtype in ("bf16", "fp16"):
+        for format, code in FORMAT_CODES.items():
+            specs.append(
+                AotSpec(
+                    f"quant_matmul.dequantize_rows[{format}->{dtype}]",
+                    dequantize_rows_kernel,
+                    {
+                        "codes_ptr": storage[format],
+                        "scales_ptr": "*fp32",
+                        "out_ptr": f"*{dtype}",
+                        "N": "i32",
+                        "K": "i32",
+                        "FORMAT": "constexpr",
+                        "GROUP": "constexpr",
+                        "BLOCK_N": "constexpr",
+                        "BLOCK_K": "constexpr",
+                    },
+                    {"FORMAT": code, "GROUP": 128, "BLOCK_N": 32, "BLOCK_K": 128},
+                )
+            )
     return specs
