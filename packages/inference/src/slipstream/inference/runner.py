@@ -13,6 +13,8 @@ __all__ = ["StaticCacheRunner"]
 
 logger = logging.getLogger(__name__)
 
+EAGER_WIDTH = 256  # attention width granularity of an eager decode step
+
 
 @dataclasses.dataclass
 class _Bucket:
@@ -101,10 +103,14 @@ class StaticCacheRunner:
                 bucket.graph.replay()
                 return bucket.logits.clone()
         slots = torch.tensor([slot], device=tokens.device)
+        # Eager steps attend over a width rounded up to EAGER_WIDTH slots (the later ones are
+        # masked: not yet valid, and after this slot): attention backends that plan per shape
+        # (cuDNN's SDPA) then see a new shape every EAGER_WIDTH steps, not every step.
+        width = min(self.max_len, -(-(slot + 1) // EAGER_WIDTH) * EAGER_WIDTH)
         logits = self.model(
             tokens[:, None],
             positions[:, None],
-            bucket.key_valid[:, : slot + 1],
+            bucket.key_valid[:, :width],
             slots,
             bucket.cache,
         )
