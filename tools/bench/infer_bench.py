@@ -18,7 +18,9 @@ One JSON line per result. Run on one GPU (the lead's command):
 
 CPU smoke run of the harness (tiny model): ``--preset tiny --device cpu --skip-hf-compiled``.
 Tensor parallelism (Slipstream only; per-GPU bandwidth fraction of each rank's slice):
-``torchrun --nproc_per_node 2 tools/bench/infer_bench.py --batch 1``.
+``torchrun --nproc_per_node 2 tools/bench/infer_bench.py --batch 1``, or TP=1 and TP=2 side
+by side on one 2-GPU machine in one invocation: ``--tp-compare 2 --batch 1``.
+Per-kernel breakdown of a decode step: ``--profile 16``.
 """
 
 from __future__ import annotations
@@ -75,6 +77,15 @@ def parse_args() -> argparse.Namespace:
     parser.add_argument("--skip-hf-eager", action="store_true")
     parser.add_argument("--skip-hf-compiled", action="store_true")
     parser.add_argument("--repeats", type=int, default=3, help="timed runs; the best is kept")
+    parser.add_argument(
+        "--tp-compare",
+        type=int,
+        default=0,
+        metavar="N",
+        help="side by side in one invocation: this bench at TP=1 (one GPU), then at TP=N "
+        "(torch.distributed.run, N GPUs of this machine), each in its own process, then one "
+        "tp_speedup line per batch (HF baselines skipped)",
+    )
     parser.add_argument(
         "--profile",
         type=int,
@@ -228,8 +239,57 @@ def bench_batch(
         )
 
 
+def tp_compare(args: argparse.Namespace) -> None:
+    """``--tp-compare N``: TP=1, then TP=N, each a child process running this script."""
+    import subprocess
+    import sys
+
+    argv = sys.argv[1:]
+    index = next(i for i, a in enumerate(argv) if a.startswith("--tp-compare"))
+    del argv[index : index + (1 if "=" in argv[index] else 2)]
+    argv += ["--skip-hf-eager", "--skip-hf-compiled"]
+    script = os.path.abspath(__file__)
+    runs = {
+        1: [sys.executable, script, *argv],
+        args.tp_compare: [
+            sys.executable,
+            "-m",
+            "torch.distributed.run",
+            "--standalone",
+            f"--nproc_per_node={args.tp_compare}",
+            script,
+            *argv,
+        ],
+    }
+    rates: dict[int, dict[int, float]] = {}
+    for tp, command in runs.items():
+        done = subprocess.run(command, capture_output=True, text=True, check=False)
+        for line in done.stdout.splitlines():
+            print(line, flush=True)
+            if line.startswith("{"):
+                row = json.loads(line)
+                if row.get("result") == "slipstream":
+                    rates.setdefault(row["batch"], {})[tp] = row["decode_tokens_per_s"]
+        if done.returncode != 0:
+            print(done.stderr[-4000:], file=sys.stderr, flush=True)
+            raise SystemExit(f"--tp-compare: the TP={tp} run failed ({done.returncode})")
+    for batch, by_tp in sorted(rates.items()):
+        if 1 in by_tp and args.tp_compare in by_tp:
+            emit(
+                result="tp_speedup",
+                batch=batch,
+                tp=args.tp_compare,
+                tp1_decode_tokens_per_s=by_tp[1],
+                tpn_decode_tokens_per_s=by_tp[args.tp_compare],
+                speedup=round(by_tp[args.tp_compare] / by_tp[1], 3),
+            )
+
+
 def main() -> None:
     args = parse_args()
+    if args.tp_compare > 1 and "WORLD_SIZE" not in os.environ:
+        tp_compare(args)
+        return
     cpu = args.device == "cpu" or not torch.cuda.is_available()
     world = int(os.environ.get("WORLD_SIZE", "1"))
     if world > 1:  # tensor parallelism over the launched ranks; rank 0 prints
