@@ -14,7 +14,7 @@ from torch import nn
 
 from slipstream.inference.adapters import from_hf
 from slipstream.inference.config import InferenceConfig, load_inference_config
-from slipstream.inference.generation import GenerationSettings, generate_tokens
+from slipstream.inference.generation import GenerationSettings, StopStrings, generate_tokens
 from slipstream.inference.model import FusedDecoder
 from slipstream.inference.runner import StaticCacheRunner
 
@@ -185,7 +185,8 @@ class InferenceEngine(nn.Module):
 
         Greedy search, or sampling (``do_sample=True``) with temperature, top-k and top-p;
         repetition penalty; ``eos_token_id`` (one or a list) ends a row, which is then padded
-        with ``pad_token_id``; ``max_new_tokens`` / ``min_new_tokens``. Prompts of a batch are
+        with ``pad_token_id``; ``stop_strings`` (with ``tokenizer=``) end a row whose text ends
+        with one; ``max_new_tokens`` / ``min_new_tokens``. Prompts of a batch are
         left-padded, ``attention_mask`` marking the real tokens. Defaults come from the model's
         ``generation_config``, as in Hugging Face.
 
@@ -199,6 +200,11 @@ class InferenceEngine(nn.Module):
         generation_config = kwargs.get("generation_config") or getattr(
             self.module, "generation_config", None
         )
+        stop_strings = kwargs.pop("stop_strings", None)
+        if stop_strings is None:
+            stop_strings = getattr(generation_config, "stop_strings", None)
+        tokenizer = kwargs.pop("tokenizer", None)
+        stop = None if stop_strings is None else StopStrings(stop_strings, tokenizer)
         settings = GenerationSettings.resolve(generation_config, input_ids.shape[1], kwargs)
         input_ids = input_ids.to(self.device)
         if attention_mask is None:
@@ -221,6 +227,7 @@ class InferenceEngine(nn.Module):
             attention_mask,
             settings,
             generator,
+            stop,
         )
 
 
