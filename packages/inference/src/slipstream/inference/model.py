@@ -276,12 +276,25 @@ class FusedBlock(nn.Module):
         decoder passes), with its query rows repeated once per query head of a KV head
         (``group`` times) when the block has grouped-query attention.
         """
-        h = self.input_norm(x)
+        x, pending = self.forward_split(x, self.input_norm(x), rotary, cache, slots, mask)
+        return x + pending
+
+    def forward_split(
+        self,
+        x: torch.Tensor,
+        h: torch.Tensor,
+        rotary: tuple[torch.Tensor, torch.Tensor] | None,
+        cache: tuple[torch.Tensor, torch.Tensor] | None,
+        slots: torch.Tensor,
+        mask: torch.Tensor,
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """:meth:`forward` given ``h = input_norm(x)``, returning ``(base, pending)`` whose sum
+        is the block's output: the decoder adds ``pending`` in the next norm's kernel."""
         attn = self._attention(h, rotary, cache, slots, mask)
         if self.post_norm is None:  # parallel residual: one reduction for both branches
-            return x + self._reduce(attn + self._mlp(h))
+            return x, self._reduce(attn + self._mlp(h))
         x, h = self.post_norm.add_forward(self._reduce(attn), x)  # residual add + norm fused
-        return x + self._reduce(self._mlp(h))
+        return x, self._reduce(self._mlp(h))
 
 
 class FusedDecoder(nn.Module):
@@ -374,16 +387,26 @@ class FusedDecoder(nn.Module):
         mask = torch.zeros(mask.shape, dtype=x.dtype, device=x.device).masked_fill_(
             ~mask, float("-inf")
         )
+        # Each block's last residual add runs in the next norm's kernel (add + norm fused).
+        pending: torch.Tensor | None = None
         for index, block in enumerate(self.blocks):
+            assert isinstance(block, FusedBlock)
             layer_cache = None if cache is None else (cache.keys[index], cache.values[index])
             if self.layer_hook is not None:
                 self.layer_hook.before(index)
-            x = block(x, rotary, layer_cache, slots, mask)
+            if pending is None:
+                h = block.input_norm(x)
+            else:
+                x, h = block.input_norm.add_forward(pending, x)
+            x, pending = block.forward_split(x, h, rotary, layer_cache, slots, mask)
             if self.layer_hook is not None:
                 self.layer_hook.after(index)
+        normed = (
+            self.final_norm(x) if pending is None else self.final_norm.add_forward(pending, x)[1]
+        )
         if last_only:
-            x = x[:, -1:]  # a prefill needs only the next token's logits: skip the rest of the head
-        logits = self.head(self.final_norm(x))
+            normed = normed[:, -1:]  # a prefill needs only the next token's logits
+        logits = self.head(normed)
         if self.head_group is not None:
             parts = [torch.empty_like(logits) for _ in range(dist.get_world_size(self.head_group))]
             dist.all_gather(parts, logits.contiguous(), group=self.head_group)
