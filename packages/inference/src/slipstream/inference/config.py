@@ -194,13 +194,12 @@ class OffloadParamConfig(ConfigBlock):
     max_in_cpu: int = dataclasses.field(default=1_000_000_000, metadata={"ge": 0})
 
     def validate(self, path: str) -> None:
-        if self.device == "nvme":
-            not_implemented(
-                key_path(path, "device"),
-                self.device,
-                "ZeRO-Inference from NVMe",
-                _NOT_YET,
-                'Use "cpu" (weights in pinned host memory, streamed layer by layer).',
+        if self.device == "nvme" and not self.nvme_path:
+            config_fail(
+                key_path(path, "nvme_path"),
+                self.nvme_path,
+                'an existing folder on an NVMe drive when device is "nvme" (the block weights '
+                "are kept in swap files there)",
             )
 
 

@@ -104,10 +104,17 @@ class InferenceEngine(nn.Module):
             quantize_decoder(
                 fused, config.weight_bits, weight.group_size, format=weight.code_format
             )
-        if config.zero.offload_param.device == "cpu":
+        offload = config.zero.offload_param
+        if offload.device in ("cpu", "nvme"):
             from slipstream.inference.zero_inference import offload_decoder
 
-            offload_decoder(fused, self.device, pin_memory=config.zero.offload_param.pin_memory)
+            offload_decoder(
+                fused,
+                self.device,
+                pin_memory=offload.pin_memory,
+                nvme_path=offload.nvme_path if offload.device == "nvme" else None,
+                max_in_cpu=offload.max_in_cpu,
+            )
         else:
             fused.to(self.device)
         self.fused = fused
