@@ -97,10 +97,15 @@ def parse_args() -> argparse.Namespace:
     )
     parser.add_argument(
         "--offload",
-        action="store_true",
-        help="ZeRO-Inference: blocks stream from pinned host memory (no CUDA graph, no HF "
-        "baselines); slow, so pair it with --new-tokens 8 --repeats 1",
+        nargs="?",
+        const="cpu",
+        choices=["cpu", "nvme"],
+        default=None,
+        help="ZeRO-Inference: blocks stream from pinned host memory (cpu, the default) or from "
+        "swap files under --nvme-path (nvme); no CUDA graph, no HF baselines; slow (PCIe- or "
+        "drive-bound), so pair it with --new-tokens 8 --repeats 1",
     )
+    parser.add_argument("--nvme-path", default=None, help="swap folder for --offload nvme")
     return parser.parse_args()
 
 
@@ -145,6 +150,25 @@ def host_to_device_bandwidth(device: torch.device) -> float:
     src = torch.empty(1 << 30, dtype=torch.uint8).pin_memory()
     dst = torch.empty(src.shape, dtype=torch.uint8, device=device)
     return src.numel() / best_time(lambda: dst.copy_(src, non_blocking=True), device, 3)
+
+
+def nvme_read_bandwidth(path: str) -> float:
+    """Bytes/s of reading 1 GiB back from a swap file under ``path`` (slipstream.offload I/O)."""
+    from slipstream.offload import AioSettings, AsyncIOEngine, SwapSpace
+
+    space = SwapSpace(path, AsyncIOEngine(AioSettings()), name="bench")
+    try:
+        data = torch.ones(1 << 28, dtype=torch.float32)  # 1 GiB
+        space.allocate("probe", data.numel(), data.dtype)
+        space.write("probe", data).wait()
+        best = float("inf")
+        for _ in range(3):
+            start = time.perf_counter()
+            space.read("probe", data).wait()
+            best = min(best, time.perf_counter() - start)
+    finally:
+        space.close()
+    return data.numel() * 4 / best
 
 
 def build_model(preset: str, dtype: torch.dtype, device: torch.device) -> torch.nn.Module:
@@ -207,7 +231,7 @@ def bench_batch(
         prefill_tflops=round(prefill_flops / prefill / 1e12, 2),
         prefill_ms=round(prefill * 1e3, 2),
         cuda_graph=not args.no_cuda_graph and not args.offload and device.type == "cuda",
-        offload=args.offload,
+        offload=args.offload or False,
         weights=args.weights,
         **run,
     )
@@ -306,7 +330,9 @@ def main() -> None:
     bandwidth = copy_bandwidth(device)
     emit(result="copy_bandwidth", gb_per_s=round(bandwidth / 1e9, 1), **common)
 
+    started = time.perf_counter()
     model = build_model(args.preset, dtype, torch.device("cpu") if args.offload else device)
+    emit(result="phase", phase="build_model", seconds=round(time.perf_counter() - started, 2))
     max_len = args.prompt + args.new_tokens
     config: dict[str, Any] = {
         "dtype": args.dtype if args.weights == "native" else "int8",
@@ -316,7 +342,10 @@ def main() -> None:
         "tensor_parallel": {"tp_size": world},
     }
     if args.offload:
-        config["zero"] = {"stage": 3, "offload_param": {"device": "cpu", "pin_memory": True}}
+        offload: dict[str, Any] = {"device": args.offload, "pin_memory": True}
+        if args.offload == "nvme":
+            offload.update(nvme_path=args.nvme_path, max_in_cpu=0)
+        config["zero"] = {"stage": 3, "offload_param": offload}
         args.skip_hf_eager = args.skip_hf_compiled = True
     if args.weights != "native":
         bits = 4 if args.weights == "int4" else 8
@@ -328,7 +357,9 @@ def main() -> None:
                 "format": "fp8_e4m3" if args.weights == "fp8" else "int",
             }
         }
+    started = time.perf_counter()
     engine = init_inference(model, config)
+    emit(result="phase", phase="init_inference", seconds=round(time.perf_counter() - started, 2))
     fused = engine.fused
     assert fused is not None
     spec = fused.spec
@@ -343,8 +374,12 @@ def main() -> None:
     if args.offload:
         # The fraction is then of the host -> device bandwidth, over the streamed blocks' bytes.
         weight_bytes = sum(t.numel() * t.element_size() for t in fused.blocks.state_dict().values())
-        bandwidth = host_to_device_bandwidth(device) if device.type == "cuda" else bandwidth
-        emit(result="h2d_bandwidth", gb_per_s=round(bandwidth / 1e9, 1), **common)
+        if args.offload == "nvme":  # the drive's read rate bounds the stream
+            bandwidth = nvme_read_bandwidth(args.nvme_path)
+            emit(result="nvme_read_bandwidth", gb_per_s=round(bandwidth / 1e9, 2), **common)
+        else:
+            bandwidth = host_to_device_bandwidth(device) if device.type == "cuda" else bandwidth
+            emit(result="h2d_bandwidth", gb_per_s=round(bandwidth / 1e9, 1), **common)
     else:
         probe = torch.randint(3, spec.vocab_size, (1, args.prompt), device=device)
         with torch.no_grad():
