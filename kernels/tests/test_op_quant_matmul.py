@@ -114,3 +114,22 @@ def test_triton_dispatch_shapes(triton_device: torch.device) -> None:
             atol=1e-5,
         )
     assert backend.default_config(64, 4096, 4096, "int8", 128, torch.device("cpu")).block_m == 64  # type: ignore[union-attr]
+
+
+def test_dense_gemv_matches_linear(triton_device: torch.device) -> None:
+    from slipstream.kernels.ops.quant_matmul.triton import dense_gemv
+
+    generator = torch.Generator().manual_seed(2)
+    dtypes = [torch.float16] + ([torch.bfloat16] if triton_device.type == "cuda" else [])
+    for dtype in dtypes:
+        weight = torch.randn(40, 128, generator=generator).to(triton_device, dtype)
+        bias = torch.randn(40, generator=generator).to(triton_device, dtype)
+        for rows in (1, 5):
+            x = torch.randn(rows, 128, generator=generator).to(triton_device, dtype)
+            expected = F.linear(x.float(), weight.float(), bias.float())
+            out = dense_gemv(x, weight, bias)
+            assert out.dtype == dtype
+            torch.testing.assert_close(out.float(), expected, rtol=8e-3, atol=3e-2)
+    x32 = torch.randn(2, 128, device=triton_device)  # fp32: the matmul library (exact)
+    w32 = torch.randn(40, 128, device=triton_device)
+    torch.testing.assert_close(dense_gemv(x32, w32), F.linear(x32, w32), rtol=0, atol=0)

@@ -74,6 +74,11 @@ def parse_args() -> argparse.Namespace:
         "--group-size", type=int, default=128, help="int8/int4/fp8 weight groups (-1: per row)"
     )
     parser.add_argument("--no-cuda-graph", action="store_true")
+    parser.add_argument(
+        "--use-triton",
+        action="store_true",
+        help="use_triton=True: the blocks' dense linears run the Triton streaming GEMV at decode",
+    )
     parser.add_argument("--skip-hf-eager", action="store_true")
     parser.add_argument("--skip-hf-compiled", action="store_true")
     parser.add_argument("--repeats", type=int, default=3, help="timed runs; the best is kept")
@@ -233,6 +238,7 @@ def bench_batch(
         cuda_graph=not args.no_cuda_graph and not args.offload and device.type == "cuda",
         offload=args.offload or False,
         weights=args.weights,
+        use_triton=args.use_triton,
         **run,
     )
     hf_kwargs = {
@@ -340,6 +346,7 @@ def main() -> None:
         "enable_cuda_graph": not args.no_cuda_graph and not args.offload,
         "max_out_tokens": max_len,
         "tensor_parallel": {"tp_size": world},
+        "use_triton": args.use_triton,
     }
     if args.offload:
         offload: dict[str, Any] = {"device": args.offload, "pin_memory": True}

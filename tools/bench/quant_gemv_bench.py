@@ -4,7 +4,9 @@ For each Llama-3-8B projection shape (QKV 6144x4096, output 4096x4096, gate/up 2
 down 4096x14336), each row count (``--rows``: decode batch sizes, and a prefill) and each
 format (int8, int4, fp8 e4m3; group 128), one JSON line: kernel time, the bytes it must read
 (codes + scales + activations + output) as GB/s and as a fraction of the measured copy
-bandwidth, and the speedup over bf16 ``F.linear`` (cuBLAS) on the same shape. Every timing
+bandwidth, and the speedup over bf16 ``F.linear`` (cuBLAS) on the same shape; at decode row
+counts also the bf16 weight through the same streaming kernel (``dense_gemv``, what
+``use_triton=True`` runs) beside cuBLAS. Every timing
 replays a CUDA graph of ``--launches`` back-to-back calls that cycle through enough weight copies
 to overflow the L2 cache, so neither launch overhead nor a cache-resident weight flatters it.
 Each kernel output is also checked against the reference (dequantize, then matmul).
@@ -208,6 +210,14 @@ def main() -> None:
             dense_seconds = time_calls(dense_calls, device, args.repeats)
             config = backend.default_config(rows, n, k, fmt, args.group_size, device)
             extra = {}
+            if rows <= backend.DENSE_GEMV_MAX_ROWS and device.type == "cuda":
+                # The same streaming kernel on the bf16 weight (use_triton=True's GEMV).
+                dense_triton = [
+                    lambda w=w, x=x: backend.dense_gemv(x, w)
+                    for w in itertools.islice(itertools.cycle(weights.dense), launches)
+                ]
+                triton_seconds = time_calls(dense_triton, device, args.repeats)
+                extra["bf16_triton_gemv_us"] = round(triton_seconds * 1e6, 2)
             if rows > backend.DEQUANTIZE_ABOVE_ROWS and config is not None:
                 # The tiled kernel on a prefill, for moving DEQUANTIZE_ABOVE_ROWS.
                 tiled = bench_kernel(

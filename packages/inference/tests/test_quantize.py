@@ -112,3 +112,22 @@ def test_fp8_model_logits_close_and_config_errors() -> None:
         init_inference(model, dtype="int8", quant={"weight": {"format": "fp8_e4m3", "num_bits": 4}})
     with pytest.raises(ConfigError, match=r"quant\.weight\.group_size"):
         init_inference(model, dtype="int8", quant={"weight": {"group_size": 0}})
+
+
+def test_use_triton_swaps_dense_block_linears() -> None:
+    from slipstream.inference.gemv import GemvLinear
+
+    model = tiny_hf_model("llama")
+    ids = torch.randint(3, 96, (2, 6))
+    plain = init_inference(model, dtype=torch.float32, replace_with_kernel_inject=True)
+    fast = init_inference(
+        model, dtype=torch.float32, replace_with_kernel_inject=True, use_triton=True
+    )
+    assert fast.fused is not None and isinstance(fast.fused.blocks[0].qkv, GemvLinear)
+    assert not isinstance(fast.fused.head, GemvLinear)  # the LM head stays on cuBLAS
+    # On the CPU a GemvLinear is F.linear: the same logits.
+    assert torch.equal(fast(ids).logits, plain(ids).logits)
+    quantized = init_inference(
+        model, dtype="int8", use_triton=True, replace_with_kernel_inject=True
+    )
+    assert isinstance(quantized.fused.blocks[0].qkv, WeightOnlyLinear)  # type: ignore[union-attr]

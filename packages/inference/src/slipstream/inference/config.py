@@ -262,7 +262,7 @@ class InferenceConfig(ConfigBlock):
         default_factory=TensorParallelConfig, metadata={"aliases": ("tp",)}
     )
     enable_cuda_graph: bool = False
-    use_triton: bool = False
+    use_triton: bool = False  # true: the blocks' dense linears run a Triton GEMV at decode
     triton_autotune: bool = False
     zero: InferenceZeroConfig = dataclasses.field(default_factory=InferenceZeroConfig)
     triangular_masking: bool = dataclasses.field(default=True, metadata={"aliases": ("tm",)})

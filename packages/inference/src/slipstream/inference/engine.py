@@ -104,6 +104,10 @@ class InferenceEngine(nn.Module):
             quantize_decoder(
                 fused, config.weight_bits, weight.group_size, format=weight.code_format
             )
+        if config.use_triton:
+            from slipstream.inference.gemv import use_triton_gemv
+
+            use_triton_gemv(fused)
         offload = config.zero.offload_param
         if offload.device in ("cpu", "nvme"):
             from slipstream.inference.zero_inference import offload_decoder
