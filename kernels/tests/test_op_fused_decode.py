@@ -55,3 +55,31 @@ def test_triton_matches_reference(triton_device: torch.device) -> None:
             )
             # Activations without a kernel run the reference.
             torch.testing.assert_close(gated_triton(up, "gelu"), gated_reference(up, "gelu"))
+
+
+def test_moe_gemv(triton_device: torch.device) -> None:
+    from slipstream.kernels.ops import moe_gemv
+    from slipstream.kernels.ops.moe_gemv.reference import moe_gemv as reference
+    from slipstream.kernels.ops.moe_gemv.triton import moe_gemv as triton_moe_gemv
+
+    generator = torch.Generator().manual_seed(0)
+    x = torch.randn(5, 200, generator=generator)
+    weights = torch.randn(4, 70, 200, generator=generator)
+    experts = torch.tensor([3, 0, 3, 1, 2])
+    expected = torch.stack([weights[e] @ x[r] for r, e in enumerate(experts.tolist())])
+    torch.testing.assert_close(moe_gemv(x, experts, weights), expected, rtol=1e-5, atol=1e-4)
+    with pytest.raises(ValueError, match="K = 200"):
+        reference(x[:, :100], experts, weights)
+    dtypes = [torch.float32, torch.float16]
+    if triton_device.type == "cuda":
+        dtypes.append(torch.bfloat16)
+    for dtype in dtypes:
+        args = (
+            x.to(triton_device, dtype),
+            experts.to(triton_device),
+            weights.to(triton_device, dtype),
+        )
+        tol = 1e-4 if dtype == torch.float32 else 2e-2
+        torch.testing.assert_close(
+            triton_moe_gemv(*args).float(), reference(*args).float(), rtol=tol, atol=tol * 10
+        )

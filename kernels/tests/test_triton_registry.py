@@ -22,6 +22,7 @@ TRITON_OPS = {
     "lamb",
     "layer_norm",
     "lion",
+    "moe_gemv",
     "paged_attention",
     "quant_matmul",
     "quantize",

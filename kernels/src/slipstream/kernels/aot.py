@@ -51,6 +51,7 @@ KERNEL_MODULES = (
     "slipstream.kernels.ops.rotary_kv_write.triton",
     "slipstream.kernels.ops.add_rms_norm.triton",
     "slipstream.kernels.ops.gated_activation.triton",
+    "slipstream.kernels.ops.moe_gemv.triton",
 )
 
 _BINARY_KINDS = ("cubin", "hsaco")

@@ -17,6 +17,7 @@ from slipstream.kernels.ops.gated_activation import gated_activation
 from slipstream.kernels.ops.lamb import lamb
 from slipstream.kernels.ops.layer_norm import layer_norm
 from slipstream.kernels.ops.lion import lion
+from slipstream.kernels.ops.moe_gemv import moe_gemv
 from slipstream.kernels.ops.paged_attention import paged_attention
 from slipstream.kernels.ops.quant_matmul import quant_matmul
 from slipstream.kernels.ops.quantize import QuantizedTensor, dequantize, quantize
@@ -37,6 +38,7 @@ __all__ = [
     "lamb",
     "layer_norm",
     "lion",
+    "moe_gemv",
     "paged_attention",
     "quant_matmul",
     "quantize",

@@ -15,12 +15,15 @@ from slipstream.kernels.ops import (
     add_rms_norm,
     gated_activation,
     layer_norm,
+    moe_gemv,
     rms_norm,
     rotary_embedding,
     rotary_kv_write,
 )
 
 __all__ = ["DecoderSpec", "FusedBlock", "FusedDecoder", "KVCache", "attention_mask"]
+
+MOE_DECODE_ROWS = 64  # (token, expert) rows up to which a GPU MoE layer runs moe_gemv
 
 
 @dataclasses.dataclass(frozen=True)
@@ -161,6 +164,8 @@ class MoEFeedForward(nn.Module):
         probs = torch.softmax(self.router(flat).float(), dim=-1)
         weights, experts = torch.topk(probs, self.top_k, dim=-1)
         weights = weights / weights.sum(dim=-1, keepdim=True)  # fp32, as HF's router
+        if flat.is_cuda and flat.shape[0] * self.top_k <= MOE_DECODE_ROWS:
+            return self._decode(flat, weights, experts).view_as(x)
         out = torch.zeros_like(flat)
         # Group the (token, slot) pairs by expert: one host sync per layer for the counts, then
         # one gathered matmul pair per expert that has tokens.
@@ -179,6 +184,18 @@ class MoEFeedForward(nn.Module):
             scaled = hidden * weights.reshape(-1)[chosen, None]
             out.index_add_(0, rows, scaled.to(out.dtype))
         return out.view_as(x)
+
+    def _decode(
+        self, flat: torch.Tensor, weights: torch.Tensor, experts: torch.Tensor
+    ) -> torch.Tensor:
+        """A few tokens on a GPU: every (token, expert) row reads only its expert's weights
+        through ``moe_gemv`` (the ids stay on the device: no host sync, so a CUDA graph can
+        capture the decode step)."""
+        ids = experts.reshape(-1)
+        rows = flat.repeat_interleave(self.top_k, dim=0)
+        hidden = gated_activation(moe_gemv(rows, ids, self.gate_up), "silu")
+        down = moe_gemv(hidden, ids, self.down).float() * weights.reshape(-1, 1)
+        return down.view(flat.shape[0], self.top_k, -1).sum(1).to(flat.dtype)
 
 
 class FusedBlock(nn.Module):

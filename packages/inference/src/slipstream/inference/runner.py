@@ -7,7 +7,7 @@ import logging
 
 import torch
 
-from slipstream.inference.model import FusedDecoder, KVCache
+from slipstream.inference.model import MOE_DECODE_ROWS, FusedDecoder, KVCache
 
 __all__ = ["StaticCacheRunner"]
 
@@ -44,10 +44,6 @@ class StaticCacheRunner:
         self.model = model
         self.max_len = max_len
         self.cuda_graph = cuda_graph
-        if cuda_graph and model.spec.mlp == "moe":
-            # The expert loop has data-dependent shapes (tokens per expert): not capturable.
-            logger.warning("enable_cuda_graph: MoE decoders decode eagerly (no CUDA graph yet)")
-            self.cuda_graph = False
         self.buckets: dict[int, _Bucket] = {}
 
     def _bucket(self, batch: int) -> _Bucket:
@@ -127,6 +123,13 @@ class StaticCacheRunner:
     def _capture(
         self, bucket: _Bucket, tokens: torch.Tensor, positions: torch.Tensor, slot: int
     ) -> None:
+        spec = self.model.spec
+        if spec.mlp == "moe" and tokens.shape[0] * spec.experts_per_token > MOE_DECODE_ROWS:
+            # Past MOE_DECODE_ROWS (token, expert) rows the expert loop runs: it syncs with the
+            # host for its per-expert counts, so this batch size decodes eagerly.
+            bucket.graph_failed = True
+            logger.info("batch %d of a MoE decoder decodes eagerly (no graph)", tokens.shape[0])
+            return
         bucket.tokens = tokens[:, None].clone()
         bucket.positions = positions[:, None].clone()
         bucket.slot = torch.tensor([slot], device=tokens.device)
