@@ -15,15 +15,20 @@ from slipstream.kernels.triton_support import triton_probe
 
 TRITON_OPS = {
     "adam",
+    "add_rms_norm",
     "cross_entropy",
     "dequantize",
+    "gated_activation",
     "lamb",
     "layer_norm",
     "lion",
+    "moe_gemv",
     "paged_attention",
+    "quant_matmul",
     "quantize",
     "rms_norm",
     "rotary_embedding",
+    "rotary_kv_write",
     "softmax",
 }
 SRC = Path(__file__).resolve().parents[1] / "src"

@@ -18,7 +18,9 @@ One JSON line per result. Run on one GPU (the lead's command):
 
 CPU smoke run of the harness (tiny model): ``--preset tiny --device cpu --skip-hf-compiled``.
 Tensor parallelism (Slipstream only; per-GPU bandwidth fraction of each rank's slice):
-``torchrun --nproc_per_node 2 tools/bench/infer_bench.py --batch 1``.
+``torchrun --nproc_per_node 2 tools/bench/infer_bench.py --batch 1``, or TP=1 and TP=2 side
+by side on one 2-GPU machine in one invocation: ``--tp-compare 2 --batch 1``.
+Per-kernel breakdown of a decode step: ``--profile 16``.
 """
 
 from __future__ import annotations
@@ -67,18 +69,48 @@ def parse_args() -> argparse.Namespace:
     parser.add_argument("--batch", type=int, nargs="+", default=[1, 32])
     parser.add_argument("--dtype", choices=sorted(DTYPES), default="bf16")
     parser.add_argument("--device", choices=["auto", "cpu"], default="auto")
-    parser.add_argument("--weights", choices=["native", "int8", "int4"], default="native")
-    parser.add_argument("--group-size", type=int, default=128, help="int8/int4 weight groups")
+    parser.add_argument("--weights", choices=["native", "int8", "int4", "fp8"], default="native")
+    parser.add_argument(
+        "--group-size", type=int, default=128, help="int8/int4/fp8 weight groups (-1: per row)"
+    )
     parser.add_argument("--no-cuda-graph", action="store_true")
+    parser.add_argument(
+        "--use-triton",
+        action="store_true",
+        help="use_triton=True: the blocks' dense linears run the Triton streaming GEMV at decode",
+    )
     parser.add_argument("--skip-hf-eager", action="store_true")
     parser.add_argument("--skip-hf-compiled", action="store_true")
     parser.add_argument("--repeats", type=int, default=3, help="timed runs; the best is kept")
     parser.add_argument(
-        "--offload",
-        action="store_true",
-        help="ZeRO-Inference: blocks stream from pinned host memory (no CUDA graph, no HF "
-        "baselines); slow, so pair it with --new-tokens 8 --repeats 1",
+        "--tp-compare",
+        type=int,
+        default=0,
+        metavar="N",
+        help="side by side in one invocation: this bench at TP=1 (one GPU), then at TP=N "
+        "(torch.distributed.run, N GPUs of this machine), each in its own process, then one "
+        "tp_speedup line per batch (HF baselines skipped)",
     )
+    parser.add_argument(
+        "--profile",
+        type=int,
+        default=0,
+        metavar="STEPS",
+        help="after the timings, profile STEPS decode steps of the first batch with "
+        "torch.profiler and print one JSON line per GPU kernel (calls and microseconds per "
+        "step, share of the step): the per-kernel breakdown of a decode step",
+    )
+    parser.add_argument(
+        "--offload",
+        nargs="?",
+        const="cpu",
+        choices=["cpu", "nvme"],
+        default=None,
+        help="ZeRO-Inference: blocks stream from pinned host memory (cpu, the default) or from "
+        "swap files under --nvme-path (nvme); no CUDA graph, no HF baselines; slow (PCIe- or "
+        "drive-bound), so pair it with --new-tokens 8 --repeats 1",
+    )
+    parser.add_argument("--nvme-path", default=None, help="swap folder for --offload nvme")
     return parser.parse_args()
 
 
@@ -123,6 +155,25 @@ def host_to_device_bandwidth(device: torch.device) -> float:
     src = torch.empty(1 << 30, dtype=torch.uint8).pin_memory()
     dst = torch.empty(src.shape, dtype=torch.uint8, device=device)
     return src.numel() / best_time(lambda: dst.copy_(src, non_blocking=True), device, 3)
+
+
+def nvme_read_bandwidth(path: str) -> float:
+    """Bytes/s of reading 1 GiB back from a swap file under ``path`` (slipstream.offload I/O)."""
+    from slipstream.offload import AioSettings, AsyncIOEngine, SwapSpace
+
+    space = SwapSpace(path, AsyncIOEngine(AioSettings()), name="bench")
+    try:
+        data = torch.ones(1 << 28, dtype=torch.float32)  # 1 GiB
+        space.allocate("probe", data.numel(), data.dtype)
+        space.write("probe", data).wait()
+        best = float("inf")
+        for _ in range(3):
+            start = time.perf_counter()
+            space.read("probe", data).wait()
+            best = min(best, time.perf_counter() - start)
+    finally:
+        space.close()
+    return data.numel() * 4 / best
 
 
 def build_model(preset: str, dtype: torch.dtype, device: torch.device) -> torch.nn.Module:
@@ -185,8 +236,9 @@ def bench_batch(
         prefill_tflops=round(prefill_flops / prefill / 1e12, 2),
         prefill_ms=round(prefill * 1e3, 2),
         cuda_graph=not args.no_cuda_graph and not args.offload and device.type == "cuda",
-        offload=args.offload,
+        offload=args.offload or False,
         weights=args.weights,
+        use_triton=args.use_triton,
         **run,
     )
     hf_kwargs = {
@@ -217,8 +269,57 @@ def bench_batch(
         )
 
 
+def tp_compare(args: argparse.Namespace) -> None:
+    """``--tp-compare N``: TP=1, then TP=N, each a child process running this script."""
+    import subprocess
+    import sys
+
+    argv = sys.argv[1:]
+    index = next(i for i, a in enumerate(argv) if a.startswith("--tp-compare"))
+    del argv[index : index + (1 if "=" in argv[index] else 2)]
+    argv += ["--skip-hf-eager", "--skip-hf-compiled"]
+    script = os.path.abspath(__file__)
+    runs = {
+        1: [sys.executable, script, *argv],
+        args.tp_compare: [
+            sys.executable,
+            "-m",
+            "torch.distributed.run",
+            "--standalone",
+            f"--nproc_per_node={args.tp_compare}",
+            script,
+            *argv,
+        ],
+    }
+    rates: dict[int, dict[int, float]] = {}
+    for tp, command in runs.items():
+        done = subprocess.run(command, capture_output=True, text=True, check=False)
+        for line in done.stdout.splitlines():
+            print(line, flush=True)
+            if line.startswith("{"):
+                row = json.loads(line)
+                if row.get("result") == "slipstream":
+                    rates.setdefault(row["batch"], {})[tp] = row["decode_tokens_per_s"]
+        if done.returncode != 0:
+            print(done.stderr[-4000:], file=sys.stderr, flush=True)
+            raise SystemExit(f"--tp-compare: the TP={tp} run failed ({done.returncode})")
+    for batch, by_tp in sorted(rates.items()):
+        if 1 in by_tp and args.tp_compare in by_tp:
+            emit(
+                result="tp_speedup",
+                batch=batch,
+                tp=args.tp_compare,
+                tp1_decode_tokens_per_s=by_tp[1],
+                tpn_decode_tokens_per_s=by_tp[args.tp_compare],
+                speedup=round(by_tp[args.tp_compare] / by_tp[1], 3),
+            )
+
+
 def main() -> None:
     args = parse_args()
+    if args.tp_compare > 1 and "WORLD_SIZE" not in os.environ:
+        tp_compare(args)
+        return
     cpu = args.device == "cpu" or not torch.cuda.is_available()
     world = int(os.environ.get("WORLD_SIZE", "1"))
     if world > 1:  # tensor parallelism over the launched ranks; rank 0 prints
@@ -235,7 +336,9 @@ def main() -> None:
     bandwidth = copy_bandwidth(device)
     emit(result="copy_bandwidth", gb_per_s=round(bandwidth / 1e9, 1), **common)
 
+    started = time.perf_counter()
     model = build_model(args.preset, dtype, torch.device("cpu") if args.offload else device)
+    emit(result="phase", phase="build_model", seconds=round(time.perf_counter() - started, 2))
     max_len = args.prompt + args.new_tokens
     config: dict[str, Any] = {
         "dtype": args.dtype if args.weights == "native" else "int8",
@@ -243,16 +346,27 @@ def main() -> None:
         "enable_cuda_graph": not args.no_cuda_graph and not args.offload,
         "max_out_tokens": max_len,
         "tensor_parallel": {"tp_size": world},
+        "use_triton": args.use_triton,
     }
     if args.offload:
-        config["zero"] = {"stage": 3, "offload_param": {"device": "cpu", "pin_memory": True}}
+        offload: dict[str, Any] = {"device": args.offload, "pin_memory": True}
+        if args.offload == "nvme":
+            offload.update(nvme_path=args.nvme_path, max_in_cpu=0)
+        config["zero"] = {"stage": 3, "offload_param": offload}
         args.skip_hf_eager = args.skip_hf_compiled = True
     if args.weights != "native":
-        bits = 8 if args.weights == "int8" else 4
+        bits = 4 if args.weights == "int4" else 8
         config["quant"] = {
-            "weight": {"num_bits": bits, "group_size": args.group_size, "compute_dtype": args.dtype}
+            "weight": {
+                "num_bits": bits,
+                "group_size": args.group_size,
+                "compute_dtype": args.dtype,
+                "format": "fp8_e4m3" if args.weights == "fp8" else "int",
+            }
         }
+    started = time.perf_counter()
     engine = init_inference(model, config)
+    emit(result="phase", phase="init_inference", seconds=round(time.perf_counter() - started, 2))
     fused = engine.fused
     assert fused is not None
     spec = fused.spec
@@ -267,8 +381,12 @@ def main() -> None:
     if args.offload:
         # The fraction is then of the host -> device bandwidth, over the streamed blocks' bytes.
         weight_bytes = sum(t.numel() * t.element_size() for t in fused.blocks.state_dict().values())
-        bandwidth = host_to_device_bandwidth(device) if device.type == "cuda" else bandwidth
-        emit(result="h2d_bandwidth", gb_per_s=round(bandwidth / 1e9, 1), **common)
+        if args.offload == "nvme":  # the drive's read rate bounds the stream
+            bandwidth = nvme_read_bandwidth(args.nvme_path)
+            emit(result="nvme_read_bandwidth", gb_per_s=round(bandwidth / 1e9, 2), **common)
+        else:
+            bandwidth = host_to_device_bandwidth(device) if device.type == "cuda" else bandwidth
+            emit(result="h2d_bandwidth", gb_per_s=round(bandwidth / 1e9, 1), **common)
     else:
         probe = torch.randint(3, spec.vocab_size, (1, args.prompt), device=device)
         with torch.no_grad():
@@ -293,6 +411,64 @@ def main() -> None:
     for batch in args.batch:
         ids = torch.randint(3, spec.vocab_size, (batch, args.prompt), generator=generator)
         bench_batch(args, engine, model, ids.to(device), weight_bytes, params, bandwidth, common)
+    if args.profile:
+        ids = torch.randint(3, spec.vocab_size, (args.batch[0], args.prompt), generator=generator)
+        profile_decode(engine, ids.to(device), args.profile, common)
+
+
+def profile_decode(engine: Any, ids: torch.Tensor, steps: int, common: dict[str, Any]) -> None:
+    """Per-kernel GPU time of a decode step: ``generate`` of 1 and of ``1 + steps`` new tokens
+    are profiled, and the difference per kernel name, divided by ``steps``, is one decode step
+    (inside the CUDA graph the kernels are still reported one by one)."""
+    from torch.profiler import ProfilerActivity, profile
+
+    def kernels(new: int) -> dict[str, tuple[int, float]]:
+        mask = torch.ones_like(ids)
+        engine.generate(ids, attention_mask=mask, max_new_tokens=new, eos_token_id=None)
+        sync(ids.device)
+        activities = [ProfilerActivity.CPU]
+        if ids.is_cuda:
+            activities.append(ProfilerActivity.CUDA)
+        with profile(activities=activities) as prof:
+            engine.generate(ids, attention_mask=mask, max_new_tokens=new, eos_token_id=None)
+            sync(ids.device)
+        table: dict[str, tuple[int, float]] = {}
+        for event in prof.events():
+            on_device = getattr(event, "device_type", None) == torch.autograd.DeviceType.CUDA
+            if not on_device and ids.is_cuda:
+                continue
+            if not ids.is_cuda and event.cpu_parent is not None:
+                continue  # CPU run: top-level ops only
+            time_us = event.device_time if ids.is_cuda else event.cpu_time
+            calls, total = table.get(event.name, (0, 0.0))
+            table[event.name] = (calls + 1, total + time_us)
+        return table
+
+    base, longer = kernels(1), kernels(1 + steps)
+    rows = []
+    for name, (calls, total) in longer.items():
+        base_calls, base_total = base.get(name, (0, 0.0))
+        per_step_calls = (calls - base_calls) / steps
+        per_step_us = (total - base_total) / steps
+        if per_step_calls > 0 or per_step_us > 0.5:
+            rows.append((per_step_us, per_step_calls, name))
+    rows.sort(reverse=True)
+    step_us = sum(row[0] for row in rows)
+    emit(
+        result="decode_profile_total",
+        kernels_per_step=round(sum(row[1] for row in rows), 1),
+        kernel_us_per_step=round(step_us, 1),
+        batch=ids.shape[0],
+        **common,
+    )
+    for per_step_us, per_step_calls, name in rows[:40]:
+        emit(
+            result="decode_profile",
+            kernel=name[:120],
+            calls_per_step=round(per_step_calls, 2),
+            us_per_step=round(per_step_us, 2),
+            share=round(per_step_us / max(step_us, 1e-9), 4),
+        )
 
 
 if __name__ == "__main__":

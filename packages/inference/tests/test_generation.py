@@ -6,7 +6,7 @@ import pytest
 import torch
 
 from slipstream.inference import init_inference
-from slipstream.inference.generation import GenerationSettings, process_logits
+from slipstream.inference.generation import GenerationSettings, StopStrings, process_logits
 from slipstream.inference.testing import tiny_hf_model
 
 transformers = pytest.importorskip("transformers")
@@ -73,3 +73,49 @@ def test_refused_generate_arguments() -> None:
     mask = torch.tensor([[1, 1, 1, 0]])
     with pytest.raises(ValueError, match="left-padded"):
         engine.generate(ids, attention_mask=mask)
+
+
+class _TagTokenizer:
+    """Decodes token ``i`` as ``<i>``: stop strings can then start inside one token."""
+
+    def decode(self, ids: list[int]) -> str:
+        return "".join(f"<{i}>" for i in ids)
+
+
+def test_stop_strings_end_rows() -> None:
+    engine = init_inference(
+        tiny_hf_model("llama", layers=1), dtype=torch.float32, replace_with_kernel_inject=True
+    )
+    ids = torch.randint(3, 96, (2, 5), generator=torch.Generator().manual_seed(3))
+    kwargs = {"max_new_tokens": 10, "do_sample": False}
+    full = engine.generate(ids, eos_token_id=None, **kwargs)
+    tokenizer = _TagTokenizer()
+    # A stop string spanning row 0's 3rd and 4th new tokens, starting inside the 3rd.
+    stop = tokenizer.decode(full[0, 7:9].tolist())[2:]
+
+    def first_hit(row: torch.Tensor) -> int | None:  # new tokens kept, by plain scanning
+        for new in range(1, 11):
+            if tokenizer.decode(row[: 5 + new].tolist()).endswith(stop):
+                return new
+        return None
+
+    hits = [first_hit(full[0]), first_hit(full[1])]
+    assert hits[0] is not None and hits[0] <= 4 and hits[1] != hits[0]
+    # Without EOS ids (Hugging Face pads only with EOS criteria): the rows run until all stop.
+    out = engine.generate(ids, eos_token_id=None, stop_strings=stop, tokenizer=tokenizer, **kwargs)
+    last = 10 if None in hits else max(h for h in hits if h is not None)
+    assert torch.equal(out, full[:, : 5 + last])
+    # With EOS ids: a row that hit a stop string is padded from then on.
+    out = engine.generate(
+        ids, eos_token_id=95, pad_token_id=0, stop_strings=[stop], tokenizer=tokenizer, **kwargs
+    )
+    expected = full[:, : out.shape[1]].clone()
+    for row, hit in enumerate(hits):
+        if hit is not None:
+            expected[row, 5 + hit :] = 0
+    assert not bool((full == 95).any())  # the EOS id never comes: only the stop string ends
+    assert torch.equal(out, expected)
+    with pytest.raises(ValueError, match="needs the tokenizer"):
+        engine.generate(ids, stop_strings=stop, **kwargs)
+    with pytest.raises(ValueError, match="non-empty"):
+        StopStrings([""], tokenizer)

@@ -53,3 +53,30 @@ def test_offload_with_cuda_graphs_is_refused() -> None:
             enable_cuda_graph=True,
             zero={"stage": 3, "offload_param": {"device": "cpu"}},
         )
+
+
+def test_nvme_streamed_equals_resident(tmp_path) -> None:
+    pytest.importorskip("slipstream.offload")
+    model = tiny_hf_model("llama", layers=3)
+    config = {"dtype": "fp32", "replace_with_kernel_inject": True, "max_out_tokens": 32}
+    resident = init_inference(model, config)
+    offload = {
+        "stage": 3,
+        "offload_param": {"device": "nvme", "nvme_path": str(tmp_path), "max_in_cpu": 0},
+    }
+    streamed = init_inference(model, config, zero=offload)
+    assert streamed.fused is not None
+    streamer = streamed.fused.layer_hook
+    assert isinstance(streamer, LayerStreamer) and streamer.store is not None
+    assert list(tmp_path.iterdir())  # the swap folder
+    ids = torch.randint(3, 96, (2, 7))
+    kwargs = {"max_new_tokens": 5, "do_sample": False, "eos_token_id": None, "pad_token_id": 0}
+    assert torch.equal(streamed(ids).logits, resident(ids).logits)
+    assert torch.equal(streamed.generate(ids, **kwargs), resident.generate(ids, **kwargs))
+    # Between forwards: block 0 waits on the device for the next one, block 1 is read ahead
+    # from disk, block 2 is on disk only.
+    assert 0 in streamer.ready
+    assert not streamer.store.is_swapped(streamer.host[1][0])
+    assert all(streamer.store.is_swapped(t) for t in streamer.host[2])
+    with pytest.raises(Exception, match="nvme_path"):
+        init_inference(model, config, zero={"stage": 3, "offload_param": {"device": "nvme"}})

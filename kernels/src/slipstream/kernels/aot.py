@@ -47,6 +47,11 @@ KERNEL_MODULES = (
     "slipstream.kernels.ops.lamb.triton",
     "slipstream.kernels.ops.quantize.triton",
     "slipstream.kernels.ops.paged_attention.triton",
+    "slipstream.kernels.ops.quant_matmul.triton",
+    "slipstream.kernels.ops.rotary_kv_write.triton",
+    "slipstream.kernels.ops.add_rms_norm.triton",
+    "slipstream.kernels.ops.gated_activation.triton",
+    "slipstream.kernels.ops.moe_gemv.triton",
 )
 
 _BINARY_KINDS = ("cubin", "hsaco")

@@ -18,7 +18,7 @@ _LAZY = {
     "initialize": ("slipstream.entry", "initialize"),
     "add_config_arguments": ("slipstream.arguments", "add_config_arguments"),
     "init_distributed": ("slipstream.comm", "init_distributed"),
-    "init_inference": ("slipstream.inference", "init_inference"),
+    "init_inference": ("slipstream.inference_entry", "init_inference"),
     "SlipstreamEngine": ("slipstream.runtime.engine", "SlipstreamEngine"),
     "load_config": ("slipstream.config", "load_config"),
     "get_fp32_state_dict_from_zero_checkpoint": (

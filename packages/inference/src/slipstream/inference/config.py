@@ -115,11 +115,31 @@ class WeightQuantConfig(ConfigBlock):
     q_groups: int = dataclasses.field(default=1, metadata={"ge": 1})
     quantized_initialization: dict[str, Any] = dataclasses.field(default_factory=dict)
     post_init_quant: dict[str, Any] = dataclasses.field(default_factory=dict)
-    # Slipstream keys: elements per quantization group along a row, and the compute dtype.
-    group_size: int = dataclasses.field(default=128, metadata={"ge": 2})
+    # Slipstream keys: elements per quantization group along a row (-1: one group per row),
+    # the compute dtype, and the code format ("int": num_bits-bit integers; "fp8_e4m3": 8-bit
+    # floats with the same group-wise scales).
+    group_size: int = 128
     compute_dtype: Literal["fp16", "bf16", "fp32"] = "fp16"
+    format: Literal["int", "fp8_e4m3"] = "int"
+
+    @property
+    def code_format(self) -> str:
+        """The ``slipstream.kernels`` quantize format: ``int8``, ``int4`` or ``fp8_e4m3``."""
+        return "fp8_e4m3" if self.format == "fp8_e4m3" else f"int{self.num_bits}"
 
     def validate(self, path: str) -> None:
+        if self.group_size != -1 and self.group_size < 2:
+            config_fail(
+                key_path(path, "group_size"),
+                self.group_size,
+                "an integer >= 2 (input features per scale), or -1 for one scale per row",
+            )
+        if self.format == "fp8_e4m3" and self.num_bits != 8:
+            config_fail(
+                key_path(path, "num_bits"),
+                self.num_bits,
+                "8 with format fp8_e4m3 (fp8 codes are 8 bits); use format int for 4-bit",
+            )
         if self.q_type != "symmetric":
             not_implemented(
                 key_path(path, "q_type"), self.q_type, "asymmetric weight quantization", _NOT_YET
@@ -174,13 +194,12 @@ class OffloadParamConfig(ConfigBlock):
     max_in_cpu: int = dataclasses.field(default=1_000_000_000, metadata={"ge": 0})
 
     def validate(self, path: str) -> None:
-        if self.device == "nvme":
-            not_implemented(
-                key_path(path, "device"),
-                self.device,
-                "ZeRO-Inference from NVMe",
-                _NOT_YET,
-                'Use "cpu" (weights in pinned host memory, streamed layer by layer).',
+        if self.device == "nvme" and not self.nvme_path:
+            config_fail(
+                key_path(path, "nvme_path"),
+                self.nvme_path,
+                'an existing folder on an NVMe drive when device is "nvme" (the block weights '
+                "are kept in swap files there)",
             )
 
 
@@ -243,7 +262,7 @@ class InferenceConfig(ConfigBlock):
         default_factory=TensorParallelConfig, metadata={"aliases": ("tp",)}
     )
     enable_cuda_graph: bool = False
-    use_triton: bool = False
+    use_triton: bool = False  # true: the blocks' dense linears run a Triton GEMV at decode
     triton_autotune: bool = False
     zero: InferenceZeroConfig = dataclasses.field(default_factory=InferenceZeroConfig)
     triangular_masking: bool = dataclasses.field(default=True, metadata={"aliases": ("tm",)})

@@ -14,7 +14,7 @@ from torch import nn
 
 from slipstream.inference.adapters import from_hf
 from slipstream.inference.config import InferenceConfig, load_inference_config
-from slipstream.inference.generation import GenerationSettings, generate_tokens
+from slipstream.inference.generation import GenerationSettings, StopStrings, generate_tokens
 from slipstream.inference.model import FusedDecoder
 from slipstream.inference.runner import StaticCacheRunner
 
@@ -102,11 +102,25 @@ class InferenceEngine(nn.Module):
         if config.weight_bits is not None:
             from slipstream.inference.quantize import quantize_decoder
 
-            quantize_decoder(fused, config.weight_bits, config.quant.weight.group_size)
-        if config.zero.offload_param.device == "cpu":
+            weight = config.quant.weight
+            quantize_decoder(
+                fused, config.weight_bits, weight.group_size, format=weight.code_format
+            )
+        if config.use_triton:
+            from slipstream.inference.gemv import use_triton_gemv
+
+            use_triton_gemv(fused)
+        offload = config.zero.offload_param
+        if offload.device in ("cpu", "nvme"):
             from slipstream.inference.zero_inference import offload_decoder
 
-            offload_decoder(fused, self.device, pin_memory=config.zero.offload_param.pin_memory)
+            offload_decoder(
+                fused,
+                self.device,
+                pin_memory=offload.pin_memory,
+                nvme_path=offload.nvme_path if offload.device == "nvme" else None,
+                max_in_cpu=offload.max_in_cpu,
+            )
         else:
             fused.to(self.device)
         self.fused = fused
@@ -184,7 +198,8 @@ class InferenceEngine(nn.Module):
 
         Greedy search, or sampling (``do_sample=True``) with temperature, top-k and top-p;
         repetition penalty; ``eos_token_id`` (one or a list) ends a row, which is then padded
-        with ``pad_token_id``; ``max_new_tokens`` / ``min_new_tokens``. Prompts of a batch are
+        with ``pad_token_id``; ``stop_strings`` (with ``tokenizer=``) end a row whose text ends
+        with one; ``max_new_tokens`` / ``min_new_tokens``. Prompts of a batch are
         left-padded, ``attention_mask`` marking the real tokens. Defaults come from the model's
         ``generation_config``, as in Hugging Face.
 
@@ -198,6 +213,11 @@ class InferenceEngine(nn.Module):
         generation_config = kwargs.get("generation_config") or getattr(
             self.module, "generation_config", None
         )
+        stop_strings = kwargs.pop("stop_strings", None)
+        if stop_strings is None:
+            stop_strings = getattr(generation_config, "stop_strings", None)
+        tokenizer = kwargs.pop("tokenizer", None)
+        stop = None if stop_strings is None else StopStrings(stop_strings, tokenizer)
         settings = GenerationSettings.resolve(generation_config, input_ids.shape[1], kwargs)
         input_ids = input_ids.to(self.device)
         if attention_mask is None:
@@ -220,6 +240,7 @@ class InferenceEngine(nn.Module):
             attention_mask,
             settings,
             generator,
+            stop,
         )
 
 

@@ -8,14 +8,19 @@ from typing import Any
 
 import torch
 
-__all__ = ["GenerationSettings", "generate_tokens", "process_logits", "select_tokens"]
+__all__ = [
+    "GenerationSettings",
+    "StopStrings",
+    "generate_tokens",
+    "process_logits",
+    "select_tokens",
+]
 
 # `generate` keywords Hugging Face accepts that change the search, which this engine refuses.
 _REFUSED = {
     "num_beams": 1,
     "num_beam_groups": 1,
     "penalty_alpha": None,
-    "stop_strings": None,
     "assistant_model": None,
     "prompt_lookup_num_tokens": None,
     "num_return_sequences": 1,
@@ -144,6 +149,42 @@ def select_tokens(
     return scores.argmax(dim=-1)
 
 
+class StopStrings:
+    """``generate(stop_strings=..., tokenizer=...)``: a row is done once its text ends with one.
+
+    The text is the tokenizer's decoding of the row's last tokens (enough of them to hold the
+    longest stop string), so a stop string may span several tokens, and it must end where the
+    sequence ends, as Hugging Face's ``StopStringCriteria`` matches. Each check decodes on the
+    host: one device sync per generated token while stop strings are set.
+    """
+
+    def __init__(self, stop_strings: str | list[str], tokenizer: Any) -> None:
+        strings = [stop_strings] if isinstance(stop_strings, str) else list(stop_strings)
+        if not strings or not all(isinstance(text, str) and text for text in strings):
+            raise ValueError(
+                f"generate: stop_strings must be a non-empty string or list of them, got "
+                f"{stop_strings!r}"
+            )
+        if tokenizer is None or not hasattr(tokenizer, "decode"):
+            raise ValueError(
+                "generate: stop_strings needs the tokenizer, as in Hugging Face: "
+                "generate(..., stop_strings=[...], tokenizer=tokenizer)"
+            )
+        self.strings, self.tokenizer = strings, tokenizer
+        # A token decodes to at least one character (special tokens aside), so the longest
+        # stop string plus a margin of tokens covers every way it can end the text.
+        self.window = max(len(text) for text in strings) + 4
+
+    def __call__(self, sequences: torch.Tensor) -> torch.Tensor:
+        """Bool ``(batch,)``: which rows now end with a stop string."""
+        tails = sequences[:, -self.window :].tolist()
+        done = [
+            any(self.tokenizer.decode(tail).endswith(text) for text in self.strings)
+            for tail in tails
+        ]
+        return torch.tensor(done, dtype=torch.bool, device=sequences.device)
+
+
 def generate_tokens(
     prefill: Callable[[torch.Tensor, torch.Tensor, torch.Tensor], torch.Tensor],
     decode: Callable[[torch.Tensor, torch.Tensor, int], torch.Tensor],
@@ -151,6 +192,7 @@ def generate_tokens(
     attention_mask: torch.Tensor,
     settings: GenerationSettings,
     generator: torch.Generator | None = None,
+    stop: StopStrings | None = None,
 ) -> torch.Tensor:
     """The token loop of ``generate``: returns the prompts followed by the new tokens.
 
@@ -159,7 +201,10 @@ def generate_tokens(
         decode: ``(tokens (batch,), positions (batch,), slot) -> logits (batch, vocab)``.
 
     Positions follow Hugging Face's left-padding rule (``cumsum(mask) - 1``, pads at 1); rows
-    that produced an EOS continue with ``pad_token_id`` until every row is done.
+    that produced an EOS continue with ``pad_token_id`` until every row is done. A row that
+    ``stop`` finds ending with a stop string is done too: padded from then on when EOS ids are
+    set, else (as Hugging Face, whose padding comes with EOS) it keeps generating until every
+    row is done.
     """
     mask = attention_mask.to(torch.long)
     positions = (mask.cumsum(-1) - 1).masked_fill(mask == 0, 1)
@@ -178,8 +223,11 @@ def generate_tokens(
             tokens = torch.where(unfinished, tokens, settings.pad_token_id or 0)
             unfinished = unfinished & ~torch.isin(tokens, eos)
         sequences = torch.cat([sequences, tokens[:, None]], dim=-1)
+        if stop is not None:
+            unfinished = unfinished & ~stop(sequences)
         # One host sync per token: stopping early on EOS needs the flag on the host.
-        if step + 1 == settings.max_new_tokens or (eos.numel() and not bool(unfinished.any())):
+        checks = eos.numel() or stop is not None
+        if step + 1 == settings.max_new_tokens or (checks and not bool(unfinished.any())):
             break
         logits = decode(tokens, next_position, slot)
         next_position = next_position + 1

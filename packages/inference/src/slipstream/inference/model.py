@@ -11,9 +11,19 @@ import torch.distributed as dist
 import torch.nn.functional as F
 from torch import nn
 
-from slipstream.kernels.ops import layer_norm, rms_norm, rotary_embedding
+from slipstream.kernels.ops import (
+    add_rms_norm,
+    gated_activation,
+    layer_norm,
+    moe_gemv,
+    rms_norm,
+    rotary_embedding,
+    rotary_kv_write,
+)
 
 __all__ = ["DecoderSpec", "FusedBlock", "FusedDecoder", "KVCache", "attention_mask"]
+
+MOE_DECODE_ROWS = 64  # (token, expert) rows up to which a GPU MoE layer runs moe_gemv
 
 
 @dataclasses.dataclass(frozen=True)
@@ -128,6 +138,15 @@ class Norm(nn.Module):
             return rms_norm(x, self.weight, self.eps)
         return layer_norm(x, self.weight, self.bias, self.eps)
 
+    def add_forward(
+        self, x: torch.Tensor, residual: torch.Tensor
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """``(x + residual, norm(x + residual))``: one kernel for RMSNorm, two for LayerNorm."""
+        if self.kind == "rms":
+            return add_rms_norm(x, residual, self.weight, self.eps)  # type: ignore[no-any-return]
+        total = x + residual
+        return total, self(total)
+
 
 class MoEFeedForward(nn.Module):
     """Mixtral's sparse MLP: softmax router, top-k experts renormalised, gated SiLU experts."""
@@ -145,6 +164,8 @@ class MoEFeedForward(nn.Module):
         probs = torch.softmax(self.router(flat).float(), dim=-1)
         weights, experts = torch.topk(probs, self.top_k, dim=-1)
         weights = weights / weights.sum(dim=-1, keepdim=True)  # fp32, as HF's router
+        if flat.is_cuda and flat.shape[0] * self.top_k <= MOE_DECODE_ROWS:
+            return self._decode(flat, weights, experts).view_as(x)
         out = torch.zeros_like(flat)
         # Group the (token, slot) pairs by expert: one host sync per layer for the counts, then
         # one gathered matmul pair per expert that has tokens.
@@ -163,6 +184,18 @@ class MoEFeedForward(nn.Module):
             scaled = hidden * weights.reshape(-1)[chosen, None]
             out.index_add_(0, rows, scaled.to(out.dtype))
         return out.view_as(x)
+
+    def _decode(
+        self, flat: torch.Tensor, weights: torch.Tensor, experts: torch.Tensor
+    ) -> torch.Tensor:
+        """A few tokens on a GPU: every (token, expert) row reads only its expert's weights
+        through ``moe_gemv`` (the ids stay on the device: no host sync, so a CUDA graph can
+        capture the decode step)."""
+        ids = experts.reshape(-1)
+        rows = flat.repeat_interleave(self.top_k, dim=0)
+        hidden = gated_activation(moe_gemv(rows, ids, self.gate_up), "silu")
+        down = moe_gemv(hidden, ids, self.down).float() * weights.reshape(-1, 1)
+        return down.view(flat.shape[0], self.top_k, -1).sum(1).to(flat.dtype)
 
 
 class FusedBlock(nn.Module):
@@ -206,8 +239,7 @@ class FusedBlock(nn.Module):
             return self.moe(h)
         up = self.up(h)
         if self.spec.mlp == "gated":
-            gate, up = up.chunk(2, dim=-1)
-            up = _activation(self.spec.activation, gate) * up
+            up = gated_activation(up, self.spec.activation)  # act(gate) * up in one kernel
         else:
             up = _activation(self.spec.activation, up)
         return self.down(up)
@@ -223,18 +255,21 @@ class FusedBlock(nn.Module):
         batch, length, _ = h.shape
         hd, heads, kv_heads = self.spec.head_dim, self.heads, self.kv_heads
         qkv = self.qkv(h)
-        qk = qkv[..., : (heads + kv_heads) * hd].view(batch, length, heads + kv_heads, hd)
-        if rotary is not None:
-            qk = rotary_embedding(qk, *rotary)  # queries and keys in one kernel
-        q, k = qk[:, :, :heads], qk[:, :, heads:]
-        v = qkv[..., (heads + kv_heads) * hd :].view(batch, length, kv_heads, hd)
-        q, k, v = (t.transpose(1, 2) for t in (q, k, v))
         if cache is not None:
-            # index_copy_ with a device tensor of slots keeps this step capturable in a graph.
-            cache[0].index_copy_(2, slots, k)
-            cache[1].index_copy_(2, slots, v)
+            # One kernel rotates Q and K, writes K and V at the (device-tensor) slots and lays Q
+            # out contiguous: four launches fewer per layer than rotary + two index_copy_ +
+            # the query copy, and still capturable in a CUDA graph.
+            cos, sin = (None, None) if rotary is None else (rotary[0][:, :, 0], rotary[1][:, :, 0])
+            q = rotary_kv_write(qkv, cos, sin, cache[0], cache[1], slots, heads, kv_heads)
             k = cache[0][:, :, : mask.shape[-1]]
             v = cache[1][:, :, : mask.shape[-1]]
+        else:
+            qk = qkv[..., : (heads + kv_heads) * hd].view(batch, length, heads + kv_heads, hd)
+            if rotary is not None:
+                qk = rotary_embedding(qk, *rotary)  # queries and keys in one kernel
+            q, k = qk[:, :, :heads], qk[:, :, heads:]
+            v = qkv[..., (heads + kv_heads) * hd :].view(batch, length, kv_heads, hd)
+            q, k, v = (t.transpose(1, 2) for t in (q, k, v))
         if heads > kv_heads:
             # Grouped-query attention without repeating K/V: the query heads sharing a KV head
             # become extra query rows of it (head h reads KV head h // group, as HF's repeat_kv
@@ -254,15 +289,29 @@ class FusedBlock(nn.Module):
     ) -> torch.Tensor:
         """``x`` ``(batch, tokens, hidden)`` at cache ``slots``.
 
-        ``mask`` is :func:`attention_mask`'s, with its query rows repeated once per query head
-        of a KV head (``group`` times) when the block has grouped-query attention.
+        ``mask`` is :func:`attention_mask`'s (boolean, or the additive 0 / -inf form the
+        decoder passes), with its query rows repeated once per query head of a KV head
+        (``group`` times) when the block has grouped-query attention.
         """
-        h = self.input_norm(x)
+        x, pending = self.forward_split(x, self.input_norm(x), rotary, cache, slots, mask)
+        return x + pending
+
+    def forward_split(
+        self,
+        x: torch.Tensor,
+        h: torch.Tensor,
+        rotary: tuple[torch.Tensor, torch.Tensor] | None,
+        cache: tuple[torch.Tensor, torch.Tensor] | None,
+        slots: torch.Tensor,
+        mask: torch.Tensor,
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """:meth:`forward` given ``h = input_norm(x)``, returning ``(base, pending)`` whose sum
+        is the block's output: the decoder adds ``pending`` in the next norm's kernel."""
         attn = self._attention(h, rotary, cache, slots, mask)
         if self.post_norm is None:  # parallel residual: one reduction for both branches
-            return x + self._reduce(attn + self._mlp(h))
-        x = x + self._reduce(attn)
-        return x + self._reduce(self._mlp(self.post_norm(x)))
+            return x, self._reduce(attn + self._mlp(h))
+        x, h = self.post_norm.add_forward(self._reduce(attn), x)  # residual add + norm fused
+        return x, self._reduce(self._mlp(h))
 
 
 class FusedDecoder(nn.Module):
@@ -350,16 +399,31 @@ class FusedDecoder(nn.Module):
         group = first.heads // first.kv_heads
         if group > 1:  # once per step, not per layer: (batch, 1, group * tokens, keys)
             mask = mask[:, :, None].expand(-1, -1, group, -1, -1).flatten(2, 3)
+        # An additive mask, built once per step: SDPA would otherwise turn the boolean mask into
+        # one in every layer (extra kernels per layer at decode).
+        mask = torch.zeros(mask.shape, dtype=x.dtype, device=x.device).masked_fill_(
+            ~mask, float("-inf")
+        )
+        # Each block's last residual add runs in the next norm's kernel (add + norm fused).
+        pending: torch.Tensor | None = None
         for index, block in enumerate(self.blocks):
+            assert isinstance(block, FusedBlock)
             layer_cache = None if cache is None else (cache.keys[index], cache.values[index])
             if self.layer_hook is not None:
                 self.layer_hook.before(index)
-            x = block(x, rotary, layer_cache, slots, mask)
+            if pending is None:
+                h = block.input_norm(x)
+            else:
+                x, h = block.input_norm.add_forward(pending, x)
+            x, pending = block.forward_split(x, h, rotary, layer_cache, slots, mask)
             if self.layer_hook is not None:
                 self.layer_hook.after(index)
+        normed = (
+            self.final_norm(x) if pending is None else self.final_norm.add_forward(pending, x)[1]
+        )
         if last_only:
-            x = x[:, -1:]  # a prefill needs only the next token's logits: skip the rest of the head
-        logits = self.head(self.final_norm(x))
+            normed = normed[:, -1:]  # a prefill needs only the next token's logits
+        logits = self.head(normed)
         if self.head_group is not None:
             parts = [torch.empty_like(logits) for _ in range(dist.get_world_size(self.head_group))]
             dist.all_gather(parts, logits.contiguous(), group=self.head_group)

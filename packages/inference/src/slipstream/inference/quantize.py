@@ -1,72 +1,90 @@
-"""Weight-only int8 / int4 quantization of a FusedDecoder's linears (group-wise, symmetric)."""
+"""Weight-only int8 / int4 / fp8 quantization of a FusedDecoder's linears (group-wise, symmetric)."""
 
 from __future__ import annotations
 
 import torch
-import torch.nn.functional as F
 from torch import nn
 
-from slipstream.kernels.ops import QuantizedTensor, dequantize, quantize
+from slipstream.kernels.ops import QuantizedTensor, dequantize, quant_matmul, quantize
 
 __all__ = ["WeightOnlyLinear", "quantize_decoder", "weight_bytes_per_parameter"]
 
 _FORMATS = {8: "int8", 4: "int4"}
+FP8 = "fp8_e4m3"
 # The block linears that are quantized; embeddings, norms, the LM head and MoE experts stay in
 # the compute dtype (the head is kept exact, as most weight-only schemes do).
 _QUANTIZED = ("qkv", "out", "up", "down")
 
 
 class WeightOnlyLinear(nn.Module):
-    """``nn.Linear`` whose weight is stored as group-wise int8 or packed int4 codes + fp32 scales.
+    """``nn.Linear`` whose weight is stored as group-wise int8, packed int4 or fp8 (e4m3) codes
+    plus fp32 scales.
 
-    Groups run along each row (``group_size`` consecutive input features share a scale), so a
-    group never straddles two output rows. ``forward`` dequantizes through ``slipstream.kernels``
-    (Triton on GPU, torch on CPU) and multiplies in the input's dtype.
+    Groups run along each row (``group_size`` consecutive input features share a scale; -1: one
+    group per row, i.e. per-channel scales), so a group never straddles two output rows, and the
+    codes keep the row-major ``(out, in)`` order that the fused kernel streams. ``forward`` is
+    ``slipstream.kernels``' ``quant_matmul``: on GPUs a Triton kernel that reads the codes in
+    place and dequantizes in registers; on the CPU the reference (dequantize, then matmul).
+    fp8 codes are kept as their bytes (``uint8``), so a module-wide dtype cast cannot touch them.
     """
 
-    def __init__(self, linear: nn.Linear, bits: int, group_size: int) -> None:
+    def __init__(
+        self, linear: nn.Linear, bits: int, group_size: int, *, format: str | None = None
+    ) -> None:
         super().__init__()
-        if bits not in _FORMATS:
-            raise ValueError(f"WeightOnlyLinear: bits must be 8 or 4, got {bits}")
+        if format is None:
+            if bits not in _FORMATS:
+                raise ValueError(f"WeightOnlyLinear: bits must be 8 or 4, got {bits}")
+            format = _FORMATS[bits]
+        elif format not in (*_FORMATS.values(), FP8):
+            raise ValueError(
+                f"WeightOnlyLinear: format must be int8, int4 or {FP8}, got {format!r}"
+            )
         out_features, in_features = linear.weight.shape
-        if in_features % group_size:
+        if group_size == -1:
+            group_size = in_features  # per-channel: one scale per output row
+        if group_size < 1 or in_features % group_size:
             raise ValueError(
                 f"WeightOnlyLinear: in_features {in_features} is not a multiple of "
-                f"quant.weight.group_size {group_size}; choose a group size that divides it"
+                f"quant.weight.group_size {group_size}; choose a group size that divides it "
+                "(or -1 for one scale per output row)"
             )
-        q = quantize(linear.weight.detach(), _FORMATS[bits], group_size)
+        q = quantize(linear.weight.detach(), format, group_size)
         self.format, self.group_size = q.format, group_size
         self.shape, self.dtype = q.shape, q.dtype
         self.codes: torch.Tensor
         self.scales: torch.Tensor
-        self.register_buffer("codes", q.data)
-        self.register_buffer("scales", q.scales)
+        codes = q.data.reshape(out_features, -1)
+        self.register_buffer("codes", codes.view(torch.uint8) if format == FP8 else codes)
+        self.register_buffer("scales", q.scales.reshape(out_features, -1))
         self.bias = linear.bias
         self.in_features, self.out_features = in_features, out_features
 
+    def _codes(self) -> torch.Tensor:
+        return self.codes.view(torch.float8_e4m3fn) if self.format == FP8 else self.codes
+
     def dequantized_weight(self, dtype: torch.dtype | None = None) -> torch.Tensor:
         """The weight the codes stand for, ``(out_features, in_features)``."""
+        codes = self._codes()
         q = QuantizedTensor(
-            self.codes, self.scales, self.format, self.group_size, self.shape, self.dtype
+            codes.reshape(-1, codes.shape[-1] * self.group_size // self.in_features),
+            self.scales.reshape(-1),
+            self.format,
+            self.group_size,
+            self.shape,
+            self.dtype,
         )
         return dequantize(q, dtype)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        from slipstream.inference import quant_matmul
-
-        if quant_matmul.gemv_supported(x, self.group_size):
-            # Decode: read the codes, not a dequantized copy (the point of weight-only quant).
-            out = quant_matmul.dequant_gemv(
-                x,
-                self.codes,
-                self.scales,
-                self.out_features,
-                self.group_size,
-                int4=self.format == "int4",
-            )
-            return out if self.bias is None else out + self.bias
-        # Prefill and the CPU: dequantize once per call, then the matmul library.
-        return F.linear(x, self.dequantized_weight(x.dtype), self.bias)
+        return quant_matmul(
+            x,
+            self._codes(),
+            self.scales,
+            self.format,
+            self.group_size,
+            None if self.bias is None else self.bias.to(x.dtype),
+        )
 
     def extra_repr(self) -> str:
         return (
@@ -75,14 +93,20 @@ class WeightOnlyLinear(nn.Module):
         )
 
 
-def quantize_decoder(model: nn.Module, bits: int, group_size: int) -> nn.Module:
-    """Replace every block linear of a FusedDecoder (QKV, output, up, down) in place."""
+def quantize_decoder(
+    model: nn.Module, bits: int, group_size: int, *, format: str | None = None
+) -> nn.Module:
+    """Replace every block linear of a FusedDecoder (QKV, output, up, down) in place.
+
+    ``format`` (``"int8"``, ``"int4"``, ``"fp8_e4m3"``) overrides ``bits``; ``group_size`` -1
+    gives per-channel scales.
+    """
     for block in model.blocks:  # type: ignore[union-attr]
         for name in _QUANTIZED:
             linear = getattr(block, name, None)
             if isinstance(linear, nn.Linear):
-                size = min(group_size, linear.in_features)
-                setattr(block, name, WeightOnlyLinear(linear, bits, size))
+                size = group_size if group_size == -1 else min(group_size, linear.in_features)
+                setattr(block, name, WeightOnlyLinear(linear, bits, size, format=format))
     return model
 
 

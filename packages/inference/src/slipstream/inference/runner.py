@@ -7,11 +7,13 @@ import logging
 
 import torch
 
-from slipstream.inference.model import FusedDecoder, KVCache
+from slipstream.inference.model import MOE_DECODE_ROWS, FusedDecoder, KVCache
 
 __all__ = ["StaticCacheRunner"]
 
 logger = logging.getLogger(__name__)
+
+EAGER_WIDTH = 256  # attention width granularity of an eager decode step
 
 
 @dataclasses.dataclass
@@ -42,10 +44,6 @@ class StaticCacheRunner:
         self.model = model
         self.max_len = max_len
         self.cuda_graph = cuda_graph
-        if cuda_graph and model.spec.mlp == "moe":
-            # The expert loop has data-dependent shapes (tokens per expert): not capturable.
-            logger.warning("enable_cuda_graph: MoE decoders decode eagerly (no CUDA graph yet)")
-            self.cuda_graph = False
         self.buckets: dict[int, _Bucket] = {}
 
     def _bucket(self, batch: int) -> _Bucket:
@@ -101,10 +99,14 @@ class StaticCacheRunner:
                 bucket.graph.replay()
                 return bucket.logits.clone()
         slots = torch.tensor([slot], device=tokens.device)
+        # Eager steps attend over a width rounded up to EAGER_WIDTH slots (the later ones are
+        # masked: not yet valid, and after this slot): attention backends that plan per shape
+        # (cuDNN's SDPA) then see a new shape every EAGER_WIDTH steps, not every step.
+        width = min(self.max_len, -(-(slot + 1) // EAGER_WIDTH) * EAGER_WIDTH)
         logits = self.model(
             tokens[:, None],
             positions[:, None],
-            bucket.key_valid[:, : slot + 1],
+            bucket.key_valid[:, :width],
             slots,
             bucket.cache,
         )
@@ -121,6 +123,13 @@ class StaticCacheRunner:
     def _capture(
         self, bucket: _Bucket, tokens: torch.Tensor, positions: torch.Tensor, slot: int
     ) -> None:
+        spec = self.model.spec
+        if spec.mlp == "moe" and tokens.shape[0] * spec.experts_per_token > MOE_DECODE_ROWS:
+            # Past MOE_DECODE_ROWS (token, expert) rows the expert loop runs: it syncs with the
+            # host for its per-expert counts, so this batch size decodes eagerly.
+            bucket.graph_failed = True
+            logger.info("batch %d of a MoE decoder decodes eagerly (no graph)", tokens.shape[0])
+            return
         bucket.tokens = tokens[:, None].clone()
         bucket.positions = positions[:, None].clone()
         bucket.slot = torch.tensor([slot], device=tokens.device)

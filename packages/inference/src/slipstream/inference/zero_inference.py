@@ -1,11 +1,16 @@
-"""ZeRO-Inference: block weights live in (pinned) host memory and stream to the device per layer.
+"""ZeRO-Inference: block weights live in (pinned) host memory or on NVMe and stream to the device.
 
 While block ``i`` computes, block ``i + 1``'s weights copy to the device on a side stream, so the
 copy overlaps compute; block ``i``'s device copies are dropped as soon as it is done. Only the
-embedding, the final norm and the LM head stay resident.
+embedding, the final norm and the LM head stay resident. With NVMe, each block's host tensors
+are swap files of ``slipstream.offload``'s ``ParamSwapStore`` (asynchronous direct I/O): block
+``i + 2``'s read from disk is started when block ``i + 1`` is copied to the device, and a block's
+host memory is freed again as soon as its device copy is made.
 """
 
 from __future__ import annotations
+
+from typing import Any
 
 import torch
 from torch import nn
@@ -26,18 +31,33 @@ class LayerStreamer(LayerHook):
     ``fetches`` counts the block copies made, for tests and logs.
     """
 
-    def __init__(self, blocks: nn.ModuleList, device: torch.device, pin_memory: bool) -> None:
+    def __init__(
+        self,
+        blocks: nn.ModuleList,
+        device: torch.device,
+        pin_memory: bool,
+        store: Any = None,
+    ) -> None:
         self.device = device
         self.slots = [_tensors(block) for block in blocks]
-        pin = pin_memory and device.type == "cuda"
+        self.store = store  # a slipstream.offload.ParamSwapStore: the host tensors on NVMe
+        pin = pin_memory and device.type == "cuda" and store is None
         self.host: list[list[torch.Tensor]] = []
-        for tensors in self.slots:
+        for index, tensors in enumerate(self.slots):
             copies = []
-            for tensor in tensors:
-                host = tensor.detach().to("cpu")
-                copies.append(host.pin_memory() if pin else host)
-                tensor.data = copies[-1]
+            for number, tensor in enumerate(tensors):
+                if store is not None:  # a tensor owning its storage, swapped out to a file
+                    host = torch.empty(tensor.shape, dtype=tensor.dtype)
+                    host.copy_(tensor.detach())
+                    store.register(f"block{index}.{number}", host)
+                else:
+                    host = tensor.detach().to("cpu")
+                    host = host.pin_memory() if pin else host
+                copies.append(host)
+                tensor.data = host
             self.host.append(copies)
+        if store is not None:
+            store.finish()  # every swap file written; the host memory beyond max_in_cpu freed
         self.stream = torch.cuda.Stream(device) if device.type == "cuda" else None
         self.ready: dict[int, tuple[list[torch.Tensor], torch.cuda.Event | None]] = {}
         self.fetches = 0
@@ -47,6 +67,19 @@ class LayerStreamer(LayerHook):
         if index in self.ready:
             return
         self.fetches += 1
+        if self.store is not None:
+            self.store.ensure(self.host[index])  # read from disk (usually already started)
+            # Pageable host memory: the copies below have consumed it when they return, so the
+            # memory can be freed (a clean release: the swap file holds the same bytes).
+            copies = [h.to(self.device, copy=True) for h in self.host[index]]
+            self.store.release(self.host[index], dirty=False)
+            self.store.prefetch(self.host[(index + 1) % len(self.slots)])
+            event = None
+            if self.stream is not None:
+                event = torch.cuda.Event()
+                event.record(torch.cuda.current_stream(self.device))
+            self.ready[index] = (copies, event)
+            return
         if self.stream is None:
             # On the CPU the "device" copy is a real copy too, so the path is the same as on GPUs.
             self.ready[index] = ([h.to(self.device, copy=True) for h in self.host[index]], None)
@@ -77,9 +110,28 @@ class LayerStreamer(LayerHook):
             tensor.data = host
 
 
-def offload_decoder(model: FusedDecoder, device: torch.device, *, pin_memory: bool = True) -> None:
-    """Keep ``model``'s blocks in host memory, streamed to ``device`` layer by layer."""
-    streamer = LayerStreamer(model.blocks, device, pin_memory)
+def offload_decoder(
+    model: FusedDecoder,
+    device: torch.device,
+    *,
+    pin_memory: bool = True,
+    nvme_path: str | None = None,
+    max_in_cpu: int = 0,
+) -> None:
+    """Keep ``model``'s blocks in host memory (or in swap files under ``nvme_path``, all but
+    the first ``max_in_cpu`` elements), streamed to ``device`` layer by layer."""
+    store = None
+    if nvme_path is not None:
+        try:
+            from slipstream.offload import AioSettings, AsyncIOEngine, ParamSwapStore, SwapSpace
+        except ImportError as error:
+            raise ImportError(
+                'zero.offload_param.device="nvme" needs slipstream-offload-io '
+                "(pip install slipstream-offload-io)"
+            ) from error
+        space = SwapSpace(nvme_path, AsyncIOEngine(AioSettings()), name="inference")
+        store = ParamSwapStore(space, max_in_cpu)
+    streamer = LayerStreamer(model.blocks, device, pin_memory, store)
     for name, module in model.named_children():
         if name != "blocks":
             module.to(device)

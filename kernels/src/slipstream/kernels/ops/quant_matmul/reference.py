@@ -1,0 +1,72 @@
+"""Pure-torch weight-only quantized matmul: dequantize the whole weight, then ``F.linear``."""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+
+from slipstream.kernels.ops.quantize.reference import FORMATS, dequantize
+
+__all__ = ["check_weight", "dequantize_weight", "quant_matmul"]
+
+
+def check_weight(
+    codes: torch.Tensor, scales: torch.Tensor, format: str, group_size: int, in_features: int
+) -> int:
+    """Validate a quantized weight's layout; returns ``out_features``.
+
+    The layout is :func:`slipstream.kernels.ops.quantize`'s applied to an ``(out, in)`` weight
+    whose rows are a whole number of groups: ``codes`` is ``(out, in)`` (int8, float8_e4m3fn) or
+    ``(out, in // 2)`` (uint8, int4 pairs), ``scales`` fp32 with ``out * in // group_size``
+    elements (row-major ``(out, in // group_size)``).
+    """
+    if format not in FORMATS:
+        raise ValueError(f"quant_matmul: format must be one of {FORMATS}, got {format!r}")
+    if group_size < 1 or in_features % group_size:
+        raise ValueError(
+            f"quant_matmul: in_features {in_features} is not a multiple of group_size "
+            f"{group_size}; quantize with a group size that divides the rows"
+        )
+    per_row = in_features // 2 if format == "int4" else in_features
+    if codes.numel() % per_row:
+        raise ValueError(
+            f"quant_matmul: {codes.numel()} codes do not form rows of {per_row} "
+            f"({format}, in_features={in_features})"
+        )
+    out_features = codes.numel() // per_row
+    if scales.numel() != out_features * (in_features // group_size):
+        raise ValueError(
+            f"quant_matmul: expected {out_features * (in_features // group_size)} scales for "
+            f"({out_features}, {in_features}) in groups of {group_size}, got {scales.numel()}"
+        )
+    return out_features
+
+
+def dequantize_weight(
+    codes: torch.Tensor,
+    scales: torch.Tensor,
+    format: str,
+    group_size: int,
+    in_features: int,
+    dtype: torch.dtype,
+) -> torch.Tensor:
+    """The ``(out, in)`` weight the codes stand for, in ``dtype`` (fp32 math, then cast)."""
+    out_features = check_weight(codes, scales, format, group_size, in_features)
+    groups = codes.reshape(-1, group_size // 2 if format == "int4" else group_size)
+    flat = dequantize(
+        groups, scales.reshape(-1), format, group_size, out_features * in_features, dtype
+    )
+    return flat.reshape(out_features, in_features)
+
+
+def quant_matmul(
+    x: torch.Tensor,
+    codes: torch.Tensor,
+    scales: torch.Tensor,
+    format: str,
+    group_size: int,
+    bias: torch.Tensor | None = None,
+) -> torch.Tensor:
+    """``x @ W^T + bias`` for the quantized ``W``: dequantize into ``x.dtype``, then multiply."""
+    weight = dequantize_weight(codes, scales, format, group_size, x.shape[-1], x.dtype)
+    return F.linear(x, weight, bias)
