@@ -79,8 +79,10 @@ def initialize(
     setup_logging(comm.get_rank())
 
     from slipstream.pipeline.module import PipelineModule
+    from slipstream.runtime.tensor_parallel import apply_autotp, refuse_autotp_for_pipelines
 
     if isinstance(model, PipelineModule):
+        refuse_autotp_for_pipelines(source)
         # A pipeline trains whole batches (train_batch/eval_batch) on its own engine, whose
         # data-parallel size comes from the module's topology.
         from slipstream.runtime.pipeline_engine import initialize_pipeline
@@ -95,6 +97,8 @@ def initialize(
             collate_fn=collate_fn,
         )
 
+    # AutoTP (tensor_parallel.autotp_size > 1): shard the model and train on the grid's DP axis.
+    mpu, model_parameters = apply_autotp(model, source, mpu, optimizer, model_parameters)
     dp_world = mpu.get_data_parallel_world_size() if mpu is not None else comm.get_world_size()
     parsed: SlipstreamConfig = load_config(source, world_size=dp_world)
     _apply_amd_specific(parsed)

@@ -35,6 +35,12 @@ from slipstream.runtime.moe_gradients import (
 )
 from slipstream.runtime.optimizers import resolve_optimizer
 from slipstream.runtime.precision import MasterWeights
+from slipstream.runtime.tensor_parallel import (
+    check_tensor_parallel_support,
+    clip_by_norm_,
+    is_tensor_parallel,
+    tensor_parallel_grad_norm,
+)
 from slipstream.runtime.throughput import ProgressReport, ThroughputMeter, count_tokens, peak_tflops
 from slipstream.runtime.timers import WallClockTimers
 from slipstream.runtime.zero_setup import ZeroGradientPath
@@ -80,6 +86,14 @@ class SlipstreamEngine(torch.nn.Module):
         self.config = config
         self.accelerator = get_accelerator()
         self.dp_group = mpu.get_data_parallel_group() if mpu is not None else None
+        # Tensor parallelism (an mpu with a tensor axis, e.g. AutoTP's grid): sharded
+        # parameters keep their own gradients; only the norm and the overflow vote span TP.
+        self._tp_group = (
+            mpu.get_model_parallel_group() if hasattr(mpu, "get_model_parallel_group") else None
+        )
+        self._tp_size = comm.get_world_size(self._tp_group) if self._tp_group is not None else 1
+        if self._tp_size > 1:
+            check_tensor_parallel_support(model, config)
         self.dp_world_size = comm.get_world_size(self.dp_group)
         self.global_rank = comm.get_rank()
         # load_config() has resolved the batch triple; keep it as plain ints for the hot path.
@@ -565,7 +579,7 @@ class SlipstreamEngine(torch.nn.Module):
             # One host sync per step: the skip decision must be known before stepping.
             overflow = (
                 agree_overflow(grads, self._device)
-                if self._experts.is_expert_parallel
+                if self._experts.is_expert_parallel or self._tp_size > 1
                 else grads_have_inf_or_nan(grads)
             )
         elif self._check_nonfinite:
@@ -603,6 +617,15 @@ class SlipstreamEngine(torch.nn.Module):
     def _clip_gradients(self, grads: list[torch.Tensor]) -> torch.Tensor | None:
         """Stage 0: the global gradient norm, clipping to ``gradient_clipping`` when set."""
         max_norm = self.config.gradient_clipping
+        if self._tp_size > 1:
+            # Shards are summed over the tensor group; replicated parameters count once.
+            sources = self._grad_sources
+            pairs = [(p, s.grad) for p, s in zip(self._params, sources) if s.grad is not None]
+            sharded = [g for p, g in pairs if is_tensor_parallel(p)]
+            replicated = [g for p, g in pairs if not is_tensor_parallel(p)]
+            total = tensor_parallel_grad_norm(sharded, replicated, self._tp_group, self._device)
+            clip_by_norm_(grads, total, max_norm)
+            return total
         if not self._experts.is_expert_parallel:
             return _clip_grad_norm(grads, max_norm)
         # Dense gradients count once; expert shares are summed over their expert-parallel

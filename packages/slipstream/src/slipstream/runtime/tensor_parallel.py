@@ -1,0 +1,205 @@
+"""AutoTP at ``initialize``: the DP × TP process grid, the model's sharding and TP-aware norms."""
+
+from __future__ import annotations
+
+import logging
+import math
+from collections.abc import Sequence
+from typing import Any
+
+import torch
+import torch.distributed as dist
+
+from slipstream import comm
+from slipstream.comm.config import TensorParallelConfig
+from slipstream.comm.tensor_parallel import shard_hf_decoder_for_training
+from slipstream.comm.topology import PipeModelDataParallelTopology, ProcessGrid
+from slipstream.config.loading import ConfigSource, read_config_source
+from slipstream.kernels import get_accelerator
+from slipstream.kernels.config_schema import ConfigError
+
+__all__ = [
+    "apply_autotp",
+    "check_tensor_parallel_support",
+    "clip_by_norm_",
+    "is_tensor_parallel",
+    "refuse_autotp_for_pipelines",
+    "tensor_parallel_grad_norm",
+]
+
+logger = logging.getLogger(__name__)
+
+
+def _tensor_parallel_block(source: ConfigSource) -> TensorParallelConfig:
+    raw, _ = read_config_source(source)
+    block = raw.get("tensor_parallel") or {}
+    return TensorParallelConfig.from_dict(block, "tensor_parallel")
+
+
+def apply_autotp(
+    model: torch.nn.Module,
+    source: ConfigSource,
+    mpu: Any,
+    optimizer: Any = None,
+    model_parameters: Any = None,
+) -> tuple[Any, Any]:
+    """Shard ``model`` over ``tensor_parallel.autotp_size`` ranks.
+
+    Returns ``(mpu, model_parameters)``: the mpu to train with, and ``model_parameters``
+    re-taken from the sharded model (the caller's list named the unsharded parameters).
+
+    Builds a :class:`ProcessGrid` with axes (pipe=1, data=world/tp, tensor=tp), tensor-parallel
+    ranks adjacent, unless the caller passed an ``mpu`` of that tensor-parallel size. Every
+    rank of a tensor-parallel group first receives its group rank 0's full weights (so the
+    slices fit together whatever each rank loaded), then keeps its shard. Returns ``mpu``
+    unchanged when ``autotp_size`` is 0 or 1.
+    """
+    size = _tensor_parallel_block(source).autotp_size
+    if size <= 1:
+        return mpu
+    world = comm.get_world_size()
+    if world % size:
+        raise ConfigError(
+            f"tensor_parallel.autotp_size = {size} does not divide the world size {world}; "
+            f"choose a tensor-parallel size that divides {world} (the data-parallel size is "
+            "world_size / autotp_size)",
+            "tensor_parallel.autotp_size",
+        )
+    if mpu is not None:
+        given = int(mpu.get_model_parallel_world_size())
+        if given != size:
+            raise ConfigError(
+                f"tensor_parallel.autotp_size = {size} but the mpu passed to initialize has a "
+                f"tensor-parallel size of {given}; make them agree or drop one of them",
+                "tensor_parallel.autotp_size",
+            )
+        grid = mpu
+    else:
+        grid = ProcessGrid(
+            PipeModelDataParallelTopology(num_pp=1, num_mp=size, num_dp=world // size)
+        )
+    group = grid.get_model_parallel_group()
+    _broadcast_within_group(model, group)
+    shard_hf_decoder_for_training(model, group)
+    if comm.get_rank() == 0:
+        logger.info(
+            "AutoTP: %s sharded over %d tensor-parallel ranks; data-parallel size %d",
+            type(model).__name__,
+            size,
+            world // size,
+        )
+    if model_parameters is not None:
+        model_parameters = [p for p in model.parameters() if p.requires_grad]
+    if grid.get_data_parallel_group() is None:
+        grid = _SingleRankDataAxis(grid)
+    return grid, model_parameters
+
+
+class _SingleRankDataAxis:
+    """An mpu whose data axis has one rank, answered with a one-rank group.
+
+    The grid has no group for an axis of size 1 (None), but the engine reads a None data
+    group as "the whole world"; a real one-rank group keeps its reductions on this rank.
+    """
+
+    def __init__(self, grid: Any) -> None:
+        self._grid = grid
+        # new_group is collective over the world: every rank creates every singleton.
+        self._data_group: dist.ProcessGroup | None = None
+        for rank in range(dist.get_world_size()):
+            made = dist.new_group([rank])
+            if rank == dist.get_rank():
+                self._data_group = made
+
+    def get_data_parallel_group(self) -> dist.ProcessGroup | None:
+        """This rank alone."""
+        return self._data_group
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self._grid, name)
+
+
+def refuse_autotp_for_pipelines(source: ConfigSource) -> None:
+    """AutoTP shards Hugging Face decoders; a PipelineModule brings its own tensor axis."""
+    size = _tensor_parallel_block(source).autotp_size
+    if size > 1:
+        raise ConfigError(
+            f"tensor_parallel.autotp_size = {size} with a PipelineModule: AutoTP shards Hugging "
+            "Face decoders, not pipeline stages. Build the stages from slipstream.comm."
+            "tensor_parallel's layers over the topology's tensor group and pass the module a "
+            "PipeModelDataParallelTopology with num_mp > 1 instead (docs/tensor-parallel.md)",
+            "tensor_parallel.autotp_size",
+        )
+
+
+def _broadcast_within_group(model: torch.nn.Module, group: dist.ProcessGroup | None) -> None:
+    # One tensor at a time through the accelerator (NCCL cannot send host tensors), so the
+    # whole unsharded model never sits on the device.
+    if group is None:
+        return
+    device = get_accelerator().device()
+    src = dist.get_global_rank(group, 0)
+    with torch.no_grad():
+        for tensor in [*model.parameters(), *model.buffers()]:
+            staged = tensor.data.to(device)
+            comm.broadcast(staged, src=src, group=group)
+            if staged is not tensor.data:
+                tensor.data.copy_(staged)
+
+
+def check_tensor_parallel_support(model: torch.nn.Module, config: Any) -> None:
+    """Refuse, by name, what the engine cannot yet train with tensor parallelism."""
+    stage = config.zero_optimization.stage
+    if stage == 3:
+        raise NotImplementedError(
+            "zero_optimization.stage = 3 with tensor parallelism (tensor_parallel.autotp_size "
+            "or an mpu with a tensor axis): ZeRO-3 would have to shard the tensor-parallel "
+            "shards over the data axis. Use stage 1 or 2 (as DeepSpeed's AutoTP training does)"
+        )
+    if stage in (1, 2) and config.gradient_clipping > 0:
+        raise NotImplementedError(
+            f"gradient_clipping = {config.gradient_clipping} with zero_optimization.stage = "
+            f"{stage} and tensor parallelism: the ZeRO gradient path computes its norm over "
+            "the data-parallel group only, so tensor-parallel ranks would clip differently. "
+            "Use stage 0 (whose norm spans the tensor group) or gradient_clipping = 0"
+        )
+    marked = [n for n, p in model.named_parameters() if getattr(p, "sequence_parallel", False)]
+    if marked:
+        raise NotImplementedError(
+            f"parameters {marked[:3]} are marked sequence_parallel: the engine does not yet "
+            "all-reduce their gradients over the tensor group. Call slipstream.comm."
+            "tensor_parallel.reduce_sequence_parallel_gradients yourself in a plain loop, or "
+            "build the model without sequence_parallel=True"
+        )
+
+
+def is_tensor_parallel(param: torch.Tensor) -> bool:
+    """Whether ``param`` is one shard of a tensor-parallel parameter (``tp_partition_dim``)."""
+    return getattr(param, "tp_partition_dim", None) is not None and getattr(param, "tp_size", 1) > 1
+
+
+def tensor_parallel_grad_norm(
+    sharded: Sequence[torch.Tensor],
+    replicated: Sequence[torch.Tensor],
+    group: dist.ProcessGroup | None,
+    device: torch.device,
+) -> torch.Tensor:
+    """The L2 norm of the whole gradient: shards' squares summed over ``group``, replicas once."""
+
+    def squares(grads: Sequence[torch.Tensor]) -> torch.Tensor:
+        if not grads:
+            return torch.zeros((), dtype=torch.float32, device=device)
+        return torch.stack([g.float().pow(2).sum() for g in grads]).sum().to(device)
+
+    total = squares(sharded)
+    if group is not None:
+        comm.all_reduce(total, group=group)
+    return (total + squares(replicated)).sqrt()
+
+
+def clip_by_norm_(grads: Sequence[torch.Tensor], total: torch.Tensor, max_norm: float) -> None:
+    """Scale ``grads`` so that ``total`` becomes at most ``max_norm`` (torch's coefficient)."""
+    if not grads or max_norm <= 0 or math.isinf(max_norm):
+        return
+    coefficient = torch.clamp(max_norm / (total + 1e-6), max=1.0)
+    torch._foreach_mul_(list(grads), coefficient.to(grads[0].device))

@@ -1,0 +1,162 @@
+"""AutoTP training (``tensor_parallel.autotp_size``) equals single-process PyTorch step by step.
+
+A tiny random Llama is trained by ``slipstream.initialize`` at TP=2 (2 ranks, stage 0 with
+gradient clipping that bites) and TP=2 x DP=2 (4 ranks, ZeRO-1), beside the unsharded model
+trained by plain PyTorch on the whole global batch; losses and every parameter shard must match
+(fp32, 1e-5 relative). Bad configurations raise errors that name the problem.
+"""
+
+from __future__ import annotations
+
+import copy
+from typing import Any
+
+import pytest
+import torch
+
+from slipstream.comm.testing import run_distributed
+
+pytest.importorskip("transformers")
+
+RTOL = 1e-5
+LR = 0.5
+
+
+def _tiny_llama(**overrides: Any) -> Any:
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    settings: dict[str, Any] = {
+        "vocab_size": 64,
+        "hidden_size": 32,
+        "intermediate_size": 64,
+        "num_hidden_layers": 2,
+        "num_attention_heads": 4,
+        "num_key_value_heads": 2,
+        "max_position_embeddings": 32,
+        "attn_implementation": "eager",
+    }
+    settings.update(overrides)
+    torch.manual_seed(0)
+    return LlamaForCausalLM(LlamaConfig(**settings))
+
+
+def _global_batch(step: int, rows: int) -> torch.Tensor:
+    return torch.randint(0, 64, (rows, 8), generator=torch.Generator().manual_seed(100 + step))
+
+
+def _rel(a: torch.Tensor, b: torch.Tensor) -> float:
+    return float((a - b).norm() / b.norm().clamp_min(1e-12))
+
+
+def _train_autotp(tp: int, stage: int, clip: float, steps: int = 3) -> dict[str, float]:
+    """Train with AutoTP beside the unsharded reference; return the worst relative errors."""
+    import torch.distributed as dist
+
+    import slipstream
+
+    micro = 2
+    model = _tiny_llama()
+    reference = copy.deepcopy(model)
+    config = {
+        "train_micro_batch_size_per_gpu": micro,
+        "gradient_accumulation_steps": 1,
+        # SGD with momentum: linear in the gradients, so fp32 reduction-order differences stay
+        # at their own size (Adam's m/sqrt(v) turns them into sign flips of near-zero entries).
+        "optimizer": {"type": "SGD", "params": {"lr": LR, "momentum": 0.9}},
+        "zero_optimization": {"stage": stage},
+        "gradient_clipping": clip,
+        "tensor_parallel": {"autotp_size": tp},
+    }
+    engine, *_ = slipstream.initialize(model=model, config=config)
+    dp = engine.dp_world_size
+    assert dp == dist.get_world_size() // tp
+    dp_rank = dist.get_rank(engine.dp_group) if engine.dp_group is not None else 0
+    tp_rank = dist.get_rank() % tp  # AutoTP's tensor-parallel ranks are adjacent
+    optimizer = torch.optim.SGD(reference.parameters(), lr=LR, momentum=0.9)
+
+    worst = {"loss": 0.0, "param": 0.0, "norm": 0.0}
+    for step in range(steps):
+        batch = _global_batch(step, micro * dp)
+        mine = batch[dp_rank * micro : (dp_rank + 1) * micro]
+        loss = engine(input_ids=mine, labels=mine).loss
+        engine.backward(loss)
+        engine.step()
+        ref_loss = reference(input_ids=batch, labels=batch).loss
+        ref_loss.backward()
+        ref_norm = torch.nn.utils.clip_grad_norm_(
+            reference.parameters(), clip if clip > 0 else float("inf")
+        )
+        if step == 0 and clip > 0:
+            assert float(ref_norm) > 2 * clip, "the clip must change the step to test it"
+        optimizer.step()
+        optimizer.zero_grad()
+        mean_loss = loss.detach().clone()
+        if engine.dp_group is not None:
+            dist.all_reduce(mean_loss, group=engine.dp_group)
+        worst["loss"] = max(worst["loss"], _rel(mean_loss / dp, ref_loss.detach()))
+        if stage == 0:
+            worst["norm"] = max(worst["norm"], _rel(engine._last_grad_norm, ref_norm))
+
+    ref_params = dict(reference.named_parameters())
+    for name, param in engine.module.named_parameters():
+        expected = ref_params[name].detach()
+        dim = getattr(param, "tp_partition_dim", None)
+        if dim is not None:
+            assert param.tp_size == tp and param.tp_rank == tp_rank, name
+            expected = expected.chunk(tp, dim=dim)[tp_rank]
+        worst["param"] = max(worst["param"], _rel(param.detach(), expected))
+    sharded = [n for n, p in engine.module.named_parameters() if hasattr(p, "tp_partition_dim")]
+    assert "model.layers.0.self_attn.q_proj.weight" in sharded
+    assert "model.embed_tokens.weight" in sharded and "lm_head.weight" in sharded
+    assert "model.norm.weight" not in sharded
+    return worst
+
+
+def _check_bad_configs() -> None:
+    import slipstream
+    from slipstream.config import ConfigError
+
+    base = {
+        "train_micro_batch_size_per_gpu": 1,
+        "optimizer": {"type": "SGD", "params": {"lr": 0.1}},
+    }
+    with pytest.raises(ConfigError, match=r"autotp_size = 3 does not divide the world size 2"):
+        slipstream.initialize(
+            model=_tiny_llama(), config={**base, "tensor_parallel": {"autotp_size": 3}}
+        )
+    tp2 = {**base, "tensor_parallel": {"autotp_size": 2}}
+    with pytest.raises(ValueError, match=r"config.num_key_value_heads = 1"):
+        slipstream.initialize(model=_tiny_llama(num_key_value_heads=1), config=tp2)
+    with pytest.raises(ValueError, match=r"config.vocab_size = 63"):
+        slipstream.initialize(model=_tiny_llama(vocab_size=63), config=tp2)
+    with pytest.raises(NotImplementedError, match=r"model_type.*got None \(Linear\)"):
+        slipstream.initialize(model=torch.nn.Linear(4, 4), config=tp2)
+    with pytest.raises(NotImplementedError, match=r"stage = 3 with tensor parallelism"):
+        slipstream.initialize(
+            model=_tiny_llama(), config={**tp2, "zero_optimization": {"stage": 3}}
+        )
+    with pytest.raises(ConfigError, match=r"tensor_parallel\.autotp_sise"):
+        slipstream.initialize(
+            model=_tiny_llama(), config={**base, "tensor_parallel": {"autotp_sise": 2}}
+        )
+
+
+def _world_of_two() -> dict[str, float]:
+    _check_bad_configs()
+    # max_norm 0.5 is far below the tiny model's gradient norm: clipping changes every step.
+    return _train_autotp(tp=2, stage=0, clip=0.5)
+
+
+def _world_of_four() -> dict[str, Any]:
+    return {"tp2_dp2_zero1": _train_autotp(tp=2, stage=1, clip=0.0)}
+
+
+def test_autotp_tp2_equals_single_process() -> None:
+    for worst in run_distributed(_world_of_two, world_size=2):
+        assert max(worst.values()) <= RTOL, sorted(worst.items(), key=lambda kv: -kv[1])[:4]
+
+
+def test_autotp_tp2_dp2_and_pp2_tp2_equal_single_process() -> None:
+    for results in run_distributed(_world_of_four, world_size=4, timeout=300):
+        for name, worst in results.items():
+            assert max(worst.values()) <= RTOL, (name, worst)
