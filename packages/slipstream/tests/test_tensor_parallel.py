@@ -147,8 +147,80 @@ def _world_of_two() -> dict[str, float]:
     return _train_autotp(tp=2, stage=0, clip=0.5)
 
 
+def _pipeline_of_tp_layers(group: Any) -> list[torch.nn.Module]:
+    """Two stages of a column -> row MLP each; with ``group=None`` the unsplit layers."""
+    from slipstream.comm.tensor_parallel import ColumnParallelLinear, RowParallelLinear
+
+    torch.manual_seed(1)
+    return [
+        ColumnParallelLinear(8, 16, group=group),
+        torch.nn.ReLU(),
+        RowParallelLinear(16, 8, group=group),
+        ColumnParallelLinear(8, 16, group=group),
+        torch.nn.Tanh(),
+        RowParallelLinear(16, 4, group=group),
+    ]
+
+
+def _train_pp2_tp2(steps: int = 3) -> dict[str, float]:
+    """PP=2 x TP=2: a PipelineModule whose stages are built from TP layers, vs plain PyTorch."""
+    import torch.distributed as dist
+
+    import slipstream
+    from slipstream.comm.topology import PipeModelDataParallelTopology, ProcessGrid
+    from slipstream.pipeline import PipelineModule
+
+    topology = PipeModelDataParallelTopology(num_pp=2, num_mp=2, num_dp=1)
+    grid = ProcessGrid(topology)  # the layers need the tensor group before the module exists
+    tp_rank = grid.get_model_parallel_rank()
+    layers = _pipeline_of_tp_layers(grid.group("tensor"))
+    reference = torch.nn.Sequential(*_pipeline_of_tp_layers(None))
+    module = PipelineModule(layers, topology=topology, loss_fn=torch.nn.functional.mse_loss)
+    config = {
+        "train_micro_batch_size_per_gpu": 2,
+        "gradient_accumulation_steps": 2,
+        "optimizer": {"type": "SGD", "params": {"lr": LR, "momentum": 0.9}},
+    }
+    engine, *_ = slipstream.initialize(model=module, config=config)
+    optimizer = torch.optim.SGD(reference.parameters(), lr=LR, momentum=0.9)
+    worst = {"loss": 0.0, "param": 0.0}
+    for step in range(steps):
+        gen = torch.Generator().manual_seed(step)
+        batches = [
+            (torch.randn(2, 8, generator=gen), torch.randn(2, 4, generator=gen)) for _ in range(2)
+        ]
+        loss = engine.train_batch(iter(batches))
+        ref_loss = sum(torch.nn.functional.mse_loss(reference(x), y) / 2 for x, y in batches)
+        ref_loss.backward()
+        optimizer.step()
+        optimizer.zero_grad()
+        if engine.is_last_stage():
+            worst["loss"] = max(worst["loss"], _rel(loss.detach(), ref_loss.detach()))
+    ref_layers = list(reference)
+    for index, layer in enumerate(layers):
+        for name, param in layer.named_parameters():
+            if param.device.type == "meta" or not _owned(engine.module, param):
+                continue
+            expected = getattr(ref_layers[index], name).detach()
+            dim = getattr(param, "tp_partition_dim", None)
+            if dim is not None:
+                expected = expected.chunk(2, dim=dim)[tp_rank]
+            worst["param"] = max(worst["param"], _rel(param.detach(), expected))
+    assert dist.get_world_size() == 4
+    with pytest.raises(NotImplementedError, match="pipeline whose stages are tensor-parallel"):
+        slipstream.initialize(model=module, config={**config, "gradient_clipping": 1.0})
+    return worst
+
+
+def _owned(module: torch.nn.Module, param: torch.Tensor) -> bool:
+    return any(param is p for p in module.parameters())
+
+
 def _world_of_four() -> dict[str, Any]:
-    return {"tp2_dp2_zero1": _train_autotp(tp=2, stage=1, clip=0.0)}
+    return {
+        "tp2_dp2_zero1": _train_autotp(tp=2, stage=1, clip=0.0),
+        "pp2_tp2": _train_pp2_tp2(),
+    }
 
 
 def test_autotp_tp2_equals_single_process() -> None:
