@@ -27,12 +27,14 @@ from slipstream.comm.tensor_parallel.layers import (
 )
 from slipstream.comm.tensor_parallel.mappings import (
     copy_to_tensor_parallel_region,
+    gather_flat_from_tensor_parallel_region,
     gather_from_sequence_parallel_region,
     gather_from_tensor_parallel_region,
     reduce_from_tensor_parallel_region,
     reduce_scatter_to_sequence_parallel_region,
     scatter_to_sequence_parallel_region,
     scatter_to_tensor_parallel_region,
+    split_flat_to_tensor_parallel_region,
     tensor_parallel_rank,
     tensor_parallel_world_size,
 )
@@ -43,6 +45,7 @@ __all__ = [
     "RowParallelLinear",
     "VocabParallelEmbedding",
     "copy_to_tensor_parallel_region",
+    "gather_flat_from_tensor_parallel_region",
     "gather_from_sequence_parallel_region",
     "gather_from_tensor_parallel_region",
     "mark_sequence_parallel",
@@ -53,6 +56,7 @@ __all__ = [
     "scatter_to_tensor_parallel_region",
     "set_tensor_parallel_attributes",
     "shard_hf_decoder_for_training",
+    "split_flat_to_tensor_parallel_region",
     "tensor_parallel_rank",
     "tensor_parallel_world_size",
     "vocab_parallel_cross_entropy",

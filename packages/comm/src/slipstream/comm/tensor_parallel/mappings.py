@@ -25,12 +25,14 @@ from slipstream.comm import collectives
 
 __all__ = [
     "copy_to_tensor_parallel_region",
+    "gather_flat_from_tensor_parallel_region",
     "gather_from_sequence_parallel_region",
     "gather_from_tensor_parallel_region",
     "reduce_from_tensor_parallel_region",
     "reduce_scatter_to_sequence_parallel_region",
     "scatter_to_sequence_parallel_region",
     "scatter_to_tensor_parallel_region",
+    "split_flat_to_tensor_parallel_region",
     "tensor_parallel_rank",
     "tensor_parallel_world_size",
 ]
@@ -235,3 +237,71 @@ def reduce_scatter_to_sequence_parallel_region(
     if tensor_parallel_world_size(group) == 1:
         return tensor
     return _ReduceScatterToSequenceRegion.apply(tensor, dim % tensor.dim(), group)  # type: ignore[no-any-return]
+
+
+def _flat_chunk(tensor: torch.Tensor, group: dist.ProcessGroup | None) -> torch.Tensor:
+    world = tensor_parallel_world_size(group)
+    flat = tensor.reshape(-1)
+    per_rank = -(-flat.numel() // world)
+    padded = _pad_to(flat, world * per_rank)
+    start = tensor_parallel_rank(group) * per_rank
+    return padded[start : start + per_rank].clone()
+
+
+def _pad_to(flat: torch.Tensor, size: int) -> torch.Tensor:
+    """``flat`` zero-padded at the end to ``size`` elements."""
+    if flat.numel() == size:
+        return flat
+    return torch.cat([flat, flat.new_zeros(size - flat.numel())])
+
+
+def _flat_gather(
+    chunk: torch.Tensor, shape: torch.Size, group: dist.ProcessGroup | None
+) -> torch.Tensor:
+    full = _gather(chunk, 0, group)
+    return full[: shape.numel()].reshape(shape)
+
+
+class _SplitFlat(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx: Any, tensor: torch.Tensor, group: Any) -> torch.Tensor:
+        ctx.shape, ctx.group = tensor.shape, group
+        return _flat_chunk(tensor, group)
+
+    @staticmethod
+    def backward(ctx: Any, grad: torch.Tensor) -> tuple[torch.Tensor, None]:
+        return _flat_gather(grad.contiguous(), ctx.shape, ctx.group), None
+
+
+class _GatherFlat(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx: Any, chunk: torch.Tensor, shape: torch.Size, group: Any) -> torch.Tensor:
+        ctx.group = group
+        return _flat_gather(chunk.contiguous(), shape, group)
+
+    @staticmethod
+    def backward(ctx: Any, grad: torch.Tensor) -> tuple[torch.Tensor, None, None]:
+        return _flat_chunk(grad.contiguous(), ctx.group), None, None
+
+
+def split_flat_to_tensor_parallel_region(
+    tensor: torch.Tensor, group: dist.ProcessGroup | None
+) -> torch.Tensor:
+    """This rank's 1/tp of a replicated tensor, flattened (zero-padded); all-gather backward.
+
+    With :func:`gather_flat_from_tensor_parallel_region` it partitions a checkpointed
+    activation across the group (``activation_checkpointing.partition_activations``). Valid
+    for activations that are equal on every rank of the group, whose gradients are too.
+    """
+    if tensor_parallel_world_size(group) == 1:
+        return tensor
+    return _SplitFlat.apply(tensor, group)  # type: ignore[no-any-return]
+
+
+def gather_flat_from_tensor_parallel_region(
+    chunk: torch.Tensor, shape: torch.Size, group: dist.ProcessGroup | None
+) -> torch.Tensor:
+    """The whole tensor of ``shape`` from every rank's flat chunk; backward keeps this rank's."""
+    if tensor_parallel_world_size(group) == 1:
+        return chunk
+    return _GatherFlat.apply(chunk, shape, group)  # type: ignore[no-any-return]
