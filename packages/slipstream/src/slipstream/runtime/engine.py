@@ -39,6 +39,8 @@ from slipstream.runtime.tensor_parallel import (
     check_tensor_parallel_support,
     clip_by_norm_,
     is_tensor_parallel,
+    refuse_tensor_parallel_checkpoint,
+    save_tensor_parallel_16bit_model,
     tensor_parallel_grad_norm,
 )
 from slipstream.runtime.throughput import ProgressReport, ThroughputMeter, count_tokens, peak_tflops
@@ -826,6 +828,7 @@ class SlipstreamEngine(torch.nn.Module):
         """
         self._check_alive()
         self._refuse_expert_parallel_checkpoint()
+        refuse_tensor_parallel_checkpoint(self._tp_size)
         client_state = dict(client_state or {})
         if self.data_efficiency is not None:
             # Scheduler states, sampler position and consumed samples travel in client state.
@@ -853,6 +856,7 @@ class SlipstreamEngine(torch.nn.Module):
         """Restore a checkpoint; returns ``(path, client_state)``. Raises if it is missing or bad."""
         self._check_alive()
         self._refuse_expert_parallel_checkpoint()
+        refuse_tensor_parallel_checkpoint(self._tp_size)
         with self._optimizer_resident():
             path, client_state = checkpointing.load(
                 self,
@@ -889,6 +893,8 @@ class SlipstreamEngine(torch.nn.Module):
         from slipstream.runtime.model_export import save_16bit_model
 
         self.wait_for_step()
+        if self._tp_size > 1:
+            return save_tensor_parallel_16bit_model(self, save_dir, save_filename)
         return save_16bit_model(self, save_dir, save_filename)
 
     # Internal views used by the checkpoint module.

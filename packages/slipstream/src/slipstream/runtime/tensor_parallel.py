@@ -12,7 +12,10 @@ import torch.distributed as dist
 
 from slipstream import comm
 from slipstream.comm.config import TensorParallelConfig
-from slipstream.comm.tensor_parallel import shard_hf_decoder_for_training
+from slipstream.comm.tensor_parallel import (
+    gather_tensor_parallel_state_dict,
+    shard_hf_decoder_for_training,
+)
 from slipstream.comm.topology import PipeModelDataParallelTopology, ProcessGrid
 from slipstream.config.loading import ConfigSource, read_config_source
 from slipstream.kernels import get_accelerator
@@ -24,6 +27,8 @@ __all__ = [
     "clip_by_norm_",
     "is_tensor_parallel",
     "refuse_autotp_for_pipelines",
+    "refuse_tensor_parallel_checkpoint",
+    "save_tensor_parallel_16bit_model",
     "tensor_parallel_grad_norm",
 ]
 
@@ -210,3 +215,34 @@ def clip_by_norm_(grads: Sequence[torch.Tensor], total: torch.Tensor, max_norm: 
         return
     coefficient = torch.clamp(max_norm / (total + 1e-6), max=1.0)
     torch._foreach_mul_(list(grads), coefficient.to(grads[0].device))
+
+
+def refuse_tensor_parallel_checkpoint(tp_size: int) -> None:
+    """Engine checkpoints of a tensor-parallel run are not written yet: say so, and the way out."""
+    if tp_size > 1:
+        raise NotImplementedError(
+            f"engine checkpoints with tensor parallelism (tensor-parallel size {tp_size}) are "
+            "not supported yet: the checkpoint layout has no tensor axis, so ranks of one "
+            "tensor-parallel group would overwrite each other's shards. Save the whole weights "
+            "with engine.save_16bit_model(dir) (it gathers the shards), or slipstream.comm."
+            "tensor_parallel.gather_tensor_parallel_state_dict(engine.module, group)"
+        )
+
+
+def save_tensor_parallel_16bit_model(engine: Any, save_dir: Any, save_filename: str) -> bool:
+    """Gather the shards over the tensor group; global rank 0 writes one safetensors file."""
+    from pathlib import Path
+
+    from safetensors.torch import save_file
+
+    state = gather_tensor_parallel_state_dict(engine.module, engine._tp_group)
+    if comm.get_rank() == 0:
+        path = Path(save_dir)
+        path.mkdir(parents=True, exist_ok=True)
+        # safetensors refuses shared storage: each name gets its own copy (tied weights).
+        save_file(
+            {name: t.detach().to("cpu").clone().contiguous() for name, t in state.items()},
+            str(path / save_filename),
+        )
+    comm.barrier()
+    return True

@@ -46,6 +46,7 @@ __all__ = [
     "ColumnParallelLinear",
     "RowParallelLinear",
     "VocabParallelEmbedding",
+    "gather_tensor_parallel_state_dict",
     "mark_sequence_parallel",
     "reduce_sequence_parallel_gradients",
     "set_tensor_parallel_attributes",
@@ -395,3 +396,31 @@ class VocabParallelEmbedding(torch.nn.Module):
             f"{self.vocab_end}), padding_idx={self.padding_idx}, "
             f"sequence_parallel={self.sequence_parallel}"
         )
+
+
+def gather_tensor_parallel_state_dict(
+    module: torch.nn.Module, group: dist.ProcessGroup | None
+) -> dict[str, torch.Tensor]:
+    """The unsplit ``state_dict`` of a tensor-parallel module (collective over ``group``).
+
+    Every tensor that is a shard (``tp_partition_dim`` set) is all-gathered along its
+    partition dimension; replicated tensors are returned as they are. Every rank of the group
+    must call it and gets the whole dict (one parameter at a time moves, so peak memory is the
+    whole model plus one parameter). Tied tensors appear under each of their names.
+    """
+    sharded = {id(p): p for p in module.parameters() if hasattr(p, "tp_partition_dim")}
+    world = tensor_parallel_world_size(group)
+    out: dict[str, torch.Tensor] = {}
+    for name, tensor in module.state_dict(keep_vars=True).items():
+        param = sharded.get(id(tensor))
+        if param is None or world == 1:
+            out[name] = tensor.detach()
+            continue
+        dim = int(param.tp_partition_dim)  # type: ignore[attr-defined]
+        front = tensor.detach().movedim(dim, 0).contiguous()
+        full = torch.empty(
+            (world * front.shape[0], *front.shape[1:]), dtype=front.dtype, device=front.device
+        )
+        collectives.all_gather_into_tensor(full, front, group=group)
+        out[name] = full.movedim(0, dim).contiguous()
+    return out
