@@ -56,12 +56,12 @@ def apply_autotp(
     Builds a :class:`ProcessGrid` with axes (pipe=1, data=world/tp, tensor=tp), tensor-parallel
     ranks adjacent, unless the caller passed an ``mpu`` of that tensor-parallel size. Every
     rank of a tensor-parallel group first receives its group rank 0's full weights (so the
-    slices fit together whatever each rank loaded), then keeps its shard. Returns ``mpu``
+    slices fit together whatever each rank loaded), then keeps its shard. Both come back
     unchanged when ``autotp_size`` is 0 or 1.
     """
     size = _tensor_parallel_block(source).autotp_size
     if size <= 1:
-        return mpu
+        return mpu, model_parameters
     world = comm.get_world_size()
     if world % size:
         raise ConfigError(
