@@ -44,7 +44,8 @@ TEST_EXTRAS: dict[str, list[str]] = {
     "offload_io": ["aiofiles>=23.1", "xxhash>=3.0"],
     # swap payload and checkpoint checksums (slipstream.offload.checksum)
     "zero": ["xxhash>=3.0"],
-    "slipstream": ["xxhash>=3.0", "tensorboard>=2.14"],  # + the tensorboard monitor's files
+    # + the tensorboard monitor's files; transformers: AutoTP parity on a tiny random Llama
+    "slipstream": ["xxhash>=3.0", "tensorboard>=2.14", "transformers>=4.46"],
     # The Trainer, Accelerate and Lightning integrations (docs/integrations.md's tested versions).
     "integration": ["xxhash>=3.0", "transformers>=4.46", "accelerate>=1.1", "lightning>=2.4"],
 }
