@@ -119,8 +119,6 @@ def _train_autotp(
         saved = load_file(f"{export_dir}/model.safetensors")
         for name, value in reference.state_dict().items():
             worst["export"] = max(worst.get("export", 0.0), _rel(saved[name], value))
-        with pytest.raises(NotImplementedError, match="checkpoints with tensor parallelism"):
-            engine.save_checkpoint(export_dir)
     return worst
 
 

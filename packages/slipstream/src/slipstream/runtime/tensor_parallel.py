@@ -218,7 +218,11 @@ def clip_by_norm_(grads: Sequence[torch.Tensor], total: torch.Tensor, max_norm: 
 
 
 def refuse_tensor_parallel_checkpoint(tp_size: int) -> None:
-    """Engine checkpoints of a tensor-parallel run are not written yet: say so, and the way out."""
+    """Engine checkpoints of a tensor-parallel run are not written yet: say so, and the way out.
+
+    The checkpoint layout of this branch has no tensor axis (two TP ranks would write the same
+    files). A layout that stores pieces by ``tp_partition_dim`` replaces this refusal.
+    """
     if tp_size > 1:
         raise NotImplementedError(
             f"engine checkpoints with tensor parallelism (tensor-parallel size {tp_size}) are "
