@@ -1,7 +1,7 @@
 """AutoTP training (``tensor_parallel.autotp_size``) equals single-process PyTorch step by step.
 
 A tiny random Llama is trained by ``slipstream.initialize`` at TP=2 (2 ranks, stage 0 with
-gradient clipping that bites) and TP=2 x DP=2 (4 ranks, ZeRO-1), beside the unsharded model
+gradient clipping that bites) and TP=2 x DP=2 (4 ranks, ZeRO-1, clipping too), beside the unsharded model
 trained by plain PyTorch on the whole global batch; losses and every parameter shard must match
 (fp32, 1e-5 relative). Bad configurations raise errors that name the problem.
 """
@@ -96,8 +96,7 @@ def _train_autotp(
         if engine.dp_group is not None:
             dist.all_reduce(mean_loss, group=engine.dp_group)
         worst["loss"] = max(worst["loss"], _rel(mean_loss / dp, ref_loss.detach()))
-        if stage == 0:
-            worst["norm"] = max(worst["norm"], _rel(engine._last_grad_norm, ref_norm))
+        worst["norm"] = max(worst["norm"], _rel(engine._last_grad_norm, ref_norm))
 
     ref_params = dict(reference.named_parameters())
     for name, param in engine.module.named_parameters():
@@ -187,8 +186,33 @@ def _check_partitioned_activation_checkpoint() -> None:
         checkpointing.reset()
 
 
+def _check_nonfinite_vote_spans_tensor_group() -> None:
+    """ZeRO-1 at TP=2: a NaN in one TP rank's gradient shard skips the step on both ranks."""
+    import torch.distributed as dist
+
+    import slipstream
+
+    config = {
+        "train_micro_batch_size_per_gpu": 1,
+        "optimizer": {"type": "SGD", "params": {"lr": 0.1}},
+        "zero_optimization": {"stage": 1},
+        "tensor_parallel": {"autotp_size": 2},
+    }
+    engine, *_ = slipstream.initialize(model=_tiny_llama(), config=config)
+    weight = engine.module.model.layers[0].self_attn.q_proj.weight
+    if dist.get_rank() == 1:
+        weight.register_hook(lambda grad: torch.full_like(grad, float("nan")))
+    before = weight.detach().clone()
+    ids = _global_batch(0, 1)
+    engine.backward(engine(input_ids=ids, labels=ids).loss)
+    engine.step()
+    assert engine.nonfinite_skipped_steps == 1
+    assert torch.equal(weight.detach(), before)
+
+
 def _world_of_two(export_dir: str) -> dict[str, float]:
     _check_bad_configs()
+    _check_nonfinite_vote_spans_tensor_group()
     _check_partitioned_activation_checkpoint()
     # max_norm 0.5 is far below the tiny model's gradient norm: clipping changes every step.
     return _train_autotp(tp=2, stage=0, clip=0.5, export_dir=export_dir)
@@ -265,7 +289,7 @@ def _owned(module: torch.nn.Module, param: torch.Tensor) -> bool:
 
 def _world_of_four() -> dict[str, Any]:
     return {
-        "tp2_dp2_zero1": _train_autotp(tp=2, stage=1, clip=0.0),
+        "tp2_dp2_zero1": _train_autotp(tp=2, stage=1, clip=0.5),
         "pp2_tp2": _train_pp2_tp2(),
     }
 

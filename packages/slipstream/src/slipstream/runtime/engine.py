@@ -36,12 +36,14 @@ from slipstream.runtime.moe_gradients import (
 from slipstream.runtime.optimizers import resolve_optimizer
 from slipstream.runtime.precision import MasterWeights
 from slipstream.runtime.tensor_parallel import (
+    agree_nonfinite_across_tensor_group,
     check_tensor_parallel_support,
     clip_by_norm_,
     is_tensor_parallel,
     refuse_tensor_parallel_checkpoint,
     save_tensor_parallel_16bit_model,
     tensor_parallel_grad_norm,
+    zero_tensor_parallel_grad_norm,
 )
 from slipstream.runtime.throughput import ProgressReport, ThroughputMeter, count_tokens, peak_tflops
 from slipstream.runtime.timers import WallClockTimers
@@ -668,10 +670,25 @@ class SlipstreamEngine(torch.nn.Module):
     def _take_zero_step(self, lr_kwargs: dict[str, Any] | None) -> None:
         assert self.zero is not None
         scaler = self.loss_scaler
+        nonfinite = self._nonfinite_check_value() if self._check_nonfinite else None
+        if nonfinite is not None and self._tp_size > 1:
+            sources = [s.grad for s in self._grad_sources]
+            nonfinite = agree_nonfinite_across_tensor_group(nonfinite, sources, self._tp_group)
+        grad_norm = None
+        if self._tp_size > 1:
+            # The path's own norm would span this rank's data group only.
+            grad_norm = zero_tensor_parallel_grad_norm(
+                self.zero.masters,
+                self._zero_group(),
+                self._tp_group,
+                self._device,
+                scaler.loss_scale if scaler is not None else None,
+            )
         outcome = self.zero.optimizer.step(
             loss_scale=scaler.loss_scale if scaler is not None else None,
             max_grad_norm=self.config.gradient_clipping,
-            nonfinite_check=self._nonfinite_check_value() if self._check_nonfinite else None,
+            grad_norm=grad_norm,
+            nonfinite_check=nonfinite,
         )
         if outcome.overflow and scaler is None:
             self._skip_nonfinite_step()

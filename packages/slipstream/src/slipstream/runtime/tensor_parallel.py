@@ -22,6 +22,7 @@ from slipstream.kernels import get_accelerator
 from slipstream.kernels.config_schema import ConfigError
 
 __all__ = [
+    "agree_nonfinite_across_tensor_group",
     "apply_autotp",
     "check_tensor_parallel_support",
     "clip_by_norm_",
@@ -30,6 +31,7 @@ __all__ = [
     "refuse_tensor_parallel_checkpoint",
     "save_tensor_parallel_16bit_model",
     "tensor_parallel_grad_norm",
+    "zero_tensor_parallel_grad_norm",
 ]
 
 logger = logging.getLogger(__name__)
@@ -168,12 +170,12 @@ def check_tensor_parallel_support(model: torch.nn.Module, config: Any) -> None:
             "tensor-parallel: the pipeline's norm spans the stages but not the tensor group. "
             "Set gradient_clipping = 0 for pipeline x tensor parallelism"
         )
-    if stage in (1, 2) and config.gradient_clipping > 0:
+    if stage in (1, 2) and config.fp16.enabled:
         raise NotImplementedError(
-            f"gradient_clipping = {config.gradient_clipping} with zero_optimization.stage = "
-            f"{stage} and tensor parallelism: the ZeRO gradient path computes its norm over "
-            "the data-parallel group only, so tensor-parallel ranks would clip differently. "
-            "Use stage 0 (whose norm spans the tensor group) or gradient_clipping = 0"
+            f"fp16 with zero_optimization.stage = {stage} and tensor parallelism: the ZeRO "
+            "overflow vote spans the data-parallel group only, so tensor-parallel ranks could "
+            "disagree on skipping a step. Use bf16 (as DeepSpeed's AutoTP examples do) or "
+            "stage 0"
         )
     marked = [n for n, p in model.named_parameters() if getattr(p, "sequence_parallel", False)]
     if marked:
@@ -250,3 +252,57 @@ def save_tensor_parallel_16bit_model(engine: Any, save_dir: Any, save_filename: 
         )
     comm.barrier()
     return True
+
+
+def agree_nonfinite_across_tensor_group(
+    check: torch.Tensor, grads: Sequence[torch.Tensor | None], group: dist.ProcessGroup | None
+) -> torch.Tensor:
+    """``check`` (the losses' scalar for the ZeRO step's non-finite vote), or inf when any rank
+    of the tensor group sees an inf/nan in its loss or gradient shards.
+
+    The ZeRO vote spans the data-parallel group only; tensor-parallel ranks hold different
+    gradient shards, so without this one could skip a step that its peers take. One scalar
+    MAX all-reduce, no host synchronisation.
+    """
+    from slipstream.kernels.loss_scaler import inf_or_nan_flag
+
+    flag = inf_or_nan_flag([*grads, check.detach()])
+    if flag is None:
+        flag = torch.zeros((), dtype=torch.float32, device=check.device)
+    if group is not None:
+        comm.all_reduce(flag, op=dist.ReduceOp.MAX, group=group)
+    return torch.where(flag > 0, torch.full_like(check, math.inf), check)
+
+
+def zero_tensor_parallel_grad_norm(
+    masters: Any,
+    data_group: Any,
+    tensor_group: dist.ProcessGroup | None,
+    device: torch.device,
+    loss_scale: float | None,
+) -> torch.Tensor:
+    """The global gradient norm of a ZeRO 1-2 run with tensor parallelism, for its step.
+
+    ``masters`` are the path's fp32 master shards (one per parameter, over the data group):
+    each rank's squares are summed over the data group, and those of tensor-parallel shards
+    also over the tensor group (replicated parameters count once). Unscaled by ``loss_scale``.
+    """
+    sharded: list[torch.Tensor] = []
+    replicated: list[torch.Tensor] = []
+    for index, param in enumerate(masters.params):
+        grad = masters.grad(index)
+        if grad is not None:
+            (sharded if is_tensor_parallel(param) else replicated).append(grad)
+
+    def squares(grads: list[torch.Tensor]) -> torch.Tensor:
+        if not grads:
+            return torch.zeros((), dtype=torch.float32, device=device)
+        return torch.stack([g.float().pow(2).sum().to(device) for g in grads]).sum()
+
+    parts = torch.stack([squares(sharded), squares(replicated)])
+    data_group.sum_(parts)
+    shards = parts[0].clone()
+    if tensor_group is not None:
+        comm.all_reduce(shards, group=tensor_group)
+    norm = (shards + parts[1]).sqrt()
+    return norm / loss_scale if loss_scale not in (None, 1.0) else norm
