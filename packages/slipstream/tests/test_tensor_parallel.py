@@ -210,12 +210,82 @@ def _check_nonfinite_vote_spans_tensor_group() -> None:
     assert torch.equal(weight.detach(), before)
 
 
+class _SequenceParallelModel(torch.nn.Module):
+    """norm -> column -> GELU -> row with sequence parallelism; ``group=None``: unsplit."""
+
+    def __init__(self, group: Any) -> None:
+        from slipstream.comm.tensor_parallel import (
+            ColumnParallelLinear,
+            RowParallelLinear,
+            mark_sequence_parallel,
+        )
+
+        super().__init__()
+        self.group = group
+        torch.manual_seed(5)
+        self.norm = torch.nn.LayerNorm(8)
+        sp = group is not None
+        self.up = ColumnParallelLinear(8, 16, group=group, sequence_parallel=sp)
+        self.down = RowParallelLinear(16, 8, group=group, sequence_parallel=sp)
+        if sp:
+            for param in self.norm.parameters():
+                mark_sequence_parallel(param)
+
+    def forward(self, x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
+        from slipstream.comm.tensor_parallel import (
+            gather_from_tensor_parallel_region,
+            scatter_to_sequence_parallel_region,
+        )
+
+        x = scatter_to_sequence_parallel_region(x, self.group)
+        out = self.down(torch.nn.functional.gelu(self.up(self.norm(x))))
+        out = gather_from_tensor_parallel_region(out, self.group, dim=1)
+        return torch.nn.functional.mse_loss(out, y)
+
+
+def _train_sequence_parallel(stage: int, steps: int = 2) -> float:
+    """A user-built sequence-parallel model through initialize(mpu=grid) at TP=2."""
+    import slipstream
+    from slipstream.comm.topology import PipeModelDataParallelTopology, ProcessGrid
+
+    grid = ProcessGrid(PipeModelDataParallelTopology(num_pp=1, num_mp=2, num_dp=1))
+    model = _SequenceParallelModel(grid.group("tensor"))
+    reference = _SequenceParallelModel(None)
+    config = {
+        "train_micro_batch_size_per_gpu": 2,
+        "optimizer": {"type": "SGD", "params": {"lr": LR}},
+        "zero_optimization": {"stage": stage},
+        "gradient_clipping": 0.05,
+    }
+    engine, *_ = slipstream.initialize(model=model, config=config, mpu=grid)
+    optimizer = torch.optim.SGD(reference.parameters(), lr=LR)
+    for step in range(steps):
+        gen = torch.Generator().manual_seed(50 + step)
+        x, y = torch.randn(2, 6, 8, generator=gen), torch.randn(2, 6, 8, generator=gen)
+        engine.backward(engine(x, y))
+        engine.step()
+        reference(x, y).backward()
+        torch.nn.utils.clip_grad_norm_(reference.parameters(), 0.05)
+        optimizer.step()
+        optimizer.zero_grad()
+    worst = 0.0
+    for param, ref in zip(model.parameters(), reference.parameters()):
+        expected = ref.detach()
+        if hasattr(param, "tp_partition_dim"):
+            expected = expected.chunk(2, dim=param.tp_partition_dim)[param.tp_rank]
+        worst = max(worst, _rel(param.detach(), expected))
+    return worst
+
+
 def _world_of_two(export_dir: str) -> dict[str, float]:
     _check_bad_configs()
     _check_nonfinite_vote_spans_tensor_group()
     _check_partitioned_activation_checkpoint()
     # max_norm 0.5 is far below the tiny model's gradient norm: clipping changes every step.
-    return _train_autotp(tp=2, stage=0, clip=0.5, export_dir=export_dir)
+    worst = _train_autotp(tp=2, stage=0, clip=0.5, export_dir=export_dir)
+    worst["sequence_parallel_zero0"] = _train_sequence_parallel(stage=0)
+    worst["sequence_parallel_zero1"] = _train_sequence_parallel(stage=1)
+    return worst
 
 
 def _pipeline_of_tp_layers(group: Any) -> list[torch.nn.Module]:

@@ -79,7 +79,11 @@ def initialize(
     setup_logging(comm.get_rank())
 
     from slipstream.pipeline.module import PipelineModule
-    from slipstream.runtime.tensor_parallel import apply_autotp, refuse_autotp_for_pipelines
+    from slipstream.runtime.tensor_parallel import (
+        apply_autotp,
+        refuse_autotp_for_pipelines,
+        with_data_group,
+    )
 
     if isinstance(model, PipelineModule):
         refuse_autotp_for_pipelines(source)
@@ -99,6 +103,7 @@ def initialize(
 
     # AutoTP (tensor_parallel.autotp_size > 1): shard the model and train on the grid's DP axis.
     mpu, model_parameters = apply_autotp(model, source, mpu, optimizer, model_parameters)
+    mpu = with_data_group(mpu)
     dp_world = mpu.get_data_parallel_world_size() if mpu is not None else comm.get_world_size()
     parsed: SlipstreamConfig = load_config(source, world_size=dp_world)
     _apply_amd_specific(parsed)

@@ -40,6 +40,7 @@ from slipstream.runtime.tensor_parallel import (
     check_tensor_parallel_support,
     clip_by_norm_,
     is_tensor_parallel,
+    reduce_sequence_parallel_grads_,
     refuse_tensor_parallel_checkpoint,
     save_tensor_parallel_16bit_model,
     tensor_parallel_grad_norm,
@@ -577,6 +578,11 @@ class SlipstreamEngine(torch.nn.Module):
         if self.zero is not None:
             self._take_zero_step(lr_kwargs)
             return
+        if self._tp_size > 1:
+            # Sequence-parallel replicas (norms) saw one sequence chunk: sum over the TP group.
+            reduce_sequence_parallel_grads_(
+                self._params, [s.grad for s in self._grad_sources], self._tp_group
+            )
         grads = [s.grad for s in self._grad_sources if s.grad is not None]
         overflow = False
         if self.loss_scaler is not None:
@@ -676,6 +682,10 @@ class SlipstreamEngine(torch.nn.Module):
             nonfinite = agree_nonfinite_across_tensor_group(nonfinite, sources, self._tp_group)
         grad_norm = None
         if self._tp_size > 1:
+            masters = self.zero.masters
+            reduce_sequence_parallel_grads_(
+                masters.params, [masters.grad(i) for i in range(len(masters))], self._tp_group
+            )
             # The path's own norm would span this rank's data group only.
             grad_norm = zero_tensor_parallel_grad_norm(
                 self.zero.masters,

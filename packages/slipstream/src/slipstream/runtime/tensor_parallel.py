@@ -27,10 +27,12 @@ __all__ = [
     "check_tensor_parallel_support",
     "clip_by_norm_",
     "is_tensor_parallel",
+    "reduce_sequence_parallel_grads_",
     "refuse_autotp_for_pipelines",
     "refuse_tensor_parallel_checkpoint",
     "save_tensor_parallel_16bit_model",
     "tensor_parallel_grad_norm",
+    "with_data_group",
     "zero_tensor_parallel_grad_norm",
 ]
 
@@ -97,9 +99,23 @@ def apply_autotp(
         )
     if model_parameters is not None:
         model_parameters = [p for p in model.parameters() if p.requires_grad]
-    if grid.get_data_parallel_group() is None:
-        grid = _SingleRankDataAxis(grid)
-    return grid, model_parameters
+    return with_data_group(grid), model_parameters
+
+
+def with_data_group(mpu: Any) -> Any:
+    """``mpu``, or a view of it whose one-rank data axis answers with a one-rank group.
+
+    A :class:`ProcessGrid` has no group for an axis of size 1 (None), which the engine would
+    read as "the whole world" and reduce gradients over the tensor-parallel ranks.
+    """
+    if (
+        mpu is None
+        or mpu.get_data_parallel_group() is not None
+        or int(mpu.get_data_parallel_world_size()) != 1
+        or comm.get_world_size() == 1
+    ):
+        return mpu
+    return _SingleRankDataAxis(mpu)
 
 
 class _SingleRankDataAxis:
@@ -178,12 +194,11 @@ def check_tensor_parallel_support(model: torch.nn.Module, config: Any) -> None:
             "stage 0"
         )
     marked = [n for n, p in model.named_parameters() if getattr(p, "sequence_parallel", False)]
-    if marked:
+    if marked and hasattr(model, "num_stages"):
         raise NotImplementedError(
-            f"parameters {marked[:3]} are marked sequence_parallel: the engine does not yet "
-            "all-reduce their gradients over the tensor group. Call slipstream.comm."
-            "tensor_parallel.reduce_sequence_parallel_gradients yourself in a plain loop, or "
-            "build the model without sequence_parallel=True"
+            f"parameters {marked[:3]} are marked sequence_parallel in a PipelineModule: the "
+            "pipeline engine does not all-reduce their gradients over the tensor group yet. "
+            "Build the stages without sequence_parallel=True"
         )
 
 
@@ -306,3 +321,19 @@ def zero_tensor_parallel_grad_norm(
         comm.all_reduce(shards, group=tensor_group)
     norm = (shards + parts[1]).sqrt()
     return norm / loss_scale if loss_scale not in (None, 1.0) else norm
+
+
+def reduce_sequence_parallel_grads_(
+    params: Sequence[torch.Tensor],
+    grads: Sequence[torch.Tensor | None],
+    group: dist.ProcessGroup | None,
+) -> None:
+    """Sum over the tensor group the gradients (``grads[i]`` of ``params[i]``, masters or the
+    parameters' own) of parameters marked ``sequence_parallel``: each TP rank saw only its
+    sequence chunk. Data-parallel and tensor-parallel sums commute, so this may run after the
+    data-parallel reduction, on ZeRO's master shards as well (they are aligned across TP)."""
+    if group is None:
+        return
+    for param, grad in zip(params, grads):
+        if grad is not None and getattr(param, "sequence_parallel", False):
+            comm.all_reduce(grad, group=group)
