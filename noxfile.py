@@ -48,7 +48,8 @@ TEST_EXTRAS: dict[str, list[str]] = {
     "offload_io": ["aiofiles>=23.1", "xxhash>=3.0"],
     # swap payload and checkpoint checksums (slipstream.offload.checksum)
     "zero": ["xxhash>=3.0"],
-    # + the tensorboard monitor's files; transformers: Ulysses training on a tiny Llama
+    # + the tensorboard monitor's files; transformers: Ulysses training and AutoTP parity on a
+    # tiny random Llama
     "slipstream": ["xxhash>=3.0", "tensorboard>=2.14", "transformers>=4.53"],
     # The Trainer, Accelerate and Lightning integrations (docs/integrations.md's tested versions).
     "integration": ["xxhash>=3.0", "transformers>=4.46", "accelerate>=1.1", "lightning>=2.4"],

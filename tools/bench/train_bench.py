@@ -183,10 +183,30 @@ def _build(args: argparse.Namespace, device: torch.device) -> tuple[Any, Any, An
                 import slipstream.zero as zero
 
                 init = zero.Init(config_dict_or_path=config)
-        with init:
-            model = Llama(shape)
-        params = sum(getattr(p, "ds_numel", p.numel()) for p in model.parameters())
-        extra = {"model_parameters": model.parameters()} if args.impl == "deepspeed" else {}
+        extra: dict[str, Any] = {}
+        if args.tp > 1:
+            # Tensor parallelism: the same model from slipstream.comm's TP layers, trained on
+            # the (pipe=1, data=world/tp, tensor=tp) grid passed as the mpu.
+            if args.impl != "slipstream" or args.stage == 3:
+                raise SystemExit("--tp: --impl slipstream at --stage 0, 1 or 2 only")
+            from llama_tp import TensorParallelLlama
+
+            from slipstream.comm.topology import PipeModelDataParallelTopology, ProcessGrid
+
+            world = dist.get_world_size()
+            grid = ProcessGrid(
+                PipeModelDataParallelTopology(num_pp=1, num_mp=args.tp, num_dp=world // args.tp)
+            )
+            model = TensorParallelLlama(shape, grid.group("tensor"))
+            extra["mpu"] = grid
+            # Count the whole model: each rank holds 1/tp of the sharded parameters.
+            params = sum(p.numel() * getattr(p, "tp_size", 1) for p in model.parameters())
+        else:
+            with init:
+                model = Llama(shape)
+            params = sum(getattr(p, "ds_numel", p.numel()) for p in model.parameters())
+        if args.impl == "deepspeed":
+            extra["model_parameters"] = model.parameters()
         engine, *_ = front.initialize(model=model, config=config, **extra)
         if args.sp > 1:
             if args.impl != "slipstream":
@@ -363,6 +383,13 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--nvme-path", type=Path, default=Path("/tmp/slipstream-nvme"))
     parser.add_argument("--clip", type=float, default=1.0, help="gradient_clipping (0: off)")
     parser.add_argument(
+        "--tp",
+        type=int,
+        default=1,
+        help="tensor-parallel degree (--impl slipstream): the model from TP layers "
+        "(llama_tp.py), data-parallel size world/tp; tokens/s counts each DP replica once",
+    )
+    parser.add_argument(
         "--comm-dtype",
         choices=["fp32", "bf16"],
         default=None,
@@ -435,7 +462,8 @@ def main(argv: list[str] | None = None) -> int:
     shape = SHAPES[args.model]
     # --sp: the ranks of one SP group share their replica's sequences (seeded by the DP
     # index) and each takes its contiguous slice; labels are shifted before slicing.
-    replica, piece = divmod(rank, args.sp)
+    # Tensor-parallel ranks of one replica read the same batch (they are adjacent ranks).
+    replica, piece = divmod(rank // args.tp, args.sp)
     generator = torch.Generator(device="cpu").manual_seed(1234 + replica)
     tokens = torch.randint(0, shape.vocab, (args.micro, args.seq + 1), generator=generator)
     local = slice(piece * args.seq // args.sp, (piece + 1) * args.seq // args.sp)
@@ -516,7 +544,8 @@ def main(argv: list[str] | None = None) -> int:
     if args.memory_phases:
         phases.update(_memory_phases(step, engine, input_ids, labels, device, args.memory_snapshot))
 
-    tokens_per_s = args.steps * args.micro * args.seq * (world // args.sp) / elapsed
+    replicas = world // (args.tp * args.sp)
+    tokens_per_s = args.steps * args.micro * args.seq * replicas / elapsed
     flops = shape.flops_per_token(args.seq, params)
     # Host memory: the peak resident set of rank 0's process (pinned memory counts), and the
     # page-locked bytes the offload path's arena holds, if any.
@@ -533,7 +562,8 @@ def main(argv: list[str] | None = None) -> int:
         + (f"+{args.comm_dtype}comm" if args.comm_dtype else "")
         + (f"+ratio{args.offload_ratio:g}" if args.offload_ratio != 1.0 else "")
         + ("+ovf" if args.overlap_forward else "")
-        + (f"+rb{args.reduce_bucket_size:g}" if args.reduce_bucket_size != 5e8 else ""),
+        + (f"+rb{args.reduce_bucket_size:g}" if args.reduce_bucket_size != 5e8 else "")
+        + (f"+tp{args.tp}" if args.tp > 1 else ""),
         "model": args.model,
         "params": params,
         "micro": args.micro,
@@ -542,6 +572,8 @@ def main(argv: list[str] | None = None) -> int:
         "zero_plus_plus": _zero_plus_plus(args),
         **({"comms_per_step": comms} if comms else {}),
         "world": world,
+        "tp": args.tp,
+        "global_batch": args.micro * replicas,
         "tokens_per_s": round(tokens_per_s, 1),
         "tflops_per_gpu": round(tokens_per_s / world * flops / 1e12, 1),
         "peak_alloc_gib": round(float(peak[0]), 2),

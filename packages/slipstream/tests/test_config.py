@@ -565,7 +565,6 @@ FEATURE_CASES: dict[str, tuple[Any, Any]] = {
     "datastates_ckpt": (False, {"host_cache_size": 16}),
     "casync_ckpt": (False, {}),
     "torch_autocast": ({"enabled": False}, {"enabled": True, "dtype": "bfloat16"}),
-    "tensor_parallel": ({"autotp_size": 0}, {"autotp_size": 4}),
     "expert_parallel": ({"enabled": False, "autoep_size": 4}, {"enabled": True}),
     "seq_parallel_communication_data_type": ("fp32", "bf16"),
     "seq_parallel_comm_data_type": ("FP32", "fp16"),

@@ -79,9 +79,15 @@ def initialize(
     setup_logging(comm.get_rank())
 
     from slipstream.pipeline.module import PipelineModule
+    from slipstream.runtime.tensor_parallel import (
+        apply_autotp,
+        refuse_autotp_for_pipelines,
+        with_data_group,
+    )
 
     if isinstance(model, PipelineModule):
         _refuse_sequence_parallel_pipeline(source)
+        refuse_autotp_for_pipelines(source)
         # A pipeline trains whole batches (train_batch/eval_batch) on its own engine, whose
         # data-parallel size comes from the module's topology.
         from slipstream.runtime.pipeline_engine import initialize_pipeline
@@ -99,6 +105,15 @@ def initialize(
     # Ulysses: SP ranks share one data-parallel replica's micro-batch (the loader shards over
     # world / SP), while ZeRO and gradient averaging span the whole world (DP×SP).
     sequence_grid = _sequence_parallel_grid(source, mpu)
+    # AutoTP (tensor_parallel.autotp_size > 1): shard the model and train on the grid's DP axis.
+    user_mpu = mpu
+    mpu, model_parameters = apply_autotp(model, source, mpu, optimizer, model_parameters)
+    if sequence_grid is not None and mpu is not user_mpu:
+        raise NotImplementedError(
+            "sequence_parallel_size > 1 together with tensor_parallel.autotp_size > 1: Ulysses "
+            "composed with AutoTP is not built yet; use one of the two (set the other to 1)"
+        )
+    mpu = with_data_group(mpu)
     data_mpu = sequence_grid if sequence_grid is not None else mpu
     dp_world = (
         data_mpu.get_data_parallel_world_size() if data_mpu is not None else comm.get_world_size()

@@ -6,7 +6,7 @@ import dataclasses
 
 from slipstream.kernels.config_schema import ConfigBlock
 
-__all__ = ["CommsLoggerConfig"]
+__all__ = ["CommsLoggerConfig", "TensorParallelConfig"]
 
 
 @dataclasses.dataclass(kw_only=True)
@@ -31,3 +31,17 @@ class CommsLoggerConfig(ConfigBlock):
     prof_all: bool = True
     debug: bool = False
     prof_ops: list[str] = dataclasses.field(default_factory=list)
+
+
+@dataclasses.dataclass(kw_only=True)
+class TensorParallelConfig(ConfigBlock):
+    """Tensor parallelism for training (``"tensor_parallel": {...}``, DeepSpeed's AutoTP key).
+
+    Attributes:
+        autotp_size: the tensor-parallel degree. Above 1, ``slipstream.initialize`` shards a
+            supported Hugging Face decoder over groups of that many adjacent ranks (see
+            docs/tensor-parallel.md) and the data-parallel size becomes
+            ``world_size / autotp_size``. 0 or 1: no tensor parallelism.
+    """
+
+    autotp_size: int = dataclasses.field(default=0, metadata={"ge": 0})

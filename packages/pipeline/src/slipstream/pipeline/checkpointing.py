@@ -19,7 +19,11 @@ from typing import Any
 import torch
 import torch.utils.checkpoint as torch_checkpoint
 
-from slipstream.kernels.config_schema import ConfigBlock, not_implemented
+from slipstream.comm.tensor_parallel import (
+    gather_flat_from_tensor_parallel_region,
+    split_flat_to_tensor_parallel_region,
+)
+from slipstream.kernels.config_schema import ConfigBlock
 from slipstream.pipeline.rng import get_rng_tracker, model_parallel_manual_seed
 
 __all__ = [
@@ -42,16 +46,15 @@ logger = logging.getLogger(__name__)
 class ActivationCheckpointingConfig(ConfigBlock):
     """The ``activation_checkpointing`` block, DeepSpeed's keys and defaults.
 
-    - ``partition_activations``: split each checkpoint's saved inputs across the tensor-parallel
-      group. With a tensor-parallel group of one rank (all that Slipstream has today) there is
-      nothing to split and it is a no-op; with a larger group it raises until tensor
-      parallelism lands.
+    - ``partition_activations``: split each checkpoint's saved floating-point inputs across the
+      tensor-parallel group of the ``mpu`` given to :func:`configure` (each rank keeps 1/tp,
+      flattened); the recomputation all-gathers them. The inputs must be equal on every rank
+      of the group (activations between tensor-parallel blocks are). A no-op with one rank.
     - ``cpu_checkpointing``: keep the saved inputs in host memory, copying them back for the
       recomputation (frees accelerator memory at the cost of two copies per checkpoint).
     - ``contiguous_memory_optimization``: in DeepSpeed, copies the *partitioned* activations
-      into one preallocated buffer. With a tensor-parallel group of one rank nothing is
-      partitioned, so it has nothing to do and is accepted (logged once); with a larger group
-      it raises, like ``partition_activations``.
+      into one preallocated buffer against fragmentation. Accepted and logged as having no
+      effect: each partitioned activation keeps its own allocation.
     - ``number_checkpoints``: the buffer size for the above; accepted and unused.
     - ``synchronize_checkpoint_boundary``: synchronise the accelerator before and after each
       checkpointed forward (for timing and debugging).
@@ -82,6 +85,7 @@ class CheckpointProfile:
 _config = ActivationCheckpointingConfig()
 _configured = False
 _tensor_parallel_size = 1
+_tensor_parallel_group: Any = None
 _profile = CheckpointProfile()
 
 
@@ -106,7 +110,7 @@ def configure(
     True
     >>> reset()
     """
-    global _config, _configured, _tensor_parallel_size
+    global _config, _configured, _tensor_parallel_size, _tensor_parallel_group
     if isinstance(deepspeed_config, ActivationCheckpointingConfig):
         base = deepspeed_config.to_dict()
     elif deepspeed_config is None:
@@ -131,29 +135,30 @@ def configure(
     base.update({k: v for k, v in overrides.items() if v is not None})
     config = ActivationCheckpointingConfig.from_dict(base, "activation_checkpointing")
     tp_size = int(mpu_.get_model_parallel_world_size()) if mpu_ is not None else 1
-    for key in ("partition_activations", "contiguous_memory_optimization"):
-        if getattr(config, key) and tp_size > 1:
-            not_implemented(
-                f"activation_checkpointing.{key}",
-                True,
-                f"partitioning checkpointed activations across {tp_size} tensor-parallel ranks",
-                "the tensor-parallel release of slipstream-comm",
-                "Set it to false meanwhile.",
+    tp_group = None
+    if tp_size > 1 and config.partition_activations:
+        if not hasattr(mpu_, "get_model_parallel_group"):
+            raise TypeError(
+                "activation_checkpointing.partition_activations with a tensor-parallel size of "
+                f"{tp_size} needs an mpu with get_model_parallel_group() (a slipstream.comm."
+                f"topology.ProcessGrid); {type(mpu_).__name__} has none"
             )
-    if config.contiguous_memory_optimization and tp_size == 1:
+        tp_group = mpu_.get_model_parallel_group()
+    if config.contiguous_memory_optimization:
         logger.info(
-            "activation_checkpointing.contiguous_memory_optimization has no effect with one "
-            "tensor-parallel rank: no activations are partitioned, so none are gathered into "
-            "a contiguous buffer"
+            "activation_checkpointing.contiguous_memory_optimization has no effect: each "
+            "partitioned activation keeps its own allocation (no preallocated buffer)"
         )
     _config, _configured, _tensor_parallel_size = config, True, tp_size
+    _tensor_parallel_group = tp_group
     return config
 
 
 def reset() -> None:
     """Back to the defaults (no CPU checkpointing, no profiling) and clear the profile."""
-    global _config, _configured, _tensor_parallel_size, _profile
+    global _config, _configured, _tensor_parallel_size, _tensor_parallel_group, _profile
     _config, _configured, _tensor_parallel_size = ActivationCheckpointingConfig(), False, 1
+    _tensor_parallel_group = None
     _profile = CheckpointProfile()
 
 
@@ -199,6 +204,19 @@ def _offload(args: tuple[Any, ...]) -> tuple[tuple[Any, ...], list[torch.device 
     return tuple(moved), devices
 
 
+def _partition(args: tuple[Any, ...], group: Any) -> tuple[tuple[Any, ...], list[Any]]:
+    parts: list[Any] = []
+    shapes: list[torch.Size | None] = []
+    for value in args:
+        if isinstance(value, torch.Tensor) and value.is_floating_point():
+            shapes.append(value.shape)
+            parts.append(split_flat_to_tensor_parallel_region(value, group))
+        else:
+            shapes.append(None)
+            parts.append(value)
+    return tuple(parts), shapes
+
+
 def checkpoint(
     function: Callable[..., Any], *args: Any, use_reentrant: bool = False, **kwargs: Any
 ) -> Any:
@@ -228,6 +246,13 @@ def checkpoint(
             inner = tuple(
                 value.to(device) if device is not None else value
                 for value, device in zip(inner, devices)
+            )
+        if shapes:
+            inner = tuple(
+                gather_flat_from_tensor_parallel_region(value, shape, group)
+                if shape is not None
+                else value
+                for value, shape in zip(inner, shapes)
             )
         start = time.perf_counter() if config.profile else 0.0
         if calls == 1:
@@ -259,6 +284,12 @@ def checkpoint(
 
     devices: list[torch.device | None] = []
     device_rng: list[torch.Tensor] = []
+    shapes: list[torch.Size | None] = []
+    group = _tensor_parallel_group
+    if config.partition_activations and _tensor_parallel_size > 1:
+        # Each tensor-parallel rank keeps 1/tp of every floating-point input (they are
+        # replicated across the group); the recomputation all-gathers them back.
+        args, shapes = _partition(args, group)
     if config.cpu_checkpointing:
         args, devices = _offload(args)
     offloaded_from_cuda = any(d is not None and d.type == "cuda" for d in devices)

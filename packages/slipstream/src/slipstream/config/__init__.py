@@ -8,7 +8,7 @@
 
 from __future__ import annotations
 
-from slipstream.comm.config import CommsLoggerConfig
+from slipstream.comm.config import CommsLoggerConfig, TensorParallelConfig
 from slipstream.config.batch import BatchSizes, resolve_batch_sizes
 from slipstream.config.blocks import AmdSpecificConfig, OptimizerConfig, SchedulerConfig
 from slipstream.config.features import (
@@ -47,6 +47,7 @@ __all__ = [
     "SchedulerConfig",
     "SlipstreamConfig",
     "TensorBoardConfig",
+    "TensorParallelConfig",
     "WandbConfig",
     "ZeroConfig",
     "check_recognised_features",

@@ -20,7 +20,6 @@ __all__ = [
     "non_default",
     "present_unless_false",
     "scalar",
-    "tensor_parallel_active",
 ]
 
 ActivePredicate = Callable[[Any, str], bool]
@@ -109,16 +108,6 @@ def always(active: bool) -> ActivePredicate:
 def present_unless_false(value: Any, path: str) -> bool:
     """DeepSpeed's datastates/casync switches: any value but false (or null) turns them on."""
     return value is not False and value is not None
-
-
-def tensor_parallel_active(value: Any, path: str) -> bool:
-    """AutoTP: active for a tensor-parallel degree above 1 or any other setting."""
-    block = _mapping(value, path)
-    size = block.get("autotp_size", 0)
-    if isinstance(size, bool) or not isinstance(size, (int, float)):
-        config_fail(key_path(path, "autotp_size"), size, "an integer")
-    others = {key: item for key, item in block.items() if key != "autotp_size" and item is not None}
-    return size > 1 or bool(others)
 
 
 def data_types_active(value: Any, path: str) -> bool:

@@ -22,7 +22,6 @@ from slipstream.config.feature_rules import (
     non_default,
     present_unless_false,
     scalar,
-    tensor_parallel_active,
 )
 from slipstream.kernels.config_schema import (
     ConfigError,
@@ -167,13 +166,6 @@ RECOGNISED_FEATURES: dict[str, RecognisedFeature] = {
             _UMBRELLA_LATER,
             enabled_flag(),
             _OFF,
-        ),
-        RecognisedFeature(
-            "tensor_parallel",
-            "AutoTP tensor parallelism",
-            "the slipstream-comm package (tensor-parallel layers)",
-            tensor_parallel_active,
-            '{} or {"autotp_size": 0}',
         ),
         RecognisedFeature(
             "expert_parallel",

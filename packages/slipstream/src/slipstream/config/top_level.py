@@ -9,7 +9,7 @@ from typing import Any
 
 import torch
 
-from slipstream.comm.config import CommsLoggerConfig
+from slipstream.comm.config import CommsLoggerConfig, TensorParallelConfig
 from slipstream.compression.config import CompressionConfig
 from slipstream.config.batch import resolve_batch_sizes
 from slipstream.config.blocks import AmdSpecificConfig, OptimizerConfig, SchedulerConfig
@@ -93,6 +93,8 @@ class SlipstreamConfig(ConfigBlock):
     zero_force_ds_cpu_optimizer: bool = True
     amd_specific: AmdSpecificConfig = dataclasses.field(default_factory=AmdSpecificConfig)
     comms_logger: CommsLoggerConfig = dataclasses.field(default_factory=CommsLoggerConfig)
+    # Owned by slipstream-comm: `initialize` applies AutoTP and builds the DP x TP grid from it.
+    tensor_parallel: TensorParallelConfig = dataclasses.field(default_factory=TensorParallelConfig)
     # Owned by slipstream-pipeline: the PipelineEngine reads `pipeline`; `initialize` hands
     # `activation_checkpointing` to slipstream.checkpointing.configure() for every model.
     pipeline: PipelineConfig = dataclasses.field(default_factory=PipelineConfig)

@@ -37,6 +37,17 @@ from slipstream.runtime.moe_gradients import (
 )
 from slipstream.runtime.optimizers import resolve_optimizer
 from slipstream.runtime.precision import MasterWeights
+from slipstream.runtime.tensor_parallel import (
+    agree_nonfinite_across_tensor_group,
+    check_tensor_parallel_support,
+    clip_by_norm_,
+    is_tensor_parallel,
+    reduce_sequence_parallel_grads_,
+    refuse_tensor_parallel_checkpoint,
+    save_tensor_parallel_16bit_model,
+    tensor_parallel_grad_norm,
+    zero_tensor_parallel_grad_norm,
+)
 from slipstream.runtime.throughput import ProgressReport, ThroughputMeter, count_tokens, peak_tflops
 from slipstream.runtime.timers import WallClockTimers
 from slipstream.runtime.zero_setup import ZeroGradientPath
@@ -82,6 +93,14 @@ class SlipstreamEngine(torch.nn.Module):
         self.config = config
         self.accelerator = get_accelerator()
         self.dp_group = mpu.get_data_parallel_group() if mpu is not None else None
+        # Tensor parallelism (an mpu with a tensor axis, e.g. AutoTP's grid): sharded
+        # parameters keep their own gradients; only the norm and the overflow vote span TP.
+        self._tp_group = (
+            mpu.get_model_parallel_group() if hasattr(mpu, "get_model_parallel_group") else None
+        )
+        self._tp_size = comm.get_world_size(self._tp_group) if self._tp_group is not None else 1
+        if self._tp_size > 1:
+            check_tensor_parallel_support(model, config)
         self.dp_world_size = comm.get_world_size(self.dp_group)
         self.global_rank = comm.get_rank()
         # load_config() has resolved the batch triple; keep it as plain ints for the hot path.
@@ -572,13 +591,18 @@ class SlipstreamEngine(torch.nn.Module):
         if self.zero is not None:
             self._take_zero_step(lr_kwargs)
             return
+        if self._tp_size > 1:
+            # Sequence-parallel replicas (norms) saw one sequence chunk: sum over the TP group.
+            reduce_sequence_parallel_grads_(
+                self._params, [s.grad for s in self._grad_sources], self._tp_group
+            )
         grads = [s.grad for s in self._grad_sources if s.grad is not None]
         overflow = False
         if self.loss_scaler is not None:
             # One host sync per step: the skip decision must be known before stepping.
             overflow = (
                 agree_overflow(grads, self._device)
-                if self._experts.is_expert_parallel
+                if self._experts.is_expert_parallel or self._tp_size > 1
                 else grads_have_inf_or_nan(grads)
             )
         elif self._check_nonfinite:
@@ -616,6 +640,15 @@ class SlipstreamEngine(torch.nn.Module):
     def _clip_gradients(self, grads: list[torch.Tensor]) -> torch.Tensor | None:
         """Stage 0: the global gradient norm, clipping to ``gradient_clipping`` when set."""
         max_norm = self.config.gradient_clipping
+        if self._tp_size > 1:
+            # Shards are summed over the tensor group; replicated parameters count once.
+            sources = self._grad_sources
+            pairs = [(p, s.grad) for p, s in zip(self._params, sources) if s.grad is not None]
+            sharded = [g for p, g in pairs if is_tensor_parallel(p)]
+            replicated = [g for p, g in pairs if not is_tensor_parallel(p)]
+            total = tensor_parallel_grad_norm(sharded, replicated, self._tp_group, self._device)
+            clip_by_norm_(grads, total, max_norm)
+            return total
         if not self._experts.is_expert_parallel:
             return _clip_grad_norm(grads, max_norm)
         # Dense gradients count once; expert shares are summed over their expert-parallel
@@ -656,10 +689,29 @@ class SlipstreamEngine(torch.nn.Module):
     def _take_zero_step(self, lr_kwargs: dict[str, Any] | None) -> None:
         assert self.zero is not None
         scaler = self.loss_scaler
+        nonfinite = self._nonfinite_check_value() if self._check_nonfinite else None
+        if nonfinite is not None and self._tp_size > 1:
+            sources = [s.grad for s in self._grad_sources]
+            nonfinite = agree_nonfinite_across_tensor_group(nonfinite, sources, self._tp_group)
+        grad_norm = None
+        if self._tp_size > 1:
+            masters = self.zero.masters
+            reduce_sequence_parallel_grads_(
+                masters.params, [masters.grad(i) for i in range(len(masters))], self._tp_group
+            )
+            # The path's own norm would span this rank's data group only.
+            grad_norm = zero_tensor_parallel_grad_norm(
+                self.zero.masters,
+                self._zero_group(),
+                self._tp_group,
+                self._device,
+                scaler.loss_scale if scaler is not None else None,
+            )
         outcome = self.zero.optimizer.step(
             loss_scale=scaler.loss_scale if scaler is not None else None,
             max_grad_norm=self.config.gradient_clipping,
-            nonfinite_check=self._nonfinite_check_value() if self._check_nonfinite else None,
+            grad_norm=grad_norm,
+            nonfinite_check=nonfinite,
         )
         if outcome.overflow and scaler is None:
             self._skip_nonfinite_step()
@@ -816,6 +868,7 @@ class SlipstreamEngine(torch.nn.Module):
         """
         self._check_alive()
         self._refuse_expert_parallel_checkpoint()
+        refuse_tensor_parallel_checkpoint(self._tp_size)
         client_state = dict(client_state or {})
         if self.data_efficiency is not None:
             # Scheduler states, sampler position and consumed samples travel in client state.
@@ -845,6 +898,7 @@ class SlipstreamEngine(torch.nn.Module):
         """Restore a checkpoint; returns ``(path, client_state)``. Raises if it is missing or bad."""
         self._check_alive()
         self._refuse_expert_parallel_checkpoint()
+        refuse_tensor_parallel_checkpoint(self._tp_size)
         with self._optimizer_resident():
             path, client_state = checkpointing.load(
                 self,
@@ -884,6 +938,8 @@ class SlipstreamEngine(torch.nn.Module):
         from slipstream.runtime.model_export import save_16bit_model
 
         self.wait_for_step()
+        if self._tp_size > 1:
+            return save_tensor_parallel_16bit_model(self, save_dir, save_filename)
         return save_16bit_model(self, save_dir, save_filename)
 
     # Internal views used by the checkpoint module.

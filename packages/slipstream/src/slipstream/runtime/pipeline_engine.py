@@ -44,6 +44,7 @@ from slipstream.pipeline.schedules import PipelineSchedule, build_schedule
 from slipstream.runtime import zero_setup
 from slipstream.runtime.lr_schedules import resolve_scheduler
 from slipstream.runtime.optimizers import resolve_optimizer
+from slipstream.runtime.tensor_parallel import check_tensor_parallel_support
 from slipstream.zero import DataParallelGroup, ShardedOptimizerStates
 
 __all__ = ["PipelineEngine", "initialize_pipeline", "load_pipeline_config"]
@@ -120,6 +121,8 @@ class PipelineEngine:
         self.module = model
         self.grid = model.mpu()
         _check_supported(config)
+        if self.grid is not None and self.grid.model_parallel_size > 1:
+            check_tensor_parallel_support(model, config)
         _check_module_matches(self.pipeline_config, model)
 
         # 1. Activation checkpointing options (process-wide, as in DeepSpeed).

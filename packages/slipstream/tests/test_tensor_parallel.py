@@ -1,0 +1,375 @@
+"""AutoTP training (``tensor_parallel.autotp_size``) equals single-process PyTorch step by step.
+
+A tiny random Llama is trained by ``slipstream.initialize`` at TP=2 (2 ranks, stage 0 with
+gradient clipping that bites) and TP=2 x DP=2 (4 ranks, ZeRO-1, clipping too), beside the unsharded model
+trained by plain PyTorch on the whole global batch; losses and every parameter shard must match
+(fp32, 1e-5 relative). Bad configurations raise errors that name the problem.
+"""
+
+from __future__ import annotations
+
+import copy
+from typing import Any
+
+import pytest
+import torch
+
+from slipstream.comm.testing import run_distributed
+
+pytest.importorskip("transformers")
+
+RTOL = 1e-5
+LR = 0.5
+
+
+def _tiny_llama(**overrides: Any) -> Any:
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    settings: dict[str, Any] = {
+        "vocab_size": 64,
+        "hidden_size": 32,
+        "intermediate_size": 64,
+        "num_hidden_layers": 2,
+        "num_attention_heads": 4,
+        "num_key_value_heads": 2,
+        "max_position_embeddings": 32,
+        "attn_implementation": "eager",
+    }
+    settings.update(overrides)
+    torch.manual_seed(0)
+    return LlamaForCausalLM(LlamaConfig(**settings))
+
+
+def _global_batch(step: int, rows: int) -> torch.Tensor:
+    return torch.randint(0, 64, (rows, 8), generator=torch.Generator().manual_seed(100 + step))
+
+
+def _rel(a: torch.Tensor, b: torch.Tensor) -> float:
+    return float((a - b).norm() / b.norm().clamp_min(1e-12))
+
+
+def _train_autotp(
+    tp: int, stage: int, clip: float, steps: int = 3, export_dir: str | None = None
+) -> dict[str, float]:
+    """Train with AutoTP beside the unsharded reference; return the worst relative errors."""
+    import torch.distributed as dist
+
+    import slipstream
+
+    micro = 2
+    model = _tiny_llama()
+    reference = copy.deepcopy(model)
+    config = {
+        "train_micro_batch_size_per_gpu": micro,
+        "gradient_accumulation_steps": 1,
+        # SGD with momentum: linear in the gradients, so fp32 reduction-order differences stay
+        # at their own size (Adam's m/sqrt(v) turns them into sign flips of near-zero entries).
+        "optimizer": {"type": "SGD", "params": {"lr": LR, "momentum": 0.9}},
+        "zero_optimization": {"stage": stage},
+        "gradient_clipping": clip,
+        "tensor_parallel": {"autotp_size": tp},
+    }
+    engine, *_ = slipstream.initialize(model=model, config=config)
+    dp = engine.dp_world_size
+    assert dp == dist.get_world_size() // tp
+    dp_rank = dist.get_rank(engine.dp_group) if engine.dp_group is not None else 0
+    tp_rank = dist.get_rank() % tp  # AutoTP's tensor-parallel ranks are adjacent
+    optimizer = torch.optim.SGD(reference.parameters(), lr=LR, momentum=0.9)
+
+    worst = {"loss": 0.0, "param": 0.0, "norm": 0.0}
+    for step in range(steps):
+        batch = _global_batch(step, micro * dp)
+        mine = batch[dp_rank * micro : (dp_rank + 1) * micro]
+        loss = engine(input_ids=mine, labels=mine).loss
+        engine.backward(loss)
+        engine.step()
+        ref_loss = reference(input_ids=batch, labels=batch).loss
+        ref_loss.backward()
+        ref_norm = torch.nn.utils.clip_grad_norm_(
+            reference.parameters(), clip if clip > 0 else float("inf")
+        )
+        if step == 0 and clip > 0:
+            assert float(ref_norm) > 2 * clip, "the clip must change the step to test it"
+        optimizer.step()
+        optimizer.zero_grad()
+        mean_loss = loss.detach().clone()
+        if engine.dp_group is not None:
+            dist.all_reduce(mean_loss, group=engine.dp_group)
+        worst["loss"] = max(worst["loss"], _rel(mean_loss / dp, ref_loss.detach()))
+        worst["norm"] = max(worst["norm"], _rel(engine._last_grad_norm, ref_norm))
+
+    ref_params = dict(reference.named_parameters())
+    for name, param in engine.module.named_parameters():
+        expected = ref_params[name].detach()
+        dim = getattr(param, "tp_partition_dim", None)
+        if dim is not None:
+            assert param.tp_size == tp and param.tp_rank == tp_rank, name
+            expected = expected.chunk(tp, dim=dim)[tp_rank]
+        worst["param"] = max(worst["param"], _rel(param.detach(), expected))
+    sharded = [n for n, p in engine.module.named_parameters() if hasattr(p, "tp_partition_dim")]
+    assert "model.layers.0.self_attn.q_proj.weight" in sharded
+    assert "model.embed_tokens.weight" in sharded and "lm_head.weight" in sharded
+    assert "model.norm.weight" not in sharded
+    if export_dir is not None:
+        # save_16bit_model gathers the shards: the file holds the unsplit trained model.
+        from safetensors.torch import load_file
+
+        assert engine.save_16bit_model(export_dir)
+        saved = load_file(f"{export_dir}/model.safetensors")
+        for name, value in reference.state_dict().items():
+            worst["export"] = max(worst.get("export", 0.0), _rel(saved[name], value))
+    return worst
+
+
+def _check_bad_configs() -> None:
+    import slipstream
+    from slipstream.config import ConfigError
+
+    base = {
+        "train_micro_batch_size_per_gpu": 1,
+        "optimizer": {"type": "SGD", "params": {"lr": 0.1}},
+    }
+    with pytest.raises(ConfigError, match=r"autotp_size = 3 does not divide the world size 2"):
+        slipstream.initialize(
+            model=_tiny_llama(), config={**base, "tensor_parallel": {"autotp_size": 3}}
+        )
+    tp2 = {**base, "tensor_parallel": {"autotp_size": 2}}
+    with pytest.raises(ValueError, match=r"config.num_key_value_heads = 1"):
+        slipstream.initialize(model=_tiny_llama(num_key_value_heads=1), config=tp2)
+    with pytest.raises(ValueError, match=r"config.vocab_size = 63"):
+        slipstream.initialize(model=_tiny_llama(vocab_size=63), config=tp2)
+    with pytest.raises(NotImplementedError, match=r"model_type.*got None \(Linear\)"):
+        slipstream.initialize(model=torch.nn.Linear(4, 4), config=tp2)
+    with pytest.raises(NotImplementedError, match=r"stage = 3 with tensor parallelism"):
+        slipstream.initialize(
+            model=_tiny_llama(), config={**tp2, "zero_optimization": {"stage": 3}}
+        )
+    with pytest.raises(ConfigError, match=r"tensor_parallel\.autotp_sise"):
+        slipstream.initialize(
+            model=_tiny_llama(), config={**base, "tensor_parallel": {"autotp_sise": 2}}
+        )
+
+
+def _check_partitioned_activation_checkpoint() -> None:
+    """partition_activations at TP=2: each rank saves half of the block's input; the
+    recomputation gathers it; outputs and gradients equal the uncheckpointed block."""
+    from slipstream import checkpointing
+    from slipstream.comm.tensor_parallel import (
+        ColumnParallelLinear,
+        RowParallelLinear,
+        split_flat_to_tensor_parallel_region,
+    )
+    from slipstream.comm.topology import PipeModelDataParallelTopology, ProcessGrid
+
+    grid = ProcessGrid(PipeModelDataParallelTopology(num_pp=1, num_mp=2, num_dp=1))
+    group = grid.group("tensor")
+    torch.manual_seed(3)
+    block = torch.nn.Sequential(
+        ColumnParallelLinear(8, 16, group=group),
+        torch.nn.GELU(),
+        RowParallelLinear(16, 8, group=group),
+    )
+    x = torch.randn(3, 5, 7, 8, generator=torch.Generator().manual_seed(4))[..., :-1, :]
+    assert split_flat_to_tensor_parallel_region(x, group).numel() == x.numel() // 2
+    checkpointing.configure(grid, partition_activations=True)
+    try:
+        grads = []
+        for use_checkpoint in (True, False):
+            block.zero_grad()
+            inputs = x.clone().requires_grad_()
+            out = checkpointing.checkpoint(block, inputs) if use_checkpoint else block(inputs)
+            (out * torch.linspace(-1, 1, 8)).sum().backward()
+            grads.append([out.detach(), inputs.grad, *(p.grad for p in block.parameters())])
+        for got, expected in zip(*grads):
+            torch.testing.assert_close(got, expected, rtol=1e-6, atol=1e-7)
+    finally:
+        checkpointing.reset()
+
+
+def _check_nonfinite_vote_spans_tensor_group() -> None:
+    """ZeRO-1 at TP=2: a NaN in one TP rank's gradient shard skips the step on both ranks."""
+    import torch.distributed as dist
+
+    import slipstream
+
+    config = {
+        "train_micro_batch_size_per_gpu": 1,
+        "optimizer": {"type": "SGD", "params": {"lr": 0.1}},
+        "zero_optimization": {"stage": 1},
+        "tensor_parallel": {"autotp_size": 2},
+    }
+    engine, *_ = slipstream.initialize(model=_tiny_llama(), config=config)
+    weight = engine.module.model.layers[0].self_attn.q_proj.weight
+    if dist.get_rank() == 1:
+        weight.register_hook(lambda grad: torch.full_like(grad, float("nan")))
+    before = weight.detach().clone()
+    ids = _global_batch(0, 1)
+    engine.backward(engine(input_ids=ids, labels=ids).loss)
+    engine.step()
+    assert engine.nonfinite_skipped_steps == 1
+    assert torch.equal(weight.detach(), before)
+
+
+class _SequenceParallelModel(torch.nn.Module):
+    """norm -> column -> GELU -> row with sequence parallelism; ``group=None``: unsplit."""
+
+    def __init__(self, group: Any) -> None:
+        from slipstream.comm.tensor_parallel import (
+            ColumnParallelLinear,
+            RowParallelLinear,
+            mark_sequence_parallel,
+        )
+
+        super().__init__()
+        self.group = group
+        torch.manual_seed(5)
+        self.norm = torch.nn.LayerNorm(8)
+        sp = group is not None
+        self.up = ColumnParallelLinear(8, 16, group=group, sequence_parallel=sp)
+        self.down = RowParallelLinear(16, 8, group=group, sequence_parallel=sp)
+        if sp:
+            for param in self.norm.parameters():
+                mark_sequence_parallel(param)
+
+    def forward(self, x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
+        from slipstream.comm.tensor_parallel import (
+            gather_from_tensor_parallel_region,
+            scatter_to_sequence_parallel_region,
+        )
+
+        x = scatter_to_sequence_parallel_region(x, self.group)
+        out = self.down(torch.nn.functional.gelu(self.up(self.norm(x))))
+        out = gather_from_tensor_parallel_region(out, self.group, dim=1)
+        return torch.nn.functional.mse_loss(out, y)
+
+
+def _train_sequence_parallel(stage: int, steps: int = 2) -> float:
+    """A user-built sequence-parallel model through initialize(mpu=grid) at TP=2."""
+    import slipstream
+    from slipstream.comm.topology import PipeModelDataParallelTopology, ProcessGrid
+
+    grid = ProcessGrid(PipeModelDataParallelTopology(num_pp=1, num_mp=2, num_dp=1))
+    model = _SequenceParallelModel(grid.group("tensor"))
+    reference = _SequenceParallelModel(None)
+    config = {
+        "train_micro_batch_size_per_gpu": 2,
+        "optimizer": {"type": "SGD", "params": {"lr": LR}},
+        "zero_optimization": {"stage": stage},
+        "gradient_clipping": 0.05,
+    }
+    engine, *_ = slipstream.initialize(model=model, config=config, mpu=grid)
+    optimizer = torch.optim.SGD(reference.parameters(), lr=LR)
+    for step in range(steps):
+        gen = torch.Generator().manual_seed(50 + step)
+        x, y = torch.randn(2, 6, 8, generator=gen), torch.randn(2, 6, 8, generator=gen)
+        engine.backward(engine(x, y))
+        engine.step()
+        reference(x, y).backward()
+        torch.nn.utils.clip_grad_norm_(reference.parameters(), 0.05)
+        optimizer.step()
+        optimizer.zero_grad()
+    worst = 0.0
+    for param, ref in zip(model.parameters(), reference.parameters()):
+        expected = ref.detach()
+        if hasattr(param, "tp_partition_dim"):
+            expected = expected.chunk(2, dim=param.tp_partition_dim)[param.tp_rank]
+        worst = max(worst, _rel(param.detach(), expected))
+    return worst
+
+
+def _world_of_two(export_dir: str) -> dict[str, float]:
+    _check_bad_configs()
+    _check_nonfinite_vote_spans_tensor_group()
+    _check_partitioned_activation_checkpoint()
+    # max_norm 0.5 is far below the tiny model's gradient norm: clipping changes every step.
+    worst = _train_autotp(tp=2, stage=0, clip=0.5, export_dir=export_dir)
+    worst["sequence_parallel_zero0"] = _train_sequence_parallel(stage=0)
+    worst["sequence_parallel_zero1"] = _train_sequence_parallel(stage=1)
+    return worst
+
+
+def _pipeline_of_tp_layers(group: Any) -> list[torch.nn.Module]:
+    """Two stages of a column -> row MLP each; with ``group=None`` the unsplit layers."""
+    from slipstream.comm.tensor_parallel import ColumnParallelLinear, RowParallelLinear
+
+    torch.manual_seed(1)
+    return [
+        ColumnParallelLinear(8, 16, group=group),
+        torch.nn.ReLU(),
+        RowParallelLinear(16, 8, group=group),
+        ColumnParallelLinear(8, 16, group=group),
+        torch.nn.Tanh(),
+        RowParallelLinear(16, 4, group=group),
+    ]
+
+
+def _train_pp2_tp2(steps: int = 3) -> dict[str, float]:
+    """PP=2 x TP=2: a PipelineModule whose stages are built from TP layers, vs plain PyTorch."""
+    import torch.distributed as dist
+
+    import slipstream
+    from slipstream.comm.topology import PipeModelDataParallelTopology, ProcessGrid
+    from slipstream.pipeline import PipelineModule
+
+    topology = PipeModelDataParallelTopology(num_pp=2, num_mp=2, num_dp=1)
+    grid = ProcessGrid(topology)  # the layers need the tensor group before the module exists
+    tp_rank = grid.get_model_parallel_rank()
+    layers = _pipeline_of_tp_layers(grid.group("tensor"))
+    reference = torch.nn.Sequential(*_pipeline_of_tp_layers(None))
+    module = PipelineModule(layers, topology=topology, loss_fn=torch.nn.functional.mse_loss)
+    config = {
+        "train_micro_batch_size_per_gpu": 2,
+        "gradient_accumulation_steps": 2,
+        "optimizer": {"type": "SGD", "params": {"lr": LR, "momentum": 0.9}},
+    }
+    engine, *_ = slipstream.initialize(model=module, config=config)
+    optimizer = torch.optim.SGD(reference.parameters(), lr=LR, momentum=0.9)
+    worst = {"loss": 0.0, "param": 0.0}
+    for step in range(steps):
+        gen = torch.Generator().manual_seed(step)
+        batches = [
+            (torch.randn(2, 8, generator=gen), torch.randn(2, 4, generator=gen)) for _ in range(2)
+        ]
+        loss = engine.train_batch(iter(batches))
+        ref_loss = sum(torch.nn.functional.mse_loss(reference(x), y) / 2 for x, y in batches)
+        ref_loss.backward()
+        optimizer.step()
+        optimizer.zero_grad()
+        if engine.is_last_stage():
+            worst["loss"] = max(worst["loss"], _rel(loss.detach(), ref_loss.detach()))
+    ref_layers = list(reference)
+    for index, layer in enumerate(layers):
+        for name, param in layer.named_parameters():
+            if param.device.type == "meta" or not _owned(engine.module, param):
+                continue
+            expected = getattr(ref_layers[index], name).detach()
+            dim = getattr(param, "tp_partition_dim", None)
+            if dim is not None:
+                expected = expected.chunk(2, dim=dim)[tp_rank]
+            worst["param"] = max(worst["param"], _rel(param.detach(), expected))
+    assert dist.get_world_size() == 4
+    with pytest.raises(NotImplementedError, match="pipeline whose stages are tensor-parallel"):
+        slipstream.initialize(model=module, config={**config, "gradient_clipping": 1.0})
+    return worst
+
+
+def _owned(module: torch.nn.Module, param: torch.Tensor) -> bool:
+    return any(param is p for p in module.parameters())
+
+
+def _world_of_four() -> dict[str, Any]:
+    return {
+        "tp2_dp2_zero1": _train_autotp(tp=2, stage=1, clip=0.5),
+        "pp2_tp2": _train_pp2_tp2(),
+    }
+
+
+def test_autotp_tp2_equals_single_process(tmp_path: Any) -> None:
+    for worst in run_distributed(_world_of_two, 2, str(tmp_path)):
+        assert max(worst.values()) <= RTOL, sorted(worst.items(), key=lambda kv: -kv[1])[:4]
+
+
+def test_autotp_tp2_dp2_and_pp2_tp2_equal_single_process() -> None:
+    for results in run_distributed(_world_of_four, world_size=4, timeout=300):
+        for name, worst in results.items():
+            assert max(worst.values()) <= RTOL, (name, worst)
