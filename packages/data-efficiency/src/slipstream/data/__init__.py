@@ -30,6 +30,12 @@ from slipstream.data.config import (
 )
 from slipstream.data.curriculum import CurriculumScheduler
 from slipstream.data.indexed import IndexedRows, IndexedRowsWriter, write_rows
+from slipstream.data.progressive_layer_drop import (
+    ProgressiveLayerDrop,
+    ProgressiveLayerDropConfig,
+    layer_keep_probability,
+    run_layers_with_drop,
+)
 from slipstream.data.random_ltd import (
     LayerTokenLR,
     RandomLayerTokenDrop,
@@ -67,6 +73,8 @@ __all__ = [
     "LayerTokenLR",
     "LayerTokenLRScheduleConfig",
     "MetricIndex",
+    "ProgressiveLayerDrop",
+    "ProgressiveLayerDropConfig",
     "RandomLTDConfig",
     "RandomLTDScheduleConfig",
     "RandomLTDScheduleSettings",
@@ -78,7 +86,9 @@ __all__ = [
     "build_curriculum_dataloader",
     "convert_to_random_ltd",
     "gather_tokens",
+    "layer_keep_probability",
     "remove_random_ltd_state_dict",
+    "run_layers_with_drop",
     "scatter_tokens",
     "truncate_batch",
     "write_rows",
