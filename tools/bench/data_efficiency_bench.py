@@ -148,6 +148,8 @@ def _corpus(args: argparse.Namespace) -> tuple[bytes, bytes, str]:
         size += len(text)
         if size >= args.corpus_bytes:
             break
+    if not valid:  # a small --corpus-bytes may hold no hashed-out file: hold out the last one
+        valid.append(train.pop())
     description = (
         f"Python {sys.version_info.major}.{sys.version_info.minor} standard library source "
         f"({used} files, {size:,} bytes, 1 file in 50 held out)"
