@@ -26,7 +26,7 @@ throwaway copy of the model (cuBLAS/cuDNN plans, allocator), so one-time warmup 
 arms' clocks. Without ``--token-budget``, a short probe of the baseline's rate sizes the
 budget so that the baseline trains for about ``--baseline-seconds``.
 
-    # GPU (one H100, about 7 minutes): a 24-layer, 1024-wide byte-level GPT (~300M), seq 512,
+    # GPU (one H100, about 6-7 minutes): a 24-layer, 1024-wide byte-level GPT (~300M), seq 512,
     # on Python's standard library source (held-out files for validation)
     python tools/bench/data_efficiency_bench.py
     # CPU smoke run of the harness (about a minute)
@@ -90,7 +90,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument(
         "--baseline-seconds",
         type=float,
-        default=170.0,
+        default=150.0,
         help="without --token-budget: the baseline's training time to aim for",
     )
     parser.add_argument("--lr", type=float, default=6e-4)
