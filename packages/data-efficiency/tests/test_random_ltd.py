@@ -20,6 +20,11 @@ from slipstream.data import (
 )
 from slipstream.data.config import LayerTokenLRScheduleConfig
 from slipstream.data.random_ltd import LayerTokenLR, layer_token_lr
+from slipstream.data.random_ltd.token_ops import (
+    flat_token_indices,
+    gather_tokens_reference,
+    scatter_tokens_reference,
+)
 
 
 class TokenwiseLayer(nn.Module):
@@ -156,6 +161,28 @@ def test_token_ops_reference_backward_matches_autograd() -> None:
     assert torch.equal(part[1, 2], hidden[1, 4])
     merged = scatter_tokens(hidden, part * 2, indices, backend="torch")
     assert torch.equal(merged[0, 2], hidden[0, 2] * 2) and torch.equal(merged[0, 1], hidden[0, 1])
+
+
+def test_row_index_token_ops_equal_the_gather_scatter_references_and_their_grads() -> None:
+    torch.manual_seed(4)
+    hidden = torch.randn(3, 9, 5)
+    part = torch.randn(3, 4, 5)
+    indices = torch.rand(3, 9).argsort(1)[:, :4].sort(1).values
+    grad_out = torch.randn(3, 9, 5)
+    results = []
+    for ops in ("rows", "reference"):
+        h, p = hidden.clone().requires_grad_(True), part.clone().requires_grad_(True)
+        if ops == "rows":
+            rows = flat_token_indices(indices, 9)
+            gathered = gather_tokens(h, indices, "torch", rows)
+            merged = scatter_tokens(h, p * gathered, indices, "torch", rows)
+        else:
+            gathered = gather_tokens_reference(h, indices)
+            merged = scatter_tokens_reference(h, p * gathered, indices)
+        merged.backward(grad_out)
+        results.append((gathered, merged, h.grad, p.grad))
+    for ours, reference in zip(*results):
+        torch.testing.assert_close(ours, reference, rtol=0, atol=0)
 
 
 @pytest.mark.skipif(importlib.util.find_spec("triton") is None, reason="needs triton")

@@ -554,7 +554,6 @@ FEATURE_CASES: dict[str, tuple[Any, Any]] = {
     "quantize_training": ({"enabled": False}, {"enabled": True}),
     "weight_quantization": ({"enabled": False}, {"post_init_quant": {}}),
     "eigenvalue": ({"enabled": False}, {"enabled": True}),
-    "progressive_layer_drop": ({"enabled": False}, {"enabled": True, "theta": 0.5}),
     "elasticity": ({"enabled": False}, {"enabled": True}),
     "autotuning": ({"enabled": False}, {"enabled": True}),
     "sparse_attention": (NONE, {"mode": "fixed"}),

@@ -348,3 +348,61 @@ def test_deepspeed_example_config_loads_unchanged(tmp_path: Path) -> None:
         assert "curriculum_learning.schedule_config.root_degree" in str(error)
     else:
         raise AssertionError("fixed_root without root_degree was accepted")
+
+
+class LayerDropLM(TinyLM):
+    """A model taking DeepSpeed's PLD keywords; it skips blocks with run_layers_with_drop."""
+
+    def forward(  # type: ignore[override]
+        self,
+        input_ids: torch.Tensor,
+        labels: torch.Tensor,
+        progressive_layer_drop: bool = False,
+        pld_theta: float | None = None,
+    ) -> torch.Tensor:
+        from slipstream.data import run_layers_with_drop
+
+        self.thetas.append(pld_theta if progressive_layer_drop else None)
+        hidden = run_layers_with_drop(
+            list(self.blocks), self.embed(input_ids), pld_theta=pld_theta, training=self.training
+        )
+        return F.cross_entropy(self.head(hidden).flatten(0, 1), labels.flatten())
+
+
+def test_progressive_layer_drop_theta_reaches_the_model_and_resumes(tmp_path: Path) -> None:
+    import slipstream
+
+    theta, gamma = 0.3, 0.2
+    config = {
+        "train_micro_batch_size_per_gpu": 2,
+        "gradient_accumulation_steps": 2,
+        "steps_per_print": 1000,
+        "optimizer": {"type": "AdamW", "params": {"lr": 0.01}},
+        "progressive_layer_drop": {"enabled": True, "theta": theta, "gamma": gamma},
+    }
+
+    def build() -> Any:
+        model = LayerDropLM()
+        model.thetas = []
+        return slipstream.initialize(model=model, config=config)[0]
+
+    def expected(global_step: int) -> float:
+        # DeepSpeed: theta(0) = 1 until the first step; step g's forward sees theta(g - 1).
+        return (
+            1.0 if global_step == 0 else (1 - theta) * math.exp(-gamma * (global_step - 1)) + theta
+        )
+
+    torch.manual_seed(0)
+    engine = build()
+    batch = Tokens()[0]
+    ids, labels = batch["input_ids"].repeat(2, 1), batch["labels"].repeat(2, 1)
+    for _ in range(4 * 2):
+        engine.backward(engine(ids, labels))
+        engine.step()
+    assert engine.module.thetas == [expected(g) for g in range(4) for _ in range(2)]
+    engine.save_checkpoint(str(tmp_path))
+    resumed = build()
+    resumed.load_checkpoint(str(tmp_path))
+    assert resumed.progressive_layer_drop.get_theta() == engine.progressive_layer_drop.get_theta()
+    resumed(ids, labels)
+    assert resumed.module.thetas == [expected(4)]

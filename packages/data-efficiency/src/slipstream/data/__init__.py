@@ -29,7 +29,14 @@ from slipstream.data.config import (
     SamplingCurriculumConfig,
 )
 from slipstream.data.curriculum import CurriculumScheduler
+from slipstream.data.dynamic_batching import DynamicBatchSampler, batch_by_seqlens, scale_lr
 from slipstream.data.indexed import IndexedRows, IndexedRowsWriter, write_rows
+from slipstream.data.progressive_layer_drop import (
+    ProgressiveLayerDrop,
+    ProgressiveLayerDropConfig,
+    layer_keep_probability,
+    run_layers_with_drop,
+)
 from slipstream.data.random_ltd import (
     LayerTokenLR,
     RandomLayerTokenDrop,
@@ -62,11 +69,14 @@ __all__ = [
     "DataEfficiencyConfig",
     "DataRoutingConfig",
     "DataSamplingConfig",
+    "DynamicBatchSampler",
     "IndexedRows",
     "IndexedRowsWriter",
     "LayerTokenLR",
     "LayerTokenLRScheduleConfig",
     "MetricIndex",
+    "ProgressiveLayerDrop",
+    "ProgressiveLayerDropConfig",
     "RandomLTDConfig",
     "RandomLTDScheduleConfig",
     "RandomLTDScheduleSettings",
@@ -75,10 +85,14 @@ __all__ = [
     "SamplingCurriculumConfig",
     "apply_seqlen_curriculum",
     "attach_random_ltd",
+    "batch_by_seqlens",
     "build_curriculum_dataloader",
     "convert_to_random_ltd",
     "gather_tokens",
+    "layer_keep_probability",
     "remove_random_ltd_state_dict",
+    "run_layers_with_drop",
+    "scale_lr",
     "scatter_tokens",
     "truncate_batch",
     "write_rows",

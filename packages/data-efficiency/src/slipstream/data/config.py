@@ -15,6 +15,7 @@ __all__ = [
     "DataEfficiencyConfig",
     "DataRoutingConfig",
     "DataSamplingConfig",
+    "DynamicBatchingConfig",
     "LayerTokenLRScheduleConfig",
     "RandomLTDConfig",
     "RandomLTDScheduleConfig",
@@ -242,6 +243,30 @@ class SamplingCurriculumConfig(ConfigBlock):
 
 
 @dataclasses.dataclass(kw_only=True)
+class DynamicBatchingConfig(ConfigBlock):
+    """``data_sampling.dynamic_batching`` (DeepSpeed's keys and defaults).
+
+    Attributes:
+        enabled: pack micro-batches by token count (refused for now: see validate).
+        lr_scaling_method: ``linear``, ``sqrt`` or ``none``.
+        min_batch_size, max_batch_size: bounds on samples per micro-batch.
+        sequence_picking_order: ``dataloader``, ``random`` or ``seqlen``.
+        max_tokens: the summed length a micro-batch may hold (required when enabled).
+        verbose: log each batch.
+        metrics_path: where DeepSpeed's data analyzer wrote the ``seqlen`` metric.
+    """
+
+    enabled: bool = False
+    lr_scaling_method: Literal["linear", "sqrt", "none"] = "linear"
+    min_batch_size: int = dataclasses.field(default=1, metadata={"gt": 0})
+    max_batch_size: int | None = dataclasses.field(default=None, metadata={"gt": 0})
+    sequence_picking_order: Literal["dataloader", "random", "seqlen"] = "dataloader"
+    max_tokens: int | None = dataclasses.field(default=None, metadata={"gt": 0})
+    verbose: bool = False
+    metrics_path: str | None = None
+
+
+@dataclasses.dataclass(kw_only=True)
 class DataSamplingConfig(ConfigBlock):
     """``data_efficiency.data_sampling``.
 
@@ -260,15 +285,18 @@ class DataSamplingConfig(ConfigBlock):
     curriculum_learning: SamplingCurriculumConfig = dataclasses.field(
         default_factory=SamplingCurriculumConfig
     )
-    dynamic_batching: dict[str, Any] = dataclasses.field(default_factory=dict)
+    dynamic_batching: DynamicBatchingConfig = dataclasses.field(
+        default_factory=DynamicBatchingConfig
+    )
 
     def validate(self, path: str) -> None:
-        """Dynamic batching is recognised but not implemented: refuse it by name when on."""
-        if self.dynamic_batching.get("enabled"):
+        """The engine does not wire dynamic batching yet: refuse it by name when on."""
+        if self.dynamic_batching.enabled:
             raise ConfigError(
-                f"{key_path(path, 'dynamic_batching.enabled')} = true: variable batch size and LR "
-                "scaling is not implemented in slipstream-data-efficiency 0.1.0; remove the block "
-                "or set enabled to false",
+                f"{key_path(path, 'dynamic_batching.enabled')} = true: the engine does not "
+                "build the dynamic-batching loader and LR scaling yet (slipstream-data-efficiency "
+                "0.1.0). Build the loader yourself with slipstream.data.DynamicBatchSampler and "
+                "scale the LR with slipstream.data.scale_lr, or set enabled to false",
                 key_path(path, "dynamic_batching.enabled"),
             )
 

@@ -156,6 +156,7 @@ class DataEfficiency:
         if self.random_ltd is not None:
             self.random_ltd.update_seq(global_steps)
             self.random_ltd.sample_indices = None  # fresh tokens for this forward
+            self.random_ltd.sample_rows = None
         return args, kwargs
 
     # ------------------------------------------------------------------ random-LTD

@@ -106,13 +106,6 @@ RECOGNISED_FEATURES: dict[str, RecognisedFeature] = {
             enabled_flag(),
             _OFF,
         ),
-        RecognisedFeature(
-            "progressive_layer_drop",
-            "progressive layer drop",
-            "the slipstream-data-efficiency package",
-            enabled_flag(),
-            _OFF,
-        ),
         RecognisedFeature("elasticity", "elastic training", _UMBRELLA_LATER, enabled_flag(), _OFF),
         RecognisedFeature("autotuning", "the autotuner", _UMBRELLA_LATER, enabled_flag(), _OFF),
         RecognisedFeature(

@@ -30,6 +30,7 @@ from slipstream.config.precision import (
 )
 from slipstream.config.zero import AioConfig, ZeroConfig
 from slipstream.data.config import CurriculumLearningConfig, DataEfficiencyConfig
+from slipstream.data.progressive_layer_drop import ProgressiveLayerDropConfig
 from slipstream.kernels.config_schema import (
     ConfigBlock,
     ConfigError,
@@ -112,6 +113,10 @@ class SlipstreamConfig(ConfigBlock):
     data_efficiency: DataEfficiencyConfig = dataclasses.field(default_factory=DataEfficiencyConfig)
     # Owned by slipstream-compression: the engine steps its CompressionScheduler.
     compression_training: CompressionConfig = dataclasses.field(default_factory=CompressionConfig)
+    # Owned by slipstream-data-efficiency: the engine passes pld_theta to the model's forward.
+    progressive_layer_drop: ProgressiveLayerDropConfig = dataclasses.field(
+        default_factory=ProgressiveLayerDropConfig
+    )
     checkpoint: CheckpointConfig = dataclasses.field(default_factory=CheckpointConfig)
     # The monitors (slipstream.monitor): rank 0 writes the engine's events to each enabled one.
     tensorboard: TensorBoardConfig = dataclasses.field(default_factory=TensorBoardConfig)

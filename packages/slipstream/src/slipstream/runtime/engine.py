@@ -17,7 +17,7 @@ from slipstream import comm
 from slipstream.compression import CompressionScheduler, CompressionState, init_compression
 from slipstream.config import SlipstreamConfig
 from slipstream.data import STATE_KEY as DATA_EFFICIENCY_STATE_KEY
-from slipstream.data import DataEfficiency, RandomLayerTokenDrop
+from slipstream.data import DataEfficiency, ProgressiveLayerDrop, RandomLayerTokenDrop
 from slipstream.kernels import get_accelerator
 from slipstream.kernels.config_schema import ConfigError
 from slipstream.kernels.loss_scaler import LossScaler, grads_have_inf_or_nan
@@ -214,6 +214,10 @@ class SlipstreamEngine(torch.nn.Module):
         self._setup_data_efficiency()
         # Compression-aware training (slipstream.compression): None when no technique is on.
         self.compression_scheduler = _compression_scheduler(self.module, config)
+        # progressive_layer_drop: theta(t) handed to the model's forward (slipstream.data).
+        self.progressive_layer_drop = ProgressiveLayerDrop.from_config(
+            config.progressive_layer_drop
+        )
 
         # 3. fp16 loss scaling; fp32/bf16 skip non-finite steps instead (docs/reliability.md).
         self.loss_scaler = LossScaler.from_config(config.fp16) if config.fp16.enabled else None
@@ -468,6 +472,8 @@ class SlipstreamEngine(torch.nn.Module):
             args, kwargs = self.data_efficiency.before_forward(
                 self.module, args, kwargs, self.global_steps
             )
+        if self.progressive_layer_drop is not None:
+            kwargs = {**kwargs, **self.progressive_layer_drop.get_state()}  # as DeepSpeed does
         if self.module.training:
             self.throughput.add(self._micro_batch, count_tokens(args, kwargs))
         with self.timers.region("forward"):
@@ -565,6 +571,9 @@ class SlipstreamEngine(torch.nn.Module):
                     "engine.step() has no optimizer to run: pass initialize(optimizer=...) or "
                     "add an 'optimizer' block to the config"
                 )
+            if self.progressive_layer_drop is not None:
+                # DeepSpeed's order: theta(global_steps) before the counter moves.
+                self.progressive_layer_drop.update_state(self.global_steps)
             with self.timers.region("step"):
                 try:
                     self._take_optimizer_step(lr_kwargs)
@@ -915,6 +924,9 @@ class SlipstreamEngine(torch.nn.Module):
         data_state = client_state.pop(DATA_EFFICIENCY_STATE_KEY, None)
         if data_state is not None and self.data_efficiency is not None:
             self.data_efficiency.load_state_dict(data_state)
+        if self.progressive_layer_drop is not None and self.global_steps > 0:
+            # theta(t) is a function of the step count: restore the value the last step set.
+            self.progressive_layer_drop.update_state(self.global_steps - 1)
         return path, client_state
 
     def _refuse_expert_parallel_checkpoint(self) -> None:

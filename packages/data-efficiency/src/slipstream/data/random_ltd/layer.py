@@ -10,7 +10,12 @@ from torch import nn
 
 from slipstream.data.config import RandomLTDConfig
 from slipstream.data.random_ltd.scheduler import RandomLTDScheduler
-from slipstream.data.random_ltd.token_ops import TokenBackend, gather_tokens, scatter_tokens
+from slipstream.data.random_ltd.token_ops import (
+    TokenBackend,
+    flat_token_indices,
+    gather_tokens,
+    scatter_tokens,
+)
 
 __all__ = [
     "RandomLayerTokenDrop",
@@ -87,11 +92,14 @@ class RandomLayerTokenDrop(nn.Module):
                 kept, seq, batch, scheduler.get_random_ltd_layer_num(), hidden.device
             )
             scheduler.sample_indices = indices
+            # Flat row indices of every layer, once per forward (the token ops' note).
+            scheduler.sample_rows = flat_token_indices(indices, seq)
             scheduler.part_attention_mask = self._part_mask(mask, indices, kept)
         indices = scheduler.sample_indices
         part_mask = scheduler.part_attention_mask
         own = indices[self.layer_index]
-        part = gather_tokens(hidden, own, self.backend)
+        rows = None if scheduler.sample_rows is None else scheduler.sample_rows[self.layer_index]
+        part = gather_tokens(hidden, own, self.backend, rows)
         if self.mask_name is not None and mask is not None:
             kwargs[self.mask_name] = (
                 part_mask[self.layer_index] if self.model_type == "encoder" else part_mask
@@ -105,7 +113,7 @@ class RandomLayerTokenDrop(nn.Module):
                 f"{type(outputs).__name__}: it needs a tensor or a tuple starting with one"
             )
         first = first if self.batch_first else first.transpose(0, 1)
-        merged = scatter_tokens(hidden, first, own, self.backend)
+        merged = scatter_tokens(hidden, first, own, self.backend, rows)
         merged = merged if self.batch_first else merged.transpose(0, 1)
         if isinstance(outputs, tuple):
             return (merged, *outputs[1:])

@@ -55,6 +55,7 @@ class RandomLTDScheduler:
         }
         # Indices sampled by the first random-LTD layer of a forward, shared by the others.
         self.sample_indices: torch.Tensor | None = None
+        self.sample_rows: torch.Tensor | None = None  # the same as flat row indices
         self.part_attention_mask: Any = None
 
     def get_value(self, global_steps: int) -> int:

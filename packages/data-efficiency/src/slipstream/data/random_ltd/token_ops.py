@@ -3,6 +3,16 @@
 All functions take batch-first activations ``(batch, seq, hidden)`` and sorted kept-token
 indices ``(batch, kept)`` (unique within a row); seq-first activations are handled by the layer
 wrapper with a transposed view.
+
+[Note: random-LTD token op backends]
+``"torch"`` (the default under ``"auto"``) views the activations as ``(batch * seq, hidden)``
+rows and moves whole rows with ``index_select`` / ``index_copy_`` at flat row indices
+``b * seq + indices[b, k]``: one C++ launch per op and per direction, no compilation per
+shape, and, because the kept indices are unique, a backward that is a copy too (no atomic
+``scatter_add``, as ``torch.gather``'s backward would use). The layer wrapper computes the
+flat indices once per forward for every random-LTD layer. ``"triton"`` runs the Triton
+kernels (one program per kept row), kept for builds that prefer them; both give the same
+bits (they only copy).
 """
 
 from __future__ import annotations
@@ -16,6 +26,7 @@ from slipstream.kernels.triton_support import interpreting, triton_probe
 
 __all__ = [
     "TokenBackend",
+    "flat_token_indices",
     "gather_tokens",
     "gather_tokens_reference",
     "scatter_tokens",
@@ -26,8 +37,6 @@ __all__ = [
 TokenBackend = Literal["auto", "torch", "triton"]
 
 logger = logging.getLogger(__name__)
-# Set when a Triton kernel failed under backend "auto": the references are used from then on.
-_TRITON_FAILED: list[str] = []
 
 
 def gather_tokens_reference(hidden: torch.Tensor, indices: torch.Tensor) -> torch.Tensor:
@@ -42,6 +51,58 @@ def scatter_tokens_reference(
     """A copy of ``hidden`` whose kept tokens are replaced by ``part`` (others pass through)."""
     index = indices.long().unsqueeze(-1).expand(-1, -1, hidden.shape[-1])
     return hidden.scatter(1, index, part.to(hidden.dtype))
+
+
+def flat_token_indices(indices: torch.Tensor, seq: int) -> torch.Tensor:
+    """Row indices ``b * seq + indices[..., b, k]`` into ``hidden.reshape(-1, width)``.
+
+    ``indices`` is ``(batch, kept)`` or ``(layers, batch, kept)``; the result flattens the
+    last two dims (int64).
+    """
+    batch = indices.shape[-2]
+    offsets = torch.arange(batch, device=indices.device, dtype=torch.int64).mul_(seq)
+    return (indices.long() + offsets.unsqueeze(-1)).flatten(-2)
+
+
+class _RowGather(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx: Any, hidden: torch.Tensor, rows: torch.Tensor) -> torch.Tensor:
+        batch, seq, width = hidden.shape
+        ctx.save_for_backward(rows)
+        ctx.shape = (batch, seq, width)
+        flat = hidden.reshape(batch * seq, width)
+        return flat.index_select(0, rows).view(batch, -1, width)
+
+    @staticmethod
+    def backward(ctx: Any, grad: torch.Tensor) -> tuple[torch.Tensor, None]:
+        (rows,) = ctx.saved_tensors
+        batch, seq, width = ctx.shape
+        out = grad.new_zeros(batch * seq, width)
+        # Rows are unique, so a copy into zeros is the scatter-add (no atomics).
+        out.index_copy_(0, rows, grad.reshape(-1, width))
+        return out.view(batch, seq, width), None
+
+
+class _RowScatter(torch.autograd.Function):
+    @staticmethod
+    def forward(
+        ctx: Any, hidden: torch.Tensor, part: torch.Tensor, rows: torch.Tensor
+    ) -> torch.Tensor:
+        batch, seq, width = hidden.shape
+        ctx.save_for_backward(rows)
+        out = hidden.reshape(batch * seq, width).clone()
+        out.index_copy_(0, rows, part.reshape(-1, width).to(hidden.dtype))
+        return out.view(batch, seq, width)
+
+    @staticmethod
+    def backward(ctx: Any, grad: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, None]:
+        (rows,) = ctx.saved_tensors
+        batch, seq, width = grad.shape
+        flat = grad.reshape(batch * seq, width)
+        part_grad = flat.index_select(0, rows).view(batch, -1, width)
+        # Overwritten rows do not reach the output: their gradient is zero.
+        passthrough = flat.clone().index_fill_(0, rows, 0)
+        return passthrough.view(batch, seq, width), part_grad, None
 
 
 def triton_available(device: torch.device) -> bool:
@@ -61,18 +122,7 @@ def _use_triton(backend: TokenBackend, device: torch.device) -> bool:
                 "backend 'torch' or 'auto'"
             )
         return True
-    return not _TRITON_FAILED and device.type == "cuda" and triton_available(device)
-
-
-def _fall_back(backend: TokenBackend, error: Exception) -> None:
-    """Under "auto", a failing kernel (a compiler problem) falls back once, with a warning."""
-    if backend != "auto":
-        raise error
-    _TRITON_FAILED.append(f"{type(error).__name__}: {error}")
-    logger.warning(
-        "random-LTD Triton token kernels failed (%s); using the pure-torch gather/scatter",
-        _TRITON_FAILED[0],
-    )
+    return False  # "auto": the row-index ops (see the note above); Triton only by name
 
 
 class _Gather(torch.autograd.Function):
@@ -118,15 +168,20 @@ class _Scatter(torch.autograd.Function):
 
 
 def gather_tokens(
-    hidden: torch.Tensor, indices: torch.Tensor, backend: TokenBackend = "auto"
+    hidden: torch.Tensor,
+    indices: torch.Tensor,
+    backend: TokenBackend = "auto",
+    rows: torch.Tensor | None = None,
 ) -> torch.Tensor:
-    """The kept tokens ``(batch, kept, hidden)`` of batch-first ``hidden`` (differentiable)."""
+    """The kept tokens ``(batch, kept, hidden)`` of batch-first ``hidden`` (differentiable).
+
+    ``rows``: :func:`flat_token_indices` of ``indices``, when the caller has them already.
+    """
     if _use_triton(backend, hidden.device):
-        try:
-            return _Gather.apply(hidden.contiguous(), indices.contiguous())  # type: ignore[no-any-return]
-        except Exception as error:  # compiler/driver errors vary by release
-            _fall_back(backend, error)
-    return gather_tokens_reference(hidden, indices)
+        return _Gather.apply(hidden.contiguous(), indices.contiguous())  # type: ignore[no-any-return]
+    if rows is None:
+        rows = flat_token_indices(indices, hidden.shape[1])
+    return _RowGather.apply(hidden, rows)  # type: ignore[no-any-return]
 
 
 def scatter_tokens(
@@ -134,13 +189,16 @@ def scatter_tokens(
     part: torch.Tensor,
     indices: torch.Tensor,
     backend: TokenBackend = "auto",
+    rows: torch.Tensor | None = None,
 ) -> torch.Tensor:
-    """``hidden`` with its kept tokens replaced by ``part`` (differentiable, out of place)."""
+    """``hidden`` with its kept tokens replaced by ``part`` (differentiable, out of place).
+
+    ``rows``: :func:`flat_token_indices` of ``indices``, when the caller has them already.
+    """
     if _use_triton(backend, hidden.device):
-        try:
-            return _Scatter.apply(  # type: ignore[no-any-return]
-                hidden.contiguous(), part.contiguous(), indices.contiguous()
-            )
-        except Exception as error:  # compiler/driver errors vary by release
-            _fall_back(backend, error)
-    return scatter_tokens_reference(hidden, part, indices)
+        return _Scatter.apply(  # type: ignore[no-any-return]
+            hidden.contiguous(), part.contiguous(), indices.contiguous()
+        )
+    if rows is None:
+        rows = flat_token_indices(indices, hidden.shape[1])
+    return _RowScatter.apply(hidden, part, rows)  # type: ignore[no-any-return]

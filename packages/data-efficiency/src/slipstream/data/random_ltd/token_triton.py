@@ -11,7 +11,8 @@ from slipstream.kernels.triton_support import AotSpec, block_for, check_kernel_d
 __all__ = ["aot_specs", "gather", "scatter"]
 
 
-@triton.jit
+# seq and kept change as the schedules move: not specialised, so no recompilation per value.
+@triton.jit(do_not_specialize=["seq", "kept"])
 def _gather_kernel(src, idx, dst, seq, kept, width, BLOCK: tl.constexpr):
     """dst[b, k, :] = src[b, idx[b, k], :] for contiguous (batch, seq|kept, width) tensors."""
     row = tl.program_id(0)  # b * kept + k
@@ -25,7 +26,7 @@ def _gather_kernel(src, idx, dst, seq, kept, width, BLOCK: tl.constexpr):
         tl.store(dst_row + cols, tl.load(src_row + cols, mask=mask), mask=mask)
 
 
-@triton.jit
+@triton.jit(do_not_specialize=["seq", "kept"])
 def _scatter_kernel(part, idx, dst, seq, kept, width, BLOCK: tl.constexpr):
     """dst[b, idx[b, k], :] = part[b, k, :] (in place on dst)."""
     row = tl.program_id(0)
