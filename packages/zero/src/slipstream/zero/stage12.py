@@ -11,6 +11,7 @@ from typing import Any
 import torch
 
 from slipstream.zero.grad_reduce import GradientReduceScatter
+from slipstream.zero.gradient_path import GradientPathMixin
 from slipstream.zero.group import DataParallelGroup
 from slipstream.zero.layout import ShardSpec
 from slipstream.zero.masters import ShardedMasterWeights
@@ -29,7 +30,7 @@ __all__ = ["ShardedOptimizerStates"]
 logger = logging.getLogger(__name__)
 
 
-class ShardedOptimizerStates:
+class ShardedOptimizerStates(GradientPathMixin):
     """ZeRO stage 1 or 2 for ``params`` (the module keeps full, replicated parameters).
 
     Stage 1: gradients accumulate locally over the gradient-accumulation micro-steps (in
