@@ -31,6 +31,7 @@ def zero_settings(config: SlipstreamConfig) -> ZeroSettings:
     return ZeroSettings(
         stage=zero.stage,
         reduce_bucket_numel=max(1, int(zero.reduce_bucket_size)),
+        stage3_reduce_bucket_parts=int(zero.stage3_reduce_bucket_parts),
         allgather_bucket_numel=max(1, int(zero.allgather_bucket_size)),
         overlap_comm=overlap,
         prefetch_numel=int(zero.stage3_prefetch_bucket_size),

@@ -16,7 +16,7 @@ from slipstream.zero.group import DataParallelGroup
 from slipstream.zero.host_memory import HostArena
 from slipstream.zero.masters import ShardedMasterWeights
 from slipstream.zero.optimizer import ZeroOptimizer
-from slipstream.zero.settings import ZeroSettings
+from slipstream.zero.settings import ZeroSettings, stage3_reduce_bucket_numel
 from slipstream.zero.stage3.sharded_param import (
     ShardedParameter,
     ensure_shards,
@@ -380,10 +380,22 @@ class Stage3GradientPath(GradientPathMixin):
                     release_shards(members, dirty=True)
 
                 step.sub_group_hooks = (before, after)
+        # Sized from the whole model (every part of a multi-group path alike).
+        bucket_numel = stage3_reduce_bucket_numel(
+            settings, [s.spec.numel for s in model.sharded if s.param.requires_grad]
+        )
+        if bucket_numel < settings.reduce_bucket_numel and self.group.rank == 0:
+            logger.info(
+                "ZeRO stage 3: reduce-scatter buckets of %s elements (reduce_bucket_size %s "
+                "capped at 1/%d of the model: zero_optimization.stage3_reduce_bucket_parts)",
+                f"{bucket_numel:,}",
+                f"{settings.reduce_bucket_numel:,}",
+                settings.stage3_reduce_bucket_parts,
+            )
         self.reducer = GradientReduceScatter(
             self.masters,
             self.group,
-            settings.reduce_bucket_numel,
+            bucket_numel,
             grad_of=lambda i: self.params[i].grad,
             release=self._release,
             overlap=settings.overlap_comm,
