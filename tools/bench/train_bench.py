@@ -71,6 +71,11 @@ def _slipstream_config(args: argparse.Namespace) -> dict[str, Any]:
             "contiguous_gradients": True,
             "reduce_bucket_size": args.reduce_bucket_size,
             "allgather_bucket_size": 5e8,
+            **(
+                {"stage3_reduce_bucket_parts": args.stage3_bucket_parts}
+                if args.stage3_bucket_parts is not None
+                else {}
+            ),
             **_offload_blocks(args),
         },
     }
@@ -335,6 +340,13 @@ def main(argv: list[str] | None = None) -> int:
         type=float,
         default=5e8,
         help="zero_optimization.reduce_bucket_size (the DeepSpeed config of BENCHMARKS.md: 5e8)",
+    )
+    parser.add_argument(
+        "--stage3-bucket-parts",
+        type=int,
+        default=None,
+        help="slipstream: zero_optimization.stage3_reduce_bucket_parts (unset: Slipstream's "
+        "default, 64; 0: reduce_bucket_size alone)",
     )
     parser.add_argument(
         "--memory-phases",
