@@ -10,7 +10,7 @@ from typing import Any
 
 import torch
 
-from slipstream.zero.grad_reduce import GradientReduceScatter
+from slipstream.zero.grad_reduce import EagerBucketStep, GradientReduceScatter
 from slipstream.zero.gradient_path import GradientPathMixin
 from slipstream.zero.group import DataParallelGroup
 from slipstream.zero.layout import ShardSpec
@@ -177,6 +177,18 @@ class ShardedOptimizerStates(GradientPathMixin):
                     f"{bucket_numel:,}",
                 )
             bucket_numel = capped
+        eager = None
+        if step is not None and during_backward:
+            # overlap_step (exact) or a speculative step (under clipping): each bucket's
+            # masters step on the CPU worker as it lands, and are published (upload +
+            # all-gather) as soon as finish() sees that step done, while the worker steps the
+            # buckets after it. A discarded speculative step is stepped and published again.
+            eager = EagerBucketStep(
+                submit=step.submit,
+                step_indices=step.step_indices if step.eager else step.speculate_indices,
+                on_stepped=self._publish_stepped,
+                before_stepped=self._check_speculation if step.speculative else None,
+            )
         self.reducer = GradientReduceScatter(
             self.masters,
             self.group,
@@ -188,24 +200,15 @@ class ShardedOptimizerStates(GradientPathMixin):
             gradient_predivide_factor=settings.gradient_predivide_factor,
             prescale=settings.prescale_gradients,
             divisor=gradient_divisor,
+            eager=eager,
+            # Offload: a bf16 reduction stays bf16 on its way to the CPU step (one reduction
+            # per step; accumulated ones are summed in fp32 as before).
+            land_low_precision=step is not None and step.reads_low_precision_grads,
         )
-        # Offload: a bf16 reduction stays bf16 on its way to the CPU step (one reduction per
-        # step; accumulated ones are summed in fp32 as before).
-        self.reducer.land_low_precision = step is not None and step.reads_low_precision_grads
         if step is not None and self.group.rank == 0:
             self._say_gradient_dtype()
         # The buckets that stepped during backward were published in finish().
         self._eager_published = False
-        if step is not None and during_backward:
-            # overlap_step (exact) or a speculative step (under clipping): each bucket's
-            # masters step on the CPU worker as it lands, and are published (upload +
-            # all-gather) as soon as finish() sees that step done, while the worker steps the
-            # buckets after it. A discarded speculative step is stepped and published again.
-            self.reducer.on_final_bucket = step.submit
-            self.reducer.step_indices = step.step_indices if step.eager else step.speculate_indices
-            self.reducer.on_bucket_stepped = self._publish_stepped
-            if step.speculative:
-                self.reducer.before_stepped = self._check_speculation
         self._reducing = settings.stage == 2
         # overlap_forward (see overlap_forward()): a zero_grad held back until the step that
         # still runs on the CPU is done.

@@ -403,10 +403,10 @@ class Stage3GradientPath(GradientPathMixin):
             gradient_predivide_factor=settings.gradient_predivide_factor,
             prescale=settings.prescale_gradients,
             divisor=divisor,
+            # Offload: a bf16 reduction lands on the host in bf16 and the C++ step reads it
+            # there (when it is the step's only reduction; accumulated ones in fp32).
+            land_low_precision=step is not None and step.reads_low_precision_grads,
         )
-        # Offload: a bf16 reduction lands on the host in bf16 and the C++ step reads it there
-        # (when it is the step's only reduction; accumulated ones are summed in fp32).
-        self.reducer.land_low_precision = step is not None and step.reads_low_precision_grads
         owner: dict[int, ParamUnit] = {}
         mine = {id(s) for s in trainable}
         for unit in model.units:
