@@ -71,6 +71,7 @@ def _slipstream_config(args: argparse.Namespace) -> dict[str, Any]:
             "contiguous_gradients": True,
             "reduce_bucket_size": args.reduce_bucket_size,
             "allgather_bucket_size": 5e8,
+            **({"publish_during_forward": True} if args.publish_during_forward else {}),
             **(
                 {"stage3_reduce_bucket_parts": args.stage3_bucket_parts}
                 if args.stage3_bucket_parts is not None
@@ -340,6 +341,12 @@ def main(argv: list[str] | None = None) -> int:
         type=float,
         default=5e8,
         help="zero_optimization.reduce_bucket_size (the DeepSpeed config of BENCHMARKS.md: 5e8)",
+    )
+    parser.add_argument(
+        "--publish-during-forward",
+        action="store_true",
+        help="slipstream stages 1-2: zero_optimization.publish_during_forward (the updated "
+        "shards' all-gathers land as the next forward reaches them)",
     )
     parser.add_argument(
         "--stage3-bucket-parts",

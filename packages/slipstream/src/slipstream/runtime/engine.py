@@ -178,6 +178,14 @@ class SlipstreamEngine(torch.nn.Module):
             if offload is not None and offload.overlap_forward:
                 assert isinstance(self.gradient_path, ShardedOptimizerStates)  # config: stage 1-2
                 self.gradient_path.overlap_forward(self.module)
+            elif config.zero_optimization.publish_during_forward:
+                if isinstance(self.gradient_path, ShardedOptimizerStates):
+                    self.gradient_path.publish_during_forward(self.module)
+                elif self.global_rank == 0:
+                    logger.warning(
+                        "zero_optimization.publish_during_forward has no effect here: it "
+                        "applies to ZeRO stages 1-2 without expert parallelism"
+                    )
         self.lr_scheduler = resolve_scheduler(lr_scheduler, config.scheduler, self.optimizer)
         # Curricula, the difficulty sampler and random-LTD (slipstream.data); None when off.
         self.data_efficiency = DataEfficiency.from_configs(

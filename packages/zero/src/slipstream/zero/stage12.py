@@ -18,10 +18,12 @@ from slipstream.zero.masters import ShardedMasterWeights
 from slipstream.zero.norms import clip_coefficient, norm_of_squares
 from slipstream.zero.optimizer import ZeroOptimizer
 from slipstream.zero.param_gather import (
+    PendingPublish,
     gather_bucket,
     gather_packed,
     pack_bucket,
     plan_gather_buckets,
+    start_gather,
 )
 from slipstream.zero.settings import ZeroSettings
 
@@ -214,6 +216,8 @@ class ShardedOptimizerStates(GradientPathMixin):
         # still runs on the CPU is done.
         self._zero_pending = False
         self._forward_hooks: list[Any] = []
+        # publish_during_forward: the all-gathers of the last step still in flight, in order.
+        self._in_flight: list[PendingPublish] | None = None
         self._hooks = [
             p.register_post_accumulate_grad_hook(lambda p, i=i: self._on_grad(i))  # type: ignore[misc]
             for i, p in enumerate(self.params)
@@ -328,6 +332,7 @@ class ShardedOptimizerStates(GradientPathMixin):
         """overlap_forward: wait for the buckets still stepping on the CPU, publish them, commit
         a kept speculative step and drop the gradients a ``zero_grad`` held back (nothing to
         do otherwise)."""
+        self.finish_publish()
         step = self._offload_step
         if step is None or not (step.tail or step.tail_kept):
             return
@@ -395,8 +400,78 @@ class ShardedOptimizerStates(GradientPathMixin):
 
     def _publish_all(self) -> None:
         shards = self._publish_sources
+        if self._in_flight is not None:
+            self.finish_publish()  # a publish nobody's forward needed yet
+            for indices in self._gather_plan:
+                send = pack_bucket(shards, self.params, indices)
+                self._in_flight.append(
+                    start_gather(send, self.params, self.specs, self.group, indices)
+                )
+            return
         for indices in self._gather_plan:
             gather_bucket(shards, self.params, self.specs, self.group, indices)
+
+    # ------------------------------------------------------------------ publish in forward
+    def publish_during_forward(self, module: torch.nn.Module) -> bool:
+        """Let the all-gathers of updated shards overlap the next forward of ``module``.
+
+        After a step every all-gather bucket is launched asynchronously and ``step()``
+        returns; a forward pre-hook on each submodule of ``module`` that owns parameters
+        lands the buckets (in order, the same on every rank) up to the last one it needs, so
+        the first layers compute while the later buckets are still in flight (a submodule
+        lands the parameters of its whole subtree; the root module, only its own: a root
+        ``forward`` that reads a child's parameter without calling the child would see the
+        old value). Until then those parameters hold the old values: ``state_dict()``, :meth:`complete_step`, the
+        next backward and the next step land everything first; a direct read does not.
+        Costs the gathered buffers of every bucket still in flight (up to the model's size
+        in its dtype). Not with optimizer offload (which has ``overlap_forward``). Returns
+        whether it is on.
+        """
+        if self._offload_step is not None:
+            if self.group.rank == 0:
+                logger.warning(
+                    "publish_during_forward has no effect with optimizer offload (use "
+                    "offload_optimizer.overlap_forward)"
+                )
+            return False
+        self._in_flight = []
+        position = {id(p): i for i, p in enumerate(self.params)}
+        for sub in module.modules():
+            # A module lands its whole subtree (a gate reading its child's weight without
+            # calling the child is covered); the root only its own parameters, or nothing
+            # would overlap.
+            owned = frozenset(
+                position[id(p)]
+                for p in sub.parameters(recurse=sub is not module)
+                if id(p) in position
+            )
+            if owned:
+                self._forward_hooks.append(
+                    sub.register_forward_pre_hook(partial(self._land_before_forward, owned))
+                )
+        self._forward_hooks.append(
+            module.register_state_dict_pre_hook(lambda *_: self.finish_publish())
+        )
+        return True
+
+    def _land_before_forward(
+        self, owned: frozenset[int], module: torch.nn.Module, args: Any
+    ) -> None:
+        pending = self._in_flight
+        if not pending:
+            return
+        last = max(
+            (k for k, bucket in enumerate(pending) if not owned.isdisjoint(bucket.indices)),
+            default=-1,
+        )
+        for _ in range(last + 1):
+            pending.pop(0).finish()
+
+    def finish_publish(self) -> None:
+        """Land every all-gather still in flight (publish_during_forward)."""
+        pending = self._in_flight
+        while pending:
+            pending.pop(0).finish()
 
     def _check_speculation(self, squares: list[torch.Tensor]) -> None:
         """End of backward: call the speculative step off if the global norm already says
