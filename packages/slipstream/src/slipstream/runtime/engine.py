@@ -62,7 +62,9 @@ class SlipstreamEngine(torch.nn.Module):
     slipstream.zero's sharding (``zero_optimization.stage`` 1-3: the optimizer on fp32 master
     shards, gradients reduce-scattered; at stage 3 the parameters sharded first), and the loss
     scaler for fp16. Expert-parallel MoE parameters (slipstream.moe, ``ep_size > 1``) are reduced
-    over their expert-data-parallel groups at stages 0-2 (runtime/moe_gradients.py).
+    (and at stage 3 sharded) over their expert-data-parallel groups (stage 0:
+    runtime/moe_gradients.py; stages 1-3: slipstream.zero's MultiGroupPath). The ZeRO stage's
+    gradient path is picked once, ``engine.gradient_path`` (slipstream.zero.GradientPath).
     """
 
     def __init__(
