@@ -71,6 +71,12 @@ def _slipstream_config(args: argparse.Namespace) -> dict[str, Any]:
             "contiguous_gradients": True,
             "reduce_bucket_size": args.reduce_bucket_size,
             "allgather_bucket_size": 5e8,
+            **({"publish_during_forward": True} if args.publish_during_forward else {}),
+            **(
+                {"stage3_reduce_bucket_parts": args.stage3_bucket_parts}
+                if args.stage3_bucket_parts is not None
+                else {}
+            ),
             **_offload_blocks(args),
             **_zero_plus_plus(args),
         },
@@ -408,6 +414,19 @@ def main(argv: list[str] | None = None) -> int:
         type=float,
         default=5e8,
         help="zero_optimization.reduce_bucket_size (the DeepSpeed config of BENCHMARKS.md: 5e8)",
+    )
+    parser.add_argument(
+        "--publish-during-forward",
+        action="store_true",
+        help="slipstream stages 1-2: zero_optimization.publish_during_forward (the updated "
+        "shards' all-gathers land as the next forward reaches them)",
+    )
+    parser.add_argument(
+        "--stage3-bucket-parts",
+        type=int,
+        default=None,
+        help="slipstream: zero_optimization.stage3_reduce_bucket_parts (unset: Slipstream's "
+        "default, 64; 0: reduce_bucket_size alone)",
     )
     parser.add_argument(
         "--memory-phases",

@@ -179,6 +179,12 @@ class ZeroConfig(ConfigBlock):
     cpu_offload_param: bool | None = None
     cpu_offload_use_pin_memory: bool | None = None
     cpu_offload: bool | None = None
+    # Slipstream's own: stage 3 caps each reduce-scatter bucket at 1/parts of the model's
+    # trainable elements (never below its largest parameter); 0: reduce_bucket_size alone.
+    stage3_reduce_bucket_parts: int = _ge0(64)
+    # Slipstream's own: stages 1-2 launch the all-gathers of updated shards asynchronously
+    # after the step and land each bucket as the next forward reaches its parameters.
+    publish_during_forward: bool = False
     stage3_prefetch_bucket_size: int = _ge0(50_000_000, "prefetch_bucket_size")
     stage3_param_persistence_threshold: int = _ge0(100_000, "param_persistence_threshold")
     stage3_model_persistence_threshold: int = _ge0(sys.maxsize, "model_persistence_threshold")

@@ -29,8 +29,8 @@ from slipstream.runtime.agreement import check_ranks_agree, parameter_signature
 from slipstream.runtime.data_parallel import GradientReducer, ReduceSettings, register_ready_hooks
 from slipstream.runtime.lr_schedules import resolve_scheduler
 from slipstream.runtime.moe_gradients import (
-    ExpertParallelZero,
     agree_overflow,
+    declare_stage3_reads,
     expert_layout,
     moe_clip_grad_norm,
     reduce_expert_grads,
@@ -50,8 +50,7 @@ from slipstream.runtime.tensor_parallel import (
 )
 from slipstream.runtime.throughput import ProgressReport, ThroughputMeter, count_tokens, peak_tflops
 from slipstream.runtime.timers import WallClockTimers
-from slipstream.runtime.zero_setup import ZeroGradientPath
-from slipstream.zero import DataParallelGroup, ShardedOptimizerStates, ZeroSettings
+from slipstream.zero import DataParallelGroup, GradientPath, ShardedOptimizerStates, ZeroSettings
 
 logger = logging.getLogger(__name__)
 
@@ -76,7 +75,9 @@ class SlipstreamEngine(torch.nn.Module):
     slipstream.zero's sharding (``zero_optimization.stage`` 1-3: the optimizer on fp32 master
     shards, gradients reduce-scattered; at stage 3 the parameters sharded first), and the loss
     scaler for fp16. Expert-parallel MoE parameters (slipstream.moe, ``ep_size > 1``) are reduced
-    over their expert-data-parallel groups at stages 0-2 (runtime/moe_gradients.py).
+    (and at stage 3 sharded) over their expert-data-parallel groups (stage 0:
+    runtime/moe_gradients.py; stages 1-3: slipstream.zero's MultiGroupPath). The ZeRO stage's
+    gradient path is picked once, ``engine.gradient_path`` (slipstream.zero.GradientPath).
     """
 
     def __init__(
@@ -123,7 +124,10 @@ class SlipstreamEngine(torch.nn.Module):
         # Read from the config once: the reduce settings are used on every boundary.
         self._zero_settings = zero_setup.zero_settings(config) if self.zero_stage else None
         self._reduce = self._reduce_settings()
-        self.zero: ZeroGradientPath | ExpertParallelZero | None = None
+        # The ZeRO gradient path (slipstream.zero.GradientPath), picked once below; None at
+        # stage 0. ``zero`` is its older name, read by the checkpoint code.
+        self.gradient_path: GradientPath | None = None
+        self.zero: Any = None
         self._zero_comm_group: DataParallelGroup | None = None
         self._stage3: Any = None
         self._destroyed = False
@@ -136,23 +140,22 @@ class SlipstreamEngine(torch.nn.Module):
             self.dp_group,
             self.dp_world_size,
         )
-        if self.zero_stage == 3 and self._experts.is_expert_parallel:
-            raise NotImplementedError(
-                "ZeRO stage 3 does not support expert-parallel MoE layers (ep_size > 1; groups "
-                f"{sorted(self._experts.expert)}): their parameters would have to be sharded "
-                "over their expert-data-parallel groups. Use zero_optimization.stage 1 or 2 "
-                "(expert and dense optimizer states are both sharded there), or ep_size=1."
-            )
         if self.zero_stage == 3:
             # Stage 3 places and casts each parameter as it shards it (the whole module never
             # sits on the device at once), broadcasting rank 0's values first.
             self._device = self.accelerator.device()
+            declare_stage3_reads(model)
             self._stage3 = zero_setup.shard_module_for_stage3(
                 model,
                 self._zero_settings_for_stage(),
                 self._zero_group(),
                 self._device,
                 self.compute_dtype,
+                # Expert parameters shard over their expert-data-parallel groups.
+                param_groups={
+                    pid: DataParallelGroup.of(self._experts.dp_groups[name])
+                    for pid, name in self._experts.group_of.items()
+                },
             )
         else:
             _refuse_partitioned(model, self.zero_stage)
@@ -183,26 +186,30 @@ class SlipstreamEngine(torch.nn.Module):
                     "but there is no optimizer: pass initialize(optimizer=...) or add an "
                     "'optimizer' block to the config"
                 )
-            if self._experts.is_expert_parallel:
-                self.zero = ExpertParallelZero(
-                    self._zero_settings_for_stage(),
-                    self._zero_group(),
-                    self._params,
-                    self.optimizer,
-                    self._experts,
-                )
-            else:
-                self.zero = zero_setup.attach_optimizer(
-                    self._zero_settings_for_stage(),
-                    self._zero_group(),
-                    self._params,
-                    self.optimizer,
-                    self._stage3,
-                )
-                offload = config.zero_optimization.optimizer_offload()
-                if offload is not None and offload.overlap_forward:
-                    assert isinstance(self.zero, ShardedOptimizerStates)  # config: stage 1-2
-                    self.zero.overlap_forward(self.module)
+            self.gradient_path = zero_setup.build_gradient_path(
+                self._zero_settings_for_stage(),
+                self._zero_group(),
+                self._params,
+                self.optimizer,
+                self._stage3,
+                expert_parts={
+                    name: (indices, DataParallelGroup.of(self._experts.dp_groups[name]))
+                    for name, indices in self._experts.expert.items()
+                },
+            )
+            self.zero = self.gradient_path
+            offload = config.zero_optimization.optimizer_offload()
+            if offload is not None and offload.overlap_forward:
+                assert isinstance(self.gradient_path, ShardedOptimizerStates)  # config: stage 1-2
+                self.gradient_path.overlap_forward(self.module)
+            elif config.zero_optimization.publish_during_forward:
+                if isinstance(self.gradient_path, ShardedOptimizerStates):
+                    self.gradient_path.publish_during_forward(self.module)
+                elif self.global_rank == 0:
+                    logger.warning(
+                        "zero_optimization.publish_during_forward has no effect here: it "
+                        "applies to ZeRO stages 1-2 without expert parallelism"
+                    )
         self.lr_scheduler = resolve_scheduler(lr_scheduler, config.scheduler, self.optimizer)
         # Curricula, the difficulty sampler and random-LTD (slipstream.data); None when off.
         self.data_efficiency = DataEfficiency.from_configs(
@@ -234,11 +241,7 @@ class SlipstreamEngine(torch.nn.Module):
         # Position of each parameter in the dense reducer (None: an expert-parallel parameter,
         # reduced over its expert-DP group after backward instead).
         self._reducer_index: list[int | None] = list(range(len(self._params)))
-        if isinstance(self.zero, ExpertParallelZero):
-            self._grad_sources = [m for part in self.zero.parts for m in part.masters.masters]
-        elif self.zero is not None:
-            self._grad_sources = list(self.zero.masters.masters)
-        else:
+        if self.gradient_path is None:
             if self.dp_world_size > 1:
                 dense = self._experts.dense
                 self._reducer_index = [None] * len(self._params)
@@ -427,10 +430,8 @@ class SlipstreamEngine(torch.nn.Module):
             return
         self._destroyed = True
         self.monitor.close()
-        if self.zero is not None and not isinstance(self.zero, ExpertParallelZero):
-            offload = self.zero.optimizer.offload
-            if offload is not None:
-                offload.close()
+        if self.gradient_path is not None:
+            self.gradient_path.close()
         if self._stage3 is not None:
             self._stage3.close()
 
@@ -443,8 +444,8 @@ class SlipstreamEngine(torch.nn.Module):
         the weights, say); forwards, ``state_dict()``, checkpoints and the next backward wait
         by themselves. A no-op otherwise.
         """
-        if isinstance(self.zero, ShardedOptimizerStates):
-            self.zero.complete_step()
+        if isinstance(self.gradient_path, ShardedOptimizerStates):
+            self.gradient_path.complete_step()
 
     def _check_alive(self) -> None:
         if self._destroyed:
@@ -499,7 +500,7 @@ class SlipstreamEngine(torch.nn.Module):
         if self.monitor.enabled:
             self._monitor_train_loss(scaled)
         to_backprop = scaled * self.loss_scaler.loss_scale if self.loss_scaler else scaled
-        if self.zero is not None:
+        if self.gradient_path is not None:
             self._zero_backward(to_backprop, retain_graph)
             return scaled.detach()
         reduce_now = (
@@ -527,7 +528,7 @@ class SlipstreamEngine(torch.nn.Module):
         return scaled.detach()
 
     def _zero_backward(self, to_backprop: torch.Tensor, retain_graph: bool) -> None:
-        assert self.zero is not None
+        assert self.gradient_path is not None
         if self._inside_no_sync and self.zero_stage >= 2:
             raise RuntimeError(
                 f"engine.no_sync() cannot be used at ZeRO stage {self.zero_stage}: gradients are "
@@ -537,10 +538,12 @@ class SlipstreamEngine(torch.nn.Module):
             )
         boundary = self.is_gradient_accumulation_boundary() and not self._inside_no_sync
         scaler = self.loss_scaler
-        self.zero.prepare_backward(boundary, scaler.loss_scale if scaler is not None else None)
+        self.gradient_path.prepare_backward(
+            boundary, scaler.loss_scale if scaler is not None else None
+        )
         with self.timers.region("backward"):
             to_backprop.backward(retain_graph=retain_graph)
-            self.zero.finish_backward(boundary)
+            self.gradient_path.finish_backward(boundary)
 
     def _on_grad_ready(self, index: int, param: torch.nn.Parameter) -> None:
         if self.masters is not None:
@@ -597,7 +600,7 @@ class SlipstreamEngine(torch.nn.Module):
 
     def _take_optimizer_step(self, lr_kwargs: dict[str, Any] | None) -> None:
         assert self.optimizer is not None  # checked by step()
-        if self.zero is not None:
+        if self.gradient_path is not None:
             self._take_zero_step(lr_kwargs)
             return
         if self._tp_size > 1:
@@ -696,7 +699,7 @@ class SlipstreamEngine(torch.nn.Module):
             )
 
     def _take_zero_step(self, lr_kwargs: dict[str, Any] | None) -> None:
-        assert self.zero is not None
+        assert self.gradient_path is not None
         scaler = self.loss_scaler
         nonfinite = self._nonfinite_check_value() if self._check_nonfinite else None
         if nonfinite is not None and self._tp_size > 1:
@@ -704,19 +707,19 @@ class SlipstreamEngine(torch.nn.Module):
             nonfinite = agree_nonfinite_across_tensor_group(nonfinite, sources, self._tp_group)
         grad_norm = None
         if self._tp_size > 1:
-            masters = self.zero.masters
+            masters = self.gradient_path.masters  # type: ignore[attr-defined]  # stages 1-2
             reduce_sequence_parallel_grads_(
                 masters.params, [masters.grad(i) for i in range(len(masters))], self._tp_group
             )
             # The path's own norm would span this rank's data group only.
             grad_norm = zero_tensor_parallel_grad_norm(
-                self.zero.masters,
+                masters,
                 self._zero_group(),
                 self._tp_group,
                 self._device,
                 scaler.loss_scale if scaler is not None else None,
             )
-        outcome = self.zero.optimizer.step(
+        outcome = self.gradient_path.step(
             loss_scale=scaler.loss_scale if scaler is not None else None,
             max_grad_norm=self.config.gradient_clipping,
             grad_norm=grad_norm,
@@ -749,10 +752,10 @@ class SlipstreamEngine(torch.nn.Module):
         """Drop all gradients (model and master); they are always set to None."""
         for param in self._params:
             param.grad = None
-        if self.zero is not None:
+        if self.gradient_path is not None:
             # The stage drops its masters' gradients (with overlap_forward, once the step that
             # still reads them is done).
-            self.zero.zero_grad()
+            self.gradient_path.zero_grad()
             return
         for source in self._grad_sources:
             source.grad = None
@@ -891,9 +894,9 @@ class SlipstreamEngine(torch.nn.Module):
 
     def _optimizer_resident(self) -> Any:
         """NVMe offload: masters and optimizer states in host memory for a checkpoint."""
-        if self.zero is None or isinstance(self.zero, ExpertParallelZero):
+        if self.gradient_path is None:
             return contextlib.nullcontext()
-        return self.zero.optimizer.resident()
+        return self.gradient_path.resident()
 
     def load_checkpoint(
         self,

@@ -1,5 +1,9 @@
 """Gradients of expert-parallel MoE parameters in the engine (slipstream.moe, ``ep_size > 1``).
 
+Stage 0 reduces them here; at ZeRO stages 1-3 the engine hands the layout to slipstream.zero
+(``MultiGroupPath``: the dense part over the data-parallel group, one part per expert group over
+its expert-data-parallel group).
+
 [Note: divisors and the norm]
 Every rank trains on its own micro-batches and the loss is the mean over all ``W`` data-parallel
 ranks. A dense parameter is replicated everywhere: its gradient is all-reduced (or
@@ -14,28 +18,24 @@ The global norm counts each gradient element once: dense gradients are equal on 
 the reduction (stage 0) or spread over the DP group as shards (stages 1-2); an expert layer's
 experts are spread over its expert-parallel group (disjoint experts), replicated across
 expert-DP groups (stage 0) or sharded within one (stages 1-2), so its squares are summed over the
-expert-DP group when sharded and then over the expert-parallel group.
+expert-DP group when sharded and then over the expert-parallel group. Sharded, every element
+lives on exactly one rank of the world, so ZeRO's norm is one all-reduce over it.
 """
 
 from __future__ import annotations
 
-import math
 from collections.abc import Sequence
 from dataclasses import dataclass, field
-from typing import Any
 
 import torch
 import torch.distributed as dist
 
 from slipstream import comm
 from slipstream.kernels.loss_scaler import inf_or_nan_flag
-from slipstream.zero import DataParallelGroup, ShardedOptimizerStates, ZeroSettings
 from slipstream.zero.norms import clip_grads_
-from slipstream.zero.optimizer import StepOutcome
 
 __all__ = [
     "ExpertLayout",
-    "ExpertParallelZero",
     "agree_overflow",
     "expert_layout",
     "moe_clip_grad_norm",
@@ -193,137 +193,14 @@ def moe_clip_grad_norm(
     return norm
 
 
-class ExpertParallelZero:
-    """ZeRO stage 1 or 2 for a model with expert-parallel MoE layers.
+def declare_stage3_reads(model: torch.nn.Module) -> None:
+    """ZeRO stage 3: declare the parameters slipstream.moe's modules read from a child without
+    calling it (``TopKGate`` reads ``wg.weight`` in fp32 itself), so that stage 3 gathers them
+    around the reading module's forward (``register_external_parameter``)."""
+    from slipstream.moe import TopKGate
+    from slipstream.zero import register_external_parameter
 
-    Dense parameters are sharded over the data-parallel group (one ShardedOptimizerStates, as
-    without experts); each expert group's parameters over its expert-data-parallel group (one
-    more ShardedOptimizerStates each, whose reduce-scatter divides by the data-parallel world
-    size: see the note at the top). All parts share the one torch optimizer: the step votes on
-    overflow once over the world, takes one global norm, clips every part, steps the optimizer
-    once and publishes every part. It is the engine's ``zero`` (backward bracket and
-    ``zero_grad``) and ``zero.optimizer`` (``step``) at once.
-    """
-
-    def __init__(
-        self,
-        settings: ZeroSettings,
-        dp_group: DataParallelGroup,
-        params: Sequence[torch.nn.Parameter],
-        optimizer: torch.optim.Optimizer,
-        layout: ExpertLayout,
-    ) -> None:
-        self.optimizer = self
-        self.torch_optimizer = optimizer
-        self.layout = layout
-        self.group = dp_group
-        self.device = params[0].device if params else torch.device("cpu")
-        self.dense = ShardedOptimizerStates(
-            [params[i] for i in layout.dense], optimizer, settings, dp_group, strict_optimizer=False
-        )
-        self.experts: dict[str, ShardedOptimizerStates] = {}
-        for name, indices in layout.expert.items():
-            self.experts[name] = ShardedOptimizerStates(
-                [params[i] for i in indices],
-                optimizer,
-                settings,
-                DataParallelGroup.of(layout.dp_groups[name]),
-                gradient_divisor=dp_group.world_size,
-                strict_optimizer=False,
-            )
-        masters = {id(m) for part in self.parts for m in part.masters.masters}
-        for group in optimizer.param_groups:
-            for p in group["params"]:
-                if id(p) not in masters:
-                    raise ValueError(
-                        "the optimizer holds a parameter that is not a trainable parameter of "
-                        "the model; build the optimizer from model.parameters() (or param "
-                        "groups of them)"
-                    )
-
-    @property
-    def parts(self) -> list[ShardedOptimizerStates]:
-        """The dense part, then one part per expert group."""
-        return [self.dense, *self.experts.values()]
-
-    # ------------------------------------------------------------------ the gradient path
-    def prepare_backward(self, is_boundary: bool, loss_scale: float | None = None) -> None:
-        """Forward the boundary (stage 1 reduces only then) and fp16 loss scale to every part."""
-        for part in self.parts:
-            part.prepare_backward(is_boundary, loss_scale)
-
-    def finish_backward(self, is_boundary: bool = True) -> None:
-        """Complete every part's reduce-scatter (the same order on every rank)."""
-        for part in self.parts:
-            part.finish_backward(is_boundary)
-
-    def zero_grad(self, set_to_none: bool = True) -> None:
-        """Drop every part's master and full-size gradients."""
-        for part in self.parts:
-            part.zero_grad()
-
-    # ------------------------------------------------------------------ the optimizer view
-    @property
-    def param_groups(self) -> list[dict]:
-        """The shared torch optimizer's parameter groups."""
-        return self.torch_optimizer.param_groups
-
-    @property
-    def state(self) -> dict:
-        """The shared torch optimizer's per-shard state."""
-        return self.torch_optimizer.state  # type: ignore[return-value]
-
-    def step(
-        self,
-        loss_scale: float | None = None,
-        max_grad_norm: float = 0.0,
-        grad_norm: torch.Tensor | None = None,
-        nonfinite_check: torch.Tensor | None = None,
-    ) -> StepOutcome:
-        """One update of every part: overflow vote, unscale, global norm, clip, step, publish.
-
-        ``nonfinite_check``: as in :meth:`slipstream.zero.ZeroOptimizer.step` (fp32/bf16).
-        """
-        dense = self.dense.masters.grads()
-        expert = {name: part.masters.grads() for name, part in self.experts.items()}
-        grads = [*dense, *(g for gs in expert.values() for g in gs)]
-        if loss_scale is not None and agree_overflow(grads, self.device):
-            return StepOutcome(overflow=True, grad_norm=None)
-        if (
-            loss_scale is None
-            and nonfinite_check is not None
-            and agree_overflow([*grads, nonfinite_check.detach()], self.device)
-        ):
-            return StepOutcome(overflow=True, grad_norm=None)
-        if loss_scale is not None and loss_scale != 1.0 and grads:
-            torch._foreach_mul_(grads, 1.0 / loss_scale)
-        if grad_norm is None:
-            # Dense shards are disjoint over the DP group; an expert group's shards over its
-            # expert-DP group, and its experts over its expert-parallel group.
-            squares = self.group.sum_(_squares(dense, self.device))
-            for name, part in self.experts.items():
-                share = part.group.sum_(_squares(expert[name], self.device))
-                ep_group = self.layout.ep_groups[name]
-                if ep_group is not None:
-                    comm.all_reduce(share, group=ep_group, log_name="moe_grad_norm")
-                squares = squares + share
-            grad_norm = squares.sqrt()
-        if max_grad_norm > 0 and not math.isinf(max_grad_norm):
-            clip_grads_(grads, grad_norm, max_grad_norm)
-        self.torch_optimizer.step()
-        for part in self.parts:
-            part.publish()
-        return StepOutcome(overflow=False, grad_norm=grad_norm)
-
-    # ------------------------------------------------------------------ not supported
-    def _no_checkpoint(self) -> Any:
-        raise NotImplementedError(
-            "ZeRO checkpoints of a model with expert-parallel MoE layers are not supported yet "
-            "(expert shards live on their expert-data-parallel groups); save the weights with "
-            "slipstream.moe.full_state_dict(engine.module) instead"
-        )
-
-    # The single-group views the ZeRO checkpoint code reads: refused rather than half-saved.
-    masters = property(_no_checkpoint)
-    specs = property(_no_checkpoint)
-    params = property(_no_checkpoint)
+    for module in model.modules():
+        if isinstance(module, TopKGate):
+            for param in module.wg.parameters():
+                register_external_parameter(module, param)

@@ -3,32 +3,21 @@
 from __future__ import annotations
 
 import logging
-from typing import TYPE_CHECKING, Any, Protocol
+from collections.abc import Mapping
+from typing import Any
 
 import torch
 
 from slipstream.config import SlipstreamConfig
-from slipstream.zero import DataParallelGroup, ShardedOptimizerStates, ZeroOptimizer, ZeroSettings
+from slipstream.zero import (
+    DataParallelGroup,
+    GradientPath,
+    MultiGroupPath,
+    ShardedOptimizerStates,
+    ZeroSettings,
+)
 
 logger = logging.getLogger(__name__)
-
-if TYPE_CHECKING:
-    from slipstream.zero import ShardedMasterWeights, ShardSpec
-
-
-class ZeroGradientPath(Protocol):
-    """What the engine needs from a ZeRO stage: the backward bracket and the sharded optimizer."""
-
-    optimizer: ZeroOptimizer
-    masters: ShardedMasterWeights
-    specs: list[ShardSpec]
-    params: list[torch.nn.Parameter]
-
-    def prepare_backward(self, is_boundary: bool, loss_scale: float | None = None) -> None: ...
-
-    def finish_backward(self, is_boundary: bool = True) -> None: ...
-
-    def zero_grad(self) -> None: ...
 
 
 def zero_settings(config: SlipstreamConfig) -> ZeroSettings:
@@ -42,6 +31,7 @@ def zero_settings(config: SlipstreamConfig) -> ZeroSettings:
     return ZeroSettings(
         stage=zero.stage,
         reduce_bucket_numel=max(1, int(zero.reduce_bucket_size)),
+        stage3_reduce_bucket_parts=int(zero.stage3_reduce_bucket_parts),
         allgather_bucket_numel=max(1, int(zero.allgather_bucket_size)),
         overlap_comm=overlap,
         prefetch_numel=int(zero.stage3_prefetch_bucket_size),
@@ -152,24 +142,60 @@ def shard_module_for_stage3(
     group: DataParallelGroup,
     device: torch.device,
     dtype: torch.dtype | None,
+    param_groups: Mapping[int, DataParallelGroup] | None = None,
 ) -> Any:
-    """Stage 3: shard ``module``'s parameters in place (placement and cast included)."""
+    """Stage 3: shard ``module``'s parameters in place (placement and cast included);
+    ``param_groups``: parameters sharded over another group (expert parameters)."""
     from slipstream.zero.stage3 import shard_parameters
 
-    return shard_parameters(module, settings, group=group, device=device, dtype=dtype)
+    return shard_parameters(
+        module, settings, group=group, device=device, dtype=dtype, param_groups=param_groups
+    )
 
 
-def attach_optimizer(
+def build_gradient_path(
     settings: ZeroSettings,
     group: DataParallelGroup,
     params: list[torch.nn.Parameter],
     optimizer: torch.optim.Optimizer,
     stage3_model: Any = None,
-) -> ZeroGradientPath:
-    """Re-home ``optimizer`` onto master shards and install the stage's gradient path."""
+    expert_parts: Mapping[str, tuple[list[int], DataParallelGroup]] | None = None,
+) -> GradientPath:
+    """The ZeRO stage's gradient path for ``params``, with ``optimizer`` re-homed onto shards.
+
+    ``expert_parts`` (stages 1-2): for each expert group, the indices into ``params`` of its
+    parameters and its expert-data-parallel group; they become parts of a
+    :class:`~slipstream.zero.MultiGroupPath` beside the dense part (at stage 3 the model's
+    ``param_groups`` say the same, and ``attach_optimizer`` builds the parts).
+    """
     if settings.stage == 3:
         return stage3_model.attach_optimizer(optimizer)  # type: ignore[no-any-return]
-    return ShardedOptimizerStates(params, optimizer, settings, group)
+    if not expert_parts:
+        return ShardedOptimizerStates(params, optimizer, settings, group)
+    in_experts = {i for indices, _ in expert_parts.values() for i in indices}
+    parts = [
+        ShardedOptimizerStates(
+            [p for i, p in enumerate(params) if i not in in_experts],
+            optimizer,
+            settings,
+            group,
+            strict_optimizer=False,
+        )
+    ]
+    for indices, expert_group in expert_parts.values():
+        parts.append(
+            ShardedOptimizerStates(
+                [params[i] for i in indices],
+                optimizer,
+                settings,
+                expert_group,
+                # Summed over the expert-DP group, averaged over every DP rank's loss.
+                gradient_divisor=group.world_size,
+                strict_optimizer=False,
+            )
+        )
+    device = params[0].device if params else torch.device("cpu")
+    return MultiGroupPath(parts, optimizer, group, device)
 
 
 def _warn_inert_offload_keys(optimizer: Any, param: Any) -> None:

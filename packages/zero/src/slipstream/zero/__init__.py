@@ -18,6 +18,7 @@ See docs/zero.md.
 
 from __future__ import annotations
 
+from slipstream.zero.gradient_path import GradientPath, MultiGroupPath
 from slipstream.zero.group import DataParallelGroup
 from slipstream.zero.init_context import GatheredParameters, Init
 from slipstream.zero.layout import ShardSpec
@@ -36,7 +37,9 @@ from slipstream.zero.stage12 import ShardedOptimizerStates
 __all__ = [
     "DataParallelGroup",
     "GatheredParameters",
+    "GradientPath",
     "Init",
+    "MultiGroupPath",
     "ShardSpec",
     "ShardedMasterWeights",
     "ShardedOptimizerStates",

@@ -15,7 +15,7 @@ from slipstream.zero.group import DataParallelGroup
 from slipstream.zero.layout import ShardSpec
 from slipstream.zero.masters import ShardedMasterWeights
 
-__all__ = ["BucketState", "GradientReduceScatter", "plan_buckets"]
+__all__ = ["BucketState", "EagerBucketStep", "GradientReduceScatter", "plan_buckets"]
 
 
 class BucketState(Enum):
@@ -89,6 +89,28 @@ class _Bucket:
     scaled: bool = False  # reduced, post-scaled (and its squares taken) on the device
 
 
+@dataclass(frozen=True, slots=True)
+class EagerBucketStep:
+    """Optimizer offload with a CPU step during backward: what the reducer calls per bucket
+    of the last reduction before a step (``final``), given at construction.
+
+    ``submit(run[, ready])`` queues ``run`` (hand the landed bucket to the master grads,
+    then step those masters) on the CPU step's worker and returns its Future; ``ready``
+    (with a GPU) says whether the bucket's copy to the host is done. ``step_indices`` steps
+    a bucket's masters (the exact or the speculative step). ``on_stepped(indices)`` is
+    called in :meth:`GradientReduceScatter.finish`, in bucket order, as each bucket's step
+    completes (the stage publishes those parameters while later buckets still step).
+    ``before_stepped(squares)``, if given, is called in ``finish`` once every bucket's sum of
+    squares exists and before it waits for the steps (a speculative step may be called off
+    there); only for a first reduction since zero_grad.
+    """
+
+    submit: Callable[..., Any]
+    step_indices: Callable[[list[int]], None]
+    on_stepped: Callable[[list[int]], None]
+    before_stepped: Callable[[list[torch.Tensor]], None] | None = None
+
+
 class GradientReduceScatter:
     """Reduce-scatters gradients bucket by bucket into ``masters[i].grad`` (accumulating).
 
@@ -133,6 +155,8 @@ class GradientReduceScatter:
         gradient_predivide_factor: float = 1.0,
         prescale: bool = False,
         divisor: int | None = None,
+        eager: EagerBucketStep | None = None,
+        land_low_precision: bool = False,
     ) -> None:
         if divisor is not None and divisor < 1:
             raise ValueError(f"divisor must be a positive rank count, got {divisor}")
@@ -165,31 +189,28 @@ class GradientReduceScatter:
             )
         self._next = 0
         self._side: Any = None
-        # Offload with an eager step: ``on_final_bucket(run[, ready])`` queues ``run`` (hand
-        # the landed bucket to the master grads, then step those masters) on the CPU step's
-        # worker and returns its Future; ``ready`` (with a GPU) says whether the bucket's
-        # copy to the host is done. Only the last reduction before a step (``final``).
-        self.on_final_bucket: Callable[..., Any] | None = None
-        self.step_indices: Callable[[list[int]], None] | None = None
-        # ``on_bucket_stepped(indices)``: called in finish(), in bucket order, as each eager
-        # bucket's step completes (the stage publishes those parameters while later buckets
-        # are still stepping on the CPU).
-        self.on_bucket_stepped: Callable[[list[int]], None] | None = None
-        # ``before_stepped(squares)``: called in finish() once every bucket's sum of squares
-        # (one tensor per bucket, on the reduction's device) exists and before it waits for
-        # the eager steps: the stage may take the global norm now and call off a speculative
-        # step that the norm rules out. Only for a first reduction since zero_grad.
-        self.before_stepped: Callable[[list[torch.Tensor]], None] | None = None
-        # ``defer_job(indices, job)`` (overlap_forward): finish() leaves each eager bucket's
-        # step running and hands it over (in bucket order) instead of waiting for it and
-        # calling on_bucket_stepped; the stage publishes it when the next forward needs it.
+        # Offload with an eager step (EagerBucketStep): its callbacks, fixed at construction.
+        self.on_final_bucket: Callable[..., Any] | None = eager.submit if eager else None
+        self.step_indices: Callable[[list[int]], None] | None = (
+            eager.step_indices if eager else None
+        )
+        self.on_bucket_stepped: Callable[[list[int]], None] | None = (
+            eager.on_stepped if eager else None
+        )
+        self.before_stepped: Callable[[list[torch.Tensor]], None] | None = (
+            eager.before_stepped if eager else None
+        )
+        # ``defer_job(indices, job)`` (overlap_forward, switched on by the stage's
+        # overlap_forward()): finish() leaves each eager bucket's step running and hands it
+        # over (in bucket order) instead of waiting for it and calling on_bucket_stepped; the
+        # stage publishes it when the next forward needs it.
         self.defer_job: Callable[[list[int], Any], None] | None = None
         self.final = True
-        # Offload with a bf16 reduction (set by the stage when its CPU step reads bf16
-        # gradients): a reduction that is the first since zero_grad and the last before the
-        # step (``boundary``, set before each backward) lands on the host in bf16, as it was
+        # Offload with a bf16 reduction (when the stage's CPU step reads bf16 gradients): a
+        # reduction that is the first since zero_grad and the last before the step
+        # (``boundary``, set before each backward) lands on the host in bf16, as it was
         # reduced, and stays so (ShardedMasterWeights.landed); any other lands in fp32.
-        self.land_low_precision = False
+        self.land_low_precision = land_low_precision
         self.boundary = True
 
     @property

@@ -14,10 +14,26 @@ __all__ = [
     "clip_coefficient",
     "clip_grads_",
     "global_grad_norm",
+    "local_squares",
     "norm_of_squares",
     "overflow_on_any_rank",
     "unscale_factor",
 ]
+
+
+def local_squares(shard_grads: Sequence[torch.Tensor], device: torch.device) -> torch.Tensor:
+    """This rank's sum of squares of ``shard_grads`` (fp32 scalar on ``device``).
+
+    Host shards (CPU offload, some or all of them) are summed there; the result lives on the
+    device, where the collective runs. An inf or nan in any gradient makes it non-finite.
+    """
+    by_device: dict[torch.device, list[torch.Tensor]] = {}
+    for grad in shard_grads:
+        by_device.setdefault(grad.device, []).append(grad.float().pow(2).sum())
+    squares = torch.zeros((), dtype=torch.float32, device=device)
+    for parts in by_device.values():
+        squares = squares + torch.stack(parts).sum().to(device)
+    return squares
 
 
 def global_grad_norm(
@@ -29,14 +45,7 @@ def global_grad_norm(
     elements of a shard are zero (they are reduced zeros), so they add nothing; a tied
     parameter has one master, so it is counted once.
     """
-    by_device: dict[torch.device, list[torch.Tensor]] = {}
-    for grad in shard_grads:
-        by_device.setdefault(grad.device, []).append(grad.float().pow(2).sum())
-    squares = torch.zeros((), dtype=torch.float32, device=device)
-    # Host shards (CPU offload, some or all of them): summed there, the collective runs on
-    # the device.
-    for parts in by_device.values():
-        squares = squares + torch.stack(parts).sum().to(device)
+    squares = local_squares(shard_grads, device)
     group.sum_(squares)
     return squares.sqrt()
 

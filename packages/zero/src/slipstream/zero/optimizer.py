@@ -17,6 +17,7 @@ from slipstream.zero.norms import (
     clip_coefficient,
     clip_grads_,
     global_grad_norm,
+    local_squares,
     norm_of_squares,
     overflow_on_any_rank,
     unscale_factor,
@@ -25,7 +26,7 @@ from slipstream.zero.norms import (
 if TYPE_CHECKING:
     from slipstream.zero.offload import OffloadedStep
 
-__all__ = ["StepOutcome", "ZeroOptimizer"]
+__all__ = ["StepOutcome", "ZeroOptimizer", "take_sharded_step"]
 
 logger = logging.getLogger(__name__)
 
@@ -36,6 +37,54 @@ class StepOutcome:
 
     overflow: bool
     grad_norm: torch.Tensor | None
+
+
+def take_sharded_step(
+    optimizer: torch.optim.Optimizer,
+    grads: list[torch.Tensor],
+    group: DataParallelGroup,
+    device: torch.device,
+    *,
+    loss_scale: float | None = None,
+    max_grad_norm: float = 0.0,
+    grad_norm: torch.Tensor | None = None,
+    nonfinite_check: torch.Tensor | None = None,
+) -> StepOutcome:
+    """The update every on-device gradient path takes: vote, unscale, norm, clip, step.
+
+    ``grads`` are this rank's gradient shards; over ``group`` they hold every gradient element
+    once (a single data-parallel group, or several groups whose shards tile the world: dense
+    shards over the data-parallel ranks plus expert shards over their expert-data-parallel
+    and expert-parallel ranks). The caller publishes the updated shards when the step was
+    taken.
+
+    [Note: one collective per step] The non-finite vote (fp16 overflow, or ``nonfinite_check``
+    under fp32/bf16) rides on the norm's all-reduce: an inf or nan in any rank's gradient
+    makes the summed squares non-finite, and ``nonfinite_check * 0`` adds a non-finite loss
+    to them without changing a finite sum. One scalar all-reduce and one host read decide
+    the skip on every rank (before: a MAX all-reduce with its host read, then the norm's
+    all-reduce). Under fp16 the squares are of the scaled gradients and the norm is divided
+    by the scale, which is exact for the power-of-two scales of the dynamic scaler.
+    """
+    vote = loss_scale is not None or nonfinite_check is not None
+    total: torch.Tensor | None = None
+    if grad_norm is None or vote:
+        total = local_squares(grads, device)
+        if loss_scale is None and nonfinite_check is not None:
+            total = total + nonfinite_check.detach().float().to(device) * 0.0
+        group.sum_(total)
+        if vote and not bool(torch.isfinite(total)):  # the step's one host sync
+            return StepOutcome(overflow=True, grad_norm=None)
+    if loss_scale is not None and loss_scale != 1.0 and grads:
+        torch._foreach_mul_(grads, 1.0 / loss_scale)
+    if grad_norm is not None:
+        norm = grad_norm
+    else:
+        assert total is not None
+        norm = norm_of_squares(total, loss_scale)
+    clip_grads_(grads, norm, max_grad_norm)
+    optimizer.step()
+    return StepOutcome(overflow=False, grad_norm=norm)
 
 
 class ZeroOptimizer:
@@ -117,6 +166,20 @@ class ZeroOptimizer:
         if self.offload is not None and self.offload.tail_kept:
             self._complete()  # the last step still ran (two steps without a forward between)
         grads = self.masters.grads()
+        if self.offload is None:
+            outcome = take_sharded_step(
+                self.optimizer,
+                grads,
+                self.group,
+                self.device,
+                loss_scale=loss_scale,
+                max_grad_norm=max_grad_norm,
+                grad_norm=grad_norm,
+                nonfinite_check=nonfinite_check,
+            )
+            if not outcome.overflow:
+                self._publish()
+            return outcome
         if (
             loss_scale is None
             and nonfinite_check is not None
@@ -138,17 +201,7 @@ class ZeroOptimizer:
             return self._offloaded_step(grads, loss_scale, max_grad_norm, given)
         if loss_scale is not None and overflow_on_any_rank(grads, self.group, self.device):
             return self._overflow()
-        if self.offload is not None:
-            return self._offloaded_step(grads, loss_scale, max_grad_norm, grad_norm)
-        if loss_scale is not None and loss_scale != 1.0 and grads:
-            torch._foreach_mul_(grads, 1.0 / loss_scale)
-        norm = (
-            grad_norm if grad_norm is not None else global_grad_norm(grads, self.group, self.device)
-        )
-        clip_grads_(grads, norm, max_grad_norm)
-        self.optimizer.step()
-        self._publish()
-        return StepOutcome(overflow=False, grad_norm=norm)
+        return self._offloaded_step(grads, loss_scale, max_grad_norm, grad_norm)
 
     def _overflow(self) -> StepOutcome:
         """An fp16 overflow skips the step: a speculative step taken during backward is

@@ -3,13 +3,21 @@
 from __future__ import annotations
 
 from collections.abc import Sequence
+from typing import Any
 
 import torch
 
 from slipstream.zero.group import DataParallelGroup
 from slipstream.zero.layout import ShardSpec
 
-__all__ = ["gather_bucket", "gather_packed", "pack_bucket", "plan_gather_buckets"]
+__all__ = [
+    "PendingPublish",
+    "gather_bucket",
+    "gather_packed",
+    "pack_bucket",
+    "plan_gather_buckets",
+    "start_gather",
+]
 
 
 def plan_gather_buckets(
@@ -81,12 +89,53 @@ def gather_packed(
 ) -> None:
     """The all-gather of a :func:`pack_bucket` buffer into ``params[i]`` for ``i`` in
     ``indices``."""
+    start_gather(send, params, specs, group, indices, async_op=False).finish()
+
+
+class PendingPublish:
+    """One bucket's all-gather of updated shards, possibly in flight; :meth:`finish` waits
+    for it (on a GPU the compute stream waits, the host does not) and copies each
+    parameter out of its column range."""
+
+    def __init__(
+        self,
+        send: torch.Tensor,
+        out: torch.Tensor,
+        work: Any,
+        params: Sequence[torch.Tensor],
+        specs: Sequence[ShardSpec],
+        world: int,
+        indices: Sequence[int],
+    ) -> None:
+        self.send, self.out, self.work = send, out, work
+        self.params, self.specs, self.world = params, specs, world
+        self.indices = list(indices)
+
+    @torch.no_grad()
+    def finish(self) -> None:
+        """Wait for the collective and write the gathered values into the parameters."""
+        if self.work is not None:
+            self.work.wait()
+        rows = self.out.view(self.world, self.send.numel())
+        offset = 0
+        for i in self.indices:
+            spec = self.specs[i]
+            full = rows[:, offset : offset + spec.shard_numel].reshape(-1)[: spec.numel]
+            self.params[i].data.copy_(full.view(spec.shape).to(self.params[i].dtype))
+            offset += spec.shard_numel
+        del self.out, self.send
+
+
+@torch.no_grad()
+def start_gather(
+    send: torch.Tensor,
+    params: Sequence[torch.Tensor],
+    specs: Sequence[ShardSpec],
+    group: DataParallelGroup,
+    indices: Sequence[int],
+    async_op: bool = True,
+) -> PendingPublish:
+    """Launch the all-gather of a :func:`pack_bucket` buffer; finish() lands it."""
     out = torch.empty(group.world_size * send.numel(), dtype=send.dtype, device=send.device)
-    group.all_gather_into(out, send)
-    rows = out.view(group.world_size, send.numel())
-    offset = 0
-    for i in indices:
-        spec = specs[i]
-        full = rows[:, offset : offset + spec.shard_numel].reshape(-1)[: spec.numel]
-        params[i].data.copy_(full.view(spec.shape).to(params[i].dtype))
-        offset += spec.shard_numel
+    work = group.all_gather_into(out, send, async_op=async_op)
+    return PendingPublish(send, out, work, params, specs, group.world_size, indices)

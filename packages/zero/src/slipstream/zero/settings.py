@@ -11,7 +11,7 @@ import torch
 if TYPE_CHECKING:
     from slipstream.offload.settings import OptimizerOffload, ParamOffload
 
-__all__ = ["ZeroSettings"]
+__all__ = ["ZeroSettings", "stage3_reduce_bucket_numel"]
 
 
 @dataclass(frozen=True, kw_only=True, slots=True)
@@ -21,6 +21,10 @@ class ZeroSettings:
     Attributes:
         stage: 1 (optimizer states), 2 (+ gradients) or 3 (+ parameters).
         reduce_bucket_numel: elements per gradient reduce-scatter bucket.
+        stage3_reduce_bucket_parts: stage 3: cap each reduce-scatter bucket at 1/parts of the
+            model's trainable elements (never below its largest parameter), so the two live
+            buckets' send buffers stay a small share of the model states whatever
+            ``reduce_bucket_numel`` says; 0: no cap. See docs/zero.md, "Bucket sizes".
         allgather_bucket_numel: elements per all-gather of updated shards (stages 1-2).
         overlap_comm: launch gradient reduce-scatters during backward as buckets fill (stage
             2-3) instead of all at once after it.
@@ -43,6 +47,7 @@ class ZeroSettings:
 
     stage: int
     reduce_bucket_numel: int = 500_000_000
+    stage3_reduce_bucket_parts: int = 64
     allgather_bucket_numel: int = 500_000_000
     overlap_comm: bool = True
     prefetch_numel: int = 50_000_000
@@ -65,6 +70,11 @@ class ZeroSettings:
         for name in ("reduce_bucket_numel", "allgather_bucket_numel"):
             if getattr(self, name) < 1:
                 raise ValueError(f"ZeroSettings.{name}={getattr(self, name)!r} must be >= 1")
+        if self.stage3_reduce_bucket_parts < 0:
+            raise ValueError(
+                "ZeroSettings.stage3_reduce_bucket_parts="
+                f"{self.stage3_reduce_bucket_parts!r} must be >= 0 (0: no cap)"
+            )
         if self.offload_param is not None and self.stage != 3:
             raise ValueError(
                 f"offload_param needs ZeRO stage 3 (parameters are sharded only there), got "
@@ -75,3 +85,21 @@ class ZeroSettings:
                 f"ZeroSettings.gradient_predivide_factor={self.gradient_predivide_factor!r} "
                 "must be > 0"
             )
+
+
+def stage3_reduce_bucket_numel(settings: ZeroSettings, numels: list[int]) -> int:
+    """Stage 3's reduce-scatter bucket for trainable parameters of ``numels`` elements:
+    ``reduce_bucket_numel``, capped at ``max(largest, total // stage3_reduce_bucket_parts)``.
+
+    [Note: stage-3 bucket size] Two buckets' send buffers are live at once (one in flight,
+    one filling), ``4 * bucket`` bytes each in the default fp32 reduction. At DeepSpeed's 5e8
+    that is 3.7 GiB, more than the margin between ZeRO-3's and FSDP2's peak at 7B on 2 ranks
+    (docs/benchmarks.md, 2026-11-25: 60.13 vs 58.88 GiB; 58.13 GiB with 1e8). FSDP2 reduces
+    one block's gradients at a time; 1/64 of the model (1.05e8 elements at 7B) is about two
+    blocks of a 32-layer model, and keeps every collective large enough to run at bandwidth.
+    """
+    bucket = settings.reduce_bucket_numel
+    if settings.stage3_reduce_bucket_parts > 0 and numels:
+        cap = max(max(numels), sum(numels) // settings.stage3_reduce_bucket_parts)
+        bucket = min(bucket, cap)
+    return max(1, bucket)

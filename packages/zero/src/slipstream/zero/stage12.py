@@ -10,17 +10,20 @@ from typing import Any
 
 import torch
 
-from slipstream.zero.grad_reduce import GradientReduceScatter
+from slipstream.zero.grad_reduce import EagerBucketStep, GradientReduceScatter
+from slipstream.zero.gradient_path import GradientPathMixin
 from slipstream.zero.group import DataParallelGroup
 from slipstream.zero.layout import ShardSpec
 from slipstream.zero.masters import ShardedMasterWeights
 from slipstream.zero.norms import clip_coefficient, norm_of_squares
 from slipstream.zero.optimizer import ZeroOptimizer
 from slipstream.zero.param_gather import (
+    PendingPublish,
     gather_bucket,
     gather_packed,
     pack_bucket,
     plan_gather_buckets,
+    start_gather,
 )
 from slipstream.zero.settings import ZeroSettings
 
@@ -29,7 +32,7 @@ __all__ = ["ShardedOptimizerStates"]
 logger = logging.getLogger(__name__)
 
 
-class ShardedOptimizerStates:
+class ShardedOptimizerStates(GradientPathMixin):
     """ZeRO stage 1 or 2 for ``params`` (the module keeps full, replicated parameters).
 
     Stage 1: gradients accumulate locally over the gradient-accumulation micro-steps (in
@@ -176,6 +179,18 @@ class ShardedOptimizerStates:
                     f"{bucket_numel:,}",
                 )
             bucket_numel = capped
+        eager = None
+        if step is not None and during_backward:
+            # overlap_step (exact) or a speculative step (under clipping): each bucket's
+            # masters step on the CPU worker as it lands, and are published (upload +
+            # all-gather) as soon as finish() sees that step done, while the worker steps the
+            # buckets after it. A discarded speculative step is stepped and published again.
+            eager = EagerBucketStep(
+                submit=step.submit,
+                step_indices=step.step_indices if step.eager else step.speculate_indices,
+                on_stepped=self._publish_stepped,
+                before_stepped=self._check_speculation if step.speculative else None,
+            )
         self.reducer = GradientReduceScatter(
             self.masters,
             self.group,
@@ -187,29 +202,22 @@ class ShardedOptimizerStates:
             gradient_predivide_factor=settings.gradient_predivide_factor,
             prescale=settings.prescale_gradients,
             divisor=gradient_divisor,
+            eager=eager,
+            # Offload: a bf16 reduction stays bf16 on its way to the CPU step (one reduction
+            # per step; accumulated ones are summed in fp32 as before).
+            land_low_precision=step is not None and step.reads_low_precision_grads,
         )
-        # Offload: a bf16 reduction stays bf16 on its way to the CPU step (one reduction per
-        # step; accumulated ones are summed in fp32 as before).
-        self.reducer.land_low_precision = step is not None and step.reads_low_precision_grads
         if step is not None and self.group.rank == 0:
             self._say_gradient_dtype()
         # The buckets that stepped during backward were published in finish().
         self._eager_published = False
-        if step is not None and during_backward:
-            # overlap_step (exact) or a speculative step (under clipping): each bucket's
-            # masters step on the CPU worker as it lands, and are published (upload +
-            # all-gather) as soon as finish() sees that step done, while the worker steps the
-            # buckets after it. A discarded speculative step is stepped and published again.
-            self.reducer.on_final_bucket = step.submit
-            self.reducer.step_indices = step.step_indices if step.eager else step.speculate_indices
-            self.reducer.on_bucket_stepped = self._publish_stepped
-            if step.speculative:
-                self.reducer.before_stepped = self._check_speculation
         self._reducing = settings.stage == 2
         # overlap_forward (see overlap_forward()): a zero_grad held back until the step that
         # still runs on the CPU is done.
         self._zero_pending = False
         self._forward_hooks: list[Any] = []
+        # publish_during_forward: the all-gathers of the last step still in flight, in order.
+        self._in_flight: list[PendingPublish] | None = None
         self._hooks = [
             p.register_post_accumulate_grad_hook(lambda p, i=i: self._on_grad(i))  # type: ignore[misc]
             for i, p in enumerate(self.params)
@@ -324,6 +332,7 @@ class ShardedOptimizerStates:
         """overlap_forward: wait for the buckets still stepping on the CPU, publish them, commit
         a kept speculative step and drop the gradients a ``zero_grad`` held back (nothing to
         do otherwise)."""
+        self.finish_publish()
         step = self._offload_step
         if step is None or not (step.tail or step.tail_kept):
             return
@@ -391,8 +400,78 @@ class ShardedOptimizerStates:
 
     def _publish_all(self) -> None:
         shards = self._publish_sources
+        if self._in_flight is not None:
+            self.finish_publish()  # a publish nobody's forward needed yet
+            for indices in self._gather_plan:
+                send = pack_bucket(shards, self.params, indices)
+                self._in_flight.append(
+                    start_gather(send, self.params, self.specs, self.group, indices)
+                )
+            return
         for indices in self._gather_plan:
             gather_bucket(shards, self.params, self.specs, self.group, indices)
+
+    # ------------------------------------------------------------------ publish in forward
+    def publish_during_forward(self, module: torch.nn.Module) -> bool:
+        """Let the all-gathers of updated shards overlap the next forward of ``module``.
+
+        After a step every all-gather bucket is launched asynchronously and ``step()``
+        returns; a forward pre-hook on each submodule of ``module`` that owns parameters
+        lands the buckets (in order, the same on every rank) up to the last one it needs, so
+        the first layers compute while the later buckets are still in flight (a submodule
+        lands the parameters of its whole subtree; the root module, only its own: a root
+        ``forward`` that reads a child's parameter without calling the child would see the
+        old value). Until then those parameters hold the old values: ``state_dict()``, :meth:`complete_step`, the
+        next backward and the next step land everything first; a direct read does not.
+        Costs the gathered buffers of every bucket still in flight (up to the model's size
+        in its dtype). Not with optimizer offload (which has ``overlap_forward``). Returns
+        whether it is on.
+        """
+        if self._offload_step is not None:
+            if self.group.rank == 0:
+                logger.warning(
+                    "publish_during_forward has no effect with optimizer offload (use "
+                    "offload_optimizer.overlap_forward)"
+                )
+            return False
+        self._in_flight = []
+        position = {id(p): i for i, p in enumerate(self.params)}
+        for sub in module.modules():
+            # A module lands its whole subtree (a gate reading its child's weight without
+            # calling the child is covered); the root only its own parameters, or nothing
+            # would overlap.
+            owned = frozenset(
+                position[id(p)]
+                for p in sub.parameters(recurse=sub is not module)
+                if id(p) in position
+            )
+            if owned:
+                self._forward_hooks.append(
+                    sub.register_forward_pre_hook(partial(self._land_before_forward, owned))
+                )
+        self._forward_hooks.append(
+            module.register_state_dict_pre_hook(lambda *_: self.finish_publish())
+        )
+        return True
+
+    def _land_before_forward(
+        self, owned: frozenset[int], module: torch.nn.Module, args: Any
+    ) -> None:
+        pending = self._in_flight
+        if not pending:
+            return
+        last = max(
+            (k for k, bucket in enumerate(pending) if not owned.isdisjoint(bucket.indices)),
+            default=-1,
+        )
+        for _ in range(last + 1):
+            pending.pop(0).finish()
+
+    def finish_publish(self) -> None:
+        """Land every all-gather still in flight (publish_during_forward)."""
+        pending = self._in_flight
+        while pending:
+            pending.pop(0).finish()
 
     def _check_speculation(self, squares: list[torch.Tensor]) -> None:
         """End of backward: call the speculative step off if the global norm already says

@@ -4,18 +4,19 @@ from __future__ import annotations
 
 import contextlib
 import logging
-from collections.abc import Iterator
+from collections.abc import Iterator, Mapping
 from typing import Any
 
 import torch
 from torch.utils._pytree import tree_flatten
 
 from slipstream.zero.grad_reduce import GradientReduceScatter
+from slipstream.zero.gradient_path import GradientPathMixin, MultiGroupPath
 from slipstream.zero.group import DataParallelGroup
 from slipstream.zero.host_memory import HostArena
 from slipstream.zero.masters import ShardedMasterWeights
 from slipstream.zero.optimizer import ZeroOptimizer
-from slipstream.zero.settings import ZeroSettings
+from slipstream.zero.settings import ZeroSettings, stage3_reduce_bucket_numel
 from slipstream.zero.stage3.sharded_param import (
     ShardedParameter,
     ensure_shards,
@@ -97,7 +98,7 @@ class Stage3Model:
         self.trace = ExecutionTrace(
             settings.prefetch_numel, settings.max_live_numel, settings.max_reuse_numel
         )
-        self.path: Stage3GradientPath | None = None
+        self.path: Any = None  # Stage3GradientPath or MultiGroupPath, once attached
         self._handles: list[Any] = []
         self._in_forward = 0
         for unit in units:
@@ -196,11 +197,47 @@ class Stage3Model:
         return output
 
     # ------------------------------------------------------------------ optimizer
-    def attach_optimizer(self, optimizer: torch.optim.Optimizer) -> Stage3GradientPath:
-        """Re-home ``optimizer`` onto the fp32 master shards; install the gradient path."""
+    def attach_optimizer(self, optimizer: torch.optim.Optimizer) -> Any:
+        """Re-home ``optimizer`` onto the fp32 master shards; install the gradient path.
+
+        Returns a :class:`Stage3GradientPath`; when some parameters are sharded over other
+        groups than the model's (``shard_parameters(param_groups=...)``: expert parameters
+        over their expert-data-parallel groups), a
+        :class:`~slipstream.zero.gradient_path.MultiGroupPath` of one stage-3 path per group
+        (the model's group first), stepped together with one norm over the model's group.
+        """
         if self.path is not None:
             raise RuntimeError("an optimizer is already attached to this stage-3 model")
-        self.path = Stage3GradientPath(self, optimizer)
+        by_group: dict[int, list[ShardedParameter]] = {id(self.group.group): []}
+        groups: dict[int, DataParallelGroup] = {id(self.group.group): self.group}
+        for sharded in self.sharded:
+            key = id(sharded.group.group)
+            by_group.setdefault(key, []).append(sharded)
+            groups.setdefault(key, sharded.group)
+        if len(by_group) == 1:
+            self.path = Stage3GradientPath(self, optimizer)
+            return self.path
+        if self.settings.offload_optimizer is not None or self.store is not None:
+            raise NotImplementedError(
+                "ZeRO stage 3 with parameters sharded over several groups (expert-parallel "
+                "MoE layers) does not support offload_optimizer or offload_param yet; remove "
+                "the offload blocks or use ep_size=1"
+            )
+        parts = [
+            Stage3GradientPath(
+                self,
+                optimizer,
+                members=members,
+                group=groups[key],
+                # Expert gradients are summed over their expert-DP group but averaged over
+                # every data-parallel rank's loss (DeepSpeed's rule).
+                divisor=self.group.world_size,
+                strict_optimizer=False,
+            )
+            for key, members in by_group.items()
+            if members
+        ]
+        self.path = MultiGroupPath(parts, optimizer, self.group, self.compute_device)
         return self.path
 
     def release_all(self) -> None:
@@ -215,7 +252,7 @@ class Stage3Model:
         return list(zip(self.names, self.sharded))
 
 
-class Stage3GradientPath:
+class Stage3GradientPath(GradientPathMixin):
     """The optimizer side of stage 3: masters, the reduce-scatter buckets, publishing.
 
     [Note: ZeRO-3 memory] What one rank holds, for ``P`` parameters over ``N`` ranks in
@@ -248,9 +285,24 @@ class Stage3GradientPath:
     the out-of-memory of docs/benchmarks.md.
     """
 
-    def __init__(self, model: Stage3Model, optimizer: torch.optim.Optimizer) -> None:
+    def __init__(
+        self,
+        model: Stage3Model,
+        optimizer: torch.optim.Optimizer,
+        *,
+        members: list[ShardedParameter] | None = None,
+        group: DataParallelGroup | None = None,
+        divisor: int | None = None,
+        strict_optimizer: bool = True,
+    ) -> None:
+        """``members`` / ``group`` / ``divisor`` / ``strict_optimizer``: one part of a
+        multi-group path (:meth:`Stage3Model.attach_optimizer`): these parameters only,
+        reduce-scattered over ``group`` and averaged over ``divisor`` ranks, sharing the
+        optimizer with the other parts. Default: every parameter, the model's group."""
         self.model = model
-        trainable = [s for s in model.sharded if s.param.requires_grad]
+        self.group = group or model.group
+        chosen = members if members is not None else model.sharded
+        trainable = [s for s in chosen if s.param.requires_grad]
         self.sharded = trainable
         self.params = [s.param for s in trainable]
         self.specs = [s.spec for s in trainable]
@@ -291,7 +343,7 @@ class Stage3GradientPath:
             host_step = offload is not None and self.masters.offloaded[i]
             if master.dtype == sharded.shard.dtype or not host_step:
                 sharded.shard = master.data
-        self.masters.swap_into(optimizer)
+        self.masters.swap_into(optimizer, strict=strict_optimizer)
         # Offload: the CPU step writes each updated master in the shard's dtype into the shard
         # itself when it lives on the host (offload_param). A shard on the device is refreshed
         # by _publish from its source: the fp32 master itself, uploaded and cast there, so the
@@ -315,7 +367,7 @@ class Stage3GradientPath:
                 else:
                     self._sources[i] = master
             names = {id(m): n for m, n in zip(self.masters.masters, _names_of(model, trainable))}
-            step = OffloadedStep(optimizer, self.masters, offload, model.group, copies, names)
+            step = OffloadedStep(optimizer, self.masters, offload, self.group, copies, names)
             if swapped:
                 # The step writes each updated value into its (NVMe-backed) shard: read a
                 # sub-group's shards in before its update, write them back after.
@@ -329,24 +381,38 @@ class Stage3GradientPath:
                     release_shards(members, dirty=True)
 
                 step.sub_group_hooks = (before, after)
+        # Sized from the whole model (every part of a multi-group path alike).
+        bucket_numel = stage3_reduce_bucket_numel(
+            settings, [s.spec.numel for s in model.sharded if s.param.requires_grad]
+        )
+        if bucket_numel < settings.reduce_bucket_numel and self.group.rank == 0:
+            logger.info(
+                "ZeRO stage 3: reduce-scatter buckets of %s elements (reduce_bucket_size %s "
+                "capped at 1/%d of the model: zero_optimization.stage3_reduce_bucket_parts)",
+                f"{bucket_numel:,}",
+                f"{settings.reduce_bucket_numel:,}",
+                settings.stage3_reduce_bucket_parts,
+            )
         self.reducer = GradientReduceScatter(
             self.masters,
-            model.group,
-            settings.reduce_bucket_numel,
+            self.group,
+            bucket_numel,
             grad_of=lambda i: self.params[i].grad,
             release=self._release,
             overlap=settings.overlap_comm,
             communication_dtype=settings.communication_dtype,
             gradient_predivide_factor=settings.gradient_predivide_factor,
             prescale=settings.prescale_gradients,
+            divisor=divisor,
+            # Offload: a bf16 reduction lands on the host in bf16 and the C++ step reads it
+            # there (when it is the step's only reduction; accumulated ones in fp32).
+            land_low_precision=step is not None and step.reads_low_precision_grads,
         )
-        # Offload: a bf16 reduction lands on the host in bf16 and the C++ step reads it there
-        # (when it is the step's only reduction; accumulated ones are summed in fp32).
-        self.reducer.land_low_precision = step is not None and step.reads_low_precision_grads
         owner: dict[int, ParamUnit] = {}
+        mine = {id(s) for s in trainable}
         for unit in model.units:
             for member in unit.members:
-                if member.param.requires_grad and id(member) not in owner:
+                if id(member) in mine and id(member) not in owner:
                     if any(p is member.param for p in unit.module.parameters(recurse=False)):
                         owner[id(member)] = unit
                         unit.owned_trainable.add(id(member))
@@ -357,7 +423,7 @@ class Stage3GradientPath:
         ]
         device = model.compute_device
         self.optimizer = ZeroOptimizer(
-            optimizer, self.masters, model.group, self._publish, device, offload=step
+            optimizer, self.masters, self.group, self._publish, device, offload=step
         )
 
     def _release(self, index: int) -> None:
@@ -379,6 +445,10 @@ class Stage3GradientPath:
         self.reducer.finish()
         for unit in self.model.units:
             unit.end_backward()
+
+    def publish(self) -> None:
+        """Refresh the parameter shards from the masters (after a step or a load)."""
+        self._publish()
 
     def _publish(self) -> None:
         with torch.no_grad():
@@ -421,8 +491,14 @@ def shard_parameters(
     group: DataParallelGroup | None = None,
     device: torch.device | None = None,
     dtype: torch.dtype | None = None,
+    param_groups: Mapping[int, DataParallelGroup] | None = None,
 ) -> Stage3Model:
     """ZeRO stage 3: shard every parameter of ``module`` in place and install the hooks.
+
+    ``param_groups`` maps ``id(parameter)`` to the group that parameter is sharded over
+    instead of ``group`` (expert parameters over their expert-data-parallel group: each
+    such group's rank 0 supplies the values, its ranks hold the shards). The optimizer then
+    gets one stage-3 path per group (:meth:`Stage3Model.attach_optimizer`).
 
     Each parameter is broadcast from rank 0, cut to this rank's flat padded shard (cast to
     ``dtype`` and placed on ``device`` if given) and its full storage freed, one parameter at
@@ -465,8 +541,16 @@ def shard_parameters(
                     "Tie them by assigning the same Parameter (head.weight = embed.weight)."
                 )
             storages[ptr] = name
-            existing = ShardedParameter.partition(param, group, device, dtype)
+            own_group = param_groups.get(id(param), group) if param_groups else group
+            existing = ShardedParameter.partition(param, own_group, device, dtype)
         else:
+            if param_groups and id(param) in param_groups:
+                raise NotImplementedError(
+                    f"parameter {name!r} was partitioned by zero.Init over the data-parallel "
+                    "group, but it is an expert parameter that stage 3 shards over its "
+                    "expert-data-parallel group; build expert-parallel MoE models outside "
+                    "zero.Init"
+                )
             _adopt(existing, group, device, dtype, name)
         if offload_param is not None:
             existing.offload_to_host(offload_param.pin_memory, arena)

@@ -262,13 +262,15 @@ class PendingGather:
 
 def gather_full(members: list[ShardedParameter], async_op: bool = False) -> list[PendingGather]:
     """Start gathering every SHARDED member not already in flight; one collective per
-    parameter dtype."""
+    process group and parameter dtype."""
     need = [m for m in members if m.state is ShardState.SHARDED and m.pending is None]
-    by_dtype: dict[torch.dtype, list[ShardedParameter]] = {}
+    # One collective per (process group, dtype): expert parameters shard over their
+    # expert-data-parallel group, dense ones over the data-parallel group.
+    by_key: dict[tuple[int, torch.dtype], list[ShardedParameter]] = {}
     for member in need:
-        by_dtype.setdefault(member.param.dtype, []).append(member)
+        by_key.setdefault((id(member.group.group), member.param.dtype), []).append(member)
     if need and getattr(need[0].group, "hpz_size", 1) > 1:
         from slipstream.zero.zeropp import hpz_gathers
 
-        return hpz_gathers(list(by_dtype.values()), async_op)
-    return [PendingGather(group, async_op) for group in by_dtype.values()]
+        return hpz_gathers(list(by_key.values()), async_op)
+    return [PendingGather(group, async_op) for group in by_key.values()]

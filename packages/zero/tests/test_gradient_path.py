@@ -1,0 +1,101 @@
+"""The GradientPath interface in one process: every stage implements it; state round-trips."""
+
+from __future__ import annotations
+
+import copy
+
+import pytest
+import torch
+from torch import nn
+
+from slipstream.zero import (
+    GatheredParameters,
+    GradientPath,
+    ShardedOptimizerStates,
+    ZeroSettings,
+    shard_parameters,
+)
+from slipstream.zero.settings import stage3_reduce_bucket_numel
+from slipstream.zero.testing import TinyTransformer, batch_for
+
+
+def _path(stage: int, model: nn.Module) -> GradientPath:
+    settings = ZeroSettings(stage=stage, reduce_bucket_numel=64)
+    if stage == 3:
+        sharded = shard_parameters(model, settings)
+        optimizer = torch.optim.AdamW([p for p in model.parameters() if p.requires_grad], lr=0.01)
+        return sharded.attach_optimizer(optimizer)  # type: ignore[no-any-return]
+    optimizer = torch.optim.AdamW([p for p in model.parameters() if p.requires_grad], lr=0.01)
+    return ShardedOptimizerStates(list(model.parameters()), optimizer, settings)
+
+
+def _train(model: nn.Module, path: GradientPath, steps: range) -> list[float]:
+    losses = []
+    for step in steps:
+        ids, labels = batch_for(step, 0, 2)
+        loss = model(ids, labels)
+        path.prepare_backward(True)
+        loss.backward()
+        path.finish_backward(True)
+        outcome = path.step(max_grad_norm=0.5, nonfinite_check=loss.detach())
+        assert not outcome.overflow
+        path.zero_grad()
+        losses.append(loss.item())
+    return losses
+
+
+@pytest.mark.parametrize("stage", [1, 2, 3])
+def test_state_dict_round_trip_continues_the_run(stage: int) -> None:
+    torch.manual_seed(0)
+    base = TinyTransformer()
+    straight, resumed = copy.deepcopy(base), copy.deepcopy(base)
+    path = _path(stage, straight)
+    assert isinstance(path, GradientPath)
+    expected = _train(straight, path, range(4))
+
+    other = _path(stage, resumed)
+    _train(resumed, other, range(2))
+    saved = copy.deepcopy(other.state_dict())
+    _train(resumed, other, range(2, 3))  # drifts away, then the load brings it back
+    other.load_state_dict(saved)
+    assert _train(resumed, other, range(2, 4)) == expected[2:]
+
+    report = path.memory_report()
+    masters = sum(v for k, v in report.items() if k.startswith("masters_"))
+    states = sum(v for k, v in report.items() if k.startswith("optimizer_states_"))
+    trainable = sum(p.numel() for p in base.parameters() if p.requires_grad)  # tied once
+    assert masters == 4 * trainable  # one rank: the shard is the whole (tied once)
+    assert states == 2 * masters  # AdamW's two moments
+    assert report["reduce_buckets_live"] == 0  # between steps
+
+
+def test_a_nonfinite_loss_skips_the_step_and_changes_nothing() -> None:
+    torch.manual_seed(0)
+    model = TinyTransformer()
+    path = _path(3, model)
+    with GatheredParameters(list(model.parameters())):
+        before = {k: v.clone() for k, v in model.state_dict().items()}
+    ids, labels = batch_for(0, 0, 2)
+    loss = model(ids, labels)
+    path.prepare_backward(True)
+    loss.backward()
+    path.finish_backward(True)
+    outcome = path.step(nonfinite_check=torch.tensor(float("nan")))
+    assert outcome.overflow and outcome.grad_norm is None
+    path.zero_grad()
+    with GatheredParameters(list(model.parameters())):
+        for key, value in model.state_dict().items():
+            assert torch.equal(value, before[key]), key
+
+
+def test_stage3_bucket_is_capped_by_the_model() -> None:
+    settings = ZeroSettings(stage=3, reduce_bucket_numel=500_000_000)
+    numels = [1000] * 6400  # 6.4e6 elements: 1/64 is 1e5
+    assert stage3_reduce_bucket_numel(settings, numels) == 100_000
+    assert stage3_reduce_bucket_numel(settings, [*numels, 300_000]) == 300_000  # largest wins
+    off = ZeroSettings(stage=3, reduce_bucket_numel=5000, stage3_reduce_bucket_parts=0)
+    assert stage3_reduce_bucket_numel(off, numels) == 5000
+    small = ZeroSettings(stage=3, reduce_bucket_numel=5000)
+    assert stage3_reduce_bucket_numel(small, numels) == 5000  # reduce_bucket_size is smaller
+    with pytest.raises(ValueError, match="stage3_reduce_bucket_parts"):
+        ZeroSettings(stage=3, stage3_reduce_bucket_parts=-1)
