@@ -702,15 +702,14 @@ class SlipstreamEngine(torch.nn.Module):
         assert self.gradient_path is not None
         scaler = self.loss_scaler
         nonfinite = self._nonfinite_check_value() if self._check_nonfinite else None
-        if nonfinite is not None and self._tp_size > 1:
-            sources = [s.grad for s in self._grad_sources]
-            nonfinite = agree_nonfinite_across_tensor_group(nonfinite, sources, self._tp_group)
         grad_norm = None
         if self._tp_size > 1:
-            masters = self.gradient_path.masters  # type: ignore[attr-defined]  # stages 1-2
-            reduce_sequence_parallel_grads_(
-                masters.params, [masters.grad(i) for i in range(len(masters))], self._tp_group
-            )
+            # AutoTP runs at stages 1-2: the gradients sit in the path's master shards.
+            masters = self.gradient_path.masters  # type: ignore[attr-defined]
+            grads = [masters.grad(i) for i in range(len(masters))]
+            if nonfinite is not None:
+                nonfinite = agree_nonfinite_across_tensor_group(nonfinite, grads, self._tp_group)
+            reduce_sequence_parallel_grads_(masters.params, grads, self._tp_group)
             # The path's own norm would span this rank's data group only.
             grad_norm = zero_tensor_parallel_grad_norm(
                 masters,
