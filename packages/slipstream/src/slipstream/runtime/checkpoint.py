@@ -33,6 +33,7 @@ from safetensors.torch import load_file, save_file
 import slipstream
 from slipstream import comm
 from slipstream.offload.checksum import ALGORITHM as CHECKSUM_ALGORITHM
+from slipstream.runtime.checkpoint_manager import CheckpointParts, engine_parts
 from slipstream.runtime.checkpoint_store import (
     FORMAT,
     FORMAT_VERSION,
@@ -405,19 +406,22 @@ def _stage0_manifest_fields(
 
 
 def _common_manifest(
-    engine: SlipstreamEngine, staging: Path, client_state: dict[str, Any], files: list[Any]
+    engine: Any, staging: Path, client_state: dict[str, Any], files: list[Any]
 ) -> dict[str, Any]:
-    """Rank 0: what both layouts record alike, plus the schedule and client-state files."""
-    scheduler_file = (
-        _dump_object(staging, "lr_scheduler", engine.lr_scheduler.state_dict())
-        if engine.lr_scheduler is not None and hasattr(engine.lr_scheduler, "state_dict")
-        else None
-    )
+    """Rank 0: what every layout records alike, the parts' states and the client state.
+
+    Each part of the run (engine_parts: counters and loss scale, schedule, data sampler)
+    is written by the checkpoint manager; ``engine`` repeats the counters for people
+    reading the manifest.
+    """
+    parts = CheckpointParts(engine_parts(engine))
+    listed, part_files = parts.write(staging)
     client_file = _dump_object(staging, "client_state", client_state)
     files = list(files)
-    for name in (scheduler_file, client_file):
-        if name is not None:
-            files.append(file_entry(staging, name, "object", 0))
+    for name in (*part_files, client_file):
+        files.append(file_entry(staging, name, "object", 0))
+    counters = parts.parts["engine"]
+    assert counters is not None
     return {
         "format": FORMAT,
         "format_version": FORMAT_VERSION,
@@ -426,16 +430,12 @@ def _common_manifest(
         "checksum_algorithm": CHECKSUM_ALGORITHM,
         "world_size": comm.get_world_size(),
         "dp_world_size": engine.dp_world_size,
-        "dtype": str(engine.compute_dtype or torch.float32).removeprefix("torch."),
-        "lr_scheduler_file": scheduler_file,
+        "dtype": str(getattr(engine, "compute_dtype", None) or torch.float32).removeprefix(
+            "torch."
+        ),
+        "parts": listed,
         "client_state_file": client_file,
-        "engine": {
-            "global_steps": engine.global_steps,
-            "global_samples": engine.global_samples,
-            "micro_steps": engine.micro_steps,
-            "skipped_steps": engine.skipped_steps,
-            "loss_scaler": engine.loss_scaler.state_dict() if engine.loss_scaler else None,
-        },
+        "engine": counters.state_dict(),
         "config": engine.config.raw,
         "files": files,
     }
@@ -499,38 +499,39 @@ def load(
 class _Extras:
     """What a load reads besides tensors, read before anything is changed."""
 
-    def __init__(self) -> None:
-        self.scheduler: Any = None
+    def __init__(self, parts: CheckpointParts) -> None:
+        self.parts = parts
+        self.states: dict[str, Any] = {}
         self.client_state: dict[str, Any] = {}
         self.rng: Path | None = None
-        self.counters: dict[str, Any] | None = None
+        self.restore_rng = False
 
 
 def _read_extras(
-    engine: SlipstreamEngine,
+    engine: Any,
     path: Path,
     manifest: dict[str, Any],
     load_lr_scheduler_states: bool,
     load_module_only: bool,
 ) -> _Extras:
-    extras = _Extras()
-    if (
-        load_lr_scheduler_states
-        and engine.lr_scheduler is not None
-        and manifest.get("lr_scheduler_file")
-    ):
-        extras.scheduler = _load_object(path, manifest["lr_scheduler_file"])
-        current = engine.lr_scheduler.state_dict()
-        if isinstance(extras.scheduler, dict) and isinstance(current, dict):
-            if set(extras.scheduler) != set(current):
-                raise CheckpointMismatchError(
-                    f"the learning-rate schedule in {str(path)!r} has keys "
-                    f"{sorted(extras.scheduler)}, this engine's scheduler "
-                    f"({type(engine.lr_scheduler).__name__}) {sorted(current)}: another "
-                    "scheduler type. Pass load_lr_scheduler_states=False to keep this one."
-                )
+    """Every rank: the parts' saved states (by the manager), the client state and RNG file."""
+    skip = {"lr_scheduler"} if not load_lr_scheduler_states else set()
+    if load_module_only:
+        skip |= {"engine", "data"}
+    extras = _Extras(CheckpointParts(engine_parts(engine)))
+    extras.states = extras.parts.read(path, manifest, frozenset(skip))
+    scheduler = extras.parts.parts.get("lr_scheduler")
+    saved = extras.states.get("lr_scheduler")
+    if scheduler is not None and isinstance(saved, dict):
+        current = scheduler.state_dict()
+        if isinstance(current, dict) and set(saved) != set(current):
+            raise CheckpointMismatchError(
+                f"the learning-rate schedule in {str(path)!r} has keys {sorted(saved)}, this "
+                f"engine's scheduler ({type(scheduler).__name__}) {sorted(current)}: another "
+                "scheduler type. Pass load_lr_scheduler_states=False to keep this one."
+            )
     if not load_module_only:
-        extras.counters = manifest["engine"]
+        extras.restore_rng = True
         rng = path / f"rng.rank{comm.get_rank()}.safetensors"
         extras.rng = rng if rng.is_file() else None
         if manifest.get("client_state_file"):
@@ -539,20 +540,11 @@ def _read_extras(
 
 
 def apply_extras(
-    engine: SlipstreamEngine, path: Path, manifest: dict[str, Any], extras: _Extras
+    engine: Any, path: Path, manifest: dict[str, Any], extras: _Extras
 ) -> dict[str, Any]:
-    """Restore schedule, counters, loss scale and RNG (read and checked already)."""
-    if extras.scheduler is not None:
-        assert engine.lr_scheduler is not None
-        engine.lr_scheduler.load_state_dict(extras.scheduler)
-    if extras.counters is not None:
-        state = extras.counters
-        engine.global_steps = state["global_steps"]
-        engine.global_samples = state["global_samples"]
-        engine.micro_steps = state["micro_steps"]
-        engine.skipped_steps = state["skipped_steps"]
-        if engine.loss_scaler is not None and state.get("loss_scaler"):
-            engine.loss_scaler.load_state_dict(state["loss_scaler"])
+    """Restore the parts (schedule, counters, loss scale, data) and RNG, read and checked."""
+    extras.parts.apply(extras.states)
+    if extras.restore_rng:
         if extras.rng is not None:
             _restore_rng(extras.rng)
         else:

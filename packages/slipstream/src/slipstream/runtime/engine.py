@@ -15,7 +15,6 @@ import torch.distributed as dist
 
 from slipstream import comm
 from slipstream.config import SlipstreamConfig
-from slipstream.data import STATE_KEY as DATA_EFFICIENCY_STATE_KEY
 from slipstream.data import DataEfficiency, RandomLayerTokenDrop
 from slipstream.kernels import get_accelerator
 from slipstream.kernels.loss_scaler import LossScaler, grads_have_inf_or_nan
@@ -804,9 +803,6 @@ class SlipstreamEngine(torch.nn.Module):
         self._check_alive()
         self._refuse_expert_parallel_checkpoint()
         client_state = dict(client_state or {})
-        if self.data_efficiency is not None:
-            # Scheduler states, sampler position and consumed samples travel in client state.
-            client_state[DATA_EFFICIENCY_STATE_KEY] = self.data_efficiency.state_dict()
         with self._optimizer_resident():
             return checkpointing.save(
                 self, save_dir, tag, client_state, save_latest, allow_non_finite
@@ -840,9 +836,6 @@ class SlipstreamEngine(torch.nn.Module):
                 load_lr_scheduler_states=load_lr_scheduler_states and not load_module_only,
                 load_module_only=load_module_only,
             )
-        data_state = client_state.pop(DATA_EFFICIENCY_STATE_KEY, None)
-        if data_state is not None and self.data_efficiency is not None:
-            self.data_efficiency.load_state_dict(data_state)
         return path, client_state
 
     def _refuse_expert_parallel_checkpoint(self) -> None:

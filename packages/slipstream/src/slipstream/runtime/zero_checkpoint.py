@@ -30,6 +30,7 @@ from safetensors import safe_open
 
 from slipstream import comm
 from slipstream.runtime import checkpoint as ckpt
+from slipstream.runtime.checkpoint_manager import gradient_path_state
 from slipstream.zero import ShardSpec, sharded_state_of
 
 if TYPE_CHECKING:
@@ -75,7 +76,7 @@ def _model_shard(param: torch.nn.Parameter, world: int, rank: int) -> torch.Tens
 
 def _shards_resident(engine: SlipstreamEngine, dirty: bool) -> AbstractContextManager[None]:
     """Stage 3 with NVMe parameters: every parameter shard in host memory for the block."""
-    stage3 = engine._stage3
+    stage3 = gradient_path_state(engine).stage3
     if stage3 is None:
         return nullcontext()
     return stage3.shards_resident(dirty)  # type: ignore[no-any-return]
@@ -112,7 +113,7 @@ def write_rank_files(
 ) -> tuple[list[dict[str, Any]], dict[str, Any]]:
     """Every rank: its model and optimizer shards and RNG state; rank 0 also the buffers."""
     assert engine.zero is not None and engine.optimizer is not None
-    rank, world = engine._zero_group().rank, engine.dp_world_size
+    rank, world = gradient_path_state(engine).dp_rank, engine.dp_world_size
     named = _named_params(engine.module)
     model_name = f"model.rank{rank}.safetensors"
     with _shards_resident(engine, dirty=False):
@@ -425,7 +426,7 @@ def apply(
 ) -> None:
     """Copy a validated checkpoint into a ZeRO engine (each rank reads its new shards)."""
     assert engine.zero is not None and engine.optimizer is not None
-    world, rank = engine.dp_world_size, engine._zero_group().rank
+    world, rank = engine.dp_world_size, gradient_path_state(engine).dp_rank
     named = _named_params(engine.module)
     with ShardReader(path, manifest) as reader, torch.no_grad():
         with _shards_resident(engine, dirty=True):
@@ -444,8 +445,9 @@ def apply(
             )
         if options["load_optimizer_states"]:
             _load_optimizer(engine, reader, manifest)
-    if engine._stage3 is not None:
-        engine._stage3.release_all()  # gathered copies (persistent ones) hold old values
+    stage3 = gradient_path_state(engine).stage3
+    if stage3 is not None:
+        stage3.release_all()  # gathered copies (persistent ones) hold old values
 
 
 def _load_optimizer(
@@ -456,7 +458,7 @@ def _load_optimizer(
     names = _master_names(engine)
     order = [names[id(p)] for g in engine.optimizer.param_groups for p in g["params"]]
     scalars = ckpt._from_json(saved["scalars"])
-    world, rank = engine.dp_world_size, engine._zero_group().rank
+    world, rank = engine.dp_world_size, gradient_path_state(engine).dp_rank
     state: dict[int, dict[str, Any]] = {}
     params = [p for g in engine.optimizer.param_groups for p in g["params"]]
     model_param = {id(m): p for p, m in zip(engine.zero.params, engine.zero.masters.masters)}
