@@ -276,9 +276,7 @@ def save(
     write the manifest and switch the tag and ``latest`` over (rank 0). A failure anywhere
     raises the same error on every rank and leaves the previous checkpoints as they were.
     """
-    zero = engine.zero is not None
-    if zero:
-        from slipstream.runtime import zero_checkpoint as layout
+    layout = _layout_of(engine)
     save_dir = Path(save_dir)
     if allow_non_finite is None:
         allow_non_finite = _checkpoint_config(engine, "allow_non_finite", False)
@@ -289,7 +287,7 @@ def save(
         _check_tag(chosen)
         if allow_non_finite:
             return
-        bad = first_non_finite(layout.tensors_to_check(engine) if zero else _stage0_tensors(engine))
+        bad = first_non_finite(layout.tensors_to_check(engine))
         if bad is not None:
             raise NonFiniteCheckpointError(
                 f"{bad} holds NaN or inf: refusing to checkpoint non-finite weights, so "
@@ -307,10 +305,7 @@ def save(
     agree(error, what)
 
     def write() -> dict[str, Any]:
-        if zero:
-            files, info = layout.write_rank_files(engine, staging)
-        else:
-            files, info = _write_stage0_rank_files(engine, staging)
+        files, info = layout.write_rank_files(engine, staging)
         return {"files": files, "info": info}
 
     part, error = _attempt(write, saving=True)
@@ -318,11 +313,7 @@ def save(
 
     def finish() -> None:
         files = [entry for p in parts for entry in p["files"]]
-        specific = (
-            layout.manifest_fields(engine, [p["info"] for p in parts])
-            if zero
-            else _stage0_manifest_fields(engine, [p["info"] for p in parts])
-        )
+        specific = layout.manifest_fields(engine, [p["info"] for p in parts])
         manifest = _common_manifest(engine, staging, client_state, files)
         manifest.update(specific)
         manifest["files"] = sorted(manifest["files"], key=lambda e: (e["kind"], e["name"]))
@@ -336,6 +327,46 @@ def save(
 
     agree(_attempt(finish, saving=True)[1] if rank == 0 else None, what)
     return final
+
+
+class _Stage0Layout:
+    """Stage 0's tensors: rank 0 writes the replicated model and optimizer whole."""
+
+    @staticmethod
+    def tensors_to_check(engine: Any) -> Any:
+        return _stage0_tensors(engine)
+
+    @staticmethod
+    def write_rank_files(engine: Any, staging: Path) -> tuple[list[dict[str, Any]], Any]:
+        return _write_stage0_rank_files(engine, staging)
+
+    @staticmethod
+    def manifest_fields(engine: Any, infos: list[Any]) -> dict[str, Any]:
+        return _stage0_manifest_fields(engine, infos)
+
+    @staticmethod
+    def validate(engine: Any, path: Path, manifest: dict[str, Any], options: Any) -> Any:
+        return _validate_stage0(engine, path, manifest, options)
+
+    @staticmethod
+    def apply(engine: Any, path: Path, manifest: dict[str, Any], plan: Any, options: Any) -> None:
+        _apply_stage0(engine, path, manifest, plan, options)
+
+
+def _layout_of(engine: Any) -> Any:
+    """The tensor layout writing and reading ``engine``'s checkpoint (one manifest writer,
+    ``save``, for all of them): pipelines, ZeRO shards or stage 0's replicated files."""
+    from slipstream.runtime.pipeline_engine import PipelineEngine
+
+    if isinstance(engine, PipelineEngine):
+        from slipstream.runtime import pipeline_checkpoint
+
+        return pipeline_checkpoint
+    if engine.zero is not None:
+        from slipstream.runtime import zero_checkpoint
+
+        return zero_checkpoint
+    return _Stage0Layout
 
 
 def _checkpoint_config(engine: SlipstreamEngine, key: str, default: bool) -> bool:
@@ -429,7 +460,7 @@ def _common_manifest(
         "torch_version": torch.__version__,
         "checksum_algorithm": CHECKSUM_ALGORITHM,
         "world_size": comm.get_world_size(),
-        "dp_world_size": engine.dp_world_size,
+        "dp_world_size": getattr(engine, "dp_world_size", 1),
         "dtype": str(getattr(engine, "compute_dtype", None) or torch.float32).removeprefix(
             "torch."
         ),
@@ -466,9 +497,7 @@ def load(
     agreed, before the first tensor is copied; a refused load leaves the engine as it was.
     """
     what = f"loading checkpoint from {str(load_dir)!r}"
-    zero = engine.zero is not None
-    if zero:
-        from slipstream.runtime import zero_checkpoint as layout
+    layout = _layout_of(engine)
     options = {
         "load_module_strict": load_module_strict,
         "load_optimizer_states": load_optimizer_states,
@@ -478,20 +507,14 @@ def load(
 
     def prepare() -> tuple[Path, dict[str, Any], Any, _Extras]:
         path, manifest = _open_checkpoint(engine, load_dir, tag)
-        if zero:
-            plan = layout.validate(engine, path, manifest, options)
-        else:
-            plan = _validate_stage0(engine, path, manifest, options)
+        plan = layout.validate(engine, path, manifest, options)
         extras = _read_extras(engine, path, manifest, load_lr_scheduler_states, load_module_only)
         return path, manifest, plan, extras
 
     prepared, error = _attempt(prepare)
     agree(error, what)
     path, manifest, plan, extras = prepared
-    if zero:
-        layout.apply(engine, path, manifest, plan, options)
-    else:
-        _apply_stage0(engine, path, manifest, plan, options)
+    layout.apply(engine, path, manifest, plan, options)
     return path, apply_extras(engine, path, manifest, extras)
 
 

@@ -15,6 +15,7 @@ from __future__ import annotations
 import dataclasses
 import logging
 from collections.abc import Callable, Iterator
+from pathlib import Path
 from typing import Any
 
 import torch
@@ -447,15 +448,52 @@ class PipelineEngine:
     backward = forward
     step = forward
 
-    def save_checkpoint(self, *args: Any, **kwargs: Any) -> None:
-        """Not implemented yet for pipelines."""
-        raise NotImplementedError(
-            "saving a pipelined engine's checkpoint is not implemented yet; save each stage's "
-            "module.state_dict() and optimizer.state_dict() yourself meanwhile (names are "
-            "layer indices, e.g. '3.qkv.weight', the same on every layout)"
+    # ------------------------------------------------------------------ checkpoints
+    def save_checkpoint(
+        self,
+        save_dir: str | Path,
+        tag: str | None = None,
+        client_state: dict[str, Any] | None = None,
+        save_latest: bool = True,
+        *,
+        allow_non_finite: bool | None = None,
+    ) -> Path:
+        """Save every stage's weights, optimizer state, schedule, counters and RNG.
+
+        Collective over all stages and replicas; the same crash-safe, checked format as the
+        plain engine's (docs/checkpoints.md). Each stage writes its own shards and the
+        manifest records the layer -> stage map, so :meth:`load_checkpoint` may run with
+        another number of stages, data-parallel size or ZeRO stage (0-2).
+        """
+        from slipstream.runtime import checkpoint
+
+        return checkpoint.save(
+            self, save_dir, tag, dict(client_state or {}), save_latest, allow_non_finite
         )
 
-    load_checkpoint = save_checkpoint
+    def load_checkpoint(
+        self,
+        load_dir: str | Path,
+        tag: str | None = None,
+        load_module_strict: bool = True,
+        load_optimizer_states: bool = True,
+        load_lr_scheduler_states: bool = True,
+        load_module_only: bool = False,
+    ) -> tuple[Path, dict[str, Any]]:
+        """Restore a pipeline checkpoint of any stage count, data-parallel size and ZeRO
+        stage 0-2; returns ``(path, client_state)``. Collective; verified before anything is
+        copied."""
+        from slipstream.runtime import checkpoint
+
+        return checkpoint.load(
+            self,
+            load_dir,
+            tag,
+            load_module_strict=load_module_strict,
+            load_optimizer_states=load_optimizer_states and not load_module_only,
+            load_lr_scheduler_states=load_lr_scheduler_states and not load_module_only,
+            load_module_only=load_module_only,
+        )
 
 
 def _check_supported(config: SlipstreamConfig) -> None:

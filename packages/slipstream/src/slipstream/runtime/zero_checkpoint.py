@@ -221,17 +221,24 @@ class ShardReader:
         return self._handles[name]
 
     def _locate(self, kind: str, name: str, rank: int) -> tuple[Any, str] | None:
+        # A parameter's files: ``<kind>.<file_group>rank<R>``, where a pipeline checkpoint
+        # records the stage that wrote it as its file group (``stage1.``).
+        group = self.manifest.get("parameters", {}).get(name, {}).get("file_group", "")
         if kind == "model":
             file, key = (
-                (f"model.rank{rank}.safetensors", name)
+                (f"model.{group}rank{rank}.safetensors", name)
                 if self.zero
                 else ("model.safetensors", name)
             )
         elif kind == "master":
-            file = f"optimizer.rank{rank}.safetensors" if self.zero else "optimizer.safetensors"
+            file = (
+                f"optimizer.{group}rank{rank}.safetensors" if self.zero else "optimizer.safetensors"
+            )
             key = f"master/{name}"
         else:
-            file = f"optimizer.rank{rank}.safetensors" if self.zero else "optimizer.safetensors"
+            file = (
+                f"optimizer.{group}rank{rank}.safetensors" if self.zero else "optimizer.safetensors"
+            )
             key = f"state/{name}/{kind.removeprefix('state/')}"
         handle = self._open(file)
         if key not in handle.keys():
@@ -297,9 +304,10 @@ class ShardReader:
         """(name, tensor) of the saved module buffers."""
         names = self.manifest.get("buffers")
         if self.zero:
-            handle = self._open("buffers.safetensors")
-            for key in handle.keys():
-                yield key, handle.get_tensor(key)
+            for file in self.manifest.get("buffer_files", ["buffers.safetensors"]):
+                handle = self._open(file)
+                for key in handle.keys():
+                    yield key, handle.get_tensor(key)
             return
         handle = self._open("model.safetensors")
         params = set(self.manifest.get("parameters", {}))
