@@ -153,9 +153,7 @@ def _run(root):
             out[case] = str(error)
         else:
             out[case] = None
-    out["unchanged"] = all(
-        torch.equal(before[n], p) for n, p in engine.module.named_parameters()
-    )
+    out["unchanged"] = all(torch.equal(before[n], p) for n, p in engine.module.named_parameters())
     return out
 
 
