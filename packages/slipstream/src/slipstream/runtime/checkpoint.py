@@ -353,15 +353,30 @@ class _Stage0Layout:
         _apply_stage0(engine, path, manifest, plan, options)
 
 
-def _layout_of(engine: Any) -> Any:
-    """The tensor layout writing and reading ``engine``'s checkpoint (one manifest writer,
-    ``save``, for all of them): pipelines, ZeRO shards or stage 0's replicated files."""
+def _layout_of(engine: Any, manifest: dict[str, Any] | None = None) -> Any:
+    """The tensor layout writing (or reading ``manifest`` into) ``engine``'s checkpoint.
+
+    One manifest writer, ``save``, for all of them: pipelines, tensor/expert-parallel pieces,
+    ZeRO shards or stage 0's replicated files. A load picks the layout of the engine, except
+    that a partitioned checkpoint is read by the partitioned layout (into any stage 0-2 engine).
+    """
     from slipstream.runtime.pipeline_engine import PipelineEngine
 
     if isinstance(engine, PipelineEngine):
         from slipstream.runtime import pipeline_checkpoint
 
         return pipeline_checkpoint
+    from slipstream.runtime import partitioned_checkpoint
+
+    saved_partitioned = manifest is not None and manifest.get("layout") == "partitioned"
+    if partitioned_checkpoint.is_partitioned(engine.module) or saved_partitioned:
+        if getattr(engine, "zero_stage", 0) > 2:
+            raise CheckpointMismatchError(
+                "checkpoints of tensor- or expert-parallel models load at ZeRO stages 0-2; "
+                "this engine runs stage 3. Load it at stage 1 or 2, or consolidate it with "
+                "`slipstream convert` and load the weights"
+            )
+        return partitioned_checkpoint
     if engine.zero is not None:
         from slipstream.runtime import zero_checkpoint
 
@@ -497,7 +512,6 @@ def load(
     agreed, before the first tensor is copied; a refused load leaves the engine as it was.
     """
     what = f"loading checkpoint from {str(load_dir)!r}"
-    layout = _layout_of(engine)
     options = {
         "load_module_strict": load_module_strict,
         "load_optimizer_states": load_optimizer_states,
@@ -507,13 +521,14 @@ def load(
 
     def prepare() -> tuple[Path, dict[str, Any], Any, _Extras]:
         path, manifest = _open_checkpoint(engine, load_dir, tag)
+        layout = _layout_of(engine, manifest)
         plan = layout.validate(engine, path, manifest, options)
         extras = _read_extras(engine, path, manifest, load_lr_scheduler_states, load_module_only)
-        return path, manifest, plan, extras
+        return path, manifest, layout, plan, extras
 
     prepared, error = _attempt(prepare)
     agree(error, what)
-    path, manifest, plan, extras = prepared
+    path, manifest, layout, plan, extras = prepared
     layout.apply(engine, path, manifest, plan, options)
     return path, apply_extras(engine, path, manifest, extras)
 

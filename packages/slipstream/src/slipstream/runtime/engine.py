@@ -801,7 +801,6 @@ class SlipstreamEngine(torch.nn.Module):
         error on every rank.
         """
         self._check_alive()
-        self._refuse_expert_parallel_checkpoint()
         client_state = dict(client_state or {})
         with self._optimizer_resident():
             return checkpointing.save(
@@ -825,7 +824,6 @@ class SlipstreamEngine(torch.nn.Module):
     ) -> tuple[Path, dict[str, Any]]:
         """Restore a checkpoint; returns ``(path, client_state)``. Raises if it is missing or bad."""
         self._check_alive()
-        self._refuse_expert_parallel_checkpoint()
         with self._optimizer_resident():
             path, client_state = checkpointing.load(
                 self,
@@ -837,15 +835,6 @@ class SlipstreamEngine(torch.nn.Module):
                 load_module_only=load_module_only,
             )
         return path, client_state
-
-    def _refuse_expert_parallel_checkpoint(self) -> None:
-        if self._experts.is_expert_parallel:
-            raise NotImplementedError(
-                "engine checkpoints of a model with expert-parallel MoE layers are not supported "
-                "yet (each expert-parallel rank holds different experts and optimizer state); "
-                "save the weights with slipstream.moe.full_state_dict(engine.module) and reshard "
-                "them with slipstream.moe.expert_parallel_state_dict"
-            )
 
     def save_16bit_model(
         self, save_dir: str | Path, save_filename: str = "model.safetensors"

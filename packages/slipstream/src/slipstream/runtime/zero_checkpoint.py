@@ -220,10 +220,19 @@ class ShardReader:
             )
         return self._handles[name]
 
-    def _locate(self, kind: str, name: str, rank: int) -> tuple[Any, str] | None:
+    def _piece(self, name: str, index: int = 0) -> dict[str, Any]:
+        """The manifest record that says where ``name`` (or its piece ``index``) is stored."""
+        entry: dict[str, Any] = self.manifest.get("parameters", {}).get(name, {})
+        partition = entry.get("partition")
+        return partition["pieces"][index] if partition else entry
+
+    def _locate(
+        self, kind: str, name: str, rank: int, piece: dict[str, Any] | None = None
+    ) -> tuple[Any, str] | None:
         # A parameter's files: ``<kind>.<file_group>rank<R>``, where a pipeline checkpoint
-        # records the stage that wrote it as its file group (``stage1.``).
-        group = self.manifest.get("parameters", {}).get(name, {}).get("file_group", "")
+        # records the stage that wrote it as its file group (``stage1.``), and a partitioned
+        # one (tensor/expert parallel) each piece's holder (``tp1.``, ``ep2_1.``).
+        group = (piece if piece is not None else self._piece(name)).get("file_group", "")
         if kind == "model":
             file, key = (
                 (f"model.{group}rank{rank}.safetensors", name)
@@ -254,6 +263,11 @@ class ShardReader:
         """Whether the checkpoint holds ``kind`` for parameter ``name``."""
         return self._locate(kind, name, 0) is not None
 
+    def partition(self, name: str) -> dict[str, Any] | None:
+        """``{"dim", "pieces"}`` when ``name`` was saved in pieces (tensor/expert parallel)."""
+        partition: dict[str, Any] | None = self.manifest["parameters"][name].get("partition")
+        return partition
+
     def numel(self, name: str) -> int:
         """Elements of parameter ``name``."""
         shape = self.manifest["parameters"][name]["shape"]
@@ -272,16 +286,26 @@ class ShardReader:
                 raise ckpt.CorruptCheckpointError(f"{self.path} holds no {kind} for {name!r}")
             handle, key = located
             return handle.get_tensor(key).reshape(-1)[start:end]
-        shard = int(self.manifest["parameters"][name]["shard_numel"])
+        if self.partition(name) is not None:
+            # Saved in pieces along a dimension: assemble the whole tensor (one parameter at
+            # a time), then cut the range.
+            return self.read_full(kind, name).reshape(-1)[start:end]
+        return self._read_flat(kind, name, self._piece(name), start, end)
+
+    def _read_flat(
+        self, kind: str, name: str, piece: dict[str, Any], start: int, end: int
+    ) -> torch.Tensor:
+        shard = int(piece["shard_numel"])
         pieces = []
         position = start
         while position < end:
             rank = position // shard
             stop = min(end, (rank + 1) * shard)
-            located = self._locate(kind, name, rank)
+            located = self._locate(kind, name, rank, piece)
             if located is None:
                 raise ckpt.CorruptCheckpointError(
-                    f"{self.path} holds no {kind} for {name!r} in rank {rank}'s file"
+                    f"{self.path} holds no {kind} for {name!r} in rank {rank}'s file "
+                    f"(group {piece.get('file_group', '')!r})"
                 )
             handle, key = located
             pieces.append(handle.get_slice(key)[position - rank * shard : stop - rank * shard])
@@ -296,9 +320,21 @@ class ShardReader:
         return None if located is None else located[0].get_tensor(located[1])
 
     def read_full(self, kind: str, name: str) -> torch.Tensor:
-        """The whole tensor, in its shape."""
+        """The whole tensor, in its shape (pieces concatenated along their dimension)."""
         shape = self.manifest["parameters"][name]["shape"]
-        return self.read(kind, name, 0, self.numel(name)).reshape(shape)
+        partition = self.partition(name) if self.zero else None
+        if partition is None:
+            return self.read(kind, name, 0, self.numel(name)).reshape(shape)
+        if kind == "master" and not self.has("master", name):
+            return self.read_full("model", name).float()
+        parts = []
+        for piece in partition["pieces"]:
+            numel = 1
+            for size in piece["shape"]:
+                numel *= int(size)
+            flat = self._read_flat(kind, name, piece, 0, numel)
+            parts.append(flat.reshape(piece["shape"]))
+        return torch.cat(parts, dim=int(partition["dim"])).reshape(shape)
 
     def buffers(self) -> Iterator[tuple[str, torch.Tensor]]:
         """(name, tensor) of the saved module buffers."""
