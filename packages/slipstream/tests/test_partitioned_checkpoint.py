@@ -180,7 +180,7 @@ def _run(root):
         for index in range(tp):
             group = dist.new_group([r for r in range(world) if r % tp == index])
             groups[tp][index] = group
-    engine, full = _tp_engine(2, 1, groups, seed=5)
+    engine, _ = _tp_engine(2, 1, groups, seed=5)
     # One step on made-up gradients (the same on the replicas), for optimizer state to save.
     engine.backward(engine(torch.randn(2, 8, generator=torch.Generator().manual_seed(0))).sum())
     engine.step()

@@ -262,7 +262,7 @@ def _stage0_tensors(engine: SlipstreamEngine) -> Any:
 
 
 def save(
-    engine: SlipstreamEngine,
+    engine: Any,
     save_dir: str | Path,
     tag: str | None,
     client_state: dict[str, Any],
@@ -496,7 +496,7 @@ def _open_checkpoint(engine: SlipstreamEngine, load_dir: str | Path, tag: str | 
 
 
 def load(
-    engine: SlipstreamEngine,
+    engine: Any,
     load_dir: str | Path,
     tag: str | None,
     *,
@@ -519,7 +519,7 @@ def load(
         "load_module_only": load_module_only,
     }
 
-    def prepare() -> tuple[Path, dict[str, Any], Any, _Extras]:
+    def prepare() -> tuple[Path, dict[str, Any], Any, Any, _Extras]:
         path, manifest = _open_checkpoint(engine, load_dir, tag)
         layout = _layout_of(engine, manifest)
         plan = layout.validate(engine, path, manifest, options)
