@@ -172,8 +172,6 @@ def test_engine_reads_training_data_and_activation_checkpointing():
 def test_engine_refuses_what_it_cannot_do():
     with pytest.raises(NotImplementedFeatureError, match=r"zero_optimization\.stage = 3"):
         _engine(_config(zero_optimization={"stage": 3}), num_stages=1)
-    with pytest.raises(NotImplementedFeatureError, match="fp16"):
-        _engine(_config(fp16={"enabled": True}), num_stages=1)
     with pytest.raises(ConfigError, match=r"pipeline\.stages = 2 but the PipelineModule"):
         _engine(_config(pipeline={"stages": 2}), num_stages=1)
     with pytest.raises(ConfigError, match=r"pipeline\.seed_layers"):
