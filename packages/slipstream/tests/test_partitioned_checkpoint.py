@@ -164,6 +164,16 @@ def _run(root):
             engine.save_checkpoint(root / "ep")
     engine = _expert_engine(1, 2, seed=2)
     engine.load_checkpoint(root / "ep")
+    # convert: the unsplit model's names (global expert ids), equal to what EP=1 loaded.
+    if rank == 0:
+        convert_to_hf_safetensors(root / "ep", root / "ep_hf", progress=False)
+    dist.barrier()
+    converted = load_file(str(root / "ep_hf" / "model.safetensors"))
+    plain = ExpertNet(1)
+    plain.load_state_dict(converted)  # strict: every name of the unsplit model
+    out["ep_convert_diff"] = max(
+        (p.detach() - converted[n]).abs().max().item() for n, p in engine.module.named_parameters()
+    )
     out["ep1_zero2"] = [_expert_step(engine, step) for step in (2, 3)]
     engine = _expert_engine(4, 0, seed=3)
     engine.load_checkpoint(root / "ep")
@@ -236,6 +246,7 @@ def test_expert_and_tensor_parallel_checkpoints_change_layout(tmp_path):
                     loss,
                     reference[step],
                 )
+        assert report["ep_convert_diff"] == 0.0, rank
         assert set(report["tp_diff"].values()) == {0.0}, (rank, report["tp_diff"])
         assert report["tp4_moment_diff"] == 0.0 and report["tp1_moment_nonzero"], rank
         assert report["convert_diff"] == 0.0, rank
