@@ -372,9 +372,10 @@ def _layout_of(engine: Any, manifest: dict[str, Any] | None = None) -> Any:
     if partitioned_checkpoint.is_partitioned(engine.module) or saved_partitioned:
         if getattr(engine, "zero_stage", 0) > 2:
             raise CheckpointMismatchError(
-                "checkpoints of tensor- or expert-parallel models load at ZeRO stages 0-2; "
-                "this engine runs stage 3. Load it at stage 1 or 2, or consolidate it with "
-                "`slipstream convert` and load the weights"
+                "checkpoints of tensor- or expert-parallel models are saved and loaded at ZeRO "
+                "stages 0-2; this engine runs stage 3 (not implemented for them yet). Use "
+                "zero_optimization.stage 1 or 2, or consolidate the checkpoint with "
+                "`slipstream convert` and load the weights into the stage-3 model"
             )
         return partitioned_checkpoint
     if engine.zero is not None:

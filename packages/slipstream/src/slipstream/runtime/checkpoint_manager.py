@@ -133,7 +133,18 @@ class CheckpointParts:
         from slipstream.runtime.checkpoint import _load_object
 
         states: dict[str, Any] = {}
-        for name, file in manifest.get("parts", {}).items():
+        if "parts" not in manifest:
+            # Written before the parts had files of their own (format 1 as first released):
+            # the counters inline, the schedule in lr_scheduler_file.
+            legacy = {"engine": manifest.get("engine"), "lr_scheduler": None}
+            if manifest.get("lr_scheduler_file"):
+                legacy["lr_scheduler"] = _load_object(path, manifest["lr_scheduler_file"])
+            return {
+                name: state
+                for name, state in legacy.items()
+                if state is not None and name not in skip and self.parts.get(name) is not None
+            }
+        for name, file in manifest["parts"].items():
             if name in skip or self.parts.get(name) is None:
                 continue
             states[name] = _load_object(path, file)
