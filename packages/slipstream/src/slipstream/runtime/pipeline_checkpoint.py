@@ -95,10 +95,25 @@ def tensors_to_check(engine: PipelineEngine) -> Iterator[tuple[str, torch.Tensor
 
 
 # ---------------------------------------------------------------------------- save
+def _refuse_tensor_parallel(engine: PipelineEngine) -> None:
+    for name, param in engine.module.named_parameters():
+        if (
+            getattr(param, "tp_partition_dim", None) is not None
+            and getattr(param, "tp_size", 1) > 1
+        ):
+            raise ckpt.CheckpointError(
+                f"parameter {name!r} of pipeline stage {engine.module.stage_id} is a "
+                "tensor-parallel shard: checkpoints of pipelines with tensor parallelism are not "
+                "implemented yet (the plain engine's tensor-parallel checkpoints are); save "
+                "each rank's module.state_dict() yourself meanwhile"
+            )
+
+
 def write_rank_files(
     engine: PipelineEngine, staging: Path
 ) -> tuple[list[dict[str, Any]], dict[str, Any]]:
     """Every rank: its shards of the stage's parameters and optimizer state, and its RNG."""
+    _refuse_tensor_parallel(engine)
     path = gradient_path_state(engine)
     optimizer = path.optimizer
     assert optimizer is not None
@@ -205,6 +220,7 @@ def validate(
     engine: PipelineEngine, path: Path, manifest: dict[str, Any], options: dict[str, bool]
 ) -> dict[str, Any]:
     """Check a pipeline checkpoint against this engine's stage before anything is copied."""
+    _refuse_tensor_parallel(engine)
     if "pipeline" not in manifest:
         raise ckpt.CheckpointMismatchError(
             f"{str(path)!r} is not a pipeline checkpoint (it was saved by slipstream.initialize's "
