@@ -184,3 +184,28 @@ def test_bad_checkpoints_raise_clear_errors(tmp_path: Path) -> None:
     assert "no manifest.json" in messages["no_manifest"]
     assert messages["wrong_model"] != "NO ERROR"
     assert messages["good"].endswith("good")
+
+
+def _legacy_worker(save_dir: str) -> dict:
+    import json
+
+    import slipstream
+
+    torch.manual_seed(0)
+    engine, *_ = slipstream.initialize(model=DropoutNet(), config=_config("fp32"))
+    _run_steps(engine, 0, 3)
+    path = engine.save_checkpoint(save_dir)
+    # The manifest as first released: counters inline, the schedule in lr_scheduler_file.
+    manifest = json.loads((path / "manifest.json").read_text())
+    parts = manifest.pop("parts")
+    manifest["lr_scheduler_file"] = parts["lr_scheduler"]
+    (path / "manifest.json").write_text(json.dumps(manifest))
+    engine2, *_ = slipstream.initialize(model=DropoutNet(), config=_config("fp32"))
+    engine2.load_checkpoint(save_dir)
+    return {"steps": engine2.global_steps, "lr": (engine.get_lr(), engine2.get_lr())}
+
+
+def test_manifest_without_parts_still_loads(tmp_path: Path) -> None:
+    (result,) = run_distributed(_legacy_worker, 1, str(tmp_path / "ckpt"))
+    assert result["steps"] == 3
+    assert result["lr"][0] == result["lr"][1]

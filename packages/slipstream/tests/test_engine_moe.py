@@ -172,13 +172,7 @@ def _engine_parity(world_size: int) -> dict:
                     value, expected[name], rtol=1e-5, atol=1e-6, msg=f"stage {stage}: {name}"
                 )
                 worst = max(worst, float((value - expected[name]).abs().max()))
-    if world_size == 2:
-        try:  # checkpoints of expert-parallel models are refused, not saved half
-            engine.save_checkpoint("/nonexistent/never-written")
-        except NotImplementedError as error:
-            assert "full_state_dict" in str(error)
-        else:
-            raise AssertionError("save_checkpoint of an expert-parallel model was not refused")
+    # Checkpoints of expert-parallel models, across layouts: test_partitioned_checkpoint.py.
     fp16 = _fp16_smoke(initial) if world_size == 2 else {}
     return {
         **fp16,

@@ -277,9 +277,36 @@ def _train_sequence_parallel(stage: int, steps: int = 2) -> float:
     return worst
 
 
+def _check_checkpoint_round_trip(save_dir: str) -> None:
+    """AutoTP at TP=2, ZeRO-1: a checkpoint restores the shards and the next step's loss."""
+    import slipstream
+
+    config = {
+        "train_micro_batch_size_per_gpu": 1,
+        "optimizer": {"type": "Adam", "params": {"lr": 0.01}},
+        "zero_optimization": {"stage": 1},
+        "tensor_parallel": {"autotp_size": 2},
+    }
+    engine, *_ = slipstream.initialize(model=_tiny_llama(), config=config)
+    ids = _global_batch(0, 1)
+    engine.backward(engine(input_ids=ids, labels=ids).loss)
+    engine.step()
+    engine.save_checkpoint(save_dir, tag="tp2")
+    saved = [p.detach().clone() for p in engine.module.parameters()]
+    following = _global_batch(1, 1)
+    expected = float(engine(input_ids=following, labels=following).loss)
+    engine.backward(engine(input_ids=following, labels=following).loss)
+    engine.step()  # moves the weights and Adam's moments away from the checkpoint
+    engine.load_checkpoint(save_dir, tag="tp2")
+    for param, before in zip(engine.module.parameters(), saved):
+        assert torch.equal(param.detach(), before)
+    assert float(engine(input_ids=following, labels=following).loss) == expected
+
+
 def _world_of_two(export_dir: str) -> dict[str, float]:
     _check_bad_configs()
     _check_nonfinite_vote_spans_tensor_group()
+    _check_checkpoint_round_trip(export_dir + "/ckpt")
     _check_partitioned_activation_checkpoint()
     # max_norm 0.5 is far below the tiny model's gradient norm: clipping changes every step.
     worst = _train_autotp(tp=2, stage=0, clip=0.5, export_dir=export_dir)

@@ -114,6 +114,8 @@ class PipelineExecutor:
         self.communicator = communicator
         self.device = device
         self.autocast_dtype = autocast_dtype
+        #: fp16: the losses are multiplied by it before backward (the engine's loss scale).
+        self.loss_scale = 1.0
         self.stage = module.stage_id
         self.num_stages = module.num_stages
         self._weights: dict[int, list[torch.Tensor]] = {}
@@ -294,7 +296,8 @@ class PipelineExecutor:
                     loss = self._loss(out, batch)
                     losses.append(loss.detach())
                     if train:
-                        slot.loss = loss / self._num_micro
+                        scaled = loss if self.loss_scale == 1.0 else loss * self.loss_scale
+                        slot.loss = scaled / self._num_micro
                 slot.outputs = []
                 return
         slot.outputs = _tensors(out)

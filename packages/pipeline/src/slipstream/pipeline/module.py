@@ -424,6 +424,16 @@ class PipelineModule(nn.Module):
                     tensor.grad = torch.zeros_like(tensor)
                 dist.all_reduce(tensor.grad, group=group)
 
+    def owns_tied_key(self, key: str) -> bool:
+        """Whether this rank is the lowest stage holding tied module ``key`` (the copy that a
+        checkpoint stores; the other stages' copies are equal)."""
+        ranks, group = self._tie_groups.get(key, ([], None))
+        return group is None or dist.get_rank() == ranks[0]
+
+    def layer_stages(self) -> list[int]:
+        """The stage holding each layer, by layer index (the layer -> stage map)."""
+        return [self._stage_of_layer(index) for index in range(len(self._layer_specs))]
+
     def tied_weight_owner(self, param: torch.Tensor) -> bool:
         """False when ``param`` is a tied weight whose lowest owning stage is another rank.
 

@@ -156,12 +156,15 @@ def train_batch(
     *,
     max_grad_norm: float = 0.0,
     measure_grad_norm: bool = True,
+    before_step: Callable[[list[torch.Tensor]], bool] | None = None,
 ) -> StepResult:
     """One optimizer step over ``schedule.num_microbatches`` micro-batches.
 
     In order: the schedule's forwards and backwards; tied-weight gradient sums; the
-    data-parallel gradient mean; the global norm (clipped to ``max_grad_norm`` when > 0);
-    ``optimizer.step()``; ``optimizer.zero_grad()``. Collective over the whole grid.
+    data-parallel gradient mean; ``before_step(gradients)`` (fp16 unscaling and the overflow
+    vote: when it returns True the step is skipped, the gradients dropped and the norm is
+    None); the global norm (clipped to ``max_grad_norm`` when > 0); ``optimizer.step()``;
+    ``optimizer.zero_grad()``. Collective over the whole grid.
 
     >>> loss, norm = train_batch(executor, one_f_one_b(2, 4), iter(batches), optimizer)  # doctest: +SKIP
     """
@@ -175,6 +178,9 @@ def train_batch(
     params = [p for p in module.parameters() if p.requires_grad]
     if grid is not None:
         allreduce_data_parallel_gradients(params, grid.get_data_parallel_group())
+    if before_step is not None and before_step([p.grad for p in params if p.grad is not None]):
+        optimizer.zero_grad(set_to_none=True)
+        return StepResult(aggregate_loss(executor, result.losses, executor.device), None)
     grad_norm = None
     if max_grad_norm > 0 or measure_grad_norm:
         grad_norm = clip_grad_norm_across_stages(

@@ -33,6 +33,7 @@ from safetensors.torch import load_file, save_file
 import slipstream
 from slipstream import comm
 from slipstream.offload.checksum import ALGORITHM as CHECKSUM_ALGORITHM
+from slipstream.runtime.checkpoint_manager import CheckpointParts, engine_parts
 from slipstream.runtime.checkpoint_store import (
     FORMAT,
     FORMAT_VERSION,
@@ -261,7 +262,7 @@ def _stage0_tensors(engine: SlipstreamEngine) -> Any:
 
 
 def save(
-    engine: SlipstreamEngine,
+    engine: Any,
     save_dir: str | Path,
     tag: str | None,
     client_state: dict[str, Any],
@@ -275,9 +276,7 @@ def save(
     write the manifest and switch the tag and ``latest`` over (rank 0). A failure anywhere
     raises the same error on every rank and leaves the previous checkpoints as they were.
     """
-    zero = engine.zero is not None
-    if zero:
-        from slipstream.runtime import zero_checkpoint as layout
+    layout = _layout_of(engine)
     save_dir = Path(save_dir)
     if allow_non_finite is None:
         allow_non_finite = _checkpoint_config(engine, "allow_non_finite", False)
@@ -288,7 +287,7 @@ def save(
         _check_tag(chosen)
         if allow_non_finite:
             return
-        bad = first_non_finite(layout.tensors_to_check(engine) if zero else _stage0_tensors(engine))
+        bad = first_non_finite(layout.tensors_to_check(engine))
         if bad is not None:
             raise NonFiniteCheckpointError(
                 f"{bad} holds NaN or inf: refusing to checkpoint non-finite weights, so "
@@ -306,10 +305,7 @@ def save(
     agree(error, what)
 
     def write() -> dict[str, Any]:
-        if zero:
-            files, info = layout.write_rank_files(engine, staging)
-        else:
-            files, info = _write_stage0_rank_files(engine, staging)
+        files, info = layout.write_rank_files(engine, staging)
         return {"files": files, "info": info}
 
     part, error = _attempt(write, saving=True)
@@ -317,11 +313,7 @@ def save(
 
     def finish() -> None:
         files = [entry for p in parts for entry in p["files"]]
-        specific = (
-            layout.manifest_fields(engine, [p["info"] for p in parts])
-            if zero
-            else _stage0_manifest_fields(engine, [p["info"] for p in parts])
-        )
+        specific = layout.manifest_fields(engine, [p["info"] for p in parts])
         manifest = _common_manifest(engine, staging, client_state, files)
         manifest.update(specific)
         manifest["files"] = sorted(manifest["files"], key=lambda e: (e["kind"], e["name"]))
@@ -335,6 +327,62 @@ def save(
 
     agree(_attempt(finish, saving=True)[1] if rank == 0 else None, what)
     return final
+
+
+class _Stage0Layout:
+    """Stage 0's tensors: rank 0 writes the replicated model and optimizer whole."""
+
+    @staticmethod
+    def tensors_to_check(engine: Any) -> Any:
+        return _stage0_tensors(engine)
+
+    @staticmethod
+    def write_rank_files(engine: Any, staging: Path) -> tuple[list[dict[str, Any]], Any]:
+        return _write_stage0_rank_files(engine, staging)
+
+    @staticmethod
+    def manifest_fields(engine: Any, infos: list[Any]) -> dict[str, Any]:
+        return _stage0_manifest_fields(engine, infos)
+
+    @staticmethod
+    def validate(engine: Any, path: Path, manifest: dict[str, Any], options: Any) -> Any:
+        return _validate_stage0(engine, path, manifest, options)
+
+    @staticmethod
+    def apply(engine: Any, path: Path, manifest: dict[str, Any], plan: Any, options: Any) -> None:
+        _apply_stage0(engine, path, manifest, plan, options)
+
+
+def _layout_of(engine: Any, manifest: dict[str, Any] | None = None) -> Any:
+    """The tensor layout writing (or reading ``manifest`` into) ``engine``'s checkpoint.
+
+    One manifest writer, ``save``, for all of them: pipelines, tensor/expert-parallel pieces,
+    ZeRO shards or stage 0's replicated files. A load picks the layout of the engine, except
+    that a partitioned checkpoint is read by the partitioned layout (into any stage 0-2 engine).
+    """
+    from slipstream.runtime.pipeline_engine import PipelineEngine
+
+    if isinstance(engine, PipelineEngine):
+        from slipstream.runtime import pipeline_checkpoint
+
+        return pipeline_checkpoint
+    from slipstream.runtime import partitioned_checkpoint
+
+    saved_partitioned = manifest is not None and manifest.get("layout") == "partitioned"
+    if partitioned_checkpoint.is_partitioned(engine.module) or saved_partitioned:
+        if getattr(engine, "zero_stage", 0) > 2:
+            raise CheckpointMismatchError(
+                "checkpoints of tensor- or expert-parallel models are saved and loaded at ZeRO "
+                "stages 0-2; this engine runs stage 3 (not implemented for them yet). Use "
+                "zero_optimization.stage 1 or 2, or consolidate the checkpoint with "
+                "`slipstream convert` and load the weights into the stage-3 model"
+            )
+        return partitioned_checkpoint
+    if engine.zero is not None:
+        from slipstream.runtime import zero_checkpoint
+
+        return zero_checkpoint
+    return _Stage0Layout
 
 
 def _checkpoint_config(engine: SlipstreamEngine, key: str, default: bool) -> bool:
@@ -405,19 +453,22 @@ def _stage0_manifest_fields(
 
 
 def _common_manifest(
-    engine: SlipstreamEngine, staging: Path, client_state: dict[str, Any], files: list[Any]
+    engine: Any, staging: Path, client_state: dict[str, Any], files: list[Any]
 ) -> dict[str, Any]:
-    """Rank 0: what both layouts record alike, plus the schedule and client-state files."""
-    scheduler_file = (
-        _dump_object(staging, "lr_scheduler", engine.lr_scheduler.state_dict())
-        if engine.lr_scheduler is not None and hasattr(engine.lr_scheduler, "state_dict")
-        else None
-    )
+    """Rank 0: what every layout records alike, the parts' states and the client state.
+
+    Each part of the run (engine_parts: counters and loss scale, schedule, data sampler)
+    is written by the checkpoint manager; ``engine`` repeats the counters for people
+    reading the manifest.
+    """
+    parts = CheckpointParts(engine_parts(engine))
+    listed, part_files = parts.write(staging)
     client_file = _dump_object(staging, "client_state", client_state)
     files = list(files)
-    for name in (scheduler_file, client_file):
-        if name is not None:
-            files.append(file_entry(staging, name, "object", 0))
+    for name in (*part_files, client_file):
+        files.append(file_entry(staging, name, "object", 0))
+    counters = parts.parts["engine"]
+    assert counters is not None
     return {
         "format": FORMAT,
         "format_version": FORMAT_VERSION,
@@ -425,17 +476,13 @@ def _common_manifest(
         "torch_version": torch.__version__,
         "checksum_algorithm": CHECKSUM_ALGORITHM,
         "world_size": comm.get_world_size(),
-        "dp_world_size": engine.dp_world_size,
-        "dtype": str(engine.compute_dtype or torch.float32).removeprefix("torch."),
-        "lr_scheduler_file": scheduler_file,
+        "dp_world_size": getattr(engine, "dp_world_size", 1),
+        "dtype": str(getattr(engine, "compute_dtype", None) or torch.float32).removeprefix(
+            "torch."
+        ),
+        "parts": listed,
         "client_state_file": client_file,
-        "engine": {
-            "global_steps": engine.global_steps,
-            "global_samples": engine.global_samples,
-            "micro_steps": engine.micro_steps,
-            "skipped_steps": engine.skipped_steps,
-            "loss_scaler": engine.loss_scaler.state_dict() if engine.loss_scaler else None,
-        },
+        "engine": counters.state_dict(),
         "config": engine.config.raw,
         "files": files,
     }
@@ -450,7 +497,7 @@ def _open_checkpoint(engine: SlipstreamEngine, load_dir: str | Path, tag: str | 
 
 
 def load(
-    engine: SlipstreamEngine,
+    engine: Any,
     load_dir: str | Path,
     tag: str | None,
     *,
@@ -466,9 +513,6 @@ def load(
     agreed, before the first tensor is copied; a refused load leaves the engine as it was.
     """
     what = f"loading checkpoint from {str(load_dir)!r}"
-    zero = engine.zero is not None
-    if zero:
-        from slipstream.runtime import zero_checkpoint as layout
     options = {
         "load_module_strict": load_module_strict,
         "load_optimizer_states": load_optimizer_states,
@@ -476,22 +520,17 @@ def load(
         "load_module_only": load_module_only,
     }
 
-    def prepare() -> tuple[Path, dict[str, Any], Any, _Extras]:
+    def prepare() -> tuple[Path, dict[str, Any], Any, Any, _Extras]:
         path, manifest = _open_checkpoint(engine, load_dir, tag)
-        if zero:
-            plan = layout.validate(engine, path, manifest, options)
-        else:
-            plan = _validate_stage0(engine, path, manifest, options)
+        layout = _layout_of(engine, manifest)
+        plan = layout.validate(engine, path, manifest, options)
         extras = _read_extras(engine, path, manifest, load_lr_scheduler_states, load_module_only)
-        return path, manifest, plan, extras
+        return path, manifest, layout, plan, extras
 
     prepared, error = _attempt(prepare)
     agree(error, what)
-    path, manifest, plan, extras = prepared
-    if zero:
-        layout.apply(engine, path, manifest, plan, options)
-    else:
-        _apply_stage0(engine, path, manifest, plan, options)
+    path, manifest, layout, plan, extras = prepared
+    layout.apply(engine, path, manifest, plan, options)
     return path, apply_extras(engine, path, manifest, extras)
 
 
@@ -499,38 +538,39 @@ def load(
 class _Extras:
     """What a load reads besides tensors, read before anything is changed."""
 
-    def __init__(self) -> None:
-        self.scheduler: Any = None
+    def __init__(self, parts: CheckpointParts) -> None:
+        self.parts = parts
+        self.states: dict[str, Any] = {}
         self.client_state: dict[str, Any] = {}
         self.rng: Path | None = None
-        self.counters: dict[str, Any] | None = None
+        self.restore_rng = False
 
 
 def _read_extras(
-    engine: SlipstreamEngine,
+    engine: Any,
     path: Path,
     manifest: dict[str, Any],
     load_lr_scheduler_states: bool,
     load_module_only: bool,
 ) -> _Extras:
-    extras = _Extras()
-    if (
-        load_lr_scheduler_states
-        and engine.lr_scheduler is not None
-        and manifest.get("lr_scheduler_file")
-    ):
-        extras.scheduler = _load_object(path, manifest["lr_scheduler_file"])
-        current = engine.lr_scheduler.state_dict()
-        if isinstance(extras.scheduler, dict) and isinstance(current, dict):
-            if set(extras.scheduler) != set(current):
-                raise CheckpointMismatchError(
-                    f"the learning-rate schedule in {str(path)!r} has keys "
-                    f"{sorted(extras.scheduler)}, this engine's scheduler "
-                    f"({type(engine.lr_scheduler).__name__}) {sorted(current)}: another "
-                    "scheduler type. Pass load_lr_scheduler_states=False to keep this one."
-                )
+    """Every rank: the parts' saved states (by the manager), the client state and RNG file."""
+    skip = {"lr_scheduler"} if not load_lr_scheduler_states else set()
+    if load_module_only:
+        skip |= {"engine", "data"}
+    extras = _Extras(CheckpointParts(engine_parts(engine)))
+    extras.states = extras.parts.read(path, manifest, frozenset(skip))
+    scheduler = extras.parts.parts.get("lr_scheduler")
+    saved = extras.states.get("lr_scheduler")
+    if scheduler is not None and isinstance(saved, dict):
+        current = scheduler.state_dict()
+        if isinstance(current, dict) and set(saved) != set(current):
+            raise CheckpointMismatchError(
+                f"the learning-rate schedule in {str(path)!r} has keys {sorted(saved)}, this "
+                f"engine's scheduler ({type(scheduler).__name__}) {sorted(current)}: another "
+                "scheduler type. Pass load_lr_scheduler_states=False to keep this one."
+            )
     if not load_module_only:
-        extras.counters = manifest["engine"]
+        extras.restore_rng = True
         rng = path / f"rng.rank{comm.get_rank()}.safetensors"
         extras.rng = rng if rng.is_file() else None
         if manifest.get("client_state_file"):
@@ -539,20 +579,11 @@ def _read_extras(
 
 
 def apply_extras(
-    engine: SlipstreamEngine, path: Path, manifest: dict[str, Any], extras: _Extras
+    engine: Any, path: Path, manifest: dict[str, Any], extras: _Extras
 ) -> dict[str, Any]:
-    """Restore schedule, counters, loss scale and RNG (read and checked already)."""
-    if extras.scheduler is not None:
-        assert engine.lr_scheduler is not None
-        engine.lr_scheduler.load_state_dict(extras.scheduler)
-    if extras.counters is not None:
-        state = extras.counters
-        engine.global_steps = state["global_steps"]
-        engine.global_samples = state["global_samples"]
-        engine.micro_steps = state["micro_steps"]
-        engine.skipped_steps = state["skipped_steps"]
-        if engine.loss_scaler is not None and state.get("loss_scaler"):
-            engine.loss_scaler.load_state_dict(state["loss_scaler"])
+    """Restore the parts (schedule, counters, loss scale, data) and RNG, read and checked."""
+    extras.parts.apply(extras.states)
+    if extras.restore_rng:
         if extras.rng is not None:
             _restore_rng(extras.rng)
         else:

@@ -16,7 +16,6 @@ import torch.distributed as dist
 from slipstream import comm
 from slipstream.compression import CompressionScheduler, CompressionState, init_compression
 from slipstream.config import SlipstreamConfig
-from slipstream.data import STATE_KEY as DATA_EFFICIENCY_STATE_KEY
 from slipstream.data import DataEfficiency, ProgressiveLayerDrop, RandomLayerTokenDrop
 from slipstream.kernels import get_accelerator
 from slipstream.kernels.config_schema import ConfigError
@@ -43,7 +42,6 @@ from slipstream.runtime.tensor_parallel import (
     clip_by_norm_,
     is_tensor_parallel,
     reduce_sequence_parallel_grads_,
-    refuse_tensor_parallel_checkpoint,
     save_tensor_parallel_16bit_model,
     tensor_parallel_grad_norm,
     zero_tensor_parallel_grad_norm,
@@ -878,12 +876,7 @@ class SlipstreamEngine(torch.nn.Module):
         error on every rank.
         """
         self._check_alive()
-        self._refuse_expert_parallel_checkpoint()
-        refuse_tensor_parallel_checkpoint(self._tp_size)
         client_state = dict(client_state or {})
-        if self.data_efficiency is not None:
-            # Scheduler states, sampler position and consumed samples travel in client state.
-            client_state[DATA_EFFICIENCY_STATE_KEY] = self.data_efficiency.state_dict()
         if self.compression_scheduler is not None:
             client_state[COMPRESSION_STATE_KEY] = self.compression_scheduler.state_dict()
         with self._optimizer_resident():
@@ -908,8 +901,6 @@ class SlipstreamEngine(torch.nn.Module):
     ) -> tuple[Path, dict[str, Any]]:
         """Restore a checkpoint; returns ``(path, client_state)``. Raises if it is missing or bad."""
         self._check_alive()
-        self._refuse_expert_parallel_checkpoint()
-        refuse_tensor_parallel_checkpoint(self._tp_size)
         with self._optimizer_resident():
             path, client_state = checkpointing.load(
                 self,
@@ -923,22 +914,10 @@ class SlipstreamEngine(torch.nn.Module):
         compression_state = client_state.pop(COMPRESSION_STATE_KEY, None)
         if compression_state is not None and self.compression_scheduler is not None:
             self.compression_scheduler.load_state_dict(compression_state)
-        data_state = client_state.pop(DATA_EFFICIENCY_STATE_KEY, None)
-        if data_state is not None and self.data_efficiency is not None:
-            self.data_efficiency.load_state_dict(data_state)
         if self.progressive_layer_drop is not None and self.global_steps > 0:
             # theta(t) is a function of the step count: restore the value the last step set.
             self.progressive_layer_drop.update_state(self.global_steps - 1)
         return path, client_state
-
-    def _refuse_expert_parallel_checkpoint(self) -> None:
-        if self._experts.is_expert_parallel:
-            raise NotImplementedError(
-                "engine checkpoints of a model with expert-parallel MoE layers are not supported "
-                "yet (each expert-parallel rank holds different experts and optimizer state); "
-                "save the weights with slipstream.moe.full_state_dict(engine.module) and reshard "
-                "them with slipstream.moe.expert_parallel_state_dict"
-            )
 
     def save_16bit_model(
         self, save_dir: str | Path, save_filename: str = "model.safetensors"

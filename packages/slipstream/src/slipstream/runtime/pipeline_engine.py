@@ -15,6 +15,7 @@ from __future__ import annotations
 import dataclasses
 import logging
 from collections.abc import Callable, Iterator
+from pathlib import Path
 from typing import Any
 
 import torch
@@ -27,6 +28,7 @@ from slipstream.config import SlipstreamConfig, load_config, read_config_source
 from slipstream.config.loading import ConfigSource
 from slipstream.kernels import get_accelerator
 from slipstream.kernels.config_schema import ConfigError, NotImplementedFeatureError
+from slipstream.kernels.loss_scaler import LossScaler
 from slipstream.monitor import MonitorMaster
 from slipstream.pipeline import checkpointing as activation_checkpointing
 from slipstream.pipeline.checkpointing import ActivationCheckpointingConfig
@@ -43,6 +45,7 @@ from slipstream.pipeline.runtime import (
 from slipstream.pipeline.schedules import PipelineSchedule, build_schedule
 from slipstream.runtime import zero_setup
 from slipstream.runtime.lr_schedules import resolve_scheduler
+from slipstream.runtime.moe_gradients import agree_overflow
 from slipstream.runtime.optimizers import resolve_optimizer
 from slipstream.runtime.tensor_parallel import check_tensor_parallel_support
 from slipstream.zero import DataParallelGroup, ShardedOptimizerStates
@@ -92,8 +95,10 @@ class PipelineEngine:
     ...     loss = engine.train_batch(data_iter)
 
     Precision: ``bf16.enabled`` runs the stages under ``torch.autocast(bfloat16)`` with fp32
-    weights and optimizer (a deviation from DeepSpeed, which casts the module); fp16 is not
-    implemented with pipelines yet and raises.
+    weights and optimizer (a deviation from DeepSpeed, which casts the module); ``fp16.enabled``
+    likewise runs ``torch.autocast(float16)``, with the config's loss scaler: the last stage
+    scales the loss, every stage's gradients join one overflow vote over the world before the
+    step, which every rank then skips or takes alike ([Note: one overflow vote across stages]).
 
     ZeRO: ``zero_optimization.stage`` 1 or 2 shards each stage's fp32 optimizer state (1) and
     gradients (2) over that stage's data-parallel group (DeepSpeed refuses stage 2 with
@@ -153,8 +158,21 @@ class PipelineEngine:
 
         # 4. The executor (collective: creates the point-to-point groups and makes the copies
         # of tied weights equal) and the schedule.
-        autocast = torch.bfloat16 if config.bf16.enabled else None
+        autocast = (
+            torch.bfloat16
+            if config.bf16.enabled
+            else torch.float16
+            if config.fp16.enabled
+            else None
+        )
         self.executor = build_executor(model, self._device, autocast_dtype=autocast)
+        # fp16: a dynamic loss scale shared by every stage (one overflow vote over the world);
+        # fp32/bf16: the optional non-finite check, with the same vote.
+        self.loss_scaler = LossScaler.from_config(config.fp16) if config.fp16.enabled else None
+        self._check_nonfinite = not config.fp16.enabled and (
+            config.bf16.check_grad_overflow if config.bf16.enabled else config.check_grad_overflow
+        )
+        self.skipped_steps = 0
 
         # 5. ZeRO 1-2: re-home the optimizer onto fp32 master shards over this stage's
         # data-parallel group. After step 4, so that the masters of tied weights are cut from
@@ -281,7 +299,7 @@ class PipelineEngine:
         return comm.get_world_size()
 
     def fp16_enabled(self) -> bool:
-        """Whether fp16 is on (never with pipelines yet: the config refuses it)."""
+        """Whether fp16 (autocast with a dynamic loss scale shared by the stages) is on."""
         return self.config.fp16.enabled
 
     def bfloat16_enabled(self) -> bool:
@@ -314,6 +332,9 @@ class PipelineEngine:
         """Run one batch (``gradient_accumulation_steps`` micro-batches) and one optimizer
         step; return the mean loss (a 0-dim tensor, the same on every rank)."""
         iterator = data_iter if data_iter is not None else self.data_iterator
+        skipped_before = self.skipped_steps
+        if self.loss_scaler is not None:
+            self.executor.loss_scale = self.loss_scaler.loss_scale
         if self.zero is not None:
             loss, grad_norm = self._train_batch_sharded(iterator)
         else:
@@ -323,9 +344,10 @@ class PipelineEngine:
                 iterator,
                 self.optimizer,
                 max_grad_norm=self.config.gradient_clipping,
+                before_step=self._unscale_or_skip,
             )
         self._last_grad_norm = grad_norm
-        if self.lr_scheduler is not None:
+        if self.lr_scheduler is not None and self.skipped_steps == skipped_before:
             self.lr_scheduler.step()
         self.global_steps += 1
         self.global_samples += self._train_batch
@@ -387,6 +409,9 @@ class PipelineEngine:
         else:
             reduce_tied_gradients(module)
             zero.finish_backward(is_boundary=True)
+        if self._unscale_or_skip(zero.masters.grads()):
+            zero.zero_grad()
+            return StepResult(aggregate_loss(self.executor, result.losses, self._device), None)
         groups = []
         if zero.group.world_size > 1:
             groups.append(zero.group.group)
@@ -401,6 +426,35 @@ class PipelineEngine:
         zero.optimizer.step(max_grad_norm=self.config.gradient_clipping, grad_norm=norm)
         zero.zero_grad()
         return StepResult(aggregate_loss(self.executor, result.losses, self._device), norm)
+
+    def _unscale_or_skip(self, grads: list[torch.Tensor]) -> bool:
+        """Before the step: whether to skip it (True), unscaling fp16 gradients otherwise.
+
+        [Note: one overflow vote across stages] Each stage sees only its own gradients, so a
+        stage whose gradients are finite cannot know that another's overflowed; the flag is
+        max-reduced over the whole world (every stage and replica: one scalar all-reduce, one
+        host sync per step), and every rank skips or steps alike. With fp16 the shared loss
+        scale then shrinks (overflow) or may grow; with fp32/bf16 the vote runs only under
+        ``check_grad_overflow``.
+        """
+        scaler = self.loss_scaler
+        if scaler is None and not self._check_nonfinite:
+            return False
+        overflow = agree_overflow(grads, self._device)
+        if scaler is not None:
+            old_scale = scaler.loss_scale
+            scaler.update(overflow)
+            if not overflow and grads and old_scale != 1.0:
+                torch._foreach_mul_(grads, 1.0 / old_scale)
+        if overflow:
+            self.skipped_steps += 1
+            if comm.get_rank() == 0:
+                logger.info(
+                    "step %d: non-finite gradients on some stage; skipping the update%s",
+                    self.global_steps + 1,
+                    f" (loss scale -> {scaler.loss_scale:g})" if scaler is not None else "",
+                )
+        return overflow
 
     def _reduce_scatter_now(self, microbatch: int, chunk: int) -> None:
         """Stage 2, after each backward instruction: reduce-scatter its gradients into the
@@ -450,15 +504,52 @@ class PipelineEngine:
     backward = forward
     step = forward
 
-    def save_checkpoint(self, *args: Any, **kwargs: Any) -> None:
-        """Not implemented yet for pipelines."""
-        raise NotImplementedError(
-            "saving a pipelined engine's checkpoint is not implemented yet; save each stage's "
-            "module.state_dict() and optimizer.state_dict() yourself meanwhile (names are "
-            "layer indices, e.g. '3.qkv.weight', the same on every layout)"
+    # ------------------------------------------------------------------ checkpoints
+    def save_checkpoint(
+        self,
+        save_dir: str | Path,
+        tag: str | None = None,
+        client_state: dict[str, Any] | None = None,
+        save_latest: bool = True,
+        *,
+        allow_non_finite: bool | None = None,
+    ) -> Path:
+        """Save every stage's weights, optimizer state, schedule, counters and RNG.
+
+        Collective over all stages and replicas; the same crash-safe, checked format as the
+        plain engine's (docs/checkpoints.md). Each stage writes its own shards and the
+        manifest records the layer -> stage map, so :meth:`load_checkpoint` may run with
+        another number of stages, data-parallel size or ZeRO stage (0-2).
+        """
+        from slipstream.runtime import checkpoint
+
+        return checkpoint.save(
+            self, save_dir, tag, dict(client_state or {}), save_latest, allow_non_finite
         )
 
-    load_checkpoint = save_checkpoint
+    def load_checkpoint(
+        self,
+        load_dir: str | Path,
+        tag: str | None = None,
+        load_module_strict: bool = True,
+        load_optimizer_states: bool = True,
+        load_lr_scheduler_states: bool = True,
+        load_module_only: bool = False,
+    ) -> tuple[Path, dict[str, Any]]:
+        """Restore a pipeline checkpoint of any stage count, data-parallel size and ZeRO
+        stage 0-2; returns ``(path, client_state)``. Collective; verified before anything is
+        copied."""
+        from slipstream.runtime import checkpoint
+
+        return checkpoint.load(
+            self,
+            load_dir,
+            tag,
+            load_module_strict=load_module_strict,
+            load_optimizer_states=load_optimizer_states and not load_module_only,
+            load_lr_scheduler_states=load_lr_scheduler_states and not load_module_only,
+            load_module_only=load_module_only,
+        )
 
 
 def _check_supported(config: SlipstreamConfig) -> None:
@@ -478,12 +569,6 @@ def _check_supported(config: SlipstreamConfig) -> None:
             "cannot pass curriculum_seqlen through its stages, as in DeepSpeed); train without "
             "a pipeline, or switch the block off",
             f"{key}.enabled",
-        )
-    if config.fp16.enabled:
-        raise NotImplementedFeatureError(
-            "fp16.enabled with pipeline parallelism is not implemented yet (the loss scale "
-            'must be shared by every stage); use "bf16": {"enabled": true} or fp32',
-            "fp16.enabled",
         )
 
 

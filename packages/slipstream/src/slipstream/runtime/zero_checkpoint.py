@@ -30,6 +30,7 @@ from safetensors import safe_open
 
 from slipstream import comm
 from slipstream.runtime import checkpoint as ckpt
+from slipstream.runtime.checkpoint_manager import gradient_path_state
 from slipstream.zero import ShardSpec, sharded_state_of
 
 if TYPE_CHECKING:
@@ -75,7 +76,7 @@ def _model_shard(param: torch.nn.Parameter, world: int, rank: int) -> torch.Tens
 
 def _shards_resident(engine: SlipstreamEngine, dirty: bool) -> AbstractContextManager[None]:
     """Stage 3 with NVMe parameters: every parameter shard in host memory for the block."""
-    stage3 = engine._stage3
+    stage3 = gradient_path_state(engine).stage3
     if stage3 is None:
         return nullcontext()
     return stage3.shards_resident(dirty)  # type: ignore[no-any-return]
@@ -127,7 +128,7 @@ def write_rank_files(
     """Every rank: its model and optimizer shards and RNG state; rank 0 also the buffers."""
     assert engine.zero is not None and engine.optimizer is not None
     _refuse_mics(engine)
-    rank, world = engine._zero_group().rank, engine.dp_world_size
+    rank, world = gradient_path_state(engine).dp_rank, engine.dp_world_size
     named = _named_params(engine.module)
     model_name = f"model.rank{rank}.safetensors"
     with _shards_resident(engine, dirty=False):
@@ -234,18 +235,34 @@ class ShardReader:
             )
         return self._handles[name]
 
-    def _locate(self, kind: str, name: str, rank: int) -> tuple[Any, str] | None:
+    def _piece(self, name: str, index: int = 0) -> dict[str, Any]:
+        """The manifest record that says where ``name`` (or its piece ``index``) is stored."""
+        entry: dict[str, Any] = self.manifest.get("parameters", {}).get(name, {})
+        partition = entry.get("partition")
+        return partition["pieces"][index] if partition else entry
+
+    def _locate(
+        self, kind: str, name: str, rank: int, piece: dict[str, Any] | None = None
+    ) -> tuple[Any, str] | None:
+        # A parameter's files: ``<kind>.<file_group>rank<R>``, where a pipeline checkpoint
+        # records the stage that wrote it as its file group (``stage1.``), and a partitioned
+        # one (tensor/expert parallel) each piece's holder (``tp1.``, ``ep2_1.``).
+        group = (piece if piece is not None else self._piece(name)).get("file_group", "")
         if kind == "model":
             file, key = (
-                (f"model.rank{rank}.safetensors", name)
+                (f"model.{group}rank{rank}.safetensors", name)
                 if self.zero
                 else ("model.safetensors", name)
             )
         elif kind == "master":
-            file = f"optimizer.rank{rank}.safetensors" if self.zero else "optimizer.safetensors"
+            file = (
+                f"optimizer.{group}rank{rank}.safetensors" if self.zero else "optimizer.safetensors"
+            )
             key = f"master/{name}"
         else:
-            file = f"optimizer.rank{rank}.safetensors" if self.zero else "optimizer.safetensors"
+            file = (
+                f"optimizer.{group}rank{rank}.safetensors" if self.zero else "optimizer.safetensors"
+            )
             key = f"state/{name}/{kind.removeprefix('state/')}"
         handle = self._open(file)
         if key not in handle.keys():
@@ -260,6 +277,11 @@ class ShardReader:
     def has(self, kind: str, name: str) -> bool:
         """Whether the checkpoint holds ``kind`` for parameter ``name``."""
         return self._locate(kind, name, 0) is not None
+
+    def partition(self, name: str) -> dict[str, Any] | None:
+        """``{"dim", "pieces"}`` when ``name`` was saved in pieces (tensor/expert parallel)."""
+        partition: dict[str, Any] | None = self.manifest["parameters"][name].get("partition")
+        return partition
 
     def numel(self, name: str) -> int:
         """Elements of parameter ``name``."""
@@ -279,16 +301,26 @@ class ShardReader:
                 raise ckpt.CorruptCheckpointError(f"{self.path} holds no {kind} for {name!r}")
             handle, key = located
             return handle.get_tensor(key).reshape(-1)[start:end]
-        shard = int(self.manifest["parameters"][name]["shard_numel"])
+        if self.partition(name) is not None:
+            # Saved in pieces along a dimension: assemble the whole tensor (one parameter at
+            # a time), then cut the range.
+            return self.read_full(kind, name).reshape(-1)[start:end]
+        return self._read_flat(kind, name, self._piece(name), start, end)
+
+    def _read_flat(
+        self, kind: str, name: str, piece: dict[str, Any], start: int, end: int
+    ) -> torch.Tensor:
+        shard = int(piece["shard_numel"])
         pieces = []
         position = start
         while position < end:
             rank = position // shard
             stop = min(end, (rank + 1) * shard)
-            located = self._locate(kind, name, rank)
+            located = self._locate(kind, name, rank, piece)
             if located is None:
                 raise ckpt.CorruptCheckpointError(
-                    f"{self.path} holds no {kind} for {name!r} in rank {rank}'s file"
+                    f"{self.path} holds no {kind} for {name!r} in rank {rank}'s file "
+                    f"(group {piece.get('file_group', '')!r})"
                 )
             handle, key = located
             pieces.append(handle.get_slice(key)[position - rank * shard : stop - rank * shard])
@@ -303,17 +335,30 @@ class ShardReader:
         return None if located is None else located[0].get_tensor(located[1])
 
     def read_full(self, kind: str, name: str) -> torch.Tensor:
-        """The whole tensor, in its shape."""
+        """The whole tensor, in its shape (pieces concatenated along their dimension)."""
         shape = self.manifest["parameters"][name]["shape"]
-        return self.read(kind, name, 0, self.numel(name)).reshape(shape)
+        partition = self.partition(name) if self.zero else None
+        if partition is None:
+            return self.read(kind, name, 0, self.numel(name)).reshape(shape)
+        if kind == "master" and not self.has("master", name):
+            return self.read_full("model", name).float()
+        parts = []
+        for piece in partition["pieces"]:
+            numel = 1
+            for size in piece["shape"]:
+                numel *= int(size)
+            flat = self._read_flat(kind, name, piece, 0, numel)
+            parts.append(flat.reshape(piece["shape"]))
+        return torch.cat(parts, dim=int(partition["dim"])).reshape(shape)
 
     def buffers(self) -> Iterator[tuple[str, torch.Tensor]]:
         """(name, tensor) of the saved module buffers."""
         names = self.manifest.get("buffers")
         if self.zero:
-            handle = self._open("buffers.safetensors")
-            for key in handle.keys():
-                yield key, handle.get_tensor(key)
+            for file in self.manifest.get("buffer_files", ["buffers.safetensors"]):
+                handle = self._open(file)
+                for key in handle.keys():
+                    yield key, handle.get_tensor(key)
             return
         handle = self._open("model.safetensors")
         params = set(self.manifest.get("parameters", {}))
@@ -441,7 +486,7 @@ def apply(
     """Copy a validated checkpoint into a ZeRO engine (each rank reads its new shards)."""
     assert engine.zero is not None and engine.optimizer is not None
     _refuse_mics(engine)
-    world, rank = engine.dp_world_size, engine._zero_group().rank
+    world, rank = engine.dp_world_size, gradient_path_state(engine).dp_rank
     named = _named_params(engine.module)
     with ShardReader(path, manifest) as reader, torch.no_grad():
         with _shards_resident(engine, dirty=True):
@@ -460,8 +505,9 @@ def apply(
             )
         if options["load_optimizer_states"]:
             _load_optimizer(engine, reader, manifest)
-    if engine._stage3 is not None:
-        engine._stage3.release_all()  # gathered copies (persistent ones) hold old values
+    stage3 = gradient_path_state(engine).stage3
+    if stage3 is not None:
+        stage3.release_all()  # gathered copies (persistent ones) hold old values
 
 
 def _load_optimizer(
@@ -472,7 +518,7 @@ def _load_optimizer(
     names = _master_names(engine)
     order = [names[id(p)] for g in engine.optimizer.param_groups for p in g["params"]]
     scalars = ckpt._from_json(saved["scalars"])
-    world, rank = engine.dp_world_size, engine._zero_group().rank
+    world, rank = engine.dp_world_size, gradient_path_state(engine).dp_rank
     state: dict[int, dict[str, Any]] = {}
     params = [p for g in engine.optimizer.param_groups for p in g["params"]]
     model_param = {id(m): p for p, m in zip(engine.zero.params, engine.zero.masters.masters)}

@@ -1,0 +1,331 @@
+"""Pipeline checkpoints: per-stage shards; loading reshards across PP stage count and DP size.
+
+Layout of ``save_dir/<tag>`` (the common files and manifest keys are checkpoint.py's)::
+
+    manifest.json                          + ``pipeline`` (stages, parts, layer -> stage map)
+    model.stage<S>.rank<R>.safetensors     stage S, data-parallel rank R: its flat shard of each
+                                           parameter the stage owns (model dtype)
+    optimizer.stage<S>.rank<R>.safetensors fp32 masters and optimizer state, the same shards
+    buffers.stage<S>.safetensors           the stage's buffers (its first replica writes them)
+    rng.rank<G>.safetensors, state.*       as for every checkpoint (global rank G)
+
+Parameter names are the pipeline module's own (``<layer index>.<name>``,
+``tied_modules.<key>.<name>``), the same on every layout, so each manifest entry records the
+file group (``stage<S>.``) and shard size of its writer and any later layout reads any
+parameter, or any range of it, from there (``zero_checkpoint.ShardReader``). Shards follow
+slipstream.zero's flat-per-parameter layout over the stage's data-parallel group at ZeRO
+stages 1-2; stage 0 is the one-shard case (its first replica writes whole tensors). A tied
+weight held by several stages is stored once, by the lowest of them.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+from pathlib import Path
+from typing import TYPE_CHECKING, Any
+
+import torch
+
+from slipstream import comm
+from slipstream.runtime import checkpoint as ckpt
+from slipstream.runtime.checkpoint_manager import gradient_path_state
+from slipstream.runtime.zero_checkpoint import PARTITIONING, ShardReader, _padded
+from slipstream.zero import ShardSpec
+
+if TYPE_CHECKING:
+    from slipstream.runtime.pipeline_engine import PipelineEngine
+
+__all__ = ["apply", "manifest_fields", "tensors_to_check", "validate", "write_rank_files"]
+
+
+# ---------------------------------------------------------------------------- engine views
+def _coordinates(engine: PipelineEngine) -> tuple[int, int, int]:
+    """(stage, data-parallel rank, data-parallel size) of this rank."""
+    grid = engine.grid
+    if grid is None:
+        return engine.module.stage_id, 0, 1
+    return engine.module.stage_id, grid.data_parallel_id, grid.data_parallel_size
+
+
+def _owned(engine: PipelineEngine, name: str) -> bool:
+    """Whether this stage stores ``name`` (tied modules: the lowest stage holding them)."""
+    if name.startswith("tied_modules."):
+        return engine.module.owns_tied_key(name.split(".")[1])
+    return True
+
+
+def _param_names(engine: PipelineEngine) -> dict[int, str]:
+    """id(parameter) -> name, and id(fp32 master shard) -> name at ZeRO."""
+    names = {id(p): n for n, p in engine.module.named_parameters()}
+    zero = gradient_path_state(engine).zero
+    if zero is not None:
+        for param, master in zip(zero.params, zero.masters.masters):
+            names[id(master)] = names[id(param)]
+    return names
+
+
+def _optimizer_entries(engine: PipelineEngine) -> list[tuple[str, torch.Tensor, torch.Tensor]]:
+    """(name, parameter, stepped tensor) in optimizer order; the stepped tensor is the fp32
+    master shard at ZeRO, the parameter itself at stage 0."""
+    path = gradient_path_state(engine)
+    assert path.optimizer is not None
+    names = _param_names(engine)
+    model_param = {id(p): p for p in engine.module.parameters()}
+    if path.zero is not None:
+        model_param.update({id(m): p for p, m in zip(path.zero.params, path.zero.masters.masters)})
+    return [
+        (names[id(stepped)], model_param[id(stepped)], stepped)
+        for group in path.optimizer.param_groups
+        for stepped in group["params"]
+    ]
+
+
+def tensors_to_check(engine: PipelineEngine) -> Iterator[tuple[str, torch.Tensor]]:
+    """What this rank's part of the checkpoint holds, for the non-finite check."""
+    optimizer = gradient_path_state(engine).optimizer
+    assert optimizer is not None
+    for name, param in engine.module.named_parameters():
+        yield f"parameter {name}", param
+    for name, _, stepped in _optimizer_entries(engine):
+        yield f"master weight {name}", stepped
+        for key, value in optimizer.state.get(stepped, {}).items():
+            yield f"optimizer state {name}/{key}", value
+    for name, buffer in engine.module.named_buffers():
+        yield f"buffer {name}", buffer
+
+
+# ---------------------------------------------------------------------------- save
+def _refuse_tensor_parallel(engine: PipelineEngine) -> None:
+    for name, param in engine.module.named_parameters():
+        if (
+            getattr(param, "tp_partition_dim", None) is not None
+            and getattr(param, "tp_size", 1) > 1
+        ):
+            raise ckpt.CheckpointError(
+                f"parameter {name!r} of pipeline stage {engine.module.stage_id} is a "
+                "tensor-parallel shard: checkpoints of pipelines with tensor parallelism are not "
+                "implemented yet (the plain engine's tensor-parallel checkpoints are); save "
+                "each rank's module.state_dict() yourself meanwhile"
+            )
+
+
+def write_rank_files(
+    engine: PipelineEngine, staging: Path
+) -> tuple[list[dict[str, Any]], dict[str, Any]]:
+    """Every rank: its shards of the stage's parameters and optimizer state, and its RNG."""
+    _refuse_tensor_parallel(engine)
+    path = gradient_path_state(engine)
+    optimizer = path.optimizer
+    assert optimizer is not None
+    stage, dp_rank, dp = _coordinates(engine)
+    sharded = path.zero is not None
+    world = dp if sharded else 1
+    rank = comm.get_rank()
+    group = f"stage{stage}."
+    files = []
+    rng_tensors, rng_meta = ckpt._rng_state()
+    rng_name = f"rng.rank{rank}.safetensors"
+    ckpt._save_tensors(staging / rng_name, rng_tensors, rng_meta)
+    files.append(ckpt.file_entry(staging, rng_name, "rng", rank))
+    info: dict[str, Any] = {"parameters": {}, "scalars": {}, "sharded_keys": [], "buffers": []}
+    if not sharded and dp_rank != 0:
+        return files, info  # stage 0: the stage's first replica writes it whole
+    model: dict[str, torch.Tensor] = {}
+    for name, param in engine.module.named_parameters():
+        if not _owned(engine, name):
+            continue
+        spec = ShardSpec(param.shape, world)
+        model[name] = spec.shard_of(param.detach(), dp_rank) if sharded else param.reshape(-1)
+        info["parameters"][name] = {
+            "shape": list(param.shape),
+            "dtype": str(param.dtype).removeprefix("torch."),
+            "shard_numel": spec.shard_numel,
+            "requires_grad": param.requires_grad,
+            "file_group": group,
+        }
+    tensors: dict[str, torch.Tensor] = {}
+    sharded_keys: set[str] = set()
+    for name, _param, stepped in _optimizer_entries(engine):
+        if not _owned(engine, name):
+            continue
+        tensors[f"master/{name}"] = stepped.detach().float().reshape(-1)
+        for key, value in optimizer.state.get(stepped, {}).items():
+            if isinstance(value, torch.Tensor) and value.dim() > 0:
+                if value.numel() == stepped.numel():
+                    tensors[f"state/{name}/{key}"] = value.reshape(-1)
+                    sharded_keys.add(key)
+                    continue
+            if isinstance(value, torch.Tensor):
+                tensors[f"state/{name}/{key}"] = value
+            else:
+                info["scalars"].setdefault(name, {})[key] = value
+    model_name = f"model.{group}rank{dp_rank}.safetensors"
+    optimizer_name = f"optimizer.{group}rank{dp_rank}.safetensors"
+    ckpt._save_tensors(staging / model_name, model)
+    ckpt._save_tensors(staging / optimizer_name, tensors)
+    files += [
+        ckpt.file_entry(staging, model_name, "model", rank),
+        ckpt.file_entry(staging, optimizer_name, "optimizer", rank),
+    ]
+    if dp_rank == 0:
+        buffers = {name: b for name, b in engine.module.named_buffers() if _owned(engine, name)}
+        buffer_name = f"buffers.{group}safetensors"
+        ckpt._save_tensors(staging / buffer_name, buffers)
+        files.append(ckpt.file_entry(staging, buffer_name, "buffers", rank))
+        info["buffer_file"] = buffer_name
+        info["buffers"] = sorted(buffers)
+    info["sharded_keys"] = sorted(sharded_keys)
+    if rank == 0:
+        info["param_groups"] = ckpt._to_json(optimizer.state_dict()["param_groups"])
+    return files, info
+
+
+def manifest_fields(engine: PipelineEngine, infos: list[dict[str, Any]]) -> dict[str, Any]:
+    """Rank 0: the pipeline layout's part of the manifest, from every rank's write info."""
+    optimizer = gradient_path_state(engine).optimizer
+    module = engine.module
+    parameters: dict[str, Any] = {}
+    scalars: dict[str, Any] = {}
+    for info in infos:
+        parameters.update(info["parameters"])
+        scalars.update(info["scalars"])
+    _, _, dp = _coordinates(engine)
+    groups = next(info["param_groups"] for info in infos if "param_groups" in info)
+    return {
+        "zero_stage": engine.zero_stage,
+        "partitioning": PARTITIONING,
+        "dp_world_size": dp,
+        "pipeline": {
+            "num_stages": module.num_stages,
+            "virtual_stages": module.virtual_stages,
+            "parts": list(module.parts),
+            "layer_stage": module.layer_stages(),
+        },
+        "parameters": parameters,
+        "buffers": sorted({b for info in infos for b in info["buffers"]}),
+        "buffer_files": sorted({info["buffer_file"] for info in infos if "buffer_file" in info}),
+        "tied": {},
+        "optimizer": {
+            "class": type(optimizer).__name__,
+            "param_names": sorted(scalars.keys() | {n for n in parameters}),
+            "param_groups": groups,
+            "scalars": ckpt._to_json(scalars),
+            "sharded_state_keys": sorted({k for info in infos for k in info["sharded_keys"]}),
+        },
+    }
+
+
+# ---------------------------------------------------------------------------- load
+def validate(
+    engine: PipelineEngine, path: Path, manifest: dict[str, Any], options: dict[str, bool]
+) -> dict[str, Any]:
+    """Check a pipeline checkpoint against this engine's stage before anything is copied."""
+    _refuse_tensor_parallel(engine)
+    if "pipeline" not in manifest:
+        raise ckpt.CheckpointMismatchError(
+            f"{str(path)!r} is not a pipeline checkpoint (it was saved by slipstream.initialize's "
+            "engine, whose parameter names differ from a PipelineModule's); load it into the "
+            "engine that saved it, or consolidate it with `slipstream convert` and load the "
+            "weights into the PipelineModule's layers yourself"
+        )
+    saved = manifest["parameters"]
+    listed = {entry["name"] for entry in manifest.get("files", [])}
+    for name, param in engine.module.named_parameters():
+        if name not in saved:
+            raise ckpt.CheckpointMismatchError(
+                f"parameter {name!r} of pipeline stage {engine.module.stage_id} is not in "
+                f"{str(path)!r}: the checkpoint is of another model (its stages held "
+                f"{manifest['pipeline']['num_stages']} parts of a model without this layer)"
+            )
+        info = saved[name]
+        ckpt.check_tensor_fits(path, f"parameter {name!r}", info["shape"], info["dtype"], param)
+        shards = -(-param.numel() // max(int(info["shard_numel"]), 1)) if param.numel() else 1
+        for r in range(shards):
+            for kind in ("model", "optimizer"):
+                file = f"{kind}.{info['file_group']}rank{r}.safetensors"
+                if file not in listed:
+                    raise ckpt.CorruptCheckpointError(
+                        f"{str(path)!r} lists no {file}, which holds part of {name!r}: the "
+                        "checkpoint is incomplete. Load an earlier tag."
+                    )
+    if options["load_optimizer_states"]:
+        optimizer = gradient_path_state(engine).optimizer
+        assert optimizer is not None
+        current = type(optimizer).__name__
+        if manifest["optimizer"]["class"] != current:
+            raise ckpt.CheckpointMismatchError(
+                f"the optimizer state in {str(path)!r} is {manifest['optimizer']['class']}'s, "
+                f"this engine's optimizer is {current}. Configure the checkpoint's optimizer, "
+                "or pass load_optimizer_states=False to load the weights alone."
+            )
+        saved_groups = manifest["optimizer"]["param_groups"]
+        if len(saved_groups) != len(optimizer.param_groups):
+            raise ckpt.CheckpointMismatchError(
+                f"the checkpoint has {len(saved_groups)} optimizer parameter groups, this "
+                f"stage's optimizer {len(optimizer.param_groups)}"
+            )
+    return {}
+
+
+def apply(
+    engine: PipelineEngine,
+    path: Path,
+    manifest: dict[str, Any],
+    plan: dict[str, Any],
+    options: dict[str, bool],
+) -> None:
+    """Copy a validated pipeline checkpoint into this stage (each rank reads its own ranges)."""
+    state = gradient_path_state(engine)
+    _, dp_rank, dp = _coordinates(engine)
+    with ShardReader(path, manifest) as reader, torch.no_grad():
+        for name, param in engine.module.named_parameters():
+            kind = "master" if param.dtype == torch.float32 and reader.has("master", name) else ""
+            value = reader.read_full(kind or "model", name)
+            param.copy_(value.to(param.dtype))
+        buffers = dict(engine.module.named_buffers())
+        for name, value in reader.buffers():
+            if name in buffers:
+                buffers[name].copy_(value)
+        names = _param_names(engine)
+        if state.zero is not None:
+            kind = "model" if options["load_module_only"] else "master"
+            for param, master in zip(state.zero.params, state.zero.masters.masters):
+                spec = ShardSpec(param.shape, dp)
+                start, end = spec.valid_range(dp_rank)
+                values = reader.read(kind, names[id(master)], start, end).float()
+                master.copy_(_padded(values, spec.shard_numel))
+        if options["load_optimizer_states"]:
+            _load_optimizer(engine, reader, manifest, dp_rank, dp)
+
+
+def _load_optimizer(
+    engine: PipelineEngine, reader: ShardReader, manifest: dict[str, Any], dp_rank: int, dp: int
+) -> None:
+    path = gradient_path_state(engine)
+    optimizer = path.optimizer
+    assert optimizer is not None
+    saved = manifest["optimizer"]
+    scalars = ckpt._from_json(saved["scalars"])
+    sharded_keys = saved.get("sharded_state_keys", [])
+    state: dict[int, dict[str, Any]] = {}
+    for index, (name, param, stepped) in enumerate(_optimizer_entries(engine)):
+        entry: dict[str, Any] = dict(scalars.get(name, {}))
+        for key in sharded_keys:
+            if not reader.has(f"state/{key}", name):
+                continue
+            if path.zero is not None:
+                spec = ShardSpec(param.shape, dp)
+                start, end = spec.valid_range(dp_rank)
+                values = reader.read(f"state/{key}", name, start, end)
+                entry[key] = _padded(values, spec.shard_numel)
+            else:
+                entry[key] = reader.read_full(f"state/{key}", name).to(stepped.device)
+        value = reader.read_replicated("state/step", name)
+        if value is not None:
+            entry["step"] = value
+        if entry:
+            state[index] = entry
+    saved_groups = ckpt._from_json(saved["param_groups"])
+    current = optimizer.state_dict()["param_groups"]
+    groups = [{**c, **s, "params": c["params"]} for s, c in zip(saved_groups, current)]
+    optimizer.load_state_dict({"state": state, "param_groups": groups})
