@@ -11,7 +11,7 @@ def build_parser() -> argparse.ArgumentParser:
     """The ``slipstream serve`` options (the serving config's keys, spelt as flags)."""
     parser = argparse.ArgumentParser(
         prog="slipstream serve",
-        description="Serve a Llama/Mistral/Qwen2 model (Hugging Face id or folder) with "
+        description="Serve a decoder-only model (Hugging Face id or folder) with "
         "continuous batching over a paged KV cache, behind an OpenAI-compatible API.",
     )
     parser.add_argument("model", help="Hugging Face model id or local folder")

@@ -27,6 +27,11 @@ class ServingConfig(ConfigBlock):
         enable_prefix_caching: share the KV blocks of equal prompt prefixes across requests.
         dtype: weights and KV cache; "auto" keeps the model's dtype.
         tensor_parallel: ranks to shard the model over (only 1 is implemented).
+        cuda_graph: replay decode-only steps from CUDA graphs captured per batch-size bucket
+            (1, 2, 4, 8, then every 16); steps with a prompt chunk run eagerly. Ignored on the
+            CPU and for MoE models.
+        cuda_graph_max_batch_size: the largest bucket; a decode step of more requests runs
+            eagerly. Each bucket's graph is captured the first time a step needs it.
     """
 
     block_size: int = dataclasses.field(default=16, metadata={"ge": 1})
@@ -44,6 +49,8 @@ class ServingConfig(ConfigBlock):
         metadata={"allow_auto": True},  # "auto" means the model's own dtype
     )
     tensor_parallel: int = dataclasses.field(default=1, metadata={"ge": 1})
+    cuda_graph: bool = True
+    cuda_graph_max_batch_size: int = dataclasses.field(default=256, metadata={"ge": 1})
 
     def validate(self, path: str) -> None:
         """Block size a power of two; tensor parallelism not yet implemented."""

@@ -11,9 +11,15 @@ from typing import Any
 import torch
 from torch import nn
 
+from slipstream.inference.model import FusedDecoder
 from slipstream.inference.serving.config import ServingConfig
 from slipstream.inference.serving.detokenizer import IncrementalDetokenizer
-from slipstream.inference.serving.model_runner import PagedDecoder, check_supported
+from slipstream.inference.serving.model_runner import (
+    CaptureFn,
+    PagedDecoder,
+    build_fused_decoder,
+    check_supported,
+)
 from slipstream.inference.serving.request import Request, RequestStatus, SamplingParams
 from slipstream.inference.serving.sampler import sample
 from slipstream.inference.serving.scheduler import Scheduler
@@ -55,10 +61,10 @@ class EngineStats:
     )
 
 
-def _num_blocks(model: nn.Module, config: ServingConfig, device: torch.device) -> int:
+def _num_blocks(decoder: FusedDecoder, config: ServingConfig, device: torch.device) -> int:
     if config.num_blocks is not None:
         return config.num_blocks
-    per_block = PagedDecoder.bytes_per_block(model, config.block_size)
+    per_block = PagedDecoder.bytes_per_block(decoder, config.block_size)
     if device.type == "cuda":
         free, _ = torch.cuda.mem_get_info(device)
         budget = int(free * config.kv_cache_memory_fraction)
@@ -68,7 +74,11 @@ def _num_blocks(model: nn.Module, config: ServingConfig, device: torch.device) -
 
 
 class ServingEngine:
-    """Continuous batching over a paged KV cache for one Llama-architecture model.
+    """Continuous batching over a paged KV cache for one decoder-only model.
+
+    The model runs as ``init_inference``'s fused decoder (every family it has an adapter for:
+    Llama, Mistral, Qwen2, Phi-3, Mixtral, GPT-2, OPT, Falcon), see [Note: one decoder] in
+    ``model_runner.py``.
 
     Single-threaded: call :meth:`add_request`, :meth:`abort` and :meth:`step` from one thread
     (:class:`~slipstream.inference.serving.deployment.Deployment` runs it on its own thread).
@@ -81,21 +91,38 @@ class ServingEngine:
     """
 
     def __init__(
-        self, model: nn.Module, tokenizer: Any = None, config: ServingConfig | None = None
+        self,
+        model: nn.Module,
+        tokenizer: Any = None,
+        config: ServingConfig | None = None,
+        *,
+        capture: CaptureFn | None = None,
     ) -> None:
+        """``capture`` replaces CUDA-graph capture (tests pass a plain function to run the
+        decode-graph path's buffers and padding on the CPU)."""
         self.config = config or ServingConfig()
         if self.config.dtype != "auto":
             model = model.to(_DTYPES[self.config.dtype])
         model_config: Any = model.config  # type: ignore[attr-defined]
         self.max_model_len = self.config.max_model_len or int(model_config.max_position_embeddings)
-        check_supported(model, self.max_model_len)
+        decoder = build_fused_decoder(model)
+        check_supported(decoder, self.max_model_len)
         self.tokenizer = tokenizer
         self.vocab_size = int(model_config.vocab_size)
         eos = model_config.eos_token_id if tokenizer is None else tokenizer.eos_token_id
         self.eos_token_id: int | None = eos[0] if isinstance(eos, list) else eos
-        device = next(model.parameters()).device
-        num_blocks = _num_blocks(model, self.config, device)
-        self.runner = PagedDecoder(model, num_blocks=num_blocks, block_size=self.config.block_size)
+        device = decoder.head.weight.device
+        num_blocks = _num_blocks(decoder, self.config, device)
+        block_size = self.config.block_size
+        self.runner = PagedDecoder(
+            decoder,
+            num_blocks=num_blocks,
+            block_size=block_size,
+            max_blocks_per_seq=-(-self.max_model_len // block_size),
+            cuda_graph=self.config.cuda_graph,
+            graph_max_batch=min(self.config.cuda_graph_max_batch_size, self.config.max_num_seqs),
+            capture=capture,
+        )
         self.scheduler = Scheduler(
             num_blocks=num_blocks,
             block_size=self.config.block_size,
@@ -112,7 +139,7 @@ class ServingEngine:
             "serving engine: %d KV blocks of %d tokens (%.2f GiB), budget %d tokens/step",
             num_blocks,
             self.config.block_size,
-            num_blocks * PagedDecoder.bytes_per_block(model, self.config.block_size) / 2**30,
+            num_blocks * PagedDecoder.bytes_per_block(decoder, block_size) / 2**30,
             self.config.max_num_batched_tokens,
         )
 

@@ -1,159 +1,393 @@
-"""A ragged (unpadded) forward of a Llama-architecture Hugging Face model over a paged KV cache.
+"""The ragged forward of ``init_inference``'s fused decoder over a paged KV cache.
 
-[Note: weights] This runner calls the Hugging Face module's own projections, MLP and rotary
-tables, and runs norms, RoPE and paged attention through ``slipstream.kernels`` ops, so any
-checkpoint that loads into ``LlamaForCausalLM``, ``MistralForCausalLM`` or
-``Qwen2ForCausalLM`` serves as is. When
-``slipstream.inference``'s model adapters (fused blocks, quantized or sharded weights) land,
-:class:`PagedDecoder` should take an adapter in place of the HF module: the paged parts
-(slot mapping, cache writes, ``paged_attention``) stay as they are.
+[Note: one decoder] Serving does not map weights itself: :func:`build_fused_decoder` runs the
+model through :func:`slipstream.inference.init_inference` (the family adapters, the cast,
+AutoTP sharding, quantized weights) and :class:`PagedDecoder` calls the resulting
+:class:`~slipstream.inference.model.FusedBlock` s' own norms, fused QKV, output projection
+and MLP. Only attention differs from ``generate``'s static cache: the tokens of many requests
+run back to back (no padding), their keys and values are written to cache slots through block
+tables, and ``paged_attention`` reads them back.
+
+[Note: decode graphs] A step whose chunks are all single-token decodes has fixed shapes once
+padded to a batch-size bucket: :class:`DecodeGraphs` copies its inputs into static buffers and
+replays a captured CUDA graph. Padding rows decode token 0 at position 0 into a scratch block
+(the cache has one block more than the pool hands out), so they never touch a real request's
+keys; their logits are dropped. Steps with a prompt chunk run eagerly (their token count
+changes every step, and they are a few percent of the steps of a long generation).
 """
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+import dataclasses
+import functools
+import logging
+from collections.abc import Callable, Sequence
 from typing import Any
 
 import torch
+import torch.distributed as dist
 from torch import nn
 
+from slipstream.inference.model import FusedBlock, FusedDecoder
 from slipstream.inference.serving.scheduler import ScheduledChunk
-from slipstream.kernels.ops import paged_attention, rms_norm, rotary_embedding
+from slipstream.kernels.ops import paged_attention, rotary_embedding
 
-SUPPORTED_MODEL_TYPES = ("llama", "mistral", "qwen2")
+logger = logging.getLogger(__name__)
 
+_INFERENCE_DTYPES = {torch.float32: "fp32", torch.bfloat16: "bf16", torch.float16: "fp16"}
 
-def _norm(module: Any, x: torch.Tensor) -> torch.Tensor:
-    """A Hugging Face RMSNorm through the kernels' ``rms_norm`` op (one Triton kernel on a GPU
-    instead of seven eager ops; in fp32 the same arithmetic as Hugging Face's)."""
-    eps = getattr(module, "variance_epsilon", getattr(module, "eps", 1e-6))
-    return rms_norm(x, module.weight, eps)
+# A capture function turns a step closure into a replay closure returning the same tensor.
+CaptureFn = Callable[[Callable[[], torch.Tensor]], Callable[[], torch.Tensor]]
 
 
-def check_supported(model: nn.Module, max_model_len: int) -> None:
-    """Raise ValueError unless ``model`` is a Llama-architecture causal LM this runner serves."""
-    config = getattr(model, "config", None)
-    model_type = getattr(config, "model_type", None)
-    if model_type not in SUPPORTED_MODEL_TYPES:
+def build_fused_decoder(
+    model: nn.Module, *, tensor_parallel: int = 1, tp_group: Any = None
+) -> FusedDecoder:
+    """``init_inference``'s fused decoder of a Hugging Face causal LM, in the model's dtype.
+
+    Raises :class:`~slipstream.inference.adapters.UnsupportedModelError` for an architecture
+    without a fused adapter (the message lists the supported ones).
+    """
+    from slipstream.inference.engine import init_inference
+
+    weight = next(model.parameters())
+    dtype = _INFERENCE_DTYPES.get(weight.dtype)
+    if dtype is None:
         raise ValueError(
-            f"serving supports Hugging Face models of type {', '.join(SUPPORTED_MODEL_TYPES)}; "
-            f"got model_type={model_type!r} ({type(model).__name__})"
+            f"serving computes in fp32, bf16 or fp16; the model's weights are {weight.dtype}. "
+            "Cast the model or set serving.dtype"
         )
-    window = getattr(config, "sliding_window", None)
-    uses_window = getattr(config, "use_sliding_window", model_type == "mistral")
-    if uses_window and window is not None and max_model_len > window:
+    tp: dict[str, Any] = {"tp_size": tensor_parallel}
+    if tp_group is not None:
+        tp["tp_group"] = tp_group
+    engine = init_inference(model, dtype=dtype, replace_with_kernel_inject=True, tensor_parallel=tp)
+    assert engine.fused is not None
+    return engine.fused
+
+
+def check_supported(decoder: FusedDecoder, max_model_len: int) -> None:
+    """Raise ValueError for what the paged forward does not implement (sliding windows)."""
+    window = decoder.spec.sliding_window
+    if window is not None and max_model_len > window:
         raise ValueError(
-            f"this {model_type} model attends over a sliding window of {window} tokens, which "
-            f"serving does not implement; set max_model_len <= {window}"
+            f"this {decoder.spec.family} model attends over a sliding window of {window} "
+            f"tokens, which serving does not implement; set max_model_len <= {window}"
         )
+
+
+def graph_buckets(max_batch: int) -> list[int]:
+    """Batch sizes decode graphs are captured for: 1, 2, 4, 8, then every 16 up to ``max_batch``.
+
+    A decode step of ``n`` requests runs in the smallest bucket ``>= n`` (at most 15 padding
+    rows past 8); ``max_batch`` itself is always a bucket.
+    """
+    sizes = [size for size in (1, 2, 4, 8) if size < max_batch]
+    sizes += list(range(16, max_batch, 16))
+    return [*sizes, max_batch]
+
+
+@dataclasses.dataclass
+class StepInputs:
+    """One step's inputs on the host, packed into two buffers so that one copy each moves them.
+
+    ``longs`` is ``[input_ids | positions | slots | sample_rows]`` (int64), ``ints`` is
+    ``[block_tables (seqs x width) | seq_lens | query_start_loc]`` (int32, the kernel's types).
+    """
+
+    longs: torch.Tensor
+    ints: torch.Tensor
+    num_tokens: int
+    num_seqs: int
+    num_samples: int
+    table_width: int
+    max_query_len: int
+
+    def views(self, longs: torch.Tensor, ints: torch.Tensor) -> dict[str, torch.Tensor]:
+        """Named views into ``longs``/``ints`` (these buffers or their device copies)."""
+        t, s, w = self.num_tokens, self.num_seqs, self.table_width
+        ids, positions, slots, rows = longs.split([t, t, t, self.num_samples])
+        tables, seq_lens, starts = ints.split([s * w, s, s + 1])
+        return {
+            "input_ids": ids,
+            "positions": positions,
+            "slots": slots,
+            "sample_rows": rows,
+            "block_tables": tables.view(s, w),
+            "seq_lens": seq_lens,
+            "query_start_loc": starts,
+        }
+
+
+def build_step_inputs(
+    chunks: Sequence[ScheduledChunk],
+    block_size: int,
+    *,
+    pad_to: int | None = None,
+    table_width: int | None = None,
+    scratch_block: int = 0,
+) -> StepInputs:
+    """Pack ``chunks`` (in batch order) into :class:`StepInputs`, vectorised over tokens.
+
+    ``pad_to`` adds single-token padding sequences up to that many (a decode-graph bucket):
+    each decodes token 0 at position 0 into ``scratch_block`` and is sampled (its row is
+    dropped by the caller). ``table_width`` fixes the block-table width (a graph's static
+    shape); by default it is the longest table of the batch.
+    """
+    lengths = [len(chunk.token_ids) for chunk in chunks]
+    real = len(chunks)
+    seqs = pad_to if pad_to is not None else real
+    if seqs < real:
+        raise ValueError(f"pad_to={pad_to} is smaller than the batch's {real} sequences")
+    width = table_width or max(len(chunk.block_table) for chunk in chunks)
+    pad = seqs - real
+    tables = torch.full((seqs, width), scratch_block, dtype=torch.int32)
+    for row, chunk in enumerate(chunks):
+        tables[row, : len(chunk.block_table)] = torch.tensor(chunk.block_table, dtype=torch.int32)
+    seq_lengths = torch.tensor(lengths + [1] * pad, dtype=torch.int64)
+    starts = torch.zeros(seqs + 1, dtype=torch.int64)
+    torch.cumsum(seq_lengths, 0, out=starts[1:])
+    context = torch.tensor([chunk.start for chunk in chunks] + [0] * pad, dtype=torch.int64)
+    tokens = int(starts[-1])
+    token_seq = torch.repeat_interleave(torch.arange(seqs), seq_lengths)
+    positions = context[token_seq] + torch.arange(tokens) - starts[token_seq]
+    blocks = tables[token_seq, positions // block_size].long()
+    slots = blocks * block_size + positions % block_size
+    ids = [token for chunk in chunks for token in chunk.token_ids] + [0] * pad
+    sampled = [i for i, chunk in enumerate(chunks) if chunk.samples] + list(range(real, seqs))
+    rows = starts[1:][torch.tensor(sampled, dtype=torch.int64)] - 1
+    longs = torch.cat([torch.tensor(ids, dtype=torch.int64), positions, slots, rows])
+    ints = torch.cat(
+        [tables.reshape(-1), (context + seq_lengths).to(torch.int32), starts.to(torch.int32)]
+    )
+    return StepInputs(longs, ints, tokens, seqs, len(sampled), width, max(lengths + [1] * pad))
+
+
+def capture_cuda_graph(
+    step: Callable[[], torch.Tensor], pool: Any = None
+) -> Callable[[], torch.Tensor]:
+    """Capture ``step`` (after two warm-up runs on a side stream) into a CUDA graph; return a
+    closure that replays it and returns its static output. Graphs given one ``pool`` share
+    their memory (they never run at once)."""
+    side = torch.cuda.Stream()
+    side.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(side):
+        for _ in range(2):  # lazy initialisation and Triton compiles happen outside the capture
+            step()
+    torch.cuda.current_stream().wait_stream(side)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph, pool=pool):
+        output = step()
+
+    def replay() -> torch.Tensor:
+        graph.replay()
+        return output
+
+    return replay
 
 
 class PagedDecoder:
-    """Runs scheduled chunks of many requests as one ragged batch, writing and reading the KV
-    cache through block tables (``(num_blocks, block_size, kv_heads, head_dim)`` per layer)."""
+    """Runs scheduled chunks of many requests as one ragged batch through a fused decoder,
+    writing and reading the KV cache through block tables.
 
-    def __init__(self, model: nn.Module, *, num_blocks: int, block_size: int) -> None:
-        hf: Any = model.eval()
-        config = hf.config
-        self.model = model
-        self.decoder: Any = hf.model
-        self.lm_head: nn.Module = hf.lm_head
+    The cache is ``(num_blocks + 1, block_size, kv_heads, head_dim)`` per layer (this rank's
+    KV heads under tensor parallelism); block ``num_blocks`` is the scratch block of
+    decode-graph padding rows.
+    """
+
+    def __init__(
+        self,
+        decoder: FusedDecoder,
+        *,
+        num_blocks: int,
+        block_size: int,
+        max_blocks_per_seq: int,
+        cuda_graph: bool = False,
+        graph_max_batch: int = 256,
+        capture: CaptureFn | None = None,
+    ) -> None:
+        self.decoder = decoder
         self.block_size = block_size
         self.num_blocks = num_blocks
-        weight: torch.Tensor = self.decoder.embed_tokens.weight
+        self.max_blocks_per_seq = max_blocks_per_seq
+        weight = decoder.head.weight
         self.device: torch.device = weight.device
-        self.dtype: torch.dtype = weight.dtype
-        self.num_heads = config.num_attention_heads
-        self.num_kv_heads = config.num_key_value_heads
-        self.head_dim = self.decoder.layers[0].self_attn.head_dim
-        shape = (num_blocks, block_size, self.num_kv_heads, self.head_dim)
+        self.dtype: torch.dtype = decoder.embed.weight.dtype
+        first = decoder.blocks[0]
+        assert isinstance(first, FusedBlock)
+        self.kv_heads, self.head_dim = first.kv_heads, decoder.spec.head_dim
+        shape = (num_blocks + 1, block_size, self.kv_heads, self.head_dim)
         self.key_cache = [
-            torch.zeros(shape, dtype=self.dtype, device=self.device) for _ in self.decoder.layers
+            torch.zeros(shape, dtype=self.dtype, device=self.device) for _ in decoder.blocks
         ]
         self.value_cache = [torch.zeros_like(cache) for cache in self.key_cache]
+        self.graphs: DecodeGraphs | None = None
+        if cuda_graph and decoder.spec.mlp == "moe":
+            # The expert loop reads the tokens per expert back to the host: not capturable.
+            logger.info("serving.cuda_graph: MoE models decode eagerly (no CUDA graph)")
+        elif cuda_graph and (capture is not None or self.device.type == "cuda"):
+            if capture is None:
+                capture = functools.partial(capture_cuda_graph, pool=torch.cuda.graph_pool_handle())
+            self.graphs = DecodeGraphs(self, graph_max_batch, capture)
 
     @staticmethod
-    def bytes_per_block(model: nn.Module, block_size: int) -> int:
-        """KV-cache bytes one block takes over all layers (keys and values)."""
-        hf: Any = model
-        config = hf.config
-        head_dim = hf.model.layers[0].self_attn.head_dim
-        element = hf.model.embed_tokens.weight.element_size()
-        per_token = 2 * config.num_key_value_heads * head_dim * element
-        return int(per_token * block_size * config.num_hidden_layers)
+    def bytes_per_block(decoder: FusedDecoder, block_size: int) -> int:
+        """KV-cache bytes one block takes over all layers (keys and values, this rank's heads)."""
+        first = decoder.blocks[0]
+        assert isinstance(first, FusedBlock)
+        element = decoder.embed.weight.element_size()
+        per_token = 2 * first.kv_heads * decoder.spec.head_dim * element
+        return int(per_token * block_size * decoder.spec.num_layers)
 
-    def _metadata(self, chunks: Sequence[ScheduledChunk]) -> dict[str, Any]:
-        max_blocks = max(len(chunk.block_table) for chunk in chunks)
-        tables = [
-            chunk.block_table + [0] * (max_blocks - len(chunk.block_table)) for chunk in chunks
-        ]
-        lengths = [len(chunk.token_ids) for chunk in chunks]
-        starts = [0]
-        for length in lengths:
-            starts.append(starts[-1] + length)
-        flat = [token for chunk in chunks for token in chunk.token_ids]
-        host = {
-            "input_ids": torch.tensor(flat, dtype=torch.long),
-            "block_tables": torch.tensor(tables, dtype=torch.int32),
-            "seq_lens": torch.tensor(
-                [c.start + n for c, n in zip(chunks, lengths)], dtype=torch.int32
-            ),
-            "query_start_loc": torch.tensor(starts, dtype=torch.int32),
-            "context": torch.tensor([c.start for c in chunks], dtype=torch.long),
-        }
-        meta: dict[str, Any] = {k: v.to(self.device, non_blocking=True) for k, v in host.items()}
-        # Position and cache slot of every token, computed on the device from the small tensors.
-        token_seq = torch.repeat_interleave(
-            torch.arange(len(chunks), device=self.device), torch.tensor(lengths, device=self.device)
-        )
-        offsets = torch.arange(len(flat), device=self.device) - meta["query_start_loc"][token_seq]
-        positions = meta["context"][token_seq] + offsets
-        block = meta["block_tables"][token_seq, positions // self.block_size].long()
-        meta["positions"] = positions
-        meta["slots"] = block * self.block_size + positions % self.block_size
-        meta["max_query_len"] = max(lengths)
-        # Rows whose logits are sampled: the last token of each chunk that reaches its end.
-        meta["sample_rows"] = torch.tensor(
-            [starts[i + 1] - 1 for i, chunk in enumerate(chunks) if chunk.samples],
-            dtype=torch.long,
-        ).to(self.device, non_blocking=True)
-        return meta
+    def _to_device(self, inputs: StepInputs) -> dict[str, torch.Tensor]:
+        if self.device.type == "cuda":
+            longs = inputs.longs.pin_memory().to(self.device, non_blocking=True)
+            ints = inputs.ints.pin_memory().to(self.device, non_blocking=True)
+        else:
+            longs, ints = inputs.longs, inputs.ints
+        return inputs.views(longs, ints)
 
     @torch.inference_mode()
     def forward(self, chunks: Sequence[ScheduledChunk]) -> torch.Tensor:
         """Compute every chunk's tokens; return fp32 logits of the sampling chunks, in order."""
-        meta = self._metadata(chunks)
-        hidden = self.decoder.embed_tokens(meta["input_ids"])
-        cos, sin = self.decoder.rotary_emb(hidden[None], meta["positions"][None])
-        # Hugging Face's tables repeat the half table twice (NeoX "rotate half" layout): the
-        # rotary op takes the half, (tokens, 1, head_dim / 2), in fp32.
-        half = self.head_dim // 2
-        cos, sin = cos[0, :, None, :half].float(), sin[0, :, None, :half].float()
+        if self.graphs is not None and all(len(c.token_ids) == 1 for c in chunks):
+            bucket = self.graphs.bucket_for(len(chunks))
+            if bucket is not None:
+                return self.graphs.run(chunks, bucket)
+        inputs = build_step_inputs(chunks, self.block_size, scratch_block=self.num_blocks)
+        return self.run(self._to_device(inputs), inputs.max_query_len)
+
+    def run(self, step: dict[str, torch.Tensor], max_query_len: int) -> torch.Tensor:
+        """The forward over device inputs (``StepInputs.views``); capturable in a CUDA graph
+        when ``max_query_len`` and the shapes are fixed."""
+        decoder = self.decoder
+        spec = decoder.spec
+        positions = step["positions"]
+        hidden = decoder.embed(step["input_ids"])
+        if decoder.positions is not None:
+            hidden = hidden + decoder.positions(positions + spec.learned_offset)
+        rotary = decoder._rotary(positions[None])
+        cos_sin = None if rotary is None else (rotary[0][0], rotary[1][0])  # (tokens, 1, half)
         tokens = hidden.shape[0]
-        for index, layer in enumerate(self.decoder.layers):
-            attn = layer.self_attn
-            x = _norm(layer.input_layernorm, hidden)
-            q = attn.q_proj(x).view(tokens, self.num_heads, self.head_dim)
-            k = attn.k_proj(x).view(tokens, self.num_kv_heads, self.head_dim)
-            v = attn.v_proj(x).view(tokens, self.num_kv_heads, self.head_dim)
-            q = rotary_embedding(q, cos, sin)
-            k = rotary_embedding(k, cos, sin)
-            key_cache, value_cache = self.key_cache[index], self.value_cache[index]
-            # Every token's keys/values of this layer land in the cache before any attention
-            # reads it (see [Note: caching blocks before they are written] in block_pool.py).
-            key_cache.view(-1, self.num_kv_heads, self.head_dim)[meta["slots"]] = k
-            value_cache.view(-1, self.num_kv_heads, self.head_dim)[meta["slots"]] = v
-            out = paged_attention(
-                q,
-                key_cache,
-                value_cache,
-                meta["block_tables"],
-                meta["seq_lens"],
-                meta["query_start_loc"],
-                scale=attn.scaling,
-                max_query_len=meta["max_query_len"],
-            )
-            hidden = hidden + attn.o_proj(out.reshape(tokens, -1))
-            hidden = hidden + layer.mlp(_norm(layer.post_attention_layernorm, hidden))
-        last = _norm(self.decoder.norm, hidden[meta["sample_rows"]])
-        return self.lm_head(last).float()  # type: ignore[no-any-return]
+        for index, block in enumerate(decoder.blocks):
+            assert isinstance(block, FusedBlock)
+            if decoder.layer_hook is not None:
+                decoder.layer_hook.before(index)
+            h = block.input_norm(hidden)
+            attn = self._attention(block, index, h, cos_sin, step, max_query_len, tokens)
+            if block.post_norm is None:  # parallel residual, as FusedBlock.forward
+                hidden = hidden + block._reduce(attn + block._mlp(h))
+            else:
+                hidden = hidden + block._reduce(attn)
+                hidden = hidden + block._reduce(block._mlp(block.post_norm(hidden)))
+            if decoder.layer_hook is not None:
+                decoder.layer_hook.after(index)
+        logits = decoder.head(decoder.final_norm(hidden[step["sample_rows"]]))
+        if decoder.head_group is not None:  # vocab-parallel head under tensor parallelism
+            parts = [
+                torch.empty_like(logits) for _ in range(dist.get_world_size(decoder.head_group))
+            ]
+            dist.all_gather(parts, logits.contiguous(), group=decoder.head_group)
+            logits = torch.cat(parts, dim=-1)
+        return logits.float()
+
+    def _attention(
+        self,
+        block: FusedBlock,
+        index: int,
+        h: torch.Tensor,
+        cos_sin: tuple[torch.Tensor, torch.Tensor] | None,
+        step: dict[str, torch.Tensor],
+        max_query_len: int,
+        tokens: int,
+    ) -> torch.Tensor:
+        heads, kv_heads, hd = block.heads, block.kv_heads, self.head_dim
+        qkv = block.qkv(h)
+        qk = qkv[:, : (heads + kv_heads) * hd].view(tokens, heads + kv_heads, hd)
+        if cos_sin is not None:
+            qk = rotary_embedding(qk, *cos_sin)  # queries and keys in one kernel
+        query, key = qk[:, :heads], qk[:, heads:]
+        value = qkv[:, (heads + kv_heads) * hd :].view(tokens, kv_heads, hd)
+        key_cache, value_cache = self.key_cache[index], self.value_cache[index]
+        # Every token's keys/values of this layer land in the cache before any attention reads
+        # them (see [Note: caching blocks before they are written] in block_pool.py);
+        # index_copy_ with device slots keeps the step capturable.
+        key_cache.view(-1, kv_heads, hd).index_copy_(0, step["slots"], key)
+        value_cache.view(-1, kv_heads, hd).index_copy_(0, step["slots"], value)
+        out = paged_attention(
+            query,
+            key_cache,
+            value_cache,
+            step["block_tables"],
+            step["seq_lens"],
+            step["query_start_loc"],
+            scale=block.spec.scale,
+            max_query_len=max_query_len,
+        )
+        return block.out(out.reshape(tokens, heads * hd))  # type: ignore[no-any-return]
+
+
+@dataclasses.dataclass
+class _Graph:
+    """One bucket's static inputs and its captured replay."""
+
+    longs: torch.Tensor
+    ints: torch.Tensor
+    replay: Callable[[], torch.Tensor]
+
+
+class DecodeGraphs:
+    """Decode-only steps replayed from a graph per batch-size bucket (see [Note: decode graphs]).
+
+    ``capture`` is :func:`capture_cuda_graph` on a GPU; tests pass a plain function (the
+    "replay" then reruns the step eagerly from the same static buffers), so the padding and
+    buffer logic is exercised on the CPU.
+    """
+
+    def __init__(self, runner: PagedDecoder, max_batch: int, capture: CaptureFn) -> None:
+        self.runner = runner
+        self.buckets = graph_buckets(max_batch)
+        self.capture = capture
+        self.graphs: dict[int, _Graph] = {}
+
+    def bucket_for(self, batch: int) -> int | None:
+        """The smallest bucket holding ``batch`` sequences (None past the largest: eager)."""
+        for size in self.buckets:
+            if size >= batch:
+                return size
+        return None
+
+    def inputs(self, chunks: Sequence[ScheduledChunk], bucket: int) -> StepInputs:
+        """The step's inputs padded to ``bucket`` with the static block-table width."""
+        return build_step_inputs(
+            chunks,
+            self.runner.block_size,
+            pad_to=bucket,
+            table_width=self.runner.max_blocks_per_seq,
+            scratch_block=self.runner.num_blocks,
+        )
+
+    def run(self, chunks: Sequence[ScheduledChunk], bucket: int) -> torch.Tensor:
+        """Copy the step into ``bucket``'s static buffers, replay, return the real rows' logits."""
+        inputs = self.inputs(chunks, bucket)
+        graph = self.graphs.get(bucket)
+        if graph is None:
+            graph = self._capture(inputs, bucket)
+        else:
+            graph.longs.copy_(inputs.longs, non_blocking=True)
+            graph.ints.copy_(inputs.ints, non_blocking=True)
+        return graph.replay()[: len(chunks)]
+
+    def _capture(self, inputs: StepInputs, bucket: int) -> _Graph:
+        runner = self.runner
+        longs = inputs.longs.to(runner.device)
+        ints = inputs.ints.to(runner.device)
+        views = inputs.views(longs, ints)
+        logger.info("serving: capturing the decode graph of batch bucket %d", bucket)
+
+        def step() -> torch.Tensor:
+            return runner.run(views, 1)
+
+        # The warm-up runs of a capture rewrite this step's own keys and values (same values),
+        # and padding rows write only the scratch block, so capturing on live inputs is safe.
+        graph = self.graphs[bucket] = _Graph(longs, ints, self.capture(step))
+        return graph

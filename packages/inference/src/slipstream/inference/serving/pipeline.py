@@ -130,7 +130,7 @@ def pipeline(
     tensor_parallel: int = 1,
     **config_overrides: Any,
 ) -> Pipeline:
-    """Build a serving :class:`Pipeline` for a Llama/Mistral/Qwen2 model or checkpoint path.
+    """Build a serving :class:`Pipeline` for a Hugging Face causal LM (any family ``init_inference`` fuses) or checkpoint path.
 
     ``config`` is the ``serving`` block (:class:`ServingConfig` or its dict);
     ``config_overrides`` set single keys of it (``num_blocks=512``, ``dtype="bfloat16"``).
