@@ -131,11 +131,11 @@ def build_model(name: str, device: str) -> Any:
 
 def serve_only(args: argparse.Namespace) -> int:
     """The server process: build the model, serve it on 127.0.0.1:port until SIGTERM."""
-    from slipstream.inference.serving import serve
+    from slipstream.inference.serving import pipeline
     from slipstream.inference.serving.server import build_server
 
     model = build_model(args.model, args.device)
-    deployment = serve(model, config=_serving_config(args))
+    deployment = pipeline(model, config=_serving_config(args)).serve()
     deployment.model_name = MODEL_NAME
     build_server(deployment, "127.0.0.1", args.port, log_level="warning").run()
     return 0
@@ -341,9 +341,11 @@ def _serving_config(args: argparse.Namespace) -> dict[str, Any]:
 def run_in_process(args: argparse.Namespace, workload: Workload) -> dict:
     """The same workload through a :class:`Deployment` in this process, without HTTP (needs
     no starlette/uvicorn/httpx): the engine's own throughput and latencies."""
-    from slipstream.inference.serving import SamplingParams, serve
+    from slipstream.inference.serving import SamplingParams, pipeline
 
-    deployment = serve(build_model(args.model, args.device), config=_serving_config(args))
+    deployment = pipeline(
+        build_model(args.model, args.device), config=_serving_config(args)
+    ).serve()
 
     async def one(prompt: list[int], output_len: int, delay: float, origin: float) -> RequestResult:
         await asyncio.sleep(max(0.0, origin + delay - time.perf_counter()))

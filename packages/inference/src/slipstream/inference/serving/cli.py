@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import argparse
 import logging
+import os
 from collections.abc import Sequence
 
 
@@ -17,7 +18,12 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("model", help="Hugging Face model id or local folder")
     parser.add_argument("--host", default="127.0.0.1", help="address to bind (default 127.0.0.1)")
     parser.add_argument("--port", type=int, default=8000, help="port (default 8000)")
-    parser.add_argument("--tp", type=int, default=1, help="tensor-parallel ranks (only 1 today)")
+    parser.add_argument(
+        "--tp",
+        type=int,
+        default=1,
+        help="tensor-parallel ranks (launch that many processes with `slipstream run`)",
+    )
     parser.add_argument("--served-model-name", help="the 'model' clients send (default MODEL)")
     parser.add_argument("--device", help="default: cuda when available, else cpu")
     parser.add_argument(
@@ -34,6 +40,24 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--no-prefix-caching", action="store_true", help="disable prefix caching")
     parser.add_argument("--log-level", default="info", help="uvicorn and slipstream log level")
     return parser
+
+
+def _init_tensor_parallel(tp: int) -> None:
+    """Join the process group ``slipstream run`` (or torchrun) set up, one device per rank."""
+    import torch
+    import torch.distributed as dist
+
+    world = int(os.environ.get("WORLD_SIZE", "1"))  # the launcher's contract
+    if world != tp:
+        raise SystemExit(
+            f"slipstream serve --tp {tp} needs {tp} processes, one per GPU; this one sees "
+            f"WORLD_SIZE={world}. Launch it as `slipstream run --nproc_per_node {tp} "
+            f"-m slipstream.inference.serving.cli MODEL --tp {tp}`"
+        )
+    if torch.cuda.is_available():
+        torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", "0")))
+    if not dist.is_initialized():
+        dist.init_process_group("nccl" if torch.cuda.is_available() else "gloo")
 
 
 def main(argv: Sequence[str] | None = None) -> int:
@@ -53,7 +77,11 @@ def main(argv: Sequence[str] | None = None) -> int:
         "dtype": args.dtype,
         "kv_cache_memory_fraction": args.kv_cache_memory_fraction,
     }
+    if args.tp > 1:
+        _init_tensor_parallel(args.tp)
     deployment = serve(args.model, config=config, device=args.device, tensor_parallel=args.tp)
+    if deployment is None:
+        return 0  # a tensor-parallel worker rank: rank 0's server has shut down
     deployment.model_name = args.served_model_name or args.model
     server = build_server(deployment, args.host, args.port, log_level=args.log_level)
     server.run()

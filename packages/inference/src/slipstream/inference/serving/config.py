@@ -26,7 +26,8 @@ class ServingConfig(ConfigBlock):
             ``max_position_embeddings``.
         enable_prefix_caching: share the KV blocks of equal prompt prefixes across requests.
         dtype: weights and KV cache; "auto" keeps the model's dtype.
-        tensor_parallel: ranks to shard the model over (only 1 is implemented).
+        tensor_parallel: ranks to shard the model over (AutoTP of ``init_inference``); the
+            engine is built on every rank, rank 0 schedules and the others ``run_worker()``.
         cuda_graph: replay decode-only steps from CUDA graphs captured per batch-size bucket
             (1, 2, 4, 8, then every 16); steps with a prompt chunk run eagerly. Ignored on the
             CPU and for MoE models.
@@ -53,11 +54,6 @@ class ServingConfig(ConfigBlock):
     cuda_graph_max_batch_size: int = dataclasses.field(default=256, metadata={"ge": 1})
 
     def validate(self, path: str) -> None:
-        """Block size a power of two; tensor parallelism not yet implemented."""
+        """Block size a power of two."""
         if self.block_size & (self.block_size - 1):
             config_fail(key_path(path, "block_size"), self.block_size, "a power of two")
-        if self.tensor_parallel != 1:
-            raise NotImplementedError(
-                f"{key_path(path, 'tensor_parallel')}={self.tensor_parallel}: tensor-parallel "
-                "serving is not implemented yet; serve on one device (tensor_parallel=1)"
-            )

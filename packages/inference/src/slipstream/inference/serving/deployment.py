@@ -291,3 +291,4 @@ class Deployment:
         self._stop = True
         self._wake.set()
         self._thread.join()
+        self.engine.close()  # releases tensor-parallel workers

@@ -9,6 +9,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 import torch
+import torch.distributed as dist
 from torch import nn
 
 from slipstream.inference.model import FusedDecoder
@@ -61,6 +62,16 @@ class EngineStats:
     )
 
 
+def _check_tp_world(tp: int, group: dist.ProcessGroup | None) -> None:
+    world = dist.get_world_size(group) if dist.is_initialized() else 1
+    if world != tp:
+        raise ValueError(
+            f"serving.tensor_parallel={tp} needs a process group of {tp} ranks; this one has "
+            f"{world}. Launch {tp} processes (`slipstream run --nproc_per_node {tp} ...`, or "
+            "torchrun) and build the engine on every rank"
+        )
+
+
 def _num_blocks(decoder: FusedDecoder, config: ServingConfig, device: torch.device) -> int:
     if config.num_blocks is not None:
         return config.num_blocks
@@ -96,23 +107,34 @@ class ServingEngine:
         tokenizer: Any = None,
         config: ServingConfig | None = None,
         *,
+        tp_group: dist.ProcessGroup | None = None,
         capture: CaptureFn | None = None,
     ) -> None:
-        """``capture`` replaces CUDA-graph capture (tests pass a plain function to run the
-        decode-graph path's buffers and padding on the CPU)."""
+        """``tp_group``: the tensor-parallel group of ``config.tensor_parallel`` ranks (default:
+        the whole default group). ``capture`` replaces CUDA-graph capture (tests pass a plain
+        function to run the decode-graph path's buffers and padding on the CPU)."""
         self.config = config or ServingConfig()
         if self.config.dtype != "auto":
             model = model.to(_DTYPES[self.config.dtype])
         model_config: Any = model.config  # type: ignore[attr-defined]
         self.max_model_len = self.config.max_model_len or int(model_config.max_position_embeddings)
-        decoder = build_fused_decoder(model)
+        tp = self.config.tensor_parallel
+        self.tp_group = tp_group
+        if tp > 1:
+            _check_tp_world(tp, tp_group)
+        decoder = build_fused_decoder(model, tensor_parallel=tp, tp_group=tp_group)
         check_supported(decoder, self.max_model_len)
+        self.rank = dist.get_rank(tp_group) if tp > 1 else 0
         self.tokenizer = tokenizer
         self.vocab_size = int(model_config.vocab_size)
         eos = model_config.eos_token_id if tokenizer is None else tokenizer.eos_token_id
         self.eos_token_id: int | None = eos[0] if isinstance(eos, list) else eos
         device = decoder.head.weight.device
         num_blocks = _num_blocks(decoder, self.config, device)
+        if tp > 1:  # every rank's cache must hold the same blocks: the smallest free memory wins
+            agreed = torch.tensor([num_blocks], dtype=torch.int64, device=device)
+            dist.all_reduce(agreed, op=dist.ReduceOp.MIN, group=tp_group)
+            num_blocks = int(agreed.item())
         block_size = self.config.block_size
         self.runner = PagedDecoder(
             decoder,
@@ -143,6 +165,28 @@ class ServingEngine:
             self.config.max_num_batched_tokens,
         )
 
+    @property
+    def is_driver(self) -> bool:
+        """True on the rank that schedules (rank 0 of the tensor-parallel group)."""
+        return self.rank == 0
+
+    def run_worker(self) -> int:
+        """Ranks > 0 under tensor parallelism: run the steps rank 0 schedules until rank 0's
+        :meth:`close`; returns the number of steps run."""
+        return self.runner.serve_worker()
+
+    def close(self) -> None:
+        """Rank 0: release the tensor-parallel workers (their :meth:`run_worker` returns)."""
+        if self.is_driver:
+            self.runner.stop_workers()
+
+    def _check_driver(self) -> None:
+        if not self.is_driver:
+            raise RuntimeError(
+                f"rank {self.rank} is a tensor-parallel worker of this engine: send requests to "
+                "rank 0, and call run_worker() here"
+            )
+
     def tokenize(self, prompt: str | list[int]) -> list[int]:
         """Token ids of ``prompt`` (ids pass through)."""
         if isinstance(prompt, str):
@@ -169,6 +213,7 @@ class ServingEngine:
 
         ValueError when it can never be served (too long for ``max_model_len``, empty).
         """
+        self._check_driver()
         params = params or SamplingParams()
         request_id = request_id if request_id is not None else f"req-{next(self._ids)}"
         request = Request(request_id, self.tokenize(prompt), params, self.eos_token_id)
@@ -195,6 +240,7 @@ class ServingEngine:
 
     def step(self) -> list[RequestOutput]:
         """Run one forward pass of the scheduled batch; return each touched request's output."""
+        self._check_driver()
         clock = time.perf_counter()
         plan = self.scheduler.schedule()
         self.stats.preemptions += len(plan.preempted)

@@ -37,6 +37,8 @@ logger = logging.getLogger(__name__)
 _INFERENCE_DTYPES = {torch.float32: "fp32", torch.bfloat16: "bf16", torch.float16: "fp16"}
 
 # A capture function turns a step closure into a replay closure returning the same tensor.
+# What rank 0 broadcasts before each step (all -1: stop).
+_HEADER = ("bucket", "tokens", "seqs", "samples", "table_width", "max_query_len")
 CaptureFn = Callable[[Callable[[], torch.Tensor]], Callable[[], torch.Tensor]]
 
 
@@ -220,6 +222,9 @@ class PagedDecoder:
             torch.zeros(shape, dtype=self.dtype, device=self.device) for _ in decoder.blocks
         ]
         self.value_cache = [torch.zeros_like(cache) for cache in self.key_cache]
+        # Tensor parallelism: rank 0 schedules and sends each step's inputs to the group.
+        self.tp_group: dist.ProcessGroup | None = decoder.head_group
+        self._stopped = False
         self.graphs: DecodeGraphs | None = None
         if cuda_graph and decoder.spec.mlp == "moe":
             # The expert loop reads the tokens per expert back to the host: not capturable.
@@ -238,23 +243,89 @@ class PagedDecoder:
         per_token = 2 * first.kv_heads * decoder.spec.head_dim * element
         return int(per_token * block_size * decoder.spec.num_layers)
 
-    def _to_device(self, inputs: StepInputs) -> dict[str, torch.Tensor]:
-        if self.device.type == "cuda":
+    @torch.inference_mode()
+    def forward(self, chunks: Sequence[ScheduledChunk]) -> torch.Tensor:
+        """Compute every chunk's tokens; return fp32 logits of the sampling chunks, in order.
+
+        Under tensor parallelism this runs on rank 0, which sends the step to the other ranks
+        (each in :meth:`serve_worker`).
+        """
+        bucket = 0
+        if self.graphs is not None and all(len(c.token_ids) == 1 and c.samples for c in chunks):
+            bucket = self.graphs.bucket_for(len(chunks)) or 0
+        if bucket:
+            assert self.graphs is not None
+            inputs = self.graphs.inputs(chunks, bucket)
+        else:
+            inputs = build_step_inputs(chunks, self.block_size, scratch_block=self.num_blocks)
+        if self.tp_group is not None:
+            self._send_header(inputs, bucket)
+        logits = self._step(inputs, bucket, source=True)
+        return logits[: len(chunks)] if bucket else logits
+
+    def _step(self, inputs: StepInputs, bucket: int, *, source: bool) -> torch.Tensor:
+        """Move (rank 0) or receive (the other ranks) the step's buffers, then run it."""
+        if bucket:
+            assert self.graphs is not None
+            longs, ints = self.graphs.buffers(bucket, inputs)
+            if source:
+                longs.copy_(inputs.longs, non_blocking=True)
+                ints.copy_(inputs.ints, non_blocking=True)
+        elif not source:
+            longs = torch.empty(inputs.longs.shape, dtype=torch.int64, device=self.device)
+            ints = torch.empty(inputs.ints.shape, dtype=torch.int32, device=self.device)
+        elif self.device.type == "cuda":
             longs = inputs.longs.pin_memory().to(self.device, non_blocking=True)
             ints = inputs.ints.pin_memory().to(self.device, non_blocking=True)
         else:
             longs, ints = inputs.longs, inputs.ints
-        return inputs.views(longs, ints)
+        if self.tp_group is not None:
+            dist.broadcast(longs, group=self.tp_group, group_src=0)
+            dist.broadcast(ints, group=self.tp_group, group_src=0)
+        if bucket:
+            assert self.graphs is not None
+            return self.graphs.replay(bucket, inputs)
+        return self.run(inputs.views(longs, ints), inputs.max_query_len)
+
+    def _send_header(self, inputs: StepInputs | None, bucket: int) -> None:
+        values = [-1] * len(_HEADER)
+        if inputs is not None:
+            values = [
+                bucket,
+                inputs.num_tokens,
+                inputs.num_seqs,
+                inputs.num_samples,
+                inputs.table_width,
+                inputs.max_query_len,
+            ]
+        header = torch.tensor(values, dtype=torch.int64, device=self.device)
+        dist.broadcast(header, group=self.tp_group, group_src=0)
+
+    def stop_workers(self) -> None:
+        """Rank 0: end the other ranks' :meth:`serve_worker` loops (no-op without TP)."""
+        if self.tp_group is not None and not self._stopped:
+            self._stopped = True
+            self._send_header(None, 0)
 
     @torch.inference_mode()
-    def forward(self, chunks: Sequence[ScheduledChunk]) -> torch.Tensor:
-        """Compute every chunk's tokens; return fp32 logits of the sampling chunks, in order."""
-        if self.graphs is not None and all(len(c.token_ids) == 1 for c in chunks):
-            bucket = self.graphs.bucket_for(len(chunks))
-            if bucket is not None:
-                return self.graphs.run(chunks, bucket)
-        inputs = build_step_inputs(chunks, self.block_size, scratch_block=self.num_blocks)
-        return self.run(self._to_device(inputs), inputs.max_query_len)
+    def serve_worker(self) -> int:
+        """Ranks > 0 of a tensor-parallel group: run every step rank 0 sends until it calls
+        :meth:`stop_workers`; returns the number of steps run."""
+        if self.tp_group is None or dist.get_rank(self.tp_group) == 0:
+            raise RuntimeError("serve_worker runs on the ranks > 0 of a tensor-parallel group")
+        steps = 0
+        while True:
+            header = torch.empty(len(_HEADER), dtype=torch.int64, device=self.device)
+            dist.broadcast(header, group=self.tp_group, group_src=0)
+            bucket, tokens, seqs, samples, width, max_query_len = header.tolist()  # host sync
+            if seqs < 0:
+                return steps
+            # Host shells of the right sizes: _step receives the contents from rank 0.
+            longs = torch.empty(3 * tokens + samples, dtype=torch.int64)
+            ints = torch.empty(seqs * width + 2 * seqs + 1, dtype=torch.int32)
+            inputs = StepInputs(longs, ints, tokens, seqs, samples, width, max_query_len)
+            self._step(inputs, bucket, source=False)
+            steps += 1
 
     def run(self, step: dict[str, torch.Tensor], max_query_len: int) -> torch.Tensor:
         """The forward over device inputs (``StepInputs.views``); capturable in a CUDA graph
@@ -326,15 +397,6 @@ class PagedDecoder:
         return block.out(out.reshape(tokens, heads * hd))  # type: ignore[no-any-return]
 
 
-@dataclasses.dataclass
-class _Graph:
-    """One bucket's static inputs and its captured replay."""
-
-    longs: torch.Tensor
-    ints: torch.Tensor
-    replay: Callable[[], torch.Tensor]
-
-
 class DecodeGraphs:
     """Decode-only steps replayed from a graph per batch-size bucket (see [Note: decode graphs]).
 
@@ -347,7 +409,8 @@ class DecodeGraphs:
         self.runner = runner
         self.buckets = graph_buckets(max_batch)
         self.capture = capture
-        self.graphs: dict[int, _Graph] = {}
+        self.static: dict[int, tuple[torch.Tensor, torch.Tensor]] = {}
+        self.graphs: dict[int, Callable[[], torch.Tensor]] = {}
 
     def bucket_for(self, batch: int) -> int | None:
         """The smallest bucket holding ``batch`` sequences (None past the largest: eager)."""
@@ -366,28 +429,31 @@ class DecodeGraphs:
             scratch_block=self.runner.num_blocks,
         )
 
-    def run(self, chunks: Sequence[ScheduledChunk], bucket: int) -> torch.Tensor:
-        """Copy the step into ``bucket``'s static buffers, replay, return the real rows' logits."""
-        inputs = self.inputs(chunks, bucket)
-        graph = self.graphs.get(bucket)
-        if graph is None:
-            graph = self._capture(inputs, bucket)
-        else:
-            graph.longs.copy_(inputs.longs, non_blocking=True)
-            graph.ints.copy_(inputs.ints, non_blocking=True)
-        return graph.replay()[: len(chunks)]
+    def buffers(self, bucket: int, inputs: StepInputs) -> tuple[torch.Tensor, torch.Tensor]:
+        """``bucket``'s static device buffers (allocated the first time, sized like ``inputs``)."""
+        static = self.static.get(bucket)
+        if static is None:
+            device = self.runner.device
+            static = self.static[bucket] = (
+                torch.zeros(inputs.longs.shape, dtype=torch.int64, device=device),
+                torch.zeros(inputs.ints.shape, dtype=torch.int32, device=device),
+            )
+        return static
 
-    def _capture(self, inputs: StepInputs, bucket: int) -> _Graph:
-        runner = self.runner
-        longs = inputs.longs.to(runner.device)
-        ints = inputs.ints.to(runner.device)
-        views = inputs.views(longs, ints)
-        logger.info("serving: capturing the decode graph of batch bucket %d", bucket)
+    def replay(self, bucket: int, inputs: StepInputs) -> torch.Tensor:
+        """Replay ``bucket``'s graph over its static buffers (capturing it the first time);
+        returns the static logits ``(bucket, vocab)``."""
+        replay = self.graphs.get(bucket)
+        if replay is None:
+            runner = self.runner
+            views = inputs.views(*self.static[bucket])
+            logger.info("serving: capturing the decode graph of batch bucket %d", bucket)
 
-        def step() -> torch.Tensor:
-            return runner.run(views, 1)
+            def step() -> torch.Tensor:
+                return runner.run(views, 1)
 
-        # The warm-up runs of a capture rewrite this step's own keys and values (same values),
-        # and padding rows write only the scratch block, so capturing on live inputs is safe.
-        graph = self.graphs[bucket] = _Graph(longs, ints, self.capture(step))
-        return graph
+            # The warm-up runs of a capture rewrite this step's own keys and values (the same
+            # values), and padding rows write only the scratch block: capturing on live inputs
+            # is safe.
+            replay = self.graphs[bucket] = self.capture(step)
+        return replay()
