@@ -27,6 +27,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import dataclasses
 import inspect
 import itertools
 import json
@@ -243,6 +244,97 @@ def where_time_goes(before: dict[str, float], after: dict[str, float], duration:
     }
 
 
+def copy_bandwidth(device: str, size_bytes: int = 1 << 30, repeats: int = 10) -> float:
+    """Measured device-memory bandwidth in bytes/s: a ``size_bytes`` copy reads and writes it."""
+    import torch
+
+    src = torch.empty(size_bytes, dtype=torch.uint8, device=device)
+    dst = torch.empty_like(src)
+    dst.copy_(src)
+    synchronize = torch.cuda.synchronize if src.is_cuda else (lambda: None)
+    synchronize()
+    start = time.perf_counter()
+    for _ in range(repeats):
+        dst.copy_(src)
+    synchronize()
+    return 2 * size_bytes * repeats / (time.perf_counter() - start)
+
+
+def model_bytes(name: str) -> tuple[int, int]:
+    """(bytes of the weights a decode step reads, KV-cache bytes per token) of the served model,
+    counted on the meta device (bf16 on a GPU as build_model makes it; the embedding table is
+    not counted: a step reads only its tokens' rows)."""
+    import torch
+    import transformers
+
+    if name in ("tiny", "llama3-8b"):
+        model = build_model(name, "meta")
+    else:  # only the config is read: no weights are loaded
+        with torch.device("meta"):
+            model = transformers.AutoModelForCausalLM.from_config(
+                transformers.AutoConfig.from_pretrained(name)
+            )
+    config = model.config
+    element = 4 if name == "tiny" else 2
+    embed = model.get_input_embeddings().weight
+    weights = sum(p.numel() for p in model.parameters()) - embed.numel()
+    if getattr(config, "tie_word_embeddings", False):
+        weights += embed.numel()  # the LM head reads the tied table whole
+    heads = config.num_attention_heads
+    head_dim = getattr(config, "head_dim", None) or config.hidden_size // heads
+    kv_heads = config.num_key_value_heads or heads
+    kv_per_token = 2 * config.num_hidden_layers * kv_heads * head_dim * element
+    return weights * element, kv_per_token
+
+
+def decode_bound(args: argparse.Namespace, workload: Workload, tokens_per_s: float) -> dict:
+    """The decode bound at the run's concurrency: each step reads the weights once (and every
+    running request's KV cache) at the measured copy bandwidth, and yields one token per
+    request. ``fraction`` is the run's output rate over the weights-and-KV bound (prefill time
+    counts against the run, so a decode-heavy workload approaches it)."""
+    weights, kv_per_token = model_bytes(args.model)
+    bandwidth = copy_bandwidth(args.device)
+    batch = min(len(workload.prompts), args.max_num_seqs)
+    prompt = sum(len(p) for p in workload.prompts) / len(workload.prompts)
+    context = prompt + sum(workload.output_lens) / len(workload.output_lens) / 2
+    weights_step = weights / bandwidth
+    kv_step = batch * context * kv_per_token / bandwidth
+    bound = batch / (weights_step + kv_step)
+    return {
+        "concurrency": batch,
+        "copy_bandwidth_gb_s": round(bandwidth / 1e9, 1),
+        "weight_gb": round(weights / 1e9, 3),
+        "kv_gb_per_step": round(batch * context * kv_per_token / 1e9, 3),
+        "step_ms_bound": round((weights_step + kv_step) * 1000, 3),
+        "weights_only_tokens_per_s": round(batch / weights_step, 1),
+        "tokens_per_s": round(bound, 1),
+        "fraction": round(tokens_per_s / bound, 3),
+    }
+
+
+def timeline_summary(records: list[dict]) -> dict:
+    """Mean ms per phase over decode-only steps and over steps with a prompt chunk."""
+    out: dict[str, Any] = {}
+    for kind, chosen in (
+        ("decode_only", [r for r in records if r["decode_only"]]),
+        ("with_prefill", [r for r in records if not r["decode_only"]]),
+    ):
+        if not chosen:
+            continue
+        phases = ("schedule_ms", "forward_ms", "sample_ms", "update_ms")
+        out[kind] = {
+            "steps": len(chosen),
+            "graph_steps": sum(1 for r in chosen if r["graph_bucket"]),
+            "mean_sequences": round(sum(r["sequences"] for r in chosen) / len(chosen), 1),
+            "mean_tokens": round(sum(r["tokens"] for r in chosen) / len(chosen), 1),
+            **{p: round(sum(r[p] for r in chosen) / len(chosen), 3) for p in phases},
+        }
+        if len(chosen) > 1:  # wall time per step, gaps between steps included
+            span = chosen[-1]["start"] - chosen[0]["start"]
+            out[kind]["wall_ms_per_step"] = round(span / (len(chosen) - 1) * 1000, 3)
+    return out
+
+
 def _percentile(values: list[float], q: float) -> float | None:
     if not values:
         return None
@@ -294,6 +386,8 @@ def run_slipstream(args: argparse.Namespace, workload: Workload) -> dict:
                    "--max-num-seqs", str(args.max_num_seqs)]  # fmt: skip
         if args.no_prefix_caching:
             command.append("--no-prefix-caching")
+        if args.no_cuda_graph:
+            command.append("--no-cuda-graph")
         for flag, value in (
             ("--num-blocks", args.num_blocks),
             ("--max-model-len", args.max_model_len),
@@ -335,6 +429,7 @@ def _serving_config(args: argparse.Namespace) -> dict[str, Any]:
         "num_blocks": args.num_blocks,
         "max_model_len": args.max_model_len,
         "enable_prefix_caching": not args.no_prefix_caching,
+        "cuda_graph": not args.no_cuda_graph,
     }
 
 
@@ -346,6 +441,7 @@ def run_in_process(args: argparse.Namespace, workload: Workload) -> dict:
     deployment = pipeline(
         build_model(args.model, args.device), config=_serving_config(args)
     ).serve()
+    engine = deployment.engine
 
     async def one(prompt: list[int], output_len: int, delay: float, origin: float) -> RequestResult:
         await asyncio.sleep(max(0.0, origin + delay - time.perf_counter()))
@@ -380,11 +476,19 @@ def run_in_process(args: argparse.Namespace, workload: Workload) -> dict:
     try:
         asyncio.run(warm())  # compiles kernels; not measured
         before = _engine_totals(deployment)
+        if args.timeline:
+            engine.timeline = []  # read by the engine thread at its next step
         results = asyncio.run(replay())
         summary = summarize("slipstream-in-process", results, args)
         summary["engine"] = where_time_goes(
             before, _engine_totals(deployment), summary["duration_s"]
         )
+        if engine.timeline is not None:
+            records = [dataclasses.asdict(r) for r in list(engine.timeline)]
+            summary["timeline"] = timeline_summary(records)
+            with open(args.timeline, "w") as handle:
+                json.dump({"argv": sys.argv[1:], "steps": records}, handle)
+            summary["timeline_file"] = args.timeline
         return summary
     finally:
         deployment.shutdown()
@@ -496,6 +600,19 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--slo-itl", type=float, default=0.1, help="p99 seconds, for goodput")
     parser.add_argument("--startup-timeout", type=float, default=600)
     parser.add_argument("--json", help="append one JSON line per backend here")
+    parser.add_argument(
+        "--timeline",
+        help="in-process backend: write every measured step's phase times here (JSON); the "
+        "forward then waits for the GPU each step so that its time is its own",
+    )
+    parser.add_argument(
+        "--no-cuda-graph", action="store_true", help="serve with serving.cuda_graph off"
+    )
+    parser.add_argument(
+        "--no-decode-bound",
+        action="store_true",
+        help="skip measuring the copy bandwidth for the decode bound",
+    )
     parser.add_argument("--serve-only", action="store_true", help=argparse.SUPPRESS)
     args = parser.parse_args(argv)
     if args.device is None:
@@ -518,6 +635,13 @@ def main(argv: list[str] | None = None) -> int:
     for backend in backends:
         summaries.append(runners[backend](args, workload))
         _release_memory()
+    if not args.no_decode_bound and summaries:
+        bound = decode_bound(args, workload, summaries[0]["output_tokens_per_s"])
+        for summary in summaries:
+            summary["decode_bound"] = {
+                **bound,
+                "fraction": round(summary["output_tokens_per_s"] / bound["tokens_per_s"], 3),
+            }
     for summary in summaries:
         print(json.dumps(summary))
         if args.json:
@@ -541,6 +665,17 @@ def main(argv: list[str] | None = None) -> int:
                 f"{engine['engine_busy_fraction']:.0%} of the run, {engine['preemptions']} preemptions, "
                 f"prefix-cache hits {engine['prefix_cache_hit_rate']:.0%} of prompt tokens"
             )
+        if "decode_bound" in s:
+            bound = s["decode_bound"]
+            print(
+                f"{s['backend']}: {bound['fraction']:.0%} of the decode bound "
+                f"({bound['tokens_per_s']} tok/s at {bound['concurrency']} requests: "
+                f"{bound['weight_gb']} GB weights + {bound['kv_gb_per_step']} GB KV per step "
+                f"at {bound['copy_bandwidth_gb_s']} GB/s); goodput "
+                f"{s['goodput_requests_per_s']} requests/s within {s['slo']}"
+            )
+        if "timeline" in s:
+            print(f"{s['backend']} timeline (mean ms per step): {json.dumps(s['timeline'])}")
     return 0 if all(s["failed"] == 0 for s in summaries) else 1
 
 

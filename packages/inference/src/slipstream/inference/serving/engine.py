@@ -45,6 +45,26 @@ class RequestOutput:
 
 
 @dataclass
+class StepRecord:
+    """One step of the engine's timeline (``ServingEngine.timeline``), times in ms.
+
+    ``forward_ms`` waits for the GPU when the timeline is on, so it is the forward's own time;
+    ``sample_ms`` the batched sampling and its copy to the host; ``update_ms`` the scheduler's
+    bookkeeping, stop checks and detokenization.
+    """
+
+    start: float  # time.perf_counter() at the step's start
+    schedule_ms: float
+    forward_ms: float
+    sample_ms: float
+    update_ms: float
+    tokens: int
+    sequences: int
+    decode_only: bool
+    graph_bucket: int  # the decode graph's batch bucket, 0 for an eager step
+
+
+@dataclass
 class EngineStats:
     """Counters the server's /metrics reads (monotonic totals, and the latest gauges)."""
 
@@ -154,6 +174,8 @@ class ServingEngine:
             enable_prefix_caching=self.config.enable_prefix_caching,
         )
         self.stats = EngineStats()
+        # Set to a list to record a StepRecord per step (serve_bench's --timeline); None: off.
+        self.timeline: list[StepRecord] | None = None
         self._detokenizers: dict[str, IncrementalDetokenizer] = {}
         self._generators: dict[str, torch.Generator | None] = {}
         self._ids = itertools.count()
@@ -241,7 +263,7 @@ class ServingEngine:
     def step(self) -> list[RequestOutput]:
         """Run one forward pass of the scheduled batch; return each touched request's output."""
         self._check_driver()
-        clock = time.perf_counter()
+        clock = started = time.perf_counter()
         plan = self.scheduler.schedule()
         self.stats.preemptions += len(plan.preempted)
         if not plan.chunks:
@@ -249,10 +271,16 @@ class ServingEngine:
         seconds = self.stats.seconds
         now = time.perf_counter()
         seconds["schedule"] += now - clock
+        schedule_ms = (now - clock) * 1000
         clock = now
         logits = self.runner.forward(plan.chunks)
+        if self.timeline is not None and logits.is_cuda:
+            # Timeline runs only: wait for the GPU so "forward" holds the forward's own time
+            # rather than the launch (sampling would wait for it next anyway).
+            torch.cuda.synchronize(logits.device)
         now = time.perf_counter()
         seconds["forward"] += now - clock
+        forward_ms = (now - clock) * 1000
         clock = now
         sampling = [c for c in plan.chunks if c.samples]
         requests = [self.scheduler.requests[c.request_id] for c in sampling]
@@ -263,6 +291,7 @@ class ServingEngine:
         )
         now = time.perf_counter()
         seconds["sample"] += now - clock
+        sample_ms = (now - clock) * 1000
         clock = now
         self.stats.steps += 1
         self.stats.batched_tokens += plan.num_tokens
@@ -293,7 +322,23 @@ class ServingEngine:
                 outputs.append(self._finish(request, [token], text))
             else:
                 outputs.append(self._output(request, [token], text))
-        seconds["update"] += time.perf_counter() - clock
+        now = time.perf_counter()
+        seconds["update"] += now - clock
+        if self.timeline is not None:
+            decode_only = all(len(c.token_ids) == 1 and c.samples for c in plan.chunks)
+            self.timeline.append(
+                StepRecord(
+                    start=started,
+                    schedule_ms=schedule_ms,
+                    forward_ms=forward_ms,
+                    sample_ms=sample_ms,
+                    update_ms=(now - clock) * 1000,
+                    tokens=plan.num_tokens,
+                    sequences=len(plan.chunks),
+                    decode_only=decode_only,
+                    graph_bucket=self.runner.last_bucket,
+                )
+            )
         return outputs
 
     def _output(self, request: Request, tokens: list[int], text: str) -> RequestOutput:

@@ -225,6 +225,7 @@ class PagedDecoder:
         # Tensor parallelism: rank 0 schedules and sends each step's inputs to the group.
         self.tp_group: dist.ProcessGroup | None = decoder.head_group
         self._stopped = False
+        self.last_bucket = 0  # the graph bucket of the last step (0: eager)
         self.graphs: DecodeGraphs | None = None
         if cuda_graph and decoder.spec.mlp == "moe":
             # The expert loop reads the tokens per expert back to the host: not capturable.
@@ -260,6 +261,7 @@ class PagedDecoder:
             inputs = build_step_inputs(chunks, self.block_size, scratch_block=self.num_blocks)
         if self.tp_group is not None:
             self._send_header(inputs, bucket)
+        self.last_bucket = bucket
         logits = self._step(inputs, bucket, source=True)
         return logits[: len(chunks)] if bucket else logits
 
