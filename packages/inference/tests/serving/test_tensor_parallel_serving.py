@@ -58,5 +58,5 @@ def test_tensor_parallel_serving_equals_one_rank() -> None:
 
 
 def test_tensor_parallel_needs_a_world_of_that_size() -> None:
-    with pytest.raises(ValueError, match="serving.tensor_parallel=2 needs a process group"):
+    with pytest.raises(ValueError, match=r"serving\.tensor_parallel=2 needs a process group"):
         ServingEngine(tiny_hf_model("llama", layers=1), None, ServingConfig(tensor_parallel=2))

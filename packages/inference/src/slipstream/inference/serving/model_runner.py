@@ -142,9 +142,12 @@ def build_step_inputs(
         raise ValueError(f"pad_to={pad_to} is smaller than the batch's {real} sequences")
     width = table_width or max(len(chunk.block_table) for chunk in chunks)
     pad = seqs - real
-    tables = torch.full((seqs, width), scratch_block, dtype=torch.int32)
-    for row, chunk in enumerate(chunks):
-        tables[row, : len(chunk.block_table)] = torch.tensor(chunk.block_table, dtype=torch.int32)
+    # One tensor from padded lists: a per-row tensor copy costs more than the whole list.
+    tables = torch.tensor(
+        [chunk.block_table + [scratch_block] * (width - len(chunk.block_table)) for chunk in chunks]
+        + [[scratch_block] * width] * pad,
+        dtype=torch.int32,
+    )
     seq_lengths = torch.tensor(lengths + [1] * pad, dtype=torch.int64)
     starts = torch.zeros(seqs + 1, dtype=torch.int64)
     torch.cumsum(seq_lengths, 0, out=starts[1:])
