@@ -180,7 +180,8 @@ def capture_cuda_graph(
             step()
     torch.cuda.current_stream().wait_stream(side)
     graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph, pool=pool):
+    # thread_local: the server's other threads may touch CUDA while the engine thread captures.
+    with torch.cuda.graph(graph, pool=pool, capture_error_mode="thread_local"):
         output = step()
 
     def replay() -> torch.Tensor:
