@@ -10,6 +10,7 @@ from slipstream.inference.adapters import UnsupportedModelError
 from slipstream.inference.serving import SamplingParams, ServingConfig, ServingEngine
 from slipstream.inference.serving.model_runner import build_step_inputs, graph_buckets
 from slipstream.inference.serving.scheduler import ScheduledChunk
+from slipstream.inference.testing import tiny_hf_model
 
 NEW_TOKENS = 12
 
@@ -60,6 +61,24 @@ def test_batched_serving_equals_hf_greedy(make_model, model_type: str, config: d
         assert engine.stats.preemptions > 0
     else:
         assert outputs[-1].num_cached_tokens == 16  # one full block of the shared prefix
+
+
+@pytest.mark.parametrize("family", ["phi3", "opt", "falcon"])
+def test_other_fused_families_equal_hf_greedy(family: str) -> None:
+    """Phi-3 (fused QKV and gate/up in HF), OPT (learned positions at offset 2, biases),
+    Falcon (multi-query attention, parallel residual) through the same paged forward."""
+    model = tiny_hf_model(family)
+    prompts = _prompts(model.config.vocab_size)
+    expected = [_hf_greedy(model, prompt) for prompt in prompts]
+    config = ServingConfig(max_num_batched_tokens=32, num_blocks=64, max_num_seqs=4)
+    engine = ServingEngine(model, None, config)
+    outputs = engine.generate(prompts, SamplingParams(max_tokens=NEW_TOKENS, ignore_eos=True))
+    assert [out.new_token_ids for out in outputs] == expected
+
+
+def test_sliding_window_past_max_model_len_is_refused() -> None:
+    with pytest.raises(ValueError, match=r"sliding window of 8 tokens.*max_model_len <= 8"):
+        ServingEngine(tiny_hf_model("mistral"), None, ServingConfig(num_blocks=64))
 
 
 def test_decode_graph_path_equals_hf_greedy(make_model) -> None:
