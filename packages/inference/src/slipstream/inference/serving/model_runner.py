@@ -10,7 +10,7 @@ tables, and ``paged_attention`` reads them back.
 
 [Note: decode graphs] A step whose chunks are all single-token decodes has fixed shapes once
 padded to a batch-size bucket: :class:`DecodeGraphs` copies its inputs into static buffers and
-replays a captured CUDA graph. Padding rows decode token 0 at position 0 into a scratch block
+replays a CUDA graph captured for every bucket when the engine starts. Padding rows decode token 0 at position 0 into a scratch block
 (the cache has one block more than the pool hands out), so they never touch a real request's
 keys; their logits are dropped. Steps with a prompt chunk run eagerly (their token count
 changes every step, and they are a few percent of the steps of a long generation).
@@ -21,6 +21,7 @@ from __future__ import annotations
 import dataclasses
 import functools
 import logging
+import time
 from collections.abc import Callable, Sequence
 from typing import Any
 
@@ -238,6 +239,7 @@ class PagedDecoder:
             if capture is None:
                 capture = functools.partial(capture_cuda_graph, pool=torch.cuda.graph_pool_handle())
             self.graphs = DecodeGraphs(self, graph_max_batch, capture)
+            self.graphs.capture_all()
 
     @staticmethod
     def bytes_per_block(decoder: FusedDecoder, block_size: int) -> int:
@@ -446,6 +448,25 @@ class DecodeGraphs:
             )
         return static
 
+    @torch.inference_mode()
+    def capture_all(self) -> None:
+        """Capture every bucket now, largest first (their memory pool then fits the rest), on
+        padding-only inputs that write nothing but the scratch block: a capture in the middle
+        of serving would stall every running request for its duration."""
+        started = time.perf_counter()
+        for bucket in reversed(self.buckets):
+            inputs = self.inputs([], bucket)
+            longs, ints = self.buffers(bucket, inputs)
+            longs.copy_(inputs.longs)
+            ints.copy_(inputs.ints)
+            self.replay(bucket, inputs)
+        logger.info(
+            "serving: captured %d decode graphs (batch buckets %s) in %.1fs",
+            len(self.buckets),
+            self.buckets,
+            time.perf_counter() - started,
+        )
+
     def replay(self, bucket: int, inputs: StepInputs) -> torch.Tensor:
         """Replay ``bucket``'s graph over its static buffers (capturing it the first time);
         returns the static logits ``(bucket, vocab)``."""
@@ -453,13 +474,12 @@ class DecodeGraphs:
         if replay is None:
             runner = self.runner
             views = inputs.views(*self.static[bucket])
-            logger.info("serving: capturing the decode graph of batch bucket %d", bucket)
 
             def step() -> torch.Tensor:
                 return runner.run(views, 1)
 
-            # The warm-up runs of a capture rewrite this step's own keys and values (the same
-            # values), and padding rows write only the scratch block: capturing on live inputs
-            # is safe.
+            # Were a capture to happen on a live step, its warm-up runs would rewrite that
+            # step's own keys and values (the same values); padding rows write only the scratch
+            # block.
             replay = self.graphs[bucket] = self.capture(step)
         return replay()
