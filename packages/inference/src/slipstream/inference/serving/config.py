@@ -32,7 +32,7 @@ class ServingConfig(ConfigBlock):
             (1, 2, 4, 8, then every 16); steps with a prompt chunk run eagerly. Ignored on the
             CPU and for MoE models.
         cuda_graph_max_batch_size: the largest bucket; a decode step of more requests runs
-            eagerly. Each bucket's graph is captured the first time a step needs it.
+            eagerly. Every bucket is captured when the engine starts.
     """
 
     block_size: int = dataclasses.field(default=16, metadata={"ge": 1})
