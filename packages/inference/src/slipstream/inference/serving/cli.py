@@ -5,6 +5,7 @@ from __future__ import annotations
 import argparse
 import logging
 import os
+import signal
 from collections.abc import Sequence
 
 
@@ -51,13 +52,17 @@ def _init_tensor_parallel(tp: int) -> None:
     if world != tp:
         raise SystemExit(
             f"slipstream serve --tp {tp} needs {tp} processes, one per GPU; this one sees "
-            f"WORLD_SIZE={world}. Launch it as `slipstream run --nproc_per_node {tp} "
-            f"-m slipstream.inference.serving.cli MODEL --tp {tp}`"
+            f"WORLD_SIZE={world}. Launch it as `slipstream run --num_gpus {tp} --module "
+            f"--no_local_rank slipstream.inference.serving.cli MODEL --tp {tp}`"
         )
     if torch.cuda.is_available():
         torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", "0")))
     if not dist.is_initialized():
         dist.init_process_group("nccl" if torch.cuda.is_available() else "gloo")
+    if dist.get_rank() != 0:
+        # Rank 0 owns shutdown: on SIGTERM it drains its requests, then releases the workers.
+        signal.signal(signal.SIGTERM, signal.SIG_IGN)
+        signal.signal(signal.SIGINT, signal.SIG_IGN)
 
 
 def main(argv: Sequence[str] | None = None) -> int:

@@ -87,7 +87,7 @@ def _check_tp_world(tp: int, group: dist.ProcessGroup | None) -> None:
     if world != tp:
         raise ValueError(
             f"serving.tensor_parallel={tp} needs a process group of {tp} ranks; this one has "
-            f"{world}. Launch {tp} processes (`slipstream run --nproc_per_node {tp} ...`, or "
+            f"{world}. Launch {tp} processes (`slipstream run --num_gpus {tp} ...`, or "
             "torchrun) and build the engine on every rank"
         )
 
