@@ -8,8 +8,9 @@ import torch
 
 from slipstream.inference.adapters import UnsupportedModelError
 from slipstream.inference.serving import SamplingParams, ServingConfig, ServingEngine
-from slipstream.inference.serving.model_runner import build_step_inputs, graph_buckets
+from slipstream.inference.serving.decode_graphs import graph_buckets
 from slipstream.inference.serving.scheduler import ScheduledChunk
+from slipstream.inference.serving.step_inputs import build_step_inputs
 from slipstream.inference.testing import tiny_hf_model
 
 NEW_TOKENS = 12

@@ -52,6 +52,7 @@ def _check_tp2(expected: list[list[list[int]]]) -> None:
             assert got == want, (family, graphs)
 
 
+@pytest.mark.slow
 def test_tensor_parallel_serving_equals_one_rank() -> None:
     expected = [_serve(1, family, graphs) for family, graphs in CASES]
     run_distributed(_check_tp2, 2, expected)

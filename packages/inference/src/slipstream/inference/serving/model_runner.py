@@ -8,21 +8,14 @@ and MLP. Only attention differs from ``generate``'s static cache: the tokens of 
 run back to back (no padding), their keys and values are written to cache slots through block
 tables, and ``paged_attention`` reads them back.
 
-[Note: decode graphs] A step whose chunks are all single-token decodes has fixed shapes once
-padded to a batch-size bucket: :class:`DecodeGraphs` copies its inputs into static buffers and
-replays a CUDA graph captured for every bucket when the engine starts. Padding rows decode token 0 at position 0 into a scratch block
-(the cache has one block more than the pool hands out), so they never touch a real request's
-keys; their logits are dropped. Steps with a prompt chunk run eagerly (their token count
-changes every step, and they are a few percent of the steps of a long generation).
+Decode-only steps replay CUDA graphs: see [Note: decode graphs] in ``decode_graphs.py``.
 """
 
 from __future__ import annotations
 
-import dataclasses
 import functools
 import logging
-import time
-from collections.abc import Callable, Sequence
+from collections.abc import Sequence
 from typing import Any
 
 import torch
@@ -30,17 +23,21 @@ import torch.distributed as dist
 from torch import nn
 
 from slipstream.inference.model import FusedBlock, FusedDecoder
+from slipstream.inference.serving.decode_graphs import (
+    CaptureFn,
+    DecodeGraphs,
+    capture_cuda_graph,
+)
 from slipstream.inference.serving.scheduler import ScheduledChunk
+from slipstream.inference.serving.step_inputs import StepInputs, build_step_inputs
 from slipstream.kernels.ops import paged_attention, rotary_embedding
 
 logger = logging.getLogger(__name__)
 
 _INFERENCE_DTYPES = {torch.float32: "fp32", torch.bfloat16: "bf16", torch.float16: "fp16"}
 
-# A capture function turns a step closure into a replay closure returning the same tensor.
 # What rank 0 broadcasts before each step (all -1: stop).
 _HEADER = ("bucket", "tokens", "seqs", "samples", "table_width", "max_query_len")
-CaptureFn = Callable[[Callable[[], torch.Tensor]], Callable[[], torch.Tensor]]
 
 
 def build_fused_decoder(
@@ -76,129 +73,6 @@ def check_supported(decoder: FusedDecoder, max_model_len: int) -> None:
             f"this {decoder.spec.family} model attends over a sliding window of {window} "
             f"tokens, which serving does not implement; set max_model_len <= {window}"
         )
-
-
-def graph_buckets(max_batch: int) -> list[int]:
-    """Batch sizes decode graphs are captured for: 1, 2, 4, 8, then every 16 up to ``max_batch``.
-
-    A decode step of ``n`` requests runs in the smallest bucket ``>= n`` (at most 15 padding
-    rows past 8); ``max_batch`` itself is always a bucket.
-    """
-    sizes = [size for size in (1, 2, 4, 8) if size < max_batch]
-    sizes += list(range(16, max_batch, 16))
-    return [*sizes, max_batch]
-
-
-@dataclasses.dataclass
-class StepInputs:
-    """One step's inputs on the host, packed into two buffers so that one copy each moves them.
-
-    ``longs`` is ``[input_ids | positions | slots | sample_rows]`` (int64), ``ints`` is
-    ``[block_tables (seqs x width) | seq_lens | query_start_loc]`` (int32, the kernel's types).
-    """
-
-    longs: torch.Tensor
-    ints: torch.Tensor
-    num_tokens: int
-    num_seqs: int
-    num_samples: int
-    table_width: int
-    max_query_len: int
-
-    def views(self, longs: torch.Tensor, ints: torch.Tensor) -> dict[str, torch.Tensor]:
-        """Named views into ``longs``/``ints`` (these buffers or their device copies)."""
-        t, s, w = self.num_tokens, self.num_seqs, self.table_width
-        ids, positions, slots, rows = longs.split([t, t, t, self.num_samples])
-        tables, seq_lens, starts = ints.split([s * w, s, s + 1])
-        return {
-            "input_ids": ids,
-            "positions": positions,
-            "slots": slots,
-            "sample_rows": rows,
-            "block_tables": tables.view(s, w),
-            "seq_lens": seq_lens,
-            "query_start_loc": starts,
-        }
-
-
-def build_step_inputs(
-    chunks: Sequence[ScheduledChunk],
-    block_size: int,
-    *,
-    pad_to: int | None = None,
-    table_width: int | None = None,
-    scratch_block: int = 0,
-) -> StepInputs:
-    """Pack ``chunks`` (in batch order) into :class:`StepInputs`, vectorised over tokens.
-
-    ``pad_to`` adds single-token padding sequences up to that many (a decode-graph bucket):
-    each decodes token 0 at position 0 into ``scratch_block`` and is sampled (its row is
-    dropped by the caller). ``table_width`` fixes the block-table width (a graph's static
-    shape); by default it is the longest table of the batch.
-    """
-    real = len(chunks)
-    seqs = pad_to if pad_to is not None else real
-    if seqs < real:
-        raise ValueError(f"pad_to={pad_to} is smaller than the batch's {real} sequences")
-    width = table_width or max(len(chunk.block_table) for chunk in chunks)
-    # Plain lists, then one tensor per buffer: at a few hundred sequences this costs tens of
-    # microseconds, where a tensor op per field costs more than the whole.
-    ids: list[int] = []
-    positions: list[int] = []
-    slots: list[int] = []
-    rows: list[int] = []
-    tables: list[int] = []
-    seq_lens: list[int] = []
-    starts = [0]
-    max_query_len = 1
-    for chunk in chunks:
-        table, start, count = chunk.block_table, chunk.start, len(chunk.token_ids)
-        ids += chunk.token_ids
-        span = range(start, start + count)
-        positions += span
-        slots += [table[p // block_size] * block_size + p % block_size for p in span]
-        tables += table
-        tables += [scratch_block] * (width - len(table))
-        seq_lens.append(start + count)
-        starts.append(starts[-1] + count)
-        max_query_len = max(max_query_len, count)
-        if chunk.samples:
-            rows.append(starts[-1] - 1)
-    for _ in range(seqs - real):  # padding: token 0 at position 0 in the scratch block
-        ids.append(0)
-        positions.append(0)
-        slots.append(scratch_block * block_size)
-        tables += [scratch_block] * width
-        seq_lens.append(1)
-        starts.append(starts[-1] + 1)
-        rows.append(starts[-1] - 1)
-    longs = torch.tensor(ids + positions + slots + rows, dtype=torch.int64)
-    ints = torch.tensor(tables + seq_lens + starts, dtype=torch.int32)
-    return StepInputs(longs, ints, starts[-1], seqs, len(rows), width, max_query_len)
-
-
-def capture_cuda_graph(
-    step: Callable[[], torch.Tensor], pool: Any = None
-) -> Callable[[], torch.Tensor]:
-    """Capture ``step`` (after two warm-up runs on a side stream) into a CUDA graph; return a
-    closure that replays it and returns its static output. Graphs given one ``pool`` share
-    their memory (they never run at once)."""
-    side = torch.cuda.Stream()
-    side.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(side):
-        for _ in range(2):  # lazy initialisation and Triton compiles happen outside the capture
-            step()
-    torch.cuda.current_stream().wait_stream(side)
-    graph = torch.cuda.CUDAGraph()
-    # thread_local: the server's other threads may touch CUDA while the engine thread captures.
-    with torch.cuda.graph(graph, pool=pool, capture_error_mode="thread_local"):
-        output = step()
-
-    def replay() -> torch.Tensor:
-        graph.replay()
-        return output
-
-    return replay
 
 
 class PagedDecoder:
@@ -412,83 +286,3 @@ class PagedDecoder:
             max_query_len=max_query_len,
         )
         return block.out(out.reshape(tokens, heads * hd))  # type: ignore[no-any-return]
-
-
-class DecodeGraphs:
-    """Decode-only steps replayed from a graph per batch-size bucket (see [Note: decode graphs]).
-
-    ``capture`` is :func:`capture_cuda_graph` on a GPU; tests pass a plain function (the
-    "replay" then reruns the step eagerly from the same static buffers), so the padding and
-    buffer logic is exercised on the CPU.
-    """
-
-    def __init__(self, runner: PagedDecoder, max_batch: int, capture: CaptureFn) -> None:
-        self.runner = runner
-        self.buckets = graph_buckets(max_batch)
-        self.capture = capture
-        self.static: dict[int, tuple[torch.Tensor, torch.Tensor]] = {}
-        self.graphs: dict[int, Callable[[], torch.Tensor]] = {}
-
-    def bucket_for(self, batch: int) -> int | None:
-        """The smallest bucket holding ``batch`` sequences (None past the largest: eager)."""
-        for size in self.buckets:
-            if size >= batch:
-                return size
-        return None
-
-    def inputs(self, chunks: Sequence[ScheduledChunk], bucket: int) -> StepInputs:
-        """The step's inputs padded to ``bucket`` with the static block-table width."""
-        return build_step_inputs(
-            chunks,
-            self.runner.block_size,
-            pad_to=bucket,
-            table_width=self.runner.max_blocks_per_seq,
-            scratch_block=self.runner.num_blocks,
-        )
-
-    def buffers(self, bucket: int, inputs: StepInputs) -> tuple[torch.Tensor, torch.Tensor]:
-        """``bucket``'s static device buffers (allocated the first time, sized like ``inputs``)."""
-        static = self.static.get(bucket)
-        if static is None:
-            device = self.runner.device
-            static = self.static[bucket] = (
-                torch.zeros(inputs.longs.shape, dtype=torch.int64, device=device),
-                torch.zeros(inputs.ints.shape, dtype=torch.int32, device=device),
-            )
-        return static
-
-    @torch.inference_mode()
-    def capture_all(self) -> None:
-        """Capture every bucket now, largest first (their memory pool then fits the rest), on
-        padding-only inputs that write nothing but the scratch block: a capture in the middle
-        of serving would stall every running request for its duration."""
-        started = time.perf_counter()
-        for bucket in reversed(self.buckets):
-            inputs = self.inputs([], bucket)
-            longs, ints = self.buffers(bucket, inputs)
-            longs.copy_(inputs.longs)
-            ints.copy_(inputs.ints)
-            self.replay(bucket, inputs)
-        logger.info(
-            "serving: captured %d decode graphs (batch buckets %s) in %.1fs",
-            len(self.buckets),
-            self.buckets,
-            time.perf_counter() - started,
-        )
-
-    def replay(self, bucket: int, inputs: StepInputs) -> torch.Tensor:
-        """Replay ``bucket``'s graph over its static buffers (capturing it the first time);
-        returns the static logits ``(bucket, vocab)``."""
-        replay = self.graphs.get(bucket)
-        if replay is None:
-            runner = self.runner
-            views = inputs.views(*self.static[bucket])
-
-            def step() -> torch.Tensor:
-                return runner.run(views, 1)
-
-            # Were a capture to happen on a live step, its warm-up runs would rewrite that
-            # step's own keys and values (the same values); padding rows write only the scratch
-            # block.
-            replay = self.graphs[bucket] = self.capture(step)
-        return replay()
