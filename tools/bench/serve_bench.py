@@ -287,21 +287,25 @@ def model_bytes(name: str) -> tuple[int, int]:
     return weights * element, kv_per_token
 
 
-def decode_bound(args: argparse.Namespace, workload: Workload, tokens_per_s: float) -> dict:
-    """The decode bound at the run's concurrency: each step reads the weights once (and every
-    running request's KV cache) at the measured copy bandwidth, and yields one token per
-    request. ``fraction`` is the run's output rate over the weights-and-KV bound (prefill time
-    counts against the run, so a decode-heavy workload approaches it)."""
-    weights, kv_per_token = model_bytes(args.model)
-    bandwidth = copy_bandwidth(args.device)
-    batch = min(len(workload.prompts), args.max_num_seqs)
+def decode_bound(
+    workload: Workload,
+    tokens_per_s: float,
+    batch: float,
+    weights: int,
+    kv_per_token: int,
+    bandwidth: float,
+) -> dict:
+    """The decode bound at the run's concurrency ``batch``: each step reads the weights once
+    (and every running request's KV cache) at the measured copy ``bandwidth``, and yields one
+    token per request. ``fraction`` is the run's output rate over the weights-and-KV bound
+    (prefill time counts against the run, so a decode-heavy workload approaches it)."""
     prompt = sum(len(p) for p in workload.prompts) / len(workload.prompts)
     context = prompt + sum(workload.output_lens) / len(workload.output_lens) / 2
     weights_step = weights / bandwidth
     kv_step = batch * context * kv_per_token / bandwidth
     bound = batch / (weights_step + kv_step)
     return {
-        "concurrency": batch,
+        "concurrency": round(batch, 1),
         "copy_bandwidth_gb_s": round(bandwidth / 1e9, 1),
         "weight_gb": round(weights / 1e9, 3),
         "kv_gb_per_step": round(batch * context * kv_per_token / 1e9, 3),
@@ -636,12 +640,21 @@ def main(argv: list[str] | None = None) -> int:
         summaries.append(runners[backend](args, workload))
         _release_memory()
     if not args.no_decode_bound and summaries:
-        bound = decode_bound(args, workload, summaries[0]["output_tokens_per_s"])
+        weights, kv_per_token = model_bytes(args.model)
+        bandwidth = copy_bandwidth(args.device)
         for summary in summaries:
-            summary["decode_bound"] = {
-                **bound,
-                "fraction": round(summary["output_tokens_per_s"] / bound["tokens_per_s"], 3),
-            }
+            # The run's concurrency: the mean decode batch when the timeline has it, else all
+            # requests at once (up to max_num_seqs), as with --rate inf.
+            decode = summary.get("timeline", {}).get("decode_only", {})
+            batch = decode.get("mean_sequences") or min(len(workload.prompts), args.max_num_seqs)
+            bound = decode_bound(
+                workload, summary["output_tokens_per_s"], batch, weights, kv_per_token, bandwidth
+            )
+            if decode.get("wall_ms_per_step"):  # the decode steps alone against the bound
+                bound["decode_step_fraction"] = round(
+                    bound["step_ms_bound"] / decode["wall_ms_per_step"], 3
+                )
+            summary["decode_bound"] = bound
     for summary in summaries:
         print(json.dumps(summary))
         if args.json:
