@@ -8,16 +8,22 @@ CPU check (tiny random Llama, about a minute)::
         --model tiny --num-requests 16 --rate 8 --prompt-len 16:64 --output-len 16:48
 
 One H100, a Llama-3-8B-shaped model with random bf16 weights: 64 requests of 64-200 prompt
-tokens and 256 new tokens, all at once (the HF baseline's setting), then Poisson arrivals at
-4 requests/s (about 3-4 minutes in all)::
+tokens and 256 new tokens, all at once (the HF baseline's setting), the engine in process and
+Transformers' ``generate_batch`` in one run; then the per-step timeline, the same without CUDA
+graphs, and Poisson arrivals at 4 requests/s::
 
-    python3 tools/bench/serve_bench.py --model llama3-8b --num-requests 64 --rate inf \\
-        --prompt-len 64:200 --output-len 256 --backend both --json serve_bench.jsonl
-    python3 tools/bench/serve_bench.py --model llama3-8b --num-requests 64 --rate 4 \\
-        --prompt-len 64:200 --output-len 256 --backend slipstream --json serve_bench.jsonl
+    python3 tools/bench/serve_bench.py --model llama3-8b --num-requests 64 --rate inf \
+        --prompt-len 64:200 --output-len 256 --backend in-process hf --json serve_bench.jsonl
+    python3 tools/bench/serve_bench.py --model llama3-8b --num-requests 64 --rate inf \
+        --prompt-len 64:200 --output-len 256 --backend in-process --timeline timeline.json
+    python3 tools/bench/serve_bench.py --model llama3-8b --num-requests 64 --rate inf \
+        --prompt-len 64:200 --output-len 256 --backend in-process --no-cuda-graph
+    python3 tools/bench/serve_bench.py --model llama3-8b --num-requests 64 --rate 4 \
+        --prompt-len 64:200 --output-len 256 --backend in-process --json serve_bench.jsonl
 
-``--backend slipstream`` needs starlette, uvicorn and httpx (``slipstream-inference[serve]``);
-``--backend in-process`` replays the same workload on the engine without HTTP and needs none.
+``--backend slipstream`` (the HTTP server in a child process, the client over localhost) needs
+starlette, uvicorn and httpx (``slipstream-inference[serve]``); ``--backend in-process``
+replays the same workload on the engine without HTTP and needs none of them.
 
 Prompts are random token ids (no tokenizer is needed or downloaded); every request generates
 exactly its output length (``ignore_eos``), as serving benchmarks do.
