@@ -12,13 +12,13 @@ tokens and 256 new tokens, all at once (the HF baseline's setting), the engine i
 Transformers' ``generate_batch`` in one run; then the per-step timeline, the same without CUDA
 graphs, and Poisson arrivals at 4 requests/s::
 
-    python3 tools/bench/serve_bench.py --model llama3-8b --num-requests 64 --rate inf \
+    python3 tools/bench/serve_bench.py --model llama3-8b --num-requests 64 --rate inf \\
         --prompt-len 64:200 --output-len 256 --backend in-process hf --json serve_bench.jsonl
-    python3 tools/bench/serve_bench.py --model llama3-8b --num-requests 64 --rate inf \
+    python3 tools/bench/serve_bench.py --model llama3-8b --num-requests 64 --rate inf \\
         --prompt-len 64:200 --output-len 256 --backend in-process --timeline timeline.json
-    python3 tools/bench/serve_bench.py --model llama3-8b --num-requests 64 --rate inf \
+    python3 tools/bench/serve_bench.py --model llama3-8b --num-requests 64 --rate inf \\
         --prompt-len 64:200 --output-len 256 --backend in-process --no-cuda-graph
-    python3 tools/bench/serve_bench.py --model llama3-8b --num-requests 64 --rate 4 \
+    python3 tools/bench/serve_bench.py --model llama3-8b --num-requests 64 --rate 4 \\
         --prompt-len 64:200 --output-len 256 --backend in-process --json serve_bench.jsonl
 
 ``--backend slipstream`` (the HTTP server in a child process, the client over localhost) needs
