@@ -10,7 +10,7 @@ from slipstream.inference.adapters import UnsupportedModelError
 from slipstream.inference.serving import SamplingParams, ServingConfig, ServingEngine
 from slipstream.inference.serving.decode_graphs import graph_buckets
 from slipstream.inference.serving.scheduler import ScheduledChunk
-from slipstream.inference.serving.step_inputs import build_step_inputs
+from slipstream.inference.serving.step_inputs import BlockTableRows, build_step_inputs
 from slipstream.inference.testing import tiny_hf_model
 
 NEW_TOKENS = 12
@@ -137,6 +137,27 @@ def test_graph_buckets_and_padded_inputs() -> None:
     assert p["seq_lens"][3] == 1 and p["query_start_loc"].tolist() == [0, 1, 2, 3, 4]
     with pytest.raises(ValueError, match="pad_to=2"):
         build_step_inputs(chunks, 16, pad_to=2)
+
+
+def test_kept_block_table_rows_equal_rebuilt_ones() -> None:
+    """A graph bucket's table kept across steps reads like one rebuilt each step, as requests
+    leave, change rows and gain blocks (columns past a row's table are never read)."""
+    rows = BlockTableRows(4, 6, scratch_block=9)
+    steps = [
+        [("a", [3, 5]), ("b", [7]), ("c", [1, 2])],
+        [("a", [3, 5, 8]), ("c", [1, 2])],  # a gains a block, b leaves, c moves up a row
+        [("c", [1, 2])],
+    ]
+    for step in steps:
+        chunks = [ScheduledChunk(rid, [4], 5, list(table), True) for rid, table in step]
+        fresh = build_step_inputs(chunks, 16, pad_to=4, table_width=6, scratch_block=9)
+        kept = build_step_inputs(chunks, 16, pad_to=4, scratch_block=9, table_rows=rows)
+        assert torch.equal(fresh.longs, kept.longs)
+        f, k = fresh.views(fresh.longs, fresh.ints), kept.views(kept.longs, kept.ints)
+        for row, (_, table) in enumerate(step):
+            assert k["block_tables"][row, : len(table)].tolist() == table
+        assert torch.equal(f["block_tables"][len(step) :], k["block_tables"][len(step) :])
+        assert torch.equal(f["seq_lens"], k["seq_lens"])
 
 
 def test_unsupported_architecture_is_refused() -> None:

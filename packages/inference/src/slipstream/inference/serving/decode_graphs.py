@@ -19,7 +19,11 @@ from typing import TYPE_CHECKING, Any
 import torch
 
 from slipstream.inference.serving.scheduler import ScheduledChunk
-from slipstream.inference.serving.step_inputs import StepInputs, build_step_inputs
+from slipstream.inference.serving.step_inputs import (
+    BlockTableRows,
+    StepInputs,
+    build_step_inputs,
+)
 
 if TYPE_CHECKING:
     from slipstream.inference.serving.model_runner import PagedDecoder
@@ -78,6 +82,7 @@ class DecodeGraphs:
         self.buckets = graph_buckets(max_batch)
         self.capture = capture
         self.static: dict[int, tuple[torch.Tensor, torch.Tensor]] = {}
+        self.table_rows: dict[int, BlockTableRows] = {}
         self.graphs: dict[int, Callable[[], torch.Tensor]] = {}
 
     def bucket_for(self, batch: int) -> int | None:
@@ -89,12 +94,17 @@ class DecodeGraphs:
 
     def inputs(self, chunks: Sequence[ScheduledChunk], bucket: int) -> StepInputs:
         """The step's inputs padded to ``bucket`` with the static block-table width."""
+        rows = self.table_rows.get(bucket)
+        if rows is None:
+            rows = self.table_rows[bucket] = BlockTableRows(
+                bucket, self.runner.max_blocks_per_seq, self.runner.num_blocks
+            )
         return build_step_inputs(
             chunks,
             self.runner.block_size,
             pad_to=bucket,
-            table_width=self.runner.max_blocks_per_seq,
             scratch_block=self.runner.num_blocks,
+            table_rows=rows,
         )
 
     def buffers(self, bucket: int, inputs: StepInputs) -> tuple[torch.Tensor, torch.Tensor]:

@@ -42,6 +42,35 @@ class StepInputs:
         }
 
 
+class BlockTableRows:
+    """A host ``(rows, width)`` block-table tensor kept from step to step, for a graph bucket.
+
+    A decode-graph step has a wide static table (``max_model_len / block_size`` columns) that a
+    list-to-tensor conversion would rebuild at milliseconds per step; here a row is rewritten
+    only when its table changed (another request in that row, or a new block, once every
+    ``block_size`` decodes). Columns past a row's table may hold stale blocks: the kernel reads
+    only the blocks under the sequence's length.
+    """
+
+    def __init__(self, rows: int, width: int, scratch_block: int) -> None:
+        self.tensor = torch.full((rows, width), scratch_block, dtype=torch.int32)
+        self.scratch_block = scratch_block
+        self._tables: list[list[int] | None] = [None] * rows
+
+    def update(self, chunks: Sequence[ScheduledChunk]) -> torch.Tensor:
+        """The table of ``chunks`` in its first rows, padding rows (scratch only) after them."""
+        for row, chunk in enumerate(chunks):
+            table = chunk.block_table
+            if self._tables[row] != table:  # list equality: one C loop
+                self.tensor[row, : len(table)] = torch.tensor(table, dtype=torch.int32)
+                self._tables[row] = table
+        for row in range(len(chunks), len(self._tables)):
+            if self._tables[row] is not None:
+                self.tensor[row].fill_(self.scratch_block)
+                self._tables[row] = None
+        return self.tensor
+
+
 def build_step_inputs(
     chunks: Sequence[ScheduledChunk],
     block_size: int,
@@ -49,18 +78,22 @@ def build_step_inputs(
     pad_to: int | None = None,
     table_width: int | None = None,
     scratch_block: int = 0,
+    table_rows: BlockTableRows | None = None,
 ) -> StepInputs:
     """Pack ``chunks`` (in batch order) into :class:`StepInputs`, vectorised over tokens.
 
     ``pad_to`` adds single-token padding sequences up to that many (a decode-graph bucket):
     each decodes token 0 at position 0 into ``scratch_block`` and is sampled (its row is
     dropped by the caller). ``table_width`` fixes the block-table width (a graph's static
-    shape); by default it is the longest table of the batch.
+    shape); by default it is the longest table of the batch. ``table_rows`` keeps that table
+    across steps (its width wins).
     """
     real = len(chunks)
     seqs = pad_to if pad_to is not None else real
     if seqs < real:
         raise ValueError(f"pad_to={pad_to} is smaller than the batch's {real} sequences")
+    if table_rows is not None:
+        table_width = table_rows.tensor.shape[1]
     width = table_width or max(len(chunk.block_table) for chunk in chunks)
     # Plain lists, then one tensor per buffer: at a few hundred sequences this costs tens of
     # microseconds, where a tensor op per field costs more than the whole.
@@ -78,8 +111,9 @@ def build_step_inputs(
         span = range(start, start + count)
         positions += span
         slots += [table[p // block_size] * block_size + p % block_size for p in span]
-        tables += table
-        tables += [scratch_block] * (width - len(table))
+        if table_rows is None:
+            tables += table
+            tables += [scratch_block] * (width - len(table))
         seq_lens.append(start + count)
         starts.append(starts[-1] + count)
         max_query_len = max(max_query_len, count)
@@ -89,10 +123,15 @@ def build_step_inputs(
         ids.append(0)
         positions.append(0)
         slots.append(scratch_block * block_size)
-        tables += [scratch_block] * width
+        if table_rows is None:
+            tables += [scratch_block] * width
         seq_lens.append(1)
         starts.append(starts[-1] + 1)
         rows.append(starts[-1] - 1)
     longs = torch.tensor(ids + positions + slots + rows, dtype=torch.int64)
-    ints = torch.tensor(tables + seq_lens + starts, dtype=torch.int32)
+    if table_rows is None:
+        ints = torch.tensor(tables + seq_lens + starts, dtype=torch.int32)
+    else:
+        table_tensor = table_rows.update(chunks).view(-1)
+        ints = torch.cat([table_tensor, torch.tensor(seq_lens + starts, dtype=torch.int32)])
     return StepInputs(longs, ints, starts[-1], seqs, len(rows), width, max_query_len)
