@@ -21,6 +21,11 @@ graphs, and Poisson arrivals at 4 requests/s::
     python3 tools/bench/serve_bench.py --model llama3-8b --num-requests 64 --rate 4 \\
         --prompt-len 64:200 --output-len 256 --backend in-process --json serve_bench.jsonl
 
+Kernel tables (torch.profiler) of the prompt steps and of 20 decode-only steps, no benchmark::
+
+    python3 tools/bench/serve_bench.py --model llama3-8b --num-requests 64 --rate inf \\
+        --prompt-len 64:200 --output-len 256 --profile 20 --profile-out profile.txt
+
 ``--backend slipstream`` (the HTTP server in a child process, the client over localhost) needs
 starlette, uvicorn and httpx (``slipstream-inference[serve]``); ``--backend in-process``
 replays the same workload on the engine without HTTP and needs none of them.
@@ -514,6 +519,66 @@ def _engine_totals(deployment: Any) -> dict[str, float]:
     return totals
 
 
+def _kernel_table(prof: Any, rows: int = 30) -> str:
+    averages = prof.key_averages()
+    for key in ("self_device_time_total", "self_cuda_time_total", "self_cpu_time_total"):
+        try:
+            return str(averages.table(sort_by=key, row_limit=rows))
+        except (AttributeError, KeyError, ValueError):
+            continue
+    return str(averages.table(row_limit=rows))
+
+
+def run_profile(args: argparse.Namespace, workload: Workload) -> dict:
+    """torch.profiler over the engine stepped in this thread: the steps with a prompt chunk
+    (all requests submitted at once), then ``--profile`` decode-only steps; prints each
+    phase's kernel table (sorted by self device time) and writes them to ``--profile-out``."""
+    import torch
+    from torch.profiler import ProfilerActivity, profile
+
+    from slipstream.inference.serving import SamplingParams, pipeline
+
+    engine = pipeline(build_model(args.model, args.device), config=_serving_config(args)).engine
+    warm = SamplingParams(max_tokens=4, ignore_eos=True)
+    engine.generate([_warmup_prompt(workload, i) for i in range(max(1, args.warmup))], warm)
+    for prompt, output_len in zip(workload.prompts, workload.output_lens):
+        engine.add_request(prompt, SamplingParams(max_tokens=output_len, ignore_eos=True))
+    activities = [ProfilerActivity.CPU]
+    if torch.cuda.is_available():
+        activities.append(ProfilerActivity.CUDA)
+    engine.timeline = []
+    with profile(activities=activities) as prefill:
+        while engine.has_unfinished:
+            engine.step()
+            if engine.timeline and engine.timeline[-1].decode_only:
+                break
+    prefill_steps = len(engine.timeline)
+    engine.timeline = []
+    with profile(activities=activities) as decode:
+        for _ in range(args.profile):
+            if not engine.has_unfinished:
+                break
+            engine.step()
+    records = [dataclasses.asdict(r) for r in engine.timeline]
+    while engine.has_unfinished:  # finish the work (frees the KV blocks)
+        engine.step()
+    text = (
+        f"== {prefill_steps} steps until the first decode-only step (prompt chunks) ==\n"
+        f"{_kernel_table(prefill)}\n== {len(records)} decode-only steps ==\n"
+        f"{_kernel_table(decode)}\n"
+    )
+    print(text)
+    if args.profile_out:
+        with open(args.profile_out, "w") as handle:
+            handle.write(text)
+    return {
+        "backend": "profile",
+        "prefill_steps": prefill_steps,
+        "decode_timeline": timeline_summary(records),
+        "profile_out": args.profile_out,
+    }
+
+
 def run_hf_continuous_batching(args: argparse.Namespace, workload: Workload) -> dict:
     """The same prompts through ``model.generate_batch`` (all submitted at once: its API has
     no arrivals; compare with ``--rate inf``). One max_new_tokens for all requests: the
@@ -619,6 +684,14 @@ def main(argv: list[str] | None = None) -> int:
         "--no-cuda-graph", action="store_true", help="serve with serving.cuda_graph off"
     )
     parser.add_argument(
+        "--profile",
+        type=int,
+        default=0,
+        help="instead of a benchmark: torch.profiler kernel tables of the prompt steps and of "
+        "this many decode-only steps of the workload (the engine stepped in this thread)",
+    )
+    parser.add_argument("--profile-out", help="with --profile: also write the tables here")
+    parser.add_argument(
         "--no-decode-bound",
         action="store_true",
         help="skip measuring the copy bandwidth for the decode bound",
@@ -633,6 +706,9 @@ def main(argv: list[str] | None = None) -> int:
         return serve_only(args)
     vocab = {"tiny": 512, "llama3-8b": 128256}.get(args.model, 32000)
     workload = make_workload(args, vocab)
+    if args.profile:
+        print(json.dumps(run_profile(args, workload)))
+        return 0
     summaries = []
     backends = [
         b for name in args.backend for b in (["slipstream", "hf"] if name == "both" else [name])
