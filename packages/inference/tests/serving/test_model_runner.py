@@ -139,6 +139,17 @@ def test_graph_buckets_and_padded_inputs() -> None:
         build_step_inputs(chunks, 16, pad_to=2)
 
 
+def test_warmup_runs_in_the_scratch_block_only(model) -> None:
+    """The GPU start-up warm-up (full budget, one token less, one token) writes only the scratch
+    block: the cache the pool hands out stays untouched."""
+    engine = ServingEngine(model, None, ServingConfig(num_blocks=16, max_num_batched_tokens=40))
+    runner = engine.runner
+    before = [cache[:-1].clone() for cache in runner.key_cache]
+    assert runner.warmup(40) == [32, 31, 1]
+    for cache, saved in zip(runner.key_cache, before):
+        assert torch.equal(cache[:-1], saved) and cache[-1].abs().sum() > 0
+
+
 def test_kept_block_table_rows_equal_rebuilt_ones() -> None:
     """A graph bucket's table kept across steps reads like one rebuilt each step, as requests
     leave, change rows and gain blocks (columns past a row's table are never read)."""

@@ -165,6 +165,8 @@ class ServingEngine:
             graph_max_batch=min(self.config.cuda_graph_max_batch_size, self.config.max_num_seqs),
             capture=capture,
         )
+        if device.type == "cuda":  # compile the Triton kernels' prompt-step variants now
+            self.runner.warmup(min(self.config.max_num_batched_tokens, self.max_model_len))
         self.scheduler = Scheduler(
             num_blocks=num_blocks,
             block_size=self.config.block_size,

@@ -124,6 +124,27 @@ class PagedDecoder:
             self.graphs = DecodeGraphs(self, graph_max_batch, capture)
             self.graphs.capture_all()
 
+    @torch.inference_mode()
+    def warmup(self, max_tokens: int) -> list[int]:
+        """Run eager steps of ``max_tokens`` (rounded down to a multiple of 16), one token
+        less, and one token, all in the scratch block; returns the token counts run.
+
+        Triton compiles a kernel once per divisibility class of its integer arguments (some
+        are token counts) and per tile size, so the first full-budget prompt step would
+        otherwise compile for half a second in front of every waiting request.
+        """
+        full = max(16, max_tokens - max_tokens % 16)
+        counts = sorted({full, full - 1, 1}, reverse=True)
+        scratch = self.num_blocks
+        for count in counts:
+            blocks = [scratch] * -(-count // self.block_size)
+            chunk = ScheduledChunk("warmup", [1] * count, 0, blocks, True)
+            inputs = build_step_inputs([chunk], self.block_size, scratch_block=scratch)
+            longs = inputs.longs.to(self.device)
+            ints = inputs.ints.to(self.device)
+            self.run(inputs.views(longs, ints), inputs.max_query_len)
+        return counts
+
     @staticmethod
     def bytes_per_block(decoder: FusedDecoder, block_size: int) -> int:
         """KV-cache bytes one block takes over all layers (keys and values, this rank's heads)."""
