@@ -137,7 +137,9 @@ class PagedDecoder:
         counts = sorted({full, full - 1, 1}, reverse=True)
         scratch = self.num_blocks
         for count in counts:
-            blocks = [scratch] * -(-count // self.block_size)
+            # The block-table width (a kernel argument too) in other classes as well: one more
+            # block than needed for the odd count.
+            blocks = [scratch] * (-(-count // self.block_size) + (count == full - 1))
             chunk = ScheduledChunk("warmup", [1] * count, 0, blocks, True)
             inputs = build_step_inputs([chunk], self.block_size, scratch_block=scratch)
             longs = inputs.longs.to(self.device)
