@@ -8,16 +8,27 @@ CPU check (tiny random Llama, about a minute)::
         --model tiny --num-requests 16 --rate 8 --prompt-len 16:64 --output-len 16:48
 
 One H100, a Llama-3-8B-shaped model with random bf16 weights: 64 requests of 64-200 prompt
-tokens and 256 new tokens, all at once (the HF baseline's setting), then Poisson arrivals at
-4 requests/s (about 3-4 minutes in all)::
+tokens and 256 new tokens, all at once (the HF baseline's setting), the engine in process and
+Transformers' ``generate_batch`` in one run; then the per-step timeline, the same without CUDA
+graphs, and Poisson arrivals at 4 requests/s::
 
     python3 tools/bench/serve_bench.py --model llama3-8b --num-requests 64 --rate inf \\
-        --prompt-len 64:200 --output-len 256 --backend both --json serve_bench.jsonl
+        --prompt-len 64:200 --output-len 256 --backend in-process hf --json serve_bench.jsonl
+    python3 tools/bench/serve_bench.py --model llama3-8b --num-requests 64 --rate inf \\
+        --prompt-len 64:200 --output-len 256 --backend in-process --timeline timeline.json
+    python3 tools/bench/serve_bench.py --model llama3-8b --num-requests 64 --rate inf \\
+        --prompt-len 64:200 --output-len 256 --backend in-process --no-cuda-graph
     python3 tools/bench/serve_bench.py --model llama3-8b --num-requests 64 --rate 4 \\
-        --prompt-len 64:200 --output-len 256 --backend slipstream --json serve_bench.jsonl
+        --prompt-len 64:200 --output-len 256 --backend in-process --json serve_bench.jsonl
 
-``--backend slipstream`` needs starlette, uvicorn and httpx (``slipstream-inference[serve]``);
-``--backend in-process`` replays the same workload on the engine without HTTP and needs none.
+Kernel tables (torch.profiler) of the prompt steps and of 20 decode-only steps, no benchmark::
+
+    python3 tools/bench/serve_bench.py --model llama3-8b --num-requests 64 --rate inf \\
+        --prompt-len 64:200 --output-len 256 --profile 20 --profile-out profile.txt
+
+``--backend slipstream`` (the HTTP server in a child process, the client over localhost) needs
+starlette, uvicorn and httpx (``slipstream-inference[serve]``); ``--backend in-process``
+replays the same workload on the engine without HTTP and needs none of them.
 
 Prompts are random token ids (no tokenizer is needed or downloaded); every request generates
 exactly its output length (``ignore_eos``), as serving benchmarks do.
@@ -27,6 +38,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import dataclasses
 import inspect
 import itertools
 import json
@@ -131,11 +143,11 @@ def build_model(name: str, device: str) -> Any:
 
 def serve_only(args: argparse.Namespace) -> int:
     """The server process: build the model, serve it on 127.0.0.1:port until SIGTERM."""
-    from slipstream.inference.serving import serve
+    from slipstream.inference.serving import pipeline
     from slipstream.inference.serving.server import build_server
 
     model = build_model(args.model, args.device)
-    deployment = serve(model, config=_serving_config(args))
+    deployment = pipeline(model, config=_serving_config(args)).serve()
     deployment.model_name = MODEL_NAME
     build_server(deployment, "127.0.0.1", args.port, log_level="warning").run()
     return 0
@@ -243,6 +255,101 @@ def where_time_goes(before: dict[str, float], after: dict[str, float], duration:
     }
 
 
+def copy_bandwidth(device: str, size_bytes: int = 1 << 30, repeats: int = 10) -> float:
+    """Measured device-memory bandwidth in bytes/s: a ``size_bytes`` copy reads and writes it."""
+    import torch
+
+    src = torch.empty(size_bytes, dtype=torch.uint8, device=device)
+    dst = torch.empty_like(src)
+    dst.copy_(src)
+    synchronize = torch.cuda.synchronize if src.is_cuda else (lambda: None)
+    synchronize()
+    start = time.perf_counter()
+    for _ in range(repeats):
+        dst.copy_(src)
+    synchronize()
+    return 2 * size_bytes * repeats / (time.perf_counter() - start)
+
+
+def model_bytes(name: str) -> tuple[int, int]:
+    """(bytes of the weights a decode step reads, KV-cache bytes per token) of the served model,
+    counted on the meta device (bf16 on a GPU as build_model makes it; the embedding table is
+    not counted: a step reads only its tokens' rows)."""
+    import torch
+    import transformers
+
+    if name in ("tiny", "llama3-8b"):
+        model = build_model(name, "meta")
+    else:  # only the config is read: no weights are loaded
+        with torch.device("meta"):
+            model = transformers.AutoModelForCausalLM.from_config(
+                transformers.AutoConfig.from_pretrained(name)
+            )
+    config = model.config
+    element = 4 if name == "tiny" else 2
+    embed = model.get_input_embeddings().weight
+    weights = sum(p.numel() for p in model.parameters()) - embed.numel()
+    if getattr(config, "tie_word_embeddings", False):
+        weights += embed.numel()  # the LM head reads the tied table whole
+    heads = config.num_attention_heads
+    head_dim = getattr(config, "head_dim", None) or config.hidden_size // heads
+    kv_heads = config.num_key_value_heads or heads
+    kv_per_token = 2 * config.num_hidden_layers * kv_heads * head_dim * element
+    return weights * element, kv_per_token
+
+
+def decode_bound(
+    workload: Workload,
+    tokens_per_s: float,
+    batch: float,
+    weights: int,
+    kv_per_token: int,
+    bandwidth: float,
+) -> dict:
+    """The decode bound at the run's concurrency ``batch``: each step reads the weights once
+    (and every running request's KV cache) at the measured copy ``bandwidth``, and yields one
+    token per request. ``fraction`` is the run's output rate over the weights-and-KV bound
+    (prefill time counts against the run, so a decode-heavy workload approaches it)."""
+    prompt = sum(len(p) for p in workload.prompts) / len(workload.prompts)
+    context = prompt + sum(workload.output_lens) / len(workload.output_lens) / 2
+    weights_step = weights / bandwidth
+    kv_step = batch * context * kv_per_token / bandwidth
+    bound = batch / (weights_step + kv_step)
+    return {
+        "concurrency": round(batch, 1),
+        "copy_bandwidth_gb_s": round(bandwidth / 1e9, 1),
+        "weight_gb": round(weights / 1e9, 3),
+        "kv_gb_per_step": round(batch * context * kv_per_token / 1e9, 3),
+        "step_ms_bound": round((weights_step + kv_step) * 1000, 3),
+        "weights_only_tokens_per_s": round(batch / weights_step, 1),
+        "tokens_per_s": round(bound, 1),
+        "fraction": round(tokens_per_s / bound, 3),
+    }
+
+
+def timeline_summary(records: list[dict]) -> dict:
+    """Mean ms per phase over decode-only steps and over steps with a prompt chunk."""
+    out: dict[str, Any] = {}
+    for kind, chosen in (
+        ("decode_only", [r for r in records if r["decode_only"]]),
+        ("with_prefill", [r for r in records if not r["decode_only"]]),
+    ):
+        if not chosen:
+            continue
+        phases = ("schedule_ms", "forward_ms", "sample_ms", "update_ms")
+        out[kind] = {
+            "steps": len(chosen),
+            "graph_steps": sum(1 for r in chosen if r["graph_bucket"]),
+            "mean_sequences": round(sum(r["sequences"] for r in chosen) / len(chosen), 1),
+            "mean_tokens": round(sum(r["tokens"] for r in chosen) / len(chosen), 1),
+            **{p: round(sum(r[p] for r in chosen) / len(chosen), 3) for p in phases},
+        }
+        if len(chosen) > 1:  # wall time per step, gaps between steps included
+            span = chosen[-1]["start"] - chosen[0]["start"]
+            out[kind]["wall_ms_per_step"] = round(span / (len(chosen) - 1) * 1000, 3)
+    return out
+
+
 def _percentile(values: list[float], q: float) -> float | None:
     if not values:
         return None
@@ -294,6 +401,8 @@ def run_slipstream(args: argparse.Namespace, workload: Workload) -> dict:
                    "--max-num-seqs", str(args.max_num_seqs)]  # fmt: skip
         if args.no_prefix_caching:
             command.append("--no-prefix-caching")
+        if args.no_cuda_graph:
+            command.append("--no-cuda-graph")
         for flag, value in (
             ("--num-blocks", args.num_blocks),
             ("--max-model-len", args.max_model_len),
@@ -335,15 +444,19 @@ def _serving_config(args: argparse.Namespace) -> dict[str, Any]:
         "num_blocks": args.num_blocks,
         "max_model_len": args.max_model_len,
         "enable_prefix_caching": not args.no_prefix_caching,
+        "cuda_graph": not args.no_cuda_graph,
     }
 
 
 def run_in_process(args: argparse.Namespace, workload: Workload) -> dict:
     """The same workload through a :class:`Deployment` in this process, without HTTP (needs
     no starlette/uvicorn/httpx): the engine's own throughput and latencies."""
-    from slipstream.inference.serving import SamplingParams, serve
+    from slipstream.inference.serving import SamplingParams, pipeline
 
-    deployment = serve(build_model(args.model, args.device), config=_serving_config(args))
+    deployment = pipeline(
+        build_model(args.model, args.device), config=_serving_config(args)
+    ).serve()
+    engine = deployment.engine
 
     async def one(prompt: list[int], output_len: int, delay: float, origin: float) -> RequestResult:
         await asyncio.sleep(max(0.0, origin + delay - time.perf_counter()))
@@ -378,11 +491,19 @@ def run_in_process(args: argparse.Namespace, workload: Workload) -> dict:
     try:
         asyncio.run(warm())  # compiles kernels; not measured
         before = _engine_totals(deployment)
+        if args.timeline:
+            engine.timeline = []  # read by the engine thread at its next step
         results = asyncio.run(replay())
         summary = summarize("slipstream-in-process", results, args)
         summary["engine"] = where_time_goes(
             before, _engine_totals(deployment), summary["duration_s"]
         )
+        if engine.timeline is not None:
+            records = [dataclasses.asdict(r) for r in list(engine.timeline)]
+            summary["timeline"] = timeline_summary(records)
+            with open(args.timeline, "w") as handle:
+                json.dump({"argv": sys.argv[1:], "steps": records}, handle)
+            summary["timeline_file"] = args.timeline
         return summary
     finally:
         deployment.shutdown()
@@ -396,6 +517,66 @@ def _engine_totals(deployment: Any) -> dict[str, float]:
     totals["prompt_tokens_total"] = float(deployment.metrics.prompt_tokens)
     totals["prefix_cache_hit_tokens_total"] = float(deployment.metrics.cached_prompt_tokens)
     return totals
+
+
+def _kernel_table(prof: Any, rows: int = 30) -> str:
+    averages = prof.key_averages()
+    for key in ("self_device_time_total", "self_cuda_time_total", "self_cpu_time_total"):
+        try:
+            return str(averages.table(sort_by=key, row_limit=rows))
+        except (AttributeError, KeyError, ValueError):
+            continue
+    return str(averages.table(row_limit=rows))
+
+
+def run_profile(args: argparse.Namespace, workload: Workload) -> dict:
+    """torch.profiler over the engine stepped in this thread: the steps with a prompt chunk
+    (all requests submitted at once), then ``--profile`` decode-only steps; prints each
+    phase's kernel table (sorted by self device time) and writes them to ``--profile-out``."""
+    import torch
+    from torch.profiler import ProfilerActivity, profile
+
+    from slipstream.inference.serving import SamplingParams, pipeline
+
+    engine = pipeline(build_model(args.model, args.device), config=_serving_config(args)).engine
+    warm = SamplingParams(max_tokens=4, ignore_eos=True)
+    engine.generate([_warmup_prompt(workload, i) for i in range(max(1, args.warmup))], warm)
+    for prompt, output_len in zip(workload.prompts, workload.output_lens):
+        engine.add_request(prompt, SamplingParams(max_tokens=output_len, ignore_eos=True))
+    activities = [ProfilerActivity.CPU]
+    if torch.cuda.is_available():
+        activities.append(ProfilerActivity.CUDA)
+    engine.timeline = []
+    with profile(activities=activities) as prefill:
+        while engine.has_unfinished:
+            engine.step()
+            if engine.timeline and engine.timeline[-1].decode_only:
+                break
+    prefill_steps = len(engine.timeline)
+    engine.timeline = []
+    with profile(activities=activities) as decode:
+        for _ in range(args.profile):
+            if not engine.has_unfinished:
+                break
+            engine.step()
+    records = [dataclasses.asdict(r) for r in engine.timeline]
+    while engine.has_unfinished:  # finish the work (frees the KV blocks)
+        engine.step()
+    text = (
+        f"== {prefill_steps} steps until the first decode-only step (prompt chunks) ==\n"
+        f"{_kernel_table(prefill)}\n== {len(records)} decode-only steps ==\n"
+        f"{_kernel_table(decode)}\n"
+    )
+    print(text)
+    if args.profile_out:
+        with open(args.profile_out, "w") as handle:
+            handle.write(text)
+    return {
+        "backend": "profile",
+        "prefill_steps": prefill_steps,
+        "decode_timeline": timeline_summary(records),
+        "profile_out": args.profile_out,
+    }
 
 
 def run_hf_continuous_batching(args: argparse.Namespace, workload: Workload) -> dict:
@@ -494,6 +675,27 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--slo-itl", type=float, default=0.1, help="p99 seconds, for goodput")
     parser.add_argument("--startup-timeout", type=float, default=600)
     parser.add_argument("--json", help="append one JSON line per backend here")
+    parser.add_argument(
+        "--timeline",
+        help="in-process backend: write every measured step's phase times here (JSON); the "
+        "forward then waits for the GPU each step so that its time is its own",
+    )
+    parser.add_argument(
+        "--no-cuda-graph", action="store_true", help="serve with serving.cuda_graph off"
+    )
+    parser.add_argument(
+        "--profile",
+        type=int,
+        default=0,
+        help="instead of a benchmark: torch.profiler kernel tables of the prompt steps and of "
+        "this many decode-only steps of the workload (the engine stepped in this thread)",
+    )
+    parser.add_argument("--profile-out", help="with --profile: also write the tables here")
+    parser.add_argument(
+        "--no-decode-bound",
+        action="store_true",
+        help="skip measuring the copy bandwidth for the decode bound",
+    )
     parser.add_argument("--serve-only", action="store_true", help=argparse.SUPPRESS)
     args = parser.parse_args(argv)
     if args.device is None:
@@ -504,6 +706,9 @@ def main(argv: list[str] | None = None) -> int:
         return serve_only(args)
     vocab = {"tiny": 512, "llama3-8b": 128256}.get(args.model, 32000)
     workload = make_workload(args, vocab)
+    if args.profile:
+        print(json.dumps(run_profile(args, workload)))
+        return 0
     summaries = []
     backends = [
         b for name in args.backend for b in (["slipstream", "hf"] if name == "both" else [name])
@@ -516,6 +721,22 @@ def main(argv: list[str] | None = None) -> int:
     for backend in backends:
         summaries.append(runners[backend](args, workload))
         _release_memory()
+    if not args.no_decode_bound and summaries:
+        weights, kv_per_token = model_bytes(args.model)
+        bandwidth = copy_bandwidth(args.device)
+        for summary in summaries:
+            # The run's concurrency: the mean decode batch when the timeline has it, else all
+            # requests at once (up to max_num_seqs), as with --rate inf.
+            decode = summary.get("timeline", {}).get("decode_only", {})
+            batch = decode.get("mean_sequences") or min(len(workload.prompts), args.max_num_seqs)
+            bound = decode_bound(
+                workload, summary["output_tokens_per_s"], batch, weights, kv_per_token, bandwidth
+            )
+            if decode.get("wall_ms_per_step"):  # the decode steps alone against the bound
+                bound["decode_step_fraction"] = round(
+                    bound["step_ms_bound"] / decode["wall_ms_per_step"], 3
+                )
+            summary["decode_bound"] = bound
     for summary in summaries:
         print(json.dumps(summary))
         if args.json:
@@ -539,6 +760,17 @@ def main(argv: list[str] | None = None) -> int:
                 f"{engine['engine_busy_fraction']:.0%} of the run, {engine['preemptions']} preemptions, "
                 f"prefix-cache hits {engine['prefix_cache_hit_rate']:.0%} of prompt tokens"
             )
+        if "decode_bound" in s:
+            bound = s["decode_bound"]
+            print(
+                f"{s['backend']}: {bound['fraction']:.0%} of the decode bound "
+                f"({bound['tokens_per_s']} tok/s at {bound['concurrency']} requests: "
+                f"{bound['weight_gb']} GB weights + {bound['kv_gb_per_step']} GB KV per step "
+                f"at {bound['copy_bandwidth_gb_s']} GB/s); goodput "
+                f"{s['goodput_requests_per_s']} requests/s within {s['slo']}"
+            )
+        if "timeline" in s:
+            print(f"{s['backend']} timeline (mean ms per step): {json.dumps(s['timeline'])}")
     return 0 if all(s["failed"] == 0 for s in summaries) else 1
 
 

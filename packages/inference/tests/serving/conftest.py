@@ -18,7 +18,8 @@ CHAT_TEMPLATE = (
 
 
 def tiny_model(model_type: str = "llama", seed: int = 0, vocab: int = VOCAB) -> Any:
-    """A 2-layer random model of ``model_type`` with GQA (4 query heads, 2 KV heads), fp32."""
+    """A 2-layer random model of ``model_type`` (GQA with 4 query heads on 2 KV heads but for
+    GPT-2), fp32."""
     kwargs: dict[str, Any] = {
         "vocab_size": vocab,
         "hidden_size": 64,
@@ -33,6 +34,19 @@ def tiny_model(model_type: str = "llama", seed: int = 0, vocab: int = VOCAB) -> 
     }
     if model_type == "qwen2":
         config = transformers.Qwen2Config(**kwargs)  # q/k/v projections with bias
+    elif model_type == "mixtral":  # 4 experts, top 2
+        config = transformers.MixtralConfig(**kwargs, num_local_experts=4, num_experts_per_tok=2)
+    elif model_type == "gpt2":  # learned positions, LayerNorm, biases, no GQA
+        config = transformers.GPT2Config(
+            vocab_size=vocab,
+            n_embd=64,
+            n_layer=2,
+            n_head=4,
+            n_positions=256,
+            bos_token_id=1,
+            eos_token_id=2,
+            pad_token_id=0,
+        )
     else:
         config = transformers.LlamaConfig(**kwargs)
     torch.manual_seed(seed)

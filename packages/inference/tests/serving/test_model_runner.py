@@ -6,7 +6,12 @@ from __future__ import annotations
 import pytest
 import torch
 
+from slipstream.inference.adapters import UnsupportedModelError
 from slipstream.inference.serving import SamplingParams, ServingConfig, ServingEngine
+from slipstream.inference.serving.decode_graphs import graph_buckets
+from slipstream.inference.serving.scheduler import ScheduledChunk
+from slipstream.inference.serving.step_inputs import BlockTableRows, build_step_inputs
+from slipstream.inference.testing import tiny_hf_model
 
 NEW_TOKENS = 12
 
@@ -38,8 +43,11 @@ def _hf_greedy(model, prompt: list[int]) -> list[int]:
         # 10 blocks of 16 cannot hold all seven requests: preemption with recompute.
         ("llama", {"max_num_batched_tokens": 64, "num_blocks": 10, "max_model_len": 160}),
         ("qwen2", {"max_num_batched_tokens": 32, "num_blocks": 64}),
+        # The fused decoder's other families: learned positions and LayerNorm; MoE experts.
+        ("gpt2", {"max_num_batched_tokens": 32, "num_blocks": 64}),
+        ("mixtral", {"max_num_batched_tokens": 32, "num_blocks": 64}),
     ],
-    ids=["llama-splitfuse", "llama-preempt", "qwen2"],
+    ids=["llama-splitfuse", "llama-preempt", "qwen2", "gpt2", "mixtral"],
 )
 def test_batched_serving_equals_hf_greedy(make_model, model_type: str, config: dict) -> None:
     model = make_model(model_type)
@@ -56,18 +64,128 @@ def test_batched_serving_equals_hf_greedy(make_model, model_type: str, config: d
         assert outputs[-1].num_cached_tokens == 16  # one full block of the shared prefix
 
 
+@pytest.mark.parametrize("family", ["phi3", "opt", "falcon"])
+def test_other_fused_families_equal_hf_greedy(family: str) -> None:
+    """Phi-3 (fused QKV and gate/up in HF), OPT (learned positions at offset 2, biases),
+    Falcon (multi-query attention, parallel residual) through the same paged forward."""
+    model = tiny_hf_model(family)
+    prompts = _prompts(model.config.vocab_size)
+    expected = [_hf_greedy(model, prompt) for prompt in prompts]
+    config = ServingConfig(max_num_batched_tokens=32, num_blocks=64, max_num_seqs=4)
+    engine = ServingEngine(model, None, config)
+    outputs = engine.generate(prompts, SamplingParams(max_tokens=NEW_TOKENS, ignore_eos=True))
+    assert [out.new_token_ids for out in outputs] == expected
+
+
+def test_sliding_window_past_max_model_len_is_refused() -> None:
+    with pytest.raises(ValueError, match=r"sliding window of 8 tokens.*max_model_len <= 8"):
+        ServingEngine(tiny_hf_model("mistral"), None, ServingConfig(num_blocks=64))
+
+
+def test_decode_graph_path_equals_hf_greedy(make_model) -> None:
+    """Decode-only steps through the graph path (padding to buckets, static buffers), with the
+    capture a plain function so that it runs on the CPU: same tokens as HF, one capture per
+    bucket, and padding never leaks a block."""
+    model = make_model("llama")
+    prompts = _prompts(model.config.vocab_size)
+    expected = [_hf_greedy(model, prompt) for prompt in prompts]
+    captured: list[int] = []
+    replays: list[int] = []
+
+    def capture(step):
+        captured.append(1)
+
+        def replay():  # reruns the step from the static buffers
+            replays.append(1)
+            return step()
+
+        return replay
+
+    config = ServingConfig(max_num_batched_tokens=24, num_blocks=64, max_num_seqs=5)
+    engine = ServingEngine(model, None, config, capture=capture)
+    graphs = engine.runner.graphs
+    assert graphs is not None and graphs.buckets == [1, 2, 4, 5]
+    outputs = engine.generate(prompts, SamplingParams(max_tokens=NEW_TOKENS, ignore_eos=True))
+    assert [out.new_token_ids for out in outputs] == expected
+    # Every bucket was captured once, at start (on padding rows only), never while serving.
+    assert len(captured) == len(graphs.graphs) == len(graphs.buckets)
+    assert len(replays) >= len(graphs.buckets) + NEW_TOKENS - 1  # decode steps went through
+    assert engine.scheduler.kv.pool.num_free == engine.scheduler.kv.pool.num_blocks
+
+
+def test_graph_buckets_and_padded_inputs() -> None:
+    assert graph_buckets(256)[:6] == [1, 2, 4, 8, 16, 32] and graph_buckets(256)[-1] == 256
+    assert graph_buckets(40) == [1, 2, 4, 8, 16, 32, 40]
+    chunks = [
+        ScheduledChunk("a", [11], start=20, block_table=[3, 5], samples=True),
+        ScheduledChunk("b", [12], start=3, block_table=[7], samples=True),
+        ScheduledChunk("c", [13], start=16, block_table=[1, 2], samples=True),
+    ]
+    eager = build_step_inputs(chunks, 16, scratch_block=9)
+    padded = build_step_inputs(chunks, 16, pad_to=4, table_width=6, scratch_block=9)
+    e = eager.views(eager.longs, eager.ints)
+    p = padded.views(padded.longs, padded.ints)
+    # The real rows are built identically; the padding row decodes into the scratch block.
+    for name in ("input_ids", "positions", "slots", "seq_lens", "sample_rows"):
+        assert p[name][:3].tolist() == e[name].tolist(), name
+    assert e["positions"].tolist() == [20, 3, 16]
+    assert e["slots"].tolist() == [5 * 16 + 4, 7 * 16 + 3, 2 * 16 + 0]
+    assert p["block_tables"].shape == (4, 6) and p["block_tables"][:3, :2].tolist() == (
+        e["block_tables"].tolist()
+    )
+    assert p["block_tables"][3].tolist() == [9] * 6 and p["slots"][3] == 9 * 16
+    assert p["seq_lens"][3] == 1 and p["query_start_loc"].tolist() == [0, 1, 2, 3, 4]
+    with pytest.raises(ValueError, match="pad_to=2"):
+        build_step_inputs(chunks, 16, pad_to=2)
+
+
+def test_warmup_runs_in_the_scratch_block_only(model) -> None:
+    """The GPU start-up warm-up (full budget, one token less, one token) writes only the scratch
+    block: the cache the pool hands out stays untouched."""
+    engine = ServingEngine(model, None, ServingConfig(num_blocks=16, max_num_batched_tokens=40))
+    runner = engine.runner
+    before = [cache[:-1].clone() for cache in runner.key_cache]
+    assert runner.warmup(40) == [32, 31, 1]
+    for cache, saved in zip(runner.key_cache, before):
+        assert torch.equal(cache[:-1], saved) and cache[-1].abs().sum() > 0
+
+
+def test_kept_block_table_rows_equal_rebuilt_ones() -> None:
+    """A graph bucket's table kept across steps reads like one rebuilt each step, as requests
+    leave, change rows and gain blocks (columns past a row's table are never read)."""
+    rows = BlockTableRows(4, 6, scratch_block=9)
+    steps = [
+        [("a", [3, 5]), ("b", [7]), ("c", [1, 2])],
+        [("a", [3, 5, 8]), ("c", [1, 2])],  # a gains a block, b leaves, c moves up a row
+        [("c", [1, 2])],
+    ]
+    for step in steps:
+        chunks = [ScheduledChunk(rid, [4], 5, list(table), True) for rid, table in step]
+        fresh = build_step_inputs(chunks, 16, pad_to=4, table_width=6, scratch_block=9)
+        kept = build_step_inputs(chunks, 16, pad_to=4, scratch_block=9, table_rows=rows)
+        assert torch.equal(fresh.longs, kept.longs)
+        f, k = fresh.views(fresh.longs, fresh.ints), kept.views(kept.longs, kept.ints)
+        for row, (_, table) in enumerate(step):
+            assert k["block_tables"][row, : len(table)].tolist() == table
+        assert torch.equal(f["block_tables"][len(step) :], k["block_tables"][len(step) :])
+        assert torch.equal(f["seq_lens"], k["seq_lens"])
+
+
 def test_unsupported_architecture_is_refused() -> None:
     transformers = pytest.importorskip("transformers")
-    config = transformers.GPT2Config(n_layer=1, n_embd=32, n_head=2, vocab_size=50)
-    gpt2 = transformers.GPT2LMHeadModel(config)
-    with pytest.raises(ValueError, match="model_type='gpt2'"):
-        ServingEngine(gpt2, None, ServingConfig(num_blocks=8))
+    config = transformers.GPTNeoXConfig(
+        num_hidden_layers=1, hidden_size=32, num_attention_heads=2, vocab_size=50
+    )
+    model = transformers.GPTNeoXForCausalLM(config)
+    with pytest.raises(UnsupportedModelError, match="model_type 'gpt_neox'"):
+        ServingEngine(model, None, ServingConfig(num_blocks=8))
 
 
 @pytest.mark.gpu
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA or ROCm GPU")
 def test_batched_serving_equals_hf_greedy_on_gpu(make_model) -> None:
-    """The Triton paged-attention kernel in the loop (fp32, IEEE dots): same tokens as HF."""
+    """The Triton paged-attention kernel in the loop (fp32, IEEE dots), decode steps replayed
+    from CUDA graphs and eagerly: same tokens as HF."""
     model = make_model("llama").cuda()
     prompts = _prompts(model.config.vocab_size)
     expected = []
@@ -80,6 +198,10 @@ def test_batched_serving_equals_hf_greedy_on_gpu(make_model) -> None:
             pad_token_id=0,
         )
         expected.append(out[0, len(prompt) :].tolist())
-    engine = ServingEngine(model, None, ServingConfig(max_num_batched_tokens=24, num_blocks=64))
-    outputs = engine.generate(prompts, SamplingParams(max_tokens=NEW_TOKENS, ignore_eos=True))
-    assert [out.new_token_ids for out in outputs] == expected
+    for cuda_graph in (True, False):
+        config = ServingConfig(max_num_batched_tokens=24, num_blocks=64, cuda_graph=cuda_graph)
+        engine = ServingEngine(model, None, config)
+        outputs = engine.generate(prompts, SamplingParams(max_tokens=NEW_TOKENS, ignore_eos=True))
+        assert [out.new_token_ids for out in outputs] == expected, cuda_graph
+        graphs = engine.runner.graphs
+        assert (graphs is not None and len(graphs.graphs) > 0) == cuda_graph

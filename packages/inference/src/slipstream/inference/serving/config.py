@@ -26,7 +26,13 @@ class ServingConfig(ConfigBlock):
             ``max_position_embeddings``.
         enable_prefix_caching: share the KV blocks of equal prompt prefixes across requests.
         dtype: weights and KV cache; "auto" keeps the model's dtype.
-        tensor_parallel: ranks to shard the model over (only 1 is implemented).
+        tensor_parallel: ranks to shard the model over (AutoTP of ``init_inference``); the
+            engine is built on every rank, rank 0 schedules and the others ``run_worker()``.
+        cuda_graph: replay decode-only steps from CUDA graphs captured per batch-size bucket
+            (1, 2, 4, 8, then every 16); steps with a prompt chunk run eagerly. Ignored on the
+            CPU and for MoE models.
+        cuda_graph_max_batch_size: the largest bucket; a decode step of more requests runs
+            eagerly. Every bucket is captured when the engine starts.
     """
 
     block_size: int = dataclasses.field(default=16, metadata={"ge": 1})
@@ -44,13 +50,10 @@ class ServingConfig(ConfigBlock):
         metadata={"allow_auto": True},  # "auto" means the model's own dtype
     )
     tensor_parallel: int = dataclasses.field(default=1, metadata={"ge": 1})
+    cuda_graph: bool = True
+    cuda_graph_max_batch_size: int = dataclasses.field(default=256, metadata={"ge": 1})
 
     def validate(self, path: str) -> None:
-        """Block size a power of two; tensor parallelism not yet implemented."""
+        """Block size a power of two."""
         if self.block_size & (self.block_size - 1):
             config_fail(key_path(path, "block_size"), self.block_size, "a power of two")
-        if self.tensor_parallel != 1:
-            raise NotImplementedError(
-                f"{key_path(path, 'tensor_parallel')}={self.tensor_parallel}: tensor-parallel "
-                "serving is not implemented yet; serve on one device (tensor_parallel=1)"
-            )

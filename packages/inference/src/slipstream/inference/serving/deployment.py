@@ -28,6 +28,13 @@ class _Timing:
     last_token: float | None = None
 
 
+def _deliver(items: list[tuple[RequestStream, RequestOutput]]) -> None:
+    """On a stream's event loop: hand each output to its stream's queue."""
+    for stream, out in items:
+        assert stream._async is not None
+        stream._async.put_nowait(out)
+
+
 class RequestStream:
     """One submitted request's outputs, in order, ending with a ``finished`` one.
 
@@ -257,12 +264,23 @@ class Deployment:
                     metrics.request_latency.observe(now - timing.arrival)
                     reason = out.finish_reason or "stop"
                     metrics.requests[reason] = metrics.requests.get(reason, 0) + 1
+        # One wake-up per event loop per step, not one per token: each call_soon_threadsafe
+        # writes to the loop's self-pipe.
+        batches: dict[asyncio.AbstractEventLoop, list[tuple[RequestStream, RequestOutput]]] = {}
         for out in outputs:
             stream = self._streams.get(out.request_id)
             if stream is not None:
-                stream._put(out)
+                if stream._loop is not None and stream._async is not None:
+                    batches.setdefault(stream._loop, []).append((stream, out))
+                else:
+                    stream._put(out)
                 if out.finished:
                     self._close(out.request_id, None)
+        for loop, items in batches.items():
+            try:
+                loop.call_soon_threadsafe(_deliver, items)
+            except RuntimeError:  # the loop closed: nobody is listening any more
+                pass
 
     def _close(self, request_id: str, error: BaseException | None) -> None:
         with self._lock:
@@ -291,3 +309,4 @@ class Deployment:
         self._stop = True
         self._wake.set()
         self._thread.join()
+        self.engine.close()  # releases tensor-parallel workers

@@ -9,11 +9,18 @@ from dataclasses import dataclass, field
 from typing import Any
 
 import torch
+import torch.distributed as dist
 from torch import nn
 
+from slipstream.inference.model import FusedDecoder
 from slipstream.inference.serving.config import ServingConfig
 from slipstream.inference.serving.detokenizer import IncrementalDetokenizer
-from slipstream.inference.serving.model_runner import PagedDecoder, check_supported
+from slipstream.inference.serving.model_runner import (
+    CaptureFn,
+    PagedDecoder,
+    build_fused_decoder,
+    check_supported,
+)
 from slipstream.inference.serving.request import Request, RequestStatus, SamplingParams
 from slipstream.inference.serving.sampler import sample
 from slipstream.inference.serving.scheduler import Scheduler
@@ -38,6 +45,26 @@ class RequestOutput:
 
 
 @dataclass
+class StepRecord:
+    """One step of the engine's timeline (``ServingEngine.timeline``), times in ms.
+
+    ``forward_ms`` waits for the GPU when the timeline is on, so it is the forward's own time;
+    ``sample_ms`` the batched sampling and its copy to the host; ``update_ms`` the scheduler's
+    bookkeeping, stop checks and detokenization.
+    """
+
+    start: float  # time.perf_counter() at the step's start
+    schedule_ms: float
+    forward_ms: float
+    sample_ms: float
+    update_ms: float
+    tokens: int
+    sequences: int
+    decode_only: bool
+    graph_bucket: int  # the decode graph's batch bucket, 0 for an eager step
+
+
+@dataclass
 class EngineStats:
     """Counters the server's /metrics reads (monotonic totals, and the latest gauges)."""
 
@@ -55,10 +82,20 @@ class EngineStats:
     )
 
 
-def _num_blocks(model: nn.Module, config: ServingConfig, device: torch.device) -> int:
+def _check_tp_world(tp: int, group: dist.ProcessGroup | None) -> None:
+    world = dist.get_world_size(group) if dist.is_initialized() else 1
+    if world != tp:
+        raise ValueError(
+            f"serving.tensor_parallel={tp} needs a process group of {tp} ranks; this one has "
+            f"{world}. Launch {tp} processes (`slipstream run --num_gpus {tp} ...`, or "
+            "torchrun) and build the engine on every rank"
+        )
+
+
+def _num_blocks(decoder: FusedDecoder, config: ServingConfig, device: torch.device) -> int:
     if config.num_blocks is not None:
         return config.num_blocks
-    per_block = PagedDecoder.bytes_per_block(model, config.block_size)
+    per_block = PagedDecoder.bytes_per_block(decoder, config.block_size)
     if device.type == "cuda":
         free, _ = torch.cuda.mem_get_info(device)
         budget = int(free * config.kv_cache_memory_fraction)
@@ -68,7 +105,11 @@ def _num_blocks(model: nn.Module, config: ServingConfig, device: torch.device) -
 
 
 class ServingEngine:
-    """Continuous batching over a paged KV cache for one Llama-architecture model.
+    """Continuous batching over a paged KV cache for one decoder-only model.
+
+    The model runs as ``init_inference``'s fused decoder (every family it has an adapter for:
+    Llama, Mistral, Qwen2, Phi-3, Mixtral, GPT-2, OPT, Falcon), see [Note: one decoder] in
+    ``model_runner.py``.
 
     Single-threaded: call :meth:`add_request`, :meth:`abort` and :meth:`step` from one thread
     (:class:`~slipstream.inference.serving.deployment.Deployment` runs it on its own thread).
@@ -81,21 +122,51 @@ class ServingEngine:
     """
 
     def __init__(
-        self, model: nn.Module, tokenizer: Any = None, config: ServingConfig | None = None
+        self,
+        model: nn.Module,
+        tokenizer: Any = None,
+        config: ServingConfig | None = None,
+        *,
+        tp_group: dist.ProcessGroup | None = None,
+        capture: CaptureFn | None = None,
     ) -> None:
+        """``tp_group``: the tensor-parallel group of ``config.tensor_parallel`` ranks (default:
+        the whole default group). ``capture`` replaces CUDA-graph capture (tests pass a plain
+        function to run the decode-graph path's buffers and padding on the CPU)."""
         self.config = config or ServingConfig()
         if self.config.dtype != "auto":
             model = model.to(_DTYPES[self.config.dtype])
         model_config: Any = model.config  # type: ignore[attr-defined]
         self.max_model_len = self.config.max_model_len or int(model_config.max_position_embeddings)
-        check_supported(model, self.max_model_len)
+        tp = self.config.tensor_parallel
+        self.tp_group = tp_group
+        if tp > 1:
+            _check_tp_world(tp, tp_group)
+        decoder = build_fused_decoder(model, tensor_parallel=tp, tp_group=tp_group)
+        check_supported(decoder, self.max_model_len)
+        self.rank = dist.get_rank(tp_group) if tp > 1 else 0
         self.tokenizer = tokenizer
         self.vocab_size = int(model_config.vocab_size)
         eos = model_config.eos_token_id if tokenizer is None else tokenizer.eos_token_id
         self.eos_token_id: int | None = eos[0] if isinstance(eos, list) else eos
-        device = next(model.parameters()).device
-        num_blocks = _num_blocks(model, self.config, device)
-        self.runner = PagedDecoder(model, num_blocks=num_blocks, block_size=self.config.block_size)
+        device = decoder.head.weight.device
+        num_blocks = _num_blocks(decoder, self.config, device)
+        if tp > 1:  # every rank's cache must hold the same blocks: the smallest free memory wins
+            agreed = torch.tensor([num_blocks], dtype=torch.int64, device=device)
+            dist.all_reduce(agreed, op=dist.ReduceOp.MIN, group=tp_group)
+            num_blocks = int(agreed.item())
+        block_size = self.config.block_size
+        self.runner = PagedDecoder(
+            decoder,
+            num_blocks=num_blocks,
+            block_size=block_size,
+            max_blocks_per_seq=-(-self.max_model_len // block_size),
+            cuda_graph=self.config.cuda_graph,
+            graph_max_batch=min(self.config.cuda_graph_max_batch_size, self.config.max_num_seqs),
+            capture=capture,
+        )
+        if device.type == "cuda":  # compile the Triton kernels' prompt-step variants now
+            self.runner.warmup(min(self.config.max_num_batched_tokens, self.max_model_len))
         self.scheduler = Scheduler(
             num_blocks=num_blocks,
             block_size=self.config.block_size,
@@ -105,6 +176,8 @@ class ServingEngine:
             enable_prefix_caching=self.config.enable_prefix_caching,
         )
         self.stats = EngineStats()
+        # Set to a list to record a StepRecord per step (serve_bench's --timeline); None: off.
+        self.timeline: list[StepRecord] | None = None
         self._detokenizers: dict[str, IncrementalDetokenizer] = {}
         self._generators: dict[str, torch.Generator | None] = {}
         self._ids = itertools.count()
@@ -112,9 +185,31 @@ class ServingEngine:
             "serving engine: %d KV blocks of %d tokens (%.2f GiB), budget %d tokens/step",
             num_blocks,
             self.config.block_size,
-            num_blocks * PagedDecoder.bytes_per_block(model, self.config.block_size) / 2**30,
+            num_blocks * PagedDecoder.bytes_per_block(decoder, block_size) / 2**30,
             self.config.max_num_batched_tokens,
         )
+
+    @property
+    def is_driver(self) -> bool:
+        """True on the rank that schedules (rank 0 of the tensor-parallel group)."""
+        return self.rank == 0
+
+    def run_worker(self) -> int:
+        """Ranks > 0 under tensor parallelism: run the steps rank 0 schedules until rank 0's
+        :meth:`close`; returns the number of steps run."""
+        return self.runner.serve_worker()
+
+    def close(self) -> None:
+        """Rank 0: release the tensor-parallel workers (their :meth:`run_worker` returns)."""
+        if self.is_driver:
+            self.runner.stop_workers()
+
+    def _check_driver(self) -> None:
+        if not self.is_driver:
+            raise RuntimeError(
+                f"rank {self.rank} is a tensor-parallel worker of this engine: send requests to "
+                "rank 0, and call run_worker() here"
+            )
 
     def tokenize(self, prompt: str | list[int]) -> list[int]:
         """Token ids of ``prompt`` (ids pass through)."""
@@ -142,6 +237,7 @@ class ServingEngine:
 
         ValueError when it can never be served (too long for ``max_model_len``, empty).
         """
+        self._check_driver()
         params = params or SamplingParams()
         request_id = request_id if request_id is not None else f"req-{next(self._ids)}"
         request = Request(request_id, self.tokenize(prompt), params, self.eos_token_id)
@@ -168,7 +264,8 @@ class ServingEngine:
 
     def step(self) -> list[RequestOutput]:
         """Run one forward pass of the scheduled batch; return each touched request's output."""
-        clock = time.perf_counter()
+        self._check_driver()
+        clock = started = time.perf_counter()
         plan = self.scheduler.schedule()
         self.stats.preemptions += len(plan.preempted)
         if not plan.chunks:
@@ -176,10 +273,16 @@ class ServingEngine:
         seconds = self.stats.seconds
         now = time.perf_counter()
         seconds["schedule"] += now - clock
+        schedule_ms = (now - clock) * 1000
         clock = now
         logits = self.runner.forward(plan.chunks)
+        if self.timeline is not None and logits.is_cuda:
+            # Timeline runs only: wait for the GPU so "forward" holds the forward's own time
+            # rather than the launch (sampling would wait for it next anyway).
+            torch.cuda.synchronize(logits.device)
         now = time.perf_counter()
         seconds["forward"] += now - clock
+        forward_ms = (now - clock) * 1000
         clock = now
         sampling = [c for c in plan.chunks if c.samples]
         requests = [self.scheduler.requests[c.request_id] for c in sampling]
@@ -190,6 +293,7 @@ class ServingEngine:
         )
         now = time.perf_counter()
         seconds["sample"] += now - clock
+        sample_ms = (now - clock) * 1000
         clock = now
         self.stats.steps += 1
         self.stats.batched_tokens += plan.num_tokens
@@ -220,7 +324,23 @@ class ServingEngine:
                 outputs.append(self._finish(request, [token], text))
             else:
                 outputs.append(self._output(request, [token], text))
-        seconds["update"] += time.perf_counter() - clock
+        now = time.perf_counter()
+        seconds["update"] += now - clock
+        if self.timeline is not None:
+            decode_only = all(len(c.token_ids) == 1 and c.samples for c in plan.chunks)
+            self.timeline.append(
+                StepRecord(
+                    start=started,
+                    schedule_ms=schedule_ms,
+                    forward_ms=forward_ms,
+                    sample_ms=sample_ms,
+                    update_ms=(now - clock) * 1000,
+                    tokens=plan.num_tokens,
+                    sequences=len(plan.chunks),
+                    decode_only=decode_only,
+                    graph_bucket=self.runner.last_bucket,
+                )
+            )
         return outputs
 
     def _output(self, request: Request, tokens: list[int], text: str) -> RequestOutput:

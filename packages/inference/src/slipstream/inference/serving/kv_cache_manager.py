@@ -53,6 +53,19 @@ class KVCacheManager:
 
         Returns False, changing nothing, when the pool lacks free blocks.
         """
+        if not computed:
+            # Fast path, a decode inside its last block: nothing to allocate or register.
+            current = self.block_tables.get(request.request_id)
+            total = request.num_computed_tokens + num_new_tokens
+            if (
+                current is not None
+                and total <= len(current) * self.block_size
+                and (
+                    not self.pool.enable_caching
+                    or total // self.block_size <= self._num_registered.get(request.request_id, 0)
+                )
+            ):
+                return True
         computed = computed or []
         table = self.block_tables.setdefault(request.request_id, [])
         start = request.num_computed_tokens + len(computed) * self.block_size

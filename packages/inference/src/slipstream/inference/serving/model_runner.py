@@ -1,159 +1,311 @@
-"""A ragged (unpadded) forward of a Llama-architecture Hugging Face model over a paged KV cache.
+"""The ragged forward of ``init_inference``'s fused decoder over a paged KV cache.
 
-[Note: weights] This runner calls the Hugging Face module's own projections, MLP and rotary
-tables, and runs norms, RoPE and paged attention through ``slipstream.kernels`` ops, so any
-checkpoint that loads into ``LlamaForCausalLM``, ``MistralForCausalLM`` or
-``Qwen2ForCausalLM`` serves as is. When
-``slipstream.inference``'s model adapters (fused blocks, quantized or sharded weights) land,
-:class:`PagedDecoder` should take an adapter in place of the HF module: the paged parts
-(slot mapping, cache writes, ``paged_attention``) stay as they are.
+[Note: one decoder] Serving does not map weights itself: :func:`build_fused_decoder` runs the
+model through :func:`slipstream.inference.init_inference` (the family adapters, the cast,
+AutoTP sharding, quantized weights) and :class:`PagedDecoder` calls the resulting
+:class:`~slipstream.inference.model.FusedBlock` s' own norms, fused QKV, output projection
+and MLP. Only attention differs from ``generate``'s static cache: the tokens of many requests
+run back to back (no padding), their keys and values are written to cache slots through block
+tables, and ``paged_attention`` reads them back.
+
+Decode-only steps replay CUDA graphs: see [Note: decode graphs] in ``decode_graphs.py``.
 """
 
 from __future__ import annotations
 
+import functools
+import logging
 from collections.abc import Sequence
 from typing import Any
 
 import torch
+import torch.distributed as dist
 from torch import nn
 
+from slipstream.inference.model import FusedBlock, FusedDecoder
+from slipstream.inference.serving.decode_graphs import (
+    CaptureFn,
+    DecodeGraphs,
+    capture_cuda_graph,
+)
 from slipstream.inference.serving.scheduler import ScheduledChunk
-from slipstream.kernels.ops import paged_attention, rms_norm, rotary_embedding
+from slipstream.inference.serving.step_inputs import StepInputs, build_step_inputs
+from slipstream.kernels.ops import paged_attention, rotary_embedding
 
-SUPPORTED_MODEL_TYPES = ("llama", "mistral", "qwen2")
+logger = logging.getLogger(__name__)
+
+_INFERENCE_DTYPES = {torch.float32: "fp32", torch.bfloat16: "bf16", torch.float16: "fp16"}
+
+# What rank 0 broadcasts before each step (all -1: stop).
+_HEADER = ("bucket", "tokens", "seqs", "samples", "table_width", "max_query_len")
 
 
-def _norm(module: Any, x: torch.Tensor) -> torch.Tensor:
-    """A Hugging Face RMSNorm through the kernels' ``rms_norm`` op (one Triton kernel on a GPU
-    instead of seven eager ops; in fp32 the same arithmetic as Hugging Face's)."""
-    eps = getattr(module, "variance_epsilon", getattr(module, "eps", 1e-6))
-    return rms_norm(x, module.weight, eps)
+def build_fused_decoder(
+    model: nn.Module, *, tensor_parallel: int = 1, tp_group: Any = None
+) -> FusedDecoder:
+    """``init_inference``'s fused decoder of a Hugging Face causal LM, in the model's dtype.
 
+    Raises :class:`~slipstream.inference.adapters.UnsupportedModelError` for an architecture
+    without a fused adapter (the message lists the supported ones).
+    """
+    from slipstream.inference.engine import init_inference
 
-def check_supported(model: nn.Module, max_model_len: int) -> None:
-    """Raise ValueError unless ``model`` is a Llama-architecture causal LM this runner serves."""
-    config = getattr(model, "config", None)
-    model_type = getattr(config, "model_type", None)
-    if model_type not in SUPPORTED_MODEL_TYPES:
+    weight = next(model.parameters())
+    dtype = _INFERENCE_DTYPES.get(weight.dtype)
+    if dtype is None:
         raise ValueError(
-            f"serving supports Hugging Face models of type {', '.join(SUPPORTED_MODEL_TYPES)}; "
-            f"got model_type={model_type!r} ({type(model).__name__})"
+            f"serving computes in fp32, bf16 or fp16; the model's weights are {weight.dtype}. "
+            "Cast the model or set serving.dtype"
         )
-    window = getattr(config, "sliding_window", None)
-    uses_window = getattr(config, "use_sliding_window", model_type == "mistral")
-    if uses_window and window is not None and max_model_len > window:
+    tp: dict[str, Any] = {"tp_size": tensor_parallel}
+    if tp_group is not None:
+        tp["tp_group"] = tp_group
+    engine = init_inference(model, dtype=dtype, replace_with_kernel_inject=True, tensor_parallel=tp)
+    assert engine.fused is not None
+    return engine.fused
+
+
+def check_supported(decoder: FusedDecoder, max_model_len: int) -> None:
+    """Raise ValueError for what the paged forward does not implement (sliding windows)."""
+    window = decoder.spec.sliding_window
+    if window is not None and max_model_len > window:
         raise ValueError(
-            f"this {model_type} model attends over a sliding window of {window} tokens, which "
-            f"serving does not implement; set max_model_len <= {window}"
+            f"this {decoder.spec.family} model attends over a sliding window of {window} "
+            f"tokens, which serving does not implement; set max_model_len <= {window}"
         )
 
 
 class PagedDecoder:
-    """Runs scheduled chunks of many requests as one ragged batch, writing and reading the KV
-    cache through block tables (``(num_blocks, block_size, kv_heads, head_dim)`` per layer)."""
+    """Runs scheduled chunks of many requests as one ragged batch through a fused decoder,
+    writing and reading the KV cache through block tables.
 
-    def __init__(self, model: nn.Module, *, num_blocks: int, block_size: int) -> None:
-        hf: Any = model.eval()
-        config = hf.config
-        self.model = model
-        self.decoder: Any = hf.model
-        self.lm_head: nn.Module = hf.lm_head
+    The cache is ``(num_blocks + 1, block_size, kv_heads, head_dim)`` per layer (this rank's
+    KV heads under tensor parallelism); block ``num_blocks`` is the scratch block of
+    decode-graph padding rows.
+    """
+
+    def __init__(
+        self,
+        decoder: FusedDecoder,
+        *,
+        num_blocks: int,
+        block_size: int,
+        max_blocks_per_seq: int,
+        cuda_graph: bool = False,
+        graph_max_batch: int = 256,
+        capture: CaptureFn | None = None,
+    ) -> None:
+        self.decoder = decoder
         self.block_size = block_size
         self.num_blocks = num_blocks
-        weight: torch.Tensor = self.decoder.embed_tokens.weight
+        self.max_blocks_per_seq = max_blocks_per_seq
+        weight = decoder.head.weight
         self.device: torch.device = weight.device
-        self.dtype: torch.dtype = weight.dtype
-        self.num_heads = config.num_attention_heads
-        self.num_kv_heads = config.num_key_value_heads
-        self.head_dim = self.decoder.layers[0].self_attn.head_dim
-        shape = (num_blocks, block_size, self.num_kv_heads, self.head_dim)
+        self.dtype: torch.dtype = decoder.embed.weight.dtype
+        first = decoder.blocks[0]
+        assert isinstance(first, FusedBlock)
+        self.kv_heads, self.head_dim = first.kv_heads, decoder.spec.head_dim
+        shape = (num_blocks + 1, block_size, self.kv_heads, self.head_dim)
         self.key_cache = [
-            torch.zeros(shape, dtype=self.dtype, device=self.device) for _ in self.decoder.layers
+            torch.zeros(shape, dtype=self.dtype, device=self.device) for _ in decoder.blocks
         ]
         self.value_cache = [torch.zeros_like(cache) for cache in self.key_cache]
+        # Tensor parallelism: rank 0 schedules and sends each step's inputs to the group.
+        self.tp_group: dist.ProcessGroup | None = decoder.head_group
+        self._stopped = False
+        self.last_bucket = 0  # the graph bucket of the last step (0: eager)
+        self.graphs: DecodeGraphs | None = None
+        if cuda_graph and decoder.spec.mlp == "moe":
+            # The expert loop reads the tokens per expert back to the host: not capturable.
+            logger.info("serving.cuda_graph: MoE models decode eagerly (no CUDA graph)")
+        elif cuda_graph and (capture is not None or self.device.type == "cuda"):
+            if capture is None:
+                capture = functools.partial(capture_cuda_graph, pool=torch.cuda.graph_pool_handle())
+            self.graphs = DecodeGraphs(self, graph_max_batch, capture)
+            self.graphs.capture_all()
+
+    @torch.inference_mode()
+    def warmup(self, max_tokens: int) -> list[int]:
+        """Run eager steps of ``max_tokens`` (rounded down to a multiple of 16), one token
+        less, and one token, all in the scratch block; returns the token counts run.
+
+        Triton compiles a kernel once per divisibility class of its integer arguments (some
+        are token counts) and per tile size, so the first full-budget prompt step would
+        otherwise compile for half a second in front of every waiting request.
+        """
+        full = max(16, max_tokens - max_tokens % 16)
+        counts = sorted({full, full - 1, 1}, reverse=True)
+        scratch = self.num_blocks
+        for count in counts:
+            # The block-table width (a kernel argument too) in other classes as well: one more
+            # block than needed for the odd count.
+            blocks = [scratch] * (-(-count // self.block_size) + (count == full - 1))
+            chunk = ScheduledChunk("warmup", [1] * count, 0, blocks, True)
+            inputs = build_step_inputs([chunk], self.block_size, scratch_block=scratch)
+            longs = inputs.longs.to(self.device)
+            ints = inputs.ints.to(self.device)
+            self.run(inputs.views(longs, ints), inputs.max_query_len)
+        return counts
 
     @staticmethod
-    def bytes_per_block(model: nn.Module, block_size: int) -> int:
-        """KV-cache bytes one block takes over all layers (keys and values)."""
-        hf: Any = model
-        config = hf.config
-        head_dim = hf.model.layers[0].self_attn.head_dim
-        element = hf.model.embed_tokens.weight.element_size()
-        per_token = 2 * config.num_key_value_heads * head_dim * element
-        return int(per_token * block_size * config.num_hidden_layers)
-
-    def _metadata(self, chunks: Sequence[ScheduledChunk]) -> dict[str, Any]:
-        max_blocks = max(len(chunk.block_table) for chunk in chunks)
-        tables = [
-            chunk.block_table + [0] * (max_blocks - len(chunk.block_table)) for chunk in chunks
-        ]
-        lengths = [len(chunk.token_ids) for chunk in chunks]
-        starts = [0]
-        for length in lengths:
-            starts.append(starts[-1] + length)
-        flat = [token for chunk in chunks for token in chunk.token_ids]
-        host = {
-            "input_ids": torch.tensor(flat, dtype=torch.long),
-            "block_tables": torch.tensor(tables, dtype=torch.int32),
-            "seq_lens": torch.tensor(
-                [c.start + n for c, n in zip(chunks, lengths)], dtype=torch.int32
-            ),
-            "query_start_loc": torch.tensor(starts, dtype=torch.int32),
-            "context": torch.tensor([c.start for c in chunks], dtype=torch.long),
-        }
-        meta: dict[str, Any] = {k: v.to(self.device, non_blocking=True) for k, v in host.items()}
-        # Position and cache slot of every token, computed on the device from the small tensors.
-        token_seq = torch.repeat_interleave(
-            torch.arange(len(chunks), device=self.device), torch.tensor(lengths, device=self.device)
-        )
-        offsets = torch.arange(len(flat), device=self.device) - meta["query_start_loc"][token_seq]
-        positions = meta["context"][token_seq] + offsets
-        block = meta["block_tables"][token_seq, positions // self.block_size].long()
-        meta["positions"] = positions
-        meta["slots"] = block * self.block_size + positions % self.block_size
-        meta["max_query_len"] = max(lengths)
-        # Rows whose logits are sampled: the last token of each chunk that reaches its end.
-        meta["sample_rows"] = torch.tensor(
-            [starts[i + 1] - 1 for i, chunk in enumerate(chunks) if chunk.samples],
-            dtype=torch.long,
-        ).to(self.device, non_blocking=True)
-        return meta
+    def bytes_per_block(decoder: FusedDecoder, block_size: int) -> int:
+        """KV-cache bytes one block takes over all layers (keys and values, this rank's heads)."""
+        first = decoder.blocks[0]
+        assert isinstance(first, FusedBlock)
+        element = decoder.embed.weight.element_size()
+        per_token = 2 * first.kv_heads * decoder.spec.head_dim * element
+        return int(per_token * block_size * decoder.spec.num_layers)
 
     @torch.inference_mode()
     def forward(self, chunks: Sequence[ScheduledChunk]) -> torch.Tensor:
-        """Compute every chunk's tokens; return fp32 logits of the sampling chunks, in order."""
-        meta = self._metadata(chunks)
-        hidden = self.decoder.embed_tokens(meta["input_ids"])
-        cos, sin = self.decoder.rotary_emb(hidden[None], meta["positions"][None])
-        # Hugging Face's tables repeat the half table twice (NeoX "rotate half" layout): the
-        # rotary op takes the half, (tokens, 1, head_dim / 2), in fp32.
-        half = self.head_dim // 2
-        cos, sin = cos[0, :, None, :half].float(), sin[0, :, None, :half].float()
+        """Compute every chunk's tokens; return fp32 logits of the sampling chunks, in order.
+
+        Under tensor parallelism this runs on rank 0, which sends the step to the other ranks
+        (each in :meth:`serve_worker`).
+        """
+        bucket = 0
+        if self.graphs is not None and all(len(c.token_ids) == 1 and c.samples for c in chunks):
+            bucket = self.graphs.bucket_for(len(chunks)) or 0
+        if bucket:
+            assert self.graphs is not None
+            inputs = self.graphs.inputs(chunks, bucket)
+        else:
+            inputs = build_step_inputs(chunks, self.block_size, scratch_block=self.num_blocks)
+        if self.tp_group is not None:
+            self._send_header(inputs, bucket)
+        self.last_bucket = bucket
+        logits = self._step(inputs, bucket, source=True)
+        return logits[: len(chunks)] if bucket else logits
+
+    def _step(self, inputs: StepInputs, bucket: int, *, source: bool) -> torch.Tensor:
+        """Move (rank 0) or receive (the other ranks) the step's buffers, then run it."""
+        if bucket:
+            assert self.graphs is not None
+            longs, ints = self.graphs.buffers(bucket, inputs)
+            if source:
+                longs.copy_(inputs.longs, non_blocking=True)
+                ints.copy_(inputs.ints, non_blocking=True)
+        elif not source:
+            longs = torch.empty(inputs.longs.shape, dtype=torch.int64, device=self.device)
+            ints = torch.empty(inputs.ints.shape, dtype=torch.int32, device=self.device)
+        elif self.device.type == "cuda":
+            longs = inputs.longs.pin_memory().to(self.device, non_blocking=True)
+            ints = inputs.ints.pin_memory().to(self.device, non_blocking=True)
+        else:
+            longs, ints = inputs.longs, inputs.ints
+        if self.tp_group is not None:
+            dist.broadcast(longs, group=self.tp_group, group_src=0)
+            dist.broadcast(ints, group=self.tp_group, group_src=0)
+        if bucket:
+            assert self.graphs is not None
+            return self.graphs.replay(bucket, inputs)
+        return self.run(inputs.views(longs, ints), inputs.max_query_len)
+
+    def _send_header(self, inputs: StepInputs | None, bucket: int) -> None:
+        values = [-1] * len(_HEADER)
+        if inputs is not None:
+            values = [
+                bucket,
+                inputs.num_tokens,
+                inputs.num_seqs,
+                inputs.num_samples,
+                inputs.table_width,
+                inputs.max_query_len,
+            ]
+        header = torch.tensor(values, dtype=torch.int64, device=self.device)
+        dist.broadcast(header, group=self.tp_group, group_src=0)
+
+    def stop_workers(self) -> None:
+        """Rank 0: end the other ranks' :meth:`serve_worker` loops (no-op without TP)."""
+        if self.tp_group is not None and not self._stopped:
+            self._stopped = True
+            self._send_header(None, 0)
+
+    @torch.inference_mode()
+    def serve_worker(self) -> int:
+        """Ranks > 0 of a tensor-parallel group: run every step rank 0 sends until it calls
+        :meth:`stop_workers`; returns the number of steps run."""
+        if self.tp_group is None or dist.get_rank(self.tp_group) == 0:
+            raise RuntimeError("serve_worker runs on the ranks > 0 of a tensor-parallel group")
+        steps = 0
+        while True:
+            header = torch.empty(len(_HEADER), dtype=torch.int64, device=self.device)
+            dist.broadcast(header, group=self.tp_group, group_src=0)
+            bucket, tokens, seqs, samples, width, max_query_len = header.tolist()  # host sync
+            if seqs < 0:
+                return steps
+            # Host shells of the right sizes: _step receives the contents from rank 0.
+            longs = torch.empty(3 * tokens + samples, dtype=torch.int64)
+            ints = torch.empty(seqs * width + 2 * seqs + 1, dtype=torch.int32)
+            inputs = StepInputs(longs, ints, tokens, seqs, samples, width, max_query_len)
+            self._step(inputs, bucket, source=False)
+            steps += 1
+
+    def run(self, step: dict[str, torch.Tensor], max_query_len: int) -> torch.Tensor:
+        """The forward over device inputs (``StepInputs.views``); capturable in a CUDA graph
+        when ``max_query_len`` and the shapes are fixed."""
+        decoder = self.decoder
+        spec = decoder.spec
+        positions = step["positions"]
+        hidden = decoder.embed(step["input_ids"])
+        if decoder.positions is not None:
+            hidden = hidden + decoder.positions(positions + spec.learned_offset)
+        rotary = decoder._rotary(positions[None])
+        cos_sin = None if rotary is None else (rotary[0][0], rotary[1][0])  # (tokens, 1, half)
         tokens = hidden.shape[0]
-        for index, layer in enumerate(self.decoder.layers):
-            attn = layer.self_attn
-            x = _norm(layer.input_layernorm, hidden)
-            q = attn.q_proj(x).view(tokens, self.num_heads, self.head_dim)
-            k = attn.k_proj(x).view(tokens, self.num_kv_heads, self.head_dim)
-            v = attn.v_proj(x).view(tokens, self.num_kv_heads, self.head_dim)
-            q = rotary_embedding(q, cos, sin)
-            k = rotary_embedding(k, cos, sin)
-            key_cache, value_cache = self.key_cache[index], self.value_cache[index]
-            # Every token's keys/values of this layer land in the cache before any attention
-            # reads it (see [Note: caching blocks before they are written] in block_pool.py).
-            key_cache.view(-1, self.num_kv_heads, self.head_dim)[meta["slots"]] = k
-            value_cache.view(-1, self.num_kv_heads, self.head_dim)[meta["slots"]] = v
-            out = paged_attention(
-                q,
-                key_cache,
-                value_cache,
-                meta["block_tables"],
-                meta["seq_lens"],
-                meta["query_start_loc"],
-                scale=attn.scaling,
-                max_query_len=meta["max_query_len"],
-            )
-            hidden = hidden + attn.o_proj(out.reshape(tokens, -1))
-            hidden = hidden + layer.mlp(_norm(layer.post_attention_layernorm, hidden))
-        last = _norm(self.decoder.norm, hidden[meta["sample_rows"]])
-        return self.lm_head(last).float()  # type: ignore[no-any-return]
+        for index, block in enumerate(decoder.blocks):
+            assert isinstance(block, FusedBlock)
+            if decoder.layer_hook is not None:
+                decoder.layer_hook.before(index)
+            h = block.input_norm(hidden)
+            attn = self._attention(block, index, h, cos_sin, step, max_query_len, tokens)
+            if block.post_norm is None:  # parallel residual, as FusedBlock.forward
+                hidden = hidden + block._reduce(attn + block._mlp(h))
+            else:
+                hidden = hidden + block._reduce(attn)
+                hidden = hidden + block._reduce(block._mlp(block.post_norm(hidden)))
+            if decoder.layer_hook is not None:
+                decoder.layer_hook.after(index)
+        logits = decoder.head(decoder.final_norm(hidden[step["sample_rows"]]))
+        if decoder.head_group is not None:  # vocab-parallel head under tensor parallelism
+            parts = [
+                torch.empty_like(logits) for _ in range(dist.get_world_size(decoder.head_group))
+            ]
+            dist.all_gather(parts, logits.contiguous(), group=decoder.head_group)
+            logits = torch.cat(parts, dim=-1)
+        return logits.float()
+
+    def _attention(
+        self,
+        block: FusedBlock,
+        index: int,
+        h: torch.Tensor,
+        cos_sin: tuple[torch.Tensor, torch.Tensor] | None,
+        step: dict[str, torch.Tensor],
+        max_query_len: int,
+        tokens: int,
+    ) -> torch.Tensor:
+        heads, kv_heads, hd = block.heads, block.kv_heads, self.head_dim
+        qkv = block.qkv(h)
+        qk = qkv[:, : (heads + kv_heads) * hd].view(tokens, heads + kv_heads, hd)
+        if cos_sin is not None:
+            qk = rotary_embedding(qk, *cos_sin)  # queries and keys in one kernel
+        query, key = qk[:, :heads], qk[:, heads:]
+        value = qkv[:, (heads + kv_heads) * hd :].view(tokens, kv_heads, hd)
+        key_cache, value_cache = self.key_cache[index], self.value_cache[index]
+        # Every token's keys/values of this layer land in the cache before any attention reads
+        # them (see [Note: caching blocks before they are written] in block_pool.py);
+        # index_copy_ with device slots keeps the step capturable.
+        key_cache.view(-1, kv_heads, hd).index_copy_(0, step["slots"], key)
+        value_cache.view(-1, kv_heads, hd).index_copy_(0, step["slots"], value)
+        out = paged_attention(
+            query,
+            key_cache,
+            value_cache,
+            step["block_tables"],
+            step["seq_lens"],
+            step["query_start_loc"],
+            scale=block.spec.scale,
+            max_query_len=max_query_len,
+        )
+        return block.out(out.reshape(tokens, heads * hd))  # type: ignore[no-any-return]

@@ -115,6 +115,10 @@ class Pipeline:
         finally:
             self.engine.abort(request_id)  # a consumer that stops early frees the KV blocks
 
+    def close(self) -> None:
+        """Release the tensor-parallel worker ranks (a no-op on one rank)."""
+        self.engine.close()
+
     def serve(self) -> Deployment:
         """A persistent :class:`Deployment` over this pipeline's engine (do not call the
         pipeline itself while it runs)."""
@@ -130,16 +134,26 @@ def pipeline(
     tensor_parallel: int = 1,
     **config_overrides: Any,
 ) -> Pipeline:
-    """Build a serving :class:`Pipeline` for a Llama/Mistral/Qwen2 model or checkpoint path.
+    """Build a serving :class:`Pipeline` for a Hugging Face causal LM (any family ``init_inference`` fuses) or checkpoint path.
 
     ``config`` is the ``serving`` block (:class:`ServingConfig` or its dict);
     ``config_overrides`` set single keys of it (``num_blocks=512``, ``dtype="bfloat16"``).
+
+    With ``tensor_parallel=N``, call it on each of N ranks (launched by ``slipstream run``,
+    the process group initialised): rank 0 returns the pipeline to use, the other ranks serve
+    its steps and return only once rank 0 calls :meth:`Pipeline.close` (or its deployment
+    shuts down); their pipeline then refuses requests.
     """
     serving = _config(config, {**config_overrides, "tensor_parallel": tensor_parallel})
     model, tokenizer, name = load_model(
         model_or_path, tokenizer, device=device, dtype=serving.dtype
     )
-    return Pipeline(ServingEngine(model, tokenizer, serving), name)
+    engine = ServingEngine(model, tokenizer, serving)
+    if not engine.is_driver:
+        # Tensor parallelism: this rank runs rank 0's steps until rank 0's pipeline closes.
+        steps = engine.run_worker()
+        logger.info("tensor-parallel worker rank %d: ran %d steps", engine.rank, steps)
+    return Pipeline(engine, name)
 
 
 def serve(
@@ -150,13 +164,18 @@ def serve(
     device: str | torch.device | None = None,
     tensor_parallel: int = 1,
     **config_overrides: Any,
-) -> Deployment:
-    """A persistent :class:`Deployment` (engine on a background thread) for ``model_or_path``."""
-    return pipeline(
+) -> Deployment | None:
+    """A persistent :class:`Deployment` (engine on a background thread) for ``model_or_path``.
+
+    Under tensor parallelism (call it on every rank) ranks > 0 serve rank 0's steps and return
+    None once rank 0's deployment has shut down.
+    """
+    pipe = pipeline(
         model_or_path,
         tokenizer=tokenizer,
         config=config,
         device=device,
         tensor_parallel=tensor_parallel,
         **config_overrides,
-    ).serve()
+    )
+    return pipe.serve() if pipe.engine.is_driver else None

@@ -1,10 +1,32 @@
-"""Next-token choice per request: greedy, or temperature / top-k / top-p sampling."""
+"""Next-token choice per request: greedy, or temperature / top-k / top-p sampling, batched."""
 
 from __future__ import annotations
 
 import torch
 
 from slipstream.inference.serving.request import SamplingParams
+
+
+def filtered_probs(
+    logits: torch.Tensor, temperature: torch.Tensor, top_k: torch.Tensor, top_p: torch.Tensor
+) -> torch.Tensor:
+    """Sampling probabilities of every row of ``logits`` ``(rows, vocab)`` in one batched pass.
+
+    Per row: scores divided by ``temperature``; then only scores ``>=`` the ``top_k``-th largest
+    kept (``top_k`` 0: all); then the smallest set of the highest scores whose probability
+    reaches ``top_p`` (always at least one; ``top_p`` 1: all).
+    """
+    vocab = logits.shape[-1]
+    scores = logits.float() / temperature[:, None]
+    ordered, order = torch.sort(scores, dim=-1, descending=True)
+    k = torch.where(top_k > 0, top_k.clamp(max=vocab), vocab)
+    kth = ordered.gather(1, (k - 1)[:, None])
+    ordered = ordered.masked_fill(ordered < kth, float("-inf"))
+    probs = torch.softmax(ordered, dim=-1)
+    # A token is dropped when the more likely ones already reach top_p.
+    drop = (probs.cumsum(dim=-1) - probs >= top_p[:, None]) & (top_p < 1.0)[:, None]
+    ordered = ordered.masked_fill(drop, float("-inf"))
+    return torch.softmax(torch.empty_like(scores).scatter_(1, order, ordered), dim=-1)
 
 
 def sample(
@@ -14,23 +36,27 @@ def sample(
 ) -> list[int]:
     """One token per row of ``logits`` (``(rows, vocab)``), following each row's parameters.
 
-    Greedy rows share one argmax; sampled rows draw from their own generator when the request
-    has a seed, so their tokens do not depend on what they were batched with.
+    Greedy rows share one argmax; sampled rows are filtered in one batched pass, unseeded ones
+    drawn in one batched call, seeded ones each from its own generator (so that their tokens do
+    not depend on what they were batched with). One device-to-host copy for the whole batch.
     """
-    # One device-to-host copy for the whole batch: a sync point, once per step.
-    tokens = logits.argmax(dim=-1).tolist()
-    for row, (param, generator) in enumerate(zip(params, generators)):
-        if param.greedy:
-            continue
-        scores = logits[row].float() / param.temperature
-        if param.top_k > 0:
-            kth = torch.topk(scores, min(param.top_k, scores.numel())).values[-1]
-            scores = scores.masked_fill(scores < kth, float("-inf"))
-        if param.top_p < 1.0:
-            ordered, order = torch.sort(scores, descending=True)
-            cumulative = torch.softmax(ordered, dim=-1).cumsum(dim=-1)
-            drop = cumulative - torch.softmax(ordered, dim=-1) >= param.top_p  # keep >= 1 token
-            scores = scores.scatter(0, order, ordered.masked_fill(drop, float("-inf")))
-        probs = torch.softmax(scores, dim=-1)
-        tokens[row] = int(torch.multinomial(probs, 1, generator=generator).item())
-    return tokens
+    tokens = logits.argmax(dim=-1)
+    rows = [row for row, param in enumerate(params) if not param.greedy]
+    if rows:
+        device = logits.device
+        chosen = [params[row] for row in rows]
+        probs = filtered_probs(
+            logits[rows],
+            torch.tensor([p.temperature for p in chosen], device=device),
+            torch.tensor([p.top_k for p in chosen], device=device),
+            torch.tensor([p.top_p for p in chosen], device=device),
+        )
+        drawn = torch.empty(len(rows), dtype=tokens.dtype, device=device)
+        unseeded = [i for i, row in enumerate(rows) if generators[row] is None]
+        if unseeded:
+            drawn[unseeded] = torch.multinomial(probs[unseeded], 1)[:, 0]
+        for i, row in enumerate(rows):
+            if generators[row] is not None:
+                drawn[i] = torch.multinomial(probs[i], 1, generator=generators[row])[0]
+        tokens[rows] = drawn
+    return tokens.tolist()  # the step's one sync point: the GPU finishes the forward here
