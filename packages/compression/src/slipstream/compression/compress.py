@@ -419,7 +419,8 @@ def redundancy_clean(model: nn.Module, deepspeed_config: Any, mpu: Any = None) -
             assert settings.num_heads is not None
             head_dim = state.weight.shape[1] // settings.num_heads
             columns = (
-                heads.nonzero().flatten()[:, None] * head_dim + torch.arange(head_dim)
+                heads.nonzero().flatten()[:, None] * head_dim
+                + torch.arange(head_dim, device=heads.device)
             ).flatten()
             kept = int(heads.sum())
             _keep_columns(state, columns)  # type: ignore[arg-type]
