@@ -503,6 +503,9 @@ def main(argv: list[str] | None = None) -> int:
         args.json.write_text(json.dumps({"args": vars(args) | {"json": str(args.json)},
                                          "budget": budget, "probe_rate": probe_rate,
                                          "target": target, "results": results}, indent=1))  # fmt: skip
+    from slipstream import comm
+
+    comm.destroy()  # the process group initialize() made: no leak warning at exit
     return 0
 
 
