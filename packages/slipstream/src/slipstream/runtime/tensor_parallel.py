@@ -29,7 +29,6 @@ __all__ = [
     "is_tensor_parallel",
     "reduce_sequence_parallel_grads_",
     "refuse_autotp_for_pipelines",
-    "refuse_tensor_parallel_checkpoint",
     "save_tensor_parallel_16bit_model",
     "tensor_parallel_grad_norm",
     "with_data_group",
@@ -232,22 +231,6 @@ def clip_by_norm_(grads: Sequence[torch.Tensor], total: torch.Tensor, max_norm: 
         return
     coefficient = torch.clamp(max_norm / (total + 1e-6), max=1.0)
     torch._foreach_mul_(list(grads), coefficient.to(grads[0].device))
-
-
-def refuse_tensor_parallel_checkpoint(tp_size: int) -> None:
-    """Engine checkpoints of a tensor-parallel run are not written yet: say so, and the way out.
-
-    The checkpoint layout of this branch has no tensor axis (two TP ranks would write the same
-    files). A layout that stores pieces by ``tp_partition_dim`` replaces this refusal.
-    """
-    if tp_size > 1:
-        raise NotImplementedError(
-            f"engine checkpoints with tensor parallelism (tensor-parallel size {tp_size}) are "
-            "not supported yet: the checkpoint layout has no tensor axis, so ranks of one "
-            "tensor-parallel group would overwrite each other's shards. Save the whole weights "
-            "with engine.save_16bit_model(dir) (it gathers the shards), or slipstream.comm."
-            "tensor_parallel.gather_tensor_parallel_state_dict(engine.module, group)"
-        )
 
 
 def save_tensor_parallel_16bit_model(engine: Any, save_dir: Any, save_filename: str) -> bool:
