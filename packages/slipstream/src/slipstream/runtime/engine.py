@@ -587,7 +587,9 @@ class SlipstreamEngine(torch.nn.Module):
             defer_skip=True,
         )
         self.zero_grad()
-        self._unsettled = _UnsettledStep(self.global_steps + 1, outcome, lr_kwargs)
+        self._unsettled = _UnsettledStep(
+            self.global_steps + 1, outcome, lr_kwargs, _FlagCopy.start(outcome.skipped)
+        )
         if outcome.skipped is None:
             self._settle_step()  # decided on the host already
 
@@ -634,9 +636,7 @@ class SlipstreamEngine(torch.nn.Module):
             return
         self._unsettled = None
         outcome = unsettled.outcome
-        skipped = (
-            outcome.overflow if outcome.skipped is None else bool(outcome.skipped.item())
-        )  # host read of a flag the device computed a whole forward ago
+        skipped = outcome.overflow if unsettled.flag is None else unsettled.flag.read()
         scaler = self.loss_scaler
         if skipped and scaler is None:
             self._skip_nonfinite_step(unsettled.step)
@@ -1038,6 +1038,38 @@ class _UnsettledStep:
     step: int
     outcome: StepOutcome
     lr_kwargs: dict[str, Any] | None
+    flag: _FlagCopy | None
+
+
+@dataclass(frozen=True, slots=True)
+class _FlagCopy:
+    """A device flag on its way to the host: copied into page-locked memory behind the step's
+    kernels, with an event after the copy. Reading it waits for that event only, not for the
+    forward queued since (``.item()`` on the device tensor would wait for the whole stream)."""
+
+    device_flag: torch.Tensor
+    host: torch.Tensor | None
+    event: Any
+
+    @classmethod
+    def start(cls, flag: torch.Tensor | None) -> _FlagCopy | None:
+        """Start copying ``flag`` (None: nothing to copy)."""
+        if flag is None:
+            return None
+        if flag.device.type != "cuda":
+            return cls(flag, None, None)  # CPU: the value is there when the step returns
+        host = torch.empty(flag.shape, dtype=flag.dtype, pin_memory=True)
+        host.copy_(flag, non_blocking=True)
+        event = torch.cuda.Event()
+        event.record()
+        return cls(flag, host, event)
+
+    def read(self) -> bool:
+        """Whether the flag is set (waits for the copy, at most)."""
+        if self.host is None:
+            return bool(self.device_flag.item())
+        self.event.synchronize()
+        return bool(self.host.item())  # a host tensor: no device sync
 
 
 def _compression_scheduler(

@@ -306,25 +306,30 @@ class ReplicatedGradientPath:
 
     # ------------------------------------------------------------------ state
     def state_dict(self) -> dict[str, Any]:
-        """``{"masters": [fp32 master, ...] (empty in fp32), "optimizer": state_dict}``."""
+        """``{"masters": [fp32 master, or the parameter in fp32, ...], "optimizer": ...}``."""
         optimizer = self.torch_optimizer
         return {
-            "masters": [m.detach() for m in self.masters.masters] if self.masters else [],
+            "masters": [source.detach() for source in self.sources],
             "optimizer": optimizer.state_dict() if optimizer is not None else {},
         }
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
         """Restore :meth:`state_dict`'s output; the model receives the masters' values."""
         saved = state["masters"]
+        if len(saved) != len(self.sources):
+            raise ValueError(
+                f"the saved state holds {len(saved)} master weights, this path has "
+                f"{len(self.sources)}: it was saved from a different model"
+            )
+        with torch.no_grad():
+            for source, value in zip(self.sources, saved):
+                if source.shape != value.shape:
+                    raise ValueError(
+                        f"a saved master weight has shape {tuple(value.shape)}, this path's "
+                        f"{tuple(source.shape)}: saved from a different model"
+                    )
+                source.copy_(value)
         if self.masters is not None:
-            if len(saved) != len(self.masters.masters):
-                raise ValueError(
-                    f"the saved state holds {len(saved)} master weights, this path has "
-                    f"{len(self.masters.masters)}: it was saved from a different model"
-                )
-            with torch.no_grad():
-                for master, value in zip(self.masters.masters, saved):
-                    master.copy_(value)
             self.masters.copy_to_model()
         if self.torch_optimizer is not None and state.get("optimizer"):
             self.torch_optimizer.load_state_dict(state["optimizer"])
