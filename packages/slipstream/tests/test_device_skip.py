@@ -15,6 +15,7 @@ from __future__ import annotations
 from contextlib import contextmanager
 from typing import Any
 
+import pytest
 import torch
 import torch.nn.functional as F
 from torch import nn
@@ -161,5 +162,63 @@ _CASES = [
 
 def test_the_skip_is_decided_on_the_device_without_a_host_read() -> None:
     results = run_distributed(_worker, 2, _CASES, timeout=300)
+    problems = [p for rank_problems in results for p in rank_problems]
+    assert not problems, "\n".join(problems)
+
+
+def _no_sync_on_gpu(stage: int) -> list[str]:
+    """bf16, AdamW from the config (fused on CUDA), clipping, the default non-finite check:
+    ``engine.step()`` under ``torch.cuda.set_sync_debug_mode("error")``; a poisoned step is
+    still skipped exactly."""
+    import slipstream
+    from slipstream import comm
+
+    rank = comm.get_rank()
+    device = torch.device("cuda", torch.cuda.current_device())
+    config = {
+        "train_micro_batch_size_per_gpu": 4,
+        "gradient_clipping": 1.0,
+        "steps_per_print": 10_000,
+        "bf16": {"enabled": True},
+        "optimizer": {"type": "AdamW", "params": {"lr": 1e-2}},
+        "zero_optimization": {"stage": stage},
+    }
+    torch.manual_seed(0)
+    engine, *_ = slipstream.initialize(model=Tiny(), config=config)
+    problems = []
+    for step in range(STEPS):
+        g = torch.Generator().manual_seed(100 * step + rank)
+        x, y = torch.randn(4, 6, generator=g).to(device), torch.randint(0, 3, (4,), generator=g)
+        loss = engine(x, y.to(device))
+        if step == BAD:
+            before = _weights(engine)
+            loss = loss + torch.sqrt(next(engine.module.parameters()).sum() * 0.0)
+        engine.backward(loss)
+        torch.cuda.synchronize()
+        torch.cuda.set_sync_debug_mode("error")
+        try:
+            engine.step()
+        except RuntimeError as error:
+            problems.append(f"stage {stage}: engine.step() synchronized: {error}")
+        finally:
+            torch.cuda.set_sync_debug_mode("default")
+        if step == BAD and not all(torch.equal(b, a) for b, a in zip(before, _weights(engine))):
+            problems.append(f"stage {stage}: the skipped step changed the weights")
+    if engine.skipped_steps != 1:
+        problems.append(f"stage {stage}: skipped_steps {engine.skipped_steps}")
+    engine.destroy()
+    return problems
+
+
+def _no_sync_worker() -> list[str]:
+    return [p for stage in (0, 1, 2, 3) for p in _no_sync_on_gpu(stage)]
+
+
+@pytest.mark.gpu
+def test_engine_step_does_not_synchronize_on_gpus() -> None:
+    if not torch.cuda.is_available():
+        pytest.skip("needs a GPU")
+    world = min(2, torch.cuda.device_count())
+    results = run_distributed(_no_sync_worker, world, backend="nccl", timeout=300)
     problems = [p for rank_problems in results for p in rank_problems]
     assert not problems, "\n".join(problems)
