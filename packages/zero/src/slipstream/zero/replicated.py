@@ -21,7 +21,7 @@ import torch.distributed as dist
 from slipstream import comm
 from slipstream.kernels.loss_scaler import inf_or_nan_flag
 from slipstream.zero.allreduce import GradientReducer, ReduceSettings, register_ready_hooks
-from slipstream.zero.gradient_path import masters_memory
+from slipstream.zero.gradient_path import _load_masters, _masters_state, masters_memory
 from slipstream.zero.norms import clip_grads_
 from slipstream.zero.optimizer import StepOutcome, step_unless_nonfinite, supports_device_skip
 
@@ -309,26 +309,13 @@ class ReplicatedGradientPath:
         """``{"masters": [fp32 master, or the parameter in fp32, ...], "optimizer": ...}``."""
         optimizer = self.torch_optimizer
         return {
-            "masters": [source.detach() for source in self.sources],
+            "masters": _masters_state(_Masters(self.sources)),  # type: ignore[arg-type]
             "optimizer": optimizer.state_dict() if optimizer is not None else {},
         }
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
         """Restore :meth:`state_dict`'s output; the model receives the masters' values."""
-        saved = state["masters"]
-        if len(saved) != len(self.sources):
-            raise ValueError(
-                f"the saved state holds {len(saved)} master weights, this path has "
-                f"{len(self.sources)}: it was saved from a different model"
-            )
-        with torch.no_grad():
-            for source, value in zip(self.sources, saved):
-                if source.shape != value.shape:
-                    raise ValueError(
-                        f"a saved master weight has shape {tuple(value.shape)}, this path's "
-                        f"{tuple(source.shape)}: saved from a different model"
-                    )
-                source.copy_(value)
+        _load_masters(_Masters(self.sources), state["masters"])  # type: ignore[arg-type]
         if self.masters is not None:
             self.masters.copy_to_model()
         if self.torch_optimizer is not None and state.get("optimizer"):
