@@ -166,10 +166,32 @@ def test_the_skip_is_decided_on_the_device_without_a_host_read() -> None:
     assert not problems, "\n".join(problems)
 
 
+def _gathered_weights(engine: Any) -> list[torch.Tensor]:
+    """The full weights (stage 3: gathered; its sharded parameters have no storage outside)."""
+    from slipstream.zero import GatheredParameters
+
+    params = list(engine.module.parameters())
+    if engine.zero_stage != 3:
+        return _weights(engine)
+    with GatheredParameters(params):
+        return _weights(engine)
+
+
+def _where(error: BaseException) -> str:
+    """The innermost Slipstream frame of ``error``'s traceback (file:line code)."""
+    import traceback
+
+    frames = [f for f in traceback.extract_tb(error.__traceback__) if "slipstream" in f.filename]
+    if not frames:
+        return "?"
+    frame = frames[-1]
+    return f"{frame.filename.rsplit('/src/', 1)[-1]}:{frame.lineno} {frame.line}"
+
+
 def _no_sync_on_gpu(stage: int) -> list[str]:
     """bf16, AdamW from the config (fused on CUDA), clipping, the default non-finite check:
     ``engine.step()`` under ``torch.cuda.set_sync_debug_mode("error")``; a poisoned step is
-    still skipped exactly."""
+    still skipped exactly. Each problem names the stage, the step and where it happened."""
     import slipstream
     from slipstream import comm
 
@@ -191,18 +213,25 @@ def _no_sync_on_gpu(stage: int) -> list[str]:
         x, y = torch.randn(4, 6, generator=g).to(device), torch.randint(0, 3, (4,), generator=g)
         loss = engine(x, y.to(device))
         if step == BAD:
-            before = _weights(engine)
-            loss = loss + torch.sqrt(next(engine.module.parameters()).sum() * 0.0)
+            before = _gathered_weights(engine)
+            if stage == 3:  # its parameters have no storage outside forward and backward
+                loss = loss * float("nan")
+            else:  # a finite loss whose gradient is not
+                loss = loss + torch.sqrt(next(engine.module.parameters()).sum() * 0.0)
         engine.backward(loss)
         torch.cuda.synchronize()
         torch.cuda.set_sync_debug_mode("error")
         try:
             engine.step()
         except RuntimeError as error:
-            problems.append(f"stage {stage}: engine.step() synchronized: {error}")
+            first = str(error).splitlines()[0] if str(error) else type(error).__name__
+            problems.append(f"stage {stage} step {step}: {first} at {_where(error)}")
         finally:
             torch.cuda.set_sync_debug_mode("default")
-        if step == BAD and not all(torch.equal(b, a) for b, a in zip(before, _weights(engine))):
+        torch.cuda.synchronize()  # a kernel's fault shows here, at its step
+        if step == BAD and not all(
+            torch.equal(b, a) for b, a in zip(before, _gathered_weights(engine))
+        ):
             problems.append(f"stage {stage}: the skipped step changed the weights")
     if engine.skipped_steps != 1:
         problems.append(f"stage {stage}: skipped_steps {engine.skipped_steps}")
@@ -211,7 +240,15 @@ def _no_sync_on_gpu(stage: int) -> list[str]:
 
 
 def _no_sync_worker() -> list[str]:
-    return [p for stage in (0, 1, 2, 3) for p in _no_sync_on_gpu(stage)]
+    problems: list[str] = []
+    for stage in (0, 1, 2, 3):
+        try:
+            problems += _no_sync_on_gpu(stage)
+        except Exception as error:  # a CUDA fault ends the process's use of the device
+            first = str(error).splitlines()[0] if str(error) else ""
+            problems.append(f"stage {stage}: {type(error).__name__}: {first} at {_where(error)}")
+            break
+    return problems
 
 
 @pytest.mark.gpu
@@ -220,5 +257,5 @@ def test_engine_step_does_not_synchronize_on_gpus() -> None:
         pytest.skip("needs a GPU")
     world = min(2, torch.cuda.device_count())
     results = run_distributed(_no_sync_worker, world, backend="nccl", timeout=300)
-    problems = [p for rank_problems in results for p in rank_problems]
+    problems = [f"rank {r}: {p}" for r, rank_problems in enumerate(results) for p in rank_problems]
     assert not problems, "\n".join(problems)
