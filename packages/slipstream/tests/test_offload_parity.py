@@ -22,6 +22,7 @@ def _side_by_side(stage: int, precision: str, offload: dict, optimizer_name: str
     world, rank = comm.get_world_size(), comm.get_rank()
     offload = dict(offload)
     clip = offload.pop("_clip", CLIP)
+    gas = offload.pop("_gas", GAS)
     engines = []
     for extra in ({}, offload):
         torch.manual_seed(0)
@@ -37,7 +38,7 @@ def _side_by_side(stage: int, precision: str, offload: dict, optimizer_name: str
         zero.update(extra)
         config = {
             "train_micro_batch_size_per_gpu": MICRO,
-            "gradient_accumulation_steps": GAS,
+            "gradient_accumulation_steps": gas,
             "gradient_clipping": clip,
             "steps_per_print": 1000,
             "zero_optimization": zero,
@@ -45,14 +46,16 @@ def _side_by_side(stage: int, precision: str, offload: dict, optimizer_name: str
             "aio": {"block_size": 4096, "queue_depth": 4},
         }
         config["zero_optimization"]["sub_group_size"] = 700
-        if precision == "bf16":
+        if precision.startswith("bf16"):
             config["bf16"] = {"enabled": True}
+        if precision == "bf16+bf16comm":  # the gradients are reduced (and land) in bf16
+            config["communication_data_type"] = "bf16"
         engine, *_ = slipstream.initialize(model=model, optimizer=optimizer, config=config)
         engines.append(engine)
     plain, offloaded = engines
     diffs, norm_diffs = [], []
     for step in range(STEPS):
-        for m in range(GAS):
+        for m in range(gas):
             ids, labels = batch_for(step, m, MICRO * world)
             mine = slice(rank * MICRO, (rank + 1) * MICRO)
             for engine in engines:
@@ -243,6 +246,21 @@ def test_offload_bf16_matches_without_offload() -> None:
     for result in results:
         # Same fp32 masters and math; a bf16 rounding of a weight may flip: one bf16 ulp.
         assert max(result["diffs"]) <= 2**-7, result["diffs"]
+
+
+def test_stage3_offload_bf16_comm_matches_without_offload() -> None:
+    """The code path of the 13b bench row ``slipstream:3+cpu+bf16comm@13b/1``: ZeRO-3, the
+    optimizer on the CPU, bf16 with a bf16 gradient reduction, no accumulation (the reduced
+    gradients land on the host in bf16), clipping; beside the same run on the device."""
+    offload = {"offload_optimizer": {"device": "cpu", "pin_memory": True}, "_gas": 1}
+    results = run_distributed(_side_by_side, 2, 3, "bf16+bf16comm", offload, "adamw", timeout=300)
+    for result in results:
+        assert all(result["offloaded"]) and result["host"]
+        # Same fp32 masters and math (the CPU Adam's fused multiply-adds round an fp32 ulp
+        # differently); a bf16 rounding of a weight may flip: one bf16 ulp.
+        assert max(result["diffs"]) <= 2**-7, result["diffs"]
+        plain_norm, offloaded_norm = result["norms"]
+        assert offloaded_norm == pytest.approx(plain_norm, rel=1e-3)
 
 
 def _stage2_engine(zero: dict, bf16: bool = False) -> object:

@@ -148,3 +148,31 @@ def test_offload_estimate_matches_what_offload_allocates() -> None:
     assert {(r.stage, r.param_offload): r for r in both}[(3, False)] == nvme[(3, False)]
     cpu_params = estimate_offload(1000, 2, device="nvme", param_device="cpu")
     assert {(r.stage, r.param_offload): r for r in cpu_params}[(3, True)].host == 6 * 1000 / 2
+
+
+def test_the_13b_offload_row_fits_two_80gb_gpus_and_a_256gb_host() -> None:
+    """The bench row slipstream:3+cpu+bf16comm@13b/1 (tools/bench/llama.py's 13b) on 2 ranks
+    of one node: GPU model states plus activations under 80 GB, the node's host total (the
+    per-node line) under 256 GB."""
+    from slipstream.runtime.estimate import (
+        estimate_offload,
+        format_estimate,
+        transformer_params,
+    )
+
+    params = transformer_params(5120, 40, 32000, ffn=13824, gated=True, tied=False)
+    assert 12.9e9 < params < 13.1e9
+    stage3 = next(
+        r
+        for r in estimate_offload(params, 2, 2, device="cpu")
+        if r.stage == 3 and not r.param_offload
+    )
+    activations = estimate_activations(5120, 40, 2048, 1, 40, bytes_per_value=2)
+    gib = 1024.0**3
+    assert (stage3.gpu + activations.total) / gib < 80 * 1e9 / gib
+    host_per_rank = stage3.host - 2 * params / 2  # bf16 gradients land in bf16
+    assert 2 * host_per_rank < 256e9 * 0.8  # leave a fifth for the processes themselves
+    text = format_estimate(params, 2, 2, activations, ranks_per_node=2)
+    assert (
+        f"stage 3 {2 * stage3.host / gib:.2f} GiB ({2 * host_per_rank / gib:.2f} with bf16" in text
+    )

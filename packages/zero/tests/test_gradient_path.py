@@ -11,6 +11,8 @@ from torch import nn
 from slipstream.zero import (
     GatheredParameters,
     GradientPath,
+    ReduceSettings,
+    ReplicatedGradientPath,
     ShardedOptimizerStates,
     ZeroSettings,
     shard_parameters,
@@ -19,13 +21,17 @@ from slipstream.zero.settings import stage3_reduce_bucket_numel
 from slipstream.zero.testing import TinyTransformer, batch_for
 
 
-def _path(stage: int, model: nn.Module) -> GradientPath:
+def _path(stage: int, model: nn.Module, fused: bool = False) -> GradientPath:
+    trainable = [p for p in model.parameters() if p.requires_grad]
+    if stage == 0:
+        optimizer = torch.optim.AdamW(trainable, lr=0.01, fused=fused)
+        return ReplicatedGradientPath(trainable, optimizer, ReduceSettings(bucket_numel=64))
     settings = ZeroSettings(stage=stage, reduce_bucket_numel=64)
     if stage == 3:
         sharded = shard_parameters(model, settings)
-        optimizer = torch.optim.AdamW([p for p in model.parameters() if p.requires_grad], lr=0.01)
+        optimizer = torch.optim.AdamW(trainable, lr=0.01, fused=fused)
         return sharded.attach_optimizer(optimizer)  # type: ignore[no-any-return]
-    optimizer = torch.optim.AdamW([p for p in model.parameters() if p.requires_grad], lr=0.01)
+    optimizer = torch.optim.AdamW(trainable, lr=0.01, fused=fused)
     return ShardedOptimizerStates(list(model.parameters()), optimizer, settings)
 
 
@@ -44,7 +50,7 @@ def _train(model: nn.Module, path: GradientPath, steps: range) -> list[float]:
     return losses
 
 
-@pytest.mark.parametrize("stage", [1, 2, 3])
+@pytest.mark.parametrize("stage", [0, 1, 2, 3])
 def test_state_dict_round_trip_continues_the_run(stage: int) -> None:
     torch.manual_seed(0)
     base = TinyTransformer()
@@ -86,6 +92,35 @@ def test_a_nonfinite_loss_skips_the_step_and_changes_nothing() -> None:
     with GatheredParameters(list(model.parameters())):
         for key, value in model.state_dict().items():
             assert torch.equal(value, before[key]), key
+
+
+@pytest.mark.parametrize("stage", [0, 2, 3])
+def test_the_skip_decided_on_the_device_changes_nothing(stage: int) -> None:
+    """defer_skip with a fused optimizer: the step runs, the kernels skip on the flag."""
+    torch.manual_seed(0)
+    model = TinyTransformer()
+    path = _path(stage, model, fused=True)
+    for step, check in enumerate([0.0, float("inf")]):  # a taken step, then a skipped one
+        with GatheredParameters(list(model.parameters())):
+            before = {k: v.clone() for k, v in model.state_dict().items()}
+        states = [v.clone() for s in path.optimizer.state.values() for v in s.values()]
+        ids, labels = batch_for(step, 0, 2)
+        loss = model(ids, labels)
+        path.prepare_backward(True)
+        loss.backward()
+        path.finish_backward(True)
+        outcome = path.step(
+            max_grad_norm=0.5, nonfinite_check=loss.detach() + check, defer_skip=True
+        )
+        path.zero_grad()
+        assert not outcome.overflow and outcome.skipped is not None
+        assert float(outcome.skipped) == (1.0 if check else 0.0)
+        after = [v for s in path.optimizer.state.values() for v in s.values()]
+        with GatheredParameters(list(model.parameters())):
+            same = all(torch.equal(v, before[k]) for k, v in model.state_dict().items())
+        assert same == bool(check)  # the taken step moved the weights, the skipped one not
+        if check:
+            assert all(torch.equal(a, b) for a, b in zip(after, states))
 
 
 def test_stage3_bucket_is_capped_by_the_model() -> None:

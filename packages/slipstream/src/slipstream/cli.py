@@ -84,7 +84,12 @@ def _estimate(args: argparse.Namespace) -> int:
         return 2
     print(
         format_estimate(
-            params, world, 4 if args.dtype == "fp32" else 2, activations, args.offload_ratio
+            params,
+            world,
+            4 if args.dtype == "fp32" else 2,
+            activations,
+            args.offload_ratio,
+            ranks_per_node=args.num_gpus,
         )
     )
     return 0

@@ -2,11 +2,10 @@
 
 from __future__ import annotations
 
-import contextlib
 import logging
-import math
 from collections.abc import Iterator
 from contextlib import contextmanager
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -19,27 +18,18 @@ from slipstream.config import SlipstreamConfig
 from slipstream.data import DataEfficiency, ProgressiveLayerDrop, RandomLayerTokenDrop
 from slipstream.kernels import get_accelerator
 from slipstream.kernels.config_schema import ConfigError
-from slipstream.kernels.loss_scaler import LossScaler, grads_have_inf_or_nan
+from slipstream.kernels.loss_scaler import LossScaler
 from slipstream.monitor import MonitorMaster
 from slipstream.offload import OffloadIOError
 from slipstream.runtime import checkpoint as checkpointing
 from slipstream.runtime import zero_setup
 from slipstream.runtime.agreement import check_ranks_agree, parameter_signature
-from slipstream.runtime.data_parallel import GradientReducer, ReduceSettings, register_ready_hooks
 from slipstream.runtime.lr_schedules import resolve_scheduler
-from slipstream.runtime.moe_gradients import (
-    agree_overflow,
-    declare_stage3_reads,
-    expert_layout,
-    moe_clip_grad_norm,
-    reduce_expert_grads,
-)
+from slipstream.runtime.moe_gradients import declare_stage3_reads, expert_layout
 from slipstream.runtime.optimizers import resolve_optimizer
-from slipstream.runtime.precision import MasterWeights
 from slipstream.runtime.tensor_parallel import (
     agree_nonfinite_across_tensor_group,
     check_tensor_parallel_support,
-    clip_by_norm_,
     is_tensor_parallel,
     reduce_sequence_parallel_grads_,
     save_tensor_parallel_16bit_model,
@@ -48,7 +38,16 @@ from slipstream.runtime.tensor_parallel import (
 )
 from slipstream.runtime.throughput import ProgressReport, ThroughputMeter, count_tokens, peak_tflops
 from slipstream.runtime.timers import WallClockTimers
-from slipstream.zero import DataParallelGroup, GradientPath, ShardedOptimizerStates, ZeroSettings
+from slipstream.zero import (
+    DataParallelGroup,
+    ExpertGroup,
+    GradientPath,
+    ReduceSettings,
+    ReplicatedGradientPath,
+    ShardedOptimizerStates,
+    StepOutcome,
+    ZeroSettings,
+)
 
 logger = logging.getLogger(__name__)
 
@@ -69,13 +68,13 @@ class SlipstreamEngine(torch.nn.Module):
 
     The engine composes, in order: placement and precision of the module (cast to fp16/bf16
     with fp32 master weights), the optimizer and LR schedule (by name from the config or the
-    client's), a bucketed gradient all-reduce across the data-parallel group (stage 0) or
-    slipstream.zero's sharding (``zero_optimization.stage`` 1-3: the optimizer on fp32 master
-    shards, gradients reduce-scattered; at stage 3 the parameters sharded first), and the loss
-    scaler for fp16. Expert-parallel MoE parameters (slipstream.moe, ``ep_size > 1``) are reduced
-    (and at stage 3 sharded) over their expert-data-parallel groups (stage 0:
-    runtime/moe_gradients.py; stages 1-3: slipstream.zero's MultiGroupPath). The ZeRO stage's
-    gradient path is picked once, ``engine.gradient_path`` (slipstream.zero.GradientPath).
+    client's), one gradient path of slipstream.zero picked once for the layout,
+    ``engine.gradient_path`` (slipstream.zero.GradientPath): a bucketed all-reduce of
+    replicated gradients (stage 0, ReplicatedGradientPath) or ZeRO's sharding
+    (``zero_optimization.stage`` 1-3: the optimizer on fp32 master shards, gradients
+    reduce-scattered; at stage 3 the parameters sharded first), and the loss scaler for fp16.
+    Expert-parallel MoE parameters (slipstream.moe, ``ep_size > 1``) are reduced (and at
+    stage 3 sharded) over their expert-data-parallel groups, by the same path.
     """
 
     def __init__(
@@ -121,10 +120,9 @@ class SlipstreamEngine(torch.nn.Module):
         self.zero_stage = config.zero_optimization.stage
         # Read from the config once: the reduce settings are used on every boundary.
         self._zero_settings = zero_setup.zero_settings(config) if self.zero_stage else None
-        self._reduce = self._reduce_settings()
-        # The ZeRO gradient path (slipstream.zero.GradientPath), picked once below; None at
-        # stage 0. ``zero`` is its older name, read by the checkpoint code.
-        self.gradient_path: GradientPath | None = None
+        # The gradient path (slipstream.zero.GradientPath), picked once below for every
+        # stage. ``zero`` is its older name at stages 1-3 (None at stage 0), read by the
+        # checkpoint code to pick the sharded layout.
         self.zero: Any = None
         self._zero_comm_group: DataParallelGroup | None = None
         self._stage3: Any = None
@@ -163,38 +161,23 @@ class SlipstreamEngine(torch.nn.Module):
         named = [(n, p) for n, p in model.named_parameters() if p.requires_grad]
         self._param_names = [n for n, _ in named]
         self._params = [p for _, p in named]
-        self.masters = (
-            MasterWeights(self._params)
-            if self.compute_dtype is not None and self.zero_stage == 0
-            else None
-        )
 
         # 2. Optimizer and schedule.
         if model_parameters is None:
             model_parameters = self._params
         self.optimizer = resolve_optimizer(optimizer, config.optimizer, model_parameters)
-        if self.masters is not None and self.optimizer is not None:
-            self.masters.swap_into(self.optimizer)
+
+        # 3. The gradient path, one per layout: it re-homes the optimizer onto fp32 masters
+        # (whole at stage 0, this rank's shards at stages 1-3) and reduces the gradients
+        # during backward (all-reduce at stage 0, reduce-scatter at stages 1-3).
+        self.gradient_path: GradientPath = self._build_gradient_path()
+        # Stage 0's fp32 master copies (None in fp32 or at stages 1-3), for the checkpoint.
+        self.masters = (
+            self.gradient_path.masters
+            if isinstance(self.gradient_path, ReplicatedGradientPath)
+            else None
+        )
         if self.zero_stage > 0:
-            # ZeRO: the optimizer is re-homed onto this rank's fp32 master shards; gradients
-            # are reduce-scattered into them (slipstream.zero), replacing step 4's all-reduce.
-            if self.optimizer is None:
-                raise ValueError(
-                    f"zero_optimization.stage = {self.zero_stage} shards the optimizer's state, "
-                    "but there is no optimizer: pass initialize(optimizer=...) or add an "
-                    "'optimizer' block to the config"
-                )
-            self.gradient_path = zero_setup.build_gradient_path(
-                self._zero_settings_for_stage(),
-                self._zero_group(),
-                self._params,
-                self.optimizer,
-                self._stage3,
-                expert_parts={
-                    name: (indices, DataParallelGroup.of(self._experts.dp_groups[name]))
-                    for name, indices in self._experts.expert.items()
-                },
-            )
             self.zero = self.gradient_path
             offload = config.zero_optimization.optimizer_offload()
             if offload is not None and offload.overlap_forward:
@@ -224,33 +207,13 @@ class SlipstreamEngine(torch.nn.Module):
             config.progressive_layer_drop
         )
 
-        # 3. fp16 loss scaling; fp32/bf16 skip non-finite steps instead (docs/reliability.md).
+        # 4. fp16 loss scaling; fp32/bf16 skip non-finite steps instead (docs/reliability.md).
         self.loss_scaler = LossScaler.from_config(config.fp16) if config.fp16.enabled else None
         self._check_nonfinite = not config.fp16.enabled and (
             config.bf16.check_grad_overflow if config.bf16.enabled else config.check_grad_overflow
         )
-
-        # 4. Gradient reduction across the data-parallel group, overlapped with backward.
-        self._grad_sources: list[torch.Tensor] = (
-            list(self.masters.masters) if self.masters is not None else list(self._params)
-        )
-        self.reducer: GradientReducer | None = None
-        self._hooks: list[Any] = []
-        # Position of each parameter in the dense reducer (None: an expert-parallel parameter,
-        # reduced over its expert-DP group after backward instead).
-        self._reducer_index: list[int | None] = list(range(len(self._params)))
-        if self.gradient_path is None:
-            if self.dp_world_size > 1:
-                dense = self._experts.dense
-                self._reducer_index = [None] * len(self._params)
-                for position, index in enumerate(dense):
-                    self._reducer_index[index] = position
-                self.reducer = GradientReducer(
-                    [self._grad_sources[i] for i in dense],
-                    self._reduce,
-                    group=self.dp_group,
-                )
-            self._hooks = register_ready_hooks(self._params, self._on_grad_ready)
+        # A step whose skip was decided on the device, not read yet (see _settle_step).
+        self._unsettled: _UnsettledStep | None = None
 
         # Ulysses (DeepSpeed's names): set by initialize() from sequence_parallel_size.
         self.sequence_parallel_size = 1
@@ -259,8 +222,8 @@ class SlipstreamEngine(torch.nn.Module):
         self.global_steps = 0
         self.global_samples = 0
         self.micro_steps = 0
-        self.skipped_steps = 0
-        self.nonfinite_skipped_steps = 0  # fp32/bf16 steps skipped for an inf or nan
+        self._skipped_steps = 0
+        self._nonfinite_skipped_steps = 0  # fp32/bf16 steps skipped for an inf or nan
         self._cycle_loss: torch.Tensor | None = None  # losses since the last optimizer step
         self._boundary_override: bool | None = None
         self._inside_no_sync = False
@@ -297,7 +260,7 @@ class SlipstreamEngine(torch.nn.Module):
                 config.gradient_accumulation_steps,
                 self.dp_world_size,
                 config.train_batch_size,
-                self.reducer.num_buckets if self.reducer else 0,
+                getattr(self.gradient_path, "num_buckets", 0),
             )
 
     # ------------------------------------------------------------------ set-up helpers
@@ -331,11 +294,46 @@ class SlipstreamEngine(torch.nn.Module):
             self._zero_comm_group = zero_setup.zero_group(self.config, self.dp_group)
         return self._zero_comm_group
 
+    def _build_gradient_path(self) -> GradientPath:
+        """The layout's gradient path (slipstream.zero), built once."""
+        experts = self._experts
+        if self.zero_stage == 0:
+            return ReplicatedGradientPath(
+                self._params,
+                self.optimizer,
+                self._reduce_settings(),
+                group=self.dp_group,
+                masters=self.compute_dtype is not None,
+                experts=[
+                    ExpertGroup(tuple(indices), experts.dp_groups[name], experts.ep_groups[name])
+                    for name, indices in experts.expert.items()
+                ],
+                vote_over_world=self._tp_size > 1,
+            )
+        if self.optimizer is None:
+            raise ValueError(
+                f"zero_optimization.stage = {self.zero_stage} shards the optimizer's state, "
+                "but there is no optimizer: pass initialize(optimizer=...) or add an "
+                "'optimizer' block to the config"
+            )
+        return zero_setup.build_gradient_path(
+            self._zero_settings_for_stage(),
+            self._zero_group(),
+            self._params,
+            self.optimizer,
+            self._stage3,
+            expert_parts={
+                name: (indices, DataParallelGroup.of(experts.dp_groups[name]))
+                for name, indices in experts.expert.items()
+            },
+        )
+
     def _zero_settings_for_stage(self) -> ZeroSettings:
         assert self._zero_settings is not None  # built whenever zero_stage > 0
         return self._zero_settings
 
     def _reduce_settings(self) -> ReduceSettings:
+        """Stage 0's all-reduce: DDP's bucket size unless the config names one."""
         config = self.config
         explicit = (config.raw.get("zero_optimization") or {}).get("reduce_bucket_size")
         bucket = int(explicit) if explicit is not None else _DEFAULT_STAGE0_BUCKET_NUMEL
@@ -380,12 +378,14 @@ class SlipstreamEngine(torch.nn.Module):
 
     def get_lr(self) -> list[float]:
         """The current learning rate of each parameter group."""
+        self._settle_step()
         if self.optimizer is None:
             return []
         return [group["lr"] for group in self.optimizer.param_groups]
 
     def get_global_grad_norm(self) -> float | None:
         """The gradient norm of the last optimizer step, before clipping (None before any step)."""
+        self._settle_step()
         if self._last_grad_norm is None:
             return None
         return float(self._last_grad_norm)  # host sync: only when the caller asks
@@ -428,8 +428,7 @@ class SlipstreamEngine(torch.nn.Module):
             return
         self._destroyed = True
         self.monitor.close()
-        if self.gradient_path is not None:
-            self.gradient_path.close()
+        self.gradient_path.close()
         if self._stage3 is not None:
             self._stage3.close()
 
@@ -497,36 +496,15 @@ class SlipstreamEngine(torch.nn.Module):
         scaled = loss / self._gas if scale_wrt_gas else loss
         if self.monitor.enabled:
             self._monitor_train_loss(scaled)
+        if self._unsettled is not None:
+            # The last step's skip flag (decided on the device) is read here, long after the
+            # device computed it: the fp16 scale of this backward depends on it.
+            self._settle_step()
         to_backprop = scaled * self.loss_scaler.loss_scale if self.loss_scaler else scaled
-        if self.gradient_path is not None:
-            self._zero_backward(to_backprop, retain_graph)
-            return scaled.detach()
-        reduce_now = (
-            self.reducer is not None
-            and self.is_gradient_accumulation_boundary()
-            and not self._inside_no_sync
-        )
-        if reduce_now:
-            assert self.reducer is not None
-            self.reducer.start()
-        with self.timers.region("backward"):
-            to_backprop.backward(retain_graph=retain_graph)
-            if reduce_now:
-                assert self.reducer is not None
-                self.reducer.finish()
-                if self._experts.is_expert_parallel:
-                    # Summed over each expert-DP group, divided by the whole DP world size
-                    # (every rank's loss counts once): see runtime/moe_gradients.py.
-                    reduce_expert_grads(
-                        self._grad_sources,
-                        self._experts,
-                        self.dp_world_size,
-                        self._reduce.bucket_numel,
-                    )
+        self._path_backward(to_backprop, retain_graph)
         return scaled.detach()
 
-    def _zero_backward(self, to_backprop: torch.Tensor, retain_graph: bool) -> None:
-        assert self.gradient_path is not None
+    def _path_backward(self, to_backprop: torch.Tensor, retain_graph: bool) -> None:
         if self._inside_no_sync and self.zero_stage >= 2:
             raise RuntimeError(
                 f"engine.no_sync() cannot be used at ZeRO stage {self.zero_stage}: gradients are "
@@ -542,14 +520,6 @@ class SlipstreamEngine(torch.nn.Module):
         with self.timers.region("backward"):
             to_backprop.backward(retain_graph=retain_graph)
             self.gradient_path.finish_backward(boundary)
-
-    def _on_grad_ready(self, index: int, param: torch.nn.Parameter) -> None:
-        if self.masters is not None:
-            self.masters.accumulate(index)
-        if self.reducer is not None:
-            position = self._reducer_index[index]
-            if position is not None:
-                self.reducer.mark_ready(position)
 
     def _record_loss(self, loss: torch.Tensor) -> None:
         value = loss.detach().float().reshape(())
@@ -597,143 +567,89 @@ class SlipstreamEngine(torch.nn.Module):
         self._boundary_override = None
 
     def _take_optimizer_step(self, lr_kwargs: dict[str, Any] | None) -> None:
-        assert self.optimizer is not None  # checked by step()
-        if self.gradient_path is not None:
-            self._take_zero_step(lr_kwargs)
-            return
-        if self._tp_size > 1:
-            # Sequence-parallel replicas (norms) saw one sequence chunk: sum over the TP group.
-            reduce_sequence_parallel_grads_(
-                self._params, [s.grad for s in self._grad_sources], self._tp_group
-            )
-        grads = [s.grad for s in self._grad_sources if s.grad is not None]
-        overflow = False
-        if self.loss_scaler is not None:
-            # One host sync per step: the skip decision must be known before stepping.
-            overflow = (
-                agree_overflow(grads, self._device)
-                if self._experts.is_expert_parallel or self._tp_size > 1
-                else grads_have_inf_or_nan(grads)
-            )
-        elif self._check_nonfinite:
-            # The gradients are reduced (equal on every rank), the losses are not: one scalar
-            # MAX all-reduce makes every rank take the same decision. One host sync per step.
-            if agree_overflow([*grads, self._nonfinite_check_value()], self._device):
-                self._skip_nonfinite_step()
-                self.zero_grad()
-                return
-        if overflow:
-            assert self.loss_scaler is not None
-            old_scale = self.loss_scaler.loss_scale
-            self.loss_scaler.update(True)
-            self.skipped_steps += 1
-            if self.global_rank == 0:
-                logger.info(
-                    "fp16 overflow at step %d: skipping the update; loss scale %g -> %g",
-                    self.global_steps + 1,
-                    old_scale,
-                    self.loss_scaler.loss_scale,
-                )
-        else:
-            if self.loss_scaler is not None and grads:
-                torch._foreach_mul_(grads, 1.0 / self.loss_scaler.loss_scale)
-            self._last_grad_norm = self._clip_gradients(grads)
-            self.optimizer.step()
-            if self.loss_scaler is not None:
-                self.loss_scaler.update(False)
-            if self.masters is not None:
-                self.masters.copy_to_model()
-            if self.lr_scheduler is not None:
-                self.lr_scheduler.step(**(lr_kwargs or {}))
-        self.zero_grad()
-
-    def _clip_gradients(self, grads: list[torch.Tensor]) -> torch.Tensor | None:
-        """Stage 0: the global gradient norm, clipping to ``gradient_clipping`` when set."""
-        max_norm = self.config.gradient_clipping
-        if self._tp_size > 1:
-            # Shards are summed over the tensor group; replicated parameters count once.
-            sources = self._grad_sources
-            pairs = [(p, s.grad) for p, s in zip(self._params, sources) if s.grad is not None]
-            sharded = [g for p, g in pairs if is_tensor_parallel(p)]
-            replicated = [g for p, g in pairs if not is_tensor_parallel(p)]
-            total = tensor_parallel_grad_norm(sharded, replicated, self._tp_group, self._device)
-            clip_by_norm_(grads, total, max_norm)
-            return total
-        if not self._experts.is_expert_parallel:
-            return _clip_grad_norm(grads, max_norm)
-        # Dense gradients count once; expert shares are summed over their expert-parallel
-        # groups (disjoint experts per rank).
-        sources = self._grad_sources
-        dense = [sources[i].grad for i in self._experts.dense if sources[i].grad is not None]
-        expert = {
-            name: [sources[i].grad for i in indices if sources[i].grad is not None]
-            for name, indices in self._experts.expert.items()
-        }
-        return moe_clip_grad_norm(
-            dense,  # type: ignore[arg-type]
-            expert,  # type: ignore[arg-type]
-            self._experts,
-            max_norm,
-            self._device,
-        )
-
-    def _nonfinite_check_value(self) -> torch.Tensor:
-        """This rank's losses since the last step (zero if none were recorded), on the device."""
-        if self._cycle_loss is None:
-            return torch.zeros((), dtype=torch.float32, device=self._device)
-        return self._cycle_loss
-
-    def _skip_nonfinite_step(self) -> None:
-        """fp32/bf16: the step is skipped on every rank (they voted); say so, with the count."""
-        self.skipped_steps += 1
-        self.nonfinite_skipped_steps += 1
-        if self.global_rank == 0:
-            logger.warning(
-                "non-finite loss or gradient at step %d (on some rank): skipping the update "
-                "(weights, optimizer state and learning-rate schedule unchanged); %d step(s) "
-                "skipped for inf/nan so far",
-                self.global_steps + 1,
-                self.nonfinite_skipped_steps,
-            )
-
-    def _take_zero_step(self, lr_kwargs: dict[str, Any] | None) -> None:
-        assert self.gradient_path is not None
+        """The gradient path's step; what depends on whether it was skipped (counters, LR
+        schedule, fp16 scale) follows in :meth:`_settle_step`, at once when the host knows,
+        later when the skip was decided on the device."""
+        if self._unsettled is not None:
+            self._settle_step()  # two steps without a backward in between
         scaler = self.loss_scaler
+        loss_scale = scaler.loss_scale if scaler is not None else None
         nonfinite = self._nonfinite_check_value() if self._check_nonfinite else None
         grad_norm = None
         if self._tp_size > 1:
-            # AutoTP runs at stages 1-2: the gradients sit in the path's master shards.
-            masters = self.gradient_path.masters  # type: ignore[attr-defined]
-            grads = [masters.grad(i) for i in range(len(masters))]
-            if nonfinite is not None:
-                nonfinite = agree_nonfinite_across_tensor_group(nonfinite, grads, self._tp_group)
-            reduce_sequence_parallel_grads_(masters.params, grads, self._tp_group)
-            # The path's own norm would span this rank's data group only.
-            grad_norm = zero_tensor_parallel_grad_norm(
-                masters,
-                self._zero_group(),
-                self._tp_group,
-                self._device,
-                scaler.loss_scale if scaler is not None else None,
-            )
+            nonfinite, grad_norm = self._tensor_parallel_norm(nonfinite, loss_scale)
         outcome = self.gradient_path.step(
-            loss_scale=scaler.loss_scale if scaler is not None else None,
+            loss_scale=loss_scale,
             max_grad_norm=self.config.gradient_clipping,
             grad_norm=grad_norm,
             nonfinite_check=nonfinite,
+            # A fused optimizer skips on the device flag: no device->host sync per step.
+            defer_skip=True,
         )
-        if outcome.overflow and scaler is None:
-            self._skip_nonfinite_step()
-        elif outcome.overflow:
+        self.zero_grad()
+        self._unsettled = _UnsettledStep(
+            self.global_steps + 1, outcome, lr_kwargs, _FlagCopy.start(outcome.skipped)
+        )
+        if outcome.skipped is None:
+            self._settle_step()  # decided on the host already
+
+    def _tensor_parallel_norm(
+        self, nonfinite: torch.Tensor | None, loss_scale: float | None
+    ) -> tuple[torch.Tensor | None, torch.Tensor]:
+        """Tensor parallelism: sum the sequence-parallel replicas' gradients over the tensor
+        group, and take the global norm (unscaled) over it; the path's own norm would span
+        its data group only."""
+        path = self.gradient_path
+        if isinstance(path, ReplicatedGradientPath):
+            grads = [s.grad for s in path.sources]
+            reduce_sequence_parallel_grads_(self._params, grads, self._tp_group)
+            pairs = [(p, g) for p, g in zip(self._params, grads) if g is not None]
+            norm = tensor_parallel_grad_norm(
+                [g for p, g in pairs if is_tensor_parallel(p)],
+                [g for p, g in pairs if not is_tensor_parallel(p)],
+                self._tp_group,
+                self._device,
+            )
+            # The path votes over the world (vote_over_world): no tensor-group vote here.
+            return nonfinite, norm / loss_scale if loss_scale not in (None, 1.0) else norm
+        # AutoTP runs at stages 1-2: the gradients sit in the path's master shards.
+        masters = path.masters  # type: ignore[attr-defined]
+        grads = [masters.grad(i) for i in range(len(masters))]
+        if nonfinite is not None:
+            nonfinite = agree_nonfinite_across_tensor_group(nonfinite, grads, self._tp_group)
+        reduce_sequence_parallel_grads_(masters.params, grads, self._tp_group)
+        norm = zero_tensor_parallel_grad_norm(
+            masters, self._zero_group(), self._tp_group, self._device, loss_scale
+        )
+        return nonfinite, norm
+
+    def _settle_step(self) -> None:
+        """Count the last step as taken or skipped, and follow up: the LR schedule moves on
+        a taken step, the fp16 scale grows or backs off, a skip is logged.
+
+        A skip decided on the device ([Note: the skip decided on the device] in
+        slipstream.zero) is read here, lazily: before the next backward, the next step, a
+        log line, a checkpoint, or a read of the counters or the learning rate.
+        """
+        unsettled = self._unsettled
+        if unsettled is None:
+            return
+        self._unsettled = None
+        outcome = unsettled.outcome
+        skipped = outcome.overflow if unsettled.flag is None else unsettled.flag.read()
+        scaler = self.loss_scaler
+        if skipped and scaler is None:
+            self._skip_nonfinite_step(unsettled.step)
+        elif skipped:
             assert scaler is not None
             old_scale = scaler.loss_scale
             scaler.update(True)
-            self.skipped_steps += 1
+            self._skipped_steps += 1
             if self.global_rank == 0:
                 logger.info(
                     "fp16 overflow at step %d (on some rank): skipping the update; loss scale "
                     "%g -> %g",
-                    self.global_steps + 1,
+                    unsettled.step,
                     old_scale,
                     scaler.loss_scale,
                 )
@@ -742,22 +658,59 @@ class SlipstreamEngine(torch.nn.Module):
             if scaler is not None:
                 scaler.update(False)
             if self.lr_scheduler is not None:
-                self.lr_scheduler.step(**(lr_kwargs or {}))
-        self.zero_grad()
+                self.lr_scheduler.step(**(unsettled.lr_kwargs or {}))
+
+    @property
+    def skipped_steps(self) -> int:
+        """Optimizer steps skipped (fp16 overflow, or an inf/nan under fp32/bf16)."""
+        self._settle_step()
+        return self._skipped_steps
+
+    @skipped_steps.setter
+    def skipped_steps(self, value: int) -> None:
+        self._settle_step()
+        self._skipped_steps = int(value)
+
+    @property
+    def nonfinite_skipped_steps(self) -> int:
+        """fp32/bf16 steps skipped for an inf or nan."""
+        self._settle_step()
+        return self._nonfinite_skipped_steps
+
+    @nonfinite_skipped_steps.setter
+    def nonfinite_skipped_steps(self, value: int) -> None:
+        self._settle_step()
+        self._nonfinite_skipped_steps = int(value)
+
+    def _nonfinite_check_value(self) -> torch.Tensor:
+        """This rank's losses since the last step (zero if none were recorded), on the device."""
+        if self._cycle_loss is None:
+            return torch.zeros((), dtype=torch.float32, device=self._device)
+        return self._cycle_loss
+
+    def _skip_nonfinite_step(self, step: int) -> None:
+        """fp32/bf16: the step is skipped on every rank (they voted); say so, with the count."""
+        self._skipped_steps += 1
+        self._nonfinite_skipped_steps += 1
+        if self.global_rank == 0:
+            logger.warning(
+                "non-finite loss or gradient at step %d (on some rank): skipping the update "
+                "(weights, optimizer state and learning-rate schedule unchanged); %d step(s) "
+                "skipped for inf/nan so far",
+                step,
+                self._nonfinite_skipped_steps,
+            )
 
     def zero_grad(self, set_to_none: bool = True) -> None:
         """Drop all gradients (model and master); they are always set to None."""
         for param in self._params:
             param.grad = None
-        if self.gradient_path is not None:
-            # The stage drops its masters' gradients (with overlap_forward, once the step that
-            # still reads them is done).
-            self.gradient_path.zero_grad()
-            return
-        for source in self._grad_sources:
-            source.grad = None
+        # The path drops its masters' gradients (with overlap_forward, once the step that
+        # still reads them is done).
+        self.gradient_path.zero_grad()
 
     def _log_progress(self) -> None:
+        self._settle_step()  # the skip flag read lazily, once per log line
         loss = None
         if self._loss_sum is not None:
             mean = self._loss_sum / max(self._loss_count, 1)
@@ -807,6 +760,7 @@ class SlipstreamEngine(torch.nn.Module):
         """DeepSpeed's events after an optimizer step: the first group's learning rate, the
         fp16 loss scale, and with ``wall_clock_breakdown`` the step's forward, backward and
         step milliseconds."""
+        self._settle_step()  # on every rank: the counters and scale stay equal
         if self.global_rank != 0:
             return
         samples = self.global_samples
@@ -886,8 +840,7 @@ class SlipstreamEngine(torch.nn.Module):
 
     def _optimizer_resident(self) -> Any:
         """NVMe offload: masters and optimizer states in host memory for a checkpoint."""
-        if self.gradient_path is None:
-            return contextlib.nullcontext()
+        self._settle_step()  # the counters, scale and schedule a checkpoint stores
         return self.gradient_path.resident()
 
     def load_checkpoint(
@@ -1010,6 +963,7 @@ class SlipstreamEngine(torch.nn.Module):
     @property
     def cur_scale(self) -> float:
         """The loss scale in use now (1.0 without fp16)."""
+        self._settle_step()
         return float(self.loss_scaler.loss_scale) if self.loss_scaler is not None else 1.0
 
     def get_mom(self) -> list[Any]:
@@ -1076,6 +1030,48 @@ class SlipstreamEngine(torch.nn.Module):
 COMPRESSION_STATE_KEY = "compression_scheduler"
 
 
+@dataclass(frozen=True, slots=True)
+class _UnsettledStep:
+    """A step whose outcome the host has not read yet: its number, the path's outcome, and
+    the scheduler's arguments for when it turns out taken."""
+
+    step: int
+    outcome: StepOutcome
+    lr_kwargs: dict[str, Any] | None
+    flag: _FlagCopy | None
+
+
+@dataclass(frozen=True, slots=True)
+class _FlagCopy:
+    """A device flag on its way to the host: copied into page-locked memory behind the step's
+    kernels, with an event after the copy. Reading it waits for that event only, not for the
+    forward queued since (``.item()`` on the device tensor would wait for the whole stream)."""
+
+    device_flag: torch.Tensor
+    host: torch.Tensor | None
+    event: Any
+
+    @classmethod
+    def start(cls, flag: torch.Tensor | None) -> _FlagCopy | None:
+        """Start copying ``flag`` (None: nothing to copy)."""
+        if flag is None:
+            return None
+        if flag.device.type != "cuda":
+            return cls(flag, None, None)  # CPU: the value is there when the step returns
+        host = torch.empty(flag.shape, dtype=flag.dtype, pin_memory=True)
+        host.copy_(flag, non_blocking=True)
+        event = torch.cuda.Event()
+        event.record()
+        return cls(flag, host, event)
+
+    def read(self) -> bool:
+        """Whether the flag is set (waits for the copy, at most)."""
+        if self.host is None:
+            return bool(self.device_flag.item())
+        self.event.synchronize()
+        return bool(self.host.item())  # a host tensor: no device sync
+
+
 def _compression_scheduler(
     model: torch.nn.Module, config: SlipstreamConfig
 ) -> CompressionScheduler | None:
@@ -1134,22 +1130,6 @@ def _resolved_batch_triple(config: SlipstreamConfig) -> tuple[int, int, int]:
         )
     micro, gas, batch = (int(size) for size in sizes)  # type: ignore[arg-type]
     return micro, gas, batch
-
-
-def _clip_grad_norm(grads: list[torch.Tensor], max_norm: float) -> torch.Tensor | None:
-    """Global L2 norm of ``grads``; scales them to ``max_norm`` when it is > 0.
-
-    Same arithmetic as ``torch.nn.utils.clip_grad_norm_`` (coefficient max/(norm+1e-6),
-    clamped at 1) so that clipped runs match a plain PyTorch reference exactly.
-    """
-    if not grads:
-        return None
-    norms = torch._foreach_norm(grads, 2.0)
-    total = torch.linalg.vector_norm(torch.stack([n.float() for n in norms]), 2.0)
-    if max_norm > 0 and not math.isinf(max_norm):
-        coefficient = torch.clamp(max_norm / (total + 1e-6), max=1.0)
-        torch._foreach_mul_(grads, coefficient.to(grads[0].device))
-    return total
 
 
 def _cast_floats(value: Any, dtype: torch.dtype) -> Any:

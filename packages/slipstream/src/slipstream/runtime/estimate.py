@@ -220,9 +220,11 @@ def format_estimate(
     param_bytes: int,
     activations: ActivationEstimate | None = None,
     offload_ratio: float = 1.0,
+    ranks_per_node: int = 1,
 ) -> str:
     """The table printed by ``slipstream estimate`` (``offload_ratio``: what partial CPU
-    offload, ``offload_optimizer.ratio``, moves back to the GPU)."""
+    offload, ``offload_optimizer.ratio``, moves back to the GPU; ``ranks_per_node``: the
+    ranks sharing one host's memory, for the per-node host total)."""
     gib = 1024.0**3
     lines = [
         f"{num_params / 1e9:.3f} B parameters, {world_size} data-parallel rank(s), "
@@ -261,6 +263,22 @@ def format_estimate(
             f"  with communication_data_type bf16 (at stages 2-3 without gradient "
             f"accumulation): "
             f"- {saved / gib:.2f} GiB host per rank (the gradients land in bf16)"
+        )
+    if ranks_per_node > 1:
+        # The ranks of a node share its host memory: what the host must hold in all.
+        stage3 = next(row for row in cpu if row.stage == 3 and not row.param_offload)
+        low = 2 * float(num_params) / world_size if param_bytes == 2 else 0.0
+        lines.append(
+            f"  host memory per node ({ranks_per_node} ranks), CPU optimizer offload: stage 3 "
+            f"{ranks_per_node * stage3.host / gib:.2f} GiB"
+            + (
+                f" ({ranks_per_node * (stage3.host - low) / gib:.2f} with bf16 communication)"
+                if low
+                else ""
+            )
+            + f", stage 2 {ranks_per_node * cpu[1].host / gib:.2f} GiB (+ the spare buffers "
+            "above with clipping or fp16), plus each process's own (CUDA context, torch: a "
+            "few GiB)"
         )
     if offload_ratio < 1.0:
         # The kept share's fp32 master, states and gradient come to the GPU, and at stages

@@ -1,8 +1,8 @@
 """Gradients of expert-parallel MoE parameters in the engine (slipstream.moe, ``ep_size > 1``).
 
-Stage 0 reduces them here; at ZeRO stages 1-3 the engine hands the layout to slipstream.zero
-(``MultiGroupPath``: the dense part over the data-parallel group, one part per expert group over
-its expert-data-parallel group).
+The engine finds them here and hands the layout to slipstream.zero's gradient path (stage 0:
+``ReplicatedGradientPath``'s expert groups; stages 1-3: ``MultiGroupPath``, the dense part over
+the data-parallel group, one part per expert group over its expert-data-parallel group).
 
 [Note: divisors and the norm]
 Every rank trains on its own micro-batches and the loss is the mean over all ``W`` data-parallel
@@ -32,15 +32,8 @@ import torch.distributed as dist
 
 from slipstream import comm
 from slipstream.kernels.loss_scaler import inf_or_nan_flag
-from slipstream.zero.norms import clip_grads_
 
-__all__ = [
-    "ExpertLayout",
-    "agree_overflow",
-    "expert_layout",
-    "moe_clip_grad_norm",
-    "reduce_expert_grads",
-]
+__all__ = ["ExpertLayout", "agree_overflow", "declare_stage3_reads", "expert_layout"]
 
 
 @dataclass(slots=True)
@@ -102,56 +95,6 @@ def expert_layout(
     return layout
 
 
-def reduce_expert_grads(
-    sources: Sequence[torch.Tensor],
-    layout: ExpertLayout,
-    divisor: int,
-    bucket_numel: int,
-) -> None:
-    """Stage 0: all-reduce the expert gradients ``sources[i].grad`` over their expert-DP groups,
-    in buckets of at most ``bucket_numel`` elements per (group, dtype), then divide by
-    ``divisor`` (the data-parallel world size: see the note at the top). A missing gradient (an
-    expert that got no token on any micro-step) is reduced as zeros so every rank issues the
-    same collectives and ends with a gradient."""
-    for name, indices in layout.expert.items():
-        group = layout.dp_groups[name]
-        by_dtype: dict[torch.dtype, list[torch.Tensor]] = {}
-        for i in reversed(indices):  # backward order, as the dense buckets
-            by_dtype.setdefault(sources[i].dtype, []).append(sources[i])
-        for tensors in by_dtype.values():
-            bucket: list[torch.Tensor] = []
-            size = 0
-            for tensor in tensors:
-                if bucket and size + tensor.numel() > bucket_numel:
-                    _allreduce_bucket(bucket, group, divisor)
-                    bucket, size = [], 0
-                bucket.append(tensor)
-                size += tensor.numel()
-            if bucket:
-                _allreduce_bucket(bucket, group, divisor)
-
-
-def _allreduce_bucket(
-    sources: list[torch.Tensor], group: dist.ProcessGroup | None, divisor: int
-) -> None:
-    flat = torch.cat(
-        [
-            s.grad.reshape(-1) if s.grad is not None else torch.zeros_like(s).reshape(-1)
-            for s in sources
-        ]
-    )
-    comm.all_reduce(flat, group=group, log_name="expert_grad_allreduce")
-    flat.div_(divisor)
-    offset = 0
-    for source in sources:
-        reduced = flat[offset : offset + source.numel()].view_as(source)
-        if source.grad is None:
-            source.grad = reduced.clone()
-        else:
-            source.grad.copy_(reduced)
-        offset += source.numel()
-
-
 def agree_overflow(grads: Sequence[torch.Tensor], device: torch.device) -> bool:
     """Whether any rank's gradients hold an inf or nan (max-reduced over the world: expert
     gradients differ between expert-parallel ranks, so no rank sees them all)."""
@@ -161,36 +104,6 @@ def agree_overflow(grads: Sequence[torch.Tensor], device: torch.device) -> bool:
     if comm.is_initialized() and comm.get_world_size() > 1:
         comm.all_reduce(flag, op=dist.ReduceOp.MAX)
     return bool(flag.item())  # host sync: the step must know now whether to skip
-
-
-def _squares(grads: Sequence[torch.Tensor], device: torch.device) -> torch.Tensor:
-    if not grads:
-        return torch.zeros((), dtype=torch.float32, device=device)
-    return torch.stack([g.float().pow(2).sum() for g in grads]).sum()
-
-
-def moe_clip_grad_norm(
-    dense: Sequence[torch.Tensor],
-    expert: dict[str, list[torch.Tensor]],
-    layout: ExpertLayout,
-    max_norm: float,
-    device: torch.device,
-) -> torch.Tensor:
-    """Stage 0: the L2 norm of the whole model's reduced gradient, experts of every rank
-    included, and clipping to ``max_norm`` (> 0) with torch's coefficient. Dense gradients are
-    equal on every rank and count once; each expert group's squares are summed over its
-    expert-parallel group (its ranks hold disjoint experts)."""
-    total = _squares(dense, device)
-    for name, grads in expert.items():
-        share = _squares(grads, device)
-        group = layout.ep_groups[name]
-        if group is not None:
-            comm.all_reduce(share, group=group, log_name="moe_grad_norm")
-        total = total + share
-    norm = total.sqrt()
-    all_grads = [*dense, *(g for grads in expert.values() for g in grads)]
-    clip_grads_(all_grads, norm, max_norm)
-    return norm
 
 
 def declare_stage3_reads(model: torch.nn.Module) -> None:

@@ -1,4 +1,4 @@
-"""ZeRO for plain PyTorch modules: sharded optimizer states (1), gradients (2), parameters (3).
+"""ZeRO for plain PyTorch modules: replicated (0), sharded optimizer states (1), gradients (2), parameters (3).
 
 Composable calls over an ``nn.Module`` and a torch optimizer, no engine needed::
 
@@ -18,12 +18,14 @@ See docs/zero.md.
 
 from __future__ import annotations
 
+from slipstream.zero.allreduce import GradientReducer, ReduceSettings
 from slipstream.zero.gradient_path import GradientPath, MultiGroupPath
 from slipstream.zero.group import DataParallelGroup
 from slipstream.zero.init_context import GatheredParameters, Init
 from slipstream.zero.layout import ShardSpec
 from slipstream.zero.masters import ShardedMasterWeights
-from slipstream.zero.optimizer import StepOutcome, ZeroOptimizer
+from slipstream.zero.optimizer import StepOutcome, ZeroOptimizer, supports_device_skip
+from slipstream.zero.replicated import ExpertGroup, MasterWeights, ReplicatedGradientPath
 from slipstream.zero.settings import ZeroSettings
 from slipstream.zero.stage3 import (
     ShardedParameter,
@@ -36,10 +38,15 @@ from slipstream.zero.stage12 import ShardedOptimizerStates
 
 __all__ = [
     "DataParallelGroup",
+    "ExpertGroup",
     "GatheredParameters",
     "GradientPath",
+    "GradientReducer",
     "Init",
+    "MasterWeights",
     "MultiGroupPath",
+    "ReduceSettings",
+    "ReplicatedGradientPath",
     "ShardSpec",
     "ShardedMasterWeights",
     "ShardedOptimizerStates",
@@ -51,4 +58,5 @@ __all__ = [
     "register_external_parameter",
     "shard_parameters",
     "sharded_state_of",
+    "supports_device_skip",
 ]

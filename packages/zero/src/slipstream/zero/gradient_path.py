@@ -8,6 +8,8 @@ publish the new weights), drop the gradients (:meth:`zero_grad`) and save/restor
 owns (:meth:`state_dict` / :meth:`load_state_dict`); :meth:`memory_report` says what it
 holds. Each ZeRO stage is one implementation:
 
+- stage 0 (:class:`~slipstream.zero.ReplicatedGradientPath`): replicated parameters and
+  optimizer, gradients all-reduced in buckets during backward (DDP's schedule);
 - stages 1-2 (``ShardedOptimizerStates``): replicated parameters, sharded masters and
   optimizer states (and gradients at stage 2), offload included;
 - stage 3 (``Stage3GradientPath``): sharded parameters;
@@ -52,8 +54,10 @@ class GradientPath(Protocol):
         max_grad_norm: float = 0.0,
         grad_norm: torch.Tensor | None = None,
         nonfinite_check: torch.Tensor | None = None,
+        defer_skip: bool = False,
     ) -> StepOutcome:
-        """One update (skipped on every rank when any rank saw an inf or nan)."""
+        """One update (skipped on every rank when any rank saw an inf or nan); with
+        ``defer_skip`` the skip may be decided on the device (``StepOutcome.skipped``)."""
         ...
 
     def zero_grad(self) -> None:
@@ -136,6 +140,7 @@ class GradientPathMixin:
         max_grad_norm: float = 0.0,
         grad_norm: torch.Tensor | None = None,
         nonfinite_check: torch.Tensor | None = None,
+        defer_skip: bool = False,
     ) -> StepOutcome:
         """One update: see :meth:`slipstream.zero.ZeroOptimizer.step`."""
         return self.optimizer.step(  # type: ignore[no-any-return]
@@ -143,6 +148,7 @@ class GradientPathMixin:
             max_grad_norm=max_grad_norm,
             grad_norm=grad_norm,
             nonfinite_check=nonfinite_check,
+            defer_skip=defer_skip,
         )
 
     def publish(self) -> None:
@@ -254,6 +260,7 @@ class MultiGroupPath:
         max_grad_norm: float = 0.0,
         grad_norm: torch.Tensor | None = None,
         nonfinite_check: torch.Tensor | None = None,
+        defer_skip: bool = False,
     ) -> StepOutcome:
         """One update of every part (:func:`~slipstream.zero.optimizer.take_sharded_step`)."""
         grads = [g for part in self.parts for g in part.masters.grads()]
@@ -266,6 +273,7 @@ class MultiGroupPath:
             max_grad_norm=max_grad_norm,
             grad_norm=grad_norm,
             nonfinite_check=nonfinite_check,
+            defer_skip=defer_skip,
         )
         if not outcome.overflow:
             for part in self.parts:

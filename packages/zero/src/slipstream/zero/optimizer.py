@@ -26,17 +26,65 @@ from slipstream.zero.norms import (
 if TYPE_CHECKING:
     from slipstream.zero.offload import OffloadedStep
 
-__all__ = ["StepOutcome", "ZeroOptimizer", "take_sharded_step"]
+__all__ = [
+    "StepOutcome",
+    "ZeroOptimizer",
+    "step_unless_nonfinite",
+    "supports_device_skip",
+    "take_sharded_step",
+]
 
 logger = logging.getLogger(__name__)
 
 
 @dataclass(frozen=True, slots=True)
 class StepOutcome:
-    """What one :meth:`ZeroOptimizer.step` did: skipped for an fp16 overflow, and the grad norm."""
+    """What one step did: skipped for an inf or nan (known on the host), and the grad norm.
+
+    ``skipped``: when the skip was decided on the device (``defer_skip``), a 0-d float
+    flag there (1.0: the update was not applied; weights and optimizer state are unchanged),
+    and ``overflow`` is False; the caller reads it when it needs the answer (see
+    [Note: the skip decided on the device]). None: ``overflow`` is the answer.
+    """
 
     overflow: bool
     grad_norm: torch.Tensor | None
+    skipped: torch.Tensor | None = None
+
+
+def supports_device_skip(optimizer: Any) -> bool:
+    """Whether ``optimizer.step()`` can skip itself on a device flag (``found_inf``).
+
+    torch's fused optimizers (Adam, AdamW, SGD, Adagrad with ``fused=True``) read
+    ``found_inf`` in their kernels, as ``torch.amp.GradScaler`` uses them: on a non-finite
+    step nothing is written, and their step counters are put back.
+    """
+    return bool(getattr(optimizer, "_step_supports_amp_scaling", False))
+
+
+def step_unless_nonfinite(optimizer: Any, found_inf: torch.Tensor) -> None:
+    """``optimizer.step()``, a no-op on the device when ``found_inf`` (0-d float) is 1.
+
+    [Note: the skip decided on the device] The non-finite vote leaves a flag on the
+    device; reading it before stepping would stall the host until the device has finished
+    the backward pass (a device->host sync every step). A fused optimizer takes the flag
+    into its kernels instead, so the host goes on queueing the next forward. What depends
+    on the answer on the host (the LR schedule, the fp16 loss scale, the count of skipped
+    steps) reads the flag later, when the device is long past it (the engine: before the
+    next backward, or at a log line).
+    """
+    if not supports_device_skip(optimizer):
+        raise TypeError(
+            f"{type(optimizer).__name__} cannot skip its step on a device flag; check "
+            "supports_device_skip(optimizer) and read the flag on the host instead"
+        )
+    optimizer.found_inf = found_inf.to(torch.float32)
+    optimizer.grad_scale = None
+    try:
+        optimizer.step()
+    finally:
+        del optimizer.found_inf
+        del optimizer.grad_scale
 
 
 def take_sharded_step(
@@ -49,6 +97,7 @@ def take_sharded_step(
     max_grad_norm: float = 0.0,
     grad_norm: torch.Tensor | None = None,
     nonfinite_check: torch.Tensor | None = None,
+    defer_skip: bool = False,
 ) -> StepOutcome:
     """The update every on-device gradient path takes: vote, unscale, norm, clip, step.
 
@@ -65,15 +114,23 @@ def take_sharded_step(
     the skip on every rank (before: a MAX all-reduce with its host read, then the norm's
     all-reduce). Under fp16 the squares are of the scaled gradients and the norm is divided
     by the scale, which is exact for the power-of-two scales of the dynamic scaler.
+
+    ``defer_skip`` with an optimizer that :func:`supports_device_skip`: the vote is not read
+    on the host; the optimizer skips on the device flag, returned as ``StepOutcome.skipped``
+    ([Note: the skip decided on the device]). Otherwise the host reads it here.
     """
     vote = loss_scale is not None or nonfinite_check is not None
+    on_device = vote and defer_skip and supports_device_skip(optimizer)
     total: torch.Tensor | None = None
+    found_inf: torch.Tensor | None = None
     if grad_norm is None or vote:
         total = local_squares(grads, device)
         if loss_scale is None and nonfinite_check is not None:
             total = total + nonfinite_check.detach().float().to(device) * 0.0
         group.sum_(total)
-        if vote and not bool(torch.isfinite(total)):  # the step's one host sync
+        if on_device:
+            found_inf = (~torch.isfinite(total)).to(torch.float32)
+        elif vote and not bool(torch.isfinite(total)):  # the step's one host sync
             return StepOutcome(overflow=True, grad_norm=None)
     if loss_scale is not None and loss_scale != 1.0 and grads:
         torch._foreach_mul_(grads, 1.0 / loss_scale)
@@ -83,6 +140,9 @@ def take_sharded_step(
         assert total is not None
         norm = norm_of_squares(total, loss_scale)
     clip_grads_(grads, norm, max_grad_norm)
+    if found_inf is not None:
+        step_unless_nonfinite(optimizer, found_inf)
+        return StepOutcome(overflow=False, grad_norm=norm, skipped=found_inf)
     optimizer.step()
     return StepOutcome(overflow=False, grad_norm=norm)
 
@@ -151,6 +211,7 @@ class ZeroOptimizer:
         max_grad_norm: float = 0.0,
         grad_norm: torch.Tensor | None = None,
         nonfinite_check: torch.Tensor | None = None,
+        defer_skip: bool = False,
     ) -> StepOutcome:
         """Take one update from the reduced gradient shards; skip it on an fp16 overflow.
 
@@ -162,6 +223,9 @@ class ZeroOptimizer:
         of this rank's losses since the last step) that asks for the same vote fp16 takes:
         when it or any rank's gradient holds an inf or nan, every rank skips the step
         (``StepOutcome.overflow`` is then True). None: no check.
+
+        ``defer_skip``: decide the skip on the device where the optimizer can
+        (:func:`take_sharded_step`; not with offload, whose CPU step needs the answer).
         """
         if self.offload is not None and self.offload.tail_kept:
             self._complete()  # the last step still ran (two steps without a forward between)
@@ -176,8 +240,11 @@ class ZeroOptimizer:
                 max_grad_norm=max_grad_norm,
                 grad_norm=grad_norm,
                 nonfinite_check=nonfinite_check,
+                defer_skip=defer_skip,
             )
             if not outcome.overflow:
+                # After a skip decided on the device the masters are unchanged: publishing
+                # them again rewrites the same values.
                 self._publish()
             return outcome
         if (

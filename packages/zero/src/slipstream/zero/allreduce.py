@@ -1,4 +1,4 @@
-"""Stage-0 data parallelism: bucketed gradient all-reduce overlapped with the backward pass."""
+"""Bucketed gradient all-reduce overlapped with the backward pass (the replicated path, stage 0)."""
 
 from __future__ import annotations
 
@@ -10,6 +10,8 @@ import torch
 import torch.distributed as dist
 
 from slipstream import comm
+
+__all__ = ["GradientReducer", "ReduceSettings", "register_ready_hooks"]
 
 logger = logging.getLogger(__name__)
 
@@ -91,6 +93,14 @@ class GradientReducer:
     def num_buckets(self) -> int:
         """How many collectives one reduction issues."""
         return len(self._buckets)
+
+    def live_bytes(self) -> int:
+        """Bytes of the flat bucket buffers in flight now (zero between reductions)."""
+        return sum(
+            b.buffer.numel() * b.buffer.element_size()
+            for b in self._buckets
+            if b.buffer is not None
+        )
 
     def start(self) -> None:
         """Arm the reducer for the backward pass that ends a gradient-accumulation cycle."""
