@@ -14,9 +14,14 @@ STEPS, MICRO, VOCAB, DIM = 3, 2, 64, 32
 
 
 def _run(
-    model: torch.nn.Module, extra: dict, directory: str = "", top: dict | None = None
+    model: torch.nn.Module,
+    extra: dict,
+    directory: str = "",
+    top: dict | None = None,
+    under_init: bool = False,
 ) -> tuple[list[float], list[torch.Tensor], dict]:
-    """Train a copy of ``model`` at ZeRO-3 with ``extra`` ZeRO keys; losses, weights, bytes."""
+    """Train a copy of ``model`` at ZeRO-3 with ``extra`` ZeRO keys; losses, weights, bytes.
+    ``under_init``: the copy is made inside ``zero.Init`` (partitioned before initialize)."""
     import slipstream
     from slipstream import comm
     from slipstream.zero import GatheredParameters
@@ -36,7 +41,12 @@ def _run(
         },
         **(top or {}),
     }
-    engine, _, _, _ = slipstream.initialize(model=copy.deepcopy(model), config=config)
+    module = copy.deepcopy(model)
+    if under_init:
+        from slipstream.zero import Init
+
+        Init(module=module, config_dict_or_path=config)  # partitions it now, over the world
+    engine, _, _, _ = slipstream.initialize(model=module, config=config)
     comm.comms_logger.configure(enabled=True, prof_all=True)
     comm.comms_logger.reset()
     losses = []
@@ -83,6 +93,8 @@ def _zero_plus_plus_world(directory: str) -> dict:
     both = _run(model, {"zero_quantized_weights": True, "zero_quantized_gradients": True})
     mics = _run(model, {"mics_shard_size": 2}, directory)
     hpz = _run(model, {"zero_hpz_partition_size": 2})
+    # Parameters partitioned by zero.Init adopt the engine's ZeRO++ group (its int8 gathers).
+    qwz_init = _run(model, {"zero_quantized_weights": True}, under_init=True)
     hpz_qgz = _run(model, {"zero_hpz_partition_size": 2, "zero_quantized_gradients": True})
     # bf16 parameters and gradient reduction: the bytes that int8 halves.
     bf16 = {"bf16": {"enabled": True}, "communication_data_type": "bf16"}
@@ -93,6 +105,8 @@ def _zero_plus_plus_world(directory: str) -> dict:
     out = {"plain": plain[2], "qwz": qwz[2], "qgz": qgz[2], "mics": mics[2], "hpz": hpz[2]}
     out["plain_bf16"], out["quantized_bf16"] = plain_bf16[2], quantized_bf16[2]
     out["hpz_qgz"] = hpz_qgz[2]
+    out["qwz_init"] = qwz_init[2]
+    out["qwz_init_same"] = qwz_init[0] == qwz[0]
     out["hpz_qgz_loss"] = max(abs(a - b) / b for a, b in zip(hpz_qgz[0], plain[0]))
     out["hpz_qgz_weights"] = _rel(hpz_qgz[1], plain[1])
     out["bf16_loss"] = max(abs(a - b) / b for a, b in zip(quantized_bf16[0], plain_bf16[0]))
@@ -141,6 +155,9 @@ def test_qwz_qgz_mics_match_plain_zero3_with_fewer_bytes(tmp_path) -> None:
     # 3.94x for shards of 256+ values; this tiny model's many sub-256 shards (one scale each)
     # give 3.25x for the gathers and 3.46x for the gradients' all-to-all. (vs bf16: half that.)
     assert plain["all_gather_into_tensor"] / qwz["all_gather_into_tensor"] > 3.2, result
+    # The same under zero.Init: the same bytes and losses as the qwZ run built outside it.
+    assert result["qwz_init"]["all_gather_into_tensor"] == qwz["all_gather_into_tensor"], result
+    assert result["qwz_init_same"], result
     assert "reduce_scatter_tensor" not in qgz, result
     assert plain["reduce_scatter_tensor"] / qgz["all_to_all_single"] > 3.4, result
     # Against bf16 (2 B/value): 2 / (1 + 4/256) = 1.97x for large shards; 1.6x+ here.
