@@ -68,12 +68,58 @@ def _run(
     )
     with GatheredParameters(list(engine.module.parameters())):
         weights = [p.detach().clone() for p in engine.module.parameters()]
-    if "mics_shard_size" in extra:
-        from slipstream.runtime.checkpoint_store import CheckpointError
-
-        with pytest.raises(CheckpointError, match="checkpoints of MiCS runs"):
-            engine.save_checkpoint(str(directory))
     return losses, weights, sent
+
+
+def _mics_checkpoint(model: torch.nn.Module, directory: str) -> dict:
+    """MiCS (2-rank shard groups, 2 replicas) saves after 2 steps and trains 2 more; plain
+    ZeRO-3 over 4 ranks and MiCS again resume from the checkpoint: the same 2 losses."""
+    import slipstream
+    from slipstream import comm
+    from slipstream.zero.testing import batch_for
+
+    world, rank = comm.get_world_size(), comm.get_rank()
+
+    def engine_with(extra: dict) -> object:
+        config = {
+            "train_micro_batch_size_per_gpu": MICRO,
+            "optimizer": {"type": "SGD", "params": {"lr": 0.1, "momentum": 0.9}},
+            "steps_per_print": 1000,
+            "zero_optimization": {"stage": 3, "reduce_bucket_size": 4096, **extra},
+        }
+        return slipstream.initialize(model=copy.deepcopy(model), config=config)[0]
+
+    def train(engine: object, steps: range) -> list[float]:
+        losses = []
+        for step in steps:
+            ids, labels = batch_for(step, 0, MICRO * world, vocab=VOCAB)
+            mine = slice(rank * MICRO, (rank + 1) * MICRO)
+            loss = engine(ids[mine], labels[mine])  # type: ignore[operator]
+            engine.backward(loss)  # type: ignore[attr-defined]
+            engine.step()  # type: ignore[attr-defined]
+            total = loss.detach().clone()
+            comm.all_reduce(total)
+            losses.append(float(total) / world)
+        return losses
+
+    mics = engine_with({"mics_shard_size": 2})
+    train(mics, range(2))
+    mics.save_checkpoint(directory)  # type: ignore[attr-defined]
+    expected = train(mics, range(2, 4))
+    out: dict = {"expected": expected}
+    for name, extra in (("plain", {}), ("mics", {"mics_shard_size": 2})):
+        resumed = engine_with(extra)
+        resumed.load_checkpoint(directory)  # type: ignore[attr-defined]
+        assert resumed.global_steps == 2  # type: ignore[attr-defined]
+        out[name] = train(resumed, range(2, 4))
+    import json
+    from pathlib import Path
+
+    tag = (Path(directory) / "latest").read_text().strip()
+    manifest = json.loads((Path(directory) / tag / "manifest.json").read_text())
+    out["dp_world_size"] = manifest["dp_world_size"]
+    out["model_files"] = sorted(e["name"] for e in manifest["files"] if e["kind"] == "model")
+    return out
 
 
 def _rel(a: list[torch.Tensor], b: list[torch.Tensor]) -> float:
@@ -91,7 +137,7 @@ def _zero_plus_plus_world(directory: str) -> dict:
     qwz = _run(model, {"zero_quantized_weights": True})
     qgz = _run(model, {"zero_quantized_gradients": True})
     both = _run(model, {"zero_quantized_weights": True, "zero_quantized_gradients": True})
-    mics = _run(model, {"mics_shard_size": 2}, directory)
+    mics = _run(model, {"mics_shard_size": 2})
     hpz = _run(model, {"zero_hpz_partition_size": 2})
     # Parameters partitioned by zero.Init adopt the engine's ZeRO++ group (its int8 gathers).
     qwz_init = _run(model, {"zero_quantized_weights": True}, under_init=True)
@@ -104,6 +150,7 @@ def _zero_plus_plus_world(directory: str) -> dict:
     )
     out = {"plain": plain[2], "qwz": qwz[2], "qgz": qgz[2], "mics": mics[2], "hpz": hpz[2]}
     out["plain_bf16"], out["quantized_bf16"] = plain_bf16[2], quantized_bf16[2]
+    out["mics_checkpoint"] = _mics_checkpoint(model, directory)
     out["hpz_qgz"] = hpz_qgz[2]
     out["qwz_init"] = qwz_init[2]
     out["qwz_init_same"] = qwz_init[0] == qwz[0]
@@ -128,6 +175,14 @@ def test_qwz_qgz_mics_match_plain_zero3_with_fewer_bytes(tmp_path) -> None:
     ratio = mics["all_gather_into_tensor_bus"] / plain["all_gather_into_tensor_bus"]
     assert abs(ratio - (1 / 2) / (3 / 4)) < 1e-9, result
     assert mics["all_reduce"] > plain.get("all_reduce", 0), result
+    # MiCS checkpoints: the first replica's shards, a ZeRO layout over the 2-rank shard
+    # group; plain ZeRO-3 over 4 ranks and MiCS resume with the uninterrupted losses.
+    saved = result["mics_checkpoint"]
+    assert saved["dp_world_size"] == 2, saved
+    assert saved["model_files"] == ["model.rank0.safetensors", "model.rank1.safetensors"], saved
+    for name in ("plain", "mics"):
+        for got, want in zip(saved[name], saved["expected"], strict=True):
+            assert abs(got - want) <= 1e-6 * abs(want), (name, saved)
     # hpZ gathers the same values (primary shards across 4 ranks on first use, secondary ones
     # within each 2-rank "node" after): bit-equal training, fewer bytes over the busiest link.
     hpz = result["hpz"]
