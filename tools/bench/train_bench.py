@@ -92,6 +92,8 @@ def _zero_plus_plus(args: argparse.Namespace) -> dict[str, Any]:
         keys["zero_quantized_weights"] = True
     if args.qgz:
         keys["zero_quantized_gradients"] = True
+        if args.qgz_bits != 8:
+            keys["zero_quantized_gradients_bits"] = args.qgz_bits
     if args.mics > 0:
         keys["mics_shard_size"] = args.mics
     if args.hpz > 1:
@@ -498,6 +500,13 @@ def main(argv: list[str] | None = None) -> int:
         "--qgz",
         action="store_true",
         help="stage 3: zero_quantized_gradients (int8 all-to-all reduce-scatter)",
+    )
+    parser.add_argument(
+        "--qgz-bits",
+        type=int,
+        choices=(4, 8),
+        default=8,
+        help="--qgz: zero_quantized_gradients_bits (4: int4 codes, two per byte)",
     )
     parser.add_argument("--mics", type=int, default=-1, help="stage 3: mics_shard_size")
     parser.add_argument("--hpz", type=int, default=1, help="stage 3: zero_hpz_partition_size")

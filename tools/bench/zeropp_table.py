@@ -35,6 +35,9 @@ def _label(run: dict[str, Any]) -> str:
     }
     parts = []
     for key, value in keys.items():
+        if key == "zero_quantized_gradients_bits":
+            parts.append(f"int{value}")
+            continue
         name = names.get(key, key)
         parts.append(name if value is True else f"{name}={value}")
     return "ZeRO-3 + " + " + ".join(parts) if parts else "ZeRO-3"

@@ -204,6 +204,8 @@ class ZeroConfig(ConfigBlock):
     zero_quantized_weights: bool = False
     zero_quantized_nontrainable_weights: bool = False
     zero_quantized_gradients: bool = False
+    # Slipstream's own: qgZ's code width, 8 (int8) or 4 (int4, two per byte, as DeepSpeed's).
+    zero_quantized_gradients_bits: Literal[4, 8] = 8
     zeropp_loco_param: dict[str, Any] | None = None
     mics_shard_size: int = -1
     mics_hierarchical_params_gather: bool = False

@@ -58,6 +58,7 @@ def zero_group(config: SlipstreamConfig, dp_group: Any) -> DataParallelGroup:
         quantize_gradients=zero.zero_quantized_gradients,
         mics_shard_size=zero.mics_shard_size,
         hpz_partition_size=zero.zero_hpz_partition_size,
+        gradient_bits=zero.zero_quantized_gradients_bits,
     )
 
 
