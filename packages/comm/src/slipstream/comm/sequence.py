@@ -318,7 +318,7 @@ class SequenceParallelGrid:
         return self.sequence_data_group
 
     def get_data_parallel_world_size(self) -> int:
-        """Number of data-parallel replicas (world / SP): what the data loader shards over."""
+        """Number of data-parallel replicas (world / (SP × TP)): what the data loader shards over."""
         return self.data_parallel_world_size
 
     def get_data_parallel_rank(self) -> int:
