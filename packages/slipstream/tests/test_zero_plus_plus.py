@@ -127,6 +127,27 @@ def _rel(a: list[torch.Tensor], b: list[torch.Tensor]) -> float:
     return float(diff.norm() / torch.cat([y.reshape(-1) for y in b]).norm())
 
 
+def _hierarchical_gather() -> dict:
+    """MiCS's two-hop gather on 4 ranks as 2 "nodes" of 2 (one shard group of 4): the same
+    values as the flat gather, and only the first hop (half its bytes) crosses the nodes."""
+    from slipstream import comm
+    from slipstream.zero import DataParallelGroup
+    from slipstream.zero.zeropp import build_zero_group
+
+    group = build_zero_group(mics_shard_size=4, hierarchical_gather=True, node_size=2)
+    rank = comm.get_rank()
+    shard = torch.arange(5, dtype=torch.float32) + 10 * rank
+    flat, two_hop = torch.empty(20), torch.empty(20)
+    DataParallelGroup.of().all_gather_into(flat, shard)
+    comm.comms_logger.configure(enabled=True, prof_all=True)
+    comm.comms_logger.reset()
+    group.all_gather_into(two_hop, shard, async_op=True).wait()
+    records = comm.comms_logger.records
+    comm.comms_logger.configure(enabled=False)
+    received = {name: sum(s.bus_bytes for s in sizes.values()) for name, sizes in records.items()}
+    return {"equal": torch.equal(flat, two_hop), "received": received}
+
+
 def _zero_plus_plus_world(directory: str) -> dict:
     from slipstream.zero.testing import TinyTransformer
 
@@ -146,6 +167,8 @@ def _zero_plus_plus_world(directory: str) -> dict:
         },
     )
     mics = _run(model, {"mics_shard_size": 2})
+    # On CPU a "node" is one device: every hop of the two-hop gather, bit-equal to MiCS.
+    mics_hier = _run(model, {"mics_shard_size": 2, "mics_hierarchical_params_gather": True})
     hpz = _run(model, {"zero_hpz_partition_size": 2})
     # Parameters partitioned by zero.Init adopt the engine's ZeRO++ group (its int8 gathers).
     qwz_init = _run(model, {"zero_quantized_weights": True}, under_init=True)
@@ -159,6 +182,10 @@ def _zero_plus_plus_world(directory: str) -> dict:
     out = {"plain": plain[2], "qwz": qwz[2], "qgz": qgz[2], "mics": mics[2], "hpz": hpz[2]}
     out["plain_bf16"], out["quantized_bf16"] = plain_bf16[2], quantized_bf16[2]
     out["mics_checkpoint"] = _mics_checkpoint(model, directory)
+    out["mics_hier_same"] = mics_hier[0] == mics[0] and all(
+        torch.equal(a, b) for a, b in zip(mics_hier[1], mics[1])
+    )
+    out["hierarchical"] = _hierarchical_gather()
     out["hpz_qgz"] = hpz_qgz[2]
     out["qgz4"], out["hpz_qgz4"] = qgz4[2], hpz_qgz4[2]
     out["qwz_init"] = qwz_init[2]
@@ -185,6 +212,17 @@ def test_qwz_qgz_mics_match_plain_zero3_with_fewer_bytes(tmp_path) -> None:
     ratio = mics["all_gather_into_tensor_bus"] / plain["all_gather_into_tensor_bus"]
     assert abs(ratio - (1 / 2) / (3 / 4)) < 1e-9, result
     assert mics["all_reduce"] > plain.get("all_reduce", 0), result
+    # mics_hierarchical_params_gather: the same training, bit for bit; with 2 "nodes" of 2,
+    # the same gathered values, and the cross-node hop receives 1 shard per rank where a flat
+    # gather over the 4 ranks receives 2 from the other node (1/2 of the cross-node bytes).
+    assert result["mics_hier_same"], result
+    hier = result["hierarchical"]
+    assert hier["equal"], hier
+    across, inside = (
+        hier["received"]["mics_gather_across_nodes"],
+        hier["received"]["mics_gather_in_node"],
+    )
+    assert across == 1 * 5 * 4 and inside == 2 * 5 * 4, hier  # bus bytes: shards of 5 fp32
     # MiCS checkpoints: the first replica's shards, a ZeRO layout over the 2-rank shard
     # group; plain ZeRO-3 over 4 ranks and MiCS resume with the uninterrupted losses.
     saved = result["mics_checkpoint"]

@@ -26,7 +26,9 @@ reduce code is unchanged:
 - **MiCS** (``mics_shard_size``): parameters, gradients and optimizer states are sharded over
   groups of ``mics_shard_size`` adjacent ranks and replicated across those groups; all-gathers
   stay inside a group, and gradients are reduce-scattered inside it and then all-reduced
-  (averaged) across the replicas.
+  (averaged) across the replicas. ``mics_hierarchical_params_gather`` gathers in two hops
+  when a shard group spans nodes: across the nodes among the ranks of one local index, then
+  inside the node (only ``1/node_size`` of the flat gather's bytes cross nodes).
 
 [Note: full-precision gathers] qwZ quantizes the gathers that feed forward and backward;
 :class:`~slipstream.zero.GatheredParameters` (reading or saving weights) gathers exactly, in
@@ -155,12 +157,19 @@ class ZeroPlusPlusGroup(DataParallelGroup):
     hpz_rank: int = 0
     cross_group: dist.ProcessGroup | None = None  # hpZ: same local index on every node
     gradient_bits: int = 8  # qgZ: int8 or int4 (two codes per byte) all-to-alls
+    # MiCS hierarchical gather (mics_hierarchical_params_gather): the shard group's ranks on
+    # this node (node_size of them) and those with this rank's local index on the other nodes.
+    node_group: dist.ProcessGroup | None = None
+    node_size: int = 1
+    across_group: dist.ProcessGroup | None = None
 
     # ------------------------------------------------------------------ parameters
     def all_gather_into(
         self, output: torch.Tensor, shard: torch.Tensor, async_op: bool = False
     ) -> Any:
         """All-gather ``shard`` into ``output``: int8 blocks with qwZ, else as is."""
+        if self.across_group is not None:
+            return self._hierarchical_gather(output, shard, async_op)
         if (
             not self.quantize_weights
             or self.world_size == 1
@@ -183,6 +192,40 @@ class ZeroPlusPlusGroup(DataParallelGroup):
                 output.view(world, numel).copy_(values)
 
         deferred = _Deferred(works, finish)
+        if async_op:
+            return deferred
+        deferred.wait()
+        return None
+
+    def _hierarchical_gather(
+        self, output: torch.Tensor, shard: torch.Tensor, async_op: bool
+    ) -> Any:
+        """MiCS's two-hop gather: shard rank ``a*h + j`` (node ``a``, local index ``j``) first
+        gathers the shards of local index ``j`` across the nodes (the only hop that leaves the
+        node: ``1/h`` of a flat gather's cross-node bytes), then the node gathers those
+        bundles; the rows are reordered into shard-rank order. Exact (no rounding)."""
+        size, numel = self.node_size, shard.numel()
+        nodes = self.world_size // size
+        across = torch.empty(nodes * numel, dtype=shard.dtype, device=shard.device)
+        work = comm.all_gather_into_tensor(
+            across,
+            shard.reshape(-1),
+            group=self.across_group,
+            async_op=async_op,
+            log_name="mics_gather_across_nodes",
+        )
+
+        def finish() -> None:
+            bundles = torch.empty(size * nodes * numel, dtype=shard.dtype, device=shard.device)
+            comm.all_gather_into_tensor(
+                bundles, across, group=self.node_group, log_name="mics_gather_in_node"
+            )
+            # bundles[j][a] is shard rank a*h + j's shard.
+            rows = bundles.view(size, nodes, numel).transpose(0, 1).reshape(-1)
+            with torch.no_grad():
+                output.view(-1).copy_(rows)
+
+        deferred = _Deferred([work], finish)
         if async_op:
             return deferred
         deferred.wait()
@@ -375,6 +418,8 @@ def build_zero_group(
     mics_shard_size: int = -1,
     hpz_partition_size: int = 1,
     gradient_bits: int = 8,
+    hierarchical_gather: bool = False,
+    node_size: int = 1,
 ) -> DataParallelGroup:
     """The group stage 3 should shard over for these ZeRO++/MiCS settings.
 
@@ -389,7 +434,18 @@ def build_zero_group(
             "use 8 or 4"
         )
     base = DataParallelGroup.of(group)
-    mics = mics_shard_size > 0 and mics_shard_size != base.world_size
+    if hierarchical_gather and mics_shard_size <= 0:
+        raise ValueError(
+            "mics_hierarchical_params_gather needs mics_shard_size: it is MiCS's two-hop "
+            "parameter gather; set mics_shard_size or drop it"
+        )
+    if hierarchical_gather and quantize_weights:
+        raise ValueError(
+            "mics_hierarchical_params_gather with zero_quantized_weights: the two-hop gather "
+            "of int8 blocks is not implemented; choose one of them"
+        )
+    # A shard group of the whole world is plain ZeRO-3, unless it gathers in two hops.
+    mics = mics_shard_size > 0 and (mics_shard_size != base.world_size or hierarchical_gather)
     hpz = hpz_partition_size > 1 and base.world_size > hpz_partition_size
     if not (quantize_weights or quantize_gradients or mics or hpz):
         return base
@@ -456,6 +512,27 @@ def build_zero_group(
         )
     replicas = world // mics_shard_size
     rank = base.rank
+    node_group = across_group = None
+    size = 1
+    if hierarchical_gather:
+        size = max(1, min(node_size, mics_shard_size))
+        if mics_shard_size % size:
+            raise ValueError(
+                f"mics_hierarchical_params_gather: mics_shard_size={mics_shard_size} is not a "
+                f"multiple of the {size} ranks per node; use whole nodes per shard group"
+            )
+        # Collective: every rank creates every group, in the same order.
+        for start in range(0, world, size):
+            ranks = list(range(start, start + size))
+            made = dist.new_group(ranks)
+            if rank in ranks:
+                node_group = made
+        for first in range(0, world, mics_shard_size):
+            for local in range(size):
+                ranks = list(range(first + local, first + mics_shard_size, size))
+                made = dist.new_group(ranks)
+                if rank in ranks:
+                    across_group = made
     shard_group = replica_group = None
     # new_group is collective: every rank creates every group, in the same order.
     for index in range(replicas):
@@ -477,4 +554,7 @@ def build_zero_group(
         gradient_bits=gradient_bits,
         replica_group=replica_group,
         replicas=replicas,
+        node_group=node_group,
+        node_size=size,
+        across_group=across_group,
     )
