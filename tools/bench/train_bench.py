@@ -92,6 +92,8 @@ def _zero_plus_plus(args: argparse.Namespace) -> dict[str, Any]:
         keys["zero_quantized_weights"] = True
     if args.qgz:
         keys["zero_quantized_gradients"] = True
+        if args.qgz_bits != 8:
+            keys["zero_quantized_gradients_bits"] = args.qgz_bits
     if args.mics > 0:
         keys["mics_shard_size"] = args.mics
     if args.hpz > 1:
@@ -110,6 +112,42 @@ def _comms_summary(steps: int) -> dict[str, dict[str, float]]:
             "ms": round(sum(s.total_latency_s for s in sizes.values()) / steps * 1e3, 2),
         }
     return out
+
+
+def _logged_comms(
+    step: Any, input_ids: torch.Tensor, labels: torch.Tensor, steps: int, sync: Any
+) -> dict[str, dict[str, float]]:
+    """``steps`` more steps with the comms logger on, every collective timed to completion
+    (an async one is waited for inside the logger, so its ms is its own transfer, not the time
+    to issue it); returns the per-step MB and ms of each collective."""
+    from slipstream import comm
+
+    logger = comm.comms_logger
+    original = logger.run_logged
+
+    def run_logged(op: str, call: Any, *, async_op: bool = False, **kwargs: Any) -> Any:
+        if not async_op:
+            return original(op, call, async_op=False, **kwargs)
+
+        def blocking() -> Any:
+            work = call()
+            if work is not None:
+                work.wait()  # the caller's own wait() later returns at once
+            return work
+
+        return original(op, blocking, async_op=False, **kwargs)
+
+    logger.run_logged = run_logged  # type: ignore[method-assign]
+    logger.configure(enabled=True)
+    logger.reset()
+    try:
+        for _ in range(steps):
+            step(input_ids, labels)
+        sync()
+        return _comms_summary(steps)
+    finally:
+        logger.configure(enabled=False)
+        logger.run_logged = original  # type: ignore[method-assign]
 
 
 def _use_ulysses(engine: Any, model: Any) -> None:
@@ -463,13 +501,24 @@ def main(argv: list[str] | None = None) -> int:
         action="store_true",
         help="stage 3: zero_quantized_gradients (int8 all-to-all reduce-scatter)",
     )
+    parser.add_argument(
+        "--qgz-bits",
+        type=int,
+        choices=(4, 8),
+        default=8,
+        help="--qgz: zero_quantized_gradients_bits (4: int4 codes, two per byte)",
+    )
     parser.add_argument("--mics", type=int, default=-1, help="stage 3: mics_shard_size")
     parser.add_argument("--hpz", type=int, default=1, help="stage 3: zero_hpz_partition_size")
     parser.add_argument(
         "--comms-log",
         action="store_true",
-        help="slipstream: comms_logger on; the result gets each collective's bytes and time "
-        "over the timed steps (the logger times every op: compare throughput without it)",
+        help="slipstream: after the (unlogged) timed steps, --comms-steps more with the "
+        "comms_logger on; the result gets each collective's MB and ms per step (every op, "
+        "async ones too, timed to completion one at a time: no overlap in those steps)",
+    )
+    parser.add_argument(
+        "--comms-steps", type=int, default=2, help="--comms-log: the logged steps (default 2)"
     )
     args = parser.parse_args(argv)
     if "nvme" in (args.offload, args.offload_param):
@@ -520,7 +569,9 @@ def main(argv: list[str] | None = None) -> int:
     if args.comms_log:
         from slipstream import comm
 
-        comm.comms_logger.reset()
+        # The timed window runs unlogged (the logger synchronises around every op); the
+        # logged steps come after it (_logged_comms).
+        comm.comms_logger.configure(enabled=False)
     start = time.perf_counter()
     ends = []
     for _ in range(args.steps):
@@ -531,7 +582,7 @@ def main(argv: list[str] | None = None) -> int:
     wait_for_step()
     sync()
     elapsed = time.perf_counter() - start
-    comms = _comms_summary(args.steps) if args.comms_log else {}
+    comms = _logged_comms(step, input_ids, labels, args.comms_steps, sync) if args.comms_log else {}
     step_ms = [round(1e3 * (b - a), 1) for a, b in zip([start, *ends[:-1]], ends, strict=True)]
     timed_speculation = (
         None if stats is None else {k: v - before[k] for k, v in _counts(stats).items()}

@@ -145,3 +145,26 @@ def test_shard_sequence_shifts_labels_over_the_whole_sequence() -> None:
     piece = shard_sequence(tokens, tokens, None)
     assert piece["shift_labels"].tolist() == [[1, 2, 3, 4, 5, 6, 7, -100]]
     assert piece["position_ids"].tolist() == [list(range(8))]
+
+
+@pytest.mark.parametrize(
+    ("heads", "kv_heads", "sp", "tp", "error"),
+    [
+        (8, 4, 2, 2, None),  # 4 local heads, 2 local kv heads: both split over SP=2
+        (4, 2, 2, 2, None),  # 1 local kv head: replicated to the 2 SP ranks
+        (8, 8, 4, 2, None),
+        (4, 4, 4, 2, r"each rank's 2 attention heads \(of 4 after"),
+        (12, 6, 2, 2, r"each rank has 3 key/value heads \(of 6 after"),
+        (6, 6, 4, 1, r"splits each rank's 6 attention heads \(of 6\)"),
+    ],
+)
+def test_check_ulysses_heads_per_tensor_parallel_rank(
+    heads: int, kv_heads: int, sp: int, tp: int, error: str | None
+) -> None:
+    from slipstream.comm.sequence import check_ulysses_heads
+
+    if error is None:
+        check_ulysses_heads(heads, kv_heads, sp, tp)
+    else:
+        with pytest.raises(ValueError, match=error):
+            check_ulysses_heads(heads, kv_heads, sp, tp)

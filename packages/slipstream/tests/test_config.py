@@ -306,7 +306,6 @@ def test_zero_stages_1_to_3_load(stage: int) -> None:
     ("key", "value"),
     [
         ("zero_quantized_nontrainable_weights", True),
-        ("mics_hierarchical_params_gather", True),
     ],
 )
 def test_unbuilt_zero_plus_plus_keys_are_not_implemented(key: str, value: Any) -> None:
@@ -323,6 +322,7 @@ def test_unbuilt_zero_plus_plus_keys_are_not_implemented(key: str, value: Any) -
         ("zero_quantized_gradients", True),
         ("mics_shard_size", 4),
         ("zero_hpz_partition_size", 8),
+        ("mics_hierarchical_params_gather", True),
     ],
 )
 def test_zero_plus_plus_and_mics_load_at_stage_3_only(key: str, value: Any) -> None:

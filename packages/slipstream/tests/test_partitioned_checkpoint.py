@@ -5,8 +5,9 @@ One spawned run on 4 gloo ranks.
 - Expert parallelism: a model with a grouped-experts MoE layer (stacked weights, pieces along
   the expert dimension) and a loop-experts one (renamed to global expert ids), trained at EP=2
   ZeRO-1 (expert-DP 2) and saved after 2 of 4 steps; resumed at EP=1 ZeRO-2 (expert-DP 4) and
-  at EP=4 stage 0 (expert-DP 1), which saves again for EP=2 ZeRO-2 to resume. Every resumed
-  step's loss on every rank must equal the uninterrupted run's (fp32).
+  at EP=4 stage 0 (expert-DP 1), which saves again for EP=2 ZeRO-2 to resume; EP=2 ZeRO-3
+  resumes the first checkpoint and saves one of its own, which EP=4 ZeRO-3 and EP=1 ZeRO-2
+  resume. Every resumed step's loss on every rank must equal the uninterrupted run's (fp32).
 - Tensor parallelism: a hand-sharded TP=2 MLP (``tp_partition_dim`` 0 and 1, as
   slipstream.comm's column/row-parallel layers mark them) under ZeRO-1 over its DP=2 group is
   saved; loading at TP=1 (ZeRO-2, DP=4) and at TP=4 (stage 0) gives exactly the slices of the
@@ -183,6 +184,17 @@ def _run(root):
     engine = _expert_engine(2, 2, seed=4)
     engine.load_checkpoint(root / "ep4")
     out["ep2_zero2"] = [_expert_step(engine, 3)]
+    # ZeRO-3 with expert parallelism: EP=2 stage 3 resumes the EP=2 ZeRO-1 checkpoint, saves
+    # its own after step 2, and EP=4 stage 3 and EP=1 ZeRO-2 resume that one.
+    engine = _expert_engine(2, 3, seed=7)
+    engine.load_checkpoint(root / "ep")
+    out["ep2_zero3"] = [_expert_step(engine, 2)]
+    engine.save_checkpoint(root / "ep_z3")
+    out["ep2_zero3"].append(_expert_step(engine, 3))
+    for ep, stage in ((4, 3), (1, 2)):
+        engine = _expert_engine(ep, stage, seed=8 + ep)
+        engine.load_checkpoint(root / "ep_z3")
+        out[f"ep{ep}_zero{stage}_from_zero3"] = [_expert_step(engine, 3)]
     # ---------------------------------------------------------------- tensor parallelism
     groups = {}
     for tp in (2, 4):
@@ -237,7 +249,14 @@ def test_expert_and_tensor_parallel_checkpoints_change_layout(tmp_path):
     reports = run_distributed(_run, 4, str(tmp_path), timeout=300)
     for rank, report in enumerate(reports):
         reference = report["reference"]
-        for key, steps in (("ep1_zero2", [2, 3]), ("ep4_zero0", [2, 3]), ("ep2_zero2", [3])):
+        for key, steps in (
+            ("ep1_zero2", [2, 3]),
+            ("ep4_zero0", [2, 3]),
+            ("ep2_zero2", [3]),
+            ("ep2_zero3", [2, 3]),
+            ("ep4_zero3_from_zero3", [3]),
+            ("ep1_zero2_from_zero3", [3]),
+        ):
             for loss, step in zip(report[key], steps):
                 assert abs(loss - reference[step]) <= 1e-6 * abs(reference[step]), (
                     rank,

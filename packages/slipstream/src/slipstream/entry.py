@@ -12,6 +12,7 @@ from torch.utils.data.distributed import DistributedSampler
 
 from slipstream import comm
 from slipstream.config import SlipstreamConfig, load_config
+from slipstream.kernels.config_schema import ConfigError
 from slipstream.logging_setup import setup_logging
 from slipstream.runtime.engine import SlipstreamEngine
 
@@ -104,15 +105,11 @@ def initialize(
 
     # Ulysses: SP ranks share one data-parallel replica's micro-batch (the loader shards over
     # world / SP), while ZeRO and gradient averaging span the whole world (DP×SP).
-    sequence_grid = _sequence_parallel_grid(source, mpu)
+    # With AutoTP too, each TP rank's share of the heads is split over SP: the grid is
+    # DP × SP × TP (tensor fastest), and AutoTP's data axis (world / TP) is then DP×SP.
+    sequence_grid = _sequence_parallel_grid(source, mpu, model)
     # AutoTP (tensor_parallel.autotp_size > 1): shard the model and train on the grid's DP axis.
-    user_mpu = mpu
     mpu, model_parameters = apply_autotp(model, source, mpu, optimizer, model_parameters)
-    if sequence_grid is not None and mpu is not user_mpu:
-        raise NotImplementedError(
-            "sequence_parallel_size > 1 together with tensor_parallel.autotp_size > 1: Ulysses "
-            "composed with AutoTP is not built yet; use one of the two (set the other to 1)"
-        )
     mpu = with_data_group(mpu)
     data_mpu = sequence_grid if sequence_grid is not None else mpu
     dp_world = (
@@ -161,9 +158,10 @@ def _refuse_sequence_parallel_pipeline(source: Any) -> None:
         )
 
 
-def _sequence_parallel_grid(source: Any, mpu: Any) -> Any:
-    """The SP × DP grid for ``sequence_parallel_size`` > 1 (None otherwise)."""
+def _sequence_parallel_grid(source: Any, mpu: Any, model: torch.nn.Module) -> Any:
+    """The DP × SP (× TP with AutoTP) grid for ``sequence_parallel_size`` > 1 (None otherwise)."""
     from slipstream.config.loading import read_config_source
+    from slipstream.runtime.tensor_parallel import autotp_size
 
     raw, _ = read_config_source(source)
     size = raw.get("sequence_parallel_size", 1)
@@ -187,9 +185,30 @@ def _sequence_parallel_grid(source: Any, mpu: Any) -> Any:
             f"sequence_parallel_size={size} does not divide the world size {world}; choose a "
             "divisor of the number of ranks"
         )
-    from slipstream.comm.sequence import SequenceParallelGrid
+    from slipstream.comm.sequence import SequenceParallelGrid, check_ulysses_heads
 
-    return SequenceParallelGrid(size)
+    tp = max(autotp_size(source), 1)
+    if tp > 1:
+        if world % (size * tp):
+            raise ConfigError(
+                f"sequence_parallel_size={size} × tensor_parallel.autotp_size = {tp} does not "
+                f"divide the world size {world}; choose sizes whose product divides it (the "
+                "data-parallel size is world / (SP × TP))",
+                "sequence_parallel_size",
+            )
+        heads = getattr(getattr(model, "config", None), "num_attention_heads", None)
+        if isinstance(heads, int):
+            try:
+                check_ulysses_heads(
+                    heads, getattr(model.config, "num_key_value_heads", None), size, tp
+                )
+            except ValueError as error:
+                raise ConfigError(
+                    f"sequence_parallel_size={size} with tensor_parallel.autotp_size = {tp}: "
+                    f"{error}",
+                    "sequence_parallel_size",
+                ) from None
+    return SequenceParallelGrid(size, tensor_parallel_size=tp)
 
 
 def _apply_amd_specific(config: SlipstreamConfig) -> None:

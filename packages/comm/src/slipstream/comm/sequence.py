@@ -28,6 +28,7 @@ from slipstream.comm.topology import ProcessTopology
 __all__ = [
     "DistributedAttention",
     "SequenceParallelGrid",
+    "check_ulysses_heads",
     "seq_all_to_all",
     "sequence_parallel_cross_entropy",
     "shard_sequence",
@@ -101,6 +102,49 @@ def seq_all_to_all(
     if scatter_idx == gather_idx:
         raise ValueError(f"scatter_idx and gather_idx must differ, both are {scatter_idx}")
     return _SeqAllToAll.apply(group, tensor, scatter_idx, gather_idx)  # type: ignore[no-any-return]
+
+
+def check_ulysses_heads(
+    num_heads: int,
+    num_kv_heads: int | None,
+    sequence_parallel_size: int,
+    tensor_parallel_size: int = 1,
+) -> None:
+    """Raise ``ValueError`` unless Ulysses can split these heads over SP (after TP took its share).
+
+    Tensor parallelism leaves each rank ``num_heads / TP`` query heads and ``num_kv_heads / TP``
+    key/value heads; Ulysses then splits those over the ``sequence_parallel_size`` ranks: the
+    query heads must divide by SP, the key/value heads must divide by SP or divide SP (then
+    they are replicated). Messages name the counts and the sizes.
+    """
+    sp, tp = sequence_parallel_size, tensor_parallel_size
+    where = f" after tensor_parallel.autotp_size = {tp} took its share" if tp > 1 else ""
+    if num_heads % tp:
+        raise ValueError(
+            f"{num_heads} attention heads do not divide by the tensor-parallel size {tp}"
+        )
+    local = num_heads // tp
+    if local % sp:
+        raise ValueError(
+            f"Ulysses sequence parallelism splits each rank's {local} attention heads (of "
+            f"{num_heads}{where}) over sequence_parallel_size = {sp} ranks, which does not "
+            f"divide them; choose sizes with num_attention_heads divisible by "
+            f"autotp_size × sequence_parallel_size ({tp} × {sp})"
+        )
+    if num_kv_heads is None:
+        return
+    if num_kv_heads % tp:
+        raise ValueError(
+            f"{num_kv_heads} key/value heads do not divide by the tensor-parallel size {tp}"
+        )
+    local_kv = num_kv_heads // tp
+    if local_kv % sp and sp % local_kv:
+        raise ValueError(
+            f"each rank has {local_kv} key/value heads (of {num_kv_heads}{where}), which "
+            f"neither divide by sequence_parallel_size = {sp} nor divide it; choose a "
+            "sequence_parallel_size that is a multiple or a divisor of "
+            "num_key_value_heads / autotp_size"
+        )
 
 
 class DistributedAttention(torch.nn.Module):
@@ -203,37 +247,45 @@ class DistributedAttention(torch.nn.Module):
 
 
 class SequenceParallelGrid:
-    """The data × sequence layout of the world: SP groups of adjacent ranks, DP across them.
+    """The data × sequence (× tensor) layout of the world: SP groups, DP across them.
 
-    Ranks ``[k*SP, (k+1)*SP)`` form sequence-parallel group ``k`` (adjacent, so one node keeps
-    the all-to-alls local); ranks with the same SP index form the data-parallel groups. ZeRO
-    and gradient averaging run over the whole world (DP×SP, see [Note: gradients under
-    sequence parallelism]); the data loader shards over DP only. Every rank must build it
-    (group creation is collective).
+    Without tensor parallelism, ranks ``[k*SP, (k+1)*SP)`` form sequence-parallel group ``k``
+    (adjacent, so one node keeps the all-to-alls local); ranks with the same SP index form the
+    data-parallel groups. ZeRO and gradient averaging run over the whole world (DP×SP, see
+    [Note: gradients under sequence parallelism]); the data loader shards over DP only.
+
+    With ``tensor_parallel_size`` TP > 1 the axes are ``data × sequence × tensor``, tensor
+    fastest: TP groups are adjacent ranks, SP groups are ranks ``TP`` apart, and ZeRO's group
+    (:meth:`get_sequence_data_parallel_group`) is DP×SP at one tensor index — the same ranks
+    as the data axis of AutoTP's ``PipeModelDataParallelTopology(1, TP, DP*SP)``, whose data
+    coordinate is ``dp * SP + sp``. Every rank must build it (group creation is collective).
 
     >>> grid = SequenceParallelGrid(sequence_parallel_size=2)  # doctest: +SKIP
     >>> grid.sequence_parallel_rank, grid.data_parallel_world_size  # doctest: +SKIP
     """
 
-    def __init__(self, sequence_parallel_size: int) -> None:
+    def __init__(self, sequence_parallel_size: int, tensor_parallel_size: int = 1) -> None:
         world = dist.get_world_size() if dist.is_initialized() else 1
-        if sequence_parallel_size < 1 or world % sequence_parallel_size:
+        sp, tp = sequence_parallel_size, tensor_parallel_size
+        if sp < 1 or tp < 1 or world % (sp * tp):
             raise ValueError(
-                f"sequence_parallel_size={sequence_parallel_size} must be a positive divisor of "
-                f"the world size {world}"
+                f"sequence_parallel_size={sp} (× tensor-parallel size {tp}) must be a positive "
+                f"divisor of the world size {world}"
             )
         self.topology = ProcessTopology(
-            axes=["data", "sequence"],
-            dims=[world // sequence_parallel_size, sequence_parallel_size],
+            axes=["data", "sequence", "tensor"], dims=[world // (sp * tp), sp, tp]
         )
         rank = dist.get_rank() if dist.is_initialized() else 0
         coord = self.topology.get_coord(rank)
-        self.sequence_parallel_world_size = sequence_parallel_size
+        self.sequence_parallel_world_size = sp
         self.sequence_parallel_rank = int(coord.sequence)
-        self.data_parallel_world_size = world // sequence_parallel_size
+        self.tensor_parallel_world_size = tp
+        self.data_parallel_world_size = world // (sp * tp)
         self.data_parallel_rank = int(coord.data)
         self.sequence_group: dist.ProcessGroup | None = None
         self.data_group: dist.ProcessGroup | None = None
+        # DP×SP at this rank's tensor index (None: the whole world, when TP is 1).
+        self.sequence_data_group: dist.ProcessGroup | None = None
         if world == 1:
             return
         for axis in ("sequence", "data"):
@@ -241,6 +293,12 @@ class SequenceParallelGrid:
                 made = dist.new_group(ranks)
                 if rank in ranks:
                     setattr(self, f"{axis}_group", made)
+        if tp > 1:
+            for index in range(tp):
+                ranks = self.topology.filter_match(tensor=index)
+                made = dist.new_group(ranks)
+                if rank in ranks:
+                    self.sequence_data_group = made
 
     # DeepSpeed's mpu names for the sequence axis.
     def get_sequence_parallel_group(self) -> dist.ProcessGroup | None:
@@ -256,11 +314,11 @@ class SequenceParallelGrid:
         return self.sequence_parallel_rank
 
     def get_sequence_data_parallel_group(self) -> dist.ProcessGroup | None:
-        """The group ZeRO shards over: the whole world (DP×SP)."""
-        return None
+        """The group ZeRO shards over: DP×SP (the whole world when TP is 1: None)."""
+        return self.sequence_data_group
 
     def get_data_parallel_world_size(self) -> int:
-        """Number of data-parallel replicas (world / SP): what the data loader shards over."""
+        """Number of data-parallel replicas (world / (SP × TP)): what the data loader shards over."""
         return self.data_parallel_world_size
 
     def get_data_parallel_rank(self) -> int:

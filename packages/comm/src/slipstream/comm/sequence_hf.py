@@ -8,7 +8,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from slipstream.comm.sequence import _group_size, seq_all_to_all
+from slipstream.comm.sequence import _group_size, check_ulysses_heads, seq_all_to_all
 
 __all__ = ["apply_ulysses_attention"]
 
@@ -60,6 +60,8 @@ def apply_ulysses_attention(
     :func:`~slipstream.comm.sequence.sequence_parallel_cross_entropy` on ``shift_labels``.
     Causal, unpadded (packed) sequences only: a forward given an ``attention_mask`` with
     padding raises, as does one without ``position_ids`` on an SP group larger than one.
+    On a tensor-parallel model (AutoTP) Ulysses splits each rank's ``1/TP`` of the heads;
+    :func:`~slipstream.comm.sequence.check_ulysses_heads` says which counts work.
 
     >>> model = LlamaForCausalLM(config)  # doctest: +SKIP
     >>> apply_ulysses_attention(model, grid.sequence_group)  # doctest: +SKIP
@@ -69,12 +71,12 @@ def apply_ulysses_attention(
 
     config: Any = model.config
     size = _group_size(sequence_process_group)
-    heads = config.num_attention_heads
-    if heads % size:
-        raise ValueError(
-            f"Ulysses sequence parallelism splits the {heads} attention heads over "
-            f"sequence_parallel_size={size} ranks; choose a size that divides {heads}"
-        )
+    # A tensor-parallel model (AutoTP, the layers of slipstream.comm.tensor_parallel) keeps
+    # 1/TP of the heads on each rank: Ulysses splits those.
+    tp = max((int(getattr(p, "tp_size", 1)) for p in model.parameters()), default=1)
+    check_ulysses_heads(
+        config.num_attention_heads, getattr(config, "num_key_value_heads", None), size, tp
+    )
 
     def attention(
         module: torch.nn.Module,

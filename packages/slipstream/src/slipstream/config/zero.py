@@ -135,7 +135,6 @@ STAGE0_EFFECTIVE_KEYS = frozenset({"stage", "reduce_bucket_size"})
 # ZeRO++ / MiCS switches not built yet: (field, inert value, what it asks for).
 _ZERO_PLUS_PLUS: tuple[tuple[str, Any, str], ...] = (
     ("zero_quantized_nontrainable_weights", False, "ZeRO++ quantized frozen weights"),
-    ("mics_hierarchical_params_gather", False, "MiCS hierarchical (two-hop) parameter gather"),
 )
 # ZeRO++ / MiCS switches that run (stage 3 only; slipstream.zero.zeropp): field, inert value.
 _ZERO_PLUS_PLUS_STAGE3: tuple[tuple[str, Any], ...] = (
@@ -143,6 +142,7 @@ _ZERO_PLUS_PLUS_STAGE3: tuple[tuple[str, Any], ...] = (
     ("zero_quantized_gradients", False),
     ("mics_shard_size", -1),
     ("zero_hpz_partition_size", 1),
+    ("mics_hierarchical_params_gather", False),
 )
 
 
@@ -154,8 +154,8 @@ class ZeroConfig(ConfigBlock):
     package; docs/zero.md says which key does what), with optimizer offload to CPU or NVMe and
     parameter offload to CPU (slipstream-offload-io; docs/offload.md). At stage 3, ZeRO++'s
     quantized weight all-gather and gradient reduce-scatter, hpZ and MiCS shard groups run
-    (slipstream.zero.zeropp). Parameter offload to NVMe, quantized frozen weights, MiCS's
-    hierarchical gather and ZenFlow are recognised and rejected with a clear error; every
+    (slipstream.zero.zeropp), MiCS's hierarchical gather too. Parameter offload to NVMe,
+    quantized frozen weights and ZenFlow are recognised and rejected with a clear error; every
     key is typed and checked so a config keeps working unchanged when they arrive. The ``stage3_*`` keys
     also accept DeepSpeed's Python names without the prefix (``prefetch_bucket_size``).
     ``overlap_comm`` left unset means DeepSpeed's default: on at stage 3, off otherwise.
@@ -204,6 +204,8 @@ class ZeroConfig(ConfigBlock):
     zero_quantized_weights: bool = False
     zero_quantized_nontrainable_weights: bool = False
     zero_quantized_gradients: bool = False
+    # Slipstream's own: qgZ's code width, 8 (int8) or 4 (int4, two per byte, as DeepSpeed's).
+    zero_quantized_gradients_bits: Literal[4, 8] = 8
     zeropp_loco_param: dict[str, Any] | None = None
     mics_shard_size: int = -1
     mics_hierarchical_params_gather: bool = False

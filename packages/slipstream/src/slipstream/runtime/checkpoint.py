@@ -370,13 +370,7 @@ def _layout_of(engine: Any, manifest: dict[str, Any] | None = None) -> Any:
 
     saved_partitioned = manifest is not None and manifest.get("layout") == "partitioned"
     if partitioned_checkpoint.is_partitioned(engine.module) or saved_partitioned:
-        if getattr(engine, "zero_stage", 0) > 2:
-            raise CheckpointMismatchError(
-                "checkpoints of tensor- or expert-parallel models are saved and loaded at ZeRO "
-                "stages 0-2; this engine runs stage 3 (not implemented for them yet). Use "
-                "zero_optimization.stage 1 or 2, or consolidate the checkpoint with "
-                "`slipstream convert` and load the weights into the stage-3 model"
-            )
+        # Stages 0-3 (ZeRO-3 with expert parallelism; tensor parallelism refuses stage 3).
         return partitioned_checkpoint
     if engine.zero is not None:
         from slipstream.runtime import zero_checkpoint

@@ -215,8 +215,11 @@ class SlipstreamEngine(torch.nn.Module):
         # A step whose skip was decided on the device, not read yet (see _settle_step).
         self._unsettled: _UnsettledStep | None = None
 
-        # Ulysses (DeepSpeed's names): set by initialize() from sequence_parallel_size.
-        self.sequence_parallel_size = 1
+        # Ulysses (DeepSpeed's names); initialize() sets the group. The SP ranks of one
+        # replica share its samples: the engine's gradient group spans DP × SP, but only
+        # dp_world_size / SP replicas count towards samples (batch, samples/s).
+        self.sequence_parallel_size = config.sequence_parallel_size
+        self._replicas = max(self.dp_world_size // self.sequence_parallel_size, 1)
         self.seq_parallel_group: Any = None
         # Loop state, named as in DeepSpeed.
         self.global_steps = 0
@@ -246,6 +249,7 @@ class SlipstreamEngine(torch.nn.Module):
         # sequence-dependent FLOPs are left out; set_flops_per_token() takes an exact figure.
         self.throughput = ThroughputMeter(
             dp_world_size=self.dp_world_size,
+            sequence_parallel_size=self.sequence_parallel_size,
             flops_per_token=6.0 * n_params,
             peak=peak_tflops(device_name, self.compute_dtype or torch.float32),
         )
@@ -258,7 +262,7 @@ class SlipstreamEngine(torch.nn.Module):
                 self.dp_world_size,
                 config.train_micro_batch_size_per_gpu,
                 config.gradient_accumulation_steps,
-                self.dp_world_size,
+                self._replicas,
                 config.train_batch_size,
                 getattr(self.gradient_path, "num_buckets", 0),
             )
@@ -978,11 +982,11 @@ class SlipstreamEngine(torch.nn.Module):
 
     def set_train_batch_size(self, train_batch_size: int) -> None:
         """Change the global batch by changing gradient accumulation (the micro-batch stays)."""
-        per_step = self._micro_batch * self.dp_world_size
+        per_step = self._micro_batch * self._replicas  # SP ranks share a replica's samples
         if train_batch_size <= 0 or train_batch_size % per_step:
             raise ValueError(
                 f"set_train_batch_size({train_batch_size}): the batch must be a positive "
-                f"multiple of micro-batch x data-parallel size = {per_step}"
+                f"multiple of micro-batch x data-parallel replicas = {per_step}"
             )
         self._gas = train_batch_size // per_step
         self._train_batch = train_batch_size

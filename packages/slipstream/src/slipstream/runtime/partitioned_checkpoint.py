@@ -16,7 +16,8 @@ Experts of a grouped layer (stacked ``(experts, ...)`` weights) are pieces along
 layer's ``(num_experts, ...)`` tensors; a loop layer's ``local_experts.<i>`` are renamed to
 their global index ``local_experts.<first + i>``. A load assembles each parameter it needs from
 the pieces and cuts its own slice and shard, so TP size, EP size, data-parallel size and ZeRO
-stage (0-2) may all change, and the ZeRO/stage-0 loaders read these checkpoints too (a TP=2 or
+stage (0-3; at stage 3 each parameter's values are its flat shard, stored and read like a
+master) may all change, and the ZeRO/stage-0 loaders read these checkpoints too (a TP=2 or
 EP=2 checkpoint loads into the unsplit model).
 """
 
@@ -34,7 +35,7 @@ from slipstream import comm
 from slipstream.runtime import checkpoint as ckpt
 from slipstream.runtime.checkpoint_manager import gradient_path_state
 from slipstream.runtime.zero_checkpoint import PARTITIONING, ShardReader, _padded
-from slipstream.zero import ShardSpec
+from slipstream.zero import ShardSpec, sharded_state_of
 
 __all__ = [
     "apply",
@@ -149,7 +150,8 @@ def tensors_to_check(engine: Any) -> Iterator[tuple[str, torch.Tensor]]:
     optimizer = gradient_path_state(engine).optimizer
     assert optimizer is not None
     for name, param in engine.module.named_parameters():
-        yield f"parameter {name}", param
+        sharded = sharded_state_of(param)  # stage 3: the full storage is freed
+        yield f"parameter {name}", param if sharded is None else sharded.shard
     for name, _, stepped, _ in _stepped(engine):
         yield f"master weight {name}", stepped
         for key, value in optimizer.state.get(stepped, {}).items():
@@ -175,6 +177,9 @@ def write_rank_files(engine: Any, staging: Path) -> tuple[list[dict[str, Any]], 
         if not place.tensor_parallel and place.group == "" and tp_rank != 0:
             return False, 0, 1  # replicated across the tensor-parallel group
         group = sharding.get(id(param))
+        sharded = sharded_state_of(param)
+        if group is None and sharded is not None:
+            group = sharded.group  # stage 3: a frozen parameter is sharded too
         if group is not None:
             return True, int(group.rank), int(group.world_size)
         return _replica_rank(place, engine) == 0, 0, 1
@@ -185,9 +190,14 @@ def write_rank_files(engine: Any, staging: Path) -> tuple[list[dict[str, Any]], 
             continue
         place = placements[name]
         spec = ShardSpec(param.shape, world)
-        files.setdefault(f"model.{place.group}rank{rank}.safetensors", {})[place.name] = (
+        sharded = sharded_state_of(param)
+        # Stage 3 holds the shard itself (same flat layout over the same group).
+        values = (
             spec.shard_of(param.detach(), rank)
+            if sharded is None
+            else sharded.shard.detach().to(param.dtype)
         )
+        files.setdefault(f"model.{place.group}rank{rank}.safetensors", {})[place.name] = values
         info["pieces"][place.name] = {
             "dim": place.dim,
             "index": place.index,
@@ -355,7 +365,13 @@ def apply(
     with ShardReader(path, manifest) as reader, torch.no_grad():
         for local, param in engine.module.named_parameters():
             place = placements[local]
-            param.copy_(_local_slice(reader.read_full("model", place.name), place))
+            full = reader.read_full("model", place.name)
+            sharded = sharded_state_of(param)
+            if sharded is None:
+                param.copy_(_local_slice(full, place))
+            else:  # stage 3: this rank's flat shard of its slice
+                values = _cut(full, place, sharded.group, param.shape)
+                sharded.shard.copy_(values.to(sharded.shard.dtype))
         buffers = dict(engine.module.named_buffers())
         for name, value in reader.buffers():
             if name in buffers:
@@ -387,3 +403,5 @@ def apply(
             current = optimizer.state_dict()["param_groups"]
             groups = [{**c, **s, "params": c["params"]} for s, c in zip(saved_groups, current)]
             optimizer.load_state_dict({"state": entries, "param_groups": groups})
+    if state.stage3 is not None:
+        state.stage3.release_all()  # gathered copies (persistent ones) hold old values

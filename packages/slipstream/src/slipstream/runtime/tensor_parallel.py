@@ -24,6 +24,7 @@ from slipstream.kernels.config_schema import ConfigError
 __all__ = [
     "agree_nonfinite_across_tensor_group",
     "apply_autotp",
+    "autotp_size",
     "check_tensor_parallel_support",
     "clip_by_norm_",
     "is_tensor_parallel",
@@ -42,6 +43,11 @@ def _tensor_parallel_block(source: ConfigSource) -> TensorParallelConfig:
     raw, _ = read_config_source(source)
     block = raw.get("tensor_parallel") or {}
     return TensorParallelConfig.from_dict(block, "tensor_parallel")
+
+
+def autotp_size(source: ConfigSource) -> int:
+    """``tensor_parallel.autotp_size`` of the config (0 or 1: AutoTP is off)."""
+    return int(_tensor_parallel_block(source).autotp_size)
 
 
 def apply_autotp(

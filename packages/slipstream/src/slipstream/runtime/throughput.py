@@ -99,8 +99,18 @@ class ThroughputMeter:
     does is included, as a user timing the loop would see it.
     """
 
-    def __init__(self, *, dp_world_size: int, flops_per_token: float, peak: float | None) -> None:
+    def __init__(
+        self,
+        *,
+        dp_world_size: int,
+        flops_per_token: float,
+        peak: float | None,
+        sequence_parallel_size: int = 1,
+    ) -> None:
+        # dp_world_size: the ranks whose tokens add up (DP × SP under Ulysses: each SP rank
+        # holds 1/SP of its replica's tokens); samples count once per replica (÷ SP).
         self.dp_world_size = dp_world_size
+        self.sequence_parallel_size = sequence_parallel_size
         self.flops_per_token = flops_per_token
         self.peak_flops = peak * 1e12 if peak else None
         self._start = time.perf_counter()
@@ -116,7 +126,7 @@ class ThroughputMeter:
         """(samples/s, tokens/s, MFU) over all data-parallel ranks since the last call; resets."""
         now = time.perf_counter()
         elapsed = max(now - self._start, 1e-9)
-        samples_per_s = self._samples * self.dp_world_size / elapsed
+        samples_per_s = self._samples * self.dp_world_size / self.sequence_parallel_size / elapsed
         tokens_per_s = self._tokens * self.dp_world_size / elapsed if self._tokens else None
         mfu = None
         if tokens_per_s is not None and self.peak_flops:

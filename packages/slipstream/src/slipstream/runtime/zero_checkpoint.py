@@ -108,18 +108,17 @@ def tensors_to_check(engine: SlipstreamEngine) -> Iterator[tuple[str, torch.Tens
             yield f"parameter {name}", param
 
 
-def _refuse_mics(engine: SlipstreamEngine) -> None:
-    """MiCS shards over groups smaller than the data-parallel world (its replicas hold equal
-    shards): the one-file-per-DP-rank layout does not describe that yet."""
-    replicas = getattr(engine._zero_group(), "replicas", 1)
-    if replicas > 1:
-        raise NotImplementedError(
-            f"checkpoints of MiCS runs (zero_optimization.mics_shard_size="
-            f"{engine._zero_group().world_size}, {replicas} replicas) are not implemented: "
-            "the checkpoint layout has one shard per data-parallel rank. Save with "
-            "engine.save_16bit_model(...) (stage3_gather_16bit_weights_on_model_save: true) "
-            "or train without mics_shard_size"
-        )
+def _writes_shards(engine: SlipstreamEngine) -> bool:
+    """Whether this rank writes model/optimizer shard files.
+
+    [Note: MiCS checkpoints] MiCS shards over groups of ``mics_shard_size`` adjacent ranks
+    and keeps ``replicas`` equal copies of those shards. The checkpoint is the first
+    replica's shards (global ranks ``0..m-1``, shard ranks ``0..m-1``) with ``dp_world_size``
+    = ``m``: the plain ZeRO layout over ``m`` ranks, so any ZeRO engine (MiCS or not, any
+    size) reads it, and a MiCS engine reads any ZeRO checkpoint, each replica the same ranges.
+    """
+    replicas = int(getattr(engine._zero_group(), "replicas", 1))
+    return replicas == 1 or comm.get_rank() < gradient_path_state(engine).dp_world
 
 
 def write_rank_files(
@@ -127,8 +126,13 @@ def write_rank_files(
 ) -> tuple[list[dict[str, Any]], dict[str, Any]]:
     """Every rank: its model and optimizer shards and RNG state; rank 0 also the buffers."""
     assert engine.zero is not None and engine.optimizer is not None
-    _refuse_mics(engine)
-    rank, world = gradient_path_state(engine).dp_rank, engine.dp_world_size
+    state = gradient_path_state(engine)
+    rank, world = state.dp_rank, state.dp_world
+    rng_tensors, rng_meta = ckpt._rng_state()
+    rng_name = f"rng.rank{comm.get_rank()}.safetensors"
+    if not _writes_shards(engine):  # a MiCS replica past the first: see [Note: MiCS checkpoints]
+        ckpt._save_tensors(staging / rng_name, rng_tensors, rng_meta)
+        return [ckpt.file_entry(staging, rng_name, "rng", comm.get_rank())], {"sharded_keys": []}
     named = _named_params(engine.module)
     model_name = f"model.rank{rank}.safetensors"
     with _shards_resident(engine, dirty=False):
@@ -148,8 +152,6 @@ def write_rank_files(
                     sharded_keys.add(key)
     optimizer_name = f"optimizer.rank{rank}.safetensors"
     ckpt._save_tensors(staging / optimizer_name, tensors)
-    rng_tensors, rng_meta = ckpt._rng_state()
-    rng_name = f"rng.rank{comm.get_rank()}.safetensors"
     ckpt._save_tensors(staging / rng_name, rng_tensors, rng_meta)
     files = [
         ckpt.file_entry(staging, model_name, "model", rank),
@@ -166,7 +168,7 @@ def write_rank_files(
 def manifest_fields(engine: SlipstreamEngine, infos: list[dict[str, Any]]) -> dict[str, Any]:
     """Rank 0: the ZeRO layout's part of the manifest (``infos``: every rank's write info)."""
     assert engine.optimizer is not None and engine.zero is not None
-    world = engine.dp_world_size
+    world = gradient_path_state(engine).dp_world  # MiCS: the shard group's size
     sharded_keys = sorted({key for info in infos for key in info["sharded_keys"]})
     names = _master_names(engine)
     param_names = [names[id(p)] for g in engine.optimizer.param_groups for p in g["params"]]
@@ -177,6 +179,7 @@ def manifest_fields(engine: SlipstreamEngine, infos: list[dict[str, Any]]) -> di
             if not isinstance(value, torch.Tensor):
                 scalars.setdefault(param_names[index], {})[key] = value
     return {
+        "dp_world_size": world,
         "zero_stage": engine.zero_stage,
         "partitioning": PARTITIONING,
         "parameters": {
@@ -485,8 +488,7 @@ def apply(
 ) -> None:
     """Copy a validated checkpoint into a ZeRO engine (each rank reads its new shards)."""
     assert engine.zero is not None and engine.optimizer is not None
-    _refuse_mics(engine)
-    world, rank = engine.dp_world_size, gradient_path_state(engine).dp_rank
+    world, rank = gradient_path_state(engine).dp_world, gradient_path_state(engine).dp_rank
     named = _named_params(engine.module)
     with ShardReader(path, manifest) as reader, torch.no_grad():
         with _shards_resident(engine, dirty=True):
@@ -518,7 +520,7 @@ def _load_optimizer(
     names = _master_names(engine)
     order = [names[id(p)] for g in engine.optimizer.param_groups for p in g["params"]]
     scalars = ckpt._from_json(saved["scalars"])
-    world, rank = engine.dp_world_size, gradient_path_state(engine).dp_rank
+    world, rank = gradient_path_state(engine).dp_world, gradient_path_state(engine).dp_rank
     state: dict[int, dict[str, Any]] = {}
     params = [p for g in engine.optimizer.param_groups for p in g["params"]]
     model_param = {id(m): p for p, m in zip(engine.zero.params, engine.zero.masters.masters)}

@@ -49,6 +49,7 @@ def zero_settings(config: SlipstreamConfig) -> ZeroSettings:
 
 def zero_group(config: SlipstreamConfig, dp_group: Any) -> DataParallelGroup:
     """The group ZeRO shards over: ZeRO++ (qwZ, qgZ) and MiCS change its collectives."""
+    from slipstream.kernels import get_accelerator
     from slipstream.zero.zeropp import build_zero_group
 
     zero = config.zero_optimization
@@ -58,6 +59,10 @@ def zero_group(config: SlipstreamConfig, dp_group: Any) -> DataParallelGroup:
         quantize_gradients=zero.zero_quantized_gradients,
         mics_shard_size=zero.mics_shard_size,
         hpz_partition_size=zero.zero_hpz_partition_size,
+        gradient_bits=zero.zero_quantized_gradients_bits,
+        hierarchical_gather=zero.mics_hierarchical_params_gather,
+        # DeepSpeed's node: the devices this process sees (GPUs per node).
+        node_size=get_accelerator().device_count(),
     )
 
 

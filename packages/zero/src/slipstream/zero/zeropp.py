@@ -12,7 +12,9 @@ reduce code is unchanged:
   Bytes on the wire: 1 + 4/256 per element instead of 2 (bf16) or 4 (fp32).
 - **qgZ** (``zero_quantized_gradients``): the reduce-scatter becomes an all-to-all of int8
   blocks (each rank quantizes the piece of its gradient bucket that every other rank owns),
-  followed by a local fp32 dequantize-and-sum of the pieces received.
+  followed by a local fp32 dequantize-and-sum of the pieces received. With
+  ``zero_quantized_gradients_bits`` 4 the codes are int4, two per byte (as DeepSpeed's qgZ
+  sends): half the bytes of int8, an error bound of ``|block max| / 14`` instead of ``/ 254``.
 - **hpZ** (``zero_hpz_partition_size``): after a parameter's first full gather, each rank
   keeps a *secondary* shard, its ``1/hpz`` slice of the full value within its group of
   ``hpz`` adjacent ranks (a node); later gathers (backward, a module's second call) all-gather
@@ -24,7 +26,9 @@ reduce code is unchanged:
 - **MiCS** (``mics_shard_size``): parameters, gradients and optimizer states are sharded over
   groups of ``mics_shard_size`` adjacent ranks and replicated across those groups; all-gathers
   stay inside a group, and gradients are reduce-scattered inside it and then all-reduced
-  (averaged) across the replicas.
+  (averaged) across the replicas. ``mics_hierarchical_params_gather`` gathers in two hops
+  when a shard group spans nodes: across the nodes among the ranks of one local index, then
+  inside the node (only ``1/node_size`` of the flat gather's bytes cross nodes).
 
 [Note: full-precision gathers] qwZ quantizes the gathers that feed forward and backward;
 :class:`~slipstream.zero.GatheredParameters` (reading or saving weights) gathers exactly, in
@@ -55,6 +59,8 @@ __all__ = [
 
 # Elements per quantization block (one fp32 scale each): 1/64 overhead in bytes on int8.
 BLOCK_SIZE = 256
+# qgZ's code widths (zero_quantized_gradients_bits) and the kernels' format names.
+_FORMATS = {8: "int8", 4: "int4"}
 
 _state = threading.local()
 
@@ -93,35 +99,39 @@ class _Deferred:
         return True
 
 
-def _quantize_rows(rows: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, int]:
-    """int8 codes ``[rows, blocks, block]`` and scales ``[rows, blocks]`` of a 2-D tensor,
-    each row padded to whole blocks (so no block spans two rows); also the padded width.
+def _quantize_rows(rows: torch.Tensor, bits: int = 8) -> tuple[torch.Tensor, torch.Tensor, int]:
+    """Codes ``[rows, blocks, block * bits / 8]`` (int8, or uint8 holding two int4 codes) and
+    scales ``[rows, blocks]`` of a 2-D tensor, each row padded to whole blocks (so no block
+    spans two rows); also the padded width.
 
     ``block`` is :data:`BLOCK_SIZE`, or the row width when a row is shorter (a shard of a
-    small parameter is not padded to 256 codes)."""
+    small parameter is not padded to 256 codes; int4 rounds it up to an even width)."""
     from slipstream.kernels.ops.quantize import quantize
 
     count, width = rows.shape
     block = min(BLOCK_SIZE, width)
+    if bits == 4:
+        block += block % 2  # two codes per byte
     padded = -(-width // block) * block
     if padded != width:
         rows = torch.nn.functional.pad(rows, (0, padded - width))
-    q = quantize(rows, "int8", block)
+    q = quantize(rows, _FORMATS[bits], block)
     blocks = padded // block
-    return q.data.view(count, blocks, block), q.scales.view(count, blocks), padded
+    return q.data.view(count, blocks, -1), q.scales.view(count, blocks), padded
 
 
 def _dequantize_rows(
-    codes: torch.Tensor, scales: torch.Tensor, width: int, dtype: torch.dtype
+    codes: torch.Tensor, scales: torch.Tensor, width: int, dtype: torch.dtype, bits: int = 8
 ) -> torch.Tensor:
     """Inverse of :func:`_quantize_rows`: ``[rows, width]`` in ``dtype``."""
     from slipstream.kernels.ops.quantize import QuantizedTensor, dequantize
 
-    count, blocks, block = codes.shape
+    count, blocks, stored = codes.shape
+    block = stored * 8 // bits
     q = QuantizedTensor(
-        codes.reshape(count * blocks, block),
+        codes.reshape(count * blocks, stored),
         scales.reshape(-1),
-        "int8",
+        _FORMATS[bits],
         block,
         torch.Size([count, blocks * block]),
         dtype,
@@ -146,12 +156,20 @@ class ZeroPlusPlusGroup(DataParallelGroup):
     hpz_size: int = 1
     hpz_rank: int = 0
     cross_group: dist.ProcessGroup | None = None  # hpZ: same local index on every node
+    gradient_bits: int = 8  # qgZ: int8 or int4 (two codes per byte) all-to-alls
+    # MiCS hierarchical gather (mics_hierarchical_params_gather): the shard group's ranks on
+    # this node (node_size of them) and those with this rank's local index on the other nodes.
+    node_group: dist.ProcessGroup | None = None
+    node_size: int = 1
+    across_group: dist.ProcessGroup | None = None
 
     # ------------------------------------------------------------------ parameters
     def all_gather_into(
         self, output: torch.Tensor, shard: torch.Tensor, async_op: bool = False
     ) -> Any:
         """All-gather ``shard`` into ``output``: int8 blocks with qwZ, else as is."""
+        if self.across_group is not None:
+            return self._hierarchical_gather(output, shard, async_op)
         if (
             not self.quantize_weights
             or self.world_size == 1
@@ -174,6 +192,40 @@ class ZeroPlusPlusGroup(DataParallelGroup):
                 output.view(world, numel).copy_(values)
 
         deferred = _Deferred(works, finish)
+        if async_op:
+            return deferred
+        deferred.wait()
+        return None
+
+    def _hierarchical_gather(
+        self, output: torch.Tensor, shard: torch.Tensor, async_op: bool
+    ) -> Any:
+        """MiCS's two-hop gather: shard rank ``a*h + j`` (node ``a``, local index ``j``) first
+        gathers the shards of local index ``j`` across the nodes (the only hop that leaves the
+        node: ``1/h`` of a flat gather's cross-node bytes), then the node gathers those
+        bundles; the rows are reordered into shard-rank order. Exact (no rounding)."""
+        size, numel = self.node_size, shard.numel()
+        nodes = self.world_size // size
+        across = torch.empty(nodes * numel, dtype=shard.dtype, device=shard.device)
+        work = comm.all_gather_into_tensor(
+            across,
+            shard.reshape(-1),
+            group=self.across_group,
+            async_op=async_op,
+            log_name="mics_gather_across_nodes",
+        )
+
+        def finish() -> None:
+            bundles = torch.empty(size * nodes * numel, dtype=shard.dtype, device=shard.device)
+            comm.all_gather_into_tensor(
+                bundles, across, group=self.node_group, log_name="mics_gather_in_node"
+            )
+            # bundles[j][a] is shard rank a*h + j's shard.
+            rows = bundles.view(size, nodes, numel).transpose(0, 1).reshape(-1)
+            with torch.no_grad():
+                output.view(-1).copy_(rows)
+
+        deferred = _Deferred([work], finish)
         if async_op:
             return deferred
         deferred.wait()
@@ -202,9 +254,9 @@ class ZeroPlusPlusGroup(DataParallelGroup):
     ) -> Any:
         if self.hpz_size > 1 and self.cross_group is not None:
             return self._hierarchical_reduce_scatter(output, full, async_op)
-        world, numel = self.world_size, output.numel()
+        world, numel, bits = self.world_size, output.numel(), self.gradient_bits
         # Row r is the piece rank r owns; each is quantized in its own blocks and sent to r.
-        codes, scales, _ = _quantize_rows(full.reshape(world, numel))
+        codes, scales, _ = _quantize_rows(full.reshape(world, numel), bits)
         got_codes, got_scales = torch.empty_like(codes), torch.empty_like(scales)
         works = [
             comm.all_to_all_single(got_codes, codes, group=self.group, async_op=async_op),
@@ -213,7 +265,7 @@ class ZeroPlusPlusGroup(DataParallelGroup):
 
         def finish() -> None:
             # The sum of every rank's piece, in fp32 whatever the bucket's dtype.
-            pieces = _dequantize_rows(got_codes, got_scales, numel, torch.float32)
+            pieces = _dequantize_rows(got_codes, got_scales, numel, torch.float32, bits)
             output.copy_(pieces.sum(dim=0))
 
         deferred = _Deferred(works, finish)
@@ -234,9 +286,10 @@ class ZeroPlusPlusGroup(DataParallelGroup):
         int8 bytes cross nodes (the second hop).
         """
         world, numel, size = self.world_size, output.numel(), self.hpz_size
+        bits = self.gradient_bits
         nodes = world // size
         by_peer = full.reshape(nodes, size, numel).transpose(0, 1).reshape(world, numel)
-        codes, scales, _ = _quantize_rows(by_peer)
+        codes, scales, _ = _quantize_rows(by_peer, bits)
         got_codes, got_scales = torch.empty_like(codes), torch.empty_like(scales)
         works = [
             comm.all_to_all_single(got_codes, codes, group=self.hpz_group, async_op=async_op),
@@ -244,13 +297,14 @@ class ZeroPlusPlusGroup(DataParallelGroup):
         ]
 
         def finish() -> None:
-            pieces = _dequantize_rows(got_codes, got_scales, numel, torch.float32)
+            pieces = _dequantize_rows(got_codes, got_scales, numel, torch.float32, bits)
             node_sums = pieces.view(size, nodes, numel).sum(dim=0)
-            codes2, scales2, _ = _quantize_rows(node_sums)
+            codes2, scales2, _ = _quantize_rows(node_sums, bits)
             got2, got_scales2 = torch.empty_like(codes2), torch.empty_like(scales2)
             comm.all_to_all_single(got2, codes2, group=self.cross_group)
             comm.all_to_all_single(got_scales2, scales2, group=self.cross_group)
-            output.copy_(_dequantize_rows(got2, got_scales2, numel, torch.float32).sum(dim=0))
+            sums = _dequantize_rows(got2, got_scales2, numel, torch.float32, bits)
+            output.copy_(sums.sum(dim=0))
 
         deferred = _Deferred(works, finish)
         if async_op:
@@ -363,6 +417,9 @@ def build_zero_group(
     quantize_gradients: bool = False,
     mics_shard_size: int = -1,
     hpz_partition_size: int = 1,
+    gradient_bits: int = 8,
+    hierarchical_gather: bool = False,
+    node_size: int = 1,
 ) -> DataParallelGroup:
     """The group stage 3 should shard over for these ZeRO++/MiCS settings.
 
@@ -371,8 +428,24 @@ def build_zero_group(
     and ``group`` must be the default group); creating them is collective: every rank calls
     this with the same arguments.
     """
+    if gradient_bits not in _FORMATS:
+        raise ValueError(
+            f"zero_quantized_gradients_bits={gradient_bits}: qgZ sends int8 or int4 codes; "
+            "use 8 or 4"
+        )
     base = DataParallelGroup.of(group)
-    mics = mics_shard_size > 0 and mics_shard_size != base.world_size
+    if hierarchical_gather and mics_shard_size <= 0:
+        raise ValueError(
+            "mics_hierarchical_params_gather needs mics_shard_size: it is MiCS's two-hop "
+            "parameter gather; set mics_shard_size or drop it"
+        )
+    if hierarchical_gather and quantize_weights:
+        raise ValueError(
+            "mics_hierarchical_params_gather with zero_quantized_weights: the two-hop gather "
+            "of int8 blocks is not implemented; choose one of them"
+        )
+    # A shard group of the whole world is plain ZeRO-3, unless it gathers in two hops.
+    mics = mics_shard_size > 0 and (mics_shard_size != base.world_size or hierarchical_gather)
     hpz = hpz_partition_size > 1 and base.world_size > hpz_partition_size
     if not (quantize_weights or quantize_gradients or mics or hpz):
         return base
@@ -410,6 +483,7 @@ def build_zero_group(
             base.rank,
             quantize_weights=quantize_weights,
             quantize_gradients=quantize_gradients,
+            gradient_bits=gradient_bits,
             hpz_group=node_group,
             hpz_size=hpz_partition_size,
             hpz_rank=base.rank % hpz_partition_size,
@@ -422,6 +496,7 @@ def build_zero_group(
             base.rank,
             quantize_weights=quantize_weights,
             quantize_gradients=quantize_gradients,
+            gradient_bits=gradient_bits,
         )
     if group is not None:
         raise ValueError(
@@ -437,6 +512,27 @@ def build_zero_group(
         )
     replicas = world // mics_shard_size
     rank = base.rank
+    node_group = across_group = None
+    size = 1
+    if hierarchical_gather:
+        size = max(1, min(node_size, mics_shard_size))
+        if mics_shard_size % size:
+            raise ValueError(
+                f"mics_hierarchical_params_gather: mics_shard_size={mics_shard_size} is not a "
+                f"multiple of the {size} ranks per node; use whole nodes per shard group"
+            )
+        # Collective: every rank creates every group, in the same order.
+        for start in range(0, world, size):
+            ranks = list(range(start, start + size))
+            made = dist.new_group(ranks)
+            if rank in ranks:
+                node_group = made
+        for first in range(0, world, mics_shard_size):
+            for local in range(size):
+                ranks = list(range(first + local, first + mics_shard_size, size))
+                made = dist.new_group(ranks)
+                if rank in ranks:
+                    across_group = made
     shard_group = replica_group = None
     # new_group is collective: every rank creates every group, in the same order.
     for index in range(replicas):
@@ -455,6 +551,10 @@ def build_zero_group(
         rank % mics_shard_size,
         quantize_weights=quantize_weights,
         quantize_gradients=quantize_gradients,
+        gradient_bits=gradient_bits,
         replica_group=replica_group,
         replicas=replicas,
+        node_group=node_group,
+        node_size=size,
+        across_group=across_group,
     )

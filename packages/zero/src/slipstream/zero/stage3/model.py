@@ -630,6 +630,8 @@ def _adopt(
             f"ranks but is being sharded over {group.world_size}; pass the same "
             "data_parallel_group to zero.Init and the engine"
         )
+    # The engine's group may carry ZeRO++ collectives (qwZ, hpZ) over the same ranks.
+    sharded.group = group
     param = sharded.param
     target_dtype = dtype if (dtype is not None and param.is_floating_point()) else param.dtype
     target_device = device or sharded.shard.device
