@@ -405,6 +405,10 @@ def main() -> None:
         total = torch.cuda.get_device_properties(device).total_memory
         torch.cuda.set_per_process_memory_fraction(min(args.gpu_memory_gib * 2**30 / total, 1.0))
         emit(result="gpu_memory_cap", gib=args.gpu_memory_gib, device_total_gib=total / 2**30)
+    if device.type == "cuda":
+        torch.cuda.reset_peak_memory_stats(
+            device
+        )  # the peak reported is the run's, not the build's
     max_len = args.prompt + args.new_tokens
     config: dict[str, Any] = {
         "dtype": args.dtype if args.weights == "native" else "int8",
