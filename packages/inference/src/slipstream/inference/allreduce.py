@@ -125,7 +125,7 @@ class TPReducer:
         ops = _symm_ops() if device.type == "cuda" else None
         if device.type != "cuda":
             why = f"the model is on {device.type}, not CUDA"
-        elif dist.get_backend(self.group) != "nccl":
+        elif "nccl" not in str(dist.get_backend(self.group)):
             why = f"the group's backend is {dist.get_backend(self.group)}, not nccl"
         elif dtype not in _SYMM_DTYPES:
             why = f"the one-shot kernel has no {dtype} (bf16 and fp32 only)"
