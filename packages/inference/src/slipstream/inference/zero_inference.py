@@ -7,8 +7,9 @@ refilled once the block that used it is done (a CUDA event, no host wait), so th
 two blocks at most, the caching allocator is never asked for block-sized memory during a pass,
 and the host may run ahead. Only the embedding, the final norm and the LM head stay resident. With NVMe, each block's host tensors
 are swap files of ``slipstream.offload``'s ``ParamSwapStore`` (asynchronous direct I/O): block
-``i + 2``'s read from disk is started when block ``i + 1`` is copied to the device, and a block's
-host memory is freed again as soon as its device copy is made.
+``i + 2``'s read from disk is started just before block ``i + 1`` is copied to the device (the
+read overlaps the copy), and a block's host memory is freed again as soon as its device copy is
+made.
 """
 
 from __future__ import annotations
@@ -87,11 +88,13 @@ class LayerStreamer(LayerHook):
         self.fetches += 1
         if self.store is not None:
             self.store.ensure(self.host[index])  # read from disk (usually already started)
+            if len(self.slots) > 1:
+                # The next block's read runs while this one is copied to the device.
+                self.store.prefetch(self.host[(index + 1) % len(self.slots)])
             # Pageable host memory: the copies below have consumed it when they return, so the
             # memory can be freed (a clean release: the swap file holds the same bytes).
             copies = [h.to(self.device, copy=True) for h in self.host[index]]
             self.store.release(self.host[index], dirty=False)
-            self.store.prefetch(self.host[(index + 1) % len(self.slots)])
             event = None
             if self.stream is not None:
                 event = torch.cuda.Event()
