@@ -73,11 +73,13 @@ class TPReducer:
             and x.dtype == buffer.dtype
             and x.is_cuda
             and x.numel() <= buffer.numel()
+            and (x.numel() * x.element_size()) % 16 == 0
         ):
             x = x.contiguous()
             staged = buffer[: x.numel()].view(x.shape)
             out = torch.empty_like(x)
-            if self._fused is not None:
+            if self._fused is not None and x.data_ptr() % 16 == 0:
+                # (The fused copy needs the input as aligned as the buffer: 16 bytes.)
                 self._fused(staged, x, "sum", self.group_name, out)
             else:
                 staged.copy_(x)
