@@ -126,7 +126,7 @@ def parse_args() -> argparse.Namespace:
         "--tp-allreduce",
         nargs="+",
         choices=["nccl", "symm_mem", "symm_mem_or_nccl"],
-        default=["nccl"],
+        default=["symm_mem_or_nccl"],
         help="tensor_parallel.allreduce; with --tp-compare, one TP=N run per value",
     )
     return parser.parse_args()

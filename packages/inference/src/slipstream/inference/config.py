@@ -74,7 +74,7 @@ class TensorParallelConfig(ConfigBlock):
     # torch.distributed.all_reduce; "symm_mem": PyTorch's symmetric-memory one-shot all-reduce
     # over NVLink P2P for messages up to symm_mem_bytes; "symm_mem_or_nccl": symm_mem where it
     # can run, else nccl), see slipstream.inference.allreduce.
-    allreduce: Literal["nccl", "symm_mem", "symm_mem_or_nccl"] = "nccl"
+    allreduce: Literal["nccl", "symm_mem", "symm_mem_or_nccl"] = "symm_mem_or_nccl"
     symm_mem_bytes: int = dataclasses.field(default=1 << 21, metadata={"ge": 1024})
 
 
