@@ -111,6 +111,24 @@ def parse_args() -> argparse.Namespace:
         "drive-bound), so pair it with --new-tokens 8 --repeats 1",
     )
     parser.add_argument("--nvme-path", default=None, help="swap folder for --offload nvme")
+    parser.add_argument(
+        "--gpu-memory-gib",
+        type=float,
+        default=0.0,
+        help="cap this process's GPU memory (torch.cuda.set_per_process_memory_fraction) after "
+        "the model is built: with --offload, a cap below the weights' size makes the model one "
+        "that does not fit the GPU it runs on (stated in the output)",
+    )
+    parser.add_argument(
+        "--layers", type=int, default=0, help="override the preset's layer count (0: keep it)"
+    )
+    parser.add_argument(
+        "--tp-allreduce",
+        nargs="+",
+        choices=["nccl", "symm_mem", "symm_mem_or_nccl"],
+        default=["symm_mem_or_nccl"],
+        help="tensor_parallel.allreduce; with --tp-compare, one TP=N run per value",
+    )
     return parser.parse_args()
 
 
@@ -176,11 +194,16 @@ def nvme_read_bandwidth(path: str) -> float:
     return data.numel() * 4 / best
 
 
-def build_model(preset: str, dtype: torch.dtype, device: torch.device) -> torch.nn.Module:
+def build_model(
+    preset: str, dtype: torch.dtype, device: torch.device, layers: int = 0
+) -> torch.nn.Module:
     """A random-weight ``LlamaForCausalLM`` built directly on ``device`` in ``dtype``."""
     import transformers
 
-    config = transformers.LlamaConfig(**PRESETS[preset], bos_token_id=1, eos_token_id=2)
+    shape = dict(PRESETS[preset])
+    if layers:
+        shape["num_hidden_layers"] = layers
+    config = transformers.LlamaConfig(**shape, bos_token_id=1, eos_token_id=2)
     torch.manual_seed(0)
     # Built in place on the device in `dtype` (HF's init draws the random weights there): no
     # fp32 copy on the host. The default dtype is the one knob every transformers release reads.
@@ -222,11 +245,25 @@ def bench_batch(
         2 * spec.num_layers * batch * engine.fused.blocks[0].kv_heads * max_len * spec.head_dim
     ) * dtype.itemsize
     fraction = (weight_bytes + kv_bytes) / step / bandwidth
-    prefill = best_time(lambda: engine(ids, attention_mask=mask), device, args.repeats)
+    graph = engine._runner.captured(batch)
+    if args.offload:
+        prefill = first  # a forward streams every block: one generate(1) is the prefill
+    else:
+        prefill = best_time(lambda: engine(ids, attention_mask=mask), device, args.repeats)
     tokens = batch * args.prompt
     attention = 2 * spec.num_layers * batch * args.prompt**2 * spec.num_heads * spec.head_dim
     # Causal attention: half of QK^T and PV, counted once. Under TP: the work of all ranks.
     prefill_flops = 2 * params * tokens + attention
+    extra: dict[str, Any] = {}
+    if args.offload:
+        # Each step streams every block host -> device: the achieved stream rate, beside the
+        # bandwidth measured alone (fraction near 1: copies back to back, compute hidden).
+        extra = {
+            "streamed_gb_per_s": round(weight_bytes / step / 1e9, 2),
+            "stream_fraction_of_measured": round(weight_bytes / step / bandwidth, 3),
+        }
+        if device.type == "cuda":
+            extra["gpu_peak_allocated_gib"] = round(torch.cuda.max_memory_allocated() / 2**30, 2)
     emit(
         result="slipstream",
         decode_tokens_per_s=round(batch / step, 1),
@@ -235,7 +272,8 @@ def bench_batch(
         end_to_end_tokens_per_s=round(batch * args.new_tokens / full, 1),
         prefill_tflops=round(prefill_flops / prefill / 1e12, 2),
         prefill_ms=round(prefill * 1e3, 2),
-        cuda_graph=not args.no_cuda_graph and not args.offload and device.type == "cuda",
+        cuda_graph=graph,
+        **extra,
         offload=args.offload or False,
         weights=args.weights,
         use_triton=args.use_triton,
@@ -275,13 +313,19 @@ def tp_compare(args: argparse.Namespace) -> None:
     import sys
 
     argv = sys.argv[1:]
-    index = next(i for i, a in enumerate(argv) if a.startswith("--tp-compare"))
-    del argv[index : index + (1 if "=" in argv[index] else 2)]
+    for flag in ("--tp-compare", "--tp-allreduce"):  # each run gets its own
+        index = next((i for i, a in enumerate(argv) if a.startswith(flag)), None)
+        if index is None:
+            continue
+        end = index + 1
+        while "=" not in argv[index] and end < len(argv) and not argv[end].startswith("--"):
+            end += 1
+        del argv[index:end]
     argv += ["--skip-hf-eager", "--skip-hf-compiled"]
     script = os.path.abspath(__file__)
-    runs = {
-        1: [sys.executable, script, *argv],
-        args.tp_compare: [
+    runs: dict[str, list[str]] = {"tp1": [sys.executable, script, *argv]}
+    for mode in args.tp_allreduce:
+        runs[mode] = [
             sys.executable,
             "-m",
             "torch.distributed.run",
@@ -289,30 +333,36 @@ def tp_compare(args: argparse.Namespace) -> None:
             f"--nproc_per_node={args.tp_compare}",
             script,
             *argv,
-        ],
-    }
-    rates: dict[int, dict[int, float]] = {}
-    for tp, command in runs.items():
+            "--tp-allreduce",
+            mode,
+        ]
+    rates: dict[int, dict[str, float]] = {}
+    failed = []
+    for name, command in runs.items():
         done = subprocess.run(command, capture_output=True, text=True, check=False)
         for line in done.stdout.splitlines():
             print(line, flush=True)
             if line.startswith("{"):
                 row = json.loads(line)
                 if row.get("result") == "slipstream":
-                    rates.setdefault(row["batch"], {})[tp] = row["decode_tokens_per_s"]
+                    rates.setdefault(row["batch"], {})[name] = row["decode_tokens_per_s"]
         if done.returncode != 0:
             print(done.stderr[-4000:], file=sys.stderr, flush=True)
-            raise SystemExit(f"--tp-compare: the TP={tp} run failed ({done.returncode})")
-    for batch, by_tp in sorted(rates.items()):
-        if 1 in by_tp and args.tp_compare in by_tp:
-            emit(
-                result="tp_speedup",
-                batch=batch,
-                tp=args.tp_compare,
-                tp1_decode_tokens_per_s=by_tp[1],
-                tpn_decode_tokens_per_s=by_tp[args.tp_compare],
-                speedup=round(by_tp[args.tp_compare] / by_tp[1], 3),
-            )
+            failed.append(name)
+    for batch, by_run in sorted(rates.items()):
+        for mode in args.tp_allreduce:
+            if "tp1" in by_run and mode in by_run:
+                emit(
+                    result="tp_speedup",
+                    batch=batch,
+                    tp=args.tp_compare,
+                    allreduce=mode,
+                    tp1_decode_tokens_per_s=by_run["tp1"],
+                    tpn_decode_tokens_per_s=by_run[mode],
+                    speedup=round(by_run[mode] / by_run["tp1"], 3),
+                )
+    if failed:
+        raise SystemExit(f"--tp-compare: these runs failed: {failed}")
 
 
 def main() -> None:
@@ -332,20 +382,40 @@ def main() -> None:
     device = torch.device("cpu") if cpu else torch.device("cuda", torch.cuda.current_device())
     dtype = DTYPES[args.dtype]
     machine = torch.cuda.get_device_name(device) if device.type == "cuda" else "cpu"
-    common = {"preset": args.preset, "dtype": args.dtype, "device": machine, "tp": world}
+    common: dict[str, Any] = {
+        "preset": args.preset,
+        "dtype": args.dtype,
+        "device": machine,
+        "tp": world,
+    }
+    if args.layers:
+        common["layers"] = args.layers
     bandwidth = copy_bandwidth(device)
     emit(result="copy_bandwidth", gb_per_s=round(bandwidth / 1e9, 1), **common)
 
     started = time.perf_counter()
-    model = build_model(args.preset, dtype, torch.device("cpu") if args.offload else device)
+    model = build_model(args.preset, dtype, device, args.layers)
+    if args.offload and device.type == "cuda":
+        # Random weights are drawn on the GPU (drawing 8B of them on the host's CPU takes
+        # minutes), then moved to host memory, where ZeRO-Inference keeps them.
+        model.to("cpu")
+        torch.cuda.empty_cache()
     emit(result="phase", phase="build_model", seconds=round(time.perf_counter() - started, 2))
+    if args.gpu_memory_gib and device.type == "cuda":
+        total = torch.cuda.get_device_properties(device).total_memory
+        torch.cuda.set_per_process_memory_fraction(min(args.gpu_memory_gib * 2**30 / total, 1.0))
+        emit(result="gpu_memory_cap", gib=args.gpu_memory_gib, device_total_gib=total / 2**30)
+    if device.type == "cuda":
+        torch.cuda.reset_peak_memory_stats(
+            device
+        )  # the peak reported is the run's, not the build's
     max_len = args.prompt + args.new_tokens
     config: dict[str, Any] = {
         "dtype": args.dtype if args.weights == "native" else "int8",
         "replace_with_kernel_inject": True,
         "enable_cuda_graph": not args.no_cuda_graph and not args.offload,
         "max_out_tokens": max_len,
-        "tensor_parallel": {"tp_size": world},
+        "tensor_parallel": {"tp_size": world, "allreduce": args.tp_allreduce[0]},
         "use_triton": args.use_triton,
     }
     if args.offload:
@@ -370,6 +440,8 @@ def main() -> None:
     fused = engine.fused
     assert fused is not None
     spec = fused.spec
+    reducer = getattr(fused.blocks[0], "reducer", None)
+    common["allreduce"] = reducer.kind if reducer is not None else None
     # Bytes a decode step reads: every weight but the embedding table (only gathered rows).
     weight_bytes = sum(
         t.numel() * t.element_size()
@@ -396,6 +468,12 @@ def main() -> None:
             "logits_max_abs_diff_vs_hf": round(error, 4),
             "logits_max_abs_hf": round(expected.abs().max().item(), 4),
         }
+        if args.weights != "native" and world == 1:
+            # The quantized kernels against the same model with plain linears holding the
+            # dequantized codes: what is left is kernel rounding, not quantization error.
+            checks["logits_max_abs_diff_vs_dequantized"] = round(
+                dequantized_difference(engine, probe), 4
+            )
     emit(
         result="model",
         offload=args.offload,
@@ -414,6 +492,31 @@ def main() -> None:
     if args.profile:
         ids = torch.randint(3, spec.vocab_size, (args.batch[0], args.prompt), generator=generator)
         profile_decode(engine, ids.to(device), args.profile, common)
+
+
+def dequantized_difference(engine: Any, ids: torch.Tensor) -> float:
+    """Max |logit difference| between the engine and a copy of its fused model whose quantized
+    linears are plain linears holding the dequantized weights (in the compute dtype)."""
+    import copy
+
+    from slipstream.inference.quantize import WeightOnlyLinear
+
+    reference = copy.deepcopy(engine.fused)
+    for module in list(reference.modules()):
+        for name, child in list(module.named_children()):
+            if isinstance(child, WeightOnlyLinear):
+                plain = torch.nn.Linear(1, 1, bias=child.bias is not None, device="meta")
+                plain.weight = torch.nn.Parameter(child.dequantized_weight(), requires_grad=False)
+                if child.bias is not None:
+                    plain.bias = child.bias
+                setattr(module, name, plain)
+    length = ids.shape[1]
+    slots = torch.arange(length, device=ids.device)
+    with torch.no_grad():
+        got = engine(ids).logits.float()
+        want = reference(ids, slots[None], torch.ones_like(ids, dtype=torch.bool), slots).float()
+    del reference
+    return (got - want).abs().max().item()
 
 
 def profile_decode(engine: Any, ids: torch.Tensor, steps: int, common: dict[str, Any]) -> None:

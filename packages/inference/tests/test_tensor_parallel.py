@@ -10,6 +10,7 @@ import torch.distributed as dist
 
 from slipstream.comm.testing import run_distributed
 from slipstream.inference import FusedDecoder, from_hf, init_inference
+from slipstream.inference.allreduce import install_reducer
 from slipstream.inference.generation import GenerationSettings, generate_tokens
 from slipstream.inference.runner import StaticCacheRunner
 from slipstream.inference.tensor_parallel import shard_decoder
@@ -57,6 +58,17 @@ def _check_world(models: dict[str, FusedDecoder], expected: dict[str, tuple]) ->
             want_logits, want_tokens = expected[family]
             torch.testing.assert_close(logits, want_logits, rtol=1e-4, atol=1e-5)
             assert torch.equal(tokens, want_tokens), (family, tp)
+    # tensor_parallel.allreduce on CPU/gloo: "symm_mem_or_nccl" falls back to gloo sums (same
+    # results), "symm_mem" is refused by name.
+    group = halves[rank // 2]
+    sharded = shard_decoder(copy.deepcopy(models["llama"]), group)
+    reducer = install_reducer(sharded, group, "symm_mem_or_nccl", 1 << 20, torch.device("cpu"))
+    assert reducer.kind == "nccl" and sharded.blocks[0].reducer is reducer
+    logits, tokens = _run(sharded)
+    torch.testing.assert_close(logits, expected["llama"][0], rtol=1e-4, atol=1e-5)
+    assert torch.equal(tokens, expected["llama"][1])
+    with pytest.raises(ValueError, match='allreduce = "symm_mem" cannot run here: the model is on'):
+        install_reducer(sharded, group, "symm_mem", 1 << 20, torch.device("cpu"))
 
 
 @pytest.mark.slow

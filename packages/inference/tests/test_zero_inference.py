@@ -38,6 +38,8 @@ def test_streamed_equals_resident(weights: str) -> None:
     block_weight = streamed.fused.blocks[1].input_norm.weight
     assert block_weight.data_ptr() == streamer.host[1][0].data_ptr()
     assert streamer.fetches >= 3
+    # Double-buffered; only block 0, prefetched for the next pass, still holds a ring set.
+    assert len(streamer.ring) == 2 and set(streamer.in_ring) == set(streamer.ready) == {0}
     kwargs = {"max_new_tokens": 6, "do_sample": False, "eos_token_id": None, "pad_token_id": 0}
     assert torch.equal(
         streamed.generate(ids, attention_mask=mask, **kwargs),

@@ -70,6 +70,12 @@ class TensorParallelConfig(ConfigBlock):
     mpu: Any = None
     tp_group: Any = None
     tp_grain_size: int = dataclasses.field(default=64, metadata={"ge": 1})
+    # Slipstream keys: how the blocks' partial sums are added across the ranks ("nccl":
+    # torch.distributed.all_reduce; "symm_mem": PyTorch's symmetric-memory one-shot all-reduce
+    # over NVLink P2P for messages up to symm_mem_bytes; "symm_mem_or_nccl": symm_mem where it
+    # can run, else nccl), see slipstream.inference.allreduce.
+    allreduce: Literal["nccl", "symm_mem", "symm_mem_or_nccl"] = "symm_mem_or_nccl"
+    symm_mem_bytes: int = dataclasses.field(default=1 << 21, metadata={"ge": 1024})
 
 
 @dataclasses.dataclass(kw_only=True)

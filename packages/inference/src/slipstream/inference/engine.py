@@ -123,6 +123,11 @@ class InferenceEngine(nn.Module):
             )
         else:
             fused.to(self.device)
+        if config.tp_size > 1:
+            from slipstream.inference.allreduce import install_reducer
+
+            tp = config.tensor_parallel
+            install_reducer(fused, _tp_group(config), tp.allreduce, tp.symm_mem_bytes, self.device)
         self.fused = fused
         self._runner = StaticCacheRunner(
             fused, config.max_out_tokens, cuda_graph=config.enable_cuda_graph

@@ -4,7 +4,8 @@ from __future__ import annotations
 
 import dataclasses
 import math
-from typing import Literal
+from collections.abc import Callable
+from typing import Any, Literal
 
 import torch
 import torch.distributed as dist
@@ -228,8 +229,12 @@ class FusedBlock(nn.Module):
             self.up = nn.Linear(spec.hidden_size, up, bias=mlp_bias)
             self.down = nn.Linear(spec.intermediate_size, spec.hidden_size, bias=mlp_bias)
         self.tp_group: dist.ProcessGroup | None = None
+        # The group's sum (tensor_parallel.allreduce); None: dist.all_reduce on tp_group.
+        self.reducer: Callable[[torch.Tensor], torch.Tensor] | None = None
 
     def _reduce(self, x: torch.Tensor) -> torch.Tensor:
+        if self.reducer is not None:
+            return self.reducer(x)
         if self.tp_group is not None:
             dist.all_reduce(x, group=self.tp_group)
         return x
@@ -360,6 +365,7 @@ class FusedDecoder(nn.Module):
         self.rotary_scaling = float(rotary_scaling)
         self.inv_freq: torch.Tensor
         self.head_group: dist.ProcessGroup | None = None  # vocab-parallel head under TP
+        self.head_reducer: Any = None  # slipstream.inference.allreduce.TPReducer, under TP
         self.layer_hook: LayerHook | None = None  # ZeRO-Inference streams weights through this
 
     def _rotary(self, positions: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor] | None:
@@ -425,10 +431,16 @@ class FusedDecoder(nn.Module):
             normed = normed[:, -1:]  # a prefill needs only the next token's logits
         logits = self.head(normed)
         if self.head_group is not None:
-            parts = [torch.empty_like(logits) for _ in range(dist.get_world_size(self.head_group))]
-            dist.all_gather(parts, logits.contiguous(), group=self.head_group)
-            logits = torch.cat(parts, dim=-1)
+            logits = self.gather_vocab(logits)
         return logits
+
+    def gather_vocab(self, logits: torch.Tensor) -> torch.Tensor:
+        """A vocab-parallel head's logits joined along the last dimension, rank by rank."""
+        if self.head_reducer is not None:
+            return self.head_reducer.gather(logits)  # type: ignore[no-any-return]
+        parts = [torch.empty_like(logits) for _ in range(dist.get_world_size(self.head_group))]
+        dist.all_gather(parts, logits.contiguous(), group=self.head_group)
+        return torch.cat(parts, dim=-1)
 
 
 class LayerHook:

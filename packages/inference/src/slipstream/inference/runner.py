@@ -46,6 +46,11 @@ class StaticCacheRunner:
         self.cuda_graph = cuda_graph
         self.buckets: dict[int, _Bucket] = {}
 
+    def captured(self, batch: int) -> bool:
+        """Whether batch size ``batch`` decodes by replaying a captured CUDA graph."""
+        bucket = self.buckets.get(batch)
+        return bucket is not None and bucket.graph is not None
+
     def _bucket(self, batch: int) -> _Bucket:
         bucket = self.buckets.get(batch)
         if bucket is None:

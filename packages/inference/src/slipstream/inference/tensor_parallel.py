@@ -8,6 +8,8 @@ because the FusedDecoder is the same for all families (no per-architecture polic
 
 from __future__ import annotations
 
+from collections.abc import Callable
+
 import torch
 import torch.distributed as dist
 import torch.nn.functional as F
@@ -25,12 +27,16 @@ class VocabParallelEmbedding(nn.Module):
         super().__init__()
         self.weight = nn.Parameter(weight, requires_grad=False)
         self.start, self.group = start, group
+        # The group's sum (tensor_parallel.allreduce); None: dist.all_reduce on the group.
+        self.reducer: Callable[[torch.Tensor], torch.Tensor] | None = None
 
     def forward(self, ids: torch.Tensor) -> torch.Tensor:
         local = ids - self.start
         outside = (local < 0) | (local >= self.weight.shape[0])
         out = F.embedding(local.masked_fill(outside, 0), self.weight)
         out = out.masked_fill(outside[..., None], 0)
+        if self.reducer is not None:
+            return self.reducer(out)
         dist.all_reduce(out, group=self.group)
         return out
 
