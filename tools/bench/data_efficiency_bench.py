@@ -1,37 +1,49 @@
 """Data efficiency benchmark: a byte-level GPT trained with and without seqlen curriculum + random-LTD.
 
-Both arms use the same model, seed, data order, learning-rate schedule (warmup then cosine over
-the training-token budget, as a function of the tokens read, so it is the same in both arms)
-and budget. The baseline trains on the whole budget; its final validation loss is the target.
-The data-efficiency arm then trains until its validation loss reaches that target (or until it
-has used the baseline's wall-clock, or 1.25x the budget, without reaching it). Validation runs
-every ``--eval-every`` steps on held-out files at the full sequence length, outside the timed
-region; the report gives each arm's training wall-clock to the target and their ratio (the goal
-of issue 28: <= 0.7).
+Every run uses the same model, seed and data order; its LR follows linear warmup then cosine
+over its own token budget, as a function of the tokens read. The comparison is at equal
+validation loss, as DeepSpeed's data-efficiency papers make it, with both arms tuned:
+
+1. **Baseline LR sweep** (``--lrs``) over the full budget; the best final validation loss is
+   the target (``--target-loss`` overrides it).
+2. **Data-efficiency LR sweep** (``--de-lrs``) at the first of ``--de-budget-fractions`` (a
+   data-efficiency arm may be given fewer tokens: its LR, curriculum and random-LTD schedules
+   then span its own, shorter budget), then the other fractions at its best LR.
+3. **Controls** (``--controls on``): the baseline at its best LR on each reduced budget, so a
+   win from simply training a shorter schedule is not credited to data efficiency.
+
+The verdict divides the fastest data-efficiency run's training time to the target by the
+fastest baseline-family run's (sweep and controls), at validation points every
+``--eval-every`` steps (validation is not timed; goal of issue 28: <= 0.7). A run whose
+validation loss goes non-finite or doubles is stopped as diverged.
 
 The data-efficiency arm follows DeepSpeed's recipe for GPT pretraining, bucketed for the GPU:
 
 * seqlen curriculum, ``fixed_root`` (square root) from ``--cl-min`` (64) tokens to the full
-  length over ``--curriculum-fraction`` of the baseline's steps, ``difficulty_step`` 64 (so
-  there are only seq/64 distinct shapes). The model takes ``curriculum_seqlen`` and folds each
-  row into seq/c rows of c tokens (``--curriculum-mode fold``, the default: every step reads
-  the same tokens as a baseline step, with a shorter context), or the engine truncates the
-  batch as DeepSpeed's legacy curriculum does (``--curriculum-mode truncate``);
+  length over ``--curriculum-fraction`` of its steps, ``difficulty_step`` 64 (so there are
+  only seq/64 distinct shapes). The model takes ``curriculum_seqlen`` and folds each row into
+  seq/c rows of c tokens (``--curriculum-mode fold``, the default: every step reads the same
+  tokens as a baseline step, with a shorter context), or the engine truncates the batch as
+  DeepSpeed's legacy curriculum does (``--curriculum-mode truncate``);
 * random-LTD in every layer but the first and last, keeping ``--ltd-min`` (128) tokens at first
-  and rising linearly to the full length over ``--ltd-fraction`` of the baseline's steps, in
-  multiples of 64 (``seq_per_step``).
+  and rising linearly to the full length over ``--ltd-fraction`` of its steps, in multiples of
+  64 (``seq_per_step``). A layer drops nothing while the curriculum's length is at or below
+  the kept count.
 
-Before timing, each arm runs one forward/backward per distinct shape of its schedule on a
-throwaway copy of the model (cuBLAS/cuDNN plans, allocator), so one-time warmup is out of both
-arms' clocks. Without ``--token-budget``, a short probe of the baseline's rate sizes the
-budget so that the baseline trains for about ``--baseline-seconds``.
+Before timing, each run does one forward/backward per distinct shape of its schedule on a
+throwaway copy of the model (cuBLAS/cuDNN plans, allocator), so one-time warmup is out of
+every clock. Without ``--token-budget``, a short probe of the baseline's rate sizes the budget
+so that a baseline run trains for about ``--baseline-seconds``.
 
-    # GPU (one H100, about 6-7 minutes): a 24-layer, 1024-wide byte-level GPT (~300M), seq 512,
-    # on Python's standard library source (held-out files for validation)
-    python tools/bench/data_efficiency_bench.py
-    # CPU smoke run of the harness (about a minute)
+    # GPU (one H100, about 5 minutes): a 24-layer, 1024-wide byte-level GPT (~300M), seq 512,
+    # on Python's standard library source (held-out files for validation); 4 + 3 LRs
+    python tools/bench/data_efficiency_bench.py --baseline-seconds 25 --eval-every 15 \\
+        --eval-batches 4 --lrs 6e-4,1.2e-3,2.4e-3,4.8e-3 --de-lrs 1.2e-3,2.4e-3,4.8e-3 \\
+        --de-budget-fractions 0.7,1.0
+    # CPU smoke run of the harness (under a minute)
     python tools/bench/data_efficiency_bench.py --size tiny --seq 128 --micro-batch 4 \\
-        --token-budget 60000 --eval-every 10 --eval-batches 2 --corpus-bytes 2000000
+        --token-budget 40960 --eval-every 20 --eval-batches 2 --corpus-bytes 2000000 \\
+        --lrs 1e-3,3e-3 --de-lrs 3e-3,6e-3 --de-budget-fractions 0.7,1.0
 
 Without the packages installed, put the sources on the path first:
 ``export PYTHONPATH=$(ls -d kernels/src packages/*/src | tr '\\n' ':')``.
@@ -323,7 +335,8 @@ def _schedule_shapes(engine: Any, args: argparse.Namespace, steps: int) -> list[
 def _warm_up(args: argparse.Namespace, engine: Any, efficient: bool, steps: int) -> float:
     """One forward/backward per distinct shape on a throwaway bf16 model; returns seconds."""
     began = time.perf_counter()
-    model = _model(args, efficient).to(engine.device)
+    with torch.device(engine.device):
+        model = _model(args, efficient)
     if torch.cuda.is_available():
         model = model.to(torch.bfloat16)
     scheduler = None
@@ -376,7 +389,8 @@ def run(
     """
     steps_planned = math.ceil(budget / (args.micro_batch * args.seq))
     torch.manual_seed(args.seed)
-    model = _model(args, efficient)
+    with torch.device(train.device):  # built in place: a 300M model's CPU init takes seconds
+        model = _model(args, efficient)
     engine, *_ = slipstream.initialize(
         model=model, config=_config(args, steps_planned, efficient, lr)
     )
@@ -426,6 +440,13 @@ def run(
             _sync()
             began = time.perf_counter()
     engine.destroy()
+    final = curve[-1][3] if not diverged else float("inf")
+    print(
+        f"done: {label} lr {lr:.1e} budget {budget:,} tokens, {step} steps, "
+        f"{train_seconds:.1f} s, {tokens / max(train_seconds, 1e-9):,.0f} tokens/s, "
+        f"final val {final:.4f}",
+        flush=True,
+    )
     return {
         "label": label,
         "lr": lr,
@@ -435,7 +456,7 @@ def run(
         "train_seconds": train_seconds,
         "warmup_seconds": warmup_seconds,
         "tokens_per_second": tokens / max(train_seconds, 1e-9),
-        "final_val_loss": curve[-1][3] if not diverged else float("inf"),
+        "final_val_loss": final,
         "diverged": diverged,
         "curve": curve,
     }
@@ -449,7 +470,9 @@ def budget_step(args: argparse.Namespace) -> int:
 def _probe_budget(args: argparse.Namespace, train: torch.Tensor) -> tuple[int, float]:
     """Time a few baseline steps; the budget that fills ``--baseline-seconds`` at that rate."""
     torch.manual_seed(args.seed)
-    engine, *_ = slipstream.initialize(model=_model(args, False), config=_config(args, 1000, False))
+    with torch.device(train.device):
+        model = _model(args, False)
+    engine, *_ = slipstream.initialize(model=model, config=_config(args, 1000, False))
     batch = train[: args.micro_batch]
     rates = []
     for step in range(8):
@@ -603,6 +626,15 @@ def main(argv: list[str] | None = None) -> int:
             f"{base_best_time:.1f} s: ratio {ratio:.2f}x (goal <= 0.70: "
             f"{'met' if ratio <= 0.7 else 'not met'})"
         )
+    for name, lrs, best in (
+        ("baseline", base_lrs, best_base["lr"]),
+        ("data-efficiency", de_lrs, best_de["lr"]),
+    ):
+        if len(lrs) > 1 and best in (min(lrs), max(lrs)):
+            print(
+                f"note: the {name} arm's best LR {best:.1e} is at the edge of its sweep "
+                f"{lrs}: widen the sweep before trusting the comparison"
+            )
     print(f"(whole invocation: {time.perf_counter() - wall:.0f} s)")
     if args.json is not None:
         args.json.write_text(json.dumps({"args": vars(args) | {"json": str(args.json)},
