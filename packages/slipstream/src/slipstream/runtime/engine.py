@@ -474,7 +474,7 @@ class SlipstreamEngine(torch.nn.Module):
         if self.progressive_layer_drop is not None:
             kwargs = {**kwargs, **self.progressive_layer_drop.get_state()}  # as DeepSpeed does
         if self.module.training:
-            self.throughput.add(self._micro_batch, count_tokens(args, kwargs))
+            self.throughput.add(self._micro_samples(args, kwargs), count_tokens(args, kwargs))
         with self.timers.region("forward"):
             return self.module(*args, **kwargs)
 
@@ -575,6 +575,8 @@ class SlipstreamEngine(torch.nn.Module):
             if self.progressive_layer_drop is not None:
                 # DeepSpeed's order: theta(global_steps) before the counter moves.
                 self.progressive_layer_drop.update_state(self.global_steps)
+            # Dynamic batching (slipstream.data): this step's global batch size, not the config's.
+            samples = self._step_samples()
             with self.timers.region("step"):
                 try:
                     self._take_optimizer_step(lr_kwargs)
@@ -586,7 +588,9 @@ class SlipstreamEngine(torch.nn.Module):
                     raise
             self._cycle_loss = None
             self.global_steps += 1
-            self.global_samples += self._train_batch
+            self.global_samples += samples
+            if self.data_efficiency is not None:
+                self.data_efficiency.after_step()
             if self.compression_scheduler is not None:
                 self.compression_scheduler.step()  # bits, masks and ratios of the next step
             if self.monitor.enabled:
@@ -638,7 +642,8 @@ class SlipstreamEngine(torch.nn.Module):
             if self.loss_scaler is not None and grads:
                 torch._foreach_mul_(grads, 1.0 / self.loss_scaler.loss_scale)
             self._last_grad_norm = self._clip_gradients(grads)
-            self.optimizer.step()
+            with self._dynamic_batch_lr():
+                self.optimizer.step()
             if self.loss_scaler is not None:
                 self.loss_scaler.update(False)
             if self.masters is not None:
@@ -716,12 +721,13 @@ class SlipstreamEngine(torch.nn.Module):
                 self._device,
                 scaler.loss_scale if scaler is not None else None,
             )
-        outcome = self.gradient_path.step(
-            loss_scale=scaler.loss_scale if scaler is not None else None,
-            max_grad_norm=self.config.gradient_clipping,
-            grad_norm=grad_norm,
-            nonfinite_check=nonfinite,
-        )
+        with self._dynamic_batch_lr():
+            outcome = self.gradient_path.step(
+                loss_scale=scaler.loss_scale if scaler is not None else None,
+                max_grad_norm=self.config.gradient_clipping,
+                grad_norm=grad_norm,
+                nonfinite_check=nonfinite,
+            )
         if outcome.overflow and scaler is None:
             self._skip_nonfinite_step()
         elif outcome.overflow:
@@ -822,6 +828,13 @@ class SlipstreamEngine(torch.nn.Module):
         runtime = self.data_efficiency
         if runtime is None:
             return
+        offload = self.config.zero_optimization.optimizer_offload()
+        if runtime.config.dynamic_batching_enabled and offload and offload.overlap_forward:
+            raise NotImplementedError(
+                "data_efficiency.data_sampling.dynamic_batching with zero_optimization."
+                "offload_optimizer.overlap_forward: the overlapped step runs after engine.step() "
+                "returns, so the per-batch LR scaling cannot be applied to it; turn one off"
+            )
         token_lr = runtime.layer_token_schedule(self.optimizer, self.lr_scheduler)
         if token_lr is not None:
             self.lr_scheduler = token_lr
@@ -829,6 +842,41 @@ class SlipstreamEngine(torch.nn.Module):
             isinstance(m, RandomLayerTokenDrop) for m in self.module.modules()
         ):
             runtime.attach_random_ltd(self.module)
+
+    def _step_samples(self) -> int:
+        """Samples in the global batch being stepped: dynamic batching's, else the config's."""
+        runtime = self.data_efficiency
+        samples = runtime.dynamic_batch_samples() if runtime is not None else None
+        return self._train_batch if samples is None else samples
+
+    def _micro_samples(self, args: tuple[Any, ...], kwargs: dict[str, Any]) -> int:
+        """Samples in this micro-batch (their count varies under dynamic batching)."""
+        runtime = self.data_efficiency
+        if runtime is None or runtime.dynamic_sampler is None:
+            return self._micro_batch
+        for value in (*args, *kwargs.values()):
+            if isinstance(value, torch.Tensor) and value.dim() >= 1:
+                return int(value.shape[0])
+        return self._micro_batch
+
+    @contextlib.contextmanager
+    def _dynamic_batch_lr(self) -> Iterator[None]:
+        """Dynamic batching: the optimizer steps at the LR scaled for this global batch's size
+        (lr_scaling_method); the unscaled LRs are back before the LR schedule steps."""
+        runtime = self.data_efficiency
+        factor = runtime.dynamic_lr_factor() if runtime is not None else None
+        if factor is None or self.optimizer is None or factor == 1.0:
+            yield
+            return
+        groups = self.optimizer.param_groups
+        unscaled = [group["lr"] for group in groups]
+        for group, lr in zip(groups, unscaled):
+            group["lr"] = lr * factor
+        try:
+            yield
+        finally:
+            for group, lr in zip(groups, unscaled):
+                group["lr"] = lr
 
     def _data_efficiency_runtime(self) -> DataEfficiency:
         if self.data_efficiency is None:
