@@ -157,6 +157,14 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         default=0.7,
         help="share of the arm's steps over which random-LTD's kept tokens grow",
     )
+    parser.add_argument(
+        "--de-lr-clock",
+        choices=["tokens", "layer-tokens"],
+        default="tokens",
+        help="the data-efficiency arm's LR schedule runs over tokens read (as the baseline's) "
+        "or over layer-tokens (DeepSpeed's pairing with random-LTD: warmup and decay follow "
+        "the tokens the layers actually processed)",
+    )
     parser.add_argument("--token-backend", choices=["auto", "torch", "triton"], default="auto")
     parser.add_argument("--corpus", choices=["stdlib", "grammar"], default="stdlib")
     parser.add_argument("--corpus-bytes", type=int, default=64_000_000)
@@ -373,6 +381,23 @@ def _validate(engine: Any, valid: torch.Tensor, args: argparse.Namespace) -> flo
     return float(torch.stack(losses).float().mean())  # host sync, outside the timed region
 
 
+def _layer_token_plan(engine: Any, args: argparse.Namespace, steps: int) -> list[int]:
+    """Layer-tokens each planned step processes (folded rows of the curriculum length; the
+    random-LTD layers keep at most their scheduled count of each row)."""
+    runtime = engine.data_efficiency
+    curriculum = runtime.curriculum if runtime is not None else None
+    random_ltd = runtime.random_ltd if runtime is not None else None
+    layers = SIZES[args.size].layers
+    dropping = layers - 2 if random_ltd is not None else 0
+    plan = []
+    for step in range(steps):
+        seqlen = curriculum.get_difficulty(step + 1) if curriculum is not None else args.seq
+        kept = random_ltd.get_value(step) if random_ltd is not None else seqlen
+        rows = _tokens_read(args, seqlen) // seqlen
+        plan.append(rows * ((layers - dropping) * seqlen + dropping * min(kept, seqlen)))
+    return plan
+
+
 def run(
     args: argparse.Namespace,
     train: torch.Tensor,
@@ -406,6 +431,13 @@ def run(
     order = torch.randperm(train.shape[0], generator=torch.Generator().manual_seed(args.seed))
     order = order.to(train.device)
     tokens, step, train_seconds = 0, 0, 0.0
+    # DeepSpeed's layer-token LR clock (data-efficiency arm, --de-lr-clock layer-tokens).
+    plan = (
+        _layer_token_plan(engine, args, steps_planned)
+        if efficient and args.de_lr_clock == "layer-tokens"
+        else None
+    )
+    layer_tokens = 0
     curve: list[tuple[int, int, float, float]] = []  # (step, tokens, seconds, val loss)
     diverged = False
     _sync()
@@ -413,7 +445,11 @@ def run(
     while tokens < budget:
         start = (step * args.micro_batch) % (train.shape[0] - args.micro_batch)
         batch = train[order[start : start + args.micro_batch]]
-        step_lr = _lr_at(args, lr, tokens, budget)
+        if plan is None:
+            step_lr = _lr_at(args, lr, tokens, budget)
+        else:
+            step_lr = _lr_at(args, lr, layer_tokens, sum(plan))
+            layer_tokens += plan[min(step, len(plan) - 1)]
         for group in engine.optimizer.param_groups:
             group["lr"] = step_lr
         loss = engine(batch[:, :-1], batch[:, 1:])
@@ -515,7 +551,7 @@ def _describe(args: argparse.Namespace, budget: int, description: str) -> str:
         f"data-efficiency arm: curriculum {args.curriculum_mode} (seqlen fixed_root from "
         f"{args.cl_min} over {args.curriculum_fraction:.0%} of its steps), random-LTD "
         f"{args.ltd} (kept tokens from {args.ltd_min} over {args.ltd_fraction:.0%} of its "
-        f"steps, token ops {args.token_backend})"
+        f"steps, token ops {args.token_backend}), LR clock {args.de_lr_clock}"
     )
 
 
