@@ -53,6 +53,7 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
+import gc
 import json
 import math
 import sys
@@ -476,6 +477,10 @@ def run(
             _sync()
             began = time.perf_counter()
     engine.destroy()
+    del engine, model
+    gc.collect()  # the next run's engine starts from an empty device
+    if torch.cuda.is_available():
+        torch.cuda.empty_cache()
     final = curve[-1][3] if not diverged else float("inf")
     print(
         f"done: {label} lr {lr:.1e} budget {budget:,} tokens, {step} steps, "
