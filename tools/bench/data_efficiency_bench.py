@@ -39,7 +39,7 @@ so that a baseline run trains for about ``--baseline-seconds``.
     # on Python's standard library source (held-out files for validation); 4 + 3 LRs
     python tools/bench/data_efficiency_bench.py --baseline-seconds 25 --eval-every 15 \\
         --eval-batches 4 --lrs 6e-4,1.2e-3,2.4e-3,4.8e-3 --de-lrs 1.2e-3,2.4e-3,4.8e-3 \\
-        --de-budget-fractions 0.7,1.0
+        --de-budget-fractions 0.7,1.0 --de-lr-clock layer-tokens
     # CPU smoke run of the harness (under a minute)
     python tools/bench/data_efficiency_bench.py --size tiny --seq 128 --micro-batch 4 \\
         --token-budget 40960 --eval-every 20 --eval-batches 2 --corpus-bytes 2000000 \\
