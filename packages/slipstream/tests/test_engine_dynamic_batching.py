@@ -193,6 +193,17 @@ def _worker(save_dir: str) -> dict[str, Any]:
 
     engine.destroy(), engine2.destroy()
     if dp == 1:
+        # CPU offload stepping during backward would miss the scaling: refused by name.
+        import slipstream
+
+        config = _config("linear")
+        config["zero_optimization"] = {"stage": 1, "offload_optimizer": {"device": "cpu"}}
+        config["optimizer"] = {"type": "AdamW", "params": {"lr": BASE_LR}}
+        try:
+            slipstream.initialize(model=TinyLM(), config=config)
+            out["offload_refused"] = ""
+        except NotImplementedError as error:
+            out["offload_refused"] = str(error)
         # 3. sqrt scaling against its own reference (one rank count is enough for the formula).
         engine3, loader3 = _engine("sqrt", seed=0)
         _train(engine3, iter(loader3), 3)
@@ -227,3 +238,5 @@ def test_dynamic_batching_matches_reference_and_resumes_exactly(tmp_path: Path, 
         assert out["local_sizes"]
         assert out["resumed_identical"]
         assert out["resumed_samples"]
+        if world == 1:
+            assert "offload_optimizer.overlap_step/speculative_step" in out["offload_refused"]

@@ -829,12 +829,20 @@ class SlipstreamEngine(torch.nn.Module):
         if runtime is None:
             return
         offload = self.config.zero_optimization.optimizer_offload()
-        if runtime.config.dynamic_batching_enabled and offload and offload.overlap_forward:
-            raise NotImplementedError(
-                "data_efficiency.data_sampling.dynamic_batching with zero_optimization."
-                "offload_optimizer.overlap_forward: the overlapped step runs after engine.step() "
-                "returns, so the per-batch LR scaling cannot be applied to it; turn one off"
-            )
+        if runtime.config.dynamic_batching_enabled and offload is not None:
+            overlapped = [
+                key
+                for key in ("overlap_forward", "overlap_step", "speculative_step")
+                if getattr(offload, key)
+            ]
+            if overlapped:
+                raise NotImplementedError(
+                    "data_efficiency.data_sampling.dynamic_batching with zero_optimization."
+                    f"offload_optimizer.{'/'.join(overlapped)} on: those step the offloaded "
+                    "optimizer during backward or after engine.step() returns, outside the "
+                    "per-batch LR scaling; set them to false in offload_optimizer, or turn "
+                    "dynamic batching off"
+                )
         token_lr = runtime.layer_token_schedule(self.optimizer, self.lr_scheduler)
         if token_lr is not None:
             self.lr_scheduler = token_lr
