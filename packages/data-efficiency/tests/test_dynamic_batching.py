@@ -4,11 +4,20 @@ from __future__ import annotations
 
 import math
 import random
+from pathlib import Path
 
 import pytest
+import torch
 
-from slipstream.data import DynamicBatchSampler, batch_by_seqlens, scale_lr
-from slipstream.data.config import DataSamplingConfig
+from slipstream.data import (
+    DataAnalyzer,
+    DynamicBatchSampler,
+    batch_by_seqlens,
+    dataset_seqlens,
+    sample_length,
+    scale_lr,
+)
+from slipstream.data.config import DataEfficiencyConfig, DataSamplingConfig
 from slipstream.kernels.config_schema import ConfigError
 
 SEQLENS = [random.Random(3).randint(1, 40) for _ in range(200)] + [99]  # the last is too long
@@ -74,14 +83,69 @@ def test_lr_scaling_methods() -> None:
         scale_lr(32, 64, 0.1, "cubic")
 
 
-def test_config_keys_are_typed_and_enabled_is_refused_by_name() -> None:
+def test_config_keys_are_typed_and_bad_values_are_named() -> None:
     block = DataSamplingConfig.from_dict(
-        {"dynamic_batching": {"enabled": False, "max_tokens": 4096, "lr_scaling_method": "sqrt",
+        {"dynamic_batching": {"enabled": True, "max_tokens": 4096, "lr_scaling_method": "sqrt",
                               "sequence_picking_order": "seqlen", "min_batch_size": 2,
                               "max_batch_size": 16, "verbose": True}}
     )  # fmt: skip
     assert block.dynamic_batching.max_tokens == 4096
     with pytest.raises(ConfigError, match="lr_scaling_method"):
         DataSamplingConfig.from_dict({"dynamic_batching": {"lr_scaling_method": "cubic"}})
-    with pytest.raises(ConfigError, match=r"dynamic_batching.enabled.*DynamicBatchSampler"):
-        DataSamplingConfig.from_dict({"dynamic_batching": {"enabled": True, "max_tokens": 8}})
+    with pytest.raises(ConfigError, match=r"dynamic_batching.max_tokens"):
+        DataSamplingConfig.from_dict({"dynamic_batching": {"enabled": True}})
+    with pytest.raises(ConfigError, match=r"max_batch_size"):
+        DataSamplingConfig.from_dict(
+            {"dynamic_batching": {"enabled": True, "max_tokens": 8, "min_batch_size": 4,
+                                  "max_batch_size": 2}}
+        )  # fmt: skip
+    with pytest.raises(ConfigError, match=r"dynamic_batching.enabled and .*curriculum_learning"):
+        DataEfficiencyConfig.from_dict(
+            {"enabled": True, "data_sampling": {
+                "enabled": True, "dynamic_batching": {"enabled": True, "max_tokens": 8},
+                "curriculum_learning": {"enabled": True, "curriculum_metrics": {"seqlen": {
+                    "index_to_sample_path": "a", "index_to_metric_path": "b",
+                    "difficulty_type": "value", "clustering_type": "schedule_based",
+                    "min_difficulty": 1, "max_difficulty": 2, "schedule_type": "fixed_linear",
+                    "schedule_config": {"total_curriculum_step": 2, "difficulty_step": 1}}}}}}
+        )  # fmt: skip
+    # Every enclosing 'enabled' must be on (as for the other features).
+    off = DataEfficiencyConfig.from_dict(
+        {"enabled": True, "data_sampling": {"dynamic_batching": {"enabled": True, "max_tokens": 8}}}
+    )
+    assert not off.dynamic_batching_enabled
+
+
+def test_locate_and_seek_follow_the_epochs_of_a_random_order() -> None:
+    sampler = _samplers()[0]
+    per_epoch = [len(sampler.global_batches(e)) for e in range(3)]
+    index = per_epoch[0] + per_epoch[1] + 2
+    assert sampler.locate(index) == (2, 2)
+    assert sampler.global_batch_size(index) == sampler.batch_sizes(2)[2]
+    sampler.seek(index)
+    assert sampler.state_dict() == {"epoch": 2, "position": 2}
+    assert next(iter(sampler)) == sampler.global_batches(2)[2][0]
+
+
+def test_sequence_lengths_from_samples_and_from_the_analyzer(tmp_path: Path) -> None:
+    assert sample_length(torch.zeros(3, 7)) == 7
+    assert sample_length({"input_ids": [1, 2, 3], "labels": [0]}) == 3
+    assert sample_length((torch.zeros(5), torch.zeros(5))) == 5
+    assert sample_length([4, 5]) == 2
+    with pytest.raises(TypeError, match="metrics_path"):
+        sample_length(3.0)
+    samples = [torch.arange(n % 5 + 1) for n in range(12)]
+    measured = dataset_seqlens(samples)
+    assert measured == [n % 5 + 1 for n in range(12)]
+    DataAnalyzer(
+        samples,
+        metric_names=["seqlen"],
+        metric_functions=[lambda batch: torch.tensor([len(s) for s in batch])],
+        metric_types=["single_value_per_sample"],
+        save_path=tmp_path,
+        batch_size=4,
+        collate_fn=list,
+    ).run_map_reduce()
+    assert dataset_seqlens(samples, str(tmp_path)) == measured
+    with pytest.raises(ValueError, match="another dataset"):
+        dataset_seqlens(samples[:5], str(tmp_path))

@@ -29,7 +29,13 @@ from slipstream.data.config import (
     SamplingCurriculumConfig,
 )
 from slipstream.data.curriculum import CurriculumScheduler
-from slipstream.data.dynamic_batching import DynamicBatchSampler, batch_by_seqlens, scale_lr
+from slipstream.data.dynamic_batching import (
+    DynamicBatchSampler,
+    batch_by_seqlens,
+    dataset_seqlens,
+    sample_length,
+    scale_lr,
+)
 from slipstream.data.indexed import IndexedRows, IndexedRowsWriter, write_rows
 from slipstream.data.progressive_layer_drop import (
     ProgressiveLayerDrop,
@@ -88,10 +94,12 @@ __all__ = [
     "batch_by_seqlens",
     "build_curriculum_dataloader",
     "convert_to_random_ltd",
+    "dataset_seqlens",
     "gather_tokens",
     "layer_keep_probability",
     "remove_random_ltd_state_dict",
     "run_layers_with_drop",
+    "sample_length",
     "scale_lr",
     "scatter_tokens",
     "truncate_batch",

@@ -247,13 +247,17 @@ class DynamicBatchingConfig(ConfigBlock):
     """``data_sampling.dynamic_batching`` (DeepSpeed's keys and defaults).
 
     Attributes:
-        enabled: pack micro-batches by token count (refused for now: see validate).
+        enabled: pack micro-batches by token count; the engine's training loader then
+            gives each rank variable-size micro-batches, and each step's LR is scaled by that
+            global batch's sample count against ``train_batch_size``.
         lr_scaling_method: ``linear``, ``sqrt`` or ``none``.
         min_batch_size, max_batch_size: bounds on samples per micro-batch.
         sequence_picking_order: ``dataloader``, ``random`` or ``seqlen``.
         max_tokens: the summed length a micro-batch may hold (required when enabled).
         verbose: log each batch.
-        metrics_path: where DeepSpeed's data analyzer wrote the ``seqlen`` metric.
+        metrics_path: where DeepSpeed's data analyzer wrote the ``seqlen`` metric (its
+            ``seqlen/seqlen_sample_to_metric`` files); unset: the lengths are measured from
+            the dataset's samples.
     """
 
     enabled: bool = False
@@ -264,6 +268,23 @@ class DynamicBatchingConfig(ConfigBlock):
     max_tokens: int | None = dataclasses.field(default=None, metadata={"gt": 0})
     verbose: bool = False
     metrics_path: str | None = None
+
+    def validate(self, path: str) -> None:
+        """An enabled block needs max_tokens (as DeepSpeed asserts); batch bounds agree."""
+        if not self.enabled:
+            return
+        if self.max_tokens is None:
+            raise ConfigError(
+                f"missing config key '{key_path(path, 'max_tokens')}': dynamic batching packs "
+                "each micro-batch up to that many tokens",
+                key_path(path, "max_tokens"),
+            )
+        if self.max_batch_size is not None and self.max_batch_size < self.min_batch_size:
+            config_fail(
+                key_path(path, "max_batch_size"),
+                self.max_batch_size,
+                f"at least min_batch_size ({self.min_batch_size})",
+            )
 
 
 @dataclasses.dataclass(kw_only=True)
@@ -290,13 +311,12 @@ class DataSamplingConfig(ConfigBlock):
     )
 
     def validate(self, path: str) -> None:
-        """The engine does not wire dynamic batching yet: refuse it by name when on."""
-        if self.dynamic_batching.enabled:
+        """Dynamic batching and the difficulty sampler both build the loader: one of them."""
+        if self.dynamic_batching.enabled and self.curriculum_learning.enabled:
             raise ConfigError(
-                f"{key_path(path, 'dynamic_batching.enabled')} = true: the engine does not "
-                "build the dynamic-batching loader and LR scaling yet (slipstream-data-efficiency "
-                "0.1.0). Build the loader yourself with slipstream.data.DynamicBatchSampler and "
-                "scale the LR with slipstream.data.scale_lr, or set enabled to false",
+                f"{key_path(path, 'dynamic_batching.enabled')} and "
+                f"{key_path(path, 'curriculum_learning.enabled')} are both true: each builds "
+                "the training loader's sampler, and they are not composed; turn one off",
                 key_path(path, "dynamic_batching.enabled"),
             )
 
@@ -472,6 +492,12 @@ class DataEfficiencyConfig(ConfigBlock):
         """Whether the difficulty-based sampler is on."""
         sampling = self.data_sampling
         return self.enabled and sampling.enabled and sampling.curriculum_learning.enabled
+
+    @property
+    def dynamic_batching_enabled(self) -> bool:
+        """Whether dynamic batching builds the training loader."""
+        sampling = self.data_sampling
+        return self.enabled and sampling.enabled and sampling.dynamic_batching.enabled
 
     @property
     def random_ltd_enabled(self) -> bool:

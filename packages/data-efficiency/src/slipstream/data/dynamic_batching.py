@@ -16,11 +16,22 @@ from __future__ import annotations
 
 import logging
 import math
+import os
 import random
-from collections.abc import Iterator, Sequence
+import time
+from collections.abc import Iterator, Mapping, Sequence
 from typing import Any, Literal
 
-__all__ = ["DynamicBatchSampler", "batch_by_seqlens", "scale_lr"]
+import numpy as np
+import torch
+
+__all__ = [
+    "DynamicBatchSampler",
+    "batch_by_seqlens",
+    "dataset_seqlens",
+    "sample_length",
+    "scale_lr",
+]
 
 logger = logging.getLogger(__name__)
 
@@ -77,6 +88,63 @@ def batch_by_seqlens(
     return batches
 
 
+def sample_length(sample: Any) -> int:
+    """Tokens in one dataset sample: a tensor's or array's last dimension, a sequence's
+    length, a mapping's ``input_ids`` (else its first value), a tuple's first element."""
+    if isinstance(sample, torch.Tensor | np.ndarray):
+        if sample.ndim == 0:
+            raise TypeError("a 0-d tensor has no sequence length")
+        return int(sample.shape[-1])
+    if isinstance(sample, Mapping):
+        if not sample:
+            raise TypeError("an empty mapping has no sequence length")
+        return sample_length(
+            sample["input_ids"] if "input_ids" in sample else next(iter(sample.values()))
+        )
+    if isinstance(sample, str | bytes):
+        return len(sample)
+    if isinstance(sample, Sequence) and sample:
+        first = sample[0]
+        if isinstance(first, torch.Tensor | np.ndarray | Mapping | list | tuple):
+            return sample_length(first)  # (input_ids, labels, ...)
+        return len(sample)  # a list of token ids
+    raise TypeError(
+        f"cannot tell the sequence length of a {type(sample).__name__} sample; give "
+        "data_efficiency.data_sampling.dynamic_batching.metrics_path (the DataAnalyzer's "
+        "seqlen metric) or samples that are tensors, token lists or dicts with input_ids"
+    )
+
+
+def dataset_seqlens(dataset: Any, metrics_path: str | None = None) -> list[int]:
+    """Every sample's length: from the DataAnalyzer's ``seqlen`` metric under ``metrics_path``
+    (``seqlen/seqlen_sample_to_metric``, as DeepSpeed reads it), else measured sample by sample
+    (progress logged every ~10%)."""
+    count = len(dataset)
+    if metrics_path is not None:
+        from slipstream.data.indexed import IndexedRows
+
+        rows = IndexedRows(os.path.join(metrics_path, "seqlen", "seqlen_sample_to_metric"))
+        values = [int(v) for v in rows.concatenated()]
+        if len(values) != count:
+            raise ValueError(
+                f"the seqlen metric under {metrics_path!r} has {len(values)} samples, the "
+                f"dataset {count}: it was computed for another dataset; rerun the DataAnalyzer"
+            )
+        return values
+    lengths = []
+    began, next_report = time.monotonic(), max(count // 10, 1)
+    for index in range(count):
+        lengths.append(sample_length(dataset[index]))
+        if count >= 10_000 and (index + 1) % next_report == 0:
+            logger.info(
+                "dynamic batching: measured %d/%d sample lengths (%.0f s)",
+                index + 1,
+                count,
+                time.monotonic() - began,
+            )
+    return lengths
+
+
 def scale_lr(base_batch_size: int, batch_size: int, base_lr: float, method: str) -> float:
     """The LR for a global batch of ``batch_size`` samples, given ``base_lr`` at the base size."""
     if method == "linear":
@@ -123,16 +191,22 @@ class DynamicBatchSampler:
         self.seed = seed
         self.epoch = 0
         self.position = 0  # global batches of this epoch already handed out
+        self._packed: dict[int, list[list[list[int]]]] = {}
 
     def global_batches(self, epoch: int | None = None) -> list[list[list[int]]]:
         """The epoch's global batches, each a list of ``dp × gas`` micro-batches (all ranks)."""
+        epoch = self.epoch if epoch is None else epoch
+        key = 0 if self.order != "random" else epoch  # only a random order differs by epoch
+        cached = self._packed.get(key)
+        if cached is not None:
+            return cached
         micro = batch_by_seqlens(
             self.seqlens,
             self.max_tokens,
             min_batch_size=self.min_batch_size,
             max_batch_size=self.max_batch_size,
             sequence_picking_order=self.order,
-            seed=self.seed + (self.epoch if epoch is None else epoch),
+            seed=self.seed + epoch,
         )
         per_step = self.size * self.gas
         count = len(micro) // per_step
@@ -142,11 +216,36 @@ class DynamicBatchSampler:
                 f"({per_step} = data-parallel size × gradient_accumulation_steps); lower "
                 "max_tokens or add data"
             )
-        return [micro[i * per_step : (i + 1) * per_step] for i in range(count)]
+        batches = [micro[i * per_step : (i + 1) * per_step] for i in range(count)]
+        if len(self._packed) >= 4:  # a random order packs anew each epoch: keep a few
+            self._packed.pop(next(iter(self._packed)))
+        self._packed[key] = batches
+        return batches
 
-    def batch_sizes(self) -> list[int]:
-        """Samples in each global batch of the current epoch (what the LR scaling reads)."""
-        return [sum(len(mb) for mb in batch) for batch in self.global_batches()]
+    def batch_sizes(self, epoch: int | None = None) -> list[int]:
+        """Samples in each global batch of an epoch (the current one by default)."""
+        return [sum(len(mb) for mb in batch) for batch in self.global_batches(epoch)]
+
+    def locate(self, index: int) -> tuple[int, int]:
+        """``(epoch, position)`` of the ``index``-th global batch since the start (epoch 0)."""
+        if index < 0:
+            raise ValueError(f"global batch index {index} is negative")
+        epoch = 0
+        while True:
+            count = len(self.global_batches(epoch))
+            if index < count:
+                return epoch, index
+            index -= count
+            epoch += 1
+
+    def global_batch_size(self, index: int) -> int:
+        """Samples in the ``index``-th global batch since the start (what the LR scaling reads)."""
+        epoch, position = self.locate(index)
+        return sum(len(mb) for mb in self.global_batches(epoch)[position])
+
+    def seek(self, index: int) -> None:
+        """Continue from the ``index``-th global batch (a resumed run's consumed steps)."""
+        self.epoch, self.position = self.locate(index)
 
     def __len__(self) -> int:
         return len(self.global_batches()) * self.gas

@@ -12,6 +12,7 @@ from torch.utils.data import DataLoader, Dataset
 
 from slipstream.data.config import CurriculumLearningConfig, DataEfficiencyConfig
 from slipstream.data.curriculum import CurriculumScheduler
+from slipstream.data.dynamic_batching import DynamicBatchSampler, dataset_seqlens, scale_lr
 from slipstream.data.random_ltd.attach import attach_random_ltd
 from slipstream.data.random_ltd.lr_schedule import LayerTokenLR
 from slipstream.data.random_ltd.scheduler import RandomLTDScheduler
@@ -69,6 +70,10 @@ class DataEfficiency:
         self.loader: CurriculumDataLoader | None = None
         self.post_process: PostProcess | None = None
         self.layer_token_lr: LayerTokenLR | None = None
+        # Dynamic batching: the loader's sampler, and the global batches the engine stepped
+        # on since the loader started (the step -> batch map behind LR scaling and resume).
+        self.dynamic_sampler: DynamicBatchSampler | None = None
+        self.consumed_batches = 0
 
     @classmethod
     def from_configs(
@@ -84,6 +89,7 @@ class DataEfficiency:
             curriculum.enabled
             or data_efficiency.sampling_curriculum_enabled
             or data_efficiency.random_ltd_enabled
+            or data_efficiency.dynamic_batching_enabled
         ):
             return None
         return cls(
@@ -204,7 +210,15 @@ class DataEfficiency:
         gradient_accumulation_steps: int,
         collate_fn: Callable[[list[Any]], Any] | None = None,
     ) -> DataLoader | None:
-        """The curriculum loader when data_sampling's curriculum is on (else None)."""
+        """The curriculum or dynamic-batching loader when one is on (else None)."""
+        if self.config.dynamic_batching_enabled:
+            return self._build_dynamic_dataloader(
+                dataset,
+                data_parallel_rank=data_parallel_rank,
+                data_parallel_size=data_parallel_size,
+                gradient_accumulation_steps=gradient_accumulation_steps,
+                collate_fn=collate_fn,
+            )
         if not self.config.sampling_curriculum_enabled:
             return None
         self.sampler = CurriculumSampler(
@@ -226,6 +240,73 @@ class DataEfficiency:
         )
         return self.loader
 
+    def _build_dynamic_dataloader(
+        self,
+        dataset: Dataset,
+        *,
+        data_parallel_rank: int,
+        data_parallel_size: int,
+        gradient_accumulation_steps: int,
+        collate_fn: Callable[[list[Any]], Any] | None,
+    ) -> DataLoader:
+        sampling = self.config.data_sampling
+        settings = sampling.dynamic_batching
+        assert settings.max_tokens is not None  # the config requires it when enabled
+        self.dynamic_sampler = DynamicBatchSampler(
+            dataset_seqlens(dataset, settings.metrics_path),
+            settings.max_tokens,
+            data_parallel_rank=data_parallel_rank,
+            data_parallel_size=data_parallel_size,
+            gradient_accumulation_steps=gradient_accumulation_steps,
+            min_batch_size=settings.min_batch_size,
+            max_batch_size=settings.max_batch_size,
+            sequence_picking_order=settings.sequence_picking_order,
+            seed=self.config.seed,
+        )
+        self.dynamic_sampler.seek(self.consumed_batches)  # a checkpoint loaded before
+        if settings.verbose:
+            sizes = self.dynamic_sampler.batch_sizes(0)
+            logger.info(
+                "dynamic batching: %d global batches in epoch 0, %d-%d samples each "
+                "(base batch size %d, LR scaling %s)",
+                len(sizes),
+                min(sizes),
+                max(sizes),
+                self.global_batch_size,
+                settings.lr_scaling_method,
+            )
+        return DataLoader(
+            dataset,
+            batch_sampler=self.dynamic_sampler,
+            collate_fn=collate_fn,
+            num_workers=sampling.num_workers,
+            pin_memory=sampling.pin_memory,
+        )
+
+    # ------------------------------------------------------------------ dynamic batching
+    def dynamic_batch_samples(self) -> int | None:
+        """Samples in the global batch the engine steps on now (None without dynamic batching).
+
+        Step ``k`` after the loader started reads its ``k``-th global batch: every rank knows
+        every batch's size without communication (they pack identically).
+        """
+        if self.dynamic_sampler is None:
+            return None
+        return self.dynamic_sampler.global_batch_size(self.consumed_batches)
+
+    def dynamic_lr_factor(self) -> float | None:
+        """The LR multiplier of the current global batch (None without dynamic batching)."""
+        samples = self.dynamic_batch_samples()
+        if samples is None:
+            return None
+        method = self.config.data_sampling.dynamic_batching.lr_scaling_method
+        return scale_lr(self.global_batch_size, samples, 1.0, method)
+
+    def after_step(self) -> None:
+        """The engine finished an optimizer step (taken or skipped): one global batch used."""
+        if self.dynamic_sampler is not None:
+            self.consumed_batches += 1
+
     # ------------------------------------------------------------------ checkpoints
     def state_dict(self) -> dict[str, Any]:
         """Curriculum, random-LTD, LR and sampler state (JSON-ready)."""
@@ -237,6 +318,11 @@ class DataEfficiency:
                 None if self.layer_token_lr is None else self.layer_token_lr.state_dict()
             ),
             "sampler": None if self.sampler is None else self.sampler.state_dict(),
+            "dynamic_batching": (
+                None
+                if self.dynamic_sampler is None
+                else {"consumed_batches": self.consumed_batches}
+            ),
         }
 
     def load_state_dict(self, state: Mapping[str, Any]) -> None:
@@ -252,3 +338,9 @@ class DataEfficiency:
             self.layer_token_lr.load_state_dict(state["layer_token_lr"])
         if self.sampler is not None and state.get("sampler") is not None:
             self.sampler.load_state_dict(state["sampler"])
+        dynamic = state.get("dynamic_batching")
+        if dynamic is not None and self.config.dynamic_batching_enabled:
+            # The loader may be built before or after the load: seek now and on building.
+            self.consumed_batches = int(dynamic["consumed_batches"])
+            if self.dynamic_sampler is not None:
+                self.dynamic_sampler.seek(self.consumed_batches)

@@ -477,7 +477,7 @@ class SlipstreamEngine(torch.nn.Module):
         if self.progressive_layer_drop is not None:
             kwargs = {**kwargs, **self.progressive_layer_drop.get_state()}  # as DeepSpeed does
         if self.module.training:
-            self.throughput.add(self._micro_batch, count_tokens(args, kwargs))
+            self.throughput.add(self._micro_samples(args, kwargs), count_tokens(args, kwargs))
         with self.timers.region("forward"):
             return self.module(*args, **kwargs)
 
@@ -549,6 +549,8 @@ class SlipstreamEngine(torch.nn.Module):
             if self.progressive_layer_drop is not None:
                 # DeepSpeed's order: theta(global_steps) before the counter moves.
                 self.progressive_layer_drop.update_state(self.global_steps)
+            # Dynamic batching (slipstream.data): this step's global batch size, not the config's.
+            samples = self._step_samples()
             with self.timers.region("step"):
                 try:
                     self._take_optimizer_step(lr_kwargs)
@@ -560,7 +562,9 @@ class SlipstreamEngine(torch.nn.Module):
                     raise
             self._cycle_loss = None
             self.global_steps += 1
-            self.global_samples += self._train_batch
+            self.global_samples += samples
+            if self.data_efficiency is not None:
+                self.data_efficiency.after_step()
             if self.compression_scheduler is not None:
                 self.compression_scheduler.step()  # bits, masks and ratios of the next step
             if self.monitor.enabled:
@@ -582,14 +586,15 @@ class SlipstreamEngine(torch.nn.Module):
         grad_norm = None
         if self._tp_size > 1:
             nonfinite, grad_norm = self._tensor_parallel_norm(nonfinite, loss_scale)
-        outcome = self.gradient_path.step(
-            loss_scale=loss_scale,
-            max_grad_norm=self.config.gradient_clipping,
-            grad_norm=grad_norm,
-            nonfinite_check=nonfinite,
-            # A fused optimizer skips on the device flag: no device->host sync per step.
-            defer_skip=True,
-        )
+        with self._dynamic_batch_lr():
+            outcome = self.gradient_path.step(
+                loss_scale=loss_scale,
+                max_grad_norm=self.config.gradient_clipping,
+                grad_norm=grad_norm,
+                nonfinite_check=nonfinite,
+                # A fused optimizer skips on the device flag: no device->host sync per step.
+                defer_skip=True,
+            )
         self.zero_grad()
         self._unsettled = _UnsettledStep(
             self.global_steps + 1, outcome, lr_kwargs, _FlagCopy.start(outcome.skipped)
@@ -780,6 +785,21 @@ class SlipstreamEngine(torch.nn.Module):
         runtime = self.data_efficiency
         if runtime is None:
             return
+        offload = self.config.zero_optimization.optimizer_offload()
+        if runtime.config.dynamic_batching_enabled and offload is not None:
+            overlapped = [
+                key
+                for key in ("overlap_forward", "overlap_step", "speculative_step")
+                if getattr(offload, key)
+            ]
+            if overlapped:
+                raise NotImplementedError(
+                    "data_efficiency.data_sampling.dynamic_batching with zero_optimization."
+                    f"offload_optimizer.{'/'.join(overlapped)} on: those step the offloaded "
+                    "optimizer during backward or after engine.step() returns, outside the "
+                    "per-batch LR scaling; set them to false in offload_optimizer, or turn "
+                    "dynamic batching off"
+                )
         token_lr = runtime.layer_token_schedule(self.optimizer, self.lr_scheduler)
         if token_lr is not None:
             self.lr_scheduler = token_lr
@@ -787,6 +807,41 @@ class SlipstreamEngine(torch.nn.Module):
             isinstance(m, RandomLayerTokenDrop) for m in self.module.modules()
         ):
             runtime.attach_random_ltd(self.module)
+
+    def _step_samples(self) -> int:
+        """Samples in the global batch being stepped: dynamic batching's, else the config's."""
+        runtime = self.data_efficiency
+        samples = runtime.dynamic_batch_samples() if runtime is not None else None
+        return self._train_batch if samples is None else samples
+
+    def _micro_samples(self, args: tuple[Any, ...], kwargs: dict[str, Any]) -> int:
+        """Samples in this micro-batch (their count varies under dynamic batching)."""
+        runtime = self.data_efficiency
+        if runtime is None or runtime.dynamic_sampler is None:
+            return self._micro_batch
+        for value in (*args, *kwargs.values()):
+            if isinstance(value, torch.Tensor) and value.dim() >= 1:
+                return int(value.shape[0])
+        return self._micro_batch
+
+    @contextmanager
+    def _dynamic_batch_lr(self) -> Iterator[None]:
+        """Dynamic batching: the optimizer steps at the LR scaled for this global batch's size
+        (lr_scaling_method); the unscaled LRs are back before the LR schedule steps."""
+        runtime = self.data_efficiency
+        factor = runtime.dynamic_lr_factor() if runtime is not None else None
+        if factor is None or self.optimizer is None or factor == 1.0:
+            yield
+            return
+        groups = self.optimizer.param_groups
+        unscaled = [group["lr"] for group in groups]
+        for group, lr in zip(groups, unscaled):
+            group["lr"] = lr * factor
+        try:
+            yield
+        finally:
+            for group, lr in zip(groups, unscaled):
+                group["lr"] = lr
 
     def _data_efficiency_runtime(self) -> DataEfficiency:
         if self.data_efficiency is None:
