@@ -82,6 +82,17 @@ def main(argv: list[str] | None = None) -> int:
         action="store_true",
         help="train_bench.py --memory-phases on every run: the peak by phase, in the table",
     )
+    parser.add_argument(
+        "--profile",
+        type=Path,
+        default=None,
+        help="train_bench.py --profile on every run: rank 0's chrome trace of --profile-steps "
+        "extra steps to DIR/<spec>.json and every rank's summary printed (profile_steps.py)",
+    )
+    parser.add_argument("--profile-steps", type=int, default=3)
+    parser.add_argument(
+        "--profile-stack", action="store_true", help="train_bench.py --profile-stack"
+    )
     args = parser.parse_args(argv)
 
     env = dict(os.environ)
@@ -96,6 +107,13 @@ def main(argv: list[str] | None = None) -> int:
             "--steps", str(args.steps), "--warmup", str(args.warmup), "--seq", str(args.seq),
             "--out", str(args.out), *(["--memory-phases"] if args.memory_phases else []),
         ]  # fmt: skip
+        if args.profile is not None:
+            name = "".join(c if c.isalnum() or c in "._-" else "_" for c in spec)
+            command += [
+                "--profile", str(args.profile / f"{name}.json"),
+                "--profile-steps", str(args.profile_steps),
+                *(["--profile-stack"] if args.profile_stack else []),
+            ]  # fmt: skip
         print("$", " ".join(command), flush=True)
         done = subprocess.run(command, env=env, capture_output=True, text=True)
         lines = [line for line in done.stdout.splitlines() if line.startswith("BENCH ")]
@@ -104,6 +122,9 @@ def main(argv: list[str] | None = None) -> int:
             print(f"FAILED {spec} (exit {done.returncode}):\n{tail}", flush=True)
             rows.append({"impl": spec, "error": tail.strip().splitlines()[-1] if tail else "?"})
             continue
+        profiled = [line for line in done.stdout.splitlines() if line.startswith(("PROFILE", "  "))]
+        if profiled:
+            print("\n".join(profiled), flush=True)
         result = json.loads(lines[-1][len("BENCH ") :])
         print(json.dumps(result), flush=True)
         rows.append(result)

@@ -339,6 +339,35 @@ def _phase_times(engine: Any, input_ids: Any, labels: Any, sync: Any) -> dict[st
     }
 
 
+def _profile(
+    args: argparse.Namespace,
+    step: Any,
+    input_ids: Any,
+    labels: Any,
+    sync: Any,
+    wait_for_step: Any,
+    rank: int,
+) -> list[dict[str, Any]]:
+    """--profile: a few more steps under torch.profiler; rank 0 prints every rank's summary."""
+    from profile_steps import format_summary, profile
+
+    def one() -> None:
+        step(input_ids, labels)
+        wait_for_step()
+
+    dist.barrier()
+    summary = profile(
+        one, sync, steps=args.profile_steps, path=args.profile, rank=rank, stack=args.profile_stack
+    )
+    summaries: list[Any] = [None] * dist.get_world_size()
+    dist.all_gather_object(summaries, summary)
+    if rank == 0:
+        for index, each in enumerate(summaries):
+            print(format_summary(index, each), flush=True)
+        print(f"PROFILE trace of rank 0: {args.profile}", flush=True)
+    return summaries
+
+
 def main(argv: list[str] | None = None) -> int:
     """Run one benchmark; rank 0 prints and records the result."""
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
@@ -471,6 +500,21 @@ def main(argv: list[str] | None = None) -> int:
         help="slipstream: comms_logger on; the result gets each collective's bytes and time "
         "over the timed steps (the logger times every op: compare throughput without it)",
     )
+    parser.add_argument(
+        "--profile",
+        type=Path,
+        default=None,
+        help="after the timed steps, --profile-steps more under torch.profiler: rank 0's chrome "
+        "trace to PATH, and every rank's summary (step wall time, GPU busy / idle, compute, NCCL, "
+        "exposed communication, top kernels, host syncs) printed by rank 0 (profile_steps.py)",
+    )
+    parser.add_argument("--profile-steps", type=int, default=3)
+    parser.add_argument(
+        "--profile-stack",
+        action="store_true",
+        help="with --profile: record Python stacks too (adds host overhead) and list the "
+        "library's Python functions by inclusive time (the engine's hooks)",
+    )
     args = parser.parse_args(argv)
     if "nvme" in (args.offload, args.offload_param):
         args.nvme_path.mkdir(parents=True, exist_ok=True)
@@ -560,6 +604,10 @@ def main(argv: list[str] | None = None) -> int:
         device=device,
     )
     dist.all_reduce(peak, op=dist.ReduceOp.MAX)
+    if args.profile is not None:
+        summaries = _profile(args, step, input_ids, labels, sync, wait_for_step, rank)
+        keys = ("wall_ms", "busy_ms", "idle_ms", "compute_ms", "comm_ms", "exposed_comm_ms")
+        phases["profile"] = [{k: each[k] for k in keys} for each in summaries]
     if args.memory_phases:
         phases.update(_memory_phases(step, engine, input_ids, labels, device, args.memory_snapshot))
 
