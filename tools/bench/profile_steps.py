@@ -10,6 +10,8 @@ CUDA (a CPU smoke run) the "kernels" are the CPU operators and the rest is the s
 
 from __future__ import annotations
 
+import gc
+import itertools
 import json
 import os
 import tempfile
@@ -160,14 +162,36 @@ def profile(
 
     cuda = torch.cuda.is_available()
     activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if cuda else [])
+    pauses: list[float] = []
+    started: list[float] = []
+
+    def on_gc(phase: str, info: dict[str, Any]) -> None:
+        if phase == "start":
+            started.append(time.perf_counter())
+        elif started:
+            pauses.append(time.perf_counter() - started.pop())
+
     sync()
-    with torch.profiler.profile(activities=activities, with_stack=stack) as prof:
-        start = time.perf_counter()
-        for index in range(steps):
-            with torch.profiler.record_function(f"bench_step_{index}"):
-                step()
-        sync()
-        wall_ms = 1e3 * (time.perf_counter() - start)
+    events = [torch.cuda.Event(enable_timing=True) for _ in range(steps + 1)] if cuda else []
+    host: list[float] = []
+    gc.callbacks.append(on_gc)
+    try:
+        with torch.profiler.profile(activities=activities, with_stack=stack) as prof:
+            start = time.perf_counter()
+            if events:
+                events[0].record()
+            for index in range(steps):
+                begin = time.perf_counter()
+                with torch.profiler.record_function(f"bench_step_{index}"):
+                    step()
+                host.append(1e3 * (time.perf_counter() - begin))
+                if events:
+                    events[index + 1].record()
+            sync()
+            wall_ms = 1e3 * (time.perf_counter() - start)
+    finally:
+        gc.callbacks.remove(on_gc)
+    gpu_steps = [a.elapsed_time(b) for a, b in itertools.pairwise(events)]
     if rank == 0:
         path.parent.mkdir(parents=True, exist_ok=True)
         target = path
@@ -180,7 +204,14 @@ def profile(
         trace = json.load(handle)
     if rank != 0:
         target.unlink()
-    return summarise(trace, steps, wall_ms, cuda)
+    summary = summarise(trace, steps, wall_ms, cuda)
+    # Per step: the host's time in step() (enqueueing; close to the GPU's when the host is
+    # the bottleneck or waits on it) and, with CUDA, the stream's time between step marks.
+    summary["host_step_ms"] = [round(t, 1) for t in host]
+    summary["gpu_step_ms"] = [round(t, 1) for t in gpu_steps]
+    summary["gc_ms"] = round(1e3 * sum(pauses) / steps, 2)
+    summary["gc_collections"] = round(len(pauses) / steps, 1)
+    return summary
 
 
 def format_summary(rank: int, summary: dict[str, Any]) -> str:
@@ -191,6 +222,8 @@ def format_summary(rank: int, summary: dict[str, Any]) -> str:
         f"comm {summary['comm_ms']} (exposed {summary['exposed_comm_ms']}, overlapped "
         f"{summary['overlapped_comm_ms']}), {summary['kernels_per_step']} kernels/step, "
         f"streams {summary['stream_busy_ms']}",
+        f"  steps: host {summary['host_step_ms']} ms, GPU {summary['gpu_step_ms']} ms; Python GC "
+        f"{summary['gc_ms']} ms/step ({summary['gc_collections']} collections/step)",
         "  host syncs: "
         + (
             ", ".join(f"{k} {v['ms']} ms x{v['calls']}" for k, v in summary["host_sync"].items())
