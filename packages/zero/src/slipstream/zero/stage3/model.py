@@ -20,6 +20,7 @@ from slipstream.zero.settings import ZeroSettings, stage3_reduce_bucket_numel
 from slipstream.zero.stage3.sharded_param import (
     ShardedParameter,
     ensure_shards,
+    gather_full,
     prefetch_shards,
     release_shards,
     sharded_state_of,
@@ -99,6 +100,8 @@ class Stage3Model:
             settings.prefetch_numel, settings.max_live_numel, settings.max_reuse_numel
         )
         self.path: Any = None  # Stage3GradientPath or MultiGroupPath, once attached
+        self._persistent = [s for s in sharded if s.persistent]
+        self._numels = [(s, s.spec.numel) for s in sharded]
         self._handles: list[Any] = []
         self._in_forward = 0
         for unit in units:
@@ -110,7 +113,7 @@ class Stage3Model:
     def _install_hooks(self, unit: ParamUnit) -> None:
         def pre_forward(module: torch.nn.Module, args: Any) -> None:
             unit.state = TrainingState.FORWARD
-            for upcoming in self.trace.on_forward(unit, ExecutionTrace.live_numel(self.units)):
+            for upcoming in self.trace.on_forward(unit, self._live_numel):
                 upcoming.prefetch()
             self._read_ahead(unit, backward=False)
             unit.unshard()
@@ -131,8 +134,7 @@ class Stage3Model:
     def _hook_outputs(self, unit: ParamUnit, output: Any) -> None:
         def on_output_grad(grad: torch.Tensor) -> None:
             if unit.pre_backward():
-                live = ExecutionTrace.live_numel(self.units)
-                for upcoming in self.trace.on_backward(unit, live):
+                for upcoming in self.trace.on_backward(unit, self._live_numel):
                     upcoming.prefetch()
                 self._read_ahead(unit, backward=True)
 
@@ -140,6 +142,11 @@ class Stage3Model:
         for tensor in tensors:
             if isinstance(tensor, torch.Tensor) and tensor.requires_grad:
                 tensor.register_hook(on_output_grad)
+
+    def _live_numel(self) -> int:
+        """Elements gathered now (each parameter once; every unit member is in ``sharded``)."""
+        unsharded = ShardState.UNSHARDED
+        return sum(numel for member, numel in self._numels if member.state is unsharded)
 
     def _read_ahead(self, unit: ParamUnit, backward: bool) -> None:
         """NVMe parameters: start reading the shards of the units due next along the trace
@@ -185,7 +192,15 @@ class Stage3Model:
     def _root_pre_forward(self, module: torch.nn.Module, args: Any) -> None:
         if self._in_forward == 0:
             self.trace.begin_iteration()
+            self._gather_persistent()
         self._in_forward += 1
+
+    def _gather_persistent(self) -> None:
+        """Start one all-gather of every persistent parameter released since the last forward
+        (an optimizer step releases them all), instead of one small collective per module
+        (the norms: two per block). The modules' gathers adopt it (``member.pending``)."""
+        if len(self._persistent) > 1:
+            gather_full(self._persistent, async_op=True)
 
     def _root_post_forward(self, module: torch.nn.Module, args: Any, output: Any) -> Any:
         self._in_forward -= 1
@@ -194,6 +209,9 @@ class Stage3Model:
                 self.trace.finish_recording()  # one forward is the trace
             for unit in self.units:
                 unit.drop_prefetch()  # prefetched for a call that did not come
+            for member in self._persistent:
+                if member.pending is not None:  # gathered for a module that did not run
+                    member.pending.wait()
         return output
 
     # ------------------------------------------------------------------ optimizer
