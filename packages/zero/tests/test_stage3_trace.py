@@ -104,3 +104,37 @@ def test_reused_soon_matches_the_reuse_distance() -> None:
             trace.on_forward(unit, 0)
         trace.on_forward(units[0], 0)
         assert trace.reused_soon(units[0]) is False  # its last call
+
+
+def test_the_models_live_count_follows_every_gather_and_release() -> None:
+    # The count the prefetch checks max_live_numel against is kept by the parameters' state
+    # changes; it must equal a walk over the units at every hook (tied, frozen, reused and
+    # persistent parameters included), one process.
+    import torch
+
+    from slipstream.zero import ZeroSettings, shard_parameters
+    from slipstream.zero.testing import TinyTransformer, batch_for
+
+    torch.manual_seed(0)
+    model = TinyTransformer(vocab=32, dim=16, unused=True)
+    settings = ZeroSettings(stage=3, prefetch_numel=600, param_persistence_numel=40)
+    sharded = shard_parameters(model, settings)
+    zero = sharded.attach_optimizer(torch.optim.AdamW(model.parameters(), lr=0.01))
+    checked = []
+
+    def check(*_: object) -> None:
+        checked.append(sharded._live_numel() == ExecutionTrace.live_numel(sharded.units))
+
+    for unit in sharded.units:
+        unit.module.register_forward_pre_hook(check)
+        unit.module.register_forward_hook(check)
+    for p in zero.params:
+        p.register_post_accumulate_grad_hook(check)
+    for step in range(3):
+        model(*batch_for(step, 0, 2)).backward()
+        zero.finish_backward()
+        check()
+        zero.optimizer.step()
+        zero.zero_grad()
+        check()
+    assert checked and all(checked)

@@ -101,7 +101,9 @@ class Stage3Model:
         )
         self.path: Any = None  # Stage3GradientPath or MultiGroupPath, once attached
         self._persistent = [s for s in sharded if s.persistent]
-        self._numels = [(s, s.spec.numel) for s in sharded]
+        self._live = [sum(s.full_numel for s in sharded if s.state is ShardState.UNSHARDED)]
+        for member in sharded:
+            member.live = self._live
         self._handles: list[Any] = []
         self._in_forward = 0
         for unit in units:
@@ -144,9 +146,9 @@ class Stage3Model:
                 tensor.register_hook(on_output_grad)
 
     def _live_numel(self) -> int:
-        """Elements gathered now (each parameter once; every unit member is in ``sharded``)."""
-        unsharded = ShardState.UNSHARDED
-        return sum(numel for member, numel in self._numels if member.state is unsharded)
+        """Elements gathered now (each parameter once), kept up to date by the parameters'
+        state changes (walking every parameter on every hook cost host time per module)."""
+        return self._live[0]
 
     def _read_ahead(self, unit: ParamUnit, backward: bool) -> None:
         """NVMe parameters: start reading the shards of the units due next along the trace

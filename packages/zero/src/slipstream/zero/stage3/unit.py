@@ -55,11 +55,11 @@ class ParamUnit:
     @property
     def numel(self) -> int:
         """Elements of all members, full size."""
-        return sum(m.spec.numel for m in self.members)
+        return sum(m.full_numel for m in self.members)
 
     def sharded_numel(self) -> int:
         """Elements that a gather of this unit would bring in now."""
-        return sum(m.spec.numel for m in self.members if m.state is ShardState.SHARDED)
+        return sum(m.full_numel for m in self.members if m.state is ShardState.SHARDED)
 
     # ------------------------------------------------------------------ holds
     def _take(self) -> None:
