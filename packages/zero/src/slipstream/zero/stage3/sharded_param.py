@@ -11,6 +11,7 @@ import torch.distributed as dist
 from slipstream.zero.group import DataParallelGroup
 from slipstream.zero.host_memory import HostArena
 from slipstream.zero.layout import ShardSpec
+from slipstream.zero.param_gather import copy_out
 from slipstream.zero.stage3.state import ShardState
 
 __all__ = [
@@ -269,8 +270,11 @@ class PendingGather:
             self.members[0].pending = None
         else:
             rows = self.out.view(self.world, self.total)
-            for member, offset in zip(self.members, self.offsets):
-                member.fill(rows, offset)
+            for member in self.members:
+                member.allocate()
+            copy_out(rows, [m.param for m in self.members], [m.spec for m in self.members])
+            for member in self.members:
+                member.state = ShardState.UNSHARDED
                 member.pending = None
         self.done = True
         del self.out
