@@ -70,7 +70,7 @@ def _slipstream_config(args: argparse.Namespace) -> dict[str, Any]:
             "overlap_comm": True,
             "contiguous_gradients": True,
             "reduce_bucket_size": args.reduce_bucket_size,
-            "allgather_bucket_size": 5e8,
+            "allgather_bucket_size": args.allgather_bucket_size,
             **({"publish_during_forward": True} if args.publish_during_forward else {}),
             **(
                 {"stage3_reduce_bucket_parts": args.stage3_bucket_parts}
@@ -445,6 +445,13 @@ def main(argv: list[str] | None = None) -> int:
         help="zero_optimization.reduce_bucket_size (the DeepSpeed config of BENCHMARKS.md: 5e8)",
     )
     parser.add_argument(
+        "--allgather-bucket-size",
+        type=float,
+        default=5e8,
+        help="zero_optimization.allgather_bucket_size (stages 1-2: elements per all-gather of "
+        "the updated shards; the DeepSpeed config of BENCHMARKS.md: 5e8)",
+    )
+    parser.add_argument(
         "--publish-during-forward",
         action="store_true",
         help="slipstream stages 1-2: zero_optimization.publish_during_forward (the updated "
@@ -630,6 +637,8 @@ def main(argv: list[str] | None = None) -> int:
         + (f"+ratio{args.offload_ratio:g}" if args.offload_ratio != 1.0 else "")
         + ("+ovf" if args.overlap_forward else "")
         + (f"+rb{args.reduce_bucket_size:g}" if args.reduce_bucket_size != 5e8 else "")
+        + (f"+ab{args.allgather_bucket_size:g}" if args.allgather_bucket_size != 5e8 else "")
+        + ("+pf" if args.publish_during_forward else "")
         + (f"+tp{args.tp}" if args.tp > 1 else ""),
         "model": args.model,
         "params": params,
