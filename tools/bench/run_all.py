@@ -1,12 +1,12 @@
 """Run several training benchmarks side by side and print a markdown table of the results.
 
-Each spec is ``IMPL[:STAGE[+cpu|+nvme][+param|+nvmeparam][+noclip][+bf16comm][+ratioR][+rbN][+abN][+bpN][+pf][+tN][+dyn][+ovf]]@MODEL/MICRO`` (e.g.
+Each spec is ``IMPL[:STAGE[+cpu|+nvme][+param|+nvmeparam][+noclip][+bf16comm][+ratioR][+rbN][+abN][+leaf][+bpN][+pf][+tN][+dyn][+ovf]]@MODEL/MICRO`` (e.g.
 ``fsdp2@1.3b/4``, ``slipstream:3@7b/2``, ``slipstream:2+cpu@1.3b/4`` for CPU optimizer
 offload, ``slipstream:3+cpu+nvmeparam@1.3b/2`` with the parameter shards on NVMe,
 ``+bf16comm`` for ``communication_data_type`` bf16, DeepSpeed's default under bf16;
 ``+ratio0.7`` for partial offload, ``offload_optimizer.ratio`` 0.7; ``+rb1e8`` for
 ``reduce_bucket_size`` 1e8 (default 5e8); ``+ab1e8`` for ``allgather_bucket_size`` 1e8
-(default 5e8); ``+bp0`` for ``stage3_reduce_bucket_parts`` 0 (no
+(default 5e8); ``+leaf`` for stage 3 with each transformer block a ``leaf_module``; ``+bp0`` for ``stage3_reduce_bucket_parts`` 0 (no
 stage-3 cap; default 64); ``+pf`` for ``publish_during_forward`` (stages 1-2); ``+t16`` for ``offload_optimizer.threads`` 16
 (formerly ``SLIPSTREAM_OFFLOAD_THREADS=16``), ``+dyn`` for ``cpu_schedule`` dynamic; ``+ovf`` for
 ``offload_optimizer.overlap_forward``; ``deepspeed:2+cpu@7b/2`` runs DeepSpeed, when
@@ -56,6 +56,8 @@ def _parse(spec: str) -> list[str]:
             args += ["--cpu-schedule", "dynamic"]
         elif extra[:1] == "t" and extra[1:].isdigit():
             args += ["--offload-threads", extra[1:]]
+        elif extra == "leaf":
+            args += ["--leaf-blocks"]
         elif extra == "pf":
             args += ["--publish-during-forward"]
         elif extra.startswith("bp"):

@@ -77,6 +77,7 @@ def _slipstream_config(args: argparse.Namespace) -> dict[str, Any]:
                 if args.stage3_bucket_parts is not None
                 else {}
             ),
+            **({"leaf_module": {"classes": ["Block"]}} if args.leaf_blocks else {}),
             **_offload_blocks(args),
             **_zero_plus_plus(args),
         },
@@ -445,6 +446,12 @@ def main(argv: list[str] | None = None) -> int:
         help="zero_optimization.reduce_bucket_size (the DeepSpeed config of BENCHMARKS.md: 5e8)",
     )
     parser.add_argument(
+        "--leaf-blocks",
+        action="store_true",
+        help="slipstream stage 3: zero_optimization.leaf_module with the model's Block class "
+        "(one all-gather per transformer block, as FSDP2 wraps it, not one per linear layer)",
+    )
+    parser.add_argument(
         "--allgather-bucket-size",
         type=float,
         default=5e8,
@@ -639,6 +646,7 @@ def main(argv: list[str] | None = None) -> int:
         + (f"+rb{args.reduce_bucket_size:g}" if args.reduce_bucket_size != 5e8 else "")
         + (f"+ab{args.allgather_bucket_size:g}" if args.allgather_bucket_size != 5e8 else "")
         + ("+pf" if args.publish_during_forward else "")
+        + ("+leaf" if args.leaf_blocks else "")
         + (f"+tp{args.tp}" if args.tp > 1 else ""),
         "model": args.model,
         "params": params,

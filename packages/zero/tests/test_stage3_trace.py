@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import torch
+
 from slipstream.zero.stage3.trace import ExecutionTrace
 
 
@@ -110,8 +112,6 @@ def test_the_models_live_count_follows_every_gather_and_release() -> None:
     # The count the prefetch checks max_live_numel against is kept by the parameters' state
     # changes; it must equal a walk over the units at every hook (tied, frozen, reused and
     # persistent parameters included), one process.
-    import torch
-
     from slipstream.zero import ZeroSettings, shard_parameters
     from slipstream.zero.testing import TinyTransformer, batch_for
 
@@ -138,3 +138,49 @@ def test_the_models_live_count_follows_every_gather_and_release() -> None:
         zero.zero_grad()
         check()
     assert checked and all(checked)
+
+
+def _leaf_against_per_module() -> dict:
+    """Three stage-3 steps of the tiny model over the spawned world, with the blocks as leaf
+    modules and without: the losses and final master shards of each."""
+    from slipstream.zero import ZeroSettings, shard_parameters
+    from slipstream.zero.testing import TinyTransformer, batch_for
+
+    out = {}
+    for leaf in ((), ("_Block",)):
+        torch.manual_seed(0)
+        model = TinyTransformer(unused=True)
+        settings = ZeroSettings(
+            stage=3, prefetch_numel=2000, param_persistence_numel=0, leaf_module_classes=leaf
+        )
+        sharded = shard_parameters(model, settings)
+        zero = sharded.attach_optimizer(torch.optim.AdamW(model.parameters(), lr=0.01))
+        losses = []
+        for step in range(3):
+            loss = model(*batch_for(step, sharded.group.rank, 2))
+            loss.backward()
+            zero.finish_backward()
+            zero.step(max_grad_norm=0.5)
+            zero.zero_grad()
+            losses.append(loss.item())
+        out[leaf] = {
+            "units": [u.name for u in sharded.units],
+            "losses": losses,
+            "masters": [m.detach().clone() for m in zero.masters.masters],
+        }
+    return out
+
+
+def test_leaf_modules_gather_a_subtree_as_one_unit_with_the_same_training() -> None:
+    from slipstream.comm.testing import run_distributed
+
+    for result in run_distributed(_leaf_against_per_module, 2, timeout=300):
+        plain, leaf = result[()], result[("_Block",)]
+        # The blocks (called once and twice) are one unit each, their submodules none.
+        assert "block" in leaf["units"] and "shared" in leaf["units"]
+        assert not any(name.startswith(("block.", "shared.")) for name in leaf["units"])
+        assert any(name.startswith("block.") for name in plain["units"])
+        # The same arithmetic (fp32): the grouping changes only which gathers run together.
+        assert leaf["losses"] == plain["losses"]
+        for a, b in zip(leaf["masters"], plain["masters"], strict=True):
+            assert torch.equal(a, b)

@@ -433,7 +433,8 @@ class Stage3GradientPath(GradientPathMixin):
         for unit in model.units:
             for member in unit.members:
                 if id(member) in mine and id(member) not in owner:
-                    if any(p is member.param for p in unit.module.parameters(recurse=False)):
+                    owned = unit.module.parameters(recurse=unit.leaf)
+                    if any(p is member.param for p in owned):
                         owner[id(member)] = unit
                         unit.owned_trainable.add(id(member))
         self._owner = [owner.get(id(s)) for s in trainable]
@@ -585,16 +586,30 @@ def shard_parameters(
     _place_buffers(module, group, device, dtype)
 
     units: list[ParamUnit] = []
+    inside: str | None = None  # the name of the leaf module being walked, if any
+    leaf_unit: ParamUnit | None = None
     for name, sub in module.named_modules():
-        members = [seen[id(p)] for p in sub.parameters(recurse=False) if id(p) in seen]
-        for external in sub.__dict__.get(_EXTERNAL_ATTR, []):
-            if id(external) in seen:
-                members.append(seen[id(external)])
+        if inside is not None and (inside == "" or name.startswith(inside + ".")):
+            # Inside a leaf module: its unit gathers this module's parameters (and takes
+            # the external ones registered on it later).
+            sub.__dict__[_UNIT_ATTR] = leaf_unit
+            continue
+        leaf = _is_leaf(name, sub, settings)
+        subtree = sub.modules() if leaf else (sub,)
+        members: list[ShardedParameter] = []
+        for each in subtree:
+            members += [seen[id(p)] for p in each.parameters(recurse=False) if id(p) in seen]
+            for external in each.__dict__.get(_EXTERNAL_ATTR, []):
+                if id(external) in seen:
+                    members.append(seen[id(external)])
+        members = list({id(m): m for m in members}.values())  # tied inside a leaf: once
+        inside, leaf_unit = (name, None) if leaf else (None, None)
         if not members:
             continue
-        unit = ParamUnit(sub, name or "<root>", members)
+        unit = ParamUnit(sub, name or "<root>", members, leaf=leaf)
         sub.__dict__[_UNIT_ATTR] = unit
         units.append(unit)
+        leaf_unit = unit if leaf else None
     total = sum(s.spec.numel for s in sharded)
     if group.rank == 0:
         logger.info(
@@ -610,6 +625,19 @@ def shard_parameters(
         if group.rank == 0:
             logger.info("parameter offload to NVMe: %r", store)
     return Stage3Model(module, settings, group, names, sharded, units, compute_device, store)
+
+
+def _is_leaf(name: str, module: torch.nn.Module, settings: ZeroSettings) -> bool:
+    """Whether ``module`` is a ZeRO-3 leaf (``zero_optimization.leaf_module``): its whole
+    subtree's parameters are one unit, gathered by one all-gather around its forward and
+    backward, and its descendants get no hooks."""
+    cls = type(module)
+    return (
+        cls.__name__ in settings.leaf_module_classes
+        or f"{cls.__module__}.{cls.__qualname__}" in settings.leaf_module_classes
+        or name in settings.leaf_module_names
+        or any(name.endswith(suffix) for suffix in settings.leaf_module_name_suffixes)
+    )
 
 
 def _param_store(settings: ZeroSettings, group: DataParallelGroup) -> Any:

@@ -24,9 +24,17 @@ class ParamUnit:
     gradient reaching an output and releases it once all owned gradients are in.
     """
 
-    def __init__(self, module: torch.nn.Module, name: str, members: list[ShardedParameter]) -> None:
+    def __init__(
+        self,
+        module: torch.nn.Module,
+        name: str,
+        members: list[ShardedParameter],
+        leaf: bool = False,
+    ) -> None:
+        """``leaf``: the module is a ZeRO-3 leaf (its subtree's parameters, owned by it)."""
         self.module = module
         self.name = name
+        self.leaf = leaf
         self.members: list[ShardedParameter] = []
         self.owned_trainable: set[int] = set()
         self.state = TrainingState.IDLE
