@@ -1,11 +1,12 @@
 """Run several training benchmarks side by side and print a markdown table of the results.
 
-Each spec is ``IMPL[:STAGE[+cpu|+nvme][+param|+nvmeparam][+noclip][+bf16comm][+ratioR][+rbN][+bpN][+pf][+tN][+dyn][+ovf]]@MODEL/MICRO`` (e.g.
+Each spec is ``IMPL[:STAGE[+cpu|+nvme][+param|+nvmeparam][+noclip][+bf16comm][+ratioR][+rbN][+abN][+leaf][+bpN][+pf][+tN][+dyn][+ovf]]@MODEL/MICRO`` (e.g.
 ``fsdp2@1.3b/4``, ``slipstream:3@7b/2``, ``slipstream:2+cpu@1.3b/4`` for CPU optimizer
 offload, ``slipstream:3+cpu+nvmeparam@1.3b/2`` with the parameter shards on NVMe,
 ``+bf16comm`` for ``communication_data_type`` bf16, DeepSpeed's default under bf16;
 ``+ratio0.7`` for partial offload, ``offload_optimizer.ratio`` 0.7; ``+rb1e8`` for
-``reduce_bucket_size`` 1e8 (default 5e8); ``+bp0`` for ``stage3_reduce_bucket_parts`` 0 (no
+``reduce_bucket_size`` 1e8 (default 5e8); ``+ab1e8`` for ``allgather_bucket_size`` 1e8
+(default 5e8); ``+leaf`` for stage 3 with each transformer block a ``leaf_module``; ``+bp0`` for ``stage3_reduce_bucket_parts`` 0 (no
 stage-3 cap; default 64); ``+pf`` for ``publish_during_forward`` (stages 1-2); ``+t16`` for ``offload_optimizer.threads`` 16
 (formerly ``SLIPSTREAM_OFFLOAD_THREADS=16``), ``+dyn`` for ``cpu_schedule`` dynamic; ``+ovf`` for
 ``offload_optimizer.overlap_forward``; ``deepspeed:2+cpu@7b/2`` runs DeepSpeed, when
@@ -55,10 +56,14 @@ def _parse(spec: str) -> list[str]:
             args += ["--cpu-schedule", "dynamic"]
         elif extra[:1] == "t" and extra[1:].isdigit():
             args += ["--offload-threads", extra[1:]]
+        elif extra == "leaf":
+            args += ["--leaf-blocks"]
         elif extra == "pf":
             args += ["--publish-during-forward"]
         elif extra.startswith("bp"):
             args += ["--stage3-bucket-parts", extra.removeprefix("bp")]
+        elif extra.startswith("ab"):
+            args += ["--allgather-bucket-size", extra.removeprefix("ab")]
         elif extra.startswith("rb"):
             args += ["--reduce-bucket-size", extra.removeprefix("rb")]
         elif extra.startswith("ratio"):
@@ -82,6 +87,17 @@ def main(argv: list[str] | None = None) -> int:
         action="store_true",
         help="train_bench.py --memory-phases on every run: the peak by phase, in the table",
     )
+    parser.add_argument(
+        "--profile",
+        type=Path,
+        default=None,
+        help="train_bench.py --profile on every run: rank 0's chrome trace of --profile-steps "
+        "extra steps to DIR/<spec>.json and every rank's summary printed (profile_steps.py)",
+    )
+    parser.add_argument("--profile-steps", type=int, default=3)
+    parser.add_argument(
+        "--profile-stack", action="store_true", help="train_bench.py --profile-stack"
+    )
     args = parser.parse_args(argv)
 
     env = dict(os.environ)
@@ -96,6 +112,13 @@ def main(argv: list[str] | None = None) -> int:
             "--steps", str(args.steps), "--warmup", str(args.warmup), "--seq", str(args.seq),
             "--out", str(args.out), *(["--memory-phases"] if args.memory_phases else []),
         ]  # fmt: skip
+        if args.profile is not None:
+            name = "".join(c if c.isalnum() or c in "._-" else "_" for c in spec)
+            command += [
+                "--profile", str(args.profile / f"{name}.json"),
+                "--profile-steps", str(args.profile_steps),
+                *(["--profile-stack"] if args.profile_stack else []),
+            ]  # fmt: skip
         print("$", " ".join(command), flush=True)
         done = subprocess.run(command, env=env, capture_output=True, text=True)
         lines = [line for line in done.stdout.splitlines() if line.startswith("BENCH ")]
@@ -104,6 +127,9 @@ def main(argv: list[str] | None = None) -> int:
             print(f"FAILED {spec} (exit {done.returncode}):\n{tail}", flush=True)
             rows.append({"impl": spec, "error": tail.strip().splitlines()[-1] if tail else "?"})
             continue
+        profiled = [line for line in done.stdout.splitlines() if line.startswith(("PROFILE", "  "))]
+        if profiled:
+            print("\n".join(profiled), flush=True)
         result = json.loads(lines[-1][len("BENCH ") :])
         print(json.dumps(result), flush=True)
         rows.append(result)

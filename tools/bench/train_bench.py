@@ -70,13 +70,14 @@ def _slipstream_config(args: argparse.Namespace) -> dict[str, Any]:
             "overlap_comm": True,
             "contiguous_gradients": True,
             "reduce_bucket_size": args.reduce_bucket_size,
-            "allgather_bucket_size": 5e8,
+            "allgather_bucket_size": args.allgather_bucket_size,
             **({"publish_during_forward": True} if args.publish_during_forward else {}),
             **(
                 {"stage3_reduce_bucket_parts": args.stage3_bucket_parts}
                 if args.stage3_bucket_parts is not None
                 else {}
             ),
+            **({"leaf_module": {"classes": ["Block"]}} if args.leaf_blocks else {}),
             **_offload_blocks(args),
             **_zero_plus_plus(args),
         },
@@ -377,6 +378,35 @@ def _phase_times(engine: Any, input_ids: Any, labels: Any, sync: Any) -> dict[st
     }
 
 
+def _profile(
+    args: argparse.Namespace,
+    step: Any,
+    input_ids: Any,
+    labels: Any,
+    sync: Any,
+    wait_for_step: Any,
+    rank: int,
+) -> list[dict[str, Any]]:
+    """--profile: a few more steps under torch.profiler; rank 0 prints every rank's summary."""
+    from profile_steps import format_summary, profile
+
+    def one() -> None:
+        step(input_ids, labels)
+        wait_for_step()
+
+    dist.barrier()
+    summary = profile(
+        one, sync, steps=args.profile_steps, path=args.profile, rank=rank, stack=args.profile_stack
+    )
+    summaries: list[Any] = [None] * dist.get_world_size()
+    dist.all_gather_object(summaries, summary)
+    if rank == 0:
+        for index, each in enumerate(summaries):
+            print(format_summary(index, each), flush=True)
+        print(f"PROFILE trace of rank 0: {args.profile}", flush=True)
+    return summaries
+
+
 def main(argv: list[str] | None = None) -> int:
     """Run one benchmark; rank 0 prints and records the result."""
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
@@ -454,6 +484,19 @@ def main(argv: list[str] | None = None) -> int:
         help="zero_optimization.reduce_bucket_size (the DeepSpeed config of BENCHMARKS.md: 5e8)",
     )
     parser.add_argument(
+        "--leaf-blocks",
+        action="store_true",
+        help="slipstream stage 3: zero_optimization.leaf_module with the model's Block class "
+        "(one all-gather per transformer block, as FSDP2 wraps it, not one per linear layer)",
+    )
+    parser.add_argument(
+        "--allgather-bucket-size",
+        type=float,
+        default=5e8,
+        help="zero_optimization.allgather_bucket_size (stages 1-2: elements per all-gather of "
+        "the updated shards; the DeepSpeed config of BENCHMARKS.md: 5e8)",
+    )
+    parser.add_argument(
         "--publish-during-forward",
         action="store_true",
         help="slipstream stages 1-2: zero_optimization.publish_during_forward (the updated "
@@ -519,6 +562,21 @@ def main(argv: list[str] | None = None) -> int:
     )
     parser.add_argument(
         "--comms-steps", type=int, default=2, help="--comms-log: the logged steps (default 2)"
+    )
+    parser.add_argument(
+        "--profile",
+        type=Path,
+        default=None,
+        help="after the timed steps, --profile-steps more under torch.profiler: rank 0's chrome "
+        "trace to PATH, and every rank's summary (step wall time, GPU busy / idle, compute, NCCL, "
+        "exposed communication, top kernels, host syncs) printed by rank 0 (profile_steps.py)",
+    )
+    parser.add_argument("--profile-steps", type=int, default=3)
+    parser.add_argument(
+        "--profile-stack",
+        action="store_true",
+        help="with --profile: record Python stacks too (adds host overhead) and list the "
+        "library's Python functions by inclusive time (the engine's hooks)",
     )
     args = parser.parse_args(argv)
     if "nvme" in (args.offload, args.offload_param):
@@ -611,6 +669,10 @@ def main(argv: list[str] | None = None) -> int:
         device=device,
     )
     dist.all_reduce(peak, op=dist.ReduceOp.MAX)
+    if args.profile is not None:
+        summaries = _profile(args, step, input_ids, labels, sync, wait_for_step, rank)
+        keys = ("wall_ms", "busy_ms", "idle_ms", "compute_ms", "comm_ms", "exposed_comm_ms")
+        phases["profile"] = [{k: each[k] for k in keys} for each in summaries]
     if args.memory_phases:
         phases.update(_memory_phases(step, engine, input_ids, labels, device, args.memory_snapshot))
 
@@ -633,6 +695,9 @@ def main(argv: list[str] | None = None) -> int:
         + (f"+ratio{args.offload_ratio:g}" if args.offload_ratio != 1.0 else "")
         + ("+ovf" if args.overlap_forward else "")
         + (f"+rb{args.reduce_bucket_size:g}" if args.reduce_bucket_size != 5e8 else "")
+        + (f"+ab{args.allgather_bucket_size:g}" if args.allgather_bucket_size != 5e8 else "")
+        + ("+pf" if args.publish_during_forward else "")
+        + ("+leaf" if args.leaf_blocks else "")
         + (f"+tp{args.tp}" if args.tp > 1 else ""),
         "model": args.model,
         "params": params,

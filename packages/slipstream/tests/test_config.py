@@ -989,3 +989,23 @@ def test_communication_data_type_error_says_what_null_means() -> None:
     assert info.value.path == "communication_data_type"
     assert "null (the default: reduce in fp32" in str(info.value)
     assert "follow the training precision" not in str(info.value)
+
+
+def test_leaf_module_reaches_zero_settings_and_bad_keys_name_their_path() -> None:
+    from slipstream.runtime.zero_setup import zero_settings
+
+    config = load(
+        {
+            "zero_optimization": {
+                "stage": 3,
+                "leaf_module": {"classes": ["Block"], "name_suffixes": [".mlp"]},
+            }
+        }
+    )
+    settings = zero_settings(config)
+    assert settings.leaf_module_classes == ("Block",)
+    assert settings.leaf_module_name_suffixes == (".mlp",) and settings.leaf_module_names == ()
+    with pytest.raises(ConfigError, match=r"zero_optimization\.leaf_module\.class"):
+        load({"zero_optimization": {"stage": 3, "leaf_module": {"class": ["Block"]}}})
+    with pytest.raises(ConfigError, match=r"zero_optimization\.leaf_module\.names = 'x'"):
+        load({"zero_optimization": {"stage": 3, "leaf_module": {"names": "x"}}})

@@ -287,11 +287,33 @@ class ZeroConfig(ConfigBlock):
                 "or a positive number of ranks per shard group that divides the world size",
                 key_path(path, "mics_shard_size"),
             )
+        self.leaf_modules(path)
         if self.zenflow is not None:
             not_implemented(
                 key_path(path, "zenflow"), self.zenflow, "ZenFlow", _ZERO, "Remove the block."
             )
         self._validate_offload(path)
+
+    def leaf_modules(self, path: str = "zero_optimization") -> dict[str, tuple[str, ...]]:
+        """``leaf_module`` as ``{"classes": (...), "names": (...), "name_suffixes": (...)}``
+        (DeepSpeed's keys; each a list of strings); raises ConfigError naming the key path."""
+        where = key_path(path, "leaf_module")
+        keys = ("classes", "names", "name_suffixes")
+        found: dict[str, tuple[str, ...]] = {key: () for key in keys}
+        for key, value in self.leaf_module.items():
+            if key not in keys:
+                raise ConfigError(
+                    f"{where}.{key}: unknown key; expected {', '.join(keys)} (lists of module "
+                    "class names, module names, or module name suffixes)",
+                    f"{where}.{key}",
+                )
+            if not isinstance(value, (list, tuple)) or not all(isinstance(v, str) for v in value):
+                raise ConfigError(
+                    f"{where}.{key} = {value!r} is not valid: expected a list of strings",
+                    f"{where}.{key}",
+                )
+            found[key] = tuple(value)
+        return found
 
     def optimizer_offload(self) -> OffloadOptimizerConfig | None:
         """The effective optimizer offload block (None: off), the deprecated switch included."""

@@ -28,6 +28,7 @@ def zero_settings(config: SlipstreamConfig) -> ZeroSettings:
     zero = config.zero_optimization
     overlap = zero.overlap_comm if zero.overlap_comm is not None else zero.stage == 3
     offload_optimizer, offload_param = offload_settings(config)
+    leaf = zero.leaf_modules()
     return ZeroSettings(
         stage=zero.stage,
         reduce_bucket_numel=max(1, int(zero.reduce_bucket_size)),
@@ -44,6 +45,9 @@ def zero_settings(config: SlipstreamConfig) -> ZeroSettings:
         prescale_gradients=config.prescale_gradients,
         offload_optimizer=offload_optimizer,
         offload_param=offload_param,
+        leaf_module_classes=leaf["classes"],
+        leaf_module_names=leaf["names"],
+        leaf_module_name_suffixes=leaf["name_suffixes"],
     )
 
 

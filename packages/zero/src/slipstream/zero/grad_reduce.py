@@ -17,6 +17,10 @@ from slipstream.zero.masters import ShardedMasterWeights
 
 __all__ = ["BucketState", "EagerBucketStep", "GradientReduceScatter", "plan_buckets"]
 
+# Up to this many ranks a gradient enters its bucket one contiguous row per rank ([Note: row
+# copies] in GradientReduceScatter._copy_in).
+_ROW_COPY_MAX_WORLD = 4
+
 
 class BucketState(Enum):
     """Where one reduce-scatter bucket is in a reduction (one backward pass).
@@ -276,8 +280,15 @@ class GradientReduceScatter:
         accumulate = index in bucket.filled  # retain_graph: a second backward pass
         # Rank r's piece of the flat gradient goes to row r; the padding stays zero (the
         # buffer starts zeroed). Whole rows in one copy, the ragged last piece in another.
+        # [Note: row copies] A copy into the [rows, n] column block is strided (TensorIterator
+        # cannot vectorize it): at 1.3B on 2 H200s these bf16->fp32 copies took 5.4 ms per
+        # step where the bytes allow under 2. On few ranks each row is copied on its own
+        # (contiguous on both sides); on many, one strided copy keeps the launches down.
         rows = spec.numel // n
-        pieces = [(target[:rows], flat[: rows * n].view(rows, n))] if rows else []
+        if rows and spec.world_size <= _ROW_COPY_MAX_WORLD:
+            pieces = [(target[r], flat[r * n : (r + 1) * n]) for r in range(rows)]
+        else:
+            pieces = [(target[:rows], flat[: rows * n].view(rows, n))] if rows else []
         if rows < spec.world_size and spec.numel > rows * n:
             pieces.append((target[rows, : spec.numel - rows * n], flat[rows * n :]))
         for into, piece in pieces:

@@ -29,10 +29,13 @@ def local_squares(shard_grads: Sequence[torch.Tensor], device: torch.device) -> 
     """
     by_device: dict[torch.device, list[torch.Tensor]] = {}
     for grad in shard_grads:
-        by_device.setdefault(grad.device, []).append(grad.float().pow(2).sum())
+        by_device.setdefault(grad.device, []).append(grad)
     squares = torch.zeros((), dtype=torch.float32, device=device)
-    for parts in by_device.values():
-        squares = squares + torch.stack(parts).sum().to(device)
+    for grads in by_device.values():
+        # One multi-tensor pass per device, accumulating in fp32 (a square, a sum and their
+        # temporaries per tensor before: three passes and hundreds of small kernels per step).
+        norms = torch._foreach_norm(grads, 2.0, dtype=torch.float32)
+        squares = squares + torch.stack(norms).square().sum().to(device)
     return squares
 
 

@@ -12,6 +12,7 @@ from slipstream.zero.layout import ShardSpec
 
 __all__ = [
     "PendingPublish",
+    "copy_out",
     "gather_bucket",
     "gather_packed",
     "pack_bucket",
@@ -117,13 +118,43 @@ class PendingPublish:
         if self.work is not None:
             self.work.wait()
         rows = self.out.view(self.world, self.send.numel())
-        offset = 0
-        for i in self.indices:
-            spec = self.specs[i]
-            full = rows[:, offset : offset + spec.shard_numel].reshape(-1)[: spec.numel]
-            self.params[i].data.copy_(full.view(spec.shape).to(self.params[i].dtype))
-            offset += spec.shard_numel
+        copy_out(
+            rows, [self.params[i] for i in self.indices], [self.specs[i] for i in self.indices]
+        )
         del self.out, self.send
+
+
+@torch.no_grad()
+def copy_out(
+    rows: torch.Tensor, params: Sequence[torch.Tensor], specs: Sequence[ShardSpec]
+) -> None:
+    """Write each parameter's columns of gathered ``rows`` (``[world, sum of shards]``) into it.
+
+    One ``split_with_sizes_copy`` for the whole bucket, straight into the parameters seen as
+    ``[world, shard]`` (a parameter with padding, or of another dtype, gets a scratch out and
+    one more copy). Before: per parameter a strided column slice made contiguous by
+    ``reshape`` and then copied again, two kernels and twice the bytes each.
+    """
+    world = rows.shape[0]
+    outs: list[torch.Tensor] = []
+    late: list[tuple[torch.Tensor, torch.Tensor, ShardSpec]] = []
+    for param, spec in zip(params, specs):
+        data = param.data
+        direct = (
+            spec.padded_numel == spec.numel
+            and data.dtype == rows.dtype
+            and data.device == rows.device
+            and data.is_contiguous()
+        )
+        if direct:
+            outs.append(data.view(world, spec.shard_numel))
+        else:
+            scratch = torch.empty(world, spec.shard_numel, dtype=rows.dtype, device=rows.device)
+            outs.append(scratch)
+            late.append((data, scratch, spec))
+    torch.split_with_sizes_copy(rows, [spec.shard_numel for spec in specs], dim=1, out=outs)
+    for data, scratch, spec in late:
+        data.copy_(scratch.view(-1)[: spec.numel].view(spec.shape))
 
 
 @torch.no_grad()

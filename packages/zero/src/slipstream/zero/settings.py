@@ -43,6 +43,11 @@ class ZeroSettings:
             states in host memory (or on NVMe) and the step on the CPU (needs
             slipstream-offload-io; see slipstream.zero.offload).
         offload_param: stage 3: parameter shards in host memory (or on NVMe) between uses.
+        leaf_module_classes / leaf_module_names / leaf_module_name_suffixes: stage 3: modules
+            (by class name or ``module.QualName``, by name in ``named_modules()``, by name
+            suffix) whose whole subtree is one unit: one all-gather around the module's
+            forward and backward instead of one per submodule holding parameters
+            (DeepSpeed's ``leaf_module``).
     """
 
     stage: int
@@ -60,6 +65,9 @@ class ZeroSettings:
     prescale_gradients: bool = False
     offload_optimizer: OptimizerOffload | None = None
     offload_param: ParamOffload | None = None
+    leaf_module_classes: tuple[str, ...] = ()
+    leaf_module_names: tuple[str, ...] = ()
+    leaf_module_name_suffixes: tuple[str, ...] = ()
 
     def __post_init__(self) -> None:
         if self.stage not in (1, 2, 3):

@@ -237,16 +237,20 @@ class ShardedOptimizerStates(GradientPathMixin):
 
     # ------------------------------------------------------------------ gradient path
     def _grad_of(self, index: int) -> torch.Tensor | None:
-        if self._accumulate_fp32:
-            return self._fp32_grads[index]
-        return self.params[index].grad
+        accumulated = self._fp32_grads[index]
+        return accumulated if accumulated is not None else self.params[index].grad
 
     def _release(self, index: int) -> None:
         self.params[index].grad = None
         self._fp32_grads[index] = None
 
     def _on_grad(self, index: int) -> None:
-        if self._accumulate_fp32:
+        # Stage 1 in fp16/bf16 accumulates in fp32 across micro-steps; a gradient reduced in
+        # the backward that produced it (the boundary, with nothing accumulated before: every
+        # step at gradient_accumulation_steps 1) goes straight from the parameter's .grad
+        # into the fp32 bucket, whose copy casts it exactly as .to(float32) did, without a
+        # full-size fp32 copy of every gradient (2x the model in bytes, per step).
+        if self._accumulate_fp32 and not (self._reducing and self._fp32_grads[index] is None):
             param = self.params[index]
             grad = param.grad
             if grad is not None:

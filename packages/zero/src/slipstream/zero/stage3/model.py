@@ -20,6 +20,7 @@ from slipstream.zero.settings import ZeroSettings, stage3_reduce_bucket_numel
 from slipstream.zero.stage3.sharded_param import (
     ShardedParameter,
     ensure_shards,
+    gather_full,
     prefetch_shards,
     release_shards,
     sharded_state_of,
@@ -99,6 +100,10 @@ class Stage3Model:
             settings.prefetch_numel, settings.max_live_numel, settings.max_reuse_numel
         )
         self.path: Any = None  # Stage3GradientPath or MultiGroupPath, once attached
+        self._persistent = [s for s in sharded if s.persistent]
+        self._live = [sum(s.full_numel for s in sharded if s.state is ShardState.UNSHARDED)]
+        for member in sharded:
+            member.live = self._live
         self._handles: list[Any] = []
         self._in_forward = 0
         for unit in units:
@@ -110,7 +115,7 @@ class Stage3Model:
     def _install_hooks(self, unit: ParamUnit) -> None:
         def pre_forward(module: torch.nn.Module, args: Any) -> None:
             unit.state = TrainingState.FORWARD
-            for upcoming in self.trace.on_forward(unit, ExecutionTrace.live_numel(self.units)):
+            for upcoming in self.trace.on_forward(unit, self._live_numel):
                 upcoming.prefetch()
             self._read_ahead(unit, backward=False)
             unit.unshard()
@@ -131,8 +136,7 @@ class Stage3Model:
     def _hook_outputs(self, unit: ParamUnit, output: Any) -> None:
         def on_output_grad(grad: torch.Tensor) -> None:
             if unit.pre_backward():
-                live = ExecutionTrace.live_numel(self.units)
-                for upcoming in self.trace.on_backward(unit, live):
+                for upcoming in self.trace.on_backward(unit, self._live_numel):
                     upcoming.prefetch()
                 self._read_ahead(unit, backward=True)
 
@@ -140,6 +144,11 @@ class Stage3Model:
         for tensor in tensors:
             if isinstance(tensor, torch.Tensor) and tensor.requires_grad:
                 tensor.register_hook(on_output_grad)
+
+    def _live_numel(self) -> int:
+        """Elements gathered now (each parameter once), kept up to date by the parameters'
+        state changes (walking every parameter on every hook cost host time per module)."""
+        return self._live[0]
 
     def _read_ahead(self, unit: ParamUnit, backward: bool) -> None:
         """NVMe parameters: start reading the shards of the units due next along the trace
@@ -185,7 +194,15 @@ class Stage3Model:
     def _root_pre_forward(self, module: torch.nn.Module, args: Any) -> None:
         if self._in_forward == 0:
             self.trace.begin_iteration()
+            self._gather_persistent()
         self._in_forward += 1
+
+    def _gather_persistent(self) -> None:
+        """Start one all-gather of every persistent parameter released since the last forward
+        (an optimizer step releases them all), instead of one small collective per module
+        (the norms: two per block). The modules' gathers adopt it (``member.pending``)."""
+        if len(self._persistent) > 1:
+            gather_full(self._persistent, async_op=True)
 
     def _root_post_forward(self, module: torch.nn.Module, args: Any, output: Any) -> Any:
         self._in_forward -= 1
@@ -194,6 +211,9 @@ class Stage3Model:
                 self.trace.finish_recording()  # one forward is the trace
             for unit in self.units:
                 unit.drop_prefetch()  # prefetched for a call that did not come
+            for member in self._persistent:
+                if member.pending is not None:  # gathered for a module that did not run
+                    member.pending.wait()
         return output
 
     # ------------------------------------------------------------------ optimizer
@@ -413,7 +433,8 @@ class Stage3GradientPath(GradientPathMixin):
         for unit in model.units:
             for member in unit.members:
                 if id(member) in mine and id(member) not in owner:
-                    if any(p is member.param for p in unit.module.parameters(recurse=False)):
+                    owned = unit.module.parameters(recurse=unit.leaf)
+                    if any(p is member.param for p in owned):
                         owner[id(member)] = unit
                         unit.owned_trainable.add(id(member))
         self._owner = [owner.get(id(s)) for s in trainable]
@@ -565,16 +586,30 @@ def shard_parameters(
     _place_buffers(module, group, device, dtype)
 
     units: list[ParamUnit] = []
+    inside: str | None = None  # the name of the leaf module being walked, if any
+    leaf_unit: ParamUnit | None = None
     for name, sub in module.named_modules():
-        members = [seen[id(p)] for p in sub.parameters(recurse=False) if id(p) in seen]
-        for external in sub.__dict__.get(_EXTERNAL_ATTR, []):
-            if id(external) in seen:
-                members.append(seen[id(external)])
+        if inside is not None and (inside == "" or name.startswith(inside + ".")):
+            # Inside a leaf module: its unit gathers this module's parameters (and takes
+            # the external ones registered on it later).
+            sub.__dict__[_UNIT_ATTR] = leaf_unit
+            continue
+        leaf = _is_leaf(name, sub, settings)
+        subtree = sub.modules() if leaf else (sub,)
+        members: list[ShardedParameter] = []
+        for each in subtree:
+            members += [seen[id(p)] for p in each.parameters(recurse=False) if id(p) in seen]
+            for external in each.__dict__.get(_EXTERNAL_ATTR, []):
+                if id(external) in seen:
+                    members.append(seen[id(external)])
+        members = list({id(m): m for m in members}.values())  # tied inside a leaf: once
+        inside, leaf_unit = (name, None) if leaf else (None, None)
         if not members:
             continue
-        unit = ParamUnit(sub, name or "<root>", members)
+        unit = ParamUnit(sub, name or "<root>", members, leaf=leaf)
         sub.__dict__[_UNIT_ATTR] = unit
         units.append(unit)
+        leaf_unit = unit if leaf else None
     total = sum(s.spec.numel for s in sharded)
     if group.rank == 0:
         logger.info(
@@ -590,6 +625,19 @@ def shard_parameters(
         if group.rank == 0:
             logger.info("parameter offload to NVMe: %r", store)
     return Stage3Model(module, settings, group, names, sharded, units, compute_device, store)
+
+
+def _is_leaf(name: str, module: torch.nn.Module, settings: ZeroSettings) -> bool:
+    """Whether ``module`` is a ZeRO-3 leaf (``zero_optimization.leaf_module``): its whole
+    subtree's parameters are one unit, gathered by one all-gather around its forward and
+    backward, and its descendants get no hooks."""
+    cls = type(module)
+    return (
+        cls.__name__ in settings.leaf_module_classes
+        or f"{cls.__module__}.{cls.__qualname__}" in settings.leaf_module_classes
+        or name in settings.leaf_module_names
+        or any(name.endswith(suffix) for suffix in settings.leaf_module_name_suffixes)
+    )
 
 
 def _param_store(settings: ZeroSettings, group: DataParallelGroup) -> Any:

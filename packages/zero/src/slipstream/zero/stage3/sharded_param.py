@@ -11,6 +11,7 @@ import torch.distributed as dist
 from slipstream.zero.group import DataParallelGroup
 from slipstream.zero.host_memory import HostArena
 from slipstream.zero.layout import ShardSpec
+from slipstream.zero.param_gather import copy_out
 from slipstream.zero.stage3.state import ShardState
 
 __all__ = [
@@ -61,13 +62,17 @@ class ShardedParameter:
     ) -> None:
         self.param = param
         self.spec = ShardSpec(param.shape, group.world_size)
+        self.full_numel = self.spec.numel  # read on every hook: not recomputed each time
+        # The owning Stage3Model's count of gathered elements (a one-element list), kept by
+        # the ``state`` setter; None until a model adopts this parameter.
+        self.live: list[int] | None = None
+        self._state = ShardState.UNSHARDED
         self.shard = shard
         self.group = group
         self.master: torch.Tensor | None = None
         self.holders = 0
         self.persistent = False
         self.pending: PendingGather | None = None
-        self.state = ShardState.UNSHARDED
         self.store: Any = None
         # hpZ: this rank's slice of the full value within its node group (zeropp.py), kept
         # from a forward gather until the values change; None otherwise.
@@ -98,6 +103,18 @@ class ShardedParameter:
         sharded = cls(param, shard, group)
         sharded.free()
         return sharded
+
+    @property
+    def state(self) -> ShardState:
+        """Whether the full data exists on this rank (see :class:`ShardState`)."""
+        return self._state
+
+    @state.setter
+    def state(self, value: ShardState) -> None:
+        live = self.live
+        if live is not None and value is not self._state:
+            live[0] += self.full_numel if value is ShardState.UNSHARDED else -self.full_numel
+        self._state = value
 
     # ------------------------------------------------------------------ storage
     @property
@@ -253,8 +270,11 @@ class PendingGather:
             self.members[0].pending = None
         else:
             rows = self.out.view(self.world, self.total)
-            for member, offset in zip(self.members, self.offsets):
-                member.fill(rows, offset)
+            for member in self.members:
+                member.allocate()
+            copy_out(rows, [m.param for m in self.members], [m.spec for m in self.members])
+            for member in self.members:
+                member.state = ShardState.UNSHARDED
                 member.pending = None
         self.done = True
         del self.out

@@ -24,9 +24,17 @@ class ParamUnit:
     gradient reaching an output and releases it once all owned gradients are in.
     """
 
-    def __init__(self, module: torch.nn.Module, name: str, members: list[ShardedParameter]) -> None:
+    def __init__(
+        self,
+        module: torch.nn.Module,
+        name: str,
+        members: list[ShardedParameter],
+        leaf: bool = False,
+    ) -> None:
+        """``leaf``: the module is a ZeRO-3 leaf (its subtree's parameters, owned by it)."""
         self.module = module
         self.name = name
+        self.leaf = leaf
         self.members: list[ShardedParameter] = []
         self.owned_trainable: set[int] = set()
         self.state = TrainingState.IDLE
@@ -55,11 +63,11 @@ class ParamUnit:
     @property
     def numel(self) -> int:
         """Elements of all members, full size."""
-        return sum(m.spec.numel for m in self.members)
+        return sum(m.full_numel for m in self.members)
 
     def sharded_numel(self) -> int:
         """Elements that a gather of this unit would bring in now."""
-        return sum(m.spec.numel for m in self.members if m.state is ShardState.SHARDED)
+        return sum(m.full_numel for m in self.members if m.state is ShardState.SHARDED)
 
     # ------------------------------------------------------------------ holds
     def _take(self) -> None:
