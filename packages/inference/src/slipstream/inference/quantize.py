@@ -6,6 +6,12 @@ import torch
 from torch import nn
 
 from slipstream.kernels.ops import QuantizedTensor, dequantize, quant_matmul, quantize
+from slipstream.kernels.ops.quant_matmul import (
+    is_packable,
+    pack_gemv,
+    quant_matmul_packed,
+    unpack_gemv,
+)
 
 __all__ = ["WeightOnlyLinear", "quantize_decoder", "weight_bytes_per_parameter"]
 
@@ -26,10 +32,20 @@ class WeightOnlyLinear(nn.Module):
     ``slipstream.kernels``' ``quant_matmul``: on GPUs a Triton kernel that reads the codes in
     place and dequantizes in registers; on the CPU the reference (dequantize, then matmul).
     fp8 codes are kept as their bytes (``uint8``), so a module-wide dtype cast cannot touch them.
+
+    ``gemv_layout`` (default on): int8/int4 codes whose rows and groups are whole packed blocks
+    (64 / 128 features) are stored as ``pack_gemv``'s int32 words, the layout of the decode GEMV
+    kernel (``quant_matmul_packed``: bandwidth-bound at batch 1; prefill unpacks).
     """
 
     def __init__(
-        self, linear: nn.Linear, bits: int, group_size: int, *, format: str | None = None
+        self,
+        linear: nn.Linear,
+        bits: int,
+        group_size: int,
+        *,
+        format: str | None = None,
+        gemv_layout: bool = True,
     ) -> None:
         super().__init__()
         if format is None:
@@ -55,12 +71,17 @@ class WeightOnlyLinear(nn.Module):
         self.codes: torch.Tensor
         self.scales: torch.Tensor
         codes = q.data.reshape(out_features, -1)
+        self.packed = gemv_layout and is_packable(format, group_size, in_features)
+        if self.packed:
+            codes = pack_gemv(codes, format, group_size, in_features)
         self.register_buffer("codes", codes.view(torch.uint8) if format == FP8 else codes)
         self.register_buffer("scales", q.scales.reshape(out_features, -1))
         self.bias = linear.bias
         self.in_features, self.out_features = in_features, out_features
 
     def _codes(self) -> torch.Tensor:
+        if self.packed:
+            return unpack_gemv(self.codes, self.format, self.in_features)
         return self.codes.view(torch.float8_e4m3fn) if self.format == FP8 else self.codes
 
     def dequantized_weight(self, dtype: torch.dtype | None = None) -> torch.Tensor:
@@ -77,6 +98,15 @@ class WeightOnlyLinear(nn.Module):
         return dequantize(q, dtype)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if self.packed:
+            return quant_matmul_packed(
+                x,
+                self.codes,
+                self.scales,
+                self.format,
+                self.group_size,
+                None if self.bias is None else self.bias.to(x.dtype),
+            )
         return quant_matmul(
             x,
             self._codes(),
@@ -89,7 +119,7 @@ class WeightOnlyLinear(nn.Module):
     def extra_repr(self) -> str:
         return (
             f"in_features={self.in_features}, out_features={self.out_features}, "
-            f"format={self.format}, group_size={self.group_size}"
+            f"format={self.format}, group_size={self.group_size}, packed={self.packed}"
         )
 
 

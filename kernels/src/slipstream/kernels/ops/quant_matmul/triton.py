@@ -34,6 +34,12 @@ import torch.nn.functional as F
 import triton
 import triton.language as tl
 
+from slipstream.kernels.ops.quant_matmul.gemv import aot_specs as gemv_aot_specs
+from slipstream.kernels.ops.quant_matmul.gemv import (
+    gemv_default_config,
+    launch_gemv,
+    unpack_gemv,
+)
 from slipstream.kernels.ops.quant_matmul.reference import (
     check_weight,
     dequantize_weight,
@@ -41,7 +47,14 @@ from slipstream.kernels.ops.quant_matmul.reference import (
 from slipstream.kernels.ops.quant_matmul.reference import quant_matmul as reference_quant_matmul
 from slipstream.kernels.triton_support import AotSpec, check_kernel_device, interpreting
 
-__all__ = ["FORMAT_CODES", "QuantMatmulConfig", "default_config", "launch", "quant_matmul"]
+__all__ = [
+    "FORMAT_CODES",
+    "QuantMatmulConfig",
+    "default_config",
+    "launch",
+    "quant_matmul",
+    "quant_matmul_packed",
+]
 
 FORMAT_CODES = {"int8": 0, "int4": 1, "fp8_e4m3": 2}
 # Above this many rows (prefill) the weight is dequantized once into a scratch of the activation
@@ -392,6 +405,35 @@ def quant_matmul(
     return launch(x, codes, scales, format, group_size, bias, config)
 
 
+# Rows up to which quant_matmul_packed and dense_gemv run the gemv kernel (one program per row;
+# the weight is re-read per row, mostly from L2); above, the weight is unpacked and dequantized.
+GEMV_MAX_ROWS = 4
+
+
+def quant_matmul_packed(
+    x: torch.Tensor,
+    words: torch.Tensor,
+    scales: torch.Tensor,
+    format: str,
+    group_size: int,
+    bias: torch.Tensor | None = None,
+) -> torch.Tensor:
+    """``x @ W^T + bias`` for a weight in :func:`.gemv.pack_gemv`'s layout: the gemv kernel for
+    at most ``GEMV_MAX_ROWS`` rows, else unpack + :func:`quant_matmul` (prefill)."""
+    check_kernel_device("quant_matmul_packed", x, words, scales, bias)
+    in_features = x.shape[-1]
+    rows = x.numel() // max(in_features, 1)
+    if 0 < rows <= GEMV_MAX_ROWS:
+        out_features = words.numel() * (8 if format == "int4" else 4) // in_features
+        config = gemv_default_config(format, out_features, in_features, group_size, x.device)
+        if config is not None:
+            if interpreting() and config.split_k > 1:
+                config = dataclasses.replace(config, split_k=1)
+            return launch_gemv(x, words, scales, format, group_size, bias, config)
+    codes = unpack_gemv(words, format, in_features)
+    return quant_matmul(x, codes, scales, format, group_size, bias)
+
+
 DENSE_GEMV_MAX_ROWS = 16
 
 
@@ -415,6 +457,12 @@ def dense_gemv(
         or not weight.is_contiguous()
     ):
         return F.linear(x, weight, bias)
+    if rows <= 1:
+        gemv = gemv_default_config("dense", out_features, in_features, 0, x.device)
+        if gemv is not None:
+            if interpreting() and gemv.split_k > 1:
+                gemv = dataclasses.replace(gemv, split_k=1)
+            return launch_gemv(x, weight, None, "dense", 0, bias, gemv)
     sms = _multiprocessors(x.device)
     programs = triton.cdiv(out_features, 32)
     steps = in_features // block_k
@@ -560,4 +608,5 @@ def aot_specs() -> list[AotSpec]:
                     {"FORMAT": code, "GROUP": 128, "BLOCK_N": 32, "BLOCK_K": 128},
                 )
             )
+    specs.extend(gemv_aot_specs())
     return specs
