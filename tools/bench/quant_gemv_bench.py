@@ -315,7 +315,7 @@ def main() -> None:
                 extra = {"tiled_kernel_us": round(tiled * 1e6, 2)}
             gemv = (
                 gemv_backend.gemv_default_config(fmt, n, k, args.group_size, device)
-                if rows <= backend.GEMV_MAX_ROWS and weights.words
+                if rows <= backend.DENSE_GEMV_MAX_ROWS and weights.words
                 else None
             )
             if gemv is not None:
@@ -331,6 +331,19 @@ def main() -> None:
                     (weights.quant_bytes + act_bytes) / g_seconds / bandwidth, 3
                 )
                 extra["gemv_speedup_vs_bf16"] = round(dense_seconds / g_seconds, 2)
+                if rows > 1:
+                    # The packed weight's other path (dequantize once, cuBLAS), for GEMV_MAX_ROWS.
+                    deq_calls = [
+                        lambda w=w, sc=sc, x=x, f=fmt, k=k: F.linear(
+                            x, gemv_backend.dequantize_packed(w, sc, f, args.group_size, k, dtype)
+                        )
+                        for w, sc in itertools.islice(
+                            itertools.cycle(zip(weights.words, weights.scales)), launches
+                        )
+                    ]
+                    extra["packed_dequantize_us"] = round(
+                        time_calls(deq_calls, device, args.repeats) * 1e6, 2
+                    )
                 out = gemv_backend.launch_gemv(
                     x, weights.words[0], weights.scales[0], fmt, args.group_size, None, gemv
                 )

@@ -50,6 +50,7 @@ __all__ = [
     "GEMV_FORMAT_CODES",
     "GEMV_TABLE",
     "GemvConfig",
+    "dequantize_packed",
     "gemv_block_k",
     "gemv_default_config",
     "gemv_kernel",
@@ -204,6 +205,72 @@ def gemv_kernel(
         tl.atomic_add(out_ptrs, acc, mask=col_ok)
 
 
+@triton.jit
+def dequantize_packed_kernel(
+    codes_ptr,
+    scales_ptr,
+    out_ptr,
+    N,
+    K,
+    FORMAT: tl.constexpr,  # 0 int8, 1 int4
+    GROUP: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+):
+    """out[n, k] = code[n, k] * scale[n, k // GROUP] from the packed words, one packed block
+    (16 words per row) per program column; fp32 product, rounded once to out's dtype."""
+    PER: tl.constexpr = 8 if FORMAT == 1 else 4
+    BITS: tl.constexpr = 32 // PER
+    PACK: tl.constexpr = 16 * PER
+    cols = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
+    block = tl.program_id(1)
+    col_ok = cols < N
+    rows64 = cols.to(tl.int64)[:, None]
+    jj = tl.arange(0, 16)[None, :]
+    words = tl.load(
+        codes_ptr + rows64 * (K // PER) + block * 16 + jj, mask=col_ok[:, None], other=0
+    )
+    scale = tl.load(
+        scales_ptr + rows64 * (K // GROUP) + (block * PACK) // GROUP,
+        mask=col_ok[:, None],
+        other=0.0,
+    )
+    out_row = out_ptr + rows64 * K + block * PACK
+    for f in tl.static_range(PER):
+        field = (words >> (BITS * f)) & ((1 << BITS) - 1)
+        value = ((field ^ (1 << (BITS - 1))) - (1 << (BITS - 1))).to(tl.float32)  # sign-extend
+        tl.store(
+            out_row + 32 * (f // 2) + 2 * jj + (f % 2),
+            (value * scale).to(out_ptr.dtype.element_ty),
+            mask=col_ok[:, None],
+        )
+
+
+def dequantize_packed(
+    words: torch.Tensor,
+    scales: torch.Tensor,
+    format: str,
+    group_size: int,
+    in_features: int,
+    dtype: torch.dtype,
+) -> torch.Tensor:
+    """The ``(out, in)`` weight in ``dtype`` from :func:`pack_gemv`'s words (prefill's path)."""
+    check_packable(format, group_size, in_features)
+    out_features = words.numel() * PER_WORD[format] // in_features
+    out = torch.empty(out_features, in_features, device=words.device, dtype=dtype)
+    grid = (triton.cdiv(out_features, 32), in_features // pack_block(format))
+    dequantize_packed_kernel[grid](
+        words,
+        scales,
+        out,
+        out_features,
+        in_features,
+        FORMAT=GEMV_FORMAT_CODES[format],
+        GROUP=group_size,
+        BLOCK_N=32,
+    )
+    return out
+
+
 # Per-shape choices from the H100 sweep (tools/bench/quant_gemv_bench.py --sweep), keyed by
 # (format, out_features, in_features); shapes not listed use gemv_default_config's heuristic.
 GEMV_TABLE: dict[tuple[str, int, int], GemvConfig] = {}
@@ -351,4 +418,22 @@ def aot_specs() -> list[AotSpec]:
                         },
                     )
                 )
+        for format in ("int8", "int4"):
+            specs.append(
+                AotSpec(
+                    f"quant_matmul.dequantize_packed[{format}->{dtype}]",
+                    dequantize_packed_kernel,
+                    {
+                        "codes_ptr": "*i32",
+                        "scales_ptr": "*fp32",
+                        "out_ptr": f"*{dtype}",
+                        "N": "i32",
+                        "K": "i32",
+                        "FORMAT": "constexpr",
+                        "GROUP": "constexpr",
+                        "BLOCK_N": "constexpr",
+                    },
+                    {"FORMAT": GEMV_FORMAT_CODES[format], "GROUP": 128, "BLOCK_N": 32},
+                )
+            )
     return specs

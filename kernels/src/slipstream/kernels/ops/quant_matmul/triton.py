@@ -36,9 +36,9 @@ import triton.language as tl
 
 from slipstream.kernels.ops.quant_matmul.gemv import aot_specs as gemv_aot_specs
 from slipstream.kernels.ops.quant_matmul.gemv import (
+    dequantize_packed,
     gemv_default_config,
     launch_gemv,
-    unpack_gemv,
 )
 from slipstream.kernels.ops.quant_matmul.reference import (
     check_weight,
@@ -405,9 +405,10 @@ def quant_matmul(
     return launch(x, codes, scales, format, group_size, bias, config)
 
 
-# Rows up to which quant_matmul_packed and dense_gemv run the gemv kernel (one program per row;
-# the weight is re-read per row, mostly from L2); above, the weight is unpacked and dequantized.
-GEMV_MAX_ROWS = 4
+# Rows up to which quant_matmul_packed runs the gemv kernel (one program per row; the programs
+# of one weight tile run side by side, so the weight comes from HBM about once and the rows cost
+# unpacking work); above, the weight is dequantized once into the activation dtype for cuBLAS.
+GEMV_MAX_ROWS = 8
 
 
 def quant_matmul_packed(
@@ -430,8 +431,8 @@ def quant_matmul_packed(
             if interpreting() and config.split_k > 1:
                 config = dataclasses.replace(config, split_k=1)
             return launch_gemv(x, words, scales, format, group_size, bias, config)
-    codes = unpack_gemv(words, format, in_features)
-    return quant_matmul(x, codes, scales, format, group_size, bias)
+    weight = dequantize_packed(words, scales, format, group_size, in_features, x.dtype)
+    return F.linear(x, weight, bias)
 
 
 DENSE_GEMV_MAX_ROWS = 16
