@@ -131,3 +131,20 @@ def test_use_triton_swaps_dense_block_linears() -> None:
         model, dtype="int8", use_triton=True, replace_with_kernel_inject=True
     )
     assert isinstance(quantized.fused.blocks[0].qkv, WeightOnlyLinear)  # type: ignore[union-attr]
+
+
+@pytest.mark.parametrize("bits", [8, 4])
+def test_gemv_layout_packs_whole_blocks_and_computes_the_same(bits: int) -> None:
+    torch.manual_seed(1)
+    linear = nn.Linear(256, 24)
+    packed = WeightOnlyLinear(linear, bits, group_size=128)
+    plain = WeightOnlyLinear(linear, bits, group_size=128, gemv_layout=False)
+    assert packed.packed and not plain.packed
+    assert packed.codes.dtype == torch.int32 and "packed=True" in repr(packed)
+    torch.testing.assert_close(packed.dequantized_weight(), plain.dequantized_weight())
+    x = torch.randn(3, 256)
+    torch.testing.assert_close(packed(x), plain(x), rtol=0, atol=0)
+    assert weight_bytes_per_parameter(packed) == weight_bytes_per_parameter(plain)
+    # a group that is not a whole packed block (64 features int8, 128 int4) keeps quantize's
+    # layout
+    assert WeightOnlyLinear(linear, bits, group_size=32).packed is False
