@@ -14,12 +14,11 @@ instructions per weight and no layout shuffles:
   the codes are loaded in one register layout (four int32 per thread) and nothing is moved
   between threads in the loop. The quantization group must be a multiple of ``PACK``.
 - **Unpacking without conversions.** Each word is xor-ed once into offset binary (``u = code +
-  8`` / ``+ 128``); a field is masked in place and or-ed into the mantissa of 2^23 (one LOP3),
-  so ``bitcast - 2^23`` is ``u * 16^f`` (``256^f``) exactly (one FADD); the activation is
-  pre-scaled by ``16^-f`` once per thread and shared by all its rows, and the FFMA accumulates
-  in fp32. Fields above mantissa bit 22 are shifted down once per word. The ``-8`` (``-128``)
-  offset comes off per group as ``8 * sum(x)``, and the group scale multiplies the group's
-  partial sum, not each weight.
+  8`` / ``+ 128``). A field at bit ``a`` is masked in place and or-ed into a float whose
+  exponent makes one unit of bit ``a`` worth 1.0, i.e. ``2^(23 - a)`` (one LOP3), so subtracting
+  ``2^(23 - a) + 8`` (one FADD, exact) leaves the code itself, and one FFMA accumulates it
+  times the activation in fp32. Fields at or above mantissa bit 20 are shifted down once per
+  word first. The group scale multiplies a per-group partial sum, not each weight.
 - **Tiles.** A program owns ``block_n`` output rows of one activation row and a K range (split-K
   sums with fp32 atomics). A step covers ``8 * num_warps`` packed blocks, so that a step's
   activations fill exactly four int32 per thread (what keeps the two layouts equal).
@@ -136,8 +135,9 @@ def gemv_kernel(
         PER: tl.constexpr = 8 if FORMAT == 1 else 4  # fields per word
         PACK: tl.constexpr = 16 * PER  # input features per packed block
         GPS: tl.constexpr = BLOCK_K // PACK  # packed blocks per step
-        MAGIC: tl.constexpr = 8388608.0  # 2^23
-        OFFSET: tl.constexpr = 8.0 if FORMAT == 1 else 128.0
+        BITS: tl.constexpr = 32 // PER
+        LOW: tl.constexpr = 20 // BITS  # fields 0 .. LOW-1 lie below mantissa bit 20 in place
+        OFFSET: tl.constexpr = 8 if FORMAT == 1 else 128
         g = tl.arange(0, GPS)[None, :, None]
         jj = tl.arange(0, 16)[None, None, :]
         word = g * 16 + jj  # (1, GPS, 16): word index within the step
@@ -152,12 +152,10 @@ def gemv_kernel(
             scale = tl.load(scale_rows + (k0 + g * PACK) // GROUP, mask=row_ok, other=0.0)
             if FORMAT == 1:
                 words = words ^ -2004318072  # 0x88888888: two's complement -> offset binary
-                high = words >> 12  # fields 5, 6, 7 at bits 8-19
             else:
                 words = words ^ -2139062144  # 0x80808080
-                high = words >> 16  # fields 2, 3 at bits 0-15
+            high = words >> (BITS * (PER - LOW))  # the upper fields, down to bits 0 ..
             t = tl.zeros((BLOCK_N, GPS, 16), dtype=tl.float32)
-            xsum = tl.zeros((1, GPS, 16), dtype=tl.float32)
             for p in tl.static_range(PER // 2):
                 # elements 32p + 2jj (+1) of each block: the int32 pair 16p + jj
                 if x_type == tl.float32:
@@ -173,27 +171,18 @@ def gemv_kernel(
                         x_lo = xp.to(tl.int16).to(tl.float16, bitcast=True).to(tl.float32)
                         x_hi = (xp >> 16).to(tl.int16).to(tl.float16, bitcast=True)
                         x_hi = x_hi.to(tl.float32)
-                xsum += x_lo + x_hi
                 for b in tl.static_range(2):
                     f = 2 * p + b
-                    xf = x_lo if b == 0 else x_hi
-                    if FORMAT == 1:
-                        if f < 5:
-                            field = words & (15 << (4 * f))
-                            xf = xf * (1.0 / (1 << (4 * f)))
-                        else:
-                            field = high & (15 << (4 * (f - 3)))
-                            xf = xf * (1.0 / (1 << (4 * (f - 3))))
-                    else:
-                        if f < 2:
-                            field = words & (255 << (8 * f))
-                            xf = xf * (1.0 / (1 << (8 * f)))
-                        else:
-                            field = high & (255 << (8 * (f - 2)))
-                            xf = xf * (1.0 / (1 << (8 * (f - 2))))
-                    value = (field | 0x4B000000).to(tl.float32, bitcast=True) - MAGIC
-                    t += value * xf
-            acc3 += (t - OFFSET * xsum) * scale
+                    # the field at bit `at` of `src`, or-ed into the mantissa of 2^(23 - at):
+                    # one mantissa unit is 1.0 there, so the float is 2^(23 - at) + u exactly
+                    at = BITS * f if f < LOW else BITS * (f - PER + LOW)
+                    src = words if f < LOW else high
+                    field = src & (((1 << BITS) - 1) << at)
+                    value = (field | ((150 - at) << 23)).to(tl.float32, bitcast=True)
+                    # - (2^(23 - at) + offset): the code itself, exactly (Sterbenz)
+                    value = value - ((1 << (23 - at)) + OFFSET)
+                    t += value * (x_lo if b == 0 else x_hi)
+            acc3 += t * scale
         acc = tl.sum(tl.sum(acc3, axis=2), axis=1)
     if HAS_BIAS:
         bias = tl.load(bias_ptr + cols, mask=col_ok, other=0.0).to(tl.float32)
