@@ -332,8 +332,8 @@ def launch_gemv(
             f"{gemv_block_k(format, config.num_warps)})"
         )
     flat = x.reshape(-1, in_features)
-    if flat.stride(-1) != 1 or flat.stride(0) % 2:
-        flat = flat.contiguous()
+    if flat.stride(-1) != 1 or flat.stride(0) % 2 or flat.data_ptr() % 4:
+        flat = flat.clone(memory_format=torch.contiguous_format)  # activation pairs: int32
     rows = flat.shape[0]
     split = config.split_k
     out = (
