@@ -1,4 +1,4 @@
-"""The decode GEMV's packed int4 / int8 layout and kernel: packing round trips and puts each
+"""The decode GEMV's packed int4 / int8 / fp8 layout and kernel: packing round trips and puts each
 element where the layout says, ``quant_matmul_packed`` equals ``quant_matmul`` on the unpacked
 codes, and the Triton kernels (gemv, dequantize_packed) match the reference for one and several
 rows, 1 and 2 warps, split-K, bias, fp32 and fp16 activations (bf16 on the GPU only: the CPU
@@ -30,14 +30,18 @@ def _weight(fmt: str, out_features: int, in_features: int, group: int):
     return q.data.reshape(out_features, -1), q.scales
 
 
-@pytest.mark.parametrize("fmt", ["int4", "int8"])
+@pytest.mark.parametrize("fmt", ["int4", "int8", "fp8_e4m3"])
 def test_pack_round_trip_and_layout(fmt: str) -> None:
     per, bits = (8, 4) if fmt == "int4" else (4, 8)
     block = 16 * per
     codes, scales = _weight(fmt, 6, 2 * block, block)
     words = pack_gemv(codes, fmt, block, 2 * block)
     assert words.dtype == torch.int32 and words.shape == (6, 2 * block // per)
-    assert torch.equal(unpack_gemv(words, fmt, 2 * block), codes)
+    unpacked = unpack_gemv(words, fmt, 2 * block)
+    assert unpacked.dtype == codes.dtype
+    assert torch.equal(unpacked.view(torch.uint8), codes.view(torch.uint8))
+    if fmt == "fp8_e4m3":
+        return
     # element 32p + 2jj + b of block B is field 2p + b of word 16B + jj (two's complement)
     values = dequantize_weight(codes, torch.ones_like(scales), fmt, block, 2 * block, torch.float32)
     wide = words.to(torch.int64) & 0xFFFFFFFF
@@ -51,14 +55,14 @@ def test_pack_round_trip_and_layout(fmt: str) -> None:
 def test_pack_refuses_shapes_it_cannot_hold() -> None:
     codes, _ = _weight("int4", 4, 256, 64)
     assert not is_packable("int4", 64, 256) and is_packable("int4", 128, 256)
-    assert not is_packable("fp8_e4m3", 128, 256)
+    assert is_packable("fp8_e4m3", 64, 256) and not is_packable("fp8_e4m3", 32, 256)
     with pytest.raises(ValueError, match="multiples of 128"):
         pack_gemv(codes, "int4", 64, 256)
-    with pytest.raises(ValueError, match="int8 or int4"):
-        pack_gemv(codes, "fp8_e4m3", 128, 256)
+    with pytest.raises(ValueError, match="int8, int4 or fp8_e4m3"):
+        pack_gemv(codes, "int2", 128, 256)
 
 
-@pytest.mark.parametrize("fmt", ["int4", "int8"])
+@pytest.mark.parametrize("fmt", ["int4", "int8", "fp8_e4m3"])
 def test_packed_op_equals_quant_matmul(fmt: str) -> None:
     codes, scales = _weight(fmt, 24, 256, 128)
     words = pack_gemv(codes, fmt, 128, 256)
@@ -71,7 +75,7 @@ def test_packed_op_equals_quant_matmul(fmt: str) -> None:
     )
 
 
-@pytest.mark.parametrize("fmt", ["int4", "int8"])
+@pytest.mark.parametrize("fmt", ["int4", "int8", "fp8_e4m3"])
 def test_gemv_kernel_matches_reference(triton_device: torch.device, fmt: str) -> None:
     from slipstream.kernels.ops.quant_matmul.gemv import (
         GemvConfig,

@@ -39,6 +39,7 @@ import torch.nn.functional as F
 
 from slipstream.kernels.ops import quantize
 from slipstream.kernels.ops.quant_matmul import gemv as gemv_backend
+from slipstream.kernels.ops.quant_matmul import is_packable
 from slipstream.kernels.ops.quant_matmul import triton as backend
 from slipstream.kernels.ops.quant_matmul.reference import dequantize_weight
 
@@ -149,7 +150,7 @@ def make_weights(
     dense_bytes = weight.numel() * weight.element_size()
     copies = max(2, -(-L2_FLUSH_BYTES // quant_bytes)) if device.type == "cuda" else 1
     dense_copies = max(2, -(-L2_FLUSH_BYTES // dense_bytes)) if device.type == "cuda" else 1
-    packable = fmt in ("int8", "int4") and group % gemv_backend.pack_block(fmt) == 0
+    packable = is_packable(fmt, group, in_features)
     words = gemv_backend.pack_gemv(codes, fmt, group, in_features) if packable else None
     return Weights(
         [codes.clone() for _ in range(copies)],

@@ -70,7 +70,8 @@ def test_fp8_weights_within_e4m3_rounding(group_size: int) -> None:
     torch.manual_seed(0)
     linear = nn.Linear(256, 48)
     quantized = WeightOnlyLinear(linear, 8, group_size=group_size, format="fp8_e4m3")
-    assert quantized.codes.dtype == torch.uint8  # bytes: a module dtype cast cannot touch them
+    # bytes (or the gemv layout's int32 words): a module dtype cast cannot touch them
+    assert quantized.codes.dtype in (torch.uint8, torch.int32)
     quantized.half().float()  # ... as this shows: the codes survive a round trip of casts
     size = 256 if group_size == -1 else group_size
     weight = linear.weight.detach()
@@ -148,3 +149,8 @@ def test_gemv_layout_packs_whole_blocks_and_computes_the_same(bits: int) -> None
     # a group that is not a whole packed block (64 features int8, 128 int4) keeps quantize's
     # layout
     assert WeightOnlyLinear(linear, bits, group_size=32).packed is False
+    fp8 = WeightOnlyLinear(linear, bits, group_size=64, format="fp8_e4m3")
+    fp8_plain = WeightOnlyLinear(linear, bits, 64, format="fp8_e4m3", gemv_layout=False)
+    assert fp8.packed and fp8.codes.dtype == torch.int32
+    assert fp8_plain.codes.dtype == torch.uint8
+    torch.testing.assert_close(fp8(x), fp8_plain(x), rtol=0, atol=0)

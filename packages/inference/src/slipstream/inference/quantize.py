@@ -33,8 +33,8 @@ class WeightOnlyLinear(nn.Module):
     place and dequantizes in registers; on the CPU the reference (dequantize, then matmul).
     fp8 codes are kept as their bytes (``uint8``), so a module-wide dtype cast cannot touch them.
 
-    ``gemv_layout`` (default on): int8/int4 codes whose rows and groups are whole packed blocks
-    (64 / 128 features) are stored as ``pack_gemv``'s int32 words, the layout of the decode GEMV
+    ``gemv_layout`` (default on): int8/int4/fp8 codes whose rows and groups are whole packed
+    blocks (64 / 128 / 64 features) are stored as ``pack_gemv``'s int32 words, the layout of the decode GEMV
     kernel (``quant_matmul_packed``: bandwidth-bound at batch 1; prefill unpacks).
     """
 
@@ -74,7 +74,8 @@ class WeightOnlyLinear(nn.Module):
         self.packed = gemv_layout and is_packable(format, group_size, in_features)
         if self.packed:
             codes = pack_gemv(codes, format, group_size, in_features)
-        self.register_buffer("codes", codes.view(torch.uint8) if format == FP8 else codes)
+        fp8_bytes = format == FP8 and not self.packed
+        self.register_buffer("codes", codes.view(torch.uint8) if fp8_bytes else codes)
         self.register_buffer("scales", q.scales.reshape(out_features, -1))
         self.bias = linear.bias
         self.in_features, self.out_features = in_features, out_features

@@ -60,7 +60,7 @@ __all__ = [
     "unpack_gemv",
 ]
 
-GEMV_FORMAT_CODES = {"int8": 0, "int4": 1, "dense": 3}
+GEMV_FORMAT_CODES = {"int8": 0, "int4": 1, "fp8_e4m3": 2, "dense": 3}
 
 
 @dataclasses.dataclass(frozen=True)
@@ -102,12 +102,13 @@ def gemv_kernel(
     stride_xm,
     stride_om,
     stride_cn,  # codes per output row: K // 8 (int4 words), K // 4 (int8 words), K (dense)
-    FORMAT: tl.constexpr,  # 0 int8, 1 int4 (packed words), 3 dense (x's dtype; no scales)
+    FORMAT: tl.constexpr,  # 0 int8, 1 int4, 2 fp8 e4m3 (packed words), 3 dense (no scales)
     GROUP: tl.constexpr,
     HAS_BIAS: tl.constexpr,
     BLOCK_N: tl.constexpr,
     BLOCK_K: tl.constexpr,
     SPLIT_K: tl.constexpr,
+    NATIVE_FP8: tl.constexpr = False,  # fp8: the hardware e4m3 conversion (sm_89+)
 ):
     """out[m, n] = sum_k x[m, k] * w[n, k] (+ bias[n]); one activation row per program."""
     pid_m = tl.program_id(0)
@@ -152,7 +153,7 @@ def gemv_kernel(
             scale = tl.load(scale_rows + (k0 + g * PACK) // GROUP, mask=row_ok, other=0.0)
             if FORMAT == 1:
                 words = words ^ -2004318072  # 0x88888888: two's complement -> offset binary
-            else:
+            elif FORMAT == 0:
                 words = words ^ -2139062144  # 0x80808080
             high = words >> (BITS * (PER - LOW))  # the upper fields, down to bits 0 ..
             t = tl.zeros((BLOCK_N, GPS, 16), dtype=tl.float32)
@@ -175,15 +176,27 @@ def gemv_kernel(
                     f = 2 * p + b
                     # the field at bit `at` of `src`, or-ed into the mantissa of 2^(23 - at):
                     # one mantissa unit is 1.0 there, so the float is 2^(23 - at) + u exactly
-                    at = BITS * f if f < LOW else BITS * (f - PER + LOW)
-                    src = words if f < LOW else high
-                    field = src & (((1 << BITS) - 1) << at)
-                    value = (field | ((150 - at) << 23)).to(tl.float32, bitcast=True)
-                    # - (2^(23 - at) + offset): the code itself, exactly (Sterbenz)
-                    value = value - ((1 << (23 - at)) + OFFSET)
+                    if FORMAT == 2:
+                        byte = (words >> (8 * f)) & 255
+                        if NATIVE_FP8:
+                            fp8 = byte.to(tl.uint8).to(tl.float8e4nv, bitcast=True)
+                            value = fp8.to(tl.float32)
+                        else:  # the e4m3 byte as an fp16 pattern: the value times 2^-8
+                            half = ((byte & 0x7F) << 7) | ((byte & 0x80) << 8)
+                            value = half.to(tl.int16).to(tl.float16, bitcast=True)
+                            value = value.to(tl.float32)
+                    else:
+                        at = BITS * f if f < LOW else BITS * (f - PER + LOW)
+                        src = words if f < LOW else high
+                        field = src & (((1 << BITS) - 1) << at)
+                        value = (field | ((150 - at) << 23)).to(tl.float32, bitcast=True)
+                        # - (2^(23 - at) + offset): the code itself, exactly (Sterbenz)
+                        value = value - ((1 << (23 - at)) + OFFSET)
                     t += value * (x_lo if b == 0 else x_hi)
             acc3 += t * scale
         acc = tl.sum(tl.sum(acc3, axis=2), axis=1)
+        if FORMAT == 2 and not NATIVE_FP8:
+            acc = acc * 256.0
     if HAS_BIAS:
         bias = tl.load(bias_ptr + cols, mask=col_ok, other=0.0).to(tl.float32)
         acc += tl.where(pid_k == 0, bias, 0.0)
@@ -201,7 +214,7 @@ def dequantize_packed_kernel(
     out_ptr,
     N,
     K,
-    FORMAT: tl.constexpr,  # 0 int8, 1 int4
+    FORMAT: tl.constexpr,  # 0 int8, 1 int4, 2 fp8 e4m3
     GROUP: tl.constexpr,
     BLOCK_N: tl.constexpr,
 ):
@@ -226,7 +239,11 @@ def dequantize_packed_kernel(
     out_row = out_ptr + rows64 * K + block * PACK
     for f in tl.static_range(PER):
         field = (words >> (BITS * f)) & ((1 << BITS) - 1)
-        value = ((field ^ (1 << (BITS - 1))) - (1 << (BITS - 1))).to(tl.float32)  # sign-extend
+        if FORMAT == 2:
+            half = ((field & 0x7F) << 7) | ((field & 0x80) << 8)  # e4m3 as fp16 bits: x 2^-8
+            value = half.to(tl.int16).to(tl.float16, bitcast=True).to(tl.float32) * 256.0
+        else:
+            value = ((field ^ (1 << (BITS - 1))) - (1 << (BITS - 1))).to(tl.float32)
         tl.store(
             out_row + 32 * (f // 2) + 2 * jj + (f % 2),
             (value * scale).to(out_ptr.dtype.element_ty),
@@ -359,12 +376,20 @@ def launch_gemv(
         BLOCK_N=config.block_n,
         BLOCK_K=gemv_block_k(format, config.num_warps),
         SPLIT_K=split,
+        NATIVE_FP8=format == "fp8_e4m3" and _native_fp8(x.device),
         num_warps=config.num_warps,
         num_stages=config.num_stages,
     )
     if split != 1:
         out = out.to(x.dtype)
     return out.reshape(*x.shape[:-1], out_features)
+
+
+def _native_fp8(device: torch.device) -> bool:
+    """NVIDIA sm_89+ converts e4m3 in hardware (ROCm's native fp8 is another variant)."""
+    if device.type != "cuda" or torch.version.hip is not None:
+        return False
+    return torch.cuda.get_device_capability(device) >= (8, 9)
 
 
 def aot_specs() -> list[AotSpec]:
@@ -407,7 +432,7 @@ def aot_specs() -> list[AotSpec]:
                         },
                     )
                 )
-        for format in ("int8", "int4"):
+        for format in ("int8", "int4", "fp8_e4m3"):
             specs.append(
                 AotSpec(
                     f"quant_matmul.dequantize_packed[{format}->{dtype}]",

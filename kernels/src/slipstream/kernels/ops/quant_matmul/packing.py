@@ -1,6 +1,6 @@
-"""The gemv kernel's packed int4 / int8 weight layout (pure torch: packing happens at load time).
+"""The gemv kernel's packed int4 / int8 / fp8 weight layout (pure torch: packing happens at load time).
 
-Blocks of ``PACK = 16 * per_word`` input features (128 for int4, 64 for int8) are stored as 16
+Blocks of ``PACK = 16 * per_word`` input features (128 for int4, 64 for int8 and fp8) are stored as 16
 int32 words per output row; field ``f = 2p + b`` (bits ``f * 32 / per_word`` up) of word ``jj``
 holds element ``32p + 2jj + b`` of the block. See :mod:`.gemv` for why.
 """
@@ -11,7 +11,7 @@ import torch
 
 __all__ = ["PER_WORD", "check_packable", "is_packable", "pack_block", "pack_gemv", "unpack_gemv"]
 
-PER_WORD = {"int4": 8, "int8": 4}
+PER_WORD = {"int4": 8, "int8": 4, "fp8_e4m3": 4}
 
 
 def pack_block(format: str) -> int:
@@ -20,7 +20,7 @@ def pack_block(format: str) -> int:
 
 
 def is_packable(format: str, group_size: int, in_features: int) -> bool:
-    """Whether :func:`pack_gemv` takes this weight (int8/int4, features and group in blocks)."""
+    """Whether :func:`pack_gemv` takes this weight (int8/int4/fp8, features and group in blocks)."""
     if format not in PER_WORD:
         return False
     block = pack_block(format)
@@ -29,7 +29,7 @@ def is_packable(format: str, group_size: int, in_features: int) -> bool:
 
 def check_packable(format: str, group_size: int, in_features: int) -> None:
     if format not in PER_WORD:
-        raise ValueError(f"pack_gemv: format must be int8 or int4, got {format!r}")
+        raise ValueError(f"pack_gemv: format must be int8, int4 or fp8_e4m3, got {format!r}")
     block = pack_block(format)
     if in_features % block or group_size % block:
         raise ValueError(
@@ -39,7 +39,7 @@ def check_packable(format: str, group_size: int, in_features: int) -> None:
 
 
 def pack_gemv(codes: torch.Tensor, format: str, group_size: int, in_features: int) -> torch.Tensor:
-    """``quantize``'s ``(out, in)`` codes (int8, or uint8 int4 pairs) as the kernel's int32
+    """``quantize``'s ``(out, in)`` codes (int8, float8_e4m3fn, or uint8 int4 pairs) as int32
     words, ``(out, in // per_word)`` (see the module docstring)."""
     check_packable(format, group_size, in_features)
     per = PER_WORD[format]
@@ -62,7 +62,7 @@ def pack_gemv(codes: torch.Tensor, format: str, group_size: int, in_features: in
 
 def unpack_gemv(words: torch.Tensor, format: str, in_features: int) -> torch.Tensor:
     """Inverse of :func:`pack_gemv`: ``quantize``'s codes layout, ``(out, in)`` int8 or
-    ``(out, in // 2)`` uint8."""
+    ``(out, in // 2)`` uint8, or float8_e4m3fn."""
     per = PER_WORD[format]
     bits = 32 // per
     rows = words.numel() * per // in_features
@@ -74,4 +74,6 @@ def unpack_gemv(words: torch.Tensor, format: str, in_features: int) -> torch.Ten
     if format == "int4":
         pairs = fields.reshape(rows, -1, 2)
         return (pairs[..., 0] | (pairs[..., 1] << 4)).to(torch.uint8)
+    if format == "fp8_e4m3":
+        return fields.to(torch.uint8).view(torch.float8_e4m3fn)
     return fields.to(torch.uint8).view(torch.int8)
