@@ -421,6 +421,7 @@ def aot_specs() -> list[AotSpec]:
                             "BLOCK_N": "constexpr",
                             "BLOCK_K": "constexpr",
                             "SPLIT_K": "constexpr",
+                            "NATIVE_FP8": "constexpr",
                         },
                         {
                             "FORMAT": code,
@@ -429,6 +430,7 @@ def aot_specs() -> list[AotSpec]:
                             "BLOCK_N": 8,
                             "BLOCK_K": block_k,
                             "SPLIT_K": split,
+                            "NATIVE_FP8": False,
                         },
                     )
                 )
