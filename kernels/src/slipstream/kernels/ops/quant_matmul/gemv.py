@@ -97,6 +97,8 @@ def gemv_kernel(
     scales_ptr,
     bias_ptr,
     out_ptr,
+    ws_ptr,  # FIXUP: fp32 (rows, N) partial sums, zero at rest
+    count_ptr,  # FIXUP: int32 arrival counters, one per (row, column block), zero at rest
     N,
     K,
     stride_xm,
@@ -109,6 +111,7 @@ def gemv_kernel(
     BLOCK_K: tl.constexpr,
     SPLIT_K: tl.constexpr,
     NATIVE_FP8: tl.constexpr = False,  # fp8: the hardware e4m3 conversion (sm_89+)
+    FIXUP: tl.constexpr = False,  # split-K: the last split writes out (no zero-fill, no cast)
 ):
     """out[m, n] = sum_k x[m, k] * w[n, k] (+ bias[n]); one activation row per program."""
     pid_m = tl.program_id(0)
@@ -203,6 +206,18 @@ def gemv_kernel(
     out_ptrs = out_ptr + pid_m.to(tl.int64) * stride_om + cols
     if SPLIT_K == 1:
         tl.store(out_ptrs, acc.to(out_ptr.dtype.element_ty), mask=col_ok)
+    elif FIXUP:
+        # Every split adds into the workspace; the last to arrive takes the sum (resetting the
+        # workspace to zero in the same atomic) and writes the output in its dtype.
+        ws_ptrs = ws_ptr + pid_m.to(tl.int64) * N + cols
+        tl.atomic_add(ws_ptrs, acc, mask=col_ok, sem="relaxed")
+        tl.debug_barrier()
+        counter = count_ptr + pid_m * tl.num_programs(1) + pid_n
+        arrived = tl.atomic_add(counter, 1, sem="acq_rel")
+        if arrived == SPLIT_K - 1:
+            total = tl.atomic_xchg(ws_ptrs, tl.zeros_like(acc), mask=col_ok, sem="relaxed")
+            tl.store(out_ptrs, total.to(out_ptr.dtype.element_ty), mask=col_ok)
+            tl.atomic_xchg(counter, 0, sem="relaxed")
     else:
         tl.atomic_add(out_ptrs, acc, mask=col_ok)
 
@@ -353,18 +368,22 @@ def launch_gemv(
         flat = flat.clone(memory_format=torch.contiguous_format)  # activation pairs: int32
     rows = flat.shape[0]
     split = config.split_k
+    blocks = triton.cdiv(out_features, config.block_n)
+    scratch = _fixup_scratch(x.device, rows * out_features, rows * blocks) if split > 1 else None
     out = (
         torch.empty(rows, out_features, device=x.device, dtype=x.dtype)
-        if split == 1
+        if split == 1 or scratch is not None
         else torch.zeros(rows, out_features, device=x.device, dtype=torch.float32)
     )
-    grid = (rows, triton.cdiv(out_features, config.block_n), split)
+    grid = (rows, blocks, split)
     gemv_kernel[grid](
         flat,
         codes,
         scales if scales is not None else codes,
         bias if bias is not None else flat,
         out,
+        scratch[0] if scratch is not None else out,
+        scratch[1] if scratch is not None else out,
         out_features,
         in_features,
         flat.stride(0),
@@ -377,12 +396,41 @@ def launch_gemv(
         BLOCK_K=gemv_block_k(format, config.num_warps),
         SPLIT_K=split,
         NATIVE_FP8=format == "fp8_e4m3" and _native_fp8(x.device),
+        FIXUP=scratch is not None,
         num_warps=config.num_warps,
         num_stages=config.num_stages,
     )
-    if split != 1:
+    if out.dtype != x.dtype:
         out = out.to(x.dtype)
     return out.reshape(*x.shape[:-1], out_features)
+
+
+# Split-K scratch per (device, stream): an fp32 workspace and arrival counters that the kernel
+# leaves zeroed, so a split GEMV needs no zero-fill or cast launches (a CUDA graph replays them).
+_SCRATCH: dict[tuple[torch.device, int], tuple[torch.Tensor, torch.Tensor]] = {}
+FIXUP_SPLIT_K = True  # False: split-K sums with atomics into a zeroed fp32 output, then casts
+
+
+def _fixup_scratch(
+    device: torch.device, values: int, counters: int
+) -> tuple[torch.Tensor, torch.Tensor] | None:
+    """The zeroed workspace and counters for a split, grown outside CUDA-graph capture only
+    (None while capturing without a large enough one: the zero-fill path runs instead)."""
+    if not FIXUP_SPLIT_K or device.type != "cuda":
+        return None  # the interpreter's atomics do not model the arrival order
+    key = (device, torch.cuda.current_stream(device).stream_id)
+    held = _SCRATCH.get(key)
+    if held is not None and held[0].numel() >= values and held[1].numel() >= counters:
+        return held
+    if torch.cuda.is_current_stream_capturing():
+        return None
+    size = max(values, 1 << 20)
+    held = (
+        torch.zeros(size, device=device, dtype=torch.float32),
+        torch.zeros(max(counters, 1 << 16), device=device, dtype=torch.int32),
+    )
+    _SCRATCH[key] = held
+    return held
 
 
 def _native_fp8(device: torch.device) -> bool:
@@ -409,7 +457,9 @@ def aot_specs() -> list[AotSpec]:
                             "codes_ptr": f"*{dtype}" if dense else "*i32",
                             "scales_ptr": f"*{dtype}" if dense else "*fp32",
                             "bias_ptr": f"*{dtype}",
-                            "out_ptr": f"*{dtype}" if split == 1 else "*fp32",
+                            "out_ptr": f"*{dtype}",  # split 4: the fixup writes it
+                            "ws_ptr": "*fp32",
+                            "count_ptr": "*i32",
                             "N": "i32",
                             "K": "i32",
                             "stride_xm": "i32",
@@ -422,6 +472,7 @@ def aot_specs() -> list[AotSpec]:
                             "BLOCK_K": "constexpr",
                             "SPLIT_K": "constexpr",
                             "NATIVE_FP8": "constexpr",
+                            "FIXUP": "constexpr",
                         },
                         {
                             "FORMAT": code,
@@ -431,6 +482,7 @@ def aot_specs() -> list[AotSpec]:
                             "BLOCK_K": block_k,
                             "SPLIT_K": split,
                             "NATIVE_FP8": False,
+                            "FIXUP": split > 1,
                         },
                     )
                 )
