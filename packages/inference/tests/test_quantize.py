@@ -138,8 +138,8 @@ def test_use_triton_swaps_dense_block_linears() -> None:
 def test_gemv_layout_packs_whole_blocks_and_computes_the_same(bits: int) -> None:
     torch.manual_seed(1)
     linear = nn.Linear(256, 24)
-    packed = WeightOnlyLinear(linear, bits, group_size=128)
-    plain = WeightOnlyLinear(linear, bits, group_size=128, gemv_layout=False)
+    packed = WeightOnlyLinear(linear, bits, group_size=128, gemv_layout=True)
+    plain = WeightOnlyLinear(linear, bits, group_size=128)  # the default: quantize's layout
     assert packed.packed and not plain.packed
     assert packed.codes.dtype == torch.int32 and "packed=True" in repr(packed)
     torch.testing.assert_close(packed.dequantized_weight(), plain.dequantized_weight())
@@ -148,9 +148,9 @@ def test_gemv_layout_packs_whole_blocks_and_computes_the_same(bits: int) -> None
     assert weight_bytes_per_parameter(packed) == weight_bytes_per_parameter(plain)
     # a group that is not a whole packed block (64 features int8, 128 int4) keeps quantize's
     # layout
-    assert WeightOnlyLinear(linear, bits, group_size=32).packed is False
-    fp8 = WeightOnlyLinear(linear, bits, group_size=64, format="fp8_e4m3")
-    fp8_plain = WeightOnlyLinear(linear, bits, 64, format="fp8_e4m3", gemv_layout=False)
+    assert WeightOnlyLinear(linear, bits, group_size=32, gemv_layout=True).packed is False
+    fp8 = WeightOnlyLinear(linear, bits, group_size=64, format="fp8_e4m3", gemv_layout=True)
+    fp8_plain = WeightOnlyLinear(linear, bits, 64, format="fp8_e4m3")
     assert fp8.packed and fp8.codes.dtype == torch.int32
     assert fp8_plain.codes.dtype == torch.uint8
     torch.testing.assert_close(fp8(x), fp8_plain(x), rtol=0, atol=0)

@@ -121,6 +121,10 @@ class WeightQuantConfig(ConfigBlock):
     group_size: int = 128
     compute_dtype: Literal["fp16", "bf16", "fp32"] = "fp16"
     format: Literal["int", "fp8_e4m3"] = "int"
+    # Store whole-block weights in the decode GEMV's packed layout (slipstream.kernels'
+    # pack_gemv; CUDA-core kernel at <= 8 rows). Off: quant_matmul's tile kernel, which measured
+    # faster for int8/int4 on an H200; the packed fp8 GEMV measured 1.6x faster per layer.
+    gemv_layout: bool = False
 
     @property
     def code_format(self) -> str:

@@ -33,9 +33,10 @@ class WeightOnlyLinear(nn.Module):
     place and dequantizes in registers; on the CPU the reference (dequantize, then matmul).
     fp8 codes are kept as their bytes (``uint8``), so a module-wide dtype cast cannot touch them.
 
-    ``gemv_layout`` (default on): int8/int4/fp8 codes whose rows and groups are whole packed
-    blocks (64 / 128 / 64 features) are stored as ``pack_gemv``'s int32 words, the layout of the decode GEMV
-    kernel (``quant_matmul_packed``: bandwidth-bound at batch 1; prefill unpacks).
+    ``gemv_layout`` (``quant.weight.gemv_layout``, default off): int8/int4/fp8 codes whose rows
+    and groups are whole packed blocks (64 / 128 / 64 features) are stored as ``pack_gemv``'s
+    int32 words, the layout of the decode GEMV kernel (``quant_matmul_packed``: a CUDA-core
+    kernel at <= 8 rows; more rows dequantize the packed words, then cuBLAS).
     """
 
     def __init__(
@@ -45,7 +46,7 @@ class WeightOnlyLinear(nn.Module):
         group_size: int,
         *,
         format: str | None = None,
-        gemv_layout: bool = True,
+        gemv_layout: bool = False,
     ) -> None:
         super().__init__()
         if format is None:
@@ -125,19 +126,28 @@ class WeightOnlyLinear(nn.Module):
 
 
 def quantize_decoder(
-    model: nn.Module, bits: int, group_size: int, *, format: str | None = None
+    model: nn.Module,
+    bits: int,
+    group_size: int,
+    *,
+    format: str | None = None,
+    gemv_layout: bool = False,
 ) -> nn.Module:
     """Replace every block linear of a FusedDecoder (QKV, output, up, down) in place.
 
     ``format`` (``"int8"``, ``"int4"``, ``"fp8_e4m3"``) overrides ``bits``; ``group_size`` -1
-    gives per-channel scales.
+    gives per-channel scales; ``gemv_layout`` as in :class:`WeightOnlyLinear`.
     """
     for block in model.blocks:  # type: ignore[union-attr]
         for name in _QUANTIZED:
             linear = getattr(block, name, None)
             if isinstance(linear, nn.Linear):
                 size = group_size if group_size == -1 else min(group_size, linear.in_features)
-                setattr(block, name, WeightOnlyLinear(linear, bits, size, format=format))
+                setattr(
+                    block,
+                    name,
+                    WeightOnlyLinear(linear, bits, size, format=format, gemv_layout=gemv_layout),
+                )
     return model
 
 

@@ -292,9 +292,16 @@ def dequantize_packed(
     return out
 
 
-# Per-shape choices from the H100 sweep (tools/bench/quant_gemv_bench.py --sweep), keyed by
-# (format, out_features, in_features); shapes not listed use gemv_default_config's heuristic.
-GEMV_TABLE: dict[tuple[str, int, int], GemvConfig] = {}
+# Per-shape choices from the sweep (tools/bench/quant_gemv_bench.py --sweep, one H200, Llama-3-8B
+# shapes at one row), keyed by (format, out_features, in_features), where they differ from
+# gemv_default_config's heuristic (which the sweep's other winners match: 4 rows, 2 warps, no
+# split-K).
+GEMV_TABLE: dict[tuple[str, int, int], GemvConfig] = {
+    ("int4", 6144, 4096): GemvConfig(block_n=4, num_warps=1),
+    ("int4", 28672, 4096): GemvConfig(block_n=4, num_warps=1),
+    ("int8", 6144, 4096): GemvConfig(block_n=4, num_warps=1),
+    ("int8", 28672, 4096): GemvConfig(block_n=4, num_warps=1),
+}
 
 
 def _multiprocessors(device: torch.device) -> int:
@@ -308,14 +315,15 @@ def gemv_default_config(
 ) -> GemvConfig | None:
     """The launch for one shape (None: the kernel cannot run it).
 
-    The table's entry if any; else 8 output rows per program, the most warps (up to 2) whose
-    step divides K, and split-K until there are >= 8 programs per SM.
+    The table's entry if any; else 4 output rows per program (the sweep's winner for every
+    format and shape), the most warps (up to 2) whose step divides K, and split-K only while
+    there are fewer than 4 programs per SM.
     """
     chosen = GEMV_TABLE.get((format, out_features, in_features))
     if chosen is not None and gemv_supports(format, group_size, in_features, chosen):
         return chosen
     for warps in (2, 1):
-        config = GemvConfig(block_n=8, num_warps=warps)
+        config = GemvConfig(block_n=4, num_warps=warps)
         if gemv_supports(format, group_size, in_features, config):
             break
     else:
@@ -323,7 +331,7 @@ def gemv_default_config(
     programs = triton.cdiv(out_features, config.block_n)
     steps = in_features // gemv_block_k(format, warps)
     split = 1
-    while split < 8 and programs * split < 8 * _multiprocessors(device) and steps >= 2 * split:
+    while split < 8 and programs * split < 4 * _multiprocessors(device) and steps >= 2 * split:
         split *= 2
     return dataclasses.replace(config, split_k=split)
 

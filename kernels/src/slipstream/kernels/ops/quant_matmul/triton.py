@@ -458,12 +458,6 @@ def dense_gemv(
         or not weight.is_contiguous()
     ):
         return F.linear(x, weight, bias)
-    if rows <= 1:
-        gemv = gemv_default_config("dense", out_features, in_features, 0, x.device)
-        if gemv is not None:
-            if interpreting() and gemv.split_k > 1:
-                gemv = dataclasses.replace(gemv, split_k=1)
-            return launch_gemv(x, weight, None, "dense", 0, bias, gemv)
     sms = _multiprocessors(x.device)
     programs = triton.cdiv(out_features, 32)
     steps = in_features // block_k
