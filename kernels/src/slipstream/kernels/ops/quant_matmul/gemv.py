@@ -234,7 +234,7 @@ def dequantize_packed_kernel(
     BLOCK_N: tl.constexpr,
 ):
     """out[n, k] = code[n, k] * scale[n, k // GROUP] from the packed words, one packed block
-    (16 words per row) per program column; fp32 product, rounded once to out's dtype."""
+    per program column; fp32 product, rounded once to out's dtype."""
     PER: tl.constexpr = 8 if FORMAT == 1 else 4
     BITS: tl.constexpr = 32 // PER
     PACK: tl.constexpr = 16 * PER
@@ -242,28 +242,30 @@ def dequantize_packed_kernel(
     block = tl.program_id(1)
     col_ok = cols < N
     rows64 = cols.to(tl.int64)[:, None]
-    jj = tl.arange(0, 16)[None, :]
+    # element e of the block is field 2 (e // 32) + e % 2 of word (e % 32) // 2: gather each
+    # element's word (cached: eight elements share one), store the tile contiguously
+    e = tl.arange(0, PACK)[None, :]
+    word = (e % 32) // 2
+    shift = BITS * (2 * (e // 32) + e % 2)
     words = tl.load(
-        codes_ptr + rows64 * (K // PER) + block * 16 + jj, mask=col_ok[:, None], other=0
+        codes_ptr + rows64 * (K // PER) + block * 16 + word, mask=col_ok[:, None], other=0
     )
+    field = (words >> shift) & ((1 << BITS) - 1)
+    if FORMAT == 2:
+        half = ((field & 0x7F) << 7) | ((field & 0x80) << 8)  # e4m3 as fp16 bits: x 2^-8
+        value = half.to(tl.int16).to(tl.float16, bitcast=True).to(tl.float32) * 256.0
+    else:
+        value = ((field ^ (1 << (BITS - 1))) - (1 << (BITS - 1))).to(tl.float32)  # sign-extend
     scale = tl.load(
         scales_ptr + rows64 * (K // GROUP) + (block * PACK) // GROUP,
         mask=col_ok[:, None],
         other=0.0,
     )
-    out_row = out_ptr + rows64 * K + block * PACK
-    for f in tl.static_range(PER):
-        field = (words >> (BITS * f)) & ((1 << BITS) - 1)
-        if FORMAT == 2:
-            half = ((field & 0x7F) << 7) | ((field & 0x80) << 8)  # e4m3 as fp16 bits: x 2^-8
-            value = half.to(tl.int16).to(tl.float16, bitcast=True).to(tl.float32) * 256.0
-        else:
-            value = ((field ^ (1 << (BITS - 1))) - (1 << (BITS - 1))).to(tl.float32)
-        tl.store(
-            out_row + 32 * (f // 2) + 2 * jj + (f % 2),
-            (value * scale).to(out_ptr.dtype.element_ty),
-            mask=col_ok[:, None],
-        )
+    tl.store(
+        out_ptr + rows64 * K + block * PACK + e,
+        (value * scale).to(out_ptr.dtype.element_ty),
+        mask=col_ok[:, None],
+    )
 
 
 def dequantize_packed(
@@ -278,7 +280,7 @@ def dequantize_packed(
     check_packable(format, group_size, in_features)
     out_features = words.numel() * PER_WORD[format] // in_features
     out = torch.empty(out_features, in_features, device=words.device, dtype=dtype)
-    grid = (triton.cdiv(out_features, 32), in_features // pack_block(format))
+    grid = (triton.cdiv(out_features, 16), in_features // pack_block(format))
     dequantize_packed_kernel[grid](
         words,
         scales,
@@ -287,7 +289,7 @@ def dequantize_packed(
         in_features,
         FORMAT=GEMV_FORMAT_CODES[format],
         GROUP=group_size,
-        BLOCK_N=32,
+        BLOCK_N=16,
     )
     return out
 

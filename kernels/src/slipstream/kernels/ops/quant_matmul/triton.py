@@ -420,7 +420,7 @@ def quant_matmul_packed(
     bias: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """``x @ W^T + bias`` for a weight in :func:`.gemv.pack_gemv`'s layout: the gemv kernel for
-    at most ``GEMV_MAX_ROWS`` rows, else unpack + :func:`quant_matmul` (prefill)."""
+    at most ``GEMV_MAX_ROWS`` rows, else :func:`.gemv.dequantize_packed`, then cuBLAS (prefill)."""
     check_kernel_device("quant_matmul_packed", x, words, scales, bias)
     in_features = x.shape[-1]
     rows = x.numel() // max(in_features, 1)
