@@ -154,3 +154,26 @@ def test_gemv_layout_packs_whole_blocks_and_computes_the_same(bits: int) -> None
     assert fp8.packed and fp8.codes.dtype == torch.int32
     assert fp8_plain.codes.dtype == torch.uint8
     torch.testing.assert_close(fp8(x), fp8_plain(x), rtol=0, atol=0)
+
+
+def test_gemv_layout_config_key_packs_the_model_and_keeps_its_logits() -> None:
+    model = tiny_hf_model("llama")
+    ids = torch.randint(3, 96, (2, 12))
+    weight = {"num_bits": 8, "group_size": -1, "compute_dtype": "fp32"}  # one scale per row
+    plain = init_inference(
+        model, dtype="int8", replace_with_kernel_inject=True, quant={"weight": weight}
+    )
+    packed = init_inference(
+        model,
+        dtype="int8",
+        replace_with_kernel_inject=True,
+        quant={"weight": {**weight, "gemv_layout": True}},
+    )
+    assert plain.fused is not None and packed.fused is not None
+    linears = [m for m in packed.fused.modules() if isinstance(m, WeightOnlyLinear)]
+    assert any(m.packed for m in linears)  # every linear whose input is whole 64-feature blocks
+    assert all(m.packed == (m.in_features % 64 == 0) for m in linears)
+    assert not any(m.packed for m in plain.fused.modules() if isinstance(m, WeightOnlyLinear))
+    torch.testing.assert_close(packed(ids).logits, plain(ids).logits, rtol=0, atol=0)
+    with pytest.raises(ValueError, match="gemv_layout"):
+        init_inference(model, dtype="int8", quant={"weight": {"gemv_layout": "yes"}})
