@@ -122,8 +122,9 @@ class WeightQuantConfig(ConfigBlock):
     compute_dtype: Literal["fp16", "bf16", "fp32"] = "fp16"
     format: Literal["int", "fp8_e4m3"] = "int"
     # Store whole-block weights in the decode GEMV's packed layout (slipstream.kernels'
-    # pack_gemv; CUDA-core kernel at <= 8 rows). Off: quant_matmul's tile kernel, which measured
-    # faster for int8/int4 on an H200; the packed fp8 GEMV measured 1.6x faster per layer.
+    # pack_gemv; CUDA-core kernel at <= 8 rows). Off: quant_matmul's tile kernel. On an H200 the
+    # packed GEMV measured 1.6x (fp8) / 2.2x (int4) faster per layer at one row, int8 slower,
+    # and packed prefill slower.
     gemv_layout: bool = False
 
     @property
