@@ -25,6 +25,7 @@ TRITON_OPS = {
     "moe_gemv",
     "paged_attention",
     "quant_matmul",
+    "quant_matmul_packed",
     "quantize",
     "rms_norm",
     "rotary_embedding",

@@ -75,6 +75,11 @@ def parse_args() -> argparse.Namespace:
     )
     parser.add_argument("--no-cuda-graph", action="store_true")
     parser.add_argument(
+        "--gemv-layout",
+        action="store_true",
+        help="quant.weight.gemv_layout=true: quantized weights in the packed decode-GEMV layout",
+    )
+    parser.add_argument(
         "--use-triton",
         action="store_true",
         help="use_triton=True: the blocks' dense linears run the Triton streaming GEMV at decode",
@@ -277,6 +282,7 @@ def bench_batch(
         offload=args.offload or False,
         weights=args.weights,
         use_triton=args.use_triton,
+        gemv_layout=args.gemv_layout,
         **run,
     )
     hf_kwargs = {
@@ -432,6 +438,7 @@ def main() -> None:
                 "group_size": args.group_size,
                 "compute_dtype": args.dtype,
                 "format": "fp8_e4m3" if args.weights == "fp8" else "int",
+                "gemv_layout": args.gemv_layout,
             }
         }
     started = time.perf_counter()

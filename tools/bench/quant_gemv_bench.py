@@ -38,6 +38,8 @@ import torch
 import torch.nn.functional as F
 
 from slipstream.kernels.ops import quantize
+from slipstream.kernels.ops.quant_matmul import gemv as gemv_backend
+from slipstream.kernels.ops.quant_matmul import is_packable
 from slipstream.kernels.ops.quant_matmul import triton as backend
 from slipstream.kernels.ops.quant_matmul.reference import dequantize_weight
 
@@ -47,8 +49,9 @@ SHAPES = {
         "out": (4096, 4096),
         "gate_up": (28672, 4096),
         "down": (4096, 14336),
+        "lm_head": (128256, 4096),
     },
-    "tiny": {"qkv": (96, 256), "down": (64, 512)},
+    "tiny": {"qkv": (96, 1024), "down": (40, 2048)},
 }
 L2_FLUSH_BYTES = 256 << 20  # the weight copies cycled through exceed any L2 (H100: 50 MiB)
 
@@ -63,6 +66,11 @@ def parse_args() -> argparse.Namespace:
     parser.add_argument("--launches", type=int, default=50, help="calls per timed graph")
     parser.add_argument("--repeats", type=int, default=5, help="timed replays; best kept")
     parser.add_argument("--sweep", action="store_true", help="time every decode tile config")
+    parser.add_argument(
+        "--sweep-tiled",
+        action="store_true",
+        help="with --sweep: also sweep the tensor-core tile kernel (slow: many compiles)",
+    )
     return parser.parse_args()
 
 
@@ -128,6 +136,7 @@ class Weights:
     dense: list[torch.Tensor]
     quant_bytes: int
     dense_bytes: int
+    words: list[torch.Tensor]  # the codes in the gemv kernel's packed layout (int8/int4)
 
 
 def make_weights(
@@ -141,12 +150,15 @@ def make_weights(
     dense_bytes = weight.numel() * weight.element_size()
     copies = max(2, -(-L2_FLUSH_BYTES // quant_bytes)) if device.type == "cuda" else 1
     dense_copies = max(2, -(-L2_FLUSH_BYTES // dense_bytes)) if device.type == "cuda" else 1
+    packable = is_packable(fmt, group, in_features)
+    words = gemv_backend.pack_gemv(codes, fmt, group, in_features) if packable else None
     return Weights(
         [codes.clone() for _ in range(copies)],
         [q.scales.clone() for _ in range(copies)],
         [weight.clone() for _ in range(dense_copies)],
         quant_bytes,
         dense_bytes,
+        [] if words is None else [words.clone() for _ in range(copies)],
     )
 
 
@@ -181,6 +193,84 @@ def sweep_configs(block_k: int) -> list[backend.QuantMatmulConfig]:
         )
         for n, s, w, st in itertools.product((16, 32, 64), (1, 2, 4), (4, 8), (3, 5))
     ]
+
+
+def gemv_sweep_configs() -> list[gemv_backend.GemvConfig]:
+    """``gemv_kernel`` launches tried by ``--sweep`` at one row (every format)."""
+    return [
+        gemv_backend.GemvConfig(block_n=n, num_warps=w, split_k=s)
+        for n, w, s in itertools.product((4, 8, 16), (1, 2), (1, 2, 4))
+    ]
+
+
+def gemv_calls(
+    x: torch.Tensor,
+    fmt: str,
+    weights: Weights,
+    group: int,
+    config: gemv_backend.GemvConfig,
+    launches: int,
+) -> list[Callable[[], Any]]:
+    """``launches`` gemv calls cycling through the weight copies (fmt "dense": the bf16 ones)."""
+    if fmt == "dense":
+        return [
+            lambda w=w: gemv_backend.launch_gemv(x, w, None, "dense", 0, None, config)
+            for w in itertools.islice(itertools.cycle(weights.dense), launches)
+        ]
+    return [
+        lambda w=w, sc=sc: gemv_backend.launch_gemv(x, w, sc, fmt, group, None, config)
+        for w, sc in itertools.islice(itertools.cycle(zip(weights.words, weights.scales)), launches)
+    ]
+
+
+def sweep_gemv(
+    x: torch.Tensor,
+    name: str,
+    fmt: str,
+    weights: Weights,
+    group: int,
+    act_bytes: int,
+    bandwidth: float,
+    launches: int,
+    repeats: int,
+) -> None:
+    """Time every :func:`gemv_sweep_configs` entry; print the best three and the default's."""
+    n, k = weights.dense[0].shape
+    nbytes = (weights.dense_bytes if fmt == "dense" else weights.quant_bytes) + act_bytes
+    results = []
+    chosen = gemv_backend.gemv_default_config(fmt, n, k, group, x.device)
+    for candidate in gemv_sweep_configs():
+        if not gemv_backend.gemv_supports(fmt, group, k, candidate):
+            continue
+        try:
+            t = time_calls(
+                gemv_calls(x, fmt, weights, group, candidate, launches), x.device, repeats
+            )
+        except Exception as error_:  # a config that does not compile or fit: skip
+            emit(sweep_error=str(error_)[:200], config=dataclasses.asdict(candidate))
+            continue
+        results.append((t, candidate))
+    results.sort(key=lambda item: item[0])
+    for rank, (t, candidate) in enumerate(results[:3]):
+        emit(
+            gemv_sweep=name,
+            format=fmt,
+            rank=rank,
+            config=dataclasses.asdict(candidate),
+            us=round(t * 1e6, 2),
+            GBps=round(nbytes / t / 1e9, 1),
+            bw_fraction=round(nbytes / t / bandwidth, 3),
+        )
+    for t, candidate in results:
+        if candidate == chosen:
+            emit(
+                gemv_sweep=name,
+                format=fmt,
+                rank="default",
+                config=dataclasses.asdict(candidate),
+                us=round(t * 1e6, 2),
+                bw_fraction=round(nbytes / t / bandwidth, 3),
+            )
 
 
 def main() -> None:
@@ -224,25 +314,106 @@ def main() -> None:
                     x, weights, fmt, args.group_size, config, launches, args.repeats
                 )
                 extra = {"tiled_kernel_us": round(tiled * 1e6, 2)}
+            gemv = (
+                gemv_backend.gemv_default_config(fmt, n, k, args.group_size, device)
+                if rows <= backend.DENSE_GEMV_MAX_ROWS and weights.words
+                else None
+            )
+            if gemv is not None:
+                # The packed-layout gemv kernel (what WeightOnlyLinear runs at decode).
+                g_seconds = time_calls(
+                    gemv_calls(x, fmt, weights, args.group_size, gemv, launches),
+                    device,
+                    args.repeats,
+                )
+                extra["gemv_us"] = round(g_seconds * 1e6, 2)
+                extra["gemv_GBps"] = round((weights.quant_bytes + act_bytes) / g_seconds / 1e9, 1)
+                extra["gemv_bw_fraction"] = round(
+                    (weights.quant_bytes + act_bytes) / g_seconds / bandwidth, 3
+                )
+                extra["gemv_speedup_vs_bf16"] = round(dense_seconds / g_seconds, 2)
+                if rows > 1:
+                    # The packed weight's other path (dequantize once, cuBLAS), for GEMV_MAX_ROWS.
+                    deq_calls = [
+                        lambda w=w, sc=sc, x=x, f=fmt, k=k: F.linear(
+                            x, gemv_backend.dequantize_packed(w, sc, f, args.group_size, k, dtype)
+                        )
+                        for w, sc in itertools.islice(
+                            itertools.cycle(zip(weights.words, weights.scales)), launches
+                        )
+                    ]
+                    extra["packed_dequantize_us"] = round(
+                        time_calls(deq_calls, device, args.repeats) * 1e6, 2
+                    )
+                out = gemv_backend.launch_gemv(
+                    x, weights.words[0], weights.scales[0], fmt, args.group_size, None, gemv
+                )
+                extra["gemv_max_rel_error"] = float(
+                    f"{((out.float() - expected).abs().max() / expected.abs().max()).item():.2e}"
+                )
+            if rows > backend.DEQUANTIZE_ABOVE_ROWS:
+                path = "dequantize+matmul"
+            else:
+                path = f"kernel {dataclasses.asdict(config) if config else None}"
             emit(
                 shape=name,
                 out_features=n,
                 in_features=k,
                 rows=rows,
                 format=fmt,
-                path="dequantize+matmul"
-                if rows > backend.DEQUANTIZE_ABOVE_ROWS
-                else f"kernel {dataclasses.asdict(config) if config else None}",
+                path=path,
                 us=round(seconds * 1e6, 2),
                 GBps=round((weights.quant_bytes + act_bytes) / seconds / 1e9, 1),
                 bw_fraction=round((weights.quant_bytes + act_bytes) / seconds / bandwidth, 3),
                 bf16_us=round(dense_seconds * 1e6, 2),
-                bf16_GBps=round((weights.dense_bytes + act_bytes) / dense_seconds / 1e9, 1),
                 speedup_vs_bf16=round(dense_seconds / seconds, 2),
                 max_rel_error=float(f"{error:.2e}"),
                 **extra,
+                gemv_config=None if gemv is None else dataclasses.asdict(gemv),
             )
+            if fmt == args.formats[0]:
+                # bf16 on the same shape: cuBLAS, and (few rows) dense_gemv's streaming kernel.
+                dense_bytes = weights.dense_bytes + act_bytes
+                triton_us = extra.get("bf16_triton_gemv_us")
+                emit(
+                    shape=name,
+                    rows=rows,
+                    format="bf16",
+                    us=round(dense_seconds * 1e6, 2),
+                    GBps=round(dense_bytes / dense_seconds / 1e9, 1),
+                    bw_fraction=round(dense_bytes / dense_seconds / bandwidth, 3),
+                    triton_gemv_us=triton_us,
+                    triton_gemv_bw_fraction=None
+                    if triton_us is None
+                    else round(dense_bytes / (triton_us / 1e6) / bandwidth, 3),
+                )
             if not args.sweep or rows > 16:
+                continue
+            if rows == 1 and weights.words:
+                sweep_gemv(
+                    x,
+                    name,
+                    fmt,
+                    weights,
+                    args.group_size,
+                    act_bytes,
+                    bandwidth,
+                    launches,
+                    args.repeats,
+                )
+                if fmt == args.formats[0]:
+                    sweep_gemv(
+                        x,
+                        name,
+                        "dense",
+                        weights,
+                        args.group_size,
+                        act_bytes,
+                        bandwidth,
+                        launches,
+                        args.repeats,
+                    )
+            if not args.sweep_tiled:
                 continue
             block_k = backend.default_config(1, n, k, fmt, args.group_size, device)
             assert block_k is not None

@@ -70,7 +70,8 @@ def test_fp8_weights_within_e4m3_rounding(group_size: int) -> None:
     torch.manual_seed(0)
     linear = nn.Linear(256, 48)
     quantized = WeightOnlyLinear(linear, 8, group_size=group_size, format="fp8_e4m3")
-    assert quantized.codes.dtype == torch.uint8  # bytes: a module dtype cast cannot touch them
+    # bytes (or the gemv layout's int32 words): a module dtype cast cannot touch them
+    assert quantized.codes.dtype in (torch.uint8, torch.int32)
     quantized.half().float()  # ... as this shows: the codes survive a round trip of casts
     size = 256 if group_size == -1 else group_size
     weight = linear.weight.detach()
@@ -131,3 +132,48 @@ def test_use_triton_swaps_dense_block_linears() -> None:
         model, dtype="int8", use_triton=True, replace_with_kernel_inject=True
     )
     assert isinstance(quantized.fused.blocks[0].qkv, WeightOnlyLinear)  # type: ignore[union-attr]
+
+
+@pytest.mark.parametrize("bits", [8, 4])
+def test_gemv_layout_packs_whole_blocks_and_computes_the_same(bits: int) -> None:
+    torch.manual_seed(1)
+    linear = nn.Linear(256, 24)
+    packed = WeightOnlyLinear(linear, bits, group_size=128, gemv_layout=True)
+    plain = WeightOnlyLinear(linear, bits, group_size=128)  # the default: quantize's layout
+    assert packed.packed and not plain.packed
+    assert packed.codes.dtype == torch.int32 and "packed=True" in repr(packed)
+    torch.testing.assert_close(packed.dequantized_weight(), plain.dequantized_weight())
+    x = torch.randn(3, 256)
+    torch.testing.assert_close(packed(x), plain(x), rtol=0, atol=0)
+    assert weight_bytes_per_parameter(packed) == weight_bytes_per_parameter(plain)
+    # a group that is not a whole packed block (64 features int8, 128 int4) keeps quantize's
+    # layout
+    assert WeightOnlyLinear(linear, bits, group_size=32, gemv_layout=True).packed is False
+    fp8 = WeightOnlyLinear(linear, bits, group_size=64, format="fp8_e4m3", gemv_layout=True)
+    fp8_plain = WeightOnlyLinear(linear, bits, 64, format="fp8_e4m3")
+    assert fp8.packed and fp8.codes.dtype == torch.int32
+    assert fp8_plain.codes.dtype == torch.uint8
+    torch.testing.assert_close(fp8(x), fp8_plain(x), rtol=0, atol=0)
+
+
+def test_gemv_layout_config_key_packs_the_model_and_keeps_its_logits() -> None:
+    model = tiny_hf_model("llama")
+    ids = torch.randint(3, 96, (2, 12))
+    weight = {"num_bits": 8, "group_size": -1, "compute_dtype": "fp32"}  # one scale per row
+    plain = init_inference(
+        model, dtype="int8", replace_with_kernel_inject=True, quant={"weight": weight}
+    )
+    packed = init_inference(
+        model,
+        dtype="int8",
+        replace_with_kernel_inject=True,
+        quant={"weight": {**weight, "gemv_layout": True}},
+    )
+    assert plain.fused is not None and packed.fused is not None
+    linears = [m for m in packed.fused.modules() if isinstance(m, WeightOnlyLinear)]
+    assert any(m.packed for m in linears)  # every linear whose input is whole 64-feature blocks
+    assert all(m.packed == (m.in_features % 64 == 0) for m in linears)
+    assert not any(m.packed for m in plain.fused.modules() if isinstance(m, WeightOnlyLinear))
+    torch.testing.assert_close(packed(ids).logits, plain(ids).logits, rtol=0, atol=0)
+    with pytest.raises(ValueError, match="gemv_layout"):
+        init_inference(model, dtype="int8", quant={"weight": {"gemv_layout": "yes"}})

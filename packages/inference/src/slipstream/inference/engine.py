@@ -104,7 +104,11 @@ class InferenceEngine(nn.Module):
 
             weight = config.quant.weight
             quantize_decoder(
-                fused, config.weight_bits, weight.group_size, format=weight.code_format
+                fused,
+                config.weight_bits,
+                weight.group_size,
+                format=weight.code_format,
+                gemv_layout=weight.gemv_layout,
             )
         if config.use_triton:
             from slipstream.inference.gemv import use_triton_gemv

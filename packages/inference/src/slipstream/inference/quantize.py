@@ -6,6 +6,12 @@ import torch
 from torch import nn
 
 from slipstream.kernels.ops import QuantizedTensor, dequantize, quant_matmul, quantize
+from slipstream.kernels.ops.quant_matmul import (
+    is_packable,
+    pack_gemv,
+    quant_matmul_packed,
+    unpack_gemv,
+)
 
 __all__ = ["WeightOnlyLinear", "quantize_decoder", "weight_bytes_per_parameter"]
 
@@ -26,10 +32,21 @@ class WeightOnlyLinear(nn.Module):
     ``slipstream.kernels``' ``quant_matmul``: on GPUs a Triton kernel that reads the codes in
     place and dequantizes in registers; on the CPU the reference (dequantize, then matmul).
     fp8 codes are kept as their bytes (``uint8``), so a module-wide dtype cast cannot touch them.
+
+    ``gemv_layout`` (``quant.weight.gemv_layout``, default off): int8/int4/fp8 codes whose rows
+    and groups are whole packed blocks (64 / 128 / 64 features) are stored as ``pack_gemv``'s
+    int32 words, the layout of the decode GEMV kernel (``quant_matmul_packed``: a CUDA-core
+    kernel at <= 8 rows; more rows dequantize the packed words, then cuBLAS).
     """
 
     def __init__(
-        self, linear: nn.Linear, bits: int, group_size: int, *, format: str | None = None
+        self,
+        linear: nn.Linear,
+        bits: int,
+        group_size: int,
+        *,
+        format: str | None = None,
+        gemv_layout: bool = False,
     ) -> None:
         super().__init__()
         if format is None:
@@ -55,12 +72,18 @@ class WeightOnlyLinear(nn.Module):
         self.codes: torch.Tensor
         self.scales: torch.Tensor
         codes = q.data.reshape(out_features, -1)
-        self.register_buffer("codes", codes.view(torch.uint8) if format == FP8 else codes)
+        self.packed = gemv_layout and is_packable(format, group_size, in_features)
+        if self.packed:
+            codes = pack_gemv(codes, format, group_size, in_features)
+        fp8_bytes = format == FP8 and not self.packed
+        self.register_buffer("codes", codes.view(torch.uint8) if fp8_bytes else codes)
         self.register_buffer("scales", q.scales.reshape(out_features, -1))
         self.bias = linear.bias
         self.in_features, self.out_features = in_features, out_features
 
     def _codes(self) -> torch.Tensor:
+        if self.packed:
+            return unpack_gemv(self.codes, self.format, self.in_features)
         return self.codes.view(torch.float8_e4m3fn) if self.format == FP8 else self.codes
 
     def dequantized_weight(self, dtype: torch.dtype | None = None) -> torch.Tensor:
@@ -77,6 +100,15 @@ class WeightOnlyLinear(nn.Module):
         return dequantize(q, dtype)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if self.packed:
+            return quant_matmul_packed(
+                x,
+                self.codes,
+                self.scales,
+                self.format,
+                self.group_size,
+                None if self.bias is None else self.bias.to(x.dtype),
+            )
         return quant_matmul(
             x,
             self._codes(),
@@ -89,24 +121,33 @@ class WeightOnlyLinear(nn.Module):
     def extra_repr(self) -> str:
         return (
             f"in_features={self.in_features}, out_features={self.out_features}, "
-            f"format={self.format}, group_size={self.group_size}"
+            f"format={self.format}, group_size={self.group_size}, packed={self.packed}"
         )
 
 
 def quantize_decoder(
-    model: nn.Module, bits: int, group_size: int, *, format: str | None = None
+    model: nn.Module,
+    bits: int,
+    group_size: int,
+    *,
+    format: str | None = None,
+    gemv_layout: bool = False,
 ) -> nn.Module:
     """Replace every block linear of a FusedDecoder (QKV, output, up, down) in place.
 
     ``format`` (``"int8"``, ``"int4"``, ``"fp8_e4m3"``) overrides ``bits``; ``group_size`` -1
-    gives per-channel scales.
+    gives per-channel scales; ``gemv_layout`` as in :class:`WeightOnlyLinear`.
     """
     for block in model.blocks:  # type: ignore[union-attr]
         for name in _QUANTIZED:
             linear = getattr(block, name, None)
             if isinstance(linear, nn.Linear):
                 size = group_size if group_size == -1 else min(group_size, linear.in_features)
-                setattr(block, name, WeightOnlyLinear(linear, bits, size, format=format))
+                setattr(
+                    block,
+                    name,
+                    WeightOnlyLinear(linear, bits, size, format=format, gemv_layout=gemv_layout),
+                )
     return model
 
 

@@ -10,6 +10,7 @@ from __future__ import annotations
 import torch
 
 from slipstream.kernels.ops.backends import register_triton
+from slipstream.kernels.ops.quant_matmul.packing import is_packable, pack_gemv, unpack_gemv
 from slipstream.kernels.ops.quant_matmul.reference import check_weight, dequantize_weight
 from slipstream.kernels.registry import ANY_DEVICE, get_op, register_op
 
@@ -23,8 +24,27 @@ register_op(
     priority=0,
 )
 register_triton(OP_NAME, "slipstream.kernels.ops.quant_matmul.triton:quant_matmul")
+PACKED_OP_NAME = "quant_matmul_packed"
+register_op(
+    PACKED_OP_NAME,
+    "reference",
+    "slipstream.kernels.ops.quant_matmul.reference:quant_matmul_packed",
+    device_types=(ANY_DEVICE,),
+    priority=0,
+)
+register_triton(PACKED_OP_NAME, "slipstream.kernels.ops.quant_matmul.triton:quant_matmul_packed")
 
-__all__ = ["OP_NAME", "check_weight", "dequantize_weight", "quant_matmul"]
+__all__ = [
+    "OP_NAME",
+    "PACKED_OP_NAME",
+    "check_weight",
+    "dequantize_weight",
+    "is_packable",
+    "pack_gemv",
+    "quant_matmul",
+    "quant_matmul_packed",
+    "unpack_gemv",
+]
 
 
 def quant_matmul(
@@ -48,3 +68,20 @@ def quant_matmul(
     """
     fn = get_op(OP_NAME, x.device.type, x.dtype)
     return fn(x, codes, scales, format, group_size, bias)  # type: ignore[no-any-return]
+
+
+def quant_matmul_packed(
+    x: torch.Tensor,
+    words: torch.Tensor,
+    scales: torch.Tensor,
+    format: str,
+    group_size: int,
+    bias: torch.Tensor | None = None,
+) -> torch.Tensor:
+    """:func:`quant_matmul` for an int8 / int4 weight repacked by :func:`pack_gemv` (int32
+    words laid out for the decode GEMV kernel; ``scales`` unchanged). On GPUs a few rows run the
+    CUDA-core GEMV kernel (``triton.quant_matmul_packed``), more rows unpack and take
+    :func:`quant_matmul`'s path; elsewhere the reference (unpack, dequantize, matmul).
+    """
+    fn = get_op(PACKED_OP_NAME, x.device.type, x.dtype)
+    return fn(x, words, scales, format, group_size, bias)  # type: ignore[no-any-return]

@@ -7,7 +7,7 @@ import torch.nn.functional as F
 
 from slipstream.kernels.ops.quantize.reference import FORMATS, dequantize
 
-__all__ = ["check_weight", "dequantize_weight", "quant_matmul"]
+__all__ = ["check_weight", "dequantize_weight", "quant_matmul", "quant_matmul_packed"]
 
 
 def check_weight(
@@ -70,3 +70,18 @@ def quant_matmul(
     """``x @ W^T + bias`` for the quantized ``W``: dequantize into ``x.dtype``, then multiply."""
     weight = dequantize_weight(codes, scales, format, group_size, x.shape[-1], x.dtype)
     return F.linear(x, weight, bias)
+
+
+def quant_matmul_packed(
+    x: torch.Tensor,
+    words: torch.Tensor,
+    scales: torch.Tensor,
+    format: str,
+    group_size: int,
+    bias: torch.Tensor | None = None,
+) -> torch.Tensor:
+    """:func:`quant_matmul` for a weight in :func:`.packing.pack_gemv`'s layout."""
+    from slipstream.kernels.ops.quant_matmul.packing import unpack_gemv
+
+    codes = unpack_gemv(words, format, x.shape[-1])
+    return quant_matmul(x, codes, scales, format, group_size, bias)

@@ -34,6 +34,12 @@ import torch.nn.functional as F
 import triton
 import triton.language as tl
 
+from slipstream.kernels.ops.quant_matmul.gemv import aot_specs as gemv_aot_specs
+from slipstream.kernels.ops.quant_matmul.gemv import (
+    dequantize_packed,
+    gemv_default_config,
+    launch_gemv,
+)
 from slipstream.kernels.ops.quant_matmul.reference import (
     check_weight,
     dequantize_weight,
@@ -41,7 +47,14 @@ from slipstream.kernels.ops.quant_matmul.reference import (
 from slipstream.kernels.ops.quant_matmul.reference import quant_matmul as reference_quant_matmul
 from slipstream.kernels.triton_support import AotSpec, check_kernel_device, interpreting
 
-__all__ = ["FORMAT_CODES", "QuantMatmulConfig", "default_config", "launch", "quant_matmul"]
+__all__ = [
+    "FORMAT_CODES",
+    "QuantMatmulConfig",
+    "default_config",
+    "launch",
+    "quant_matmul",
+    "quant_matmul_packed",
+]
 
 FORMAT_CODES = {"int8": 0, "int4": 1, "fp8_e4m3": 2}
 # Above this many rows (prefill) the weight is dequantized once into a scratch of the activation
@@ -392,6 +405,36 @@ def quant_matmul(
     return launch(x, codes, scales, format, group_size, bias, config)
 
 
+# Rows up to which quant_matmul_packed runs the gemv kernel (one program per row; the programs
+# of one weight tile run side by side, so the weight comes from HBM about once and the rows cost
+# unpacking work); above, the weight is dequantized once into the activation dtype for cuBLAS.
+GEMV_MAX_ROWS = 8
+
+
+def quant_matmul_packed(
+    x: torch.Tensor,
+    words: torch.Tensor,
+    scales: torch.Tensor,
+    format: str,
+    group_size: int,
+    bias: torch.Tensor | None = None,
+) -> torch.Tensor:
+    """``x @ W^T + bias`` for a weight in :func:`.gemv.pack_gemv`'s layout: the gemv kernel for
+    at most ``GEMV_MAX_ROWS`` rows, else :func:`.gemv.dequantize_packed`, then cuBLAS (prefill)."""
+    check_kernel_device("quant_matmul_packed", x, words, scales, bias)
+    in_features = x.shape[-1]
+    rows = x.numel() // max(in_features, 1)
+    if 0 < rows <= GEMV_MAX_ROWS:
+        out_features = words.numel() * (8 if format == "int4" else 4) // in_features
+        config = gemv_default_config(format, out_features, in_features, group_size, x.device)
+        if config is not None:
+            if interpreting() and config.split_k > 1:
+                config = dataclasses.replace(config, split_k=1)
+            return launch_gemv(x, words, scales, format, group_size, bias, config)
+    weight = dequantize_packed(words, scales, format, group_size, in_features, x.dtype)
+    return F.linear(x, weight, bias)
+
+
 DENSE_GEMV_MAX_ROWS = 16
 
 
@@ -560,4 +603,5 @@ def aot_specs() -> list[AotSpec]:
                     {"FORMAT": code, "GROUP": 128, "BLOCK_N": 32, "BLOCK_K": 128},
                 )
             )
+    specs.extend(gemv_aot_specs())
     return specs

@@ -1,0 +1,517 @@
+"""Decode GEMV on the CUDA cores for int4 / int8 weights repacked for it, and for dense weights.
+
+At batch-1 decode every weight is read once and used for one multiply-add, so the kernel must
+stream at memory bandwidth; for int4 that means unpacking ~6e12 weights/s on an H100, which
+per-element integer ops and int-to-float conversions cannot reach. This kernel spends three
+instructions per weight and no layout shuffles:
+
+- **Packed layout** (:func:`pack_gemv`, done once at load time). The codes are int32 words of 8
+  nibbles (int4) or 4 bytes (int8). Blocks of ``PACK = 16 * per_word`` consecutive input
+  features (128 for int4, 64 for int8) are stored as 16 words per output row; field ``f =
+  2p + b`` of word ``jj`` holds element ``32p + 2jj + b`` of the block. So the activation pair
+  ``(x[32p + 2jj], x[32p + 2jj + 1])`` that field pair ``p`` of word ``jj`` needs is the int32 at
+  pair index ``16p + jj``: contiguous in ``jj`` exactly like the words, so the activations and
+  the codes are loaded in one register layout (four int32 per thread) and nothing is moved
+  between threads in the loop. The quantization group must be a multiple of ``PACK``.
+- **Unpacking without conversions.** Each word is xor-ed once into offset binary (``u = code +
+  8`` / ``+ 128``). A field at bit ``a`` is masked in place and or-ed into a float whose
+  exponent makes one unit of bit ``a`` worth 1.0, i.e. ``2^(23 - a)`` (one LOP3), so subtracting
+  ``2^(23 - a) + 8`` (one FADD, exact) leaves the code itself, and one FFMA accumulates it
+  times the activation in fp32. Fields at or above mantissa bit 20 are shifted down once per
+  word first. The group scale multiplies a per-group partial sum, not each weight.
+- **Tiles.** A program owns ``block_n`` output rows of one activation row and a K range (split-K
+  sums with fp32 atomics). A step covers ``8 * num_warps`` packed blocks, so that a step's
+  activations fill exactly four int32 per thread (what keeps the two layouts equal).
+
+Dense weights (``format="dense"``, the activation dtype) take the same tiling with 8 bf16 per
+thread. :func:`unpack_gemv` inverts the packing (the prefill path and the reference use it).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+import torch
+import triton
+import triton.language as tl
+
+from slipstream.kernels.ops.quant_matmul.packing import (
+    PER_WORD,
+    check_packable,
+    pack_block,
+    pack_gemv,
+    unpack_gemv,
+)
+from slipstream.kernels.ops.quant_matmul.reference import check_weight
+from slipstream.kernels.triton_support import AotSpec
+
+__all__ = [
+    "GEMV_FORMAT_CODES",
+    "GEMV_TABLE",
+    "GemvConfig",
+    "dequantize_packed",
+    "gemv_block_k",
+    "gemv_default_config",
+    "gemv_kernel",
+    "gemv_supports",
+    "launch_gemv",
+    "pack_block",
+    "pack_gemv",
+    "unpack_gemv",
+]
+
+GEMV_FORMAT_CODES = {"int8": 0, "int4": 1, "fp8_e4m3": 2, "dense": 3}
+
+
+@dataclasses.dataclass(frozen=True)
+class GemvConfig:
+    """Launch of :func:`gemv_kernel`: output rows per program, warps (which also fix the step:
+    :func:`gemv_block_k`), K splits."""
+
+    block_n: int = 8
+    num_warps: int = 1
+    split_k: int = 1
+    num_stages: int = 2
+
+
+def gemv_block_k(format: str, num_warps: int) -> int:
+    """Input features per loop step: 4 int32 (or 8 dense elements) of activations per thread."""
+    if format == "dense":
+        return 256 * num_warps
+    return 8 * num_warps * pack_block(format)
+
+
+def gemv_supports(format: str, group_size: int, in_features: int, config: GemvConfig) -> bool:
+    """Whether :func:`launch_gemv` can run this weight with ``config``."""
+    if format not in GEMV_FORMAT_CODES:
+        return False
+    if in_features % gemv_block_k(format, config.num_warps):
+        return False
+    return format == "dense" or group_size % pack_block(format) == 0
+
+
+@triton.jit
+def gemv_kernel(
+    x_ptr,
+    codes_ptr,
+    scales_ptr,
+    bias_ptr,
+    out_ptr,
+    ws_ptr,  # FIXUP: fp32 (rows, N) partial sums, zero at rest
+    count_ptr,  # FIXUP: int32 arrival counters, one per (row, column block), zero at rest
+    N,
+    K,
+    stride_xm,
+    stride_om,
+    stride_cn,  # codes per output row: K // 8 (int4 words), K // 4 (int8 words), K (dense)
+    FORMAT: tl.constexpr,  # 0 int8, 1 int4, 2 fp8 e4m3 (packed words), 3 dense (no scales)
+    GROUP: tl.constexpr,
+    HAS_BIAS: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+    BLOCK_K: tl.constexpr,
+    SPLIT_K: tl.constexpr,
+    NATIVE_FP8: tl.constexpr = False,  # fp8: the hardware e4m3 conversion (sm_89+)
+    FIXUP: tl.constexpr = False,  # split-K: the last split writes out (no zero-fill, no cast)
+):
+    """out[m, n] = sum_k x[m, k] * w[n, k] (+ bias[n]); one activation row per program."""
+    pid_m = tl.program_id(0)
+    pid_n = tl.program_id(1)
+    pid_k = tl.program_id(2)
+    cols = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
+    col_ok = cols < N
+    cols64 = cols.to(tl.int64)
+    steps = K // BLOCK_K
+    per_split = tl.cdiv(steps, SPLIT_K)
+    first = pid_k * per_split
+    last = tl.minimum(first + per_split, steps)
+    x_row = x_ptr + pid_m.to(tl.int64) * stride_xm
+    x_type = x_ptr.dtype.element_ty
+    if FORMAT == 3:
+        j = tl.arange(0, BLOCK_K)[None, :]
+        code_rows = codes_ptr + cols64[:, None] * stride_cn
+        acc2 = tl.zeros((BLOCK_N, BLOCK_K), dtype=tl.float32)
+        for step in range(first, last):
+            k0 = step * BLOCK_K
+            w = tl.load(code_rows + k0 + j, mask=col_ok[:, None], other=0.0).to(tl.float32)
+            acc2 += w * tl.load(x_row + k0 + j).to(tl.float32)
+        acc = tl.sum(acc2, axis=1)
+    else:
+        PER: tl.constexpr = 8 if FORMAT == 1 else 4  # fields per word
+        PACK: tl.constexpr = 16 * PER  # input features per packed block
+        GPS: tl.constexpr = BLOCK_K // PACK  # packed blocks per step
+        BITS: tl.constexpr = 32 // PER
+        LOW: tl.constexpr = 20 // BITS  # fields 0 .. LOW-1 lie below mantissa bit 20 in place
+        OFFSET: tl.constexpr = 8 if FORMAT == 1 else 128
+        g = tl.arange(0, GPS)[None, :, None]
+        jj = tl.arange(0, 16)[None, None, :]
+        word = g * 16 + jj  # (1, GPS, 16): word index within the step
+        code_rows = codes_ptr + cols64[:, None, None] * stride_cn
+        scale_rows = scales_ptr + cols64[:, None, None] * (K // GROUP)
+        row_ok = col_ok[:, None, None]
+        pairs = x_row.to(tl.pointer_type(tl.int32), bitcast=True)
+        acc3 = tl.zeros((BLOCK_N, GPS, 16), dtype=tl.float32)
+        for step in range(first, last):
+            k0 = step * BLOCK_K
+            words = tl.load(code_rows + step * (BLOCK_K // PER) + word, mask=row_ok, other=0)
+            scale = tl.load(scale_rows + (k0 + g * PACK) // GROUP, mask=row_ok, other=0.0)
+            if FORMAT == 1:
+                words = words ^ -2004318072  # 0x88888888: two's complement -> offset binary
+            elif FORMAT == 0:
+                words = words ^ -2139062144  # 0x80808080
+            high = words >> (BITS * (PER - LOW))  # the upper fields, down to bits 0 ..
+            t = tl.zeros((BLOCK_N, GPS, 16), dtype=tl.float32)
+            for p in tl.static_range(PER // 2):
+                # elements 32p + 2jj (+1) of each block: the int32 pair 16p + jj
+                if x_type == tl.float32:
+                    base = x_row + k0 + g * PACK + 32 * p + 2 * jj
+                    x_lo = tl.load(base)
+                    x_hi = tl.load(base + 1)
+                else:
+                    xp = tl.load(pairs + k0 // 2 + g * (PACK // 2) + 16 * p + jj)
+                    if x_type == tl.bfloat16:
+                        x_lo = (xp << 16).to(tl.float32, bitcast=True)
+                        x_hi = (xp & -65536).to(tl.float32, bitcast=True)
+                    else:
+                        x_lo = xp.to(tl.int16).to(tl.float16, bitcast=True).to(tl.float32)
+                        x_hi = (xp >> 16).to(tl.int16).to(tl.float16, bitcast=True)
+                        x_hi = x_hi.to(tl.float32)
+                for b in tl.static_range(2):
+                    f = 2 * p + b
+                    # the field at bit `at` of `src`, or-ed into the mantissa of 2^(23 - at):
+                    # one mantissa unit is 1.0 there, so the float is 2^(23 - at) + u exactly
+                    if FORMAT == 2:
+                        byte = (words >> (8 * f)) & 255
+                        if NATIVE_FP8:
+                            fp8 = byte.to(tl.uint8).to(tl.float8e4nv, bitcast=True)
+                            value = fp8.to(tl.float32)
+                        else:  # the e4m3 byte as an fp16 pattern: the value times 2^-8
+                            half = ((byte & 0x7F) << 7) | ((byte & 0x80) << 8)
+                            value = half.to(tl.int16).to(tl.float16, bitcast=True)
+                            value = value.to(tl.float32)
+                    else:
+                        at = BITS * f if f < LOW else BITS * (f - PER + LOW)
+                        src = words if f < LOW else high
+                        field = src & (((1 << BITS) - 1) << at)
+                        value = (field | ((150 - at) << 23)).to(tl.float32, bitcast=True)
+                        # - (2^(23 - at) + offset): the code itself, exactly (Sterbenz)
+                        value = value - ((1 << (23 - at)) + OFFSET)
+                    t += value * (x_lo if b == 0 else x_hi)
+            acc3 += t * scale
+        acc = tl.sum(tl.sum(acc3, axis=2), axis=1)
+        if FORMAT == 2 and not NATIVE_FP8:
+            acc = acc * 256.0
+    if HAS_BIAS:
+        bias = tl.load(bias_ptr + cols, mask=col_ok, other=0.0).to(tl.float32)
+        acc += tl.where(pid_k == 0, bias, 0.0)
+    out_ptrs = out_ptr + pid_m.to(tl.int64) * stride_om + cols
+    if SPLIT_K == 1:
+        tl.store(out_ptrs, acc.to(out_ptr.dtype.element_ty), mask=col_ok)
+    elif FIXUP:
+        # Every split adds into the workspace; the last to arrive takes the sum (resetting the
+        # workspace to zero in the same atomic) and writes the output in its dtype.
+        ws_ptrs = ws_ptr + pid_m.to(tl.int64) * N + cols
+        tl.atomic_add(ws_ptrs, acc, mask=col_ok, sem="relaxed")
+        tl.debug_barrier()
+        counter = count_ptr + pid_m * tl.num_programs(1) + pid_n
+        arrived = tl.atomic_add(counter, 1, sem="acq_rel")
+        if arrived == SPLIT_K - 1:
+            total = tl.atomic_xchg(ws_ptrs, tl.zeros_like(acc), mask=col_ok, sem="relaxed")
+            tl.store(out_ptrs, total.to(out_ptr.dtype.element_ty), mask=col_ok)
+            tl.atomic_xchg(counter, 0, sem="relaxed")
+    else:
+        tl.atomic_add(out_ptrs, acc, mask=col_ok)
+
+
+@triton.jit
+def dequantize_packed_kernel(
+    codes_ptr,
+    scales_ptr,
+    out_ptr,
+    N,
+    K,
+    FORMAT: tl.constexpr,  # 0 int8, 1 int4, 2 fp8 e4m3
+    GROUP: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+):
+    """out[n, k] = code[n, k] * scale[n, k // GROUP] from the packed words, one packed block
+    per program column; fp32 product, rounded once to out's dtype."""
+    PER: tl.constexpr = 8 if FORMAT == 1 else 4
+    BITS: tl.constexpr = 32 // PER
+    PACK: tl.constexpr = 16 * PER
+    cols = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
+    block = tl.program_id(1)
+    col_ok = cols < N
+    rows64 = cols.to(tl.int64)[:, None]
+    # element e of the block is field 2 (e // 32) + e % 2 of word (e % 32) // 2: gather each
+    # element's word (cached: eight elements share one), store the tile contiguously
+    e = tl.arange(0, PACK)[None, :]
+    word = (e % 32) // 2
+    shift = BITS * (2 * (e // 32) + e % 2)
+    words = tl.load(
+        codes_ptr + rows64 * (K // PER) + block * 16 + word, mask=col_ok[:, None], other=0
+    )
+    field = (words >> shift) & ((1 << BITS) - 1)
+    if FORMAT == 2:
+        half = ((field & 0x7F) << 7) | ((field & 0x80) << 8)  # e4m3 as fp16 bits: x 2^-8
+        value = half.to(tl.int16).to(tl.float16, bitcast=True).to(tl.float32) * 256.0
+    else:
+        value = ((field ^ (1 << (BITS - 1))) - (1 << (BITS - 1))).to(tl.float32)  # sign-extend
+    scale = tl.load(
+        scales_ptr + rows64 * (K // GROUP) + (block * PACK) // GROUP,
+        mask=col_ok[:, None],
+        other=0.0,
+    )
+    tl.store(
+        out_ptr + rows64 * K + block * PACK + e,
+        (value * scale).to(out_ptr.dtype.element_ty),
+        mask=col_ok[:, None],
+    )
+
+
+def dequantize_packed(
+    words: torch.Tensor,
+    scales: torch.Tensor,
+    format: str,
+    group_size: int,
+    in_features: int,
+    dtype: torch.dtype,
+) -> torch.Tensor:
+    """The ``(out, in)`` weight in ``dtype`` from :func:`pack_gemv`'s words (prefill's path)."""
+    check_packable(format, group_size, in_features)
+    out_features = words.numel() * PER_WORD[format] // in_features
+    out = torch.empty(out_features, in_features, device=words.device, dtype=dtype)
+    grid = (triton.cdiv(out_features, 16), in_features // pack_block(format))
+    dequantize_packed_kernel[grid](
+        words,
+        scales,
+        out,
+        out_features,
+        in_features,
+        FORMAT=GEMV_FORMAT_CODES[format],
+        GROUP=group_size,
+        BLOCK_N=16,
+    )
+    return out
+
+
+# Per-shape choices from the sweep (tools/bench/quant_gemv_bench.py --sweep, one H200, Llama-3-8B
+# shapes at one row), keyed by (format, out_features, in_features), where they differ from
+# gemv_default_config's heuristic (which the sweep's other winners match: 4 rows, 2 warps, no
+# split-K).
+GEMV_TABLE: dict[tuple[str, int, int], GemvConfig] = {
+    ("int4", 6144, 4096): GemvConfig(block_n=4, num_warps=1),
+    ("int4", 28672, 4096): GemvConfig(block_n=4, num_warps=1),
+    ("int8", 6144, 4096): GemvConfig(block_n=4, num_warps=1),
+    ("int8", 28672, 4096): GemvConfig(block_n=4, num_warps=1),
+}
+
+
+def _multiprocessors(device: torch.device) -> int:
+    if device.type != "cuda":
+        return 8
+    return int(torch.cuda.get_device_properties(device).multi_processor_count)
+
+
+def gemv_default_config(
+    format: str, out_features: int, in_features: int, group_size: int, device: torch.device
+) -> GemvConfig | None:
+    """The launch for one shape (None: the kernel cannot run it).
+
+    The table's entry if any; else 4 output rows per program (the sweep's winner for every
+    format and shape), the most warps (up to 2) whose step divides K, and split-K only while
+    there are fewer than 4 programs per SM.
+    """
+    chosen = GEMV_TABLE.get((format, out_features, in_features))
+    if chosen is not None and gemv_supports(format, group_size, in_features, chosen):
+        return chosen
+    for warps in (2, 1):
+        config = GemvConfig(block_n=4, num_warps=warps)
+        if gemv_supports(format, group_size, in_features, config):
+            break
+    else:
+        return None
+    programs = triton.cdiv(out_features, config.block_n)
+    steps = in_features // gemv_block_k(format, warps)
+    split = 1
+    while split < 8 and programs * split < 4 * _multiprocessors(device) and steps >= 2 * split:
+        split *= 2
+    return dataclasses.replace(config, split_k=split)
+
+
+def launch_gemv(
+    x: torch.Tensor,
+    codes: torch.Tensor,
+    scales: torch.Tensor | None,
+    format: str,
+    group_size: int,
+    bias: torch.Tensor | None,
+    config: GemvConfig,
+) -> torch.Tensor:
+    """Run :func:`gemv_kernel`: ``format`` ``"int8"``/``"int4"`` (``codes`` from
+    :func:`pack_gemv`, ``scales`` from ``quantize``) or ``"dense"`` (``codes`` the ``(out, in)``
+    weight in ``x.dtype``, ``scales`` None). One program per activation row: for a few rows."""
+    in_features = x.shape[-1]
+    if format == "dense":
+        out_features = codes.shape[0]
+        group_size = gemv_block_k(format, config.num_warps)
+    else:
+        assert scales is not None
+        check_packable(format, group_size, in_features)
+        out_features = codes.numel() * PER_WORD[format] // in_features
+        if codes.dtype != torch.int32:
+            raise ValueError(f"launch_gemv: {format} codes must be pack_gemv's int32 words")
+        check_weight(
+            codes.view(torch.uint8) if format == "int4" else codes.view(torch.int8),
+            scales,
+            format,
+            group_size,
+            in_features,
+        )
+    if not gemv_supports(format, group_size, in_features, config):
+        raise ValueError(
+            f"launch_gemv: {config} cannot run {format} with in_features={in_features}, "
+            f"group_size={group_size} (in_features must be a multiple of "
+            f"{gemv_block_k(format, config.num_warps)})"
+        )
+    flat = x.reshape(-1, in_features)
+    if flat.stride(-1) != 1 or flat.stride(0) % 2 or flat.data_ptr() % 4:
+        flat = flat.clone(memory_format=torch.contiguous_format)  # activation pairs: int32
+    rows = flat.shape[0]
+    split = config.split_k
+    blocks = triton.cdiv(out_features, config.block_n)
+    scratch = _fixup_scratch(x.device, rows * out_features, rows * blocks) if split > 1 else None
+    out = (
+        torch.empty(rows, out_features, device=x.device, dtype=x.dtype)
+        if split == 1 or scratch is not None
+        else torch.zeros(rows, out_features, device=x.device, dtype=torch.float32)
+    )
+    grid = (rows, blocks, split)
+    gemv_kernel[grid](
+        flat,
+        codes,
+        scales if scales is not None else codes,
+        bias if bias is not None else flat,
+        out,
+        scratch[0] if scratch is not None else out,
+        scratch[1] if scratch is not None else out,
+        out_features,
+        in_features,
+        flat.stride(0),
+        out.stride(0),
+        codes.stride(0) if codes.dim() == 2 else in_features // PER_WORD.get(format, 1),
+        FORMAT=GEMV_FORMAT_CODES[format],
+        GROUP=group_size,
+        HAS_BIAS=bias is not None,
+        BLOCK_N=config.block_n,
+        BLOCK_K=gemv_block_k(format, config.num_warps),
+        SPLIT_K=split,
+        NATIVE_FP8=format == "fp8_e4m3" and _native_fp8(x.device),
+        FIXUP=scratch is not None,
+        num_warps=config.num_warps,
+        num_stages=config.num_stages,
+    )
+    if out.dtype != x.dtype:
+        out = out.to(x.dtype)
+    return out.reshape(*x.shape[:-1], out_features)
+
+
+# Split-K scratch per (device, stream): an fp32 workspace and arrival counters that the kernel
+# leaves zeroed, so a split GEMV needs no zero-fill or cast launches (a CUDA graph replays them).
+_SCRATCH: dict[tuple[torch.device, int], tuple[torch.Tensor, torch.Tensor]] = {}
+FIXUP_SPLIT_K = True  # False: split-K sums with atomics into a zeroed fp32 output, then casts
+
+
+def _fixup_scratch(
+    device: torch.device, values: int, counters: int
+) -> tuple[torch.Tensor, torch.Tensor] | None:
+    """The zeroed workspace and counters for a split, grown outside CUDA-graph capture only
+    (None while capturing without a large enough one: the zero-fill path runs instead)."""
+    if not FIXUP_SPLIT_K or device.type != "cuda":
+        return None  # the interpreter's atomics do not model the arrival order
+    key = (device, torch.cuda.current_stream(device).stream_id)
+    held = _SCRATCH.get(key)
+    if held is not None and held[0].numel() >= values and held[1].numel() >= counters:
+        return held
+    if torch.cuda.is_current_stream_capturing():
+        return None
+    size = max(values, 1 << 20)
+    held = (
+        torch.zeros(size, device=device, dtype=torch.float32),
+        torch.zeros(max(counters, 1 << 16), device=device, dtype=torch.int32),
+    )
+    _SCRATCH[key] = held
+    return held
+
+
+def _native_fp8(device: torch.device) -> bool:
+    """NVIDIA sm_89+ converts e4m3 in hardware (ROCm's native fp8 is another variant)."""
+    if device.type != "cuda" or torch.version.hip is not None:
+        return False
+    return torch.cuda.get_device_capability(device) >= (8, 9)
+
+
+def aot_specs() -> list[AotSpec]:
+    """The gemv specialisations ``slipstream.kernels.aot`` compiles for every GPU target."""
+    specs = []
+    for dtype in ("bf16", "fp16"):
+        for format, code in GEMV_FORMAT_CODES.items():
+            for split, warps in ((1, 1), (4, 2)):
+                block_k = gemv_block_k(format, warps)
+                dense = format == "dense"
+                specs.append(
+                    AotSpec(
+                        f"quant_matmul.gemv[{format}x{dtype},w{warps}s{split}]",
+                        gemv_kernel,
+                        {
+                            "x_ptr": f"*{dtype}",
+                            "codes_ptr": f"*{dtype}" if dense else "*i32",
+                            "scales_ptr": f"*{dtype}" if dense else "*fp32",
+                            "bias_ptr": f"*{dtype}",
+                            "out_ptr": f"*{dtype}",  # split 4: the fixup writes it
+                            "ws_ptr": "*fp32",
+                            "count_ptr": "*i32",
+                            "N": "i32",
+                            "K": "i32",
+                            "stride_xm": "i32",
+                            "stride_om": "i32",
+                            "stride_cn": "i32",
+                            "FORMAT": "constexpr",
+                            "GROUP": "constexpr",
+                            "HAS_BIAS": "constexpr",
+                            "BLOCK_N": "constexpr",
+                            "BLOCK_K": "constexpr",
+                            "SPLIT_K": "constexpr",
+                            "NATIVE_FP8": "constexpr",
+                            "FIXUP": "constexpr",
+                        },
+                        {
+                            "FORMAT": code,
+                            "GROUP": block_k if dense else 128,
+                            "HAS_BIAS": split == 1,
+                            "BLOCK_N": 8,
+                            "BLOCK_K": block_k,
+                            "SPLIT_K": split,
+                            "NATIVE_FP8": False,
+                            "FIXUP": split > 1,
+                        },
+                    )
+                )
+        for format in ("int8", "int4", "fp8_e4m3"):
+            specs.append(
+                AotSpec(
+                    f"quant_matmul.dequantize_packed[{format}->{dtype}]",
+                    dequantize_packed_kernel,
+                    {
+                        "codes_ptr": "*i32",
+                        "scales_ptr": "*fp32",
+                        "out_ptr": f"*{dtype}",
+                        "N": "i32",
+                        "K": "i32",
+                        "FORMAT": "constexpr",
+                        "GROUP": "constexpr",
+                        "BLOCK_N": "constexpr",
+                    },
+                    {"FORMAT": GEMV_FORMAT_CODES[format], "GROUP": 128, "BLOCK_N": 32},
+                )
+            )
+    return specs
