@@ -134,3 +134,30 @@ def test_stage3_bucket_is_capped_by_the_model() -> None:
     assert stage3_reduce_bucket_numel(small, numels) == 5000  # reduce_bucket_size is smaller
     with pytest.raises(ValueError, match="stage3_reduce_bucket_parts"):
         ZeroSettings(stage=3, stage3_reduce_bucket_parts=-1)
+
+
+def test_stage0_masters_load_from_the_model_or_the_state() -> None:
+    """What a checkpoint's stage-0 load relies on: ``masters`` None refreshes the fp32
+    masters from the (already loaded) model and keeps the optimizer state; given masters
+    are published into the low-precision model."""
+    torch.manual_seed(0)
+    model = TinyTransformer().to(torch.bfloat16)
+    trainable = [p for p in model.parameters() if p.requires_grad]
+    optimizer = torch.optim.AdamW(trainable, lr=0.01)
+    path = ReplicatedGradientPath(
+        trainable, optimizer, ReduceSettings(bucket_numel=64), masters=True
+    )
+    _train(model, path, range(1))
+    saved = copy.deepcopy(path.state_dict())
+    moments = [s["exp_avg"].clone() for s in optimizer.state.values()]
+    with torch.no_grad():  # as a checkpoint's model file would: other low-precision weights
+        for param in trainable:
+            param.mul_(0.5)
+    path.load_state_dict({"masters": None, "optimizer": {}})
+    assert path.masters is not None
+    for param, master in zip(trainable, path.masters.masters):
+        assert master.dtype == torch.float32 and master.equal(param.float())
+    assert all(s["exp_avg"].equal(m) for s, m in zip(optimizer.state.values(), moments))
+    path.load_state_dict(saved)
+    for param, master, value in zip(trainable, path.masters.masters, saved["masters"]):
+        assert master.equal(value) and param.equal(value.to(torch.bfloat16))

@@ -33,7 +33,11 @@ from safetensors.torch import load_file, save_file
 import slipstream
 from slipstream import comm
 from slipstream.offload.checksum import ALGORITHM as CHECKSUM_ALGORITHM
-from slipstream.runtime.checkpoint_manager import CheckpointParts, engine_parts
+from slipstream.runtime.checkpoint_manager import (
+    CheckpointParts,
+    engine_parts,
+    gradient_path_state,
+)
 from slipstream.runtime.checkpoint_store import (
     FORMAT,
     FORMAT_VERSION,
@@ -168,14 +172,15 @@ def _model_tensors(module: torch.nn.Module) -> tuple[dict[str, torch.Tensor], di
 
 def _optimizer_param_names(engine: SlipstreamEngine) -> list[str]:
     """Names of the optimizer's parameters in state_dict index order."""
+    state = gradient_path_state(engine)
     by_id = {id(param): name for name, param in engine.module.named_parameters()}
-    for index, (name, _) in enumerate(engine.named_trainable_parameters):
-        if engine.masters is not None:
-            by_id[id(engine.masters.masters[index])] = name
+    if state.masters is not None:
+        for (name, _), master in zip(engine.named_trainable_parameters, state.masters.masters):
+            by_id[id(master)] = name
     names: list[str] = []
-    if engine.optimizer is None:
+    if state.optimizer is None:
         return names
-    for group in engine.optimizer.param_groups:
+    for group in state.optimizer.param_groups:
         for param in group["params"]:
             if id(param) not in by_id:
                 raise CheckpointError(
@@ -244,21 +249,26 @@ def first_non_finite(named: Any) -> str | None:
     return names[min(bad)] if bad else None
 
 
+def _stage0_path_state(engine: SlipstreamEngine) -> tuple[bool, dict[str, Any]]:
+    """Whether stage 0 keeps low-precision masters, and its gradient path's ``state_dict()``
+    (``masters`` in trainable-parameter order, the torch ``optimizer`` state by index)."""
+    state = gradient_path_state(engine)
+    return state.masters is not None, state.path.state_dict()
+
+
 def _stage0_tensors(engine: SlipstreamEngine) -> Any:
     """What a stage-0 checkpoint stores, for the non-finite check."""
     for name, tensor in engine.module.state_dict().items():
         yield f"model tensor {name}", tensor
-    if engine.masters is not None:
-        for (name, _), master in zip(engine.named_trainable_parameters, engine.masters.masters):
+    has_masters, saved = _stage0_path_state(engine)
+    if has_masters:
+        for (name, _), master in zip(engine.named_trainable_parameters, saved["masters"]):
             yield f"master weight {name}", master
-    if engine.optimizer is not None:
+    if saved["optimizer"]:
         names = _optimizer_param_names(engine)
-        index = 0
-        for group in engine.optimizer.param_groups:
-            for param in group["params"]:
-                for key, value in engine.optimizer.state.get(param, {}).items():
-                    yield f"optimizer state {names[index]}/{key}", value
-                index += 1
+        for index, per_param in saved["optimizer"]["state"].items():
+            for key, value in per_param.items():
+                yield f"optimizer state {names[index]}/{key}", value
 
 
 def save(
@@ -401,11 +411,8 @@ def _write_stage0_rank_files(
     files.append(file_entry(staging, "model.safetensors", "model", 0))
 
     names = _optimizer_param_names(engine)
-    state_dict: dict[str, Any] = (
-        engine.optimizer.state_dict()
-        if engine.optimizer is not None
-        else {"state": {}, "param_groups": []}
-    )
+    has_masters, saved = _stage0_path_state(engine)
+    state_dict: dict[str, Any] = saved["optimizer"] or {"state": {}, "param_groups": []}
     opt_tensors: dict[str, torch.Tensor] = {}
     opt_scalars: dict[str, dict[str, Any]] = {}
     for index, per_param in state_dict["state"].items():
@@ -415,15 +422,15 @@ def _write_stage0_rank_files(
                 opt_tensors[f"state/{name}/{key}"] = value
             else:
                 opt_scalars.setdefault(name, {})[key] = value
-    if engine.masters is not None:
-        for (name, _), master in zip(engine.named_trainable_parameters, engine.masters.masters):
-            opt_tensors[f"master/{name}"] = master.detach()
+    if has_masters:
+        for (name, _), master in zip(engine.named_trainable_parameters, saved["masters"]):
+            opt_tensors[f"master/{name}"] = master
     _save_tensors(staging / "optimizer.safetensors", opt_tensors)
     files.append(file_entry(staging, "optimizer.safetensors", "optimizer", 0))
     info = {
         "tied": aliases,
         "optimizer": {
-            "class": type(engine.optimizer).__name__,
+            "class": type(gradient_path_state(engine).optimizer).__name__,
             "param_names": names,
             "param_groups": _to_json(state_dict["param_groups"]),
             "scalars": _to_json(opt_scalars),
@@ -715,11 +722,12 @@ def _validate_stage0(
         if source in header:
             shape, dtype = header[source]
             check_tensor_fits(path, f"model tensor {name!r}", shape, dtype, tensor)
+    has_masters = gradient_path_state(engine).masters is not None
     load_optimizer = options["load_optimizer_states"] and engine.optimizer is not None
     optimizer_header: dict[str, tuple[list[int], str]] = {}
-    if load_optimizer or engine.masters is not None:
+    if load_optimizer or has_masters:
         optimizer_header = _header(path / "optimizer.safetensors")
-    if engine.masters is not None:
+    if has_masters:
         for name, param in engine.named_trainable_parameters:
             if f"master/{name}" in optimizer_header:
                 shape, dtype = optimizer_header[f"master/{name}"]
@@ -753,35 +761,32 @@ def _apply_stage0(
     for alias, source in manifest.get("tied", {}).items():
         model_state[alias] = model_state[source]
     engine.module.load_state_dict(model_state, strict=options["load_module_strict"])
-    optimizer_tensors: dict[str, torch.Tensor] | None = None
-    if plan["load_optimizer"] or engine.masters is not None:
+    # The masters and the optimizer state go back through the gradient path's
+    # load_state_dict (stage 0: ReplicatedGradientPath), which then publishes the masters'
+    # values into the model.
+    state = gradient_path_state(engine)
+    optimizer_tensors: dict[str, torch.Tensor] = {}
+    if plan["load_optimizer"] or state.masters is not None:
         # On the CPU: Optimizer.load_state_dict moves state to each parameter's device itself,
         # and keeps Adam's `step` counters on the CPU where the non-fused kernels expect them.
         optimizer_tensors = load_file(str(path / "optimizer.safetensors"), device="cpu")
-    if engine.masters is not None:
-        assert optimizer_tensors is not None
-        _restore_masters(engine, optimizer_tensors, use_saved=not options["load_module_only"])
+    masters: list[torch.Tensor] | None = None  # None: refreshed from the loaded model
+    if state.masters is not None and not options["load_module_only"]:
+        current = engine.named_trainable_parameters
+        # A parameter whose master the checkpoint lacks (an fp32 run's) keeps the model's.
+        masters = [
+            optimizer_tensors.get(f"master/{name}", param.detach()) for name, param in current
+        ]
+    optimizer_state: dict[str, Any] = {}
     if plan["load_optimizer"]:
-        assert optimizer_tensors is not None
-        _restore_optimizer(engine, manifest["optimizer"], optimizer_tensors)
+        optimizer_state = _saved_optimizer_state(engine, manifest["optimizer"], optimizer_tensors)
+    state.path.load_state_dict({"masters": masters, "optimizer": optimizer_state})
 
 
-def _restore_masters(
-    engine: SlipstreamEngine, tensors: dict[str, torch.Tensor], use_saved: bool
-) -> None:
-    assert engine.masters is not None
-    with torch.no_grad():
-        for (name, _), master in zip(engine.named_trainable_parameters, engine.masters.masters):
-            saved = tensors.get(f"master/{name}") if use_saved else None
-            if saved is not None:
-                master.copy_(saved)
-            else:
-                master.copy_(dict(engine.named_trainable_parameters)[name])
-
-
-def _restore_optimizer(
+def _saved_optimizer_state(
     engine: SlipstreamEngine, saved: dict[str, Any], tensors: dict[str, torch.Tensor]
-) -> None:
+) -> dict[str, Any]:
+    """The torch ``state_dict`` of this engine's optimizer that the checkpoint holds."""
     assert engine.optimizer is not None
     names = _optimizer_param_names(engine)
     saved_groups = _from_json(saved["param_groups"])
@@ -797,4 +802,4 @@ def _restore_optimizer(
         if entry:
             state[index] = entry
     groups = [{**c, **s, "params": c["params"]} for s, c in zip(saved_groups, current_groups)]
-    engine.optimizer.load_state_dict({"state": state, "param_groups": groups})
+    return {"state": state, "param_groups": groups}

@@ -162,17 +162,23 @@ class CheckpointParts:
 class GradientPathState:
     """What the tensor layouts of a checkpoint need from a run's gradient path.
 
-    ``optimizer``: the torch optimizer stepping the masters (or the parameters at stage 0);
-    ``zero``: the ZeRO state (``params``/``masters``, None at stage 0); ``masters``: stage
-    0's low-precision master copies (None in fp32); ``stage3``: the ZeRO-3 parameter owner
-    (None below stage 3); ``dp_rank``/``dp_world``: this rank's coordinate in the group
-    that shards the state.
+    ``path``: the gradient path itself (slipstream.zero.GradientPath; the pipeline engine's
+    ZeRO state, or None where a pipeline runs stage 0), whose ``state_dict`` /
+    ``load_state_dict`` stage 0's layout goes through; ``optimizer``: the torch optimizer
+    stepping the masters (or the parameters at stage 0); ``zero``: the ZeRO state
+    (``params``/``masters``, None at stage 0); ``masters``: stage 0's low-precision master
+    copies (None in fp32 or above stage 0); ``stage3``: the ZeRO-3 parameter owner (None
+    below stage 3); ``group``: the group that shards the state (a
+    slipstream.zero.DataParallelGroup, MiCS's included; None at stage 0), and
+    ``dp_rank``/``dp_world`` this rank's coordinate in it.
     """
 
+    path: Any
     optimizer: torch.optim.Optimizer | None
     zero: Any
     masters: Any
     stage3: Any
+    group: Any
     dp_rank: int
     dp_world: int
     zero_stage: int
@@ -182,25 +188,30 @@ def gradient_path_state(engine: Any) -> GradientPathState:
     """The one adapter from an engine to its gradient path's checkpoint state.
 
     [Note: one gradient-path adapter] Every checkpoint layout reaches the optimizer, ZeRO
-    shards and masters through this function and nothing else, so when the engine's gradient
-    path gains its own ``state_dict`` interface only this function changes.
+    shards and masters through this function and nothing else; it reads only the engines'
+    public attributes (``gradient_path``, ``zero``, ``zero_group``, ``optimizer``,
+    ``zero_stage``, ``stage3_model``).
     """
+    from slipstream.zero import ReplicatedGradientPath
+
     zero = getattr(engine, "zero", None)
-    stage3 = getattr(engine, "_stage3", None)
+    # The plain engine names its gradient path; the pipeline engine's is its ZeRO state.
+    path = getattr(engine, "gradient_path", zero)
+    plain = hasattr(type(engine), "zero_group")  # SlipstreamEngine's public accessors
+    stage3 = engine.stage3_model if plain else None
+    group = None
     if zero is not None:
-        # The plain engine names its data-parallel group; the pipeline engine's ZeRO state
-        # carries the stage's own.
-        group = engine._zero_group() if hasattr(engine, "_zero_group") else zero.group
-        dp_rank = int(group.rank) if group is not None else 0
-        dp_world = int(group.world_size) if group is not None else 1
-    else:
-        dp_rank, dp_world = 0, 1
+        # The plain engine's ZeRO group (MiCS's shard group included); the pipeline
+        # engine's ZeRO state carries the stage's own.
+        group = engine.zero_group if plain else zero.group
     return GradientPathState(
+        path=path,
         optimizer=getattr(engine, "optimizer", None),
         zero=zero,
-        masters=getattr(engine, "masters", None),
+        masters=path.masters if isinstance(path, ReplicatedGradientPath) else None,
         stage3=stage3,
-        dp_rank=dp_rank,
-        dp_world=dp_world,
+        group=group,
+        dp_rank=int(group.rank) if group is not None else 0,
+        dp_world=int(group.world_size) if group is not None else 1,
         zero_stage=int(getattr(engine, "zero_stage", 0)),
     )

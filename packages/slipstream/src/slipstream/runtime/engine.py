@@ -947,6 +947,17 @@ class SlipstreamEngine(torch.nn.Module):
             return save_tensor_parallel_16bit_model(self, save_dir, save_filename)
         return save_16bit_model(self, save_dir, save_filename)
 
+    @property
+    def zero_group(self) -> DataParallelGroup:
+        """The group ZeRO shards the optimizer state over (MiCS's shard group, hpZ's
+        included); built once, on first use."""
+        return self._zero_group()
+
+    @property
+    def stage3_model(self) -> Any:
+        """The ZeRO-3 parameter owner (slipstream.zero's stage-3 model; None below stage 3)."""
+        return self._stage3
+
     # Internal views used by the checkpoint module.
     @property
     def named_trainable_parameters(self) -> list[tuple[str, torch.nn.Parameter]]:

@@ -117,8 +117,9 @@ def _writes_shards(engine: SlipstreamEngine) -> bool:
     = ``m``: the plain ZeRO layout over ``m`` ranks, so any ZeRO engine (MiCS or not, any
     size) reads it, and a MiCS engine reads any ZeRO checkpoint, each replica the same ranges.
     """
-    replicas = int(getattr(engine._zero_group(), "replicas", 1))
-    return replicas == 1 or comm.get_rank() < gradient_path_state(engine).dp_world
+    state = gradient_path_state(engine)
+    replicas = int(getattr(state.group, "replicas", 1))
+    return replicas == 1 or comm.get_rank() < state.dp_world
 
 
 def write_rank_files(

@@ -314,10 +314,19 @@ class ReplicatedGradientPath:
         }
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
-        """Restore :meth:`state_dict`'s output; the model receives the masters' values."""
-        _load_masters(_Masters(self.sources), state["masters"])  # type: ignore[arg-type]
-        if self.masters is not None:
-            self.masters.copy_to_model()
+        """Restore :meth:`state_dict`'s output; the model receives the masters' values.
+
+        ``state["masters"]`` may be None (or absent): the model's weights were restored
+        elsewhere (a checkpoint's model file) and the fp32 masters, if any, are refreshed
+        from them. ``state["optimizer"]`` may be empty: the optimizer keeps its state.
+        """
+        if state.get("masters") is None:
+            if self.masters is not None:
+                self.masters.copy_from_model()
+        else:
+            _load_masters(_Masters(self.sources), state["masters"])  # type: ignore[arg-type]
+            if self.masters is not None:
+                self.masters.copy_to_model()
         if self.torch_optimizer is not None and state.get("optimizer"):
             self.torch_optimizer.load_state_dict(state["optimizer"])
 
