@@ -448,14 +448,81 @@ def _serving_config(args: argparse.Namespace) -> dict[str, Any]:
     }
 
 
+def install_step_probe(engine: Any) -> list[dict]:
+    """Wrap ``engine.step`` (before its thread starts stepping it): per step, its wall time, the
+    Triton kernels compiled or loaded from Triton's disk cache during it (the JIT cache hook
+    fires only when a launch misses the in-memory cache), and the CUDA caching allocator's
+    ``cudaMalloc`` calls and out-of-memory retries. Returns the list the steps append to."""
+    import torch
+
+    compiles: list[str] = []
+
+    def hook(*_: Any, **kwargs: Any) -> bool:
+        text = str(kwargs.get("repr", "?"))
+        compiles.append(text.split("[", 1)[0] + " " + text.rsplit("](", 1)[-1][:400])
+        return False  # never skip the compile
+
+    try:
+        from triton import knobs
+
+        knobs.runtime.jit_cache_hook = hook
+    except (ImportError, AttributeError):  # Triton < 3.4
+        from triton.runtime.jit import JITFunction
+
+        JITFunction.cache_hook = hook  # type: ignore[attr-defined]
+    cuda = torch.cuda.is_available()
+    probes: list[dict] = []
+    step = engine.step
+
+    def memory() -> tuple[int, int]:
+        if not cuda:
+            return 0, 0
+        stats = torch.cuda.memory_stats()
+        return int(stats.get("num_device_alloc", 0)), int(stats.get("num_alloc_retries", 0))
+
+    def probed() -> Any:
+        seen, (mallocs, retries) = len(compiles), memory()
+        start = time.perf_counter()
+        outputs = step()
+        if outputs or len(compiles) > seen:
+            after = memory()
+            probes.append({
+                "ms": round((time.perf_counter() - start) * 1000, 2),
+                "outputs": len(outputs),
+                "compiles": compiles[seen:],
+                "cuda_mallocs": after[0] - mallocs,
+                "alloc_retries": after[1] - retries,
+            })  # fmt: skip
+        return outputs
+
+    engine.step = probed
+    return probes
+
+
+def probe_summary(probes: list[dict], limit: int = 12) -> list[str]:
+    """Compact lines: every step that compiled, retried an allocation or called cudaMalloc,
+    and the slowest steps."""
+    lines = []
+    slow = sorted(range(len(probes)), key=lambda i: -probes[i]["ms"])[:5]
+    for index, probe in enumerate(probes):
+        eventful = probe["compiles"] or probe["alloc_retries"] or probe["cuda_mallocs"]
+        if eventful or index in slow:
+            lines.append(
+                f"step {index}: {probe['ms']} ms, {probe['outputs']} outputs, "
+                f"{probe['cuda_mallocs']} cudaMalloc, {probe['alloc_retries']} alloc retries, "
+                f"{len(probe['compiles'])} Triton compiles {probe['compiles']}"
+            )
+    return lines[:limit] + ([f"... {len(lines) - limit} more"] if len(lines) > limit else [])
+
+
 def run_in_process(args: argparse.Namespace, workload: Workload) -> dict:
     """The same workload through a :class:`Deployment` in this process, without HTTP (needs
     no starlette/uvicorn/httpx): the engine's own throughput and latencies."""
     from slipstream.inference.serving import SamplingParams, pipeline
 
-    deployment = pipeline(
-        build_model(args.model, args.device), config=_serving_config(args)
-    ).serve()
+    served = pipeline(build_model(args.model, args.device), config=_serving_config(args))
+    probes = install_step_probe(served.engine) if args.probe else None
+    deployment = served.serve()
     engine = deployment.engine
 
     async def one(prompt: list[int], output_len: int, delay: float, origin: float) -> RequestResult:
@@ -490,6 +557,8 @@ def run_in_process(args: argparse.Namespace, workload: Workload) -> dict:
 
     try:
         asyncio.run(warm())  # compiles kernels; not measured
+        if probes is not None:
+            probes.clear()
         before = _engine_totals(deployment)
         if args.timeline:
             engine.timeline = []  # read by the engine thread at its next step
@@ -504,6 +573,8 @@ def run_in_process(args: argparse.Namespace, workload: Workload) -> dict:
             with open(args.timeline, "w") as handle:
                 json.dump({"argv": sys.argv[1:], "steps": records}, handle)
             summary["timeline_file"] = args.timeline
+        if probes is not None:
+            summary["probe"] = probe_summary(probes)
         return summary
     finally:
         deployment.shutdown()
@@ -692,6 +763,12 @@ def main(argv: list[str] | None = None) -> int:
     )
     parser.add_argument("--profile-out", help="with --profile: also write the tables here")
     parser.add_argument(
+        "--probe",
+        action="store_true",
+        help="in-process backend: per measured step, the Triton JIT compiles (or disk-cache "
+        "loads), cudaMalloc calls and allocator retries; prints the eventful and slowest steps",
+    )
+    parser.add_argument(
         "--no-decode-bound",
         action="store_true",
         help="skip measuring the copy bandwidth for the decode bound",
@@ -771,6 +848,8 @@ def main(argv: list[str] | None = None) -> int:
             )
         if "timeline" in s:
             print(f"{s['backend']} timeline (mean ms per step): {json.dumps(s['timeline'])}")
+        for line in s.get("probe", []):
+            print(f"{s['backend']} probe: {line}")
     return 0 if all(s["failed"] == 0 for s in summaries) else 1
 
 
