@@ -10,7 +10,11 @@ from slipstream.inference.adapters import UnsupportedModelError
 from slipstream.inference.serving import SamplingParams, ServingConfig, ServingEngine
 from slipstream.inference.serving.decode_graphs import graph_buckets
 from slipstream.inference.serving.scheduler import ScheduledChunk
-from slipstream.inference.serving.step_inputs import BlockTableRows, build_step_inputs
+from slipstream.inference.serving.step_inputs import (
+    BlockTableRows,
+    build_step_inputs,
+    ints_length,
+)
 from slipstream.inference.testing import tiny_hf_model
 
 NEW_TOKENS = 12
@@ -137,6 +141,28 @@ def test_graph_buckets_and_padded_inputs() -> None:
     assert p["seq_lens"][3] == 1 and p["query_start_loc"].tolist() == [0, 1, 2, 3, 4]
     with pytest.raises(ValueError, match="pad_to=2"):
         build_step_inputs(chunks, 16, pad_to=2)
+
+
+@pytest.mark.parametrize("pad_to", [None, 8])
+def test_step_buffers_keep_kernel_views_16_byte_aligned(pad_to: int | None) -> None:
+    """seq_lens and query_start_loc start at 16-byte offsets for any seqs x width (Triton
+    compiles once per pointer alignment), and read the same as without the padding."""
+    for seqs in range(1, 6):
+        for width in range(1, 6):
+            chunks = [
+                ScheduledChunk(str(i), [4] * (i + 1), 16 * (width - 1), list(range(width)), True)
+                for i in range(seqs)
+            ]
+            inputs = build_step_inputs(chunks, 16, pad_to=pad_to, scratch_block=9)
+            assert inputs.ints.numel() == ints_length(inputs.num_seqs, inputs.table_width)
+            views = inputs.views(inputs.longs, inputs.ints)
+            for name in ("block_tables", "seq_lens", "query_start_loc"):
+                assert views[name].storage_offset() * 4 % 16 == 0, (seqs, width, name)
+            real = views["seq_lens"][:seqs].tolist()
+            assert real == [16 * (width - 1) + i + 1 for i in range(seqs)]
+            starts = views["query_start_loc"].tolist()
+            assert starts[: seqs + 1] == [sum(range(1, i + 1)) for i in range(seqs + 1)]
+            assert views["block_tables"][:seqs].tolist() == [list(range(width))] * seqs
 
 
 def test_warmup_runs_in_the_scratch_block_only(model) -> None:

@@ -29,7 +29,11 @@ from slipstream.inference.serving.decode_graphs import (
     capture_cuda_graph,
 )
 from slipstream.inference.serving.scheduler import ScheduledChunk
-from slipstream.inference.serving.step_inputs import StepInputs, build_step_inputs
+from slipstream.inference.serving.step_inputs import (
+    StepInputs,
+    build_step_inputs,
+    ints_length,
+)
 from slipstream.kernels.ops import paged_attention, rotary_embedding
 
 logger = logging.getLogger(__name__)
@@ -236,7 +240,7 @@ class PagedDecoder:
                 return steps
             # Host shells of the right sizes: _step receives the contents from rank 0.
             longs = torch.empty(3 * tokens + samples, dtype=torch.int64)
-            ints = torch.empty(seqs * width + 2 * seqs + 1, dtype=torch.int32)
+            ints = torch.empty(ints_length(seqs, width), dtype=torch.int32)
             inputs = StepInputs(longs, ints, tokens, seqs, samples, width, max_query_len)
             self._step(inputs, bucket, source=False)
             steps += 1
