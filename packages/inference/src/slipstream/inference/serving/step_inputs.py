@@ -9,7 +9,6 @@ import torch
 
 from slipstream.inference.serving.scheduler import ScheduledChunk
 
-
 # int32s per 16 bytes: ``seq_lens`` and ``query_start_loc`` start at 16-byte offsets of
 # ``ints`` (see [Note: aligned step buffers]).
 _ALIGN = 4
