@@ -520,7 +520,14 @@ def run_in_process(args: argparse.Namespace, workload: Workload) -> dict:
     no starlette/uvicorn/httpx): the engine's own throughput and latencies."""
     from slipstream.inference.serving import SamplingParams, pipeline
 
-    served = pipeline(build_model(args.model, args.device), config=_serving_config(args))
+    served = pipeline(
+        build_model(args.model, args.device),
+        config=_serving_config(args),
+        tensor_parallel=args.tp,
+    )
+    if not served.engine.is_driver:
+        # Tensor parallelism, ranks > 0: pipeline() returned after serving rank 0's steps.
+        return {"backend": "tp-worker", "rank": served.engine.rank}
     probes = install_step_probe(served.engine) if args.probe else None
     deployment = served.serve()
     engine = deployment.engine
@@ -703,6 +710,28 @@ def _release_memory() -> None:
         torch.cuda.empty_cache()
 
 
+def init_tensor_parallel(args: argparse.Namespace) -> int:
+    """``--tp N`` under ``torchrun --nproc_per_node N`` (or ``slipstream run``): one GPU per rank,
+    the process group up (NCCL on GPUs); returns this rank."""
+    import torch
+    import torch.distributed as dist
+
+    world = int(os.environ.get("WORLD_SIZE", "1"))
+    if world != args.tp:
+        raise SystemExit(
+            f"--tp {args.tp} needs {args.tp} processes (WORLD_SIZE={world}): launch with "
+            f"`torchrun --nproc_per_node {args.tp} tools/bench/serve_bench.py ... --tp {args.tp}`"
+        )
+    if set(args.backend) != {"in-process"} or args.profile or args.url:
+        raise SystemExit("--tp > 1 runs the in-process backend only (--backend in-process)")
+    if torch.cuda.is_available():
+        torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", "0")))
+        args.device = f"cuda:{torch.cuda.current_device()}"
+    if not dist.is_initialized():
+        dist.init_process_group("nccl" if torch.cuda.is_available() else "gloo")
+    return dist.get_rank()
+
+
 def main(argv: list[str] | None = None) -> int:
     """Parse options, run the chosen backends, print and (optionally) append JSON lines."""
     parser = argparse.ArgumentParser(
@@ -773,12 +802,21 @@ def main(argv: list[str] | None = None) -> int:
         action="store_true",
         help="skip measuring the copy bandwidth for the decode bound",
     )
+    parser.add_argument(
+        "--tp",
+        type=int,
+        default=1,
+        help="tensor-parallel ranks (serving.tensor_parallel), in-process backend only; launch "
+        "under torchrun --nproc_per_node N (every rank builds the same seeded model, rank 0 "
+        "replays the workload and prints)",
+    )
     parser.add_argument("--serve-only", action="store_true", help=argparse.SUPPRESS)
     args = parser.parse_args(argv)
     if args.device is None:
         import torch
 
         args.device = "cuda" if torch.cuda.is_available() else "cpu"
+    rank = init_tensor_parallel(args) if args.tp > 1 else 0
     if args.serve_only:
         return serve_only(args)
     vocab = {"tiny": 512, "llama3-8b": 128256}.get(args.model, 32000)
@@ -798,9 +836,16 @@ def main(argv: list[str] | None = None) -> int:
     for backend in backends:
         summaries.append(runners[backend](args, workload))
         _release_memory()
+    if rank != 0:
+        import torch.distributed as dist
+
+        dist.destroy_process_group()
+        return 0
     if not args.no_decode_bound and summaries:
         weights, kv_per_token = model_bytes(args.model)
-        bandwidth = copy_bandwidth(args.device)
+        # Under tensor parallelism each rank reads its 1/tp of the weights and KV cache at its
+        # own bandwidth: the bound scales with the ranks (the all-reduces are left out).
+        bandwidth = copy_bandwidth(args.device) * args.tp
         for summary in summaries:
             # The run's concurrency: the mean decode batch when the timeline has it, else all
             # requests at once (up to max_num_seqs), as with --rate inf.
@@ -828,6 +873,10 @@ def main(argv: list[str] | None = None) -> int:
     for s in summaries:
         print(f"{s['backend']:<20}{s['output_tokens_per_s']:>10}{ms(s['ttft_p50_s']):>10}"
               f"{ms(s['ttft_p99_s']):>10}{ms(s['itl_p50_s']):>10}{ms(s['itl_p99_s']):>10}")  # fmt: skip
+    if args.tp > 1:
+        import torch.distributed as dist
+
+        dist.destroy_process_group()
     for s in summaries:
         if "engine" in s:
             engine = s["engine"]
