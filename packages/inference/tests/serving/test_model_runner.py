@@ -166,14 +166,24 @@ def test_step_buffers_keep_kernel_views_16_byte_aligned(pad_to: int | None) -> N
 
 
 def test_warmup_runs_in_the_scratch_block_only(model) -> None:
-    """The GPU start-up warm-up (full budget, one token less, one token) writes only the scratch
-    block: the cache the pool hands out stays untouched."""
+    """The GPU start-up warm-up (the full budget as 16 sequences, one token less as 3, a
+    one-block prompt, decodes of 1, 16 and 3 sequences) writes only the scratch block: the
+    cache the pool hands out stays untouched. Its steps cover each Triton class (1, multiple
+    of 16, other) of the token count, sampled rows and block-table width."""
     engine = ServingEngine(model, None, ServingConfig(num_blocks=16, max_num_batched_tokens=40))
     runner = engine.runner
     before = [cache[:-1].clone() for cache in runner.key_cache]
-    assert runner.warmup(40) == [32, 31, 1]
+    assert runner.warmup(40) == [32, 31, 16, 1, 16, 3]
     for cache, saved in zip(runner.key_cache, before):
         assert torch.equal(cache[:-1], saved) and cache[-1].abs().sum() > 0
+    for tokens, seqs, width_class in ((2048, 16, 16), (2047, 3, 3)):
+        plan = runner._warmup_chunks(tokens, seqs, width_class)
+        assert len(plan) == seqs and sum(count for count, _, _ in plan) == tokens
+        widths = {width for _, _, width in plan}
+        assert len(widths) == 1
+        width = widths.pop()
+        assert (width % 16 == 0) == (width_class == 16) and width != 1
+        assert all(-(-(count + start) // 16) <= width for count, start, _ in plan)
 
 
 def test_kept_block_table_rows_equal_rebuilt_ones() -> None:
@@ -231,3 +241,46 @@ def test_batched_serving_equals_hf_greedy_on_gpu(make_model) -> None:
         assert [out.new_token_ids for out in outputs] == expected, cuda_graph
         graphs = engine.runner.graphs
         assert (graphs is not None and len(graphs.graphs) > 0) == cuda_graph
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA or ROCm GPU")
+@pytest.mark.parametrize("cuda_graph", [True, False])
+def test_no_triton_compile_while_serving_after_warmup(cuda_graph: bool) -> None:
+    """After the engine's start-up (decode-graph capture, warm-up), steps of any mix of prompt
+    chunks and decodes launch only kernels already compiled: a compile mid-serving stalls every
+    request for about half a second (the first prompt step of the H100 benchmark took 606 ms).
+    Llama-8B's widths (4096-wide rows: one row per norm tile, GQA group 4), bf16, one layer."""
+    transformers = pytest.importorskip("transformers")
+    knobs = pytest.importorskip("triton.knobs")
+    config = transformers.LlamaConfig(
+        hidden_size=4096, intermediate_size=1024, num_hidden_layers=1, num_attention_heads=32,
+        num_key_value_heads=8, vocab_size=512, max_position_embeddings=1024,
+    )  # fmt: skip
+    torch.manual_seed(0)
+    model = transformers.LlamaForCausalLM(config).to(torch.bfloat16).cuda().eval()
+    serving = ServingConfig(
+        max_num_batched_tokens=256, num_blocks=512, max_num_seqs=24, cuda_graph=cuda_graph
+    )
+    engine = ServingEngine(model, None, serving)
+    compiled: list[str] = []
+
+    def hook(**kwargs) -> bool:
+        compiled.append(str(kwargs.get("repr", "?"))[:300])
+        return False
+
+    previous = knobs.runtime.jit_cache_hook
+    knobs.runtime.jit_cache_hook = hook
+    try:
+        generator = torch.Generator().manual_seed(3)
+        # Prompt lengths around block and tile edges; 24 requests over a 256-token budget give
+        # split prompts, mixed prompt + decode steps and decode batches of many sizes.
+        lengths = [1, 2, 15, 16, 17, 31, 33, 64, 65, 100, 130, 200, 255, 3, 47, 80, 9, 120]
+        prompts = [torch.randint(4, 500, (n,), generator=generator).tolist() for n in lengths]
+        outputs = engine.generate(prompts, SamplingParams(max_tokens=20, ignore_eos=True))
+        assert all(len(out.new_token_ids) == 20 for out in outputs)
+        for size in (1, 5, 16):  # decode-only batches of other sizes, eager when off-graph
+            engine.generate(prompts[:size], SamplingParams(max_tokens=3, ignore_eos=True))
+    finally:
+        knobs.runtime.jit_cache_hook = previous
+    assert compiled == []

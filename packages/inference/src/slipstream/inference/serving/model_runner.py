@@ -130,26 +130,54 @@ class PagedDecoder:
 
     @torch.inference_mode()
     def warmup(self, max_tokens: int) -> list[int]:
-        """Run eager steps of ``max_tokens`` (rounded down to a multiple of 16), one token
-        less, and one token, all in the scratch block; returns the token counts run.
+        """Run eager steps in the scratch block that meet every Triton specialisation a serving
+        step can meet; returns each step's token count.
 
-        Triton compiles a kernel once per divisibility class of its integer arguments (some
-        are token counts) and per tile size, so the first full-budget prompt step would
-        otherwise compile for half a second in front of every waiting request.
+        Triton compiles a kernel once per class of each integer argument (1, a multiple of 16,
+        other) and per constexpr tile (``paged_attention``'s prompt and decode tiles), so the
+        first step of a new class would otherwise compile for half a second in front of every
+        waiting request. The steps: the full budget (rounded down to 16) as 16 sequences and
+        one token less as 3 (tokens, sampled rows and block-table widths in both classes), a
+        one-block prompt (table width 1), and decode steps of 1, 16 and 3 sequences.
         """
         full = max(16, max_tokens - max_tokens % 16)
-        counts = sorted({full, full - 1, 1}, reverse=True)
-        scratch = self.num_blocks
-        for count in counts:
-            # The block-table width (a kernel argument too) in other classes as well: one more
-            # block than needed for the odd count.
-            blocks = [scratch] * (-(-count // self.block_size) + (count == full - 1))
-            chunk = ScheduledChunk("warmup", [1] * count, 0, blocks, True)
-            inputs = build_step_inputs([chunk], self.block_size, scratch_block=scratch)
+        bs, scratch = self.block_size, self.num_blocks
+        plans = [
+            self._warmup_chunks(full, 16, width_class=16),
+            self._warmup_chunks(full - 1, 3, width_class=3),
+            [(bs, 0, 1)],
+            [(1, 0, 1)],
+            [(1, 0, 16)] * 16,
+            [(1, 0, 3)] * 3,
+        ]
+        counts = []
+        for plan in plans:
+            chunks = [
+                ScheduledChunk("warmup", [1] * count, start, [scratch] * width, True)
+                for count, start, width in plan
+            ]
+            inputs = build_step_inputs(chunks, bs, scratch_block=scratch)
             longs = inputs.longs.to(self.device)
             ints = inputs.ints.to(self.device)
             self.run(inputs.views(longs, ints), inputs.max_query_len)
+            counts.append(inputs.num_tokens)
         return counts
+
+    def _warmup_chunks(
+        self, tokens: int, seqs: int, width_class: int
+    ) -> list[tuple[int, int, int]]:
+        """``seqs`` prompt chunks ``(count, start, table width)`` of ``tokens`` in all, the
+        first after a block of context; every table as wide as the longest needs, rounded to
+        a multiple of 16 (``width_class`` 16), or else made neither 1 nor a multiple of 16."""
+        seqs = max(1, min(seqs, tokens))
+        counts = [tokens // seqs + (i < tokens % seqs) for i in range(seqs)]
+        starts = [self.block_size] + [0] * (seqs - 1)
+        width = max(-(-(c + s) // self.block_size) for c, s in zip(counts, starts))
+        if width_class == 16:
+            width = -(-width // 16) * 16
+        elif width == 1 or width % 16 == 0:
+            width += 1
+        return [(c, s, width) for c, s in zip(counts, starts)]
 
     @staticmethod
     def bytes_per_block(decoder: FusedDecoder, block_size: int) -> int:
