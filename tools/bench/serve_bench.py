@@ -26,6 +26,14 @@ Kernel tables (torch.profiler) of the prompt steps and of 20 decode-only steps, 
     python3 tools/bench/serve_bench.py --model llama3-8b --num-requests 64 --rate inf \\
         --prompt-len 64:200 --output-len 256 --profile 20 --profile-out profile.txt
 
+Per measured step: Triton compiles, cudaMalloc calls and allocator retries (``--probe``); and
+tensor-parallel serving on two GPUs (NCCL)::
+
+    python3 tools/bench/serve_bench.py --model llama3-8b --num-requests 64 --rate inf \\
+        --prompt-len 64:200 --output-len 256 --backend in-process --probe --timeline timeline.json
+    torchrun --nproc_per_node 2 tools/bench/serve_bench.py --model llama3-8b --num-requests 64 \\
+        --rate inf --prompt-len 64:200 --output-len 256 --backend in-process --tp 2
+
 ``--backend slipstream`` (the HTTP server in a child process, the client over localhost) needs
 starlette, uvicorn and httpx (``slipstream-inference[serve]``); ``--backend in-process``
 replays the same workload on the engine without HTTP and needs none of them.
