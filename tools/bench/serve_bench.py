@@ -411,6 +411,8 @@ def run_slipstream(args: argparse.Namespace, workload: Workload) -> dict:
             command.append("--no-prefix-caching")
         if args.no_cuda_graph:
             command.append("--no-cuda-graph")
+        if args.async_scheduling:
+            command.append("--async-scheduling")
         for flag, value in (
             ("--num-blocks", args.num_blocks),
             ("--max-model-len", args.max_model_len),
@@ -453,6 +455,7 @@ def _serving_config(args: argparse.Namespace) -> dict[str, Any]:
         "max_model_len": args.max_model_len,
         "enable_prefix_caching": not args.no_prefix_caching,
         "cuda_graph": not args.no_cuda_graph,
+        "async_scheduling": args.async_scheduling,
     }
 
 
@@ -790,6 +793,11 @@ def main(argv: list[str] | None = None) -> int:
     )
     parser.add_argument(
         "--no-cuda-graph", action="store_true", help="serve with serving.cuda_graph off"
+    )
+    parser.add_argument(
+        "--async-scheduling",
+        action="store_true",
+        help="serve with serving.async_scheduling on (decode steps launched ahead)",
     )
     parser.add_argument(
         "--profile",

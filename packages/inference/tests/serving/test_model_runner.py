@@ -3,6 +3,8 @@ generation, token for token (fp32), with chunked prefill, prefix sharing and pre
 
 from __future__ import annotations
 
+from typing import Any
+
 import pytest
 import torch
 
@@ -284,3 +286,75 @@ def test_no_triton_compile_while_serving_after_warmup(cuda_graph: bool) -> None:
     finally:
         knobs.runtime.jit_cache_hook = previous
     assert compiled == []
+
+
+def _plain(step):
+    return step  # the decode-graph path's buffers and padding, replayed eagerly (CPU)
+
+
+@pytest.mark.parametrize(
+    ("config", "graphs"),
+    [
+        ({"max_num_batched_tokens": 24, "num_blocks": 64}, False),
+        ({"max_num_batched_tokens": 24, "num_blocks": 64, "max_num_seqs": 5}, True),
+        # 10 blocks of 16: preemption; the cache fills while steps are planned ahead.
+        ({"max_num_batched_tokens": 64, "num_blocks": 10, "max_model_len": 160}, False),
+    ],
+    ids=["eager", "graphs", "preempt"],
+)
+def test_async_scheduling_equals_hf_greedy(make_model, config: dict, graphs: bool) -> None:
+    """Steps launched before the previous step's tokens reach the host (their token ids read on
+    the device) give HF's greedy tokens, with SplitFuse, prefix sharing, the decode-graph path
+    and preemption; no block leaks."""
+    model = make_model("llama")
+    prompts = _prompts(model.config.vocab_size)
+    expected = [_hf_greedy(model, prompt) for prompt in prompts]
+    serving = ServingConfig(**config, async_scheduling=True)
+    engine = ServingEngine(model, None, serving, capture=_plain if graphs else None)
+    outputs = engine.generate(prompts, SamplingParams(max_tokens=NEW_TOKENS, ignore_eos=True))
+    assert [out.new_token_ids for out in outputs] == expected
+    assert all(out.finish_reason == "length" for out in outputs)
+    assert engine.stats.steps_ahead > NEW_TOKENS // 2  # the decode steps went ahead
+    assert engine.scheduler.kv.pool.num_free == engine.scheduler.kv.pool.num_blocks
+
+
+def test_async_scheduling_with_stops_and_aborts_equals_sync(make_model) -> None:
+    """Requests that stop on a token (known only once sampled) or are cancelled between steps
+    while the next step is already launched: the same outputs as without asynchronous
+    scheduling (the extra token computed for them is dropped), and every block comes back."""
+    model = make_model("llama")
+    prompts = _prompts(model.config.vocab_size)
+    greedy = [_hf_greedy(model, prompt) for prompt in prompts]
+    # Stop on the 4th greedy token of prompt 1: prompt 1 stops there, others maybe on it too.
+    params = SamplingParams(max_tokens=NEW_TOKENS, stop_token_ids=[greedy[1][3]], ignore_eos=True)
+
+    def serve(async_scheduling: bool) -> tuple[dict[str, list[int]], dict[str, str], Any]:
+        config = ServingConfig(
+            max_num_batched_tokens=64, num_blocks=64, async_scheduling=async_scheduling
+        )
+        engine = ServingEngine(model, None, config)
+        ids = [engine.add_request(prompt, params) for prompt in prompts]
+        tokens: dict[str, list[int]] = {rid: [] for rid in ids}
+        reasons: dict[str, str] = {}
+        steps = 0
+        while engine.has_unfinished:
+            outputs = engine.step()
+            steps += 1
+            if steps == 4:  # cancel one request mid-generation
+                outputs.append(engine.abort(ids[2]))
+            for out in outputs:
+                if out is None:
+                    continue
+                tokens[out.request_id] += out.new_token_ids
+                if out.finished:
+                    reasons[out.request_id] = out.finish_reason
+        engine.step()  # collects a step launched for requests that had all ended
+        return tokens, reasons, engine
+
+    sync_tokens, sync_reasons, _ = serve(False)
+    async_tokens, async_reasons, engine = serve(True)
+    assert async_tokens == sync_tokens
+    assert async_reasons == sync_reasons
+    assert "stop" in sync_reasons.values() and "abort" in sync_reasons.values()
+    assert engine.stats.steps_ahead > 0
+    assert engine.scheduler.kv.pool.num_free == engine.scheduler.kv.pool.num_blocks

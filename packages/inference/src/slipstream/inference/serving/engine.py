@@ -22,8 +22,12 @@ from slipstream.inference.serving.model_runner import (
     check_supported,
 )
 from slipstream.inference.serving.request import Request, RequestStatus, SamplingParams
-from slipstream.inference.serving.sampler import sample
-from slipstream.inference.serving.scheduler import Scheduler
+from slipstream.inference.serving.sampler import sample_tokens
+from slipstream.inference.serving.scheduler import (
+    ScheduledChunk,
+    Scheduler,
+    SchedulerOutput,
+)
 
 logger = logging.getLogger(__name__)
 
@@ -72,6 +76,7 @@ class EngineStats:
     generated_tokens: int = 0
     steps: int = 0
     preemptions: int = 0
+    steps_ahead: int = 0  # steps launched before the previous step's tokens were on the host
     batched_tokens: int = 0  # tokens of all forward passes (prompt chunks + decodes)
     requests_finished: dict[str, int] = field(default_factory=dict)
     # Where the engine's time goes, in seconds: planning the step, launching the forward,
@@ -181,6 +186,9 @@ class ServingEngine:
         self._detokenizers: dict[str, IncrementalDetokenizer] = {}
         self._generators: dict[str, torch.Generator | None] = {}
         self._ids = itertools.count()
+        # Asynchronous scheduling: the step launched ahead (its plan, sampling chunks and
+        # tokens on the device), collected by the next step() call.
+        self._pending: tuple[SchedulerOutput, list[ScheduledChunk], torch.Tensor, int] | None = None
         logger.info(
             "serving engine: %d KV blocks of %d tokens (%.2f GiB), budget %d tokens/step",
             num_blocks,
@@ -263,38 +271,53 @@ class ServingEngine:
         return self.scheduler.num_unfinished > 0
 
     def step(self) -> list[RequestOutput]:
-        """Run one forward pass of the scheduled batch; return each touched request's output."""
+        """Run one forward pass of the scheduled batch; return each touched request's output.
+
+        With ``serving.async_scheduling``, the pass after it may already be launched here
+        (see :meth:`Scheduler.schedule_ahead`); the next call then collects it.
+        """
         self._check_driver()
         clock = started = time.perf_counter()
-        plan = self.scheduler.schedule()
-        self.stats.preemptions += len(plan.preempted)
-        if not plan.chunks:
-            return []
         seconds = self.stats.seconds
-        now = time.perf_counter()
-        seconds["schedule"] += now - clock
-        schedule_ms = (now - clock) * 1000
-        clock = now
-        logits = self.runner.forward(plan.chunks)
-        if self.timeline is not None and logits.is_cuda:
-            # Timeline runs only: wait for the GPU so "forward" holds the forward's own time
-            # rather than the launch (sampling would wait for it next anyway).
-            torch.cuda.synchronize(logits.device)
+        pending, self._pending = self._pending, None
+        schedule_ms = 0.0
+        if pending is None:
+            plan = self.scheduler.schedule()
+            self.stats.preemptions += len(plan.preempted)
+            if not plan.chunks:
+                return []
+            now = time.perf_counter()
+            seconds["schedule"] += now - clock
+            schedule_ms = (now - clock) * 1000
+            clock = now
+            logits = self.runner.forward(plan.chunks)
+            if self.timeline is not None and logits.is_cuda and not self.config.async_scheduling:
+                # Timeline runs only: wait for the GPU so "forward" holds the forward's own
+                # time rather than the launch (sampling would wait for it next anyway).
+                torch.cuda.synchronize(logits.device)
+            sampling = [c for c in plan.chunks if c.samples]
+            device_tokens = self._sample(sampling, logits)
+            bucket = self.runner.last_bucket
+        else:
+            plan, sampling, device_tokens, bucket = pending
+        if self.config.async_scheduling:
+            self._launch_ahead(plan, sampling, device_tokens)
         now = time.perf_counter()
         seconds["forward"] += now - clock
         forward_ms = (now - clock) * 1000
         clock = now
-        sampling = [c for c in plan.chunks if c.samples]
-        requests = [self.scheduler.requests[c.request_id] for c in sampling]
-        tokens = sample(
-            logits,
-            [r.sampling for r in requests],
-            [self._generators[r.request_id] for r in requests],
-        )
+        tokens = device_tokens.tolist()  # the step's one sync point
         now = time.perf_counter()
         seconds["sample"] += now - clock
         sample_ms = (now - clock) * 1000
         clock = now
+        if pending is not None:
+            # Launched before the previous step's update: drop the requests that ended since.
+            live = [self._is_live(chunk) for chunk in plan.chunks]
+            plan = SchedulerOutput([c for c, keep in zip(plan.chunks, live) if keep])
+            kept = [(c, t) for c, t in zip(sampling, tokens) if self._is_live(c)]
+            sampling, tokens = [c for c, _ in kept], [t for _, t in kept]
+        requests = [self.scheduler.requests[c.request_id] for c in sampling]
         self.stats.steps += 1
         self.stats.batched_tokens += plan.num_tokens
         self.stats.prompt_tokens += sum(
@@ -338,10 +361,44 @@ class ServingEngine:
                     tokens=plan.num_tokens,
                     sequences=len(plan.chunks),
                     decode_only=decode_only,
-                    graph_bucket=self.runner.last_bucket,
+                    graph_bucket=bucket,
                 )
             )
         return outputs
+
+    def _sample(self, sampling: list[ScheduledChunk], logits: torch.Tensor) -> torch.Tensor:
+        """The sampling chunks' next tokens, left on the device."""
+        requests = [self.scheduler.requests[c.request_id] for c in sampling]
+        return sample_tokens(
+            logits,
+            [r.sampling for r in requests],
+            [self._generators[r.request_id] for r in requests],
+        )
+
+    def _launch_ahead(
+        self, plan: SchedulerOutput, sampling: list[ScheduledChunk], tokens: torch.Tensor
+    ) -> None:
+        """Asynchronous scheduling: plan and launch the step after ``plan`` now, its token ids
+        read on the device from ``tokens`` (``plan``'s samples, not yet on the host)."""
+        ahead = self.scheduler.schedule_ahead(plan)
+        if ahead is None:
+            return
+        row_of = {chunk.request_id: row for row, chunk in enumerate(sampling)}
+        rows = torch.tensor([row_of[c.request_id] for c in ahead.chunks], dtype=torch.int64)
+        rows = rows.to(tokens.device, non_blocking=True)
+        logits = self.runner.forward(ahead.chunks, feed=(tokens, rows))
+        self.stats.steps_ahead += 1
+        tokens_ahead = self._sample(ahead.chunks, logits)
+        self._pending = (ahead, ahead.chunks, tokens_ahead, self.runner.last_bucket)
+
+    def _is_live(self, chunk: ScheduledChunk) -> bool:
+        """The chunk's request still runs, at the position the chunk was planned for."""
+        request = self.scheduler.requests.get(chunk.request_id)
+        return (
+            request is not None
+            and request.status is RequestStatus.RUNNING
+            and request.num_computed_tokens == chunk.start
+        )
 
     def _output(self, request: Request, tokens: list[int], text: str) -> RequestOutput:
         return RequestOutput(

@@ -189,11 +189,17 @@ class PagedDecoder:
         return int(per_token * block_size * decoder.spec.num_layers)
 
     @torch.inference_mode()
-    def forward(self, chunks: Sequence[ScheduledChunk]) -> torch.Tensor:
+    def forward(
+        self,
+        chunks: Sequence[ScheduledChunk],
+        feed: tuple[torch.Tensor, torch.Tensor] | None = None,
+    ) -> torch.Tensor:
         """Compute every chunk's tokens; return fp32 logits of the sampling chunks, in order.
 
-        Under tensor parallelism this runs on rank 0, which sends the step to the other ranks
-        (each in :meth:`serve_worker`).
+        ``feed`` ``(tokens, rows)`` (asynchronous scheduling, every chunk one token): chunk
+        ``i``'s token id is ``tokens[rows[i]]``, read on the device (the previous step's sampled
+        ids, not yet on the host). Under tensor parallelism this runs on rank 0, which sends the
+        step to the other ranks (each in :meth:`serve_worker`).
         """
         bucket = 0
         if self.graphs is not None and all(len(c.token_ids) == 1 and c.samples for c in chunks):
@@ -206,10 +212,17 @@ class PagedDecoder:
         if self.tp_group is not None:
             self._send_header(inputs, bucket)
         self.last_bucket = bucket
-        logits = self._step(inputs, bucket, source=True)
+        logits = self._step(inputs, bucket, source=True, feed=feed)
         return logits[: len(chunks)] if bucket else logits
 
-    def _step(self, inputs: StepInputs, bucket: int, *, source: bool) -> torch.Tensor:
+    def _step(
+        self,
+        inputs: StepInputs,
+        bucket: int,
+        *,
+        source: bool,
+        feed: tuple[torch.Tensor, torch.Tensor] | None = None,
+    ) -> torch.Tensor:
         """Move (rank 0) or receive (the other ranks) the step's buffers, then run it."""
         if bucket:
             assert self.graphs is not None
@@ -225,6 +238,11 @@ class PagedDecoder:
             ints = inputs.ints.pin_memory().to(self.device, non_blocking=True)
         else:
             longs, ints = inputs.longs, inputs.ints
+        if feed is not None:
+            tokens, rows = feed
+            if longs is inputs.longs:  # CPU: keep the host buffers the caller built
+                longs = longs.clone()
+            longs[: rows.numel()].copy_(tokens.index_select(0, rows))
         if self.tp_group is not None:
             dist.broadcast(longs, group=self.tp_group, group_src=0)
             dist.broadcast(ints, group=self.tp_group, group_src=0)
