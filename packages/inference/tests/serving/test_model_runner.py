@@ -223,7 +223,8 @@ def test_unsupported_architecture_is_refused() -> None:
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA or ROCm GPU")
 def test_batched_serving_equals_hf_greedy_on_gpu(make_model) -> None:
     """The Triton paged-attention kernel in the loop (fp32, IEEE dots), decode steps replayed
-    from CUDA graphs and eagerly: same tokens as HF."""
+    from CUDA graphs and eagerly, and launched ahead (asynchronous scheduling): same tokens as
+    HF."""
     model = make_model("llama").cuda()
     prompts = _prompts(model.config.vocab_size)
     expected = []
@@ -236,13 +237,19 @@ def test_batched_serving_equals_hf_greedy_on_gpu(make_model) -> None:
             pad_token_id=0,
         )
         expected.append(out[0, len(prompt) :].tolist())
-    for cuda_graph in (True, False):
-        config = ServingConfig(max_num_batched_tokens=24, num_blocks=64, cuda_graph=cuda_graph)
+    for cuda_graph, ahead in ((True, False), (False, False), (True, True)):
+        config = ServingConfig(
+            max_num_batched_tokens=24,
+            num_blocks=64,
+            cuda_graph=cuda_graph,
+            async_scheduling=ahead,
+        )
         engine = ServingEngine(model, None, config)
         outputs = engine.generate(prompts, SamplingParams(max_tokens=NEW_TOKENS, ignore_eos=True))
-        assert [out.new_token_ids for out in outputs] == expected, cuda_graph
+        assert [out.new_token_ids for out in outputs] == expected, (cuda_graph, ahead)
         graphs = engine.runner.graphs
         assert (graphs is not None and len(graphs.graphs) > 0) == cuda_graph
+        assert (engine.stats.steps_ahead > 0) == ahead
 
 
 @pytest.mark.gpu
