@@ -668,6 +668,122 @@ def run_profile(args: argparse.Namespace, workload: Workload) -> dict:
     }
 
 
+def _batch_inputs(prompts: list[list[int]], device: str) -> tuple[Any, Any]:
+    """Left-padded ids (pad 0) and their attention mask."""
+    import torch
+
+    width = max(len(p) for p in prompts)
+    ids = torch.zeros(len(prompts), width, dtype=torch.long)
+    mask = torch.zeros(len(prompts), width, dtype=torch.long)
+    for row, prompt in enumerate(prompts):
+        ids[row, width - len(prompt) :] = torch.tensor(prompt)
+        mask[row, width - len(prompt) :] = 1
+    return ids.to(device), mask.to(device)
+
+
+def run_static(args: argparse.Namespace, workload: Workload) -> dict:
+    """The same workload through ``init_inference``'s static-cache ``generate`` (fused decoder,
+    CUDA-graph decode) in static batches of ``--static-batch`` requests (default: all, up to
+    ``--max-num-seqs``): a batch starts when the previous one ends, with the requests that have
+    arrived by then (the first waiting one's arrival at the earliest), left-padded, and runs
+    until its longest output; each request counts its own output length. TTFT includes the
+    wait for a batch; TTFT and ITL come from CUDA events recorded after the prefill and each
+    decode step (no extra host syncs)."""
+    import torch
+
+    from slipstream.inference import init_inference
+
+    model = build_model(args.model, args.device)
+    cuda = str(args.device).startswith("cuda")
+    names = {torch.bfloat16: "bf16", torch.float16: "fp16", torch.float32: "fp32"}
+    max_len = max(len(p) for p in workload.prompts) + max(workload.output_lens)
+    engine = init_inference(
+        model,
+        {
+            "dtype": names[next(model.parameters()).dtype],
+            "replace_with_kernel_inject": True,
+            "enable_cuda_graph": cuda and not args.no_cuda_graph,
+            "max_out_tokens": max_len,
+        },
+    )
+    batch = args.static_batch or min(len(workload.prompts), args.max_num_seqs)
+    # Per-token timestamps: the engine's generate has no streamer, so the bench wraps its
+    # static-cache runner's two steps (a private attribute: this is a measuring tool).
+    runner = engine._runner
+    stamps: list[Any] = []
+    prefill, decode = runner.prefill, runner.decode
+
+    def mark() -> None:
+        if cuda:
+            event = torch.cuda.Event(enable_timing=True)
+            event.record()
+            stamps.append(event)
+        else:
+            stamps.append(time.perf_counter())
+
+    def timed_prefill(*call: Any) -> Any:
+        out = prefill(*call)
+        mark()
+        return out
+
+    def timed_decode(*call: Any) -> Any:
+        out = decode(*call)
+        mark()
+        return out
+
+    runner.prefill, runner.decode = timed_prefill, timed_decode
+
+    def run_batch(prompts: list[list[int]], new_tokens: int) -> tuple[float, list[float]]:
+        """Generate; returns the start (perf_counter) and each new token's time."""
+        ids, mask = _batch_inputs(prompts, args.device)
+        stamps.clear()
+        start_event = None
+        if cuda:
+            torch.cuda.synchronize()
+            start_event = torch.cuda.Event(enable_timing=True)
+            start_event.record()
+        start = time.perf_counter()
+        engine.generate(
+            ids, attention_mask=mask, max_new_tokens=new_tokens, eos_token_id=None, pad_token_id=0
+        )
+        if cuda:
+            torch.cuda.synchronize()
+            times = [start + start_event.elapsed_time(e) / 1000 for e in stamps]  # type: ignore[union-attr]
+        else:
+            times = list(stamps)
+        return start, times[:new_tokens]
+
+    # Warm-up: compiles, and the decode graph of each batch size an all-at-once run meets.
+    sizes = {batch, len(workload.prompts) % batch} - {0}
+    for size in sorted(sizes):
+        run_batch([_warmup_prompt(workload, i) for i in range(size)], 4)
+    results = [RequestResult(len(p)) for p in workload.prompts]
+    origin = time.perf_counter()
+    index = 0
+    while index < len(results):
+        now = time.perf_counter() - origin
+        if workload.arrivals[index] > now:
+            time.sleep(workload.arrivals[index] - now)
+            now = time.perf_counter() - origin
+        members = [
+            j for j in range(index, min(index + batch, len(results))) if workload.arrivals[j] <= now
+        ]
+        index += len(members)
+        outputs = [workload.output_lens[j] for j in members]
+        _, times = run_batch([workload.prompts[j] for j in members], max(outputs))
+        for j, count in zip(members, outputs):
+            result = results[j]
+            result.start = origin + workload.arrivals[j]
+            result.ttft = times[0] - result.start
+            result.itl = [b - a for a, b in itertools.pairwise(times[:count])]
+            result.output_len = count
+            result.end = times[count - 1]
+    summary = summarize("static-init_inference", results, args)
+    summary["static_batch"] = batch
+    runner.prefill, runner.decode = prefill, decode
+    return summary
+
+
 def run_hf_continuous_batching(args: argparse.Namespace, workload: Workload) -> dict:
     """The same prompts through ``model.generate_batch`` (all submitted at once: its API has
     no arrivals; compare with ``--rate inf``). One max_new_tokens for all requests: the
@@ -755,10 +871,11 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument(
         "--backend",
         nargs="+",
-        choices=["slipstream", "in-process", "hf", "both"],
+        choices=["slipstream", "in-process", "static", "hf", "both"],
         default=["slipstream"],
         help="one or more, run in order. slipstream: the HTTP server in a child process; "
-        "in-process: its engine without HTTP; hf: Transformers' generate_batch; "
+        "in-process: its engine without HTTP; static: init_inference's generate in static "
+        "batches; hf: Transformers' generate_batch; "
         "both: slipstream and hf",
     )
     parser.add_argument("--num-requests", type=int, default=64)
@@ -780,6 +897,11 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--port", type=int, default=18431)
     parser.add_argument("--max-num-batched-tokens", type=int, default=2048)
     parser.add_argument("--max-num-seqs", type=int, default=256)
+    parser.add_argument(
+        "--static-batch",
+        type=int,
+        help="static backend: requests per batch (default: all, up to --max-num-seqs)",
+    )
     parser.add_argument("--num-blocks", type=int)
     parser.add_argument("--max-model-len", type=int)
     parser.add_argument("--slo-ttft", type=float, default=2.0, help="seconds, for goodput")
@@ -847,6 +969,7 @@ def main(argv: list[str] | None = None) -> int:
     runners = {
         "slipstream": run_slipstream,
         "in-process": run_in_process,
+        "static": run_static,
         "hf": run_hf_continuous_batching,
     }
     for backend in backends:
