@@ -52,7 +52,9 @@ class RequestOutput:
 class StepRecord:
     """One step of the engine's timeline (``ServingEngine.timeline``), times in ms.
 
-    ``forward_ms`` waits for the GPU when the timeline is on, so it is the forward's own time;
+    ``forward_ms`` waits for the GPU when the timeline is on, so it is the forward's own time
+    (not under ``async_scheduling``, where waiting would undo the overlap: there it is the launch
+    of this step, or of the next one planned ahead, and the GPU's time shows in ``sample_ms``);
     ``sample_ms`` the batched sampling and its copy to the host; ``update_ms`` the scheduler's
     bookkeeping, stop checks and detokenization.
     """
