@@ -973,7 +973,12 @@ def main(argv: list[str] | None = None) -> int:
         "hf": run_hf_continuous_batching,
     }
     for backend in backends:
-        summaries.append(runners[backend](args, workload))
+        try:
+            summaries.append(runners[backend](args, workload))
+        except (Exception, SystemExit) as error:  # report it; the other backends still run
+            print(f"backend {backend} failed: {error!r}", file=sys.stderr)
+            summaries.append({"backend": backend, "failed": len(workload.prompts),
+                              "error": repr(error)[:500]})  # fmt: skip
         _release_memory()
     if rank != 0:
         import torch.distributed as dist
@@ -985,7 +990,7 @@ def main(argv: list[str] | None = None) -> int:
         # Under tensor parallelism each rank reads its 1/tp of the weights and KV cache at its
         # own bandwidth: the bound scales with the ranks (the all-reduces are left out).
         bandwidth = copy_bandwidth(args.device) * args.tp
-        for summary in summaries:
+        for summary in (s for s in summaries if "error" not in s):
             # The run's concurrency: the mean decode batch when the timeline has it, else all
             # requests at once (up to max_num_seqs), as with --rate inf.
             decode = summary.get("timeline", {}).get("decode_only", {})
@@ -1010,6 +1015,9 @@ def main(argv: list[str] | None = None) -> int:
         return "-" if value is None else f"{value * 1000:.1f}ms"
 
     for s in summaries:
+        if "error" in s:
+            print(f"{s['backend']:<20} failed: {s['error'][:120]}")
+            continue
         print(f"{s['backend']:<20}{s['output_tokens_per_s']:>10}{ms(s['ttft_p50_s']):>10}"
               f"{ms(s['ttft_p99_s']):>10}{ms(s['itl_p50_s']):>10}{ms(s['itl_p99_s']):>10}")  # fmt: skip
     if args.tp > 1:

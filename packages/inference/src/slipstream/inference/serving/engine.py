@@ -387,6 +387,8 @@ class ServingEngine:
             return
         row_of = {chunk.request_id: row for row, chunk in enumerate(sampling)}
         rows = torch.tensor([row_of[c.request_id] for c in ahead.chunks], dtype=torch.int64)
+        if tokens.is_cuda:  # page-locked: a pageable copy would wait for the queued step
+            rows = rows.pin_memory()
         rows = rows.to(tokens.device, non_blocking=True)
         logits = self.runner.forward(ahead.chunks, feed=(tokens, rows))
         self.stats.steps_ahead += 1

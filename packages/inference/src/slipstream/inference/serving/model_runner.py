@@ -228,8 +228,13 @@ class PagedDecoder:
             assert self.graphs is not None
             longs, ints = self.graphs.buffers(bucket, inputs)
             if source:
-                longs.copy_(inputs.longs, non_blocking=True)
-                ints.copy_(inputs.ints, non_blocking=True)
+                # From page-locked copies: a copy from pageable memory waits for the stream's
+                # queued work, which would undo a step launched ahead (async_scheduling).
+                pinned = self.device.type == "cuda"
+                longs.copy_(
+                    inputs.longs.pin_memory() if pinned else inputs.longs, non_blocking=True
+                )
+                ints.copy_(inputs.ints.pin_memory() if pinned else inputs.ints, non_blocking=True)
         elif not source:
             longs = torch.empty(inputs.longs.shape, dtype=torch.int64, device=self.device)
             ints = torch.empty(inputs.ints.shape, dtype=torch.int32, device=self.device)
