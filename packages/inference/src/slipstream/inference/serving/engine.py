@@ -5,6 +5,7 @@ from __future__ import annotations
 import itertools
 import logging
 import time
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -87,6 +88,33 @@ class EngineStats:
     seconds: dict[str, float] = field(
         default_factory=lambda: {"schedule": 0.0, "forward": 0.0, "sample": 0.0, "update": 0.0}
     )
+
+
+def _fetch(tokens: torch.Tensor) -> Callable[[], list[int]]:
+    """Start copying ``tokens`` to the host now; the returned call waits for that copy alone.
+
+    A plain ``tolist()`` later would queue its copy behind whatever the stream holds by then —
+    under asynchronous scheduling, the whole next step.
+    """
+    if not tokens.is_cuda:
+        return lambda: tokens.tolist()  # type: ignore[no-any-return]
+    host = torch.empty(tokens.shape, dtype=tokens.dtype, pin_memory=True)
+    host.copy_(tokens, non_blocking=True)
+    done = torch.cuda.Event()
+    done.record()
+
+    def read() -> list[int]:
+        done.synchronize()
+        return host.tolist()  # type: ignore[no-any-return]
+
+    return read
+
+
+# A step launched ahead: its plan, sampling chunks, tokens on the device, their host fetch and
+# its graph bucket.
+_Pending = tuple[
+    "SchedulerOutput", list["ScheduledChunk"], torch.Tensor, Callable[[], list[int]], int
+]
 
 
 def _check_tp_world(tp: int, group: dist.ProcessGroup | None) -> None:
@@ -190,7 +218,7 @@ class ServingEngine:
         self._ids = itertools.count()
         # Asynchronous scheduling: the step launched ahead (its plan, sampling chunks and
         # tokens on the device), collected by the next step() call.
-        self._pending: tuple[SchedulerOutput, list[ScheduledChunk], torch.Tensor, int] | None = None
+        self._pending: _Pending | None = None
         logger.info(
             "serving engine: %d KV blocks of %d tokens (%.2f GiB), budget %d tokens/step",
             num_blocks,
@@ -299,16 +327,17 @@ class ServingEngine:
                 torch.cuda.synchronize(logits.device)
             sampling = [c for c in plan.chunks if c.samples]
             device_tokens = self._sample(sampling, logits)
+            fetch = _fetch(device_tokens)  # before a step launched ahead queues behind it
             bucket = self.runner.last_bucket
         else:
-            plan, sampling, device_tokens, bucket = pending
+            plan, sampling, device_tokens, fetch, bucket = pending
         if self.config.async_scheduling:
             self._launch_ahead(plan, sampling, device_tokens)
         now = time.perf_counter()
         seconds["forward"] += now - clock
         forward_ms = (now - clock) * 1000
         clock = now
-        tokens = device_tokens.tolist()  # the step's one sync point
+        tokens = fetch()  # the step's one sync point
         now = time.perf_counter()
         seconds["sample"] += now - clock
         sample_ms = (now - clock) * 1000
@@ -393,7 +422,8 @@ class ServingEngine:
         logits = self.runner.forward(ahead.chunks, feed=(tokens, rows))
         self.stats.steps_ahead += 1
         tokens_ahead = self._sample(ahead.chunks, logits)
-        self._pending = (ahead, ahead.chunks, tokens_ahead, self.runner.last_bucket)
+        fetch = _fetch(tokens_ahead)
+        self._pending = (ahead, ahead.chunks, tokens_ahead, fetch, self.runner.last_bucket)
 
     def _is_live(self, chunk: ScheduledChunk) -> bool:
         """The chunk's request still runs, at the position the chunk was planned for."""
