@@ -26,6 +26,14 @@ Kernel tables (torch.profiler) of the prompt steps and of 20 decode-only steps, 
     python3 tools/bench/serve_bench.py --model llama3-8b --num-requests 64 --rate inf \\
         --prompt-len 64:200 --output-len 256 --profile 20 --profile-out profile.txt
 
+Per measured step: Triton compiles, cudaMalloc calls and allocator retries (``--probe``); and
+tensor-parallel serving on two GPUs (NCCL)::
+
+    python3 tools/bench/serve_bench.py --model llama3-8b --num-requests 64 --rate inf \\
+        --prompt-len 64:200 --output-len 256 --backend in-process --probe --timeline timeline.json
+    torchrun --nproc_per_node 2 tools/bench/serve_bench.py --model llama3-8b --num-requests 64 \\
+        --rate inf --prompt-len 64:200 --output-len 256 --backend in-process --tp 2
+
 ``--backend slipstream`` (the HTTP server in a child process, the client over localhost) needs
 starlette, uvicorn and httpx (``slipstream-inference[serve]``); ``--backend in-process``
 replays the same workload on the engine without HTTP and needs none of them.
@@ -403,6 +411,8 @@ def run_slipstream(args: argparse.Namespace, workload: Workload) -> dict:
             command.append("--no-prefix-caching")
         if args.no_cuda_graph:
             command.append("--no-cuda-graph")
+        if args.async_scheduling:
+            command.append("--async-scheduling")
         for flag, value in (
             ("--num-blocks", args.num_blocks),
             ("--max-model-len", args.max_model_len),
@@ -445,7 +455,75 @@ def _serving_config(args: argparse.Namespace) -> dict[str, Any]:
         "max_model_len": args.max_model_len,
         "enable_prefix_caching": not args.no_prefix_caching,
         "cuda_graph": not args.no_cuda_graph,
+        "async_scheduling": args.async_scheduling,
     }
+
+
+def install_step_probe(engine: Any) -> list[dict]:
+    """Wrap ``engine.step`` (before its thread starts stepping it): per step, its wall time, the
+    Triton kernels compiled or loaded from Triton's disk cache during it (the JIT cache hook
+    fires only when a launch misses the in-memory cache), and the CUDA caching allocator's
+    ``cudaMalloc`` calls and out-of-memory retries. Returns the list the steps append to."""
+    import torch
+
+    compiles: list[str] = []
+
+    def hook(*_: Any, **kwargs: Any) -> bool:
+        text = str(kwargs.get("repr", "?"))
+        compiles.append(text.split("[", 1)[0] + " " + text.rsplit("](", 1)[-1][:400])
+        return False  # never skip the compile
+
+    try:
+        from triton import knobs
+
+        knobs.runtime.jit_cache_hook = hook
+    except (ImportError, AttributeError):  # Triton < 3.4
+        from triton.runtime.jit import JITFunction
+
+        JITFunction.cache_hook = hook  # type: ignore[attr-defined]
+    cuda = torch.cuda.is_available()
+    probes: list[dict] = []
+    step = engine.step
+
+    def memory() -> tuple[int, int]:
+        if not cuda:
+            return 0, 0
+        stats = torch.cuda.memory_stats()
+        return int(stats.get("num_device_alloc", 0)), int(stats.get("num_alloc_retries", 0))
+
+    def probed() -> Any:
+        seen, (mallocs, retries) = len(compiles), memory()
+        start = time.perf_counter()
+        outputs = step()
+        if outputs or len(compiles) > seen:
+            after = memory()
+            probes.append({
+                "ms": round((time.perf_counter() - start) * 1000, 2),
+                "outputs": len(outputs),
+                "compiles": compiles[seen:],
+                "cuda_mallocs": after[0] - mallocs,
+                "alloc_retries": after[1] - retries,
+            })  # fmt: skip
+        return outputs
+
+    engine.step = probed
+    return probes
+
+
+def probe_summary(probes: list[dict], limit: int = 12) -> list[str]:
+    """Compact lines: every step that compiled, retried an allocation or called cudaMalloc,
+    and the slowest steps."""
+    lines = []
+    slow = sorted(range(len(probes)), key=lambda i: -probes[i]["ms"])[:5]
+    for index, probe in enumerate(probes):
+        eventful = probe["compiles"] or probe["alloc_retries"] or probe["cuda_mallocs"]
+        if eventful or index in slow:
+            lines.append(
+                f"step {index}: {probe['ms']} ms, {probe['outputs']} outputs, "
+                f"{probe['cuda_mallocs']} cudaMalloc, {probe['alloc_retries']} alloc retries, "
+                f"{len(probe['compiles'])} Triton compiles {probe['compiles']}"
+            )
+    return lines[:limit] + ([f"... {len(lines) - limit} more"] if len(lines) > limit else [])
 
 
 def run_in_process(args: argparse.Namespace, workload: Workload) -> dict:
@@ -453,9 +531,16 @@ def run_in_process(args: argparse.Namespace, workload: Workload) -> dict:
     no starlette/uvicorn/httpx): the engine's own throughput and latencies."""
     from slipstream.inference.serving import SamplingParams, pipeline
 
-    deployment = pipeline(
-        build_model(args.model, args.device), config=_serving_config(args)
-    ).serve()
+    served = pipeline(
+        build_model(args.model, args.device),
+        config=_serving_config(args),
+        tensor_parallel=args.tp,
+    )
+    if not served.engine.is_driver:
+        # Tensor parallelism, ranks > 0: pipeline() returned after serving rank 0's steps.
+        return {"backend": "tp-worker", "rank": served.engine.rank}
+    probes = install_step_probe(served.engine) if args.probe else None
+    deployment = served.serve()
     engine = deployment.engine
 
     async def one(prompt: list[int], output_len: int, delay: float, origin: float) -> RequestResult:
@@ -490,6 +575,8 @@ def run_in_process(args: argparse.Namespace, workload: Workload) -> dict:
 
     try:
         asyncio.run(warm())  # compiles kernels; not measured
+        if probes is not None:
+            probes.clear()
         before = _engine_totals(deployment)
         if args.timeline:
             engine.timeline = []  # read by the engine thread at its next step
@@ -504,6 +591,8 @@ def run_in_process(args: argparse.Namespace, workload: Workload) -> dict:
             with open(args.timeline, "w") as handle:
                 json.dump({"argv": sys.argv[1:], "steps": records}, handle)
             summary["timeline_file"] = args.timeline
+        if probes is not None:
+            summary["probe"] = probe_summary(probes)
         return summary
     finally:
         deployment.shutdown()
@@ -579,6 +668,122 @@ def run_profile(args: argparse.Namespace, workload: Workload) -> dict:
     }
 
 
+def _batch_inputs(prompts: list[list[int]], device: str) -> tuple[Any, Any]:
+    """Left-padded ids (pad 0) and their attention mask."""
+    import torch
+
+    width = max(len(p) for p in prompts)
+    ids = torch.zeros(len(prompts), width, dtype=torch.long)
+    mask = torch.zeros(len(prompts), width, dtype=torch.long)
+    for row, prompt in enumerate(prompts):
+        ids[row, width - len(prompt) :] = torch.tensor(prompt)
+        mask[row, width - len(prompt) :] = 1
+    return ids.to(device), mask.to(device)
+
+
+def run_static(args: argparse.Namespace, workload: Workload) -> dict:
+    """The same workload through ``init_inference``'s static-cache ``generate`` (fused decoder,
+    CUDA-graph decode) in static batches of ``--static-batch`` requests (default: all, up to
+    ``--max-num-seqs``): a batch starts when the previous one ends, with the requests that have
+    arrived by then (the first waiting one's arrival at the earliest), left-padded, and runs
+    until its longest output; each request counts its own output length. TTFT includes the
+    wait for a batch; TTFT and ITL come from CUDA events recorded after the prefill and each
+    decode step (no extra host syncs)."""
+    import torch
+
+    from slipstream.inference import init_inference
+
+    model = build_model(args.model, args.device)
+    cuda = str(args.device).startswith("cuda")
+    names = {torch.bfloat16: "bf16", torch.float16: "fp16", torch.float32: "fp32"}
+    max_len = max(len(p) for p in workload.prompts) + max(workload.output_lens)
+    engine = init_inference(
+        model,
+        {
+            "dtype": names[next(model.parameters()).dtype],
+            "replace_with_kernel_inject": True,
+            "enable_cuda_graph": cuda and not args.no_cuda_graph,
+            "max_out_tokens": max_len,
+        },
+    )
+    batch = args.static_batch or min(len(workload.prompts), args.max_num_seqs)
+    # Per-token timestamps: the engine's generate has no streamer, so the bench wraps its
+    # static-cache runner's two steps (a private attribute: this is a measuring tool).
+    runner = engine._runner
+    stamps: list[Any] = []
+    prefill, decode = runner.prefill, runner.decode
+
+    def mark() -> None:
+        if cuda:
+            event = torch.cuda.Event(enable_timing=True)
+            event.record()
+            stamps.append(event)
+        else:
+            stamps.append(time.perf_counter())
+
+    def timed_prefill(*call: Any) -> Any:
+        out = prefill(*call)
+        mark()
+        return out
+
+    def timed_decode(*call: Any) -> Any:
+        out = decode(*call)
+        mark()
+        return out
+
+    runner.prefill, runner.decode = timed_prefill, timed_decode
+
+    def run_batch(prompts: list[list[int]], new_tokens: int) -> tuple[float, list[float]]:
+        """Generate; returns the start (perf_counter) and each new token's time."""
+        ids, mask = _batch_inputs(prompts, args.device)
+        stamps.clear()
+        start_event = None
+        if cuda:
+            torch.cuda.synchronize()
+            start_event = torch.cuda.Event(enable_timing=True)
+            start_event.record()
+        start = time.perf_counter()
+        engine.generate(
+            ids, attention_mask=mask, max_new_tokens=new_tokens, eos_token_id=None, pad_token_id=0
+        )
+        if cuda:
+            torch.cuda.synchronize()
+            times = [start + start_event.elapsed_time(e) / 1000 for e in stamps]  # type: ignore[union-attr]
+        else:
+            times = list(stamps)
+        return start, times[:new_tokens]
+
+    # Warm-up: compiles, and the decode graph of each batch size an all-at-once run meets.
+    sizes = {batch, len(workload.prompts) % batch} - {0}
+    for size in sorted(sizes):
+        run_batch([_warmup_prompt(workload, i) for i in range(size)], 4)
+    results = [RequestResult(len(p)) for p in workload.prompts]
+    origin = time.perf_counter()
+    index = 0
+    while index < len(results):
+        now = time.perf_counter() - origin
+        if workload.arrivals[index] > now:
+            time.sleep(workload.arrivals[index] - now)
+            now = time.perf_counter() - origin
+        members = [
+            j for j in range(index, min(index + batch, len(results))) if workload.arrivals[j] <= now
+        ]
+        index += len(members)
+        outputs = [workload.output_lens[j] for j in members]
+        _, times = run_batch([workload.prompts[j] for j in members], max(outputs))
+        for j, count in zip(members, outputs):
+            result = results[j]
+            result.start = origin + workload.arrivals[j]
+            result.ttft = times[0] - result.start
+            result.itl = [b - a for a, b in itertools.pairwise(times[:count])]
+            result.output_len = count
+            result.end = times[count - 1]
+    summary = summarize("static-init_inference", results, args)
+    summary["static_batch"] = batch
+    runner.prefill, runner.decode = prefill, decode
+    return summary
+
+
 def run_hf_continuous_batching(args: argparse.Namespace, workload: Workload) -> dict:
     """The same prompts through ``model.generate_batch`` (all submitted at once: its API has
     no arrivals; compare with ``--rate inf``). One max_new_tokens for all requests: the
@@ -632,6 +837,28 @@ def _release_memory() -> None:
         torch.cuda.empty_cache()
 
 
+def init_tensor_parallel(args: argparse.Namespace) -> int:
+    """``--tp N`` under ``torchrun --nproc_per_node N`` (or ``slipstream run``): one GPU per rank,
+    the process group up (NCCL on GPUs); returns this rank."""
+    import torch
+    import torch.distributed as dist
+
+    world = int(os.environ.get("WORLD_SIZE", "1"))
+    if world != args.tp:
+        raise SystemExit(
+            f"--tp {args.tp} needs {args.tp} processes (WORLD_SIZE={world}): launch with "
+            f"`torchrun --nproc_per_node {args.tp} tools/bench/serve_bench.py ... --tp {args.tp}`"
+        )
+    if set(args.backend) != {"in-process"} or args.profile or args.url:
+        raise SystemExit("--tp > 1 runs the in-process backend only (--backend in-process)")
+    if torch.cuda.is_available():
+        torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", "0")))
+        args.device = f"cuda:{torch.cuda.current_device()}"
+    if not dist.is_initialized():
+        dist.init_process_group("nccl" if torch.cuda.is_available() else "gloo")
+    return dist.get_rank()
+
+
 def main(argv: list[str] | None = None) -> int:
     """Parse options, run the chosen backends, print and (optionally) append JSON lines."""
     parser = argparse.ArgumentParser(
@@ -644,10 +871,11 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument(
         "--backend",
         nargs="+",
-        choices=["slipstream", "in-process", "hf", "both"],
+        choices=["slipstream", "in-process", "static", "hf", "both"],
         default=["slipstream"],
         help="one or more, run in order. slipstream: the HTTP server in a child process; "
-        "in-process: its engine without HTTP; hf: Transformers' generate_batch; "
+        "in-process: its engine without HTTP; static: init_inference's generate in static "
+        "batches; hf: Transformers' generate_batch; "
         "both: slipstream and hf",
     )
     parser.add_argument("--num-requests", type=int, default=64)
@@ -669,6 +897,11 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--port", type=int, default=18431)
     parser.add_argument("--max-num-batched-tokens", type=int, default=2048)
     parser.add_argument("--max-num-seqs", type=int, default=256)
+    parser.add_argument(
+        "--static-batch",
+        type=int,
+        help="static backend: requests per batch (default: all, up to --max-num-seqs)",
+    )
     parser.add_argument("--num-blocks", type=int)
     parser.add_argument("--max-model-len", type=int)
     parser.add_argument("--slo-ttft", type=float, default=2.0, help="seconds, for goodput")
@@ -684,6 +917,11 @@ def main(argv: list[str] | None = None) -> int:
         "--no-cuda-graph", action="store_true", help="serve with serving.cuda_graph off"
     )
     parser.add_argument(
+        "--async-scheduling",
+        action="store_true",
+        help="serve with serving.async_scheduling on (decode steps launched ahead)",
+    )
+    parser.add_argument(
         "--profile",
         type=int,
         default=0,
@@ -692,9 +930,23 @@ def main(argv: list[str] | None = None) -> int:
     )
     parser.add_argument("--profile-out", help="with --profile: also write the tables here")
     parser.add_argument(
+        "--probe",
+        action="store_true",
+        help="in-process backend: per measured step, the Triton JIT compiles (or disk-cache "
+        "loads), cudaMalloc calls and allocator retries; prints the eventful and slowest steps",
+    )
+    parser.add_argument(
         "--no-decode-bound",
         action="store_true",
         help="skip measuring the copy bandwidth for the decode bound",
+    )
+    parser.add_argument(
+        "--tp",
+        type=int,
+        default=1,
+        help="tensor-parallel ranks (serving.tensor_parallel), in-process backend only; launch "
+        "under torchrun --nproc_per_node N (every rank builds the same seeded model, rank 0 "
+        "replays the workload and prints)",
     )
     parser.add_argument("--serve-only", action="store_true", help=argparse.SUPPRESS)
     args = parser.parse_args(argv)
@@ -702,6 +954,7 @@ def main(argv: list[str] | None = None) -> int:
         import torch
 
         args.device = "cuda" if torch.cuda.is_available() else "cpu"
+    rank = init_tensor_parallel(args) if args.tp > 1 else 0
     if args.serve_only:
         return serve_only(args)
     vocab = {"tiny": 512, "llama3-8b": 128256}.get(args.model, 32000)
@@ -716,15 +969,28 @@ def main(argv: list[str] | None = None) -> int:
     runners = {
         "slipstream": run_slipstream,
         "in-process": run_in_process,
+        "static": run_static,
         "hf": run_hf_continuous_batching,
     }
     for backend in backends:
-        summaries.append(runners[backend](args, workload))
+        try:
+            summaries.append(runners[backend](args, workload))
+        except (Exception, SystemExit) as error:  # report it; the other backends still run
+            print(f"backend {backend} failed: {error!r}", file=sys.stderr)
+            summaries.append({"backend": backend, "failed": len(workload.prompts),
+                              "error": repr(error)[:500]})  # fmt: skip
         _release_memory()
+    if rank != 0:
+        import torch.distributed as dist
+
+        dist.destroy_process_group()
+        return 0
     if not args.no_decode_bound and summaries:
         weights, kv_per_token = model_bytes(args.model)
-        bandwidth = copy_bandwidth(args.device)
-        for summary in summaries:
+        # Under tensor parallelism each rank reads its 1/tp of the weights and KV cache at its
+        # own bandwidth: the bound scales with the ranks (the all-reduces are left out).
+        bandwidth = copy_bandwidth(args.device) * args.tp
+        for summary in (s for s in summaries if "error" not in s):
             # The run's concurrency: the mean decode batch when the timeline has it, else all
             # requests at once (up to max_num_seqs), as with --rate inf.
             decode = summary.get("timeline", {}).get("decode_only", {})
@@ -749,8 +1015,15 @@ def main(argv: list[str] | None = None) -> int:
         return "-" if value is None else f"{value * 1000:.1f}ms"
 
     for s in summaries:
+        if "error" in s:
+            print(f"{s['backend']:<20} failed: {s['error'][:120]}")
+            continue
         print(f"{s['backend']:<20}{s['output_tokens_per_s']:>10}{ms(s['ttft_p50_s']):>10}"
               f"{ms(s['ttft_p99_s']):>10}{ms(s['itl_p50_s']):>10}{ms(s['itl_p99_s']):>10}")  # fmt: skip
+    if args.tp > 1:
+        import torch.distributed as dist
+
+        dist.destroy_process_group()
     for s in summaries:
         if "engine" in s:
             engine = s["engine"]
@@ -771,6 +1044,8 @@ def main(argv: list[str] | None = None) -> int:
             )
         if "timeline" in s:
             print(f"{s['backend']} timeline (mean ms per step): {json.dumps(s['timeline'])}")
+        for line in s.get("probe", []):
+            print(f"{s['backend']} probe: {line}")
     return 0 if all(s["failed"] == 0 for s in summaries) else 1
 
 

@@ -3,6 +3,8 @@ generation, token for token (fp32), with chunked prefill, prefix sharing and pre
 
 from __future__ import annotations
 
+from typing import Any
+
 import pytest
 import torch
 
@@ -10,7 +12,11 @@ from slipstream.inference.adapters import UnsupportedModelError
 from slipstream.inference.serving import SamplingParams, ServingConfig, ServingEngine
 from slipstream.inference.serving.decode_graphs import graph_buckets
 from slipstream.inference.serving.scheduler import ScheduledChunk
-from slipstream.inference.serving.step_inputs import BlockTableRows, build_step_inputs
+from slipstream.inference.serving.step_inputs import (
+    BlockTableRows,
+    build_step_inputs,
+    ints_length,
+)
 from slipstream.inference.testing import tiny_hf_model
 
 NEW_TOKENS = 12
@@ -139,15 +145,47 @@ def test_graph_buckets_and_padded_inputs() -> None:
         build_step_inputs(chunks, 16, pad_to=2)
 
 
+@pytest.mark.parametrize("pad_to", [None, 8])
+def test_step_buffers_keep_kernel_views_16_byte_aligned(pad_to: int | None) -> None:
+    """seq_lens and query_start_loc start at 16-byte offsets for any seqs x width (Triton
+    compiles once per pointer alignment), and read the same as without the padding."""
+    for seqs in range(1, 6):
+        for width in range(1, 6):
+            chunks = [
+                ScheduledChunk(str(i), [4] * (i + 1), 16 * (width - 1), list(range(width)), True)
+                for i in range(seqs)
+            ]
+            inputs = build_step_inputs(chunks, 16, pad_to=pad_to, scratch_block=9)
+            assert inputs.ints.numel() == ints_length(inputs.num_seqs, inputs.table_width)
+            views = inputs.views(inputs.longs, inputs.ints)
+            for name in ("block_tables", "seq_lens", "query_start_loc"):
+                assert views[name].storage_offset() * 4 % 16 == 0, (seqs, width, name)
+            real = views["seq_lens"][:seqs].tolist()
+            assert real == [16 * (width - 1) + i + 1 for i in range(seqs)]
+            starts = views["query_start_loc"].tolist()
+            assert starts[: seqs + 1] == [sum(range(1, i + 1)) for i in range(seqs + 1)]
+            assert views["block_tables"][:seqs].tolist() == [list(range(width))] * seqs
+
+
 def test_warmup_runs_in_the_scratch_block_only(model) -> None:
-    """The GPU start-up warm-up (full budget, one token less, one token) writes only the scratch
-    block: the cache the pool hands out stays untouched."""
+    """The GPU start-up warm-up (the full budget as 16 sequences, one token less as 3, a
+    one-block prompt, decodes of 1, 16 and 3 sequences) writes only the scratch block: the
+    cache the pool hands out stays untouched. Its steps cover each Triton class (1, multiple
+    of 16, other) of the token count, sampled rows and block-table width."""
     engine = ServingEngine(model, None, ServingConfig(num_blocks=16, max_num_batched_tokens=40))
     runner = engine.runner
     before = [cache[:-1].clone() for cache in runner.key_cache]
-    assert runner.warmup(40) == [32, 31, 1]
+    assert runner.warmup(40) == [32, 31, 16, 1, 16, 3]
     for cache, saved in zip(runner.key_cache, before):
         assert torch.equal(cache[:-1], saved) and cache[-1].abs().sum() > 0
+    for tokens, seqs, width_class in ((2048, 16, 16), (2047, 3, 3)):
+        plan = runner._warmup_chunks(tokens, seqs, width_class)
+        assert len(plan) == seqs and sum(count for count, _, _ in plan) == tokens
+        widths = {width for _, _, width in plan}
+        assert len(widths) == 1
+        width = widths.pop()
+        assert (width % 16 == 0) == (width_class == 16) and width != 1
+        assert all(-(-(count + start) // 16) <= width for count, start, _ in plan)
 
 
 def test_kept_block_table_rows_equal_rebuilt_ones() -> None:
@@ -185,7 +223,8 @@ def test_unsupported_architecture_is_refused() -> None:
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA or ROCm GPU")
 def test_batched_serving_equals_hf_greedy_on_gpu(make_model) -> None:
     """The Triton paged-attention kernel in the loop (fp32, IEEE dots), decode steps replayed
-    from CUDA graphs and eagerly: same tokens as HF."""
+    from CUDA graphs and eagerly, and launched ahead (asynchronous scheduling): same tokens as
+    HF."""
     model = make_model("llama").cuda()
     prompts = _prompts(model.config.vocab_size)
     expected = []
@@ -198,10 +237,131 @@ def test_batched_serving_equals_hf_greedy_on_gpu(make_model) -> None:
             pad_token_id=0,
         )
         expected.append(out[0, len(prompt) :].tolist())
-    for cuda_graph in (True, False):
-        config = ServingConfig(max_num_batched_tokens=24, num_blocks=64, cuda_graph=cuda_graph)
+    for cuda_graph, ahead in ((True, False), (False, False), (True, True)):
+        config = ServingConfig(
+            max_num_batched_tokens=24,
+            num_blocks=64,
+            cuda_graph=cuda_graph,
+            async_scheduling=ahead,
+        )
         engine = ServingEngine(model, None, config)
         outputs = engine.generate(prompts, SamplingParams(max_tokens=NEW_TOKENS, ignore_eos=True))
-        assert [out.new_token_ids for out in outputs] == expected, cuda_graph
+        assert [out.new_token_ids for out in outputs] == expected, (cuda_graph, ahead)
         graphs = engine.runner.graphs
         assert (graphs is not None and len(graphs.graphs) > 0) == cuda_graph
+        assert (engine.stats.steps_ahead > 0) == ahead
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA or ROCm GPU")
+@pytest.mark.parametrize("cuda_graph", [True, False])
+def test_no_triton_compile_while_serving_after_warmup(cuda_graph: bool) -> None:
+    """After the engine's start-up (decode-graph capture, warm-up), steps of any mix of prompt
+    chunks and decodes launch only kernels already compiled: a compile mid-serving stalls every
+    request for about half a second (the first prompt step of the H100 benchmark took 606 ms).
+    Llama-8B's widths (4096-wide rows: one row per norm tile, GQA group 4), bf16, one layer."""
+    transformers = pytest.importorskip("transformers")
+    knobs = pytest.importorskip("triton.knobs")
+    config = transformers.LlamaConfig(
+        hidden_size=4096, intermediate_size=1024, num_hidden_layers=1, num_attention_heads=32,
+        num_key_value_heads=8, vocab_size=512, max_position_embeddings=1024,
+    )  # fmt: skip
+    torch.manual_seed(0)
+    model = transformers.LlamaForCausalLM(config).to(torch.bfloat16).cuda().eval()
+    serving = ServingConfig(
+        max_num_batched_tokens=256, num_blocks=512, max_num_seqs=24, cuda_graph=cuda_graph
+    )
+    engine = ServingEngine(model, None, serving)
+    compiled: list[str] = []
+
+    def hook(**kwargs) -> bool:
+        compiled.append(str(kwargs.get("repr", "?"))[:300])
+        return False
+
+    previous = knobs.runtime.jit_cache_hook
+    knobs.runtime.jit_cache_hook = hook
+    try:
+        generator = torch.Generator().manual_seed(3)
+        # Prompt lengths around block and tile edges; 24 requests over a 256-token budget give
+        # split prompts, mixed prompt + decode steps and decode batches of many sizes.
+        lengths = [1, 2, 15, 16, 17, 31, 33, 64, 65, 100, 130, 200, 255, 3, 47, 80, 9, 120]
+        prompts = [torch.randint(4, 500, (n,), generator=generator).tolist() for n in lengths]
+        outputs = engine.generate(prompts, SamplingParams(max_tokens=20, ignore_eos=True))
+        assert all(len(out.new_token_ids) == 20 for out in outputs)
+        for size in (1, 5, 16):  # decode-only batches of other sizes, eager when off-graph
+            engine.generate(prompts[:size], SamplingParams(max_tokens=3, ignore_eos=True))
+    finally:
+        knobs.runtime.jit_cache_hook = previous
+    assert compiled == []
+
+
+def _plain(step):
+    return step  # the decode-graph path's buffers and padding, replayed eagerly (CPU)
+
+
+@pytest.mark.parametrize(
+    ("config", "graphs"),
+    [
+        ({"max_num_batched_tokens": 24, "num_blocks": 64}, False),
+        ({"max_num_batched_tokens": 24, "num_blocks": 64, "max_num_seqs": 5}, True),
+        # 10 blocks of 16: preemption; the cache fills while steps are planned ahead.
+        ({"max_num_batched_tokens": 64, "num_blocks": 10, "max_model_len": 160}, False),
+    ],
+    ids=["eager", "graphs", "preempt"],
+)
+def test_async_scheduling_equals_hf_greedy(make_model, config: dict, graphs: bool) -> None:
+    """Steps launched before the previous step's tokens reach the host (their token ids read on
+    the device) give HF's greedy tokens, with SplitFuse, prefix sharing, the decode-graph path
+    and preemption; no block leaks."""
+    model = make_model("llama")
+    prompts = _prompts(model.config.vocab_size)
+    expected = [_hf_greedy(model, prompt) for prompt in prompts]
+    serving = ServingConfig(**config, async_scheduling=True)
+    engine = ServingEngine(model, None, serving, capture=_plain if graphs else None)
+    outputs = engine.generate(prompts, SamplingParams(max_tokens=NEW_TOKENS, ignore_eos=True))
+    assert [out.new_token_ids for out in outputs] == expected
+    assert all(out.finish_reason == "length" for out in outputs)
+    assert engine.stats.steps_ahead > NEW_TOKENS // 2  # the decode steps went ahead
+    assert engine.scheduler.kv.pool.num_free == engine.scheduler.kv.pool.num_blocks
+
+
+def test_async_scheduling_with_stops_and_aborts_equals_sync(make_model) -> None:
+    """Requests that stop on a token (known only once sampled) or are cancelled between steps
+    while the next step is already launched: the same outputs as without asynchronous
+    scheduling (the extra token computed for them is dropped), and every block comes back."""
+    model = make_model("llama")
+    prompts = _prompts(model.config.vocab_size)
+    greedy = [_hf_greedy(model, prompt) for prompt in prompts]
+    # Stop on the 4th greedy token of prompt 1: prompt 1 stops there, others maybe on it too.
+    params = SamplingParams(max_tokens=NEW_TOKENS, stop_token_ids=[greedy[1][3]], ignore_eos=True)
+
+    def serve(async_scheduling: bool) -> tuple[dict[str, list[int]], dict[str, str], Any]:
+        config = ServingConfig(
+            max_num_batched_tokens=64, num_blocks=64, async_scheduling=async_scheduling
+        )
+        engine = ServingEngine(model, None, config)
+        ids = [engine.add_request(prompt, params) for prompt in prompts]
+        tokens: dict[str, list[int]] = {rid: [] for rid in ids}
+        reasons: dict[str, str] = {}
+        steps = 0
+        while engine.has_unfinished:
+            outputs = engine.step()
+            steps += 1
+            if steps == 4:  # cancel one request mid-generation
+                outputs.append(engine.abort(ids[2]))
+            for out in outputs:
+                if out is None:
+                    continue
+                tokens[out.request_id] += out.new_token_ids
+                if out.finished:
+                    reasons[out.request_id] = out.finish_reason
+        engine.step()  # collects a step launched for requests that had all ended
+        return tokens, reasons, engine
+
+    sync_tokens, sync_reasons, _ = serve(False)
+    async_tokens, async_reasons, engine = serve(True)
+    assert async_tokens == sync_tokens
+    assert async_reasons == sync_reasons
+    assert "stop" in sync_reasons.values() and "abort" in sync_reasons.values()
+    assert engine.stats.steps_ahead > 0
+    assert engine.scheduler.kv.pool.num_free == engine.scheduler.kv.pool.num_blocks

@@ -197,3 +197,29 @@ def test_block_pool_lru_revives_and_evicts() -> None:
     assert pool.lookup(b"h0") is None
     with pytest.raises(RuntimeError, match="asked for 1 blocks with 0 free"):
         pool.allocate(1)
+
+
+def test_schedule_ahead_plans_decodes_and_hashes_only_known_tokens() -> None:
+    """Asynchronous scheduling: the step after a plan, planned before its tokens are sampled —
+    one placeholder token per continuing request at the next position, requests the plan ends
+    by length left out, nothing planned while requests wait; a block the unknown token
+    completes is indexed for prefix caching only once that token is known."""
+    scheduler = _scheduler()
+    a = _request("a", list(range(1, 4)), max_tokens=4)  # 3 tokens: the 4th fills a block
+    b = _request("b", [9, 8], max_tokens=1)  # ends by length with its first token
+    scheduler.add_request(a)
+    scheduler.add_request(b)
+    plan = scheduler.schedule()
+    ahead = scheduler.schedule_ahead(plan)
+    assert ahead is not None and [c.request_id for c in ahead.chunks] == ["a"]
+    chunk = ahead.chunks[0]
+    assert (chunk.token_ids, chunk.start, chunk.samples) == ([0], 3, True)
+    scheduler.update(plan, {"a": 77, "b": 5})  # b finishes; a's 4th token (position 3) is 77
+    scheduler.update(ahead, {"a": 78})
+    _check_blocks(scheduler)
+    plan = scheduler.schedule()  # a's next decode indexes its now-known first block
+    c = _request("c", [1, 2, 3, 77, 6])
+    assert scheduler.kv.computed_blocks(c) == scheduler.kv.block_table(a)[:1]
+    # Nothing is planned ahead while a request waits (the regular step admits it).
+    scheduler.add_request(_request("d", [4, 4]))
+    assert scheduler.schedule_ahead(plan) is None

@@ -25,9 +25,11 @@ def _plain_capture(step):
     return step  # the graph path's buffers and padding, replayed eagerly (CPU)
 
 
-def _serve(tp: int, family: str, graphs: bool) -> list[list[int]] | int:
+def _serve(
+    tp: int, family: str, graphs: bool, async_scheduling: bool = False
+) -> list[list[int]] | int:
     """Rank 0: the generated tokens; other ranks: the number of steps they ran."""
-    config = ServingConfig(**CONFIG, tensor_parallel=tp)
+    config = ServingConfig(**CONFIG, tensor_parallel=tp, async_scheduling=async_scheduling)
     capture = _plain_capture if graphs else None
     engine = ServingEngine(tiny_hf_model(family), None, config, capture=capture)
     if not engine.is_driver:
@@ -39,22 +41,24 @@ def _serve(tp: int, family: str, graphs: bool) -> list[list[int]] | int:
         engine.close()
 
 
-# Prefill steps run eagerly in every case; decode steps through the graph path or eagerly.
-CASES = [("llama", True), ("mixtral", False), ("falcon", True)]
+# Prefill steps run eagerly in every case; decode steps through the graph path or eagerly;
+# the last case launches decode steps ahead (token ids sent from rank 0's device samples).
+CASES = [("llama", True, False), ("mixtral", False, False), ("falcon", True, False)]
+CASES.append(("llama", True, True))
 
 
 def _check_tp2(expected: list[list[list[int]]]) -> None:
-    for (family, graphs), want in zip(CASES, expected):
-        got = _serve(2, family, graphs)
+    for (family, graphs, ahead), want in zip(CASES, expected):
+        got = _serve(2, family, graphs, ahead)
         if isinstance(got, int):
             assert got > NEW_TOKENS  # the worker ran every step
         else:
-            assert got == want, (family, graphs)
+            assert got == want, (family, graphs, ahead)
 
 
 @pytest.mark.slow
 def test_tensor_parallel_serving_equals_one_rank() -> None:
-    expected = [_serve(1, family, graphs) for family, graphs in CASES]
+    expected = [_serve(1, family, graphs) for family, graphs, _ in CASES]
     run_distributed(_check_tp2, 2, expected)
 
 

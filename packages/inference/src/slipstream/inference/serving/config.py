@@ -33,6 +33,11 @@ class ServingConfig(ConfigBlock):
             CPU and for MoE models.
         cuda_graph_max_batch_size: the largest bucket; a decode step of more requests runs
             eagerly. Every bucket is captured when the engine starts.
+        async_scheduling: launch step N+1 before step N's tokens reach the host, while every
+            request of step N decodes on (no request waiting): step N+1's token ids are read
+            on the device from step N's samples, so the GPU does not idle while the host
+            samples, updates and plans. A request that stops at step N (end of sequence, stop
+            string, cancellation) has one extra token computed and dropped.
     """
 
     block_size: int = dataclasses.field(default=16, metadata={"ge": 1})
@@ -52,6 +57,7 @@ class ServingConfig(ConfigBlock):
     tensor_parallel: int = dataclasses.field(default=1, metadata={"ge": 1})
     cuda_graph: bool = True
     cuda_graph_max_batch_size: int = dataclasses.field(default=256, metadata={"ge": 1})
+    async_scheduling: bool = False
 
     def validate(self, path: str) -> None:
         """Block size a power of two."""

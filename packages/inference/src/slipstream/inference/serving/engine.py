@@ -5,6 +5,7 @@ from __future__ import annotations
 import itertools
 import logging
 import time
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -22,8 +23,12 @@ from slipstream.inference.serving.model_runner import (
     check_supported,
 )
 from slipstream.inference.serving.request import Request, RequestStatus, SamplingParams
-from slipstream.inference.serving.sampler import sample
-from slipstream.inference.serving.scheduler import Scheduler
+from slipstream.inference.serving.sampler import sample_tokens
+from slipstream.inference.serving.scheduler import (
+    ScheduledChunk,
+    Scheduler,
+    SchedulerOutput,
+)
 
 logger = logging.getLogger(__name__)
 
@@ -48,7 +53,9 @@ class RequestOutput:
 class StepRecord:
     """One step of the engine's timeline (``ServingEngine.timeline``), times in ms.
 
-    ``forward_ms`` waits for the GPU when the timeline is on, so it is the forward's own time;
+    ``forward_ms`` waits for the GPU when the timeline is on, so it is the forward's own time
+    (not under ``async_scheduling``, where waiting would undo the overlap: there it is the launch
+    of this step, or of the next one planned ahead, and the GPU's time shows in ``sample_ms``);
     ``sample_ms`` the batched sampling and its copy to the host; ``update_ms`` the scheduler's
     bookkeeping, stop checks and detokenization.
     """
@@ -72,6 +79,7 @@ class EngineStats:
     generated_tokens: int = 0
     steps: int = 0
     preemptions: int = 0
+    steps_ahead: int = 0  # steps launched before the previous step's tokens were on the host
     batched_tokens: int = 0  # tokens of all forward passes (prompt chunks + decodes)
     requests_finished: dict[str, int] = field(default_factory=dict)
     # Where the engine's time goes, in seconds: planning the step, launching the forward,
@@ -80,6 +88,33 @@ class EngineStats:
     seconds: dict[str, float] = field(
         default_factory=lambda: {"schedule": 0.0, "forward": 0.0, "sample": 0.0, "update": 0.0}
     )
+
+
+def _fetch(tokens: torch.Tensor) -> Callable[[], list[int]]:
+    """Start copying ``tokens`` to the host now; the returned call waits for that copy alone.
+
+    A plain ``tolist()`` later would queue its copy behind whatever the stream holds by then —
+    under asynchronous scheduling, the whole next step.
+    """
+    if not tokens.is_cuda:
+        return lambda: tokens.tolist()  # type: ignore[no-any-return]
+    host = torch.empty(tokens.shape, dtype=tokens.dtype, pin_memory=True)
+    host.copy_(tokens, non_blocking=True)
+    done = torch.cuda.Event()
+    done.record()
+
+    def read() -> list[int]:
+        done.synchronize()
+        return host.tolist()  # type: ignore[no-any-return]
+
+    return read
+
+
+# A step launched ahead: its plan, sampling chunks, tokens on the device, their host fetch and
+# its graph bucket.
+_Pending = tuple[
+    "SchedulerOutput", list["ScheduledChunk"], torch.Tensor, Callable[[], list[int]], int
+]
 
 
 def _check_tp_world(tp: int, group: dist.ProcessGroup | None) -> None:
@@ -181,6 +216,9 @@ class ServingEngine:
         self._detokenizers: dict[str, IncrementalDetokenizer] = {}
         self._generators: dict[str, torch.Generator | None] = {}
         self._ids = itertools.count()
+        # Asynchronous scheduling: the step launched ahead (its plan, sampling chunks and
+        # tokens on the device), collected by the next step() call.
+        self._pending: _Pending | None = None
         logger.info(
             "serving engine: %d KV blocks of %d tokens (%.2f GiB), budget %d tokens/step",
             num_blocks,
@@ -263,38 +301,54 @@ class ServingEngine:
         return self.scheduler.num_unfinished > 0
 
     def step(self) -> list[RequestOutput]:
-        """Run one forward pass of the scheduled batch; return each touched request's output."""
+        """Run one forward pass of the scheduled batch; return each touched request's output.
+
+        With ``serving.async_scheduling``, the pass after it may already be launched here
+        (see :meth:`Scheduler.schedule_ahead`); the next call then collects it.
+        """
         self._check_driver()
         clock = started = time.perf_counter()
-        plan = self.scheduler.schedule()
-        self.stats.preemptions += len(plan.preempted)
-        if not plan.chunks:
-            return []
         seconds = self.stats.seconds
-        now = time.perf_counter()
-        seconds["schedule"] += now - clock
-        schedule_ms = (now - clock) * 1000
-        clock = now
-        logits = self.runner.forward(plan.chunks)
-        if self.timeline is not None and logits.is_cuda:
-            # Timeline runs only: wait for the GPU so "forward" holds the forward's own time
-            # rather than the launch (sampling would wait for it next anyway).
-            torch.cuda.synchronize(logits.device)
+        pending, self._pending = self._pending, None
+        schedule_ms = 0.0
+        if pending is None:
+            plan = self.scheduler.schedule()
+            self.stats.preemptions += len(plan.preempted)
+            if not plan.chunks:
+                return []
+            now = time.perf_counter()
+            seconds["schedule"] += now - clock
+            schedule_ms = (now - clock) * 1000
+            clock = now
+            logits = self.runner.forward(plan.chunks)
+            if self.timeline is not None and logits.is_cuda and not self.config.async_scheduling:
+                # Timeline runs only: wait for the GPU so "forward" holds the forward's own
+                # time rather than the launch (sampling would wait for it next anyway).
+                torch.cuda.synchronize(logits.device)
+            sampling = [c for c in plan.chunks if c.samples]
+            device_tokens = self._sample(sampling, logits)
+            fetch = _fetch(device_tokens)  # before a step launched ahead queues behind it
+            bucket = self.runner.last_bucket
+        else:
+            plan, sampling, device_tokens, fetch, bucket = pending
+        if self.config.async_scheduling:
+            self._launch_ahead(plan, sampling, device_tokens)
         now = time.perf_counter()
         seconds["forward"] += now - clock
         forward_ms = (now - clock) * 1000
         clock = now
-        sampling = [c for c in plan.chunks if c.samples]
-        requests = [self.scheduler.requests[c.request_id] for c in sampling]
-        tokens = sample(
-            logits,
-            [r.sampling for r in requests],
-            [self._generators[r.request_id] for r in requests],
-        )
+        tokens = fetch()  # the step's one sync point
         now = time.perf_counter()
         seconds["sample"] += now - clock
         sample_ms = (now - clock) * 1000
         clock = now
+        if pending is not None:
+            # Launched before the previous step's update: drop the requests that ended since.
+            live = [self._is_live(chunk) for chunk in plan.chunks]
+            plan = SchedulerOutput([c for c, keep in zip(plan.chunks, live) if keep])
+            kept = [(c, t) for c, t in zip(sampling, tokens) if self._is_live(c)]
+            sampling, tokens = [c for c, _ in kept], [t for _, t in kept]
+        requests = [self.scheduler.requests[c.request_id] for c in sampling]
         self.stats.steps += 1
         self.stats.batched_tokens += plan.num_tokens
         self.stats.prompt_tokens += sum(
@@ -338,10 +392,47 @@ class ServingEngine:
                     tokens=plan.num_tokens,
                     sequences=len(plan.chunks),
                     decode_only=decode_only,
-                    graph_bucket=self.runner.last_bucket,
+                    graph_bucket=bucket,
                 )
             )
         return outputs
+
+    def _sample(self, sampling: list[ScheduledChunk], logits: torch.Tensor) -> torch.Tensor:
+        """The sampling chunks' next tokens, left on the device."""
+        requests = [self.scheduler.requests[c.request_id] for c in sampling]
+        return sample_tokens(
+            logits,
+            [r.sampling for r in requests],
+            [self._generators[r.request_id] for r in requests],
+        )
+
+    def _launch_ahead(
+        self, plan: SchedulerOutput, sampling: list[ScheduledChunk], tokens: torch.Tensor
+    ) -> None:
+        """Asynchronous scheduling: plan and launch the step after ``plan`` now, its token ids
+        read on the device from ``tokens`` (``plan``'s samples, not yet on the host)."""
+        ahead = self.scheduler.schedule_ahead(plan)
+        if ahead is None:
+            return
+        row_of = {chunk.request_id: row for row, chunk in enumerate(sampling)}
+        rows = torch.tensor([row_of[c.request_id] for c in ahead.chunks], dtype=torch.int64)
+        if tokens.is_cuda:  # page-locked: a pageable copy would wait for the queued step
+            rows = rows.pin_memory()
+        rows = rows.to(tokens.device, non_blocking=True)
+        logits = self.runner.forward(ahead.chunks, feed=(tokens, rows))
+        self.stats.steps_ahead += 1
+        tokens_ahead = self._sample(ahead.chunks, logits)
+        fetch = _fetch(tokens_ahead)
+        self._pending = (ahead, ahead.chunks, tokens_ahead, fetch, self.runner.last_bucket)
+
+    def _is_live(self, chunk: ScheduledChunk) -> bool:
+        """The chunk's request still runs, at the position the chunk was planned for."""
+        request = self.scheduler.requests.get(chunk.request_id)
+        return (
+            request is not None
+            and request.status is RequestStatus.RUNNING
+            and request.num_computed_tokens == chunk.start
+        )
 
     def _output(self, request: Request, tokens: list[int], text: str) -> RequestOutput:
         return RequestOutput(

@@ -81,7 +81,9 @@ class KVCacheManager:
         table += self.pool.allocate(needed)
         if self.pool.enable_caching:
             done = self._num_registered.get(request.request_id, 0)
-            full = total // self.block_size
+            # Only blocks whose tokens are all known (asynchronous scheduling allocates a slot
+            # for a token still being sampled).
+            full = min(total, len(request.token_ids)) // self.block_size
             hashes = self._hashes(request, full)
             for index in range(done, full):
                 self.pool.register(table[index], hashes[index])

@@ -29,7 +29,11 @@ from slipstream.inference.serving.decode_graphs import (
     capture_cuda_graph,
 )
 from slipstream.inference.serving.scheduler import ScheduledChunk
-from slipstream.inference.serving.step_inputs import StepInputs, build_step_inputs
+from slipstream.inference.serving.step_inputs import (
+    StepInputs,
+    build_step_inputs,
+    ints_length,
+)
 from slipstream.kernels.ops import paged_attention, rotary_embedding
 
 logger = logging.getLogger(__name__)
@@ -126,26 +130,54 @@ class PagedDecoder:
 
     @torch.inference_mode()
     def warmup(self, max_tokens: int) -> list[int]:
-        """Run eager steps of ``max_tokens`` (rounded down to a multiple of 16), one token
-        less, and one token, all in the scratch block; returns the token counts run.
+        """Run eager steps in the scratch block that meet every Triton specialisation a serving
+        step can meet; returns each step's token count.
 
-        Triton compiles a kernel once per divisibility class of its integer arguments (some
-        are token counts) and per tile size, so the first full-budget prompt step would
-        otherwise compile for half a second in front of every waiting request.
+        Triton compiles a kernel once per class of each integer argument (1, a multiple of 16,
+        other) and per constexpr tile (``paged_attention``'s prompt and decode tiles), so the
+        first step of a new class would otherwise compile for half a second in front of every
+        waiting request. The steps: the full budget (rounded down to 16) as 16 sequences and
+        one token less as 3 (tokens, sampled rows and block-table widths in both classes), a
+        one-block prompt (table width 1), and decode steps of 1, 16 and 3 sequences.
         """
         full = max(16, max_tokens - max_tokens % 16)
-        counts = sorted({full, full - 1, 1}, reverse=True)
-        scratch = self.num_blocks
-        for count in counts:
-            # The block-table width (a kernel argument too) in other classes as well: one more
-            # block than needed for the odd count.
-            blocks = [scratch] * (-(-count // self.block_size) + (count == full - 1))
-            chunk = ScheduledChunk("warmup", [1] * count, 0, blocks, True)
-            inputs = build_step_inputs([chunk], self.block_size, scratch_block=scratch)
+        bs, scratch = self.block_size, self.num_blocks
+        plans = [
+            self._warmup_chunks(full, 16, width_class=16),
+            self._warmup_chunks(full - 1, 3, width_class=3),
+            [(bs, 0, 1)],
+            [(1, 0, 1)],
+            [(1, 0, 16)] * 16,
+            [(1, 0, 3)] * 3,
+        ]
+        counts = []
+        for plan in plans:
+            chunks = [
+                ScheduledChunk("warmup", [1] * count, start, [scratch] * width, True)
+                for count, start, width in plan
+            ]
+            inputs = build_step_inputs(chunks, bs, scratch_block=scratch)
             longs = inputs.longs.to(self.device)
             ints = inputs.ints.to(self.device)
             self.run(inputs.views(longs, ints), inputs.max_query_len)
+            counts.append(inputs.num_tokens)
         return counts
+
+    def _warmup_chunks(
+        self, tokens: int, seqs: int, width_class: int
+    ) -> list[tuple[int, int, int]]:
+        """``seqs`` prompt chunks ``(count, start, table width)`` of ``tokens`` in all, the
+        first after a block of context; every table as wide as the longest needs, rounded to
+        a multiple of 16 (``width_class`` 16), or else made neither 1 nor a multiple of 16."""
+        seqs = max(1, min(seqs, tokens))
+        counts = [tokens // seqs + (i < tokens % seqs) for i in range(seqs)]
+        starts = [self.block_size] + [0] * (seqs - 1)
+        width = max(-(-(c + s) // self.block_size) for c, s in zip(counts, starts))
+        if width_class == 16:
+            width = -(-width // 16) * 16
+        elif width == 1 or width % 16 == 0:
+            width += 1
+        return [(c, s, width) for c, s in zip(counts, starts)]
 
     @staticmethod
     def bytes_per_block(decoder: FusedDecoder, block_size: int) -> int:
@@ -157,11 +189,17 @@ class PagedDecoder:
         return int(per_token * block_size * decoder.spec.num_layers)
 
     @torch.inference_mode()
-    def forward(self, chunks: Sequence[ScheduledChunk]) -> torch.Tensor:
+    def forward(
+        self,
+        chunks: Sequence[ScheduledChunk],
+        feed: tuple[torch.Tensor, torch.Tensor] | None = None,
+    ) -> torch.Tensor:
         """Compute every chunk's tokens; return fp32 logits of the sampling chunks, in order.
 
-        Under tensor parallelism this runs on rank 0, which sends the step to the other ranks
-        (each in :meth:`serve_worker`).
+        ``feed`` ``(tokens, rows)`` (asynchronous scheduling, every chunk one token): chunk
+        ``i``'s token id is ``tokens[rows[i]]``, read on the device (the previous step's sampled
+        ids, not yet on the host). Under tensor parallelism this runs on rank 0, which sends the
+        step to the other ranks (each in :meth:`serve_worker`).
         """
         bucket = 0
         if self.graphs is not None and all(len(c.token_ids) == 1 and c.samples for c in chunks):
@@ -174,17 +212,29 @@ class PagedDecoder:
         if self.tp_group is not None:
             self._send_header(inputs, bucket)
         self.last_bucket = bucket
-        logits = self._step(inputs, bucket, source=True)
+        logits = self._step(inputs, bucket, source=True, feed=feed)
         return logits[: len(chunks)] if bucket else logits
 
-    def _step(self, inputs: StepInputs, bucket: int, *, source: bool) -> torch.Tensor:
+    def _step(
+        self,
+        inputs: StepInputs,
+        bucket: int,
+        *,
+        source: bool,
+        feed: tuple[torch.Tensor, torch.Tensor] | None = None,
+    ) -> torch.Tensor:
         """Move (rank 0) or receive (the other ranks) the step's buffers, then run it."""
         if bucket:
             assert self.graphs is not None
             longs, ints = self.graphs.buffers(bucket, inputs)
             if source:
-                longs.copy_(inputs.longs, non_blocking=True)
-                ints.copy_(inputs.ints, non_blocking=True)
+                # From page-locked copies: a copy from pageable memory waits for the stream's
+                # queued work, which would undo a step launched ahead (async_scheduling).
+                pinned = self.device.type == "cuda"
+                longs.copy_(
+                    inputs.longs.pin_memory() if pinned else inputs.longs, non_blocking=True
+                )
+                ints.copy_(inputs.ints.pin_memory() if pinned else inputs.ints, non_blocking=True)
         elif not source:
             longs = torch.empty(inputs.longs.shape, dtype=torch.int64, device=self.device)
             ints = torch.empty(inputs.ints.shape, dtype=torch.int32, device=self.device)
@@ -193,6 +243,11 @@ class PagedDecoder:
             ints = inputs.ints.pin_memory().to(self.device, non_blocking=True)
         else:
             longs, ints = inputs.longs, inputs.ints
+        if feed is not None:
+            tokens, rows = feed
+            if longs is inputs.longs:  # CPU: keep the host buffers the caller built
+                longs = longs.clone()
+            longs[: rows.numel()].copy_(tokens.index_select(0, rows))
         if self.tp_group is not None:
             dist.broadcast(longs, group=self.tp_group, group_src=0)
             dist.broadcast(ints, group=self.tp_group, group_src=0)
@@ -236,7 +291,7 @@ class PagedDecoder:
                 return steps
             # Host shells of the right sizes: _step receives the contents from rank 0.
             longs = torch.empty(3 * tokens + samples, dtype=torch.int64)
-            ints = torch.empty(seqs * width + 2 * seqs + 1, dtype=torch.int32)
+            ints = torch.empty(ints_length(seqs, width), dtype=torch.int32)
             inputs = StepInputs(longs, ints, tokens, seqs, samples, width, max_query_len)
             self._step(inputs, bucket, source=False)
             steps += 1

@@ -34,11 +34,21 @@ def sample(
     params: list[SamplingParams],
     generators: list[torch.Generator | None],
 ) -> list[int]:
+    """:func:`sample_tokens` read back to the host: the step's one sync point (the GPU finishes
+    the forward here)."""
+    return sample_tokens(logits, params, generators).tolist()  # type: ignore[no-any-return]
+
+
+def sample_tokens(
+    logits: torch.Tensor,
+    params: list[SamplingParams],
+    generators: list[torch.Generator | None],
+) -> torch.Tensor:
     """One token per row of ``logits`` (``(rows, vocab)``), following each row's parameters.
 
     Greedy rows share one argmax; sampled rows are filtered in one batched pass, unseeded ones
     drawn in one batched call, seeded ones each from its own generator (so that their tokens do
-    not depend on what they were batched with). One device-to-host copy for the whole batch.
+    not depend on what they were batched with). The tokens stay on the logits' device.
     """
     tokens = logits.argmax(dim=-1)
     rows = [row for row, param in enumerate(params) if not param.greedy]
@@ -59,4 +69,4 @@ def sample(
             if generators[row] is not None:
                 drawn[i] = torch.multinomial(probs[i], 1, generator=generators[row])[0]
         tokens[rows] = drawn
-    return tokens.tolist()  # the step's one sync point: the GPU finishes the forward here
+    return tokens

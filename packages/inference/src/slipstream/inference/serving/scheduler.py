@@ -143,6 +143,37 @@ class Scheduler:
             budget -= count
         return out
 
+    def schedule_ahead(self, plan: SchedulerOutput) -> SchedulerOutput | None:
+        """Plan the step after ``plan`` before ``plan``'s tokens are sampled (asynchronous
+        scheduling), or None when the regular :meth:`schedule` must plan it.
+
+        Only while nothing waits and every running request samples in ``plan`` (decodes and
+        last prompt chunks): each decodes one token, the one ``plan`` samples for it, whose id
+        is unknown here — the chunk carries a placeholder id 0 and the forward reads the real
+        one on the device (``feed_rows``). Requests that ``plan`` ends by length are left out;
+        ones it ends otherwise (end of sequence, a stop) are computed once more and dropped by
+        :meth:`update`. Nothing is preempted: a full cache returns None (blocks it allocated
+        stay with their requests, which would need them next anyway).
+        """
+        if self.waiting or len(plan.chunks) != len(self.running) or not plan.chunks:
+            return None
+        out = SchedulerOutput()
+        for chunk, request in zip(plan.chunks, self.running):
+            if chunk.request_id != request.request_id or not chunk.samples:
+                return None
+            if request.num_computed_tokens != chunk.start:
+                return None
+            params = request.sampling
+            length = len(request.token_ids) + 1  # with the token ``plan`` samples
+            if request.num_output_tokens + 1 >= params.max_tokens or length >= self.max_model_len:
+                continue  # ``plan`` ends it by length
+            if not self.kv.allocate_slots(request, len(chunk.token_ids) + 1):
+                return None
+            start = chunk.start + len(chunk.token_ids)
+            block_table = list(self.kv.block_table(request))
+            out.chunks.append(ScheduledChunk(request.request_id, [0], start, block_table, True))
+        return out if out.chunks else None
+
     def _chunk(self, request: Request, count: int) -> ScheduledChunk:
         start = request.num_computed_tokens
         return ScheduledChunk(

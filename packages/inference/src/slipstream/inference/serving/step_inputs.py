@@ -9,13 +9,38 @@ import torch
 
 from slipstream.inference.serving.scheduler import ScheduledChunk
 
+# int32s per 16 bytes: ``seq_lens`` and ``query_start_loc`` start at 16-byte offsets of
+# ``ints`` (see [Note: aligned step buffers]).
+_ALIGN = 4
+
+
+def _padding(length: int) -> int:
+    return -length % _ALIGN
+
+
+def ints_length(num_seqs: int, table_width: int) -> int:
+    """Length of a step's ``ints`` buffer: the block tables, ``seq_lens`` and
+    ``query_start_loc``, the first two padded to 16 bytes."""
+    tables = num_seqs * table_width
+    return tables + _padding(tables) + num_seqs + _padding(num_seqs) + num_seqs + 1
+
+
+# [Note: aligned step buffers]
+# Triton compiles a kernel once per 16-byte alignment of each pointer argument. seq_lens and
+# query_start_loc are views into one int32 buffer after the (seqs x width) block table; without
+# padding, their alignment changed with seqs * width, and paged_attention compiled (about half
+# a second on an H100) in the middle of serving whenever a step met a new combination — the
+# evening benchmark's first 2048-token prompt step took 606 ms where the next ones took 50.
+# Padding each section to 16 bytes keeps every view aligned, so one variant serves all steps.
+
 
 @dataclasses.dataclass
 class StepInputs:
     """One step's inputs on the host, packed into two buffers so that one copy each moves them.
 
     ``longs`` is ``[input_ids | positions | slots | sample_rows]`` (int64), ``ints`` is
-    ``[block_tables (seqs x width) | seq_lens | query_start_loc]`` (int32, the kernel's types).
+    ``[block_tables (seqs x width) | seq_lens | query_start_loc]`` (int32, the kernel's types),
+    the first two sections each padded to 16 bytes (:func:`ints_length`).
     """
 
     longs: torch.Tensor
@@ -30,7 +55,8 @@ class StepInputs:
         """Named views into ``longs``/``ints`` (these buffers or their device copies)."""
         t, s, w = self.num_tokens, self.num_seqs, self.table_width
         ids, positions, slots, rows = longs.split([t, t, t, self.num_samples])
-        tables, seq_lens, starts = ints.split([s * w, s, s + 1])
+        pad_tables, pad_lens = _padding(s * w), _padding(s)
+        tables, _, seq_lens, _, starts = ints.split([s * w, pad_tables, s, pad_lens, s + 1])
         return {
             "input_ids": ids,
             "positions": positions,
@@ -129,9 +155,11 @@ def build_step_inputs(
         starts.append(starts[-1] + 1)
         rows.append(starts[-1] - 1)
     longs = torch.tensor(ids + positions + slots + rows, dtype=torch.int64)
+    pads = [0] * _padding(seqs * width)
+    lens = seq_lens + [0] * _padding(seqs) + starts
     if table_rows is None:
-        ints = torch.tensor(tables + seq_lens + starts, dtype=torch.int32)
+        ints = torch.tensor(tables + pads + lens, dtype=torch.int32)
     else:
         table_tensor = table_rows.update(chunks).view(-1)
-        ints = torch.cat([table_tensor, torch.tensor(seq_lens + starts, dtype=torch.int32)])
+        ints = torch.cat([table_tensor, torch.tensor(pads + lens, dtype=torch.int32)])
     return StepInputs(longs, ints, starts[-1], seqs, len(rows), width, max_query_len)
