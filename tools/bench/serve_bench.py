@@ -411,8 +411,7 @@ def run_slipstream(args: argparse.Namespace, workload: Workload) -> dict:
             command.append("--no-prefix-caching")
         if args.no_cuda_graph:
             command.append("--no-cuda-graph")
-        if args.async_scheduling:
-            command.append("--async-scheduling")
+        command.append("--async-scheduling" if args.async_scheduling else "--no-async-scheduling")
         for flag, value in (
             ("--num-blocks", args.num_blocks),
             ("--max-model-len", args.max_model_len),
@@ -918,8 +917,10 @@ def main(argv: list[str] | None = None) -> int:
     )
     parser.add_argument(
         "--async-scheduling",
-        action="store_true",
-        help="serve with serving.async_scheduling on (decode steps launched ahead)",
+        action=argparse.BooleanOptionalAction,
+        default=True,
+        help="serving.async_scheduling (decode steps launched ahead; on by default, as in the "
+        "engine's config): --no-async-scheduling serves with it off",
     )
     parser.add_argument(
         "--profile",

@@ -57,7 +57,7 @@ class ServingConfig(ConfigBlock):
     tensor_parallel: int = dataclasses.field(default=1, metadata={"ge": 1})
     cuda_graph: bool = True
     cuda_graph_max_batch_size: int = dataclasses.field(default=256, metadata={"ge": 1})
-    async_scheduling: bool = False
+    async_scheduling: bool = True
 
     def validate(self, path: str) -> None:
         """Block size a power of two."""
