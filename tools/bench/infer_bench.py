@@ -76,8 +76,10 @@ def parse_args() -> argparse.Namespace:
     parser.add_argument("--no-cuda-graph", action="store_true")
     parser.add_argument(
         "--gemv-layout",
-        action="store_true",
-        help="quant.weight.gemv_layout=true: quantized weights in the packed decode-GEMV layout",
+        choices=["auto", "on", "off"],
+        default="auto",
+        help="quant.weight.gemv_layout: quantized weights in the packed decode-GEMV layout "
+        "(auto, the config's default: int4 and fp8 packed, int8 not)",
     )
     parser.add_argument(
         "--use-triton",
@@ -438,7 +440,7 @@ def main() -> None:
                 "group_size": args.group_size,
                 "compute_dtype": args.dtype,
                 "format": "fp8_e4m3" if args.weights == "fp8" else "int",
-                "gemv_layout": args.gemv_layout,
+                "gemv_layout": {"auto": "auto", "on": True, "off": False}[args.gemv_layout],
             }
         }
     started = time.perf_counter()

@@ -177,3 +177,15 @@ def test_gemv_layout_config_key_packs_the_model_and_keeps_its_logits() -> None:
     torch.testing.assert_close(packed(ids).logits, plain(ids).logits, rtol=0, atol=0)
     with pytest.raises(ValueError, match="gemv_layout"):
         init_inference(model, dtype="int8", quant={"weight": {"gemv_layout": "yes"}})
+
+
+def test_gemv_layout_auto_packs_int4_and_fp8_but_not_int8() -> None:
+    from slipstream.inference.config import WeightQuantConfig
+
+    def packs(**weight: object) -> bool:
+        return WeightQuantConfig.from_dict(weight, "quant.weight").packed_gemv
+
+    assert WeightQuantConfig().gemv_layout == "auto"
+    assert packs(num_bits=4) and packs(num_bits=8, format="fp8_e4m3")
+    assert not packs(num_bits=8)
+    assert packs(num_bits=8, gemv_layout=True) and not packs(num_bits=4, gemv_layout=False)

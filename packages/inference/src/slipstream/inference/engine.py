@@ -108,7 +108,7 @@ class InferenceEngine(nn.Module):
                 config.weight_bits,
                 weight.group_size,
                 format=weight.code_format,
-                gemv_layout=weight.gemv_layout,
+                gemv_layout=weight.packed_gemv,
             )
         if config.use_triton:
             from slipstream.inference.gemv import use_triton_gemv
