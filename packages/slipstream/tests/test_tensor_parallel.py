@@ -330,8 +330,9 @@ def _pipeline_of_tp_layers(group: Any) -> list[torch.nn.Module]:
     ]
 
 
-def _train_pp2_tp2(steps: int = 3) -> dict[str, float]:
-    """PP=2 x TP=2: a PipelineModule whose stages are built from TP layers, vs plain PyTorch."""
+def _train_pp2_tp2(steps: int = 3, clip: float = 0.3) -> dict[str, float]:
+    """PP=2 x TP=2: a PipelineModule whose stages are built from TP layers, vs plain PyTorch,
+    with gradient clipping that bites (the norm spans the stages and the tensor group)."""
     import torch.distributed as dist
 
     import slipstream
@@ -348,10 +349,11 @@ def _train_pp2_tp2(steps: int = 3) -> dict[str, float]:
         "train_micro_batch_size_per_gpu": 2,
         "gradient_accumulation_steps": 2,
         "optimizer": {"type": "SGD", "params": {"lr": LR, "momentum": 0.9}},
+        "gradient_clipping": clip,
     }
     engine, *_ = slipstream.initialize(model=module, config=config)
     optimizer = torch.optim.SGD(reference.parameters(), lr=LR, momentum=0.9)
-    worst = {"loss": 0.0, "param": 0.0}
+    worst = {"loss": 0.0, "param": 0.0, "grad_norm": 0.0}
     for step in range(steps):
         gen = torch.Generator().manual_seed(step)
         batches = [
@@ -360,8 +362,12 @@ def _train_pp2_tp2(steps: int = 3) -> dict[str, float]:
         loss = engine.train_batch(iter(batches))
         ref_loss = sum(torch.nn.functional.mse_loss(reference(x), y) / 2 for x, y in batches)
         ref_loss.backward()
+        ref_norm = torch.nn.utils.clip_grad_norm_(reference.parameters(), clip)
+        assert float(ref_norm) > 2 * clip, float(ref_norm)  # the clipping bites
         optimizer.step()
         optimizer.zero_grad()
+        norm = torch.tensor(engine.get_global_grad_norm())
+        worst["grad_norm"] = max(worst["grad_norm"], _rel(norm, ref_norm.detach()))
         if engine.is_last_stage():
             worst["loss"] = max(worst["loss"], _rel(loss.detach(), ref_loss.detach()))
     ref_layers = list(reference)
@@ -375,8 +381,6 @@ def _train_pp2_tp2(steps: int = 3) -> dict[str, float]:
                 expected = expected.chunk(2, dim=dim)[tp_rank]
             worst["param"] = max(worst["param"], _rel(param.detach(), expected))
     assert dist.get_world_size() == 4
-    with pytest.raises(NotImplementedError, match="pipeline whose stages are tensor-parallel"):
-        slipstream.initialize(model=module, config={**config, "gradient_clipping": 1.0})
     return worst
 
 
