@@ -216,8 +216,8 @@ class PipelineEngine:
                 comm.broadcast(tensor.data, src=src, group=group)
 
     def _shard_optimizer(self, config: SlipstreamConfig) -> ShardedOptimizerStates:
-        group = DataParallelGroup(None, 1, 0)
-        if self.grid is not None:
+        group = DataParallelGroup(None, 1, 0)  # one replica: this rank alone
+        if self.grid is not None and self.grid.data_parallel_size > 1:
             group = DataParallelGroup.of(self.grid.get_data_parallel_group())
             if group.rank != self.grid.data_parallel_id:
                 # The tied-weight sums of ZeRO shards rely on it (see _train_batch_sharded).
