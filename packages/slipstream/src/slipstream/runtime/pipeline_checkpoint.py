@@ -7,6 +7,10 @@ Layout of ``save_dir/<tag>`` (the common files and manifest keys are checkpoint.
                                            parameter the stage owns (model dtype)
     optimizer.stage<S>.rank<R>.safetensors fp32 masters and optimizer state, the same shards
     buffers.stage<S>.safetensors           the stage's buffers (its first replica writes them)
+    *.stage<S>.tp<I>.rank<R>.safetensors   tensor-parallel stages: tensor index I's pieces (the
+                                           manifest entry's ``partition``, as partitioned
+                                           checkpoints store them); replicated parameters
+                                           stay in ``stage<S>.``, written by tensor index 0
     rng.rank<G>.safetensors, state.*       as for every checkpoint (global rank G)
 
 Parameter names are the pipeline module's own (``<layer index>.<name>``,
