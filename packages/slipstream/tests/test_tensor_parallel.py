@@ -384,14 +384,14 @@ def _train_pp2_tp2(steps: int = 3, clip: float = 0.3) -> dict[str, float]:
     return worst
 
 
-def _pp_tp_engine(tp: int, dp: int, stage: int) -> Any:
-    """A PP=2 x TP=``tp`` x DP=``dp`` engine of ``_pipeline_of_tp_layers``, its weights noise
+def _pp_tp_engine(tp: int, dp: int, stage: int, pp: int = 2) -> Any:
+    """A PP=``pp`` x TP=``tp`` x DP=``dp`` engine of ``_pipeline_of_tp_layers``, its weights noise
     (only a checkpoint can make them right), AdamW with clipping."""
     import slipstream
     from slipstream.comm.topology import PipeModelDataParallelTopology, ProcessGrid
     from slipstream.pipeline import PipelineModule
 
-    topology = PipeModelDataParallelTopology(num_pp=2, num_mp=tp, num_dp=dp)
+    topology = PipeModelDataParallelTopology(num_pp=pp, num_mp=tp, num_dp=dp)
     grid = ProcessGrid(topology)
     layers = _pipeline_of_tp_layers(grid.group("tensor") if tp > 1 else None)
     module = PipelineModule(layers, topology=topology, loss_fn=torch.nn.functional.mse_loss)
@@ -422,8 +422,8 @@ def _pp_tp_step(engine: Any, step: int) -> float:
 def _check_pp2_tp2_checkpoint(root: str) -> dict[str, float]:
     """Saved at PP=2 x TP=2 (stage 0) after 2 steps; resumed at PP=2 x TP=2 and at
     PP=2 x TP=1 x DP=2 (ZeRO-1), which saves after step 3 for PP=2 x TP=2 to resume (pieces
-    assembled on load, then an unsplit checkpoint split): the losses equal the uninterrupted
-    run's; `slipstream convert` of the PP=2 x TP=2 checkpoint gives the unsplit weights."""
+    assembled on load, then an unsplit checkpoint split), and at PP=1 x TP=2 x DP=2 (ZeRO-2):
+    the losses equal the uninterrupted run's; `slipstream convert` of the PP=2 x TP=2 checkpoint gives the unsplit weights."""
     import torch.distributed as dist
 
     torch.manual_seed(3)
@@ -433,8 +433,9 @@ def _check_pp2_tp2_checkpoint(root: str) -> dict[str, float]:
     engine.save_checkpoint(root, tag="t")
     expected = [_pp_tp_step(engine, step) for step in (2, 3)]
     worst: dict[str, float] = {}
-    for name, tp, dp, stage in (("same_layout_zero1", 2, 1, 1), ("tp1_dp2_zero1", 1, 2, 1)):
-        resumed = _pp_tp_engine(tp=tp, dp=dp, stage=stage)
+    layouts = (("same_layout_zero1", 2, 1, 1, 2), ("tp1_dp2_zero1", 1, 2, 1, 2))
+    for name, tp, dp, stage, pp in (*layouts, ("pp1_tp2_dp2_zero2", 2, 2, 2, 1)):
+        resumed = _pp_tp_engine(tp=tp, dp=dp, stage=stage, pp=pp)
         resumed.load_checkpoint(root, tag="t")
         if tp == 1:  # `slipstream convert` assembles the pieces into the unsplit weights
             from safetensors.torch import load_file
