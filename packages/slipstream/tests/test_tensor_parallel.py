@@ -330,8 +330,9 @@ def _pipeline_of_tp_layers(group: Any) -> list[torch.nn.Module]:
     ]
 
 
-def _train_pp2_tp2(steps: int = 3) -> dict[str, float]:
-    """PP=2 x TP=2: a PipelineModule whose stages are built from TP layers, vs plain PyTorch."""
+def _train_pp2_tp2(steps: int = 3, clip: float = 0.3) -> dict[str, float]:
+    """PP=2 x TP=2: a PipelineModule whose stages are built from TP layers, vs plain PyTorch,
+    with gradient clipping that bites (the norm spans the stages and the tensor group)."""
     import torch.distributed as dist
 
     import slipstream
@@ -348,10 +349,11 @@ def _train_pp2_tp2(steps: int = 3) -> dict[str, float]:
         "train_micro_batch_size_per_gpu": 2,
         "gradient_accumulation_steps": 2,
         "optimizer": {"type": "SGD", "params": {"lr": LR, "momentum": 0.9}},
+        "gradient_clipping": clip,
     }
     engine, *_ = slipstream.initialize(model=module, config=config)
     optimizer = torch.optim.SGD(reference.parameters(), lr=LR, momentum=0.9)
-    worst = {"loss": 0.0, "param": 0.0}
+    worst = {"loss": 0.0, "param": 0.0, "grad_norm": 0.0}
     for step in range(steps):
         gen = torch.Generator().manual_seed(step)
         batches = [
@@ -360,8 +362,12 @@ def _train_pp2_tp2(steps: int = 3) -> dict[str, float]:
         loss = engine.train_batch(iter(batches))
         ref_loss = sum(torch.nn.functional.mse_loss(reference(x), y) / 2 for x, y in batches)
         ref_loss.backward()
+        ref_norm = torch.nn.utils.clip_grad_norm_(reference.parameters(), clip)
+        assert float(ref_norm) > 2 * clip, float(ref_norm)  # the clipping bites
         optimizer.step()
         optimizer.zero_grad()
+        norm = torch.tensor(engine.get_global_grad_norm())
+        worst["grad_norm"] = max(worst["grad_norm"], _rel(norm, ref_norm.detach()))
         if engine.is_last_stage():
             worst["loss"] = max(worst["loss"], _rel(loss.detach(), ref_loss.detach()))
     ref_layers = list(reference)
@@ -375,8 +381,82 @@ def _train_pp2_tp2(steps: int = 3) -> dict[str, float]:
                 expected = expected.chunk(2, dim=dim)[tp_rank]
             worst["param"] = max(worst["param"], _rel(param.detach(), expected))
     assert dist.get_world_size() == 4
-    with pytest.raises(NotImplementedError, match="pipeline whose stages are tensor-parallel"):
-        slipstream.initialize(model=module, config={**config, "gradient_clipping": 1.0})
+    return worst
+
+
+def _pp_tp_engine(tp: int, dp: int, stage: int, pp: int = 2) -> Any:
+    """A PP=``pp`` x TP=``tp`` x DP=``dp`` engine of ``_pipeline_of_tp_layers``, its weights noise
+    (only a checkpoint can make them right), AdamW with clipping."""
+    import slipstream
+    from slipstream.comm.topology import PipeModelDataParallelTopology, ProcessGrid
+    from slipstream.pipeline import PipelineModule
+
+    topology = PipeModelDataParallelTopology(num_pp=pp, num_mp=tp, num_dp=dp)
+    grid = ProcessGrid(topology)
+    layers = _pipeline_of_tp_layers(grid.group("tensor") if tp > 1 else None)
+    module = PipelineModule(layers, topology=topology, loss_fn=torch.nn.functional.mse_loss)
+    with torch.no_grad():
+        for param in module.parameters():
+            param.normal_()
+    config = {
+        "train_micro_batch_size_per_gpu": 2,
+        "gradient_accumulation_steps": 2 // dp,
+        "gradient_clipping": 0.3,
+        "optimizer": {"type": "AdamW", "params": {"lr": 1e-2, "weight_decay": 0.01}},
+        "zero_optimization": {"stage": stage},
+    }
+    engine, *_ = slipstream.initialize(model=module, config=config)
+    return engine
+
+
+def _pp_tp_step(engine: Any, step: int) -> float:
+    """One step on the global batch of two micro-batches (a replica's share at DP=2)."""
+    gen = torch.Generator().manual_seed(100 + step)
+    batches = [(torch.randn(2, 8, generator=gen), torch.randn(2, 4, generator=gen)) for _ in "ab"]
+    grid = engine.grid
+    if grid.data_parallel_size > 1:
+        batches = batches[grid.data_parallel_id :: grid.data_parallel_size]
+    return float(engine.train_batch(iter(batches)))
+
+
+def _check_pp2_tp2_checkpoint(root: str) -> dict[str, float]:
+    """Saved at PP=2 x TP=2 (stage 0) after 2 steps; resumed at PP=2 x TP=2 and at
+    PP=2 x TP=1 x DP=2 (ZeRO-1), which saves after step 3 for PP=2 x TP=2 to resume (pieces
+    assembled on load, then an unsplit checkpoint split), and at PP=1 x TP=2 x DP=2 (ZeRO-2):
+    the losses equal the uninterrupted run's; `slipstream convert` of the PP=2 x TP=2 checkpoint gives the unsplit weights."""
+    import torch.distributed as dist
+
+    torch.manual_seed(3)
+    engine = _pp_tp_engine(tp=2, dp=1, stage=0)
+    for step in range(2):
+        _pp_tp_step(engine, step)
+    engine.save_checkpoint(root, tag="t")
+    expected = [_pp_tp_step(engine, step) for step in (2, 3)]
+    worst: dict[str, float] = {}
+    layouts = (("same_layout_zero1", 2, 1, 1, 2), ("tp1_dp2_zero1", 1, 2, 1, 2))
+    for name, tp, dp, stage, pp in (*layouts, ("pp1_tp2_dp2_zero2", 2, 2, 2, 1)):
+        resumed = _pp_tp_engine(tp=tp, dp=dp, stage=stage, pp=pp)
+        resumed.load_checkpoint(root, tag="t")
+        if tp == 1:  # `slipstream convert` assembles the pieces into the unsplit weights
+            from safetensors.torch import load_file
+
+            from slipstream.runtime.model_export import convert_to_hf_safetensors
+
+            if dist.get_rank() == 0:
+                convert_to_hf_safetensors(root, f"{root}/hf", tag="t", progress=False)
+            dist.barrier()
+            converted = load_file(f"{root}/hf/model.safetensors")
+            worst["convert"] = max(
+                _rel(param.detach(), converted[name])
+                for name, param in resumed.module.named_parameters()
+            )
+        losses = [_pp_tp_step(resumed, 2)]
+        if tp == 1:  # saved unsplit after step 3: resumed split at TP=2 for step 4
+            resumed.save_checkpoint(root, tag="u")
+            resumed = _pp_tp_engine(tp=2, dp=1, stage=0)
+            resumed.load_checkpoint(root, tag="u")
+        losses.append(_pp_tp_step(resumed, 3))
+        worst[f"ckpt_{name}"] = max(abs(a - b) / abs(b) for a, b in zip(losses, expected))
     return worst
 
 
@@ -384,10 +464,11 @@ def _owned(module: torch.nn.Module, param: torch.Tensor) -> bool:
     return any(param is p for p in module.parameters())
 
 
-def _world_of_four() -> dict[str, Any]:
+def _world_of_four(root: str) -> dict[str, Any]:
     return {
         "tp2_dp2_zero1": _train_autotp(tp=2, stage=1, clip=0.5),
         "pp2_tp2": _train_pp2_tp2(),
+        "pp2_tp2_checkpoint": _check_pp2_tp2_checkpoint(root),
     }
 
 
@@ -396,7 +477,7 @@ def test_autotp_tp2_equals_single_process(tmp_path: Any) -> None:
         assert max(worst.values()) <= RTOL, sorted(worst.items(), key=lambda kv: -kv[1])[:4]
 
 
-def test_autotp_tp2_dp2_and_pp2_tp2_equal_single_process() -> None:
-    for results in run_distributed(_world_of_four, world_size=4, timeout=300):
+def test_autotp_tp2_dp2_and_pp2_tp2_equal_single_process(tmp_path: Any) -> None:
+    for results in run_distributed(_world_of_four, 4, str(tmp_path), timeout=300):
         for name, worst in results.items():
             assert max(worst.values()) <= RTOL, (name, worst)

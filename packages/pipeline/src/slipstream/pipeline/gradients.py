@@ -99,24 +99,39 @@ def grad_norm_across_stages(
     grads: Sequence[tuple[torch.Tensor, torch.Tensor | None]],
     groups: Sequence[dist.ProcessGroup | None],
     device: torch.device,
+    tensor_group: dist.ProcessGroup | None = None,
 ) -> torch.Tensor:
     """The L2 norm of the whole model's gradient from this rank's ``(weight, gradient)`` pairs.
 
     A gradient may be the weight's full gradient or this rank's shard of it (ZeRO); each
     tied weight counts once (on its lowest stage). The fp32 sum of squares is all-reduced
     over every group of ``groups`` in turn (the pipeline; with sharded gradients, first the
-    data-parallel group), so every rank gets the same norm. Collective over those groups.
+    data-parallel group), so every rank gets the same norm. With ``tensor_group`` (stages
+    built from tensor-parallel layers), the squares of tensor-parallel shards (weights with
+    ``tp_partition_dim`` and ``tp_size > 1``) are also summed over that group, while
+    replicated weights (identical on every tensor rank) count once. Collective over those
+    groups.
 
     >>> norm = grad_norm_across_stages(module, [(p, p.grad) for p in params], [pipe], dev)  # doctest: +SKIP
     """
-    squares = torch.zeros((), dtype=torch.float32, device=device)
+    # [sharded squares, replicated squares]: all sums are linear, so the order of the
+    # reductions does not matter; only the tensor group is restricted to the shards.
+    parts = torch.zeros(2, dtype=torch.float32, device=device)
     for weight, grad in grads:
         if grad is not None and module.tied_weight_owner(weight):
-            squares += grad.detach().float().pow(2).sum()
+            sharded = (
+                getattr(weight, "tp_partition_dim", None) is not None
+                and getattr(weight, "tp_size", 1) > 1
+            )
+            parts[0 if sharded else 1] += grad.detach().float().pow(2).sum().to(device)
     for group in groups:
         if group is not None and comm.get_world_size(group) > 1:
-            comm.all_reduce(squares, group=group)
-    return squares.sqrt()
+            comm.all_reduce(parts, group=group)
+    if tensor_group is not None and comm.get_world_size(tensor_group) > 1:
+        shards = parts[0].clone()
+        comm.all_reduce(shards, group=tensor_group)
+        return (shards + parts[1]).sqrt()
+    return parts.sum().sqrt()
 
 
 def clip_grad_norm_across_stages(
@@ -125,6 +140,7 @@ def clip_grad_norm_across_stages(
     pipe_group: dist.ProcessGroup | None,
     params: Sequence[torch.Tensor] | None = None,
     device: torch.device | None = None,
+    tensor_group: dist.ProcessGroup | None = None,
 ) -> torch.Tensor:
     """The L2 norm of the whole model's gradient; scale every stage's gradients to
     ``max_norm`` when it is larger (``max_norm <= 0``: only measure).
@@ -133,14 +149,18 @@ def clip_grad_norm_across_stages(
     ``pipe_group`` in fp32, so every stage gets the same norm and the same coefficient,
     ``max_norm / (norm + 1e-6)`` clamped at 1, as ``torch.nn.utils.clip_grad_norm_``.
     Collective over the pipeline. ``device``: where to sum (default: the gradients'; give it
-    for a stage that may have no gradients under NCCL). Returns the norm before clipping.
+    for a stage that may have no gradients under NCCL). ``tensor_group``: the tensor-parallel
+    group of stages built from TP layers (see :func:`grad_norm_across_stages`). Returns the
+    norm before clipping.
     """
     params = [
         p for p in (params if params is not None else module.parameters()) if p.grad is not None
     ]
     if device is None:
         device = params[0].grad.device if params else torch.device("cpu")  # type: ignore[union-attr]
-    total = grad_norm_across_stages(module, [(p, p.grad) for p in params], [pipe_group], device)
+    total = grad_norm_across_stages(
+        module, [(p, p.grad) for p in params], [pipe_group], device, tensor_group=tensor_group
+    )
     if max_norm > 0:
         coefficient = torch.clamp(max_norm / (total + 1e-6), max=1.0)
         for p in params:

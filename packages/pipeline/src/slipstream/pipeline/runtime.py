@@ -189,6 +189,11 @@ def train_batch(
             grid.get_pipe_parallel_group() if grid is not None else None,
             params,
             device=executor.device,
+            tensor_group=(
+                grid.get_model_parallel_group()
+                if grid is not None and grid.model_parallel_size > 1
+                else None
+            ),
         )
     optimizer.step()
     optimizer.zero_grad(set_to_none=True)

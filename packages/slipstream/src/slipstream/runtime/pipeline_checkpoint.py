@@ -1,4 +1,4 @@
-"""Pipeline checkpoints: per-stage shards; loading reshards across PP stage count and DP size.
+"""Pipeline checkpoints: per-stage shards; loading reshards across PP stage count, DP and TP size.
 
 Layout of ``save_dir/<tag>`` (the common files and manifest keys are checkpoint.py's)::
 
@@ -7,6 +7,10 @@ Layout of ``save_dir/<tag>`` (the common files and manifest keys are checkpoint.
                                            parameter the stage owns (model dtype)
     optimizer.stage<S>.rank<R>.safetensors fp32 masters and optimizer state, the same shards
     buffers.stage<S>.safetensors           the stage's buffers (its first replica writes them)
+    *.stage<S>.tp<I>.rank<R>.safetensors   tensor-parallel stages: tensor index I's pieces (the
+                                           manifest entry's ``partition``, as partitioned
+                                           checkpoints store them); replicated parameters
+                                           stay in ``stage<S>.``, written by tensor index 0
     rng.rank<G>.safetensors, state.*       as for every checkpoint (global rank G)
 
 Parameter names are the pipeline module's own (``<layer index>.<name>``,
@@ -95,25 +99,39 @@ def tensors_to_check(engine: PipelineEngine) -> Iterator[tuple[str, torch.Tensor
 
 
 # ---------------------------------------------------------------------------- save
-def _refuse_tensor_parallel(engine: PipelineEngine) -> None:
-    for name, param in engine.module.named_parameters():
-        if (
-            getattr(param, "tp_partition_dim", None) is not None
-            and getattr(param, "tp_size", 1) > 1
-        ):
-            raise ckpt.CheckpointError(
-                f"parameter {name!r} of pipeline stage {engine.module.stage_id} is a "
-                "tensor-parallel shard: checkpoints of pipelines with tensor parallelism are not "
-                "implemented yet (the plain engine's tensor-parallel checkpoints are); save "
-                "each rank's module.state_dict() yourself meanwhile"
-            )
+def _tensor_split(param: torch.Tensor) -> tuple[int, int, int] | None:
+    """(dim, index, count) when ``param`` is one tensor-parallel piece, else None."""
+    dim = getattr(param, "tp_partition_dim", None)
+    if dim is None or getattr(param, "tp_size", 1) <= 1:
+        return None
+    return int(dim), int(param.tp_rank), int(param.tp_size)  # type: ignore[attr-defined]
+
+
+def _tensor_rank(engine: PipelineEngine) -> int:
+    """This rank's tensor-parallel index (0 without a tensor axis)."""
+    return 0 if engine.grid is None else int(engine.grid.tensor_parallel_id)
+
+
+def _local_slice(full: torch.Tensor, param: torch.Tensor) -> torch.Tensor:
+    """This rank's tensor-parallel slice of a global tensor (the whole of a replicated one)."""
+    split = _tensor_split(param)
+    if split is None:
+        return full
+    dim, index, count = split
+    size = full.shape[dim] // count
+    return full.narrow(dim, index * size, size)
 
 
 def write_rank_files(
     engine: PipelineEngine, staging: Path
 ) -> tuple[list[dict[str, Any]], dict[str, Any]]:
-    """Every rank: its shards of the stage's parameters and optimizer state, and its RNG."""
-    _refuse_tensor_parallel(engine)
+    """Every rank: its shards of the stage's parameters and optimizer state, and its RNG.
+
+    With tensor-parallel stages, each tensor-parallel piece goes to the file group
+    ``stage<S>.tp<i>.`` of its tensor index ``i`` (the manifest assembles the pieces, as the
+    plain engine's partitioned checkpoints do); replicated parameters, the buffers and the
+    optimizer's replicated state are written by tensor index 0 alone.
+    """
     path = gradient_path_state(engine)
     optimizer = path.optimizer
     assert optimizer is not None
@@ -130,24 +148,39 @@ def write_rank_files(
     info: dict[str, Any] = {"parameters": {}, "scalars": {}, "sharded_keys": [], "buffers": []}
     if not sharded and dp_rank != 0:
         return files, info  # stage 0: the stage's first replica writes it whole
-    model: dict[str, torch.Tensor] = {}
+    tp_rank = _tensor_rank(engine)
+    outputs: dict[str, dict[str, torch.Tensor]] = {}
+
+    def file_group(param: torch.Tensor) -> str | None:
+        """Where ``param``'s values go; None where another tensor index writes them."""
+        if _tensor_split(param) is not None:
+            return f"{group}tp{tp_rank}."
+        return group if tp_rank == 0 else None
+
     for name, param in engine.module.named_parameters():
-        if not _owned(engine, name):
+        where = file_group(param)
+        if not _owned(engine, name) or where is None:
             continue
         spec = ShardSpec(param.shape, world)
-        model[name] = spec.shard_of(param.detach(), dp_rank) if sharded else param.reshape(-1)
-        info["parameters"][name] = {
+        values = spec.shard_of(param.detach(), dp_rank) if sharded else param.reshape(-1)
+        outputs.setdefault(f"model.{where}rank{dp_rank}.safetensors", {})[name] = values
+        record: dict[str, Any] = {
             "shape": list(param.shape),
             "dtype": str(param.dtype).removeprefix("torch."),
             "shard_numel": spec.shard_numel,
             "requires_grad": param.requires_grad,
-            "file_group": group,
+            "file_group": where,
         }
-    tensors: dict[str, torch.Tensor] = {}
+        split = _tensor_split(param)
+        if split is not None:
+            record["tensor_piece"] = list(split)
+        info["parameters"][name] = record
     sharded_keys: set[str] = set()
-    for name, _param, stepped in _optimizer_entries(engine):
-        if not _owned(engine, name):
+    for name, weight, stepped in _optimizer_entries(engine):
+        where = file_group(weight)
+        if not _owned(engine, name) or where is None:
             continue
+        tensors = outputs.setdefault(f"optimizer.{where}rank{dp_rank}.safetensors", {})
         tensors[f"master/{name}"] = stepped.detach().float().reshape(-1)
         for key, value in optimizer.state.get(stepped, {}).items():
             if isinstance(value, torch.Tensor) and value.dim() > 0:
@@ -159,15 +192,13 @@ def write_rank_files(
                 tensors[f"state/{name}/{key}"] = value
             else:
                 info["scalars"].setdefault(name, {})[key] = value
-    model_name = f"model.{group}rank{dp_rank}.safetensors"
-    optimizer_name = f"optimizer.{group}rank{dp_rank}.safetensors"
-    ckpt._save_tensors(staging / model_name, model)
-    ckpt._save_tensors(staging / optimizer_name, tensors)
-    files += [
-        ckpt.file_entry(staging, model_name, "model", rank),
-        ckpt.file_entry(staging, optimizer_name, "optimizer", rank),
-    ]
-    if dp_rank == 0:
+    if tp_rank == 0:  # every reader looks for its stage's files, even when empty
+        outputs.setdefault(f"model.{group}rank{dp_rank}.safetensors", {})
+        outputs.setdefault(f"optimizer.{group}rank{dp_rank}.safetensors", {})
+    for file, tensors in outputs.items():
+        ckpt._save_tensors(staging / file, tensors)
+        files.append(ckpt.file_entry(staging, file, file.partition(".")[0], rank))
+    if dp_rank == 0 and tp_rank == 0:
         buffers = {name: b for name, b in engine.module.named_buffers() if _owned(engine, name)}
         buffer_name = f"buffers.{group}safetensors"
         ckpt._save_tensors(staging / buffer_name, buffers)
@@ -180,14 +211,52 @@ def write_rank_files(
     return files, info
 
 
+def _assemble(infos: list[dict[str, Any]]) -> dict[str, Any]:
+    """Every rank's parameter records -> the manifest's; tensor-parallel pieces become one
+    entry with the global shape and ``partition = {"dim", "pieces"}`` (checkpoints.md)."""
+    parameters: dict[str, Any] = {}
+    pieces: dict[str, dict[int, dict[str, Any]]] = {}
+    for info in infos:
+        for name, record in info["parameters"].items():
+            split = record.pop("tensor_piece", None)
+            if split is None:
+                parameters[name] = record
+                continue
+            dim, index, count = split
+            pieces.setdefault(name, {})[index] = record
+            parameters[name] = {"dim": dim, "count": count, **record}
+    for name, found in pieces.items():
+        entry = parameters[name]
+        dim, count = entry.pop("dim"), entry.pop("count")
+        if sorted(found) != list(range(count)):
+            raise ckpt.CheckpointError(
+                f"parameter {name!r} is split in {count} tensor-parallel pieces along dim {dim} "
+                f"but only {sorted(found)} were written; are the tensor groups consistent?"
+            )
+        ordered = [found[i] for i in range(count)]
+        shape = list(ordered[0]["shape"])
+        shape[dim] = sum(p["shape"][dim] for p in ordered)
+        parameters[name] = {
+            "shape": shape,
+            "dtype": entry["dtype"],
+            "requires_grad": entry["requires_grad"],
+            "partition": {
+                "dim": dim,
+                "pieces": [
+                    {k: p[k] for k in ("shape", "shard_numel", "file_group")} for p in ordered
+                ],
+            },
+        }
+    return parameters
+
+
 def manifest_fields(engine: PipelineEngine, infos: list[dict[str, Any]]) -> dict[str, Any]:
     """Rank 0: the pipeline layout's part of the manifest, from every rank's write info."""
     optimizer = gradient_path_state(engine).optimizer
     module = engine.module
-    parameters: dict[str, Any] = {}
+    parameters = _assemble(infos)
     scalars: dict[str, Any] = {}
     for info in infos:
-        parameters.update(info["parameters"])
         scalars.update(info["scalars"])
     _, _, dp = _coordinates(engine)
     groups = next(info["param_groups"] for info in infos if "param_groups" in info)
@@ -220,7 +289,6 @@ def validate(
     engine: PipelineEngine, path: Path, manifest: dict[str, Any], options: dict[str, bool]
 ) -> dict[str, Any]:
     """Check a pipeline checkpoint against this engine's stage before anything is copied."""
-    _refuse_tensor_parallel(engine)
     if "pipeline" not in manifest:
         raise ckpt.CheckpointMismatchError(
             f"{str(path)!r} is not a pipeline checkpoint (it was saved by slipstream.initialize's "
@@ -238,16 +306,31 @@ def validate(
                 f"{manifest['pipeline']['num_stages']} parts of a model without this layer)"
             )
         info = saved[name]
-        ckpt.check_tensor_fits(path, f"parameter {name!r}", info["shape"], info["dtype"], param)
-        shards = -(-param.numel() // max(int(info["shard_numel"]), 1)) if param.numel() else 1
-        for r in range(shards):
-            for kind in ("model", "optimizer"):
-                file = f"{kind}.{info['file_group']}rank{r}.safetensors"
-                if file not in listed:
-                    raise ckpt.CorruptCheckpointError(
-                        f"{str(path)!r} lists no {file}, which holds part of {name!r}: the "
-                        "checkpoint is incomplete. Load an earlier tag."
-                    )
+        shape = list(info["shape"])
+        split = _tensor_split(param)
+        if split is not None:
+            dim, _, count = split
+            if shape[dim] % count:
+                raise ckpt.CheckpointShapeError(
+                    f"{name!r} has {shape[dim]} rows along dim {dim} in {str(path)!r}, not "
+                    f"divisible into this layout's {count} tensor-parallel pieces"
+                )
+            shape[dim] //= count
+        ckpt.check_tensor_fits(path, f"parameter {name!r}", shape, info["dtype"], param)
+        partition = info.get("partition")
+        for piece in partition["pieces"] if partition else [info]:
+            numel = 1
+            for size in piece["shape"]:
+                numel *= int(size)
+            shards = -(-numel // max(int(piece["shard_numel"]), 1)) if numel else 1
+            for r in range(shards):
+                for kind in ("model", "optimizer"):
+                    file = f"{kind}.{piece['file_group']}rank{r}.safetensors"
+                    if file not in listed:
+                        raise ckpt.CorruptCheckpointError(
+                            f"{str(path)!r} lists no {file}, which holds part of {name!r}: "
+                            "the checkpoint is incomplete. Load an earlier tag."
+                        )
     if options["load_optimizer_states"]:
         optimizer = gradient_path_state(engine).optimizer
         assert optimizer is not None
@@ -280,7 +363,7 @@ def apply(
     with ShardReader(path, manifest) as reader, torch.no_grad():
         for name, param in engine.module.named_parameters():
             kind = "master" if param.dtype == torch.float32 and reader.has("master", name) else ""
-            value = reader.read_full(kind or "model", name)
+            value = _local_slice(reader.read_full(kind or "model", name), param)
             param.copy_(value.to(param.dtype))
         buffers = dict(engine.module.named_buffers())
         for name, value in reader.buffers():
@@ -292,7 +375,8 @@ def apply(
             for param, master in zip(state.zero.params, state.zero.masters.masters):
                 spec = ShardSpec(param.shape, dp)
                 start, end = spec.valid_range(dp_rank)
-                values = reader.read(kind, names[id(master)], start, end).float()
+                full = _local_slice(reader.read_full(kind, names[id(master)]), param)
+                values = full.reshape(-1)[start:end].float()
                 master.copy_(_padded(values, spec.shard_numel))
         if options["load_optimizer_states"]:
             _load_optimizer(engine, reader, manifest, dp_rank, dp)
@@ -316,10 +400,11 @@ def _load_optimizer(
             if path.zero is not None:
                 spec = ShardSpec(param.shape, dp)
                 start, end = spec.valid_range(dp_rank)
-                values = reader.read(f"state/{key}", name, start, end)
-                entry[key] = _padded(values, spec.shard_numel)
+                full = _local_slice(reader.read_full(f"state/{key}", name), param)
+                entry[key] = _padded(full.reshape(-1)[start:end], spec.shard_numel)
             else:
-                entry[key] = reader.read_full(f"state/{key}", name).to(stepped.device)
+                full = reader.read_full(f"state/{key}", name)
+                entry[key] = _local_slice(full, param).to(stepped.device)
         value = reader.read_replicated("state/step", name)
         if value is not None:
             entry["step"] = value

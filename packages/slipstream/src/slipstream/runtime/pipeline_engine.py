@@ -216,8 +216,8 @@ class PipelineEngine:
                 comm.broadcast(tensor.data, src=src, group=group)
 
     def _shard_optimizer(self, config: SlipstreamConfig) -> ShardedOptimizerStates:
-        group = DataParallelGroup(None, 1, 0)
-        if self.grid is not None:
+        group = DataParallelGroup(None, 1, 0)  # one replica: this rank alone
+        if self.grid is not None and self.grid.data_parallel_size > 1:
             group = DataParallelGroup.of(self.grid.get_data_parallel_group())
             if group.rank != self.grid.data_parallel_id:
                 # The tied-weight sums of ZeRO shards rely on it (see _train_batch_sharded).
@@ -390,7 +390,8 @@ class PipelineEngine:
           Summing the shards rather than full gradients also moves 1/DP of the bytes.
         - Then, both stages: the global norm from the final shards (squares summed over the
           data-parallel group and then over the pipeline, each tied weight counted on its
-          lowest stage only, as the stage-0 path does); the step clips every shard with it
+          lowest stage only, as the stage-0 path does; tensor-parallel shards' squares also
+          over the tensor group); the step clips every shard with it
           (so the copies of a tied weight get the same update and stay bit-identical), steps
           the optimizer on the shards and all-gathers them into the parameters.
         """
@@ -422,6 +423,11 @@ class PipelineEngine:
             [(p, zero.masters.grad(i)) for i, p in enumerate(zero.params)],
             groups,
             self._device,
+            tensor_group=(
+                self.grid.get_model_parallel_group()
+                if self.grid is not None and self.grid.model_parallel_size > 1
+                else None
+            ),
         )
         zero.optimizer.step(max_grad_norm=self.config.gradient_clipping, grad_norm=norm)
         zero.zero_grad()

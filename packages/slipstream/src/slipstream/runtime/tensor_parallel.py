@@ -184,13 +184,6 @@ def check_tensor_parallel_support(model: torch.nn.Module, config: Any) -> None:
             "or an mpu with a tensor axis): ZeRO-3 would have to shard the tensor-parallel "
             "shards over the data axis. Use stage 1 or 2 (as DeepSpeed's AutoTP training does)"
         )
-    pipelined = hasattr(model, "num_stages")
-    if pipelined and config.gradient_clipping > 0:
-        raise NotImplementedError(
-            f"gradient_clipping = {config.gradient_clipping} with a pipeline whose stages are "
-            "tensor-parallel: the pipeline's norm spans the stages but not the tensor group. "
-            "Set gradient_clipping = 0 for pipeline x tensor parallelism"
-        )
     if stage in (1, 2) and config.fp16.enabled:
         raise NotImplementedError(
             f"fp16 with zero_optimization.stage = {stage} and tensor parallelism: the ZeRO "
