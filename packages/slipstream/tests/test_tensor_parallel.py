@@ -3,8 +3,9 @@
 A tiny random Llama is trained by ``slipstream.initialize`` at TP=2 (2 ranks, stage 0 with
 gradient clipping that bites) and TP=2 x DP=2 (4 ranks, ZeRO-1, clipping too), beside the unsharded model
 trained by plain PyTorch on the whole global batch; losses and every parameter shard must match
-(fp32, 1e-5 relative). In the 4-rank world an fp16 run with an inf on one rank's gradient skips
-that step on every rank alike. Bad configurations raise errors that name the problem.
+(fp32, 1e-5 relative). In the 4-rank world an fp16 run (ZeRO-2, with and without CPU
+offload) with an inf on one rank's gradient skips that step on every rank alike. Bad
+configurations raise errors that name the problem.
 """
 
 from __future__ import annotations
@@ -211,11 +212,14 @@ def _check_nonfinite_vote_spans_tensor_group() -> None:
     assert torch.equal(weight.detach(), before)
 
 
-def _train_fp16_overflow_on_one_rank(steps: int = 3, bad: int = 1) -> dict[str, float]:
+def _train_fp16_overflow_on_one_rank(
+    offload: bool = False, steps: int = 3, bad: int = 1
+) -> dict[str, float]:
     """TP=2 x DP=2, ZeRO-2, fp16 (dynamic scale): only global rank 3 sees an inf gradient at
     step ``bad``. Every rank must skip that step and halve its scale, and the run must equal,
     bit for bit, the same run fed the other steps' batches only (its scale halved by hand
-    where the skip was). Returns the largest differences (0.0 when all is well)."""
+    where the skip was). ``offload``: the masters and the step on the CPU (the offloaded
+    step's own vote). Returns the largest differences (0.0 when all is well)."""
     import torch.distributed as dist
 
     import slipstream
@@ -224,7 +228,10 @@ def _train_fp16_overflow_on_one_rank(steps: int = 3, bad: int = 1) -> dict[str, 
     config = {
         "train_micro_batch_size_per_gpu": micro,
         "optimizer": {"type": "SGD", "params": {"lr": 0.05, "momentum": 0.9}},
-        "zero_optimization": {"stage": 2},
+        "zero_optimization": {
+            "stage": 2,
+            **({"offload_optimizer": {"device": "cpu"}} if offload else {}),
+        },
         "fp16": {"enabled": True, "initial_scale_power": 8, "hysteresis": 1},
         "tensor_parallel": {"autotp_size": 2},
     }
@@ -268,7 +275,7 @@ def _train_fp16_overflow_on_one_rank(steps: int = 3, bad: int = 1) -> dict[str, 
         "loss": max(abs(a - b) for a, b in zip(losses[:bad] + losses[bad + 1 :], clean_losses))
     }
     worst["param"] = max(
-        float((a.float() - b.float()).abs().max())
+        float((a.detach().float() - b.detach().float()).abs().max())
         for a, b in zip(poisoned.module.parameters(), clean.module.parameters())
     )
     return worst
@@ -453,6 +460,7 @@ def _world_of_four() -> dict[str, Any]:
         "tp2_dp2_zero1": _train_autotp(tp=2, stage=1, clip=0.5),
         "pp2_tp2": _train_pp2_tp2(),
         "fp16_overflow_on_one_rank": _train_fp16_overflow_on_one_rank(),
+        "fp16_overflow_on_one_rank_offload": _train_fp16_overflow_on_one_rank(offload=True),
     }
 
 
