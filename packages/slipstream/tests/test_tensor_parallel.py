@@ -3,7 +3,9 @@
 A tiny random Llama is trained by ``slipstream.initialize`` at TP=2 (2 ranks, stage 0 with
 gradient clipping that bites) and TP=2 x DP=2 (4 ranks, ZeRO-1, clipping too), beside the unsharded model
 trained by plain PyTorch on the whole global batch; losses and every parameter shard must match
-(fp32, 1e-5 relative). Bad configurations raise errors that name the problem.
+(fp32, 1e-5 relative). In the 4-rank world an fp16 run (ZeRO-2, with and without CPU
+offload) with an inf on one rank's gradient skips that step on every rank alike. Bad
+configurations raise errors that name the problem.
 """
 
 from __future__ import annotations
@@ -208,6 +210,75 @@ def _check_nonfinite_vote_spans_tensor_group() -> None:
     engine.step()
     assert engine.nonfinite_skipped_steps == 1
     assert torch.equal(weight.detach(), before)
+
+
+def _train_fp16_overflow_on_one_rank(
+    offload: bool = False, steps: int = 3, bad: int = 1
+) -> dict[str, float]:
+    """TP=2 x DP=2, ZeRO-2, fp16 (dynamic scale): only global rank 3 sees an inf gradient at
+    step ``bad``. Every rank must skip that step and halve its scale, and the run must equal,
+    bit for bit, the same run fed the other steps' batches only (its scale halved by hand
+    where the skip was). ``offload``: the masters and the step on the CPU (the offloaded
+    step's own vote). Returns the largest differences (0.0 when all is well)."""
+    import torch.distributed as dist
+
+    import slipstream
+
+    micro = 2
+    config = {
+        "train_micro_batch_size_per_gpu": micro,
+        "optimizer": {"type": "SGD", "params": {"lr": 0.05, "momentum": 0.9}},
+        "zero_optimization": {
+            "stage": 2,
+            **({"offload_optimizer": {"device": "cpu"}} if offload else {}),
+        },
+        "fp16": {"enabled": True, "initial_scale_power": 8, "hysteresis": 1},
+        "tensor_parallel": {"autotp_size": 2},
+    }
+    runs = []
+    for inject in (True, False):
+        engine, *_ = slipstream.initialize(model=_tiny_llama(), config=config)
+        dp_rank = dist.get_rank(engine.dp_group)
+        weight = engine.module.model.layers[0].self_attn.q_proj.weight
+        poison = {"on": False}
+        if dist.get_rank() == 3:
+            weight.register_hook(
+                lambda g, flag=poison: torch.full_like(g, float("inf")) if flag["on"] else g
+            )
+        scales, losses = [], []
+        start = [p.detach().clone() for p in engine.module.parameters()]
+        for step in range(steps):
+            if step == bad and not inject:
+                engine.loss_scaler.update(True)  # what the skipped step does to the scale
+                continue
+            poison["on"] = inject and step == bad
+            before = [p.detach().clone() for p in engine.module.parameters()]
+            batch = _global_batch(step, micro * 2)[dp_rank * micro : (dp_rank + 1) * micro]
+            loss = engine(input_ids=batch, labels=batch).loss
+            engine.backward(loss)
+            engine.step()
+            scales.append(float(engine.cur_scale))
+            losses.append(float(loss.detach()))
+            if step == bad:  # skipped: no parameter moved, on any rank
+                moved = [not torch.equal(a, p) for a, p in zip(before, engine.module.parameters())]
+                assert not any(moved), f"rank {dist.get_rank()} stepped on the overflow"
+        assert any(not torch.equal(a, p) for a, p in zip(start, engine.module.parameters()))
+        runs.append((engine, scales, losses))
+    (poisoned, scales, losses), (clean, _, clean_losses) = runs
+    assert poisoned.skipped_steps == 1 and clean.skipped_steps == 0
+    assert scales == [256.0, 128.0, 128.0], scales
+    everyone = torch.tensor(scales)
+    gathered = [torch.zeros_like(everyone) for _ in range(dist.get_world_size())]
+    dist.all_gather(gathered, everyone)
+    assert all(torch.equal(g, everyone) for g in gathered), gathered
+    worst = {
+        "loss": max(abs(a - b) for a, b in zip(losses[:bad] + losses[bad + 1 :], clean_losses))
+    }
+    worst["param"] = max(
+        float((a.detach().float() - b.detach().float()).abs().max())
+        for a, b in zip(poisoned.module.parameters(), clean.module.parameters())
+    )
+    return worst
 
 
 class _SequenceParallelModel(torch.nn.Module):
@@ -469,6 +540,8 @@ def _world_of_four(root: str) -> dict[str, Any]:
         "tp2_dp2_zero1": _train_autotp(tp=2, stage=1, clip=0.5),
         "pp2_tp2": _train_pp2_tp2(),
         "pp2_tp2_checkpoint": _check_pp2_tp2_checkpoint(root),
+        "fp16_overflow_on_one_rank": _train_fp16_overflow_on_one_rank(),
+        "fp16_overflow_on_one_rank_offload": _train_fp16_overflow_on_one_rank(offload=True),
     }
 
 

@@ -624,6 +624,10 @@ class SlipstreamEngine(torch.nn.Module):
         # AutoTP runs at stages 1-2: the gradients sit in the path's master shards.
         masters = path.masters  # type: ignore[attr-defined]
         grads = [masters.grad(i) for i in range(len(masters))]
+        if nonfinite is None and loss_scale is not None:
+            # fp16: the overflow vote must span the tensor group too (the ZeRO step folds
+            # this scalar into its data-group vote; no extra host read).
+            nonfinite = torch.zeros((), dtype=torch.float32, device=self._device)
         if nonfinite is not None:
             nonfinite = agree_nonfinite_across_tensor_group(nonfinite, grads, self._tp_group)
         reduce_sequence_parallel_grads_(masters.params, grads, self._tp_group)

@@ -184,13 +184,6 @@ def check_tensor_parallel_support(model: torch.nn.Module, config: Any) -> None:
             "or an mpu with a tensor axis): ZeRO-3 would have to shard the tensor-parallel "
             "shards over the data axis. Use stage 1 or 2 (as DeepSpeed's AutoTP training does)"
         )
-    if stage in (1, 2) and config.fp16.enabled:
-        raise NotImplementedError(
-            f"fp16 with zero_optimization.stage = {stage} and tensor parallelism: the ZeRO "
-            "overflow vote spans the data-parallel group only, so tensor-parallel ranks could "
-            "disagree on skipping a step. Use bf16 (as DeepSpeed's AutoTP examples do) or "
-            "stage 0"
-        )
     marked = [n for n, p in model.named_parameters() if getattr(p, "sequence_parallel", False)]
     if marked and hasattr(model, "num_stages"):
         raise NotImplementedError(
@@ -254,12 +247,14 @@ def save_tensor_parallel_16bit_model(engine: Any, save_dir: Any, save_filename: 
 def agree_nonfinite_across_tensor_group(
     check: torch.Tensor, grads: Sequence[torch.Tensor | None], group: dist.ProcessGroup | None
 ) -> torch.Tensor:
-    """``check`` (the losses' scalar for the ZeRO step's non-finite vote), or inf when any rank
-    of the tensor group sees an inf/nan in its loss or gradient shards.
+    """``check`` (the losses' scalar for the ZeRO step's non-finite vote; under fp16 a zero),
+    or inf when any rank of the tensor group sees an inf/nan in its loss or gradient shards.
 
-    The ZeRO vote spans the data-parallel group only; tensor-parallel ranks hold different
-    gradient shards, so without this one could skip a step that its peers take. One scalar
-    MAX all-reduce, no host synchronisation.
+    The ZeRO vote (fp16's overflow vote as well as fp32/bf16's non-finite one) spans the
+    data-parallel group only; tensor-parallel ranks hold different gradient shards, so
+    without this one could skip a step that its peers take (and, under fp16, halve its loss
+    scale alone). One scalar MAX all-reduce, no host synchronisation: the result rides into
+    the ZeRO step's own vote as its ``nonfinite_check``.
     """
     from slipstream.kernels.loss_scaler import inf_or_nan_flag
 

@@ -110,7 +110,8 @@ def take_sharded_step(
     [Note: one collective per step] The non-finite vote (fp16 overflow, or ``nonfinite_check``
     under fp32/bf16) rides on the norm's all-reduce: an inf or nan in any rank's gradient
     makes the summed squares non-finite, and ``nonfinite_check * 0`` adds a non-finite loss
-    to them without changing a finite sum. One scalar all-reduce and one host read decide
+    to them without changing a finite sum (under fp16 too: a tensor-parallel caller passes
+    the tensor group's own vote there). One scalar all-reduce and one host read decide
     the skip on every rank (before: a MAX all-reduce with its host read, then the norm's
     all-reduce). Under fp16 the squares are of the scaled gradients and the norm is divided
     by the scale, which is exact for the power-of-two scales of the dynamic scaler.
@@ -125,7 +126,7 @@ def take_sharded_step(
     found_inf: torch.Tensor | None = None
     if grad_norm is None or vote:
         total = local_squares(grads, device)
-        if loss_scale is None and nonfinite_check is not None:
+        if nonfinite_check is not None:
             total = total + nonfinite_check.detach().float().to(device) * 0.0
         group.sum_(total)
         if on_device:
@@ -222,7 +223,9 @@ class ZeroOptimizer:
         ``nonfinite_check``: without a loss scale (fp32, bf16), a device scalar (e.g. the sum
         of this rank's losses since the last step) that asks for the same vote fp16 takes:
         when it or any rank's gradient holds an inf or nan, every rank skips the step
-        (``StepOutcome.overflow`` is then True). None: no check.
+        (``StepOutcome.overflow`` is then True). With a loss scale it joins fp16's overflow
+        vote (a tensor-parallel caller's vote over ranks this group does not reach). None: no
+        check.
 
         ``defer_skip``: decide the skip on the device where the optimizer can
         (:func:`take_sharded_step`; not with offload, whose CPU step needs the answer).
@@ -260,13 +263,20 @@ class ZeroOptimizer:
             total = self.masters.global_squares
             if total is None:
                 total = squares.detach().clone()
+                if nonfinite_check is not None:  # fp16: joins the overflow vote
+                    total = total + nonfinite_check.detach().float().to(total.device) * 0.0
                 self.group.sum_(total)
+            elif nonfinite_check is not None:
+                total = total + nonfinite_check.detach().float().to(total.device) * 0.0
             if loss_scale is not None and not bool(torch.isfinite(total)):
                 return self._overflow()
             norm = norm_of_squares(total, loss_scale)
             given = grad_norm if grad_norm is not None else norm
             return self._offloaded_step(grads, loss_scale, max_grad_norm, given)
-        if loss_scale is not None and overflow_on_any_rank(grads, self.group, self.device):
+        checks = [nonfinite_check.detach()] if nonfinite_check is not None else []
+        if loss_scale is not None and overflow_on_any_rank(
+            [*grads, *checks], self.group, self.device
+        ):
             return self._overflow()
         return self._offloaded_step(grads, loss_scale, max_grad_norm, grad_norm)
 
