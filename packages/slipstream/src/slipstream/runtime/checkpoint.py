@@ -641,12 +641,10 @@ _IMPLEMENTATION_KEYS = frozenset(
 )
 
 
-def check_optimizer_fits(
-    engine: SlipstreamEngine, saved: dict[str, Any], names: list[str], path: Path
-) -> None:
-    """Same optimizer class, parameters, group count and hyper-parameter keys."""
-    assert engine.optimizer is not None
-    current_class = type(engine.optimizer).__name__
+def check_optimizer_class_and_groups(saved: dict[str, Any], optimizer: Any, path: Path) -> None:
+    """The saved optimizer state (a manifest's ``optimizer`` entry) is for this optimizer's
+    class and number of parameter groups; every checkpoint layout checks this before loading."""
+    current_class = type(optimizer).__name__
     if saved.get("class") != current_class:
         raise CheckpointMismatchError(
             f"the optimizer state in {str(path)!r} is {saved.get('class')}'s, this engine's "
@@ -654,6 +652,20 @@ def check_optimizer_fits(
             f"Configure {saved.get('class')} as the checkpoint's run did, or pass "
             "load_optimizer_states=False to load the weights alone."
         )
+    if len(saved["param_groups"]) != len(optimizer.param_groups):
+        raise CheckpointMismatchError(
+            f"the checkpoint has {len(saved['param_groups'])} optimizer parameter groups, this "
+            f"optimizer {len(optimizer.param_groups)}"
+        )
+
+
+def check_optimizer_fits(
+    engine: SlipstreamEngine, saved: dict[str, Any], names: list[str], path: Path
+) -> None:
+    """Same optimizer class, parameters, group count and hyper-parameter keys."""
+    assert engine.optimizer is not None
+    check_optimizer_class_and_groups(saved, engine.optimizer, path)
+    current_class = type(engine.optimizer).__name__
     if sorted(names) != sorted(saved["param_names"]):
         missing = sorted(set(saved["param_names"]) - set(names))[:5]
         extra = sorted(set(names) - set(saved["param_names"]))[:5]
@@ -664,11 +676,6 @@ def check_optimizer_fits(
         )
     saved_groups = _from_json(saved["param_groups"])
     current_groups = engine.optimizer.state_dict()["param_groups"]
-    if len(saved_groups) != len(current_groups):
-        raise CheckpointMismatchError(
-            f"the checkpoint has {len(saved_groups)} optimizer parameter groups, this optimizer "
-            f"{len(current_groups)}"
-        )
     for index, (old, new) in enumerate(zip(saved_groups, current_groups)):
         # Implementation switches (foreach, fused, ...) come and go between torch versions and
         # are taken from this optimizer where the checkpoint lacks them; a missing

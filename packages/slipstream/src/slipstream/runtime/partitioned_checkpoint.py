@@ -336,17 +336,7 @@ def validate(
     if options["load_optimizer_states"]:
         optimizer = gradient_path_state(engine).optimizer
         assert optimizer is not None
-        if manifest["optimizer"]["class"] != type(optimizer).__name__:
-            raise ckpt.CheckpointMismatchError(
-                f"the optimizer state in {str(path)!r} is {manifest['optimizer']['class']}'s, "
-                f"this engine's optimizer is {type(optimizer).__name__}; pass "
-                "load_optimizer_states=False to load the weights alone"
-            )
-        if len(manifest["optimizer"]["param_groups"]) != len(optimizer.param_groups):
-            raise ckpt.CheckpointMismatchError(
-                f"the checkpoint has {len(manifest['optimizer']['param_groups'])} optimizer "
-                f"parameter groups, this optimizer {len(optimizer.param_groups)}"
-            )
+        ckpt.check_optimizer_class_and_groups(manifest["optimizer"], optimizer, path)
     return {}
 
 

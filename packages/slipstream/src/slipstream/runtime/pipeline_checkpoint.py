@@ -334,19 +334,7 @@ def validate(
     if options["load_optimizer_states"]:
         optimizer = gradient_path_state(engine).optimizer
         assert optimizer is not None
-        current = type(optimizer).__name__
-        if manifest["optimizer"]["class"] != current:
-            raise ckpt.CheckpointMismatchError(
-                f"the optimizer state in {str(path)!r} is {manifest['optimizer']['class']}'s, "
-                f"this engine's optimizer is {current}. Configure the checkpoint's optimizer, "
-                "or pass load_optimizer_states=False to load the weights alone."
-            )
-        saved_groups = manifest["optimizer"]["param_groups"]
-        if len(saved_groups) != len(optimizer.param_groups):
-            raise ckpt.CheckpointMismatchError(
-                f"the checkpoint has {len(saved_groups)} optimizer parameter groups, this "
-                f"stage's optimizer {len(optimizer.param_groups)}"
-            )
+        ckpt.check_optimizer_class_and_groups(manifest["optimizer"], optimizer, path)
     return {}
 
 
