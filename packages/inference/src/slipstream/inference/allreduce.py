@@ -84,6 +84,7 @@ class TPReducer:
         self._plain: Any = None
         self.gathered: torch.Tensor | None = None  # zeroed symmetric buffer for gather()
         self.norm_state: SymmNormState | None = None  # Slipstream's kernel (allreduce_norm)
+        self.norm_why = ""  # why Slipstream's kernel is not used, when it was asked for
         self.rank = dist.get_rank(group)
         self.world = dist.get_world_size(group)
 
@@ -223,7 +224,7 @@ class TPReducer:
             return why or "another rank's symmetric-memory setup failed"
         self.kind = "symm_mem"
         if kernel == "slipstream":
-            why = self._setup_norm_kernel(device, dtype, max_bytes)
+            why = self.norm_why = self._setup_norm_kernel(device, dtype, max_bytes)
             if why:
                 logger.info(
                     "tensor_parallel.symm_mem_kernel slipstream unavailable (%s): torch's "
