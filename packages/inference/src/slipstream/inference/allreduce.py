@@ -15,7 +15,7 @@ messages. ``tensor_parallel.allreduce`` picks how they are summed:
 
 On the symmetric-memory path, ``tensor_parallel.symm_mem_kernel`` picks the kernel of the small
 sums: ``"slipstream"`` (default) is :mod:`slipstream.inference.allreduce_norm`'s Triton kernel,
-one round trip between the GPUs per sum instead of the two barriers of torch's copy-in one-shot
+one one-way crossing of NVLink per sum instead of the barriers and loads of torch's one-shot
 kernel, and it also runs a block's sum, residual add and RMSNorm as one kernel
 (:meth:`TPReducer.add_rms_norm`); ``"torch"`` keeps ``torch.ops.symm_mem``'s kernel and the
 separate ``add_rms_norm``. The Slipstream kernel is checked once at setup against its torch
@@ -240,7 +240,7 @@ class TPReducer:
         return bool(flag.item())
 
     def _setup_norm_kernel(self, device: torch.device, dtype: torch.dtype, max_bytes: int) -> str:
-        """Map Slipstream's kernel's buffer and signal pad, and check it (see
+        """Map Slipstream's kernel's receive buffer, and check it (see
         :mod:`slipstream.inference.allreduce_norm`); returns "" or why not, agreed."""
         import torch.distributed._symmetric_memory as symm_mem
 
@@ -248,22 +248,16 @@ class TPReducer:
         assert group is not None
         why, state = "", None
         try:
-            numel = max(max_bytes // dtype.itemsize, 1)
-            buffer = symm_mem.empty(numel, dtype=dtype, device=device)
-            handle = symm_mem.rendezvous(buffer, group)
-            flags = int(handle.signal_pad_size) // 4
-            blocks = min(MAX_BLOCKS, flags // (2 * self.world))
-            pad = handle.get_signal_pad(self.rank, [flags], torch.int32)
-            addresses = [list(handle.buffer_ptrs), list(handle.signal_pad_ptrs)]
-            pointers = torch.tensor(addresses, dtype=torch.int64, device=device)
-            state = SymmNormState(
-                buffer, pointers[0], pointers[1], pad, self.rank, self.world, blocks
-            )
-            state.reset_flags()
+            slot_words = max(max_bytes // 4, 1)  # words of one call's rows
+            recv = symm_mem.empty(2 * self.world * slot_words, dtype=torch.int64, device=device)
+            handle = symm_mem.rendezvous(recv, group)
+            recv_ptrs = torch.tensor(list(handle.buffer_ptrs), dtype=torch.int64, device=device)
+            state = SymmNormState(recv, recv_ptrs, self.rank, self.world, MAX_BLOCKS)
+            state.reset()
             torch.cuda.synchronize(device)
         except Exception as error:  # torch's kernel instead (agreed below)
             why = f"setup failed: {error}"
-        # Every rank's flags are in their start state before any rank's first signal.
+        # Every rank's buffer is clear before any rank's first push.
         if not self._agree(not why, device):
             return why or "another rank's setup failed"
         assert state is not None
@@ -296,7 +290,7 @@ def _check_norm_kernel(state: SymmNormState, device: torch.device, dtype: torch.
         if not torch.allclose(normed.float(), want_normed.float(), rtol=1e-2, atol=1e-2):
             return f"the test RMSNorm of {rows} rows was wrong"
     if int(state.error.item()):
-        return "a wait for a peer gave up"
+        return "a wait for a peer's words gave up"
     return ""
 
 

@@ -2,31 +2,27 @@
 
 A decode step of a tensor-parallel decoder ends each branch with three dependent pieces: the
 all-reduce of the row-parallel partial outputs, the residual add, and the next RMSNorm. Done
-apart they are two kernels (the symmetric-memory one-shot sum, then ``add_rms_norm``) with two
-barriers across the GPUs inside the first. :func:`reduce_add_rms_norm` does all three in one
-kernel with one cross-GPU round trip:
+apart they are two kernels (torch's symmetric-memory one-shot sum, then ``add_rms_norm``), and
+the one-shot sum alone crosses NVLink several times (a barrier before the peers' loads, the
+loads, a barrier after). :func:`reduce_add_rms_norm` does all three in one kernel that crosses
+NVLink once, one way; :func:`all_reduce_sum` is the same kernel without the add and norm.
 
-[Note: the protocol of the fused kernel]
-Every rank holds a symmetric buffer (``torch.distributed._symmetric_memory``: every rank of the
-group has mapped every other rank's) and a signal pad of ``int32`` flags. Program ``b`` of the
-grid (the same ``NB`` programs on every rank, whatever the number of rows; rows ``b, b + NB, ...``
-are program ``b``'s) keeps two flags per peer ``p`` in this rank's pad, at
-``(b * 2 + kind) * world + p``:
-
-- ``READY`` (kind 0): peer ``p`` has written its rows of program ``b`` into its buffer;
-- ``DONE`` (kind 1): peer ``p`` has finished reading this rank's rows of program ``b``
-  (set to 1 at setup: nothing to read yet).
-
-A call on program ``b``: (1) wait for ``DONE`` from every peer (the previous call's reads of this
-rank's buffer are over; in practice long set, a GEMV ago), consuming it; (2) copy this rank's
-partial rows into its own buffer; (3) set ``READY`` at every peer (release, system scope); (4)
-wait for every peer's ``READY`` (acquire), consuming it; (5) sum the rows of all ranks in rank
-order (fp32, so every rank gets the same bits), add the residual, write the new residual and its
-RMSNorm; (6) set ``DONE`` at every peer. A flag is never set twice before it is consumed, so one
-buffer serves every call, in eager steps and in CUDA-graph replays alike, with one round trip a
-call instead of the two barriers of a copy-in/copy-out one-shot all-reduce. Waits give up after
-``MAX_SPIN`` polls and raise the error flag (checked by the setup probe), so a broken peer cannot
-hang a process forever.
+[Note: the push protocol of the TP kernel]
+Every rank holds a receive buffer in symmetric memory (``torch.distributed._symmetric_memory``:
+every rank has mapped every other rank's) of 8-byte slots, in regions ``(parity, sender)``.
+Program ``b`` of the grid (the same ``NB`` programs on every rank whatever the number of rows;
+rows ``b, b + NB, ...`` are program ``b``'s) counts its calls in this rank's ``epochs[b]``; all
+ranks make the same calls, so call ``e`` has the same number everywhere. A call: (1) each 32-bit
+word of this rank's partial rows is stored, beside ``e`` in the high half of one 8-byte slot,
+into region ``(e % 2, this rank)`` of every peer's buffer; (2) for each peer, this rank polls its
+own region ``(e % 2, peer)`` until every slot of its rows carries ``e`` (an 8-byte store is seen
+whole or not at all, so the number vouches for the word: no fence, no separate flag, no
+barrier), then sums the ranks' rows in rank order in fp32 (the same bits on every rank), adds
+the residual and normalizes. Two regions per sender suffice: a peer writes call ``e + 2`` only
+after it has received this rank's call ``e + 1``, which this rank sends after it has finished
+reading call ``e``. Old words never pass for new ones (their number is older). A poll gives up
+after ``MAX_SPIN`` tries and raises the error flag (checked by the setup probe), so a missing
+peer cannot hang a process forever. Words pack two bf16 or one fp32.
 """
 
 from __future__ import annotations
@@ -48,8 +44,8 @@ __all__ = [
 
 MAX_BLOCKS = 32  # programs per call (rows are dealt round-robin over them)
 MAX_COLUMNS = 16384  # a row lives in registers
-MAX_SPIN = 1 << 24  # polls of a flag before a wait gives up (seconds, far beyond any real wait)
-_READY, _DONE = 0, 1
+MAX_SPIN = 1 << 24  # polls before a wait gives up (seconds, far beyond any real wait)
+_DTYPES = (torch.bfloat16, torch.float32)  # words of two bf16 or one fp32
 
 
 def reference(
@@ -88,43 +84,35 @@ def _kernel() -> Any:
 
 
 class SymmNormState:
-    """What the fused kernel needs of one group's symmetric memory (built by the reducer's
-    setup, or by a test that lays the buffers out itself).
+    """What the TP kernel needs of one group's symmetric memory (built by the reducer's setup,
+    or by a test that lays the buffers out itself).
 
     Attributes:
-        buffer: this rank's symmetric buffer (flat; rows of a call are laid out from its start).
-        buffer_ptrs / pad_ptrs: int64 device tensors, every rank's buffer / signal pad address.
-        pad: this rank's signal pad as int32 flags (at least ``blocks * 2 * world``).
-        error: int32 ``(1,)``, set by the kernel when a wait gave up.
+        recv: this rank's receive buffer, int64 slots: ``2 * world`` regions of ``slot_words``.
+        recv_ptrs: int64 device tensor, every rank's receive buffer address.
+        epochs: int32 ``(blocks,)``, this rank's call count per program.
+        error: int32 ``(1,)``, set by the kernel when a poll gave up.
         blocks: programs per call, the same on every rank.
     """
 
     def __init__(
-        self,
-        buffer: torch.Tensor,
-        buffer_ptrs: torch.Tensor,
-        pad_ptrs: torch.Tensor,
-        pad: torch.Tensor,
-        rank: int,
-        world: int,
-        blocks: int,
+        self, recv: torch.Tensor, recv_ptrs: torch.Tensor, rank: int, world: int, blocks: int
     ) -> None:
-        if pad.numel() < blocks * 2 * world:
-            raise ValueError(f"signal pad of {pad.numel()} flags < {blocks} x 2 x {world}")
-        self.buffer, self.buffer_ptrs, self.pad_ptrs, self.pad = buffer, buffer_ptrs, pad_ptrs, pad
+        if recv.dtype != torch.int64 or recv.numel() % (2 * world):
+            raise ValueError("the receive buffer must hold int64 slots, 2 x world regions")
+        self.recv, self.recv_ptrs = recv, recv_ptrs
         self.rank, self.world, self.blocks = rank, world, blocks
-        self.error = torch.zeros(1, dtype=torch.int32, device=buffer.device)
+        self.slot_words = recv.numel() // (2 * world)
+        self.epochs = torch.zeros(blocks, dtype=torch.int32, device=recv.device)
+        self.error = torch.zeros(1, dtype=torch.int32, device=recv.device)
         self.spin = MAX_SPIN  # polls before a wait gives up (tests shorten it)
 
-    def reset_flags(self) -> None:
-        """This rank's flags to the start state (``DONE`` set for every peer, ``READY`` clear).
-
-        Every rank must do it, and synchronize with the others, before the first call.
-        """
-        flags = self.pad[: self.blocks * 2 * self.world].view(self.blocks, 2, self.world)
-        flags.zero_()
-        flags[:, _DONE] = 1
-        flags[:, _DONE, self.rank] = 0
+    def reset(self) -> None:
+        """The start state: no call made, no word received. Every rank must do it, and
+        synchronize with the others, before the first call."""
+        self.recv.zero_()
+        self.epochs.zero_()
+        self.error.zero_()
 
     def fits(self, partial: torch.Tensor, residual: torch.Tensor | None = None) -> bool:
         """Whether the kernel takes these tensors (else the caller sums and norms apart)."""
@@ -132,12 +120,18 @@ class SymmNormState:
             residual.dtype != partial.dtype or residual.shape != partial.shape
         ):
             return False
+        columns = partial.shape[-1] if partial.dim() else 0
         return (
-            partial.dtype == self.buffer.dtype
-            and partial.device == self.buffer.device
-            and 0 < partial.shape[-1] <= MAX_COLUMNS
-            and partial.numel() <= self.buffer.numel()
+            partial.dtype in _DTYPES
+            and partial.device == self.recv.device
+            and 0 < columns <= MAX_COLUMNS
+            and (columns * partial.element_size()) % 4 == 0
+            and partial.numel() * partial.element_size() // 4 <= self.slot_words
         )
+
+
+def _words(x: torch.Tensor) -> torch.Tensor:
+    return x.contiguous().view(torch.int32)
 
 
 def _launch(
@@ -150,30 +144,33 @@ def _launch(
     from slipstream.kernels.triton_support import next_power_of_2
 
     partial = partial.contiguous()
-    columns = partial.shape[-1]
+    words = _words(partial)
+    n_words = words.shape[-1]
     out = torch.empty_like(partial)
     total = torch.empty_like(partial) if residual is not None else out
-    if residual is not None:
-        residual = residual.contiguous()
+    if weight is not None and weight.dtype != partial.dtype:
+        weight = weight.to(partial.dtype)
     _kernel()[(state.blocks,)](
-        partial,
-        residual if residual is not None else partial,
-        weight if weight is not None else partial,
-        total,
-        out,
-        state.buffer_ptrs,
-        state.pad_ptrs,
+        words,
+        _words(residual) if residual is not None else words,
+        _words(weight) if weight is not None else words,
+        total.view(torch.int32),
+        out.view(torch.int32),
+        state.recv_ptrs,
+        state.epochs,
         state.error,
-        partial.numel() // columns,
-        columns,
+        words.numel() // n_words,
+        n_words,
+        state.slot_words,
         eps,
         RANK=state.rank,
         WORLD=state.world,
+        PACKED=partial.element_size() == 2,
         NORM=residual is not None,
         HAS_WEIGHT=weight is not None,
-        BLOCK=max(16, next_power_of_2(columns)),
+        BLOCK=max(16, next_power_of_2(n_words)),
         SPIN=state.spin,
-        num_warps=8 if columns >= 4096 else 4,
+        num_warps=8 if n_words >= 2048 else 4,
     )
     return total, out
 
@@ -194,5 +191,5 @@ def reduce_add_rms_norm(
 
 def all_reduce_sum(state: SymmNormState, partial: torch.Tensor) -> torch.Tensor:
     """Every rank's ``partial`` summed (fp32, in rank order, rounded once), in one kernel with
-    one round trip between the GPUs. Check :meth:`SymmNormState.fits` first."""
+    one one-way crossing between the GPUs. Check :meth:`SymmNormState.fits` first."""
     return _launch(state, partial, None, None, 0.0)[1]
