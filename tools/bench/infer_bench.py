@@ -516,6 +516,9 @@ def main() -> None:
     if args.profile:
         ids = torch.randint(3, spec.vocab_size, (args.batch[0], args.prompt), generator=generator)
         profile_decode(engine, ids.to(device), args.profile, common)
+    if reducer is not None and reducer.norm_state is not None:
+        # Set when a wait of Slipstream's TP kernel gave up (then the sums were wrong).
+        emit(result="tp_kernel_check", wait_gave_up=int(reducer.norm_state.error.item()))
 
 
 def dequantized_difference(engine: Any, ids: torch.Tensor) -> float:

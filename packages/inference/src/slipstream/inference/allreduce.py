@@ -34,6 +34,7 @@ import torch.distributed as dist
 
 from slipstream.inference.allreduce_norm import (
     MAX_BLOCKS,
+    MAX_SPIN,
     SymmNormState,
     all_reduce_sum,
     reduce_add_rms_norm,
@@ -262,7 +263,9 @@ class TPReducer:
             return why or "another rank's setup failed"
         assert state is not None
         try:
+            state.spin = 1 << 22  # a rank that failed to launch costs seconds, not minutes
             why = _check_norm_kernel(state, device, dtype)
+            state.spin = MAX_SPIN
         except Exception as error:
             why = f"the test failed: {error}"
         if not self._agree(not why, device):

@@ -44,7 +44,7 @@ __all__ = [
 
 MAX_BLOCKS = 32  # programs per call (rows are dealt round-robin over them)
 MAX_COLUMNS = 16384  # a row lives in registers
-MAX_SPIN = 1 << 24  # polls before a wait gives up (seconds, far beyond any real wait)
+MAX_SPIN = 1 << 26  # polls before a wait gives up (about a minute: far beyond any real wait)
 _DTYPES = (torch.bfloat16, torch.float32)  # words of two bf16 or one fp32
 
 
