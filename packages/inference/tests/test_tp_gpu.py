@@ -84,7 +84,14 @@ def _check_engine() -> None:
         reducer = engine.fused.blocks[0].reducer  # type: ignore[union-attr]
         assert (reducer.norm_state is not None) == (kernel == "slipstream"), reducer.norm_why
         logits = engine(ids).logits
-        tokens = engine.generate(ids, max_new_tokens=12, do_sample=False, eos_token_id=None)
+        tokens = engine.generate(
+            ids,
+            attention_mask=torch.ones_like(ids),
+            max_new_tokens=12,
+            do_sample=False,
+            eos_token_id=None,
+            pad_token_id=0,
+        )
         assert engine._runner is not None and engine._runner.captured(2)
         runs[kernel] = (logits, tokens)
     torch.testing.assert_close(runs["slipstream"][0], runs["torch"][0], rtol=1e-4, atol=1e-4)
