@@ -127,7 +127,84 @@ def _interpreted_checks() -> None:
     assert len(calls) == 2 * 3  # post-attention norms, the next blocks' input norms, final norm
     torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)
     dist.destroy_process_group()
+
+    # 4. Real peers: 2 and 3 ranks as threads, each making the same 6 calls (sums and sums +
+    # add + norm, 1 to 7 rows) on its own state over the shared buffers.
+    for world in (2, 3):
+        _threaded_ranks(world)
     print("INTERPRETED-OK")
+
+
+def _threaded_ranks(world: int) -> None:
+    """Every rank a thread running its calls through the interpreted kernel concurrently.
+
+    Triton's interpreter patches ``triton.language`` for the length of each launch and keeps
+    the program index in one global: the patch is held over the whole run (restored after) and
+    each call runs one program, so that concurrent launches do not trip over each other.
+    """
+    import threading
+
+    import triton.runtime.interpreter as interpreter
+
+    from slipstream.inference.allreduce_norm import all_reduce_sum, reduce_add_rms_norm
+
+    buffers = [torch.zeros(2 * world * 2048, dtype=torch.int64) for _ in range(world)]
+    pointers = torch.tensor([b.data_ptr() for b in buffers])
+    states = [SymmNormState(buffers[r], pointers, r, world, 1) for r in range(world)]
+    generator = torch.Generator().manual_seed(world)
+    calls = []
+    for rows in (1, 5, 2, 7, 1, 3):
+        parts = [torch.randn(rows, 32, generator=generator) for _ in range(world)]
+        calls.append((parts, torch.randn(rows, 32, generator=generator), torch.randn(32)))
+    results: list[list] = [[] for _ in range(world)]
+
+    def rank_calls(rank: int) -> None:
+        for index, (parts, residual, weight) in enumerate(calls):
+            state = states[rank]
+            if index % 2:
+                results[rank].append(
+                    reduce_add_rms_norm(state, parts[rank], residual, weight, 1e-5)
+                )
+            else:
+                results[rank].append(all_reduce_sum(state, parts[rank]))
+
+    original, scopes = interpreter._patch_lang, []
+
+    class _Held:
+        def restore(self) -> None:
+            pass
+
+    def held(fn):
+        scopes.append(original(fn))
+        return _Held()
+
+    for state in states:
+        state.reset()
+        state.spin = 1 << 20
+    interpreter._patch_lang = held
+    try:
+        threads = [
+            threading.Thread(target=rank_calls, args=(r,), daemon=True) for r in range(world)
+        ]
+        for thread in threads:
+            thread.start()
+        for thread in threads:
+            thread.join(timeout=120)
+    finally:
+        interpreter._patch_lang = original
+        for scope in reversed(scopes):
+            scope.restore()
+    for rank in range(world):
+        assert len(results[rank]) == len(calls), (world, rank)
+        assert int(states[rank].error.item()) == 0 and states[rank].epochs.tolist() == [6]
+        for index, (parts, residual, weight) in enumerate(calls):
+            got = results[rank][index]
+            if index % 2:
+                total, normed = reference(parts, residual, weight, 1e-5)
+                assert torch.equal(got[0], total), (world, rank, index)
+                torch.testing.assert_close(got[1], normed, rtol=1e-5, atol=1e-5)
+            else:
+                assert torch.equal(got, reference_sum(parts)), (world, rank, index)
 
 
 @pytest.mark.slow
