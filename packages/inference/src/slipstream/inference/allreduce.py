@@ -263,7 +263,7 @@ class TPReducer:
             return why or "another rank's setup failed"
         assert state is not None
         try:
-            state.spin = 1 << 22  # a rank that failed to launch costs seconds, not minutes
+            state.spin = 1 << 24  # a rank that failed to launch costs seconds, not a minute
             why = _check_norm_kernel(state, device, dtype)
             state.spin = MAX_SPIN
         except Exception as error:
