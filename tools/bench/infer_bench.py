@@ -132,9 +132,16 @@ def parse_args() -> argparse.Namespace:
     parser.add_argument(
         "--tp-allreduce",
         nargs="+",
-        choices=["nccl", "symm_mem", "symm_mem_or_nccl"],
+        choices=[
+            "nccl",
+            "symm_mem",
+            "symm_mem_or_nccl",
+            "symm_mem:torch",
+            "symm_mem_or_nccl:torch",
+        ],
         default=["symm_mem_or_nccl"],
-        help="tensor_parallel.allreduce; with --tp-compare, one TP=N run per value",
+        help="tensor_parallel.allreduce (':torch': with tensor_parallel.symm_mem_kernel "
+        "'torch' instead of 'slipstream'); with --tp-compare, one TP=N run per value",
     )
     return parser.parse_args()
 
@@ -423,7 +430,11 @@ def main() -> None:
         "replace_with_kernel_inject": True,
         "enable_cuda_graph": not args.no_cuda_graph and not args.offload,
         "max_out_tokens": max_len,
-        "tensor_parallel": {"tp_size": world, "allreduce": args.tp_allreduce[0]},
+        "tensor_parallel": {
+            "tp_size": world,
+            "allreduce": args.tp_allreduce[0].split(":")[0],
+            "symm_mem_kernel": "torch" if args.tp_allreduce[0].endswith(":torch") else "slipstream",
+        },
         "use_triton": args.use_triton,
     }
     if args.offload:
@@ -451,6 +462,10 @@ def main() -> None:
     spec = fused.spec
     reducer = getattr(fused.blocks[0], "reducer", None)
     common["allreduce"] = reducer.kind if reducer is not None else None
+    if reducer is not None and reducer.kind == "symm_mem":
+        common["allreduce"] += ":slipstream" if reducer.norm_state is not None else ":torch"
+        if reducer.norm_why:
+            emit(result="symm_mem_kernel_fallback", why=reducer.norm_why)
     # Bytes a decode step reads: every weight but the embedding table (only gathered rows).
     weight_bytes = sum(
         t.numel() * t.element_size()
@@ -501,6 +516,9 @@ def main() -> None:
     if args.profile:
         ids = torch.randint(3, spec.vocab_size, (args.batch[0], args.prompt), generator=generator)
         profile_decode(engine, ids.to(device), args.profile, common)
+    if reducer is not None and reducer.norm_state is not None:
+        # Set when a wait of Slipstream's TP kernel gave up (then the sums were wrong).
+        emit(result="tp_kernel_check", wait_gave_up=int(reducer.norm_state.error.item()))
 
 
 def dequantized_difference(engine: Any, ids: torch.Tensor) -> float:

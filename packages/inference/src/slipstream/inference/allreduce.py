@@ -13,7 +13,15 @@ messages. ``tensor_parallel.allreduce`` picks how they are summed:
 - ``"symm_mem_or_nccl"``: ``symm_mem`` where it can run (checked once, with a test sum every rank must
   pass), else ``nccl``.
 
-Both are captured in the CUDA graph of the decode step.
+On the symmetric-memory path, ``tensor_parallel.symm_mem_kernel`` picks the kernel of the small
+sums: ``"slipstream"`` (default) is :mod:`slipstream.inference.allreduce_norm`'s Triton kernel,
+one one-way crossing of NVLink per sum instead of the barriers and loads of torch's one-shot
+kernel, and it also runs a block's sum, residual add and RMSNorm as one kernel
+(:meth:`TPReducer.add_rms_norm`); ``"torch"`` keeps ``torch.ops.symm_mem``'s kernel and the
+separate ``add_rms_norm``. The Slipstream kernel is checked once at setup against its torch
+reference on every rank; if it fails anywhere, torch's kernel is used (logged).
+
+All of them are captured in the CUDA graph of the decode step.
 """
 
 from __future__ import annotations
@@ -24,11 +32,23 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-__all__ = ["ALLREDUCE_MODES", "TPReducer", "install_reducer"]
+from slipstream.inference.allreduce_norm import (
+    MAX_BLOCKS,
+    MAX_SPIN,
+    SymmNormState,
+    all_reduce_sum,
+    reduce_add_rms_norm,
+    reference,
+    reference_sum,
+)
+from slipstream.kernels.ops import add_rms_norm
+
+__all__ = ["ALLREDUCE_MODES", "SYMM_MEM_KERNELS", "TPReducer", "install_reducer"]
 
 logger = logging.getLogger(__name__)
 
 ALLREDUCE_MODES = ("symm_mem_or_nccl", "nccl", "symm_mem")
+SYMM_MEM_KERNELS = ("slipstream", "torch")
 _SYMM_DTYPES = (torch.bfloat16, torch.float32)  # the one-shot kernel's dtypes
 
 
@@ -52,7 +72,8 @@ class TPReducer:
     """Sums a tensor over the tensor-parallel ``group`` (returns the sum; may be a new tensor).
 
     Built by :func:`install_reducer`; ``kind`` says which path small messages take
-    (``"nccl"`` or ``"symm_mem"``).
+    (``"nccl"`` or ``"symm_mem"``), ``norm_state`` is set when they go through Slipstream's
+    one-kernel sum (``tensor_parallel.symm_mem_kernel = "slipstream"``).
     """
 
     def __init__(self, group: dist.ProcessGroup | None) -> None:
@@ -63,10 +84,15 @@ class TPReducer:
         self._fused: Any = None
         self._plain: Any = None
         self.gathered: torch.Tensor | None = None  # zeroed symmetric buffer for gather()
+        self.norm_state: SymmNormState | None = None  # Slipstream's kernel (allreduce_norm)
+        self.norm_why = ""  # why Slipstream's kernel is not used, when it was asked for
         self.rank = dist.get_rank(group)
         self.world = dist.get_world_size(group)
 
     def __call__(self, x: torch.Tensor) -> torch.Tensor:
+        state = self.norm_state
+        if state is not None and state.fits(x):
+            return all_reduce_sum(state, x)
         buffer = self.buffer
         if (
             buffer is not None
@@ -87,6 +113,21 @@ class TPReducer:
             return out
         dist.all_reduce(x, group=self.group)
         return x
+
+    def add_rms_norm(
+        self,
+        partial: torch.Tensor,
+        residual: torch.Tensor,
+        weight: torch.Tensor | None,
+        eps: float,
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """``(total, rms_norm(total) * weight)`` with ``total = residual + partial`` summed over
+        the group: one kernel with Slipstream's symmetric-memory sum, else the sum and then
+        ``add_rms_norm`` (the same math; the fused kernel rounds the sum once less)."""
+        state = self.norm_state
+        if state is not None and state.fits(partial, residual):
+            return reduce_add_rms_norm(state, partial, residual, weight, eps)
+        return add_rms_norm(self(partial), residual, weight, eps)  # type: ignore[no-any-return]
 
     def gather(self, x: torch.Tensor) -> torch.Tensor:
         """Every rank's ``x`` joined along the last dimension in rank order (the vocab-parallel
@@ -117,8 +158,16 @@ class TPReducer:
         dist.all_gather(parts, x.contiguous(), group=self.group)
         return torch.cat(parts, dim=-1)
 
-    def setup_symm_mem(self, device: torch.device, dtype: torch.dtype, max_bytes: int) -> str:
-        """Map a ``max_bytes`` symmetric buffer on every rank and check one sum with it.
+    def setup_symm_mem(
+        self,
+        device: torch.device,
+        dtype: torch.dtype,
+        max_bytes: int,
+        kernel: str = "slipstream",
+    ) -> str:
+        """Map a ``max_bytes`` symmetric buffer on every rank and check one sum with it; with
+        ``kernel = "slipstream"`` also set up and check Slipstream's kernel (torch's is kept
+        if that fails).
 
         Returns "" on success, else why not (the same answer on every rank: the check's
         outcome is agreed by an all-reduce).
@@ -175,7 +224,77 @@ class TPReducer:
             self.buffer = self.gathered = None
             return why or "another rank's symmetric-memory setup failed"
         self.kind = "symm_mem"
+        if kernel == "slipstream":
+            why = self.norm_why = self._setup_norm_kernel(device, dtype, max_bytes)
+            if why:
+                logger.info(
+                    "tensor_parallel.symm_mem_kernel slipstream unavailable (%s): torch's "
+                    "one-shot kernel sums",
+                    why,
+                )
         return ""
+
+    def _agree(self, ok: bool, device: torch.device) -> bool:
+        """Whether ``ok`` holds on every rank of the group."""
+        flag = torch.ones(1, device=device) if ok else torch.zeros(1, device=device)
+        dist.all_reduce(flag, op=dist.ReduceOp.MIN, group=self.group)
+        return bool(flag.item())
+
+    def _setup_norm_kernel(self, device: torch.device, dtype: torch.dtype, max_bytes: int) -> str:
+        """Map Slipstream's kernel's receive buffer, and check it (see
+        :mod:`slipstream.inference.allreduce_norm`); returns "" or why not, agreed."""
+        import torch.distributed._symmetric_memory as symm_mem
+
+        group = self.group if self.group is not None else dist.group.WORLD
+        assert group is not None
+        why, state = "", None
+        try:
+            slot_words = max(max_bytes // 4, 1)  # words of one call's rows
+            recv = symm_mem.empty(2 * self.world * slot_words, dtype=torch.int64, device=device)
+            handle = symm_mem.rendezvous(recv, group)
+            recv_ptrs = torch.tensor(list(handle.buffer_ptrs), dtype=torch.int64, device=device)
+            state = SymmNormState(recv, recv_ptrs, self.rank, self.world, MAX_BLOCKS)
+            state.reset()
+            torch.cuda.synchronize(device)
+        except Exception as error:  # torch's kernel instead (agreed below)
+            why = f"setup failed: {error}"
+        # Every rank's buffer is clear before any rank's first push.
+        if not self._agree(not why, device):
+            return why or "another rank's setup failed"
+        assert state is not None
+        try:
+            state.spin = 1 << 24  # a rank that failed to launch costs seconds, not a minute
+            why = _check_norm_kernel(state, device, dtype)
+            state.spin = MAX_SPIN
+        except Exception as error:
+            why = f"the test failed: {error}"
+        if not self._agree(not why, device):
+            return why or "another rank's test failed"
+        self.norm_state = state
+        return ""
+
+
+def _check_norm_kernel(state: SymmNormState, device: torch.device, dtype: torch.dtype) -> str:
+    """Slipstream's kernel against its torch reference on every rank's known inputs: one row,
+    a few, and more rows than programs, sums alone and with the add + RMSNorm; "" if right."""
+    width = 1024
+    for rows in (1, 3, 2 * state.blocks + 1):
+        index = torch.arange(rows * width, device=device).view(rows, width)
+        parts = [((index * (r + 3)) % 17 - 8).to(dtype) / 8 for r in range(state.world)]
+        residual = ((index % 13) - 6).to(dtype) / 4
+        weight = (1 + (torch.arange(width, device=device) % 5) / 8).to(dtype)
+        got = all_reduce_sum(state, parts[state.rank])
+        if not torch.equal(got, reference_sum(parts)):
+            return f"the test sum of {rows} rows was wrong"
+        total, normed = reduce_add_rms_norm(state, parts[state.rank], residual, weight, 1e-5)
+        want_total, want_normed = reference(parts, residual, weight, 1e-5)
+        if not torch.equal(total, want_total):
+            return f"the test residual add of {rows} rows was wrong"
+        if not torch.allclose(normed.float(), want_normed.float(), rtol=1e-2, atol=1e-2):
+            return f"the test RMSNorm of {rows} rows was wrong"
+    if int(state.error.item()):
+        return "a wait for a peer's words gave up"
+    return ""
 
 
 def install_reducer(
@@ -184,18 +303,24 @@ def install_reducer(
     mode: str,
     max_bytes: int,
     device: torch.device,
+    kernel: str = "slipstream",
 ) -> TPReducer:
     """Give every block of a sharded ``model`` (and its vocab-parallel embedding) one reducer.
 
     A collective: every rank of ``group`` calls it. ``mode`` is
     ``tensor_parallel.allreduce``; ``"symm_mem"`` that cannot run raises ValueError.
+    ``kernel`` is ``tensor_parallel.symm_mem_kernel``.
     """
     if mode not in ALLREDUCE_MODES:
         raise ValueError(f"tensor_parallel.allreduce = {mode!r}: choose one of {ALLREDUCE_MODES}")
+    if kernel not in SYMM_MEM_KERNELS:
+        raise ValueError(
+            f"tensor_parallel.symm_mem_kernel = {kernel!r}: choose one of {SYMM_MEM_KERNELS}"
+        )
     reducer = TPReducer(group)
     if mode != "nccl":
         dtype = model.embed.weight.dtype
-        why = reducer.setup_symm_mem(device, dtype, max_bytes)
+        why = reducer.setup_symm_mem(device, dtype, max_bytes, kernel)
         if why and mode == "symm_mem":
             raise ValueError(
                 f'tensor_parallel.allreduce = "symm_mem" cannot run here: {why}. Use "symm_mem_or_nccl" '
@@ -208,5 +333,9 @@ def install_reducer(
     if hasattr(model.embed, "reducer"):
         model.embed.reducer = reducer
     model.head_reducer = reducer
-    logger.info("tensor-parallel sums: %s", reducer.kind)
+    logger.info(
+        "tensor-parallel sums: %s%s",
+        reducer.kind,
+        " (slipstream kernel, add + RMSNorm fused)" if reducer.norm_state is not None else "",
+    )
     return reducer

@@ -76,6 +76,11 @@ class TensorParallelConfig(ConfigBlock):
     # can run, else nccl), see slipstream.inference.allreduce.
     allreduce: Literal["nccl", "symm_mem", "symm_mem_or_nccl"] = "symm_mem_or_nccl"
     symm_mem_bytes: int = dataclasses.field(default=1 << 21, metadata={"ge": 1024})
+    # The kernel of the symm_mem sums: "slipstream" (one Triton kernel per sum, pushing over
+    # NVLink one way; a block's sum, residual add and RMSNorm in one kernel) or "torch"
+    # (torch.ops.symm_mem's one-shot kernel, then add_rms_norm), see
+    # slipstream.inference.allreduce_norm.
+    symm_mem_kernel: Literal["slipstream", "torch"] = "slipstream"
 
 
 @dataclasses.dataclass(kw_only=True)

@@ -131,7 +131,14 @@ class InferenceEngine(nn.Module):
             from slipstream.inference.allreduce import install_reducer
 
             tp = config.tensor_parallel
-            install_reducer(fused, _tp_group(config), tp.allreduce, tp.symm_mem_bytes, self.device)
+            install_reducer(
+                fused,
+                _tp_group(config),
+                tp.allreduce,
+                tp.symm_mem_bytes,
+                self.device,
+                tp.symm_mem_kernel,
+            )
         self.fused = fused
         self._runner = StaticCacheRunner(
             fused, config.max_out_tokens, cuda_graph=config.enable_cuda_graph

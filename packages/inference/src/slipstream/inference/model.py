@@ -239,6 +239,17 @@ class FusedBlock(nn.Module):
             dist.all_reduce(x, group=self.tp_group)
         return x
 
+    def reduce_add_norm(
+        self, partial: torch.Tensor, residual: torch.Tensor, norm: Norm
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """``norm.add_forward`` of ``partial`` summed over the tensor-parallel group: one kernel
+        for the sum, the residual add and an RMSNorm where the reducer has one (Slipstream's
+        symmetric-memory kernel, ``tensor_parallel.symm_mem_kernel``)."""
+        reducer = self.reducer
+        if norm.kind == "rms" and getattr(reducer, "norm_state", None) is not None:
+            return reducer.add_rms_norm(partial, residual, norm.weight, norm.eps)  # type: ignore[union-attr, no-any-return]
+        return norm.add_forward(self._reduce(partial), residual)
+
     def _mlp(self, h: torch.Tensor) -> torch.Tensor:
         if self.moe is not None:
             return self.moe(h)
@@ -299,7 +310,7 @@ class FusedBlock(nn.Module):
         (``group`` times) when the block has grouped-query attention.
         """
         x, pending = self.forward_split(x, self.input_norm(x), rotary, cache, slots, mask)
-        return x + pending
+        return x + self._reduce(pending)
 
     def forward_split(
         self,
@@ -310,13 +321,15 @@ class FusedBlock(nn.Module):
         slots: torch.Tensor,
         mask: torch.Tensor,
     ) -> tuple[torch.Tensor, torch.Tensor]:
-        """:meth:`forward` given ``h = input_norm(x)``, returning ``(base, pending)`` whose sum
-        is the block's output: the decoder adds ``pending`` in the next norm's kernel."""
+        """:meth:`forward` given ``h = input_norm(x)``, returning ``(base, pending)``: the
+        block's output is ``base`` plus ``pending`` summed over the tensor-parallel group (this
+        rank's partial; the whole sum without TP). The decoder sums and adds ``pending`` in the
+        next norm's kernel (:meth:`reduce_add_norm`)."""
         attn = self._attention(h, rotary, cache, slots, mask)
         if self.post_norm is None:  # parallel residual: one reduction for both branches
-            return x, self._reduce(attn + self._mlp(h))
-        x, h = self.post_norm.add_forward(self._reduce(attn), x)  # residual add + norm fused
-        return x, self._reduce(self._mlp(h))
+            return x, attn + self._mlp(h)
+        x, h = self.reduce_add_norm(attn, x, self.post_norm)  # sum + residual add + norm fused
+        return x, self._mlp(h)
 
 
 class FusedDecoder(nn.Module):
@@ -402,6 +415,7 @@ class FusedDecoder(nn.Module):
         mask = attention_mask(key_valid, slots, self.spec.sliding_window)
         first = self.blocks[0]
         assert isinstance(first, FusedBlock)
+        previous = first  # the block whose output's partial sum ``pending`` (below) is
         group = first.heads // first.kv_heads
         if group > 1:  # once per step, not per layer: (batch, 1, group * tokens, keys)
             mask = mask[:, :, None].expand(-1, -1, group, -1, -1).flatten(2, 3)
@@ -420,12 +434,15 @@ class FusedDecoder(nn.Module):
             if pending is None:
                 h = block.input_norm(x)
             else:
-                x, h = block.input_norm.add_forward(pending, x)
+                x, h = previous.reduce_add_norm(pending, x, block.input_norm)
             x, pending = block.forward_split(x, h, rotary, layer_cache, slots, mask)
+            previous = block
             if self.layer_hook is not None:
                 self.layer_hook.after(index)
         normed = (
-            self.final_norm(x) if pending is None else self.final_norm.add_forward(pending, x)[1]
+            self.final_norm(x)
+            if pending is None
+            else previous.reduce_add_norm(pending, x, self.final_norm)[1]
         )
         if last_only:
             normed = normed[:, -1:]  # a prefill needs only the next token's logits
