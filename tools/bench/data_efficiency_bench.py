@@ -86,6 +86,16 @@ SIZES = {
     "1.3b": dataclasses.replace(SHAPES["1.3b"], vocab=256),
 }
 BUCKET = 64  # curriculum and random-LTD lengths are multiples of it (few distinct shapes)
+# --preset smoke: the whole harness on CPU in well under a minute (DeepSpeed-style arm: truncating
+# fixed_linear curriculum, DeepSpeed's token clock, controls at both LRs).
+SMOKE: dict[str, Any] = {
+    "size": "tiny", "seq": 128, "micro_batch": 4, "token_budget": 24576, "eval_every": 8,
+    "eval_batches": 2, "corpus_bytes": 1_000_000, "lrs": "1e-3,3e-3",
+    "de_lr_multipliers": "1,2", "de_budget_fractions": "0.7,1.0",
+    "curriculum_mode": "truncate", "cl_min": 16, "cl_schedule": "fixed_linear",
+    "difficulty_step": 8, "ltd_min": 32, "ltd_seq_per_step": 16, "de_lr_clock": "deepspeed",
+    "controls": "both", "warm_shapes": 4, "batch_control": 2,
+}  # fmt: skip
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
@@ -127,10 +137,11 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     )
     parser.add_argument(
         "--controls",
-        choices=["on", "off"],
+        choices=["on", "both", "off"],
         default="on",
-        help="also train the baseline (best LR) on each reduced budget: the honest reference "
-        "for a data-efficiency arm given fewer tokens",
+        help="also train the baseline on each reduced budget (on: at the best baseline LR; "
+        "both: also at the data-efficiency arm's best LR): the honest reference for a "
+        "data-efficiency arm given fewer tokens",
     )
     parser.add_argument("--min-lr-ratio", type=float, default=0.1)
     parser.add_argument("--warmup-fraction", type=float, default=0.02)
@@ -142,13 +153,45 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         default=None,
         help="default: the best baseline's final validation loss",
     )
+    parser.add_argument(
+        "--de-lr-multipliers",
+        default=None,
+        help="data-efficiency arm peak LRs as multiples of the best baseline LR, comma-"
+        "separated (replaces --de-lrs): the grid follows the tuned baseline",
+    )
     parser.add_argument("--curriculum-mode", choices=["fold", "truncate", "off"], default="fold")
     parser.add_argument("--cl-min", type=int, default=64)
+    parser.add_argument(
+        "--cl-schedule",
+        choices=["fixed_root", "fixed_linear"],
+        default="fixed_root",
+        help="the seqlen curriculum's schedule_type (fixed_root: square root)",
+    )
+    parser.add_argument(
+        "--difficulty-step",
+        type=int,
+        default=BUCKET,
+        help="curriculum lengths are multiples of it (DeepSpeed's GPT examples: 8)",
+    )
+    parser.add_argument(
+        "--ltd-seq-per-step",
+        type=int,
+        default=BUCKET,
+        help="random-LTD's kept counts are multiples of it (seq_per_step)",
+    )
+    parser.add_argument(
+        "--warm-shapes",
+        type=int,
+        default=0,
+        help="warm up at most this many of a run's distinct shapes, evenly spread (0: all); "
+        "the others pay their first-use cost inside the clock",
+    )
     parser.add_argument(
         "--curriculum-fraction",
         type=float,
         default=0.3,
-        help="share of the arm's steps over which the seqlen grows",
+        help="the seqlen grows over this share of budget / (micro-batch x seq) steps (the "
+        "arm's steps, unless truncation with the deepspeed clock makes it take more)",
     )
     parser.add_argument("--ltd", choices=["on", "off"], default="on")
     parser.add_argument("--ltd-min", type=int, default=128)
@@ -156,27 +199,83 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         "--ltd-fraction",
         type=float,
         default=0.7,
-        help="share of the arm's steps over which random-LTD's kept tokens grow",
+        help="random-LTD's kept tokens grow over this share of budget / (micro-batch x seq) steps",
     )
     parser.add_argument(
         "--de-lr-clock",
-        choices=["tokens", "layer-tokens"],
+        choices=["tokens", "layer-tokens", "deepspeed"],
         default="tokens",
-        help="the data-efficiency arm's LR schedule runs over tokens read (as the baseline's) "
-        "or over layer-tokens (DeepSpeed's pairing with random-LTD: warmup and decay follow "
-        "the tokens the layers actually processed)",
+        help="the data-efficiency arm's LR schedule runs over tokens read (as the baseline's), "
+        "over layer-tokens (warmup and decay follow the tokens the layers processed; the run "
+        "still ends on tokens read), or 'deepspeed': Megatron-DeepSpeed's "
+        "consumed_train_tokens (rows x the curriculum length, layer-averaged over the random-"
+        "LTD layers' kept count) drives both the LR and the end of the run, as its "
+        "train_tokens / lr_decay_tokens do",
     )
     parser.add_argument("--token-backend", choices=["auto", "torch", "triton"], default="auto")
-    parser.add_argument("--corpus", choices=["stdlib", "grammar"], default="stdlib")
+    parser.add_argument("--corpus", choices=["stdlib", "grammar", "file"], default="stdlib")
+    parser.add_argument(
+        "--corpus-file",
+        type=Path,
+        default=Path(".device/de_corpus.bin"),
+        help="with --corpus file: documents joined by NUL bytes (tools/bench/make_text_corpus.py)",
+    )
     parser.add_argument("--corpus-bytes", type=int, default=64_000_000)
     parser.add_argument("--seed", type=int, default=1234)
+    parser.add_argument(
+        "--batch-control",
+        type=int,
+        default=0,
+        help="when a data-efficiency run reaches the target: also train the baseline with "
+        "micro-batch / this divisor on the full budget (at the best LR and at it / sqrt("
+        "divisor)), so a gain from smaller early batches is not credited to the curriculum "
+        "(0: off)",
+    )
+    parser.add_argument(
+        "--max-seconds",
+        type=float,
+        default=0.0,
+        help="skip later runs (data-efficiency LRs after the first, controls, other "
+        "fractions) that would end past this many seconds of the invocation; the summary "
+        "lists them (0: no limit)",
+    )
     parser.add_argument("--json", type=Path, default=None, help="also write the results here")
-    return parser.parse_args(argv)  # fmt: skip
+    parser.add_argument(
+        "--preset",
+        choices=["none", "smoke"],
+        default="none",
+        help="smoke: a CPU check of the whole harness in well under a minute (tiny model, "
+        "truncating curriculum, DeepSpeed clock, controls at both LRs)",
+    )
+    if parser.parse_known_args(argv)[0].preset == "smoke":
+        parser.set_defaults(**SMOKE)  # options given on the command line still win
+    args = parser.parse_args(argv)
+    return args
 
 
 # ---------------------------------------------------------------------------- data
 def _corpus(args: argparse.Namespace) -> tuple[bytes, bytes, str]:
     """(train bytes, validation bytes, description)."""
+    if args.corpus == "file":
+        if not args.corpus_file.is_file():
+            raise SystemExit(
+                f"--corpus-file {args.corpus_file} does not exist; make it with "
+                "python tools/bench/make_text_corpus.py --out " + str(args.corpus_file)
+            )
+        data = args.corpus_file.read_bytes()
+        documents = data.split(b"\x00")
+        # One document in 50 (by a hash of its text) is held out for validation.
+        held = [zlib.crc32(doc) % 50 == 0 for doc in documents]
+        train_docs = [d for d, h in zip(documents, held, strict=True) if not h]
+        valid_docs = [d for d, h in zip(documents, held, strict=True) if h]
+        while sum(map(len, valid_docs)) * 50 < len(data) and len(train_docs) > 1:
+            valid_docs.append(train_docs.pop())  # a small file may hash too little out
+        return (
+            b"\n".join(train_docs),
+            b"\n".join(valid_docs),
+            f"{args.corpus_file.name} ({len(documents):,} documents, {len(data):,} bytes, "
+            f"crc32 {zlib.crc32(data):08x}, 1 document in 50 held out)",
+        )
     if args.corpus == "grammar":
         data = generate(num_bytes=min(args.corpus_bytes, 8_000_000))
         cut = len(data) * 49 // 50
@@ -262,7 +361,7 @@ def _random_ltd_block(args: argparse.Namespace, steps: int) -> dict[str, Any]:
             "schedule_type": "fixed_linear",
             "schedule_config": {
                 "require_steps": max(int(steps * args.ltd_fraction), 1),
-                "seq_per_step": min(BUCKET, args.seq),
+                "seq_per_step": min(args.ltd_seq_per_step, args.seq),
             },
         },
     }
@@ -287,18 +386,19 @@ def _config(
     if not efficient:
         return config
     if args.curriculum_mode != "off":
-        step = min(BUCKET, args.seq)
+        schedule_config: dict[str, Any] = {
+            "total_curriculum_step": max(int(steps * args.curriculum_fraction), 1),
+            "difficulty_step": min(args.difficulty_step, args.seq),
+        }
+        if args.cl_schedule == "fixed_root":
+            schedule_config["root_degree"] = 2
         config["curriculum_learning"] = {
             "enabled": True,
             "curriculum_type": "seqlen",
             "min_difficulty": min(args.cl_min, args.seq),
             "max_difficulty": args.seq,
-            "schedule_type": "fixed_root",
-            "schedule_config": {
-                "total_curriculum_step": max(int(steps * args.curriculum_fraction), 1),
-                "difficulty_step": step,
-                "root_degree": 2,
-            },
+            "schedule_type": args.cl_schedule,
+            "schedule_config": schedule_config,
         }
     if args.ltd == "on":
         config["data_efficiency"] = {
@@ -354,6 +454,11 @@ def _warm_up(args: argparse.Namespace, engine: Any, efficient: bool, steps: int)
         scheduler = RandomLTDScheduler(config, args.micro_batch)
         attach_random_ltd(model, config, scheduler, backend=args.token_backend)
     shapes = _schedule_shapes(engine, args, steps) if efficient else [(args.seq, args.seq)]
+    if 0 < args.warm_shapes < len(shapes):  # evenly spread, the first and last included
+        picks = {
+            round(i * (len(shapes) - 1) / (args.warm_shapes - 1)) for i in range(args.warm_shapes)
+        }
+        shapes = [shapes[i] for i in sorted(picks)] if args.warm_shapes > 1 else shapes[-1:]
     batch = torch.randint(0, 256, (args.micro_batch, args.seq + 1), device=engine.device)
     for seqlen, kept in shapes:
         if scheduler is not None:
@@ -399,6 +504,19 @@ def _layer_token_plan(engine: Any, args: argparse.Namespace, steps: int) -> list
     return plan
 
 
+def _consumed_tokens(args: argparse.Namespace, seqlen: int, kept: int | None) -> int:
+    """Megatron-DeepSpeed's ``consumed_train_tokens`` increment for one step: rows of the
+    curriculum length, and with random-LTD the length averaged over the layers (the dropping
+    layers count their kept tokens), rounded down as its training loop does."""
+    layers = SIZES[args.size].layers
+    dropping = layers - 2 if args.ltd == "on" else 0
+    actual = seqlen
+    if kept is not None and kept < seqlen:
+        actual = (seqlen * (layers - dropping) + kept * dropping) // layers
+    rows = _tokens_read(args, seqlen) // seqlen
+    return rows * actual
+
+
 def run(
     args: argparse.Namespace,
     train: torch.Tensor,
@@ -413,6 +531,7 @@ def run(
     The LR schedule and (data-efficiency arm) the curriculum and random-LTD schedules span
     this run's own budget.
     """
+    run_began = time.perf_counter()
     steps_planned = math.ceil(budget / (args.micro_batch * args.seq))
     torch.manual_seed(args.seed)
     with torch.device(train.device):  # built in place: a 300M model's CPU init takes seconds
@@ -439,15 +558,19 @@ def run(
         else None
     )
     layer_tokens = 0
+    # The clock the run ends on and (unless a layer-token plan) its LR follows: tokens read,
+    # or DeepSpeed's consumed tokens for the data-efficiency arm with --de-lr-clock deepspeed.
+    deepspeed_clock = efficient and args.de_lr_clock == "deepspeed"
+    clock = 0
     curve: list[tuple[int, int, float, float]] = []  # (step, tokens, seconds, val loss)
     diverged = False
     _sync()
     began = time.perf_counter()
-    while tokens < budget:
+    while clock < budget:
         start = (step * args.micro_batch) % (train.shape[0] - args.micro_batch)
         batch = train[order[start : start + args.micro_batch]]
         if plan is None:
-            step_lr = _lr_at(args, lr, tokens, budget)
+            step_lr = _lr_at(args, lr, clock, budget)
         else:
             step_lr = _lr_at(args, lr, layer_tokens, sum(plan))
             layer_tokens += plan[min(step, len(plan) - 1)]
@@ -459,8 +582,14 @@ def run(
         step += 1
         runtime = engine.data_efficiency
         seqlen = runtime.curriculum_difficulty() if runtime is not None else None
-        tokens += _tokens_read(args, seqlen) if seqlen else budget_step(args)
-        if step % args.eval_every == 0 or tokens >= budget:
+        read = _tokens_read(args, seqlen) if seqlen else budget_step(args)
+        tokens += read
+        if deepspeed_clock:
+            kept = runtime.random_ltd.get_current_seq() if runtime.random_ltd else None
+            clock += _consumed_tokens(args, seqlen or args.seq, kept)
+        else:
+            clock = tokens
+        if step % args.eval_every == 0 or clock >= budget:
             _sync()  # the timed segment ends here; validation is not timed
             train_seconds += time.perf_counter() - began
             val = _validate(engine, valid, args)
@@ -496,6 +625,7 @@ def run(
         "tokens": tokens,
         "train_seconds": train_seconds,
         "warmup_seconds": warmup_seconds,
+        "wall_seconds": time.perf_counter() - run_began,
         "tokens_per_second": tokens / max(train_seconds, 1e-9),
         "final_val_loss": final,
         "diverged": diverged,
@@ -553,10 +683,13 @@ def _describe(args: argparse.Namespace, budget: int, description: str) -> str:
         f"(0.9, 0.95), wd 0.1, clip 1.0, warmup {args.warmup_fraction:.0%} then cosine to "
         f"{args.min_lr_ratio}x over each run's own token budget; validation every "
         f"{args.eval_every} steps on {args.eval_batches * args.micro_batch} held-out windows; "
-        f"data-efficiency arm: curriculum {args.curriculum_mode} (seqlen fixed_root from "
-        f"{args.cl_min} over {args.curriculum_fraction:.0%} of its steps), random-LTD "
-        f"{args.ltd} (kept tokens from {args.ltd_min} over {args.ltd_fraction:.0%} of its "
-        f"steps, token ops {args.token_backend}), LR clock {args.de_lr_clock}"
+        f"data-efficiency arm: curriculum {args.curriculum_mode} (seqlen {args.cl_schedule} "
+        f"from {args.cl_min}, difficulty_step {args.difficulty_step}, over "
+        f"{args.curriculum_fraction:.0%} of budget/(micro-batch x seq) steps), random-LTD "
+        f"{args.ltd} (kept tokens from {args.ltd_min}, seq_per_step {args.ltd_seq_per_step}, "
+        f"over {args.ltd_fraction:.0%} of those steps, token ops {args.token_backend}), LR "
+        f"clock {args.de_lr_clock}; warm-up shapes "
+        f"{args.warm_shapes if args.warm_shapes else 'all'}"
     )
 
 
@@ -566,7 +699,10 @@ def main(argv: list[str] | None = None) -> int:
     wall = time.perf_counter()
     base_lrs = _floats(args.lrs)
     de_lrs = _floats(args.de_lrs) if args.de_lrs else base_lrs
+    multipliers = _floats(args.de_lr_multipliers) if args.de_lr_multipliers else None
     fractions = _floats(args.de_budget_fractions)
+    if multipliers == []:
+        raise SystemExit("--de-lr-multipliers needs at least one multiplier")
     if not base_lrs or not de_lrs or not fractions or not all(0 < f <= 1 for f in fractions):
         raise SystemExit("--lrs/--de-lrs need LRs and --de-budget-fractions values in (0, 1]")
     device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
@@ -585,8 +721,12 @@ def main(argv: list[str] | None = None) -> int:
         budget, probe_rate = _probe_budget(args, train)
         print(f"probe: baseline {probe_rate:,.0f} tokens/s -> budget {budget:,} tokens", flush=True)
     print(_describe(args, budget, description), flush=True)
+    if multipliers is not None:
+        de_plan = f"the best baseline LR x {multipliers}"
+    else:
+        de_plan = str(de_lrs)
     print(
-        f"plan: baseline LRs {base_lrs}; data-efficiency LRs {de_lrs} at budget fraction "
+        f"plan: baseline LRs {base_lrs}; data-efficiency LRs {de_plan} at budget fraction "
         f"{fractions[0]}, then fractions {fractions[1:]} at its best LR; controls {args.controls}",
         flush=True,
     )
@@ -602,34 +742,73 @@ def main(argv: list[str] | None = None) -> int:
         raise SystemExit("every baseline LR diverged; lower --lrs")
     best_base = min(baselines, key=lambda r: r["final_val_loss"])
     target = args.target_loss if args.target_loss is not None else best_base["final_val_loss"]
-    first = tokens_for(fractions[0])
-    de_runs = [run(args, train, valid, True, first, lr, "data-eff") for lr in de_lrs]
-    results += de_runs
+    if multipliers is not None:
+        de_lrs = [best_base["lr"] * m for m in multipliers]
+    skipped: list[str] = []
+    base_wall = max(r["wall_seconds"] for r in results)
+
+    def fits(fraction: float, what: str) -> bool:
+        """Whether a run of this budget fraction fits in --max-seconds (estimated from the
+        slowest baseline run's wall time); a skipped run is listed in the summary."""
+        if not args.max_seconds:
+            return True
+        if time.perf_counter() - wall + 1.1 * fraction * base_wall <= args.max_seconds:
+            return True
+        skipped.append(what)
+        print(f"skipped (--max-seconds {args.max_seconds:.0f}): {what}", flush=True)
+        return False
 
     def rank(r: dict[str, Any]) -> tuple[float, float]:
         reached = _time_to(r["curve"], target)
         return (reached if reached is not None else math.inf, r["final_val_loss"])
 
-    best_de = min(de_runs, key=rank)
-    for fraction in fractions[1:]:
-        results.append(
-            run(args, train, valid, True, tokens_for(fraction), best_de["lr"], "data-eff")
-        )
-    if args.controls == "on":
-        for fraction in sorted(set(fractions)):
-            if fraction < 1:
-                short = tokens_for(fraction)
+    def controls(fraction: float, de_lr: float) -> None:
+        if args.controls == "off" or fraction >= 1:
+            return
+        control_lrs = [best_base["lr"]]
+        if args.controls == "both" and not math.isclose(de_lr, best_base["lr"]):
+            control_lrs.append(de_lr)
+        for control_lr in control_lrs:
+            if fits(fraction, f"baseline-short lr {control_lr:.1e} at {fraction}x"):
                 results.append(
-                    run(args, train, valid, False, short, best_base["lr"], "baseline-short")
-                )
+                    run(args, train, valid, False, tokens_for(fraction), control_lr,
+                        "baseline-short")
+                )  # fmt: skip
+
+    first = tokens_for(fractions[0])
+    de_runs = []
+    for i, lr in enumerate(de_lrs):
+        if i == 0 or fits(fractions[0], f"data-eff lr {lr:.1e} at {fractions[0]}x"):
+            de_runs.append(run(args, train, valid, True, first, lr, "data-eff"))
+    results += de_runs
+    best_de = min(de_runs, key=rank)
+    controls(fractions[0], best_de["lr"])
+    if args.batch_control > 1 and _time_to(best_de["curve"], target) is not None:
+        # The arm reached the target: would a plain baseline with a smaller batch (more,
+        # cheaper steps, as the curriculum's short early steps are) do as well?
+        divisor = args.batch_control
+        small = argparse.Namespace(**{**vars(args), "micro_batch": args.micro_batch // divisor,
+                                      "eval_batches": args.eval_batches * divisor,
+                                      "eval_every": args.eval_every * divisor})  # fmt: skip
+        for lr in (best_base["lr"], best_base["lr"] / math.sqrt(divisor)):
+            if fits(1.0, f"baseline micro-batch {small.micro_batch} lr {lr:.1e}"):
+                result = run(small, train, valid, False, budget, lr, "baseline")
+                result["label"] = f"baseline-mb{small.micro_batch}"
+                results.append(result)
+    for fraction in fractions[1:]:
+        if fits(fraction, f"data-eff lr {best_de['lr']:.1e} at {fraction}x"):
+            results.append(
+                run(args, train, valid, True, tokens_for(fraction), best_de["lr"], "data-eff")
+            )
+        controls(fraction, best_de["lr"])
 
     print("\n" + _describe(args, budget, description))
     print(f"target validation loss {target:.4f} (best baseline: lr {best_base['lr']:.1e})\n")
     print(
-        "| run | peak LR | budget | steps | tokens/s | final val loss | time to target (s) "
-        "| vs best baseline |"
+        "| run | peak LR | budget | steps | tokens read | train s | tokens/s | final val loss "
+        "| time to target (s) | vs best baseline |"
     )
-    print("|---|---|---|---|---|---|---|---|")
+    print("|---|---|---|---|---|---|---|---|---|---|")
     base_time = _time_to(best_base["curve"], target)
     for result in results:
         reached = _time_to(result["curve"], target)
@@ -638,10 +817,22 @@ def main(argv: list[str] | None = None) -> int:
         result["ratio"] = ratio
         print(
             f"| {result['label']} | {result['lr']:.1e} | {result['budget'] / budget:.2f}x | "
-            f"{result['steps']} | {result['tokens_per_second']:,.0f} | "
+            f"{result['steps']} | {result['tokens']:,} | {result['train_seconds']:.1f} | "
+            f"{result['tokens_per_second']:,.0f} | "
             f"{result['final_val_loss']:.4f}{' (diverged)' if result['diverged'] else ''} | "
             f"{'not reached' if reached is None else f'{reached:.1f}'} | "
             f"{'-' if ratio is None else f'{ratio:.2f}x'} |"
+        )
+    print("\nvalidation loss against training seconds (at most 12 points a run):")
+    for result in results:
+        curve = result["curve"]
+        every = max(math.ceil(len(curve) / 12), 1)
+        points = curve[every - 1 :: every]
+        if curve and points[-1] is not curve[-1]:
+            points.append(curve[-1])
+        print(
+            f"  {result['label']} {result['lr']:.1e} {result['budget'] / budget:.2f}x: "
+            + " ".join(f"{seconds:.1f}s:{loss:.3f}" for _, _, seconds, loss in points)
         )
     # The honest reference: the fastest baseline-family run (any LR, any budget) to the target.
     base_family = [r for r in results if r["label"].startswith("baseline")]
@@ -676,11 +867,14 @@ def main(argv: list[str] | None = None) -> int:
                 f"note: the {name} arm's best LR {best:.1e} is at the edge of its sweep "
                 f"{lrs}: widen the sweep before trusting the comparison"
             )
+    if skipped:
+        print(f"skipped for time (--max-seconds): {'; '.join(skipped)}")
     print(f"(whole invocation: {time.perf_counter() - wall:.0f} s)")
     if args.json is not None:
-        args.json.write_text(json.dumps({"args": vars(args) | {"json": str(args.json)},
-                                         "budget": budget, "probe_rate": probe_rate,
-                                         "verdict": verdict, "results": results}, indent=1))  # fmt: skip
+        settings = {k: str(v) if isinstance(v, Path) else v for k, v in vars(args).items()}
+        args.json.write_text(json.dumps({"args": settings, "budget": budget,
+                                         "probe_rate": probe_rate, "verdict": verdict,
+                                         "results": results}, indent=1))  # fmt: skip
     from slipstream import comm
 
     comm.destroy()  # the process group initialize() made: no leak warning at exit
