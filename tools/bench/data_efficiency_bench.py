@@ -10,40 +10,69 @@ validation loss, as DeepSpeed's data-efficiency papers make it, with both arms t
    data-efficiency arm may be given fewer tokens: its LR, curriculum and random-LTD schedules
    then span its own, shorter budget), then the other fractions at its best LR.
 3. **Controls** (``--controls on``): the baseline at its best LR on each reduced budget, so a
-   win from simply training a shorter schedule is not credited to data efficiency.
+   win from simply training a shorter schedule is not credited to data efficiency
+   (``--controls both``: also at the data-efficiency arm's best LR, since DeepSpeed raises the
+   baseline's LR on a reduced budget too). With ``--batch-control D``, a data-efficiency run
+   that reaches the target also triggers the baseline at micro-batch / D on the full budget:
+   the curriculum's short early steps are small token batches, and this tells that gain apart.
 
 The verdict divides the fastest data-efficiency run's training time to the target by the
 fastest baseline-family run's (sweep and controls), at validation points every
 ``--eval-every`` steps (validation is not timed; goal of issue 28: <= 0.7). A run whose
-validation loss goes non-finite or doubles is stopped as diverged.
+validation loss goes non-finite or doubles is stopped as diverged. The summary prints each
+run's validation loss against its training seconds, so a crossing is measured, not
+extrapolated. ``--max-seconds`` skips (and lists) later runs that would not fit.
 
-The data-efficiency arm follows DeepSpeed's recipe for GPT pretraining, bucketed for the GPU:
+The data-efficiency arm (defaults: the 2026-11-25 runs):
 
-* seqlen curriculum, ``fixed_root`` (square root) from ``--cl-min`` (64) tokens to the full
-  length over ``--curriculum-fraction`` of its steps, ``difficulty_step`` 64 (so there are
-  only seq/64 distinct shapes). The model takes ``curriculum_seqlen`` and folds each row into
-  seq/c rows of c tokens (``--curriculum-mode fold``, the default: every step reads the same
-  tokens as a baseline step, with a shorter context), or the engine truncates the batch as
-  DeepSpeed's legacy curriculum does (``--curriculum-mode truncate``);
+* seqlen curriculum, ``--cl-schedule`` (``fixed_root``, square root) from ``--cl-min`` (64)
+  tokens to the full length over ``--curriculum-fraction`` of budget / (micro-batch x seq)
+  steps, lengths in multiples of ``--difficulty-step`` (64). The model takes
+  ``curriculum_seqlen`` and folds each row into seq/c rows of c tokens (``--curriculum-mode
+  fold``: a step reads as many tokens as a baseline step, with a shorter context), or the
+  engine truncates the batch as DeepSpeed's ``seqlen_truncate`` does (``truncate``: early
+  steps read fewer tokens and cost less);
 * random-LTD in every layer but the first and last, keeping ``--ltd-min`` (128) tokens at first
-  and rising linearly to the full length over ``--ltd-fraction`` of its steps, in multiples of
-  64 (``seq_per_step``). A layer drops nothing while the curriculum's length is at or below
-  the kept count.
+  and rising linearly to the full length over ``--ltd-fraction`` of those steps, in multiples
+  of ``--ltd-seq-per-step`` (64). A layer drops nothing while the curriculum's length is at or
+  below the kept count;
+* ``--de-lr-clock deepspeed``: Megatron-DeepSpeed's ``consumed_train_tokens`` (rows x the
+  curriculum length, averaged over the layers with the random-LTD layers counting their kept
+  tokens) drives the warmup/cosine LR and ends the run at its budget, as ``train_tokens`` and
+  ``lr_decay_tokens`` do there; so a truncating arm takes more, cheaper steps.
 
-Before timing, each run does one forward/backward per distinct shape of its schedule on a
-throwaway copy of the model (cuBLAS/cuDNN plans, allocator), so one-time warmup is out of
-every clock. Without ``--token-budget``, a short probe of the baseline's rate sizes the budget
-so that a baseline run trains for about ``--baseline-seconds``.
+DeepSpeed's GPT-3 1.3B data-efficiency run script (Megatron-DeepSpeed's data-efficiency GPT
+examples) uses seq 2048, ``seqlen_truncate`` from 80, ``difficulty_step`` 8, root
+1 (linear) over 110K steps (~38% of the baseline's 286K steps of 1M tokens), random-LTD from
+128 with ``seq_per_step`` 16 over 200K steps (~70%), token-based warmup and cosine decay over
+the run's token budget, and raises the peak LR as the budget shrinks (2e-4 at 300B tokens,
+4e-4 at 150B, for baseline and data-efficiency runs alike). The decisive run of issue 28 takes
+those settings to a one-GPU scale (the 85M model, 20 MB corpus file from
+``make_text_corpus.py``; about 5.5 minutes on one H100)::
 
-    # GPU (one H100, about 5 minutes): a 24-layer, 1024-wide byte-level GPT (~300M), seq 512,
-    # on Python's standard library source (held-out files for validation); 4 + 3 LRs
+    python tools/bench/make_text_corpus.py --out .device/de_corpus.bin --bytes 20000000
+    python tools/bench/data_efficiency_bench.py --size base --seq 2048 --micro-batch 16 \\
+        --corpus file --corpus-file .device/de_corpus.bin --holdout 20 \\
+        --baseline-seconds 30 --warmup-fraction 0.05 --eval-every 20 --eval-batches 6 \\
+        --lrs 3e-4,6e-4,1.2e-3 --de-lr-multipliers 1,2,4 --de-budget-fractions 0.6,0.8 \\
+        --curriculum-mode truncate --cl-schedule fixed_linear --cl-min 80 \\
+        --difficulty-step 8 --curriculum-fraction 0.38 --ltd-min 128 --ltd-seq-per-step 16 \\
+        --ltd-fraction 0.7 --de-lr-clock deepspeed --controls both --batch-control 4 \\
+        --warm-shapes 16 --max-seconds 330 --json de4.json
+
+Before timing, each run does one forward/backward per distinct shape of its schedule (or
+``--warm-shapes`` of them, evenly spread) on a throwaway copy of the model (cuBLAS plans,
+allocator, Triton compiles), so one-time costs stay out of the clock (with ``--warm-shapes``,
+those of the other shapes fall inside it). Without
+``--token-budget``, a short probe of the baseline's rate sizes the budget so that a baseline
+run trains for about ``--baseline-seconds``.
+
+    # the 2026-11-25/26 run 1 (309M, seq 512, folded curriculum)
     python tools/bench/data_efficiency_bench.py --baseline-seconds 25 --eval-every 15 \\
         --eval-batches 4 --lrs 6e-4,1.2e-3,2.4e-3,4.8e-3 --de-lrs 1.2e-3,2.4e-3,4.8e-3 \\
         --de-budget-fractions 0.7,1.0 --de-lr-clock layer-tokens
-    # CPU smoke run of the harness (under a minute)
-    python tools/bench/data_efficiency_bench.py --size tiny --seq 128 --micro-batch 4 \\
-        --token-budget 40960 --eval-every 20 --eval-batches 2 --corpus-bytes 2000000 \\
-        --lrs 1e-3,3e-3 --de-lrs 3e-3,6e-3 --de-budget-fractions 0.7,1.0
+    # CPU smoke run of the whole harness (truncation, DeepSpeed's clock, every control)
+    python tools/bench/data_efficiency_bench.py --preset smoke
 
 Without the packages installed, put the sources on the path first:
 ``export PYTHONPATH=$(ls -d kernels/src packages/*/src | tr '\\n' ':')``.
@@ -221,6 +250,13 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         help="with --corpus file: documents joined by NUL bytes (tools/bench/make_text_corpus.py)",
     )
     parser.add_argument("--corpus-bytes", type=int, default=64_000_000)
+    parser.add_argument(
+        "--holdout",
+        type=int,
+        default=50,
+        help="with --corpus file: one document in this many (by a hash of its text) is "
+        "held out for validation",
+    )
     parser.add_argument("--seed", type=int, default=1234)
     parser.add_argument(
         "--batch-control",
@@ -264,17 +300,18 @@ def _corpus(args: argparse.Namespace) -> tuple[bytes, bytes, str]:
             )
         data = args.corpus_file.read_bytes()
         documents = data.split(b"\x00")
-        # One document in 50 (by a hash of its text) is held out for validation.
-        held = [zlib.crc32(doc) % 50 == 0 for doc in documents]
+        # One document in --holdout (by a hash of its text) is held out for validation.
+        held = [zlib.crc32(doc) % args.holdout == 0 for doc in documents]
         train_docs = [d for d, h in zip(documents, held, strict=True) if not h]
         valid_docs = [d for d, h in zip(documents, held, strict=True) if h]
-        while sum(map(len, valid_docs)) * 50 < len(data) and len(train_docs) > 1:
+        while sum(map(len, valid_docs)) * args.holdout < len(data) and len(train_docs) > 1:
             valid_docs.append(train_docs.pop())  # a small file may hash too little out
         return (
             b"\n".join(train_docs),
             b"\n".join(valid_docs),
             f"{args.corpus_file.name} ({len(documents):,} documents, {len(data):,} bytes, "
-            f"crc32 {zlib.crc32(data):08x}, 1 document in 50 held out)",
+            f"crc32 {zlib.crc32(data):08x}, 1 document in {args.holdout} held out: "
+            f"{sum(map(len, valid_docs)):,} bytes)",
         )
     if args.corpus == "grammar":
         data = generate(num_bytes=min(args.corpus_bytes, 8_000_000))
