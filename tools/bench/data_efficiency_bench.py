@@ -15,6 +15,7 @@ validation loss, as DeepSpeed's data-efficiency papers make it, with both arms t
    baseline's LR on a reduced budget too). With ``--batch-control D``, a data-efficiency run
    that reaches the target also triggers the baseline at micro-batch / D on the full budget:
    the curriculum's short early steps are small token batches, and this tells that gain apart.
+   ``--de-variants cl`` (or ``ltd``) also runs one technique alone at the arm's best LR.
 
 The verdict divides the fastest data-efficiency run's training time to the target by the
 fastest baseline-family run's (sweep and controls), at validation points every
@@ -57,8 +58,8 @@ those settings to a one-GPU scale (the 85M model, 20 MB corpus file from
         --lrs 3e-4,6e-4,1.2e-3 --de-lr-multipliers 1,2,4 --de-budget-fractions 0.6,0.8 \\
         --curriculum-mode truncate --cl-schedule fixed_linear --cl-min 80 \\
         --difficulty-step 8 --curriculum-fraction 0.38 --ltd-min 128 --ltd-seq-per-step 16 \\
-        --ltd-fraction 0.7 --de-lr-clock deepspeed --controls both --batch-control 4 \\
-        --warm-shapes 16 --max-seconds 330 --json de4.json
+        --ltd-fraction 0.7 --de-lr-clock deepspeed --controls both --de-variants cl \\
+        --batch-control 4 --warm-shapes 16 --max-seconds 320 --json de4.json
 
 Before timing, each run does one forward/backward per distinct shape of its schedule (or
 ``--warm-shapes`` of them, evenly spread) on a throwaway copy of the model (cuBLAS plans,
@@ -123,8 +124,12 @@ SMOKE: dict[str, Any] = {
     "de_lr_multipliers": "1,2", "de_budget_fractions": "0.7,1.0",
     "curriculum_mode": "truncate", "cl_min": 16, "cl_schedule": "fixed_linear",
     "difficulty_step": 8, "ltd_min": 32, "ltd_seq_per_step": 16, "de_lr_clock": "deepspeed",
-    "controls": "both", "warm_shapes": 4, "batch_control": 2,
+    "controls": "both", "warm_shapes": 4, "batch_control": 2, "de_variants": "cl",
 }  # fmt: skip
+
+
+# --de-variants: the data-efficiency arm with one technique only.
+VARIANTS: dict[str, dict[str, str]] = {"cl": {"ltd": "off"}, "ltd": {"curriculum_mode": "off"}}
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
@@ -258,6 +263,13 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         "held out for validation",
     )
     parser.add_argument("--seed", type=int, default=1234)
+    parser.add_argument(
+        "--de-variants",
+        default="",
+        help="comma-separated, from 'cl' (curriculum without random-LTD) and 'ltd' (random-"
+        "LTD without curriculum): also run these at the first budget fraction and the arm's "
+        "best LR",
+    )
     parser.add_argument(
         "--batch-control",
         type=int,
@@ -706,6 +718,10 @@ def _time_to(curve: list[tuple[int, int, float, float]], target: float) -> float
     return None
 
 
+def _floats_or_names(text: str) -> list[str]:
+    return [part.strip() for part in text.split(",") if part.strip()]
+
+
 def _floats(text: str) -> list[float]:
     return [float(part) for part in text.split(",") if part.strip()]
 
@@ -738,6 +754,9 @@ def main(argv: list[str] | None = None) -> int:
     de_lrs = _floats(args.de_lrs) if args.de_lrs else base_lrs
     multipliers = _floats(args.de_lr_multipliers) if args.de_lr_multipliers else None
     fractions = _floats(args.de_budget_fractions)
+    unknown = set(_floats_or_names(args.de_variants)) - set(VARIANTS)
+    if unknown:
+        raise SystemExit(f"--de-variants: unknown {sorted(unknown)}; use {sorted(VARIANTS)}")
     if multipliers == []:
         raise SystemExit("--de-lr-multipliers needs at least one multiplier")
     if not base_lrs or not de_lrs or not fractions or not all(0 < f <= 1 for f in fractions):
@@ -820,7 +839,15 @@ def main(argv: list[str] | None = None) -> int:
     results += de_runs
     best_de = min(de_runs, key=rank)
     controls(fractions[0], best_de["lr"])
-    if args.batch_control > 1 and _time_to(best_de["curve"], target) is not None:
+    for variant in _floats_or_names(args.de_variants):
+        # One technique alone, at the first fraction and the arm's best LR.
+        alone = argparse.Namespace(**{**vars(args), **VARIANTS[variant]})
+        if fits(fractions[0], f"data-eff-{variant} lr {best_de['lr']:.1e} at {fractions[0]}x"):
+            results.append(
+                run(alone, train, valid, True, first, best_de["lr"], f"data-eff-{variant}")
+            )
+    arm_runs = [r for r in results if r["label"].startswith("data-eff")]
+    if args.batch_control > 1 and any(_time_to(r["curve"], target) for r in arm_runs):
         # The arm reached the target: would a plain baseline with a smaller batch (more,
         # cheaper steps, as the curriculum's short early steps are) do as well?
         divisor = args.batch_control
@@ -878,7 +905,7 @@ def main(argv: list[str] | None = None) -> int:
         default=None,
     )
     de_best = min(
-        (r for r in results if r["label"] == "data-eff"),
+        (r for r in results if r["label"].startswith("data-eff")),
         key=lambda r: r["time_to_target"] if r["time_to_target"] is not None else math.inf,
     )
     verdict: dict[str, Any] = {"target": target, "baseline_time": base_best_time}
