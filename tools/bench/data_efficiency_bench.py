@@ -915,12 +915,20 @@ def main(argv: list[str] | None = None) -> int:
     else:
         ratio = de_best["time_to_target"] / base_best_time
         verdict["ratio"] = ratio
+        outcome = "met" if ratio <= 0.7 else "not met"
+        if ratio <= 0.7 and len(base_lrs) > 1 and best_base["lr"] == max(base_lrs):
+            # A target from a baseline whose best LR is its grid's largest is not a tuned one.
+            outcome = (
+                f"met, but inconclusive: the baseline's best LR {best_base['lr']:.1e} is the "
+                "largest it tried"
+            )
+        verdict["outcome"] = outcome
         print(
-            f"\nverdict: fastest data-efficiency run (lr {de_best['lr']:.1e}, budget "
-            f"{de_best['budget'] / budget:.2f}x) reaches {target:.4f} in "
-            f"{de_best['time_to_target']:.1f} s; fastest baseline run (sweep and controls) in "
-            f"{base_best_time:.1f} s: ratio {ratio:.2f}x (goal <= 0.70: "
-            f"{'met' if ratio <= 0.7 else 'not met'})"
+            f"\nverdict: fastest data-efficiency run ({de_best['label']}, lr "
+            f"{de_best['lr']:.1e}, budget {de_best['budget'] / budget:.2f}x) reaches "
+            f"{target:.4f} in {de_best['time_to_target']:.1f} s; fastest baseline run (sweep "
+            f"and controls) in {base_best_time:.1f} s: ratio {ratio:.2f}x (goal <= 0.70: "
+            f"{outcome})"
         )
     for name, lrs, best in (
         ("baseline", base_lrs, best_base["lr"]),
