@@ -59,12 +59,15 @@ those settings to a one-GPU scale (the 85M model, 20 MB corpus file from
         --curriculum-mode truncate --cl-schedule fixed_linear --cl-min 80 \\
         --difficulty-step 8 --curriculum-fraction 0.38 --ltd-min 128 --ltd-seq-per-step 16 \\
         --ltd-fraction 0.7 --de-lr-clock deepspeed --controls both --de-variants cl \\
-        --batch-control 4 --warm-shapes 16 --max-seconds 320 --json de4.json
+        --batch-control 4 --max-seconds 320 --json de4.json
 
-Before timing, each run does one forward/backward per distinct shape of its schedule (or
-``--warm-shapes`` of them, evenly spread) on a throwaway copy of the model (cuBLAS plans,
-allocator, Triton compiles), so one-time costs stay out of the clock (with ``--warm-shapes``,
-those of the other shapes fall inside it). Without
+Before timing, each run does one forward/backward per distinct shape of its schedule that this
+process has not run yet (or ``--warm-shapes`` of them, evenly spread) on a throwaway copy of the
+model (cuDNN attention plans, cuBLAS heuristics, allocator blocks, Triton compiles), so
+one-time per-shape costs stay out of every clock. They are real but amortized in a long run;
+in a 30-second run they are not: the 2026-11-26 03:10 call warmed 16 of 151 shapes and its
+first truncating run took 33.8 s where the same schedule later took 19.4 s. Use the default
+(all shapes). Without
 ``--token-budget``, a short probe of the baseline's rate sizes the budget so that a baseline
 run trains for about ``--baseline-seconds``.
 
@@ -218,7 +221,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         type=int,
         default=0,
         help="warm up at most this many of a run's distinct shapes, evenly spread (0: all); "
-        "the others pay their first-use cost inside the clock",
+        "the others pay their first-use cost inside the clock. A shape already run in this "
+        "process is not warmed again",
     )
     parser.add_argument(
         "--curriculum-fraction",
@@ -490,9 +494,29 @@ def _schedule_shapes(engine: Any, args: argparse.Namespace, steps: int) -> list[
     return sorted(shapes)
 
 
-def _warm_up(args: argparse.Namespace, engine: Any, efficient: bool, steps: int) -> float:
-    """One forward/backward per distinct shape on a throwaway bf16 model; returns seconds."""
+# Shapes already run in this process: the per-shape first-use costs (cuDNN attention plans,
+# cuBLAS heuristics, allocator blocks) are process-wide, so a shape is warmed up once.
+_WARMED: set[tuple[Any, ...]] = set()
+
+
+def _warm_up(
+    args: argparse.Namespace, engine: Any, efficient: bool, steps: int
+) -> tuple[float, int]:
+    """One forward/backward per distinct shape not yet run in this process, on a throwaway
+    bf16 model; returns (seconds, shapes warmed)."""
     began = time.perf_counter()
+    shapes = _schedule_shapes(engine, args, steps) if efficient else [(args.seq, args.seq)]
+    if 0 < args.warm_shapes < len(shapes):  # evenly spread, the first and last included
+        picks = {
+            round(i * (len(shapes) - 1) / (args.warm_shapes - 1)) for i in range(args.warm_shapes)
+        }
+        shapes = [shapes[i] for i in sorted(picks)] if args.warm_shapes > 1 else shapes[-1:]
+    ltd = efficient and args.ltd == "on"
+    fold = efficient and args.curriculum_mode == "fold"
+    keys = [(fold, ltd, args.token_backend, args.micro_batch, *shape) for shape in shapes]
+    shapes = [shape for shape, key in zip(shapes, keys, strict=True) if key not in _WARMED]
+    if not shapes:
+        return time.perf_counter() - began, 0
     with torch.device(engine.device):
         model = _model(args, efficient)
     if torch.cuda.is_available():
@@ -502,12 +526,6 @@ def _warm_up(args: argparse.Namespace, engine: Any, efficient: bool, steps: int)
         config = RandomLTDConfig.from_dict(_random_ltd_block(args, steps))
         scheduler = RandomLTDScheduler(config, args.micro_batch)
         attach_random_ltd(model, config, scheduler, backend=args.token_backend)
-    shapes = _schedule_shapes(engine, args, steps) if efficient else [(args.seq, args.seq)]
-    if 0 < args.warm_shapes < len(shapes):  # evenly spread, the first and last included
-        picks = {
-            round(i * (len(shapes) - 1) / (args.warm_shapes - 1)) for i in range(args.warm_shapes)
-        }
-        shapes = [shapes[i] for i in sorted(picks)] if args.warm_shapes > 1 else shapes[-1:]
     batch = torch.randint(0, 256, (args.micro_batch, args.seq + 1), device=engine.device)
     for seqlen, kept in shapes:
         if scheduler is not None:
@@ -522,7 +540,8 @@ def _warm_up(args: argparse.Namespace, engine: Any, efficient: bool, steps: int)
         model(inputs, labels, **kwargs).backward()
     del model
     _sync()
-    return time.perf_counter() - began
+    _WARMED.update(keys)
+    return time.perf_counter() - began, len(shapes)
 
 
 @torch.no_grad()
@@ -596,7 +615,7 @@ def run(
             runtime.random_ltd,
             backend=args.token_backend,
         )
-    warmup_seconds = _warm_up(args, engine, efficient, steps_planned)
+    warmup_seconds, warmed = _warm_up(args, engine, efficient, steps_planned)
     order = torch.randperm(train.shape[0], generator=torch.Generator().manual_seed(args.seed))
     order = order.to(train.device)
     tokens, step, train_seconds = 0, 0, 0.0
@@ -663,7 +682,7 @@ def run(
     print(
         f"done: {label} lr {lr:.1e} budget {budget:,} tokens, {step} steps, "
         f"{train_seconds:.1f} s, {tokens / max(train_seconds, 1e-9):,.0f} tokens/s, "
-        f"final val {final:.4f}",
+        f"final val {final:.4f} (untimed warm-up {warmup_seconds:.1f} s, {warmed} new shapes)",
         flush=True,
     )
     return {
@@ -674,6 +693,7 @@ def run(
         "tokens": tokens,
         "train_seconds": train_seconds,
         "warmup_seconds": warmup_seconds,
+        "warmed_shapes": warmed,
         "wall_seconds": time.perf_counter() - run_began,
         "tokens_per_second": tokens / max(train_seconds, 1e-9),
         "final_val_loss": final,

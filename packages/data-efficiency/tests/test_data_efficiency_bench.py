@@ -84,6 +84,12 @@ def test_harness_end_to_end_with_a_corpus_file(tmp_path) -> None:
     alone = next(r for r in report["results"] if r["label"] == "data-eff-cl")
     assert arm["tokens"] > arm["budget"] + 4 * 128
     assert alone["budget"] <= alone["tokens"] < alone["budget"] + 4 * 128
+    # Per-shape first-use costs are paid once per process, outside the clocks: the controls
+    # (the baseline's one shape) and every shape run before are not warmed again.
+    warmed = {(r["label"], round(r["lr"], 9)): r["warmed_shapes"] for r in report["results"]}
+    assert warmed[("baseline", 3e-3)] == 1
+    assert warmed[("baseline-short", 3e-3)] == warmed[("baseline-short", 6e-3)] == 0
+    assert arm["warmed_shapes"] > 1
     assert report["verdict"]["target"] == pytest.approx(
         next(r for r in report["results"] if r["label"] == "baseline")["final_val_loss"]
     )
