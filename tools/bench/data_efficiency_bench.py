@@ -12,8 +12,9 @@ validation loss, as DeepSpeed's data-efficiency papers make it, with both arms t
 3. **Controls** (``--controls on``): the baseline at its best LR on each reduced budget, so a
    win from simply training a shorter schedule is not credited to data efficiency
    (``--controls both``: also at the data-efficiency arm's best LR, since DeepSpeed raises the
-   baseline's LR on a reduced budget too). With ``--batch-control D``, a data-efficiency run
-   that reaches the target also triggers the baseline at micro-batch / D on the full budget:
+   baseline's LR on a reduced budget too; ``--controls first``: on the first fraction only).
+   With ``--batch-control D``, a data-efficiency run that reaches the target in <= 0.7x the
+   baseline family's time also triggers the baseline at micro-batch / D on the full budget:
    the curriculum's short early steps are small token batches, and this tells that gain apart.
    ``--de-variants cl`` (or ``ltd``) also runs one technique alone at the arm's best LR.
 
@@ -174,11 +175,12 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     )
     parser.add_argument(
         "--controls",
-        choices=["on", "both", "off"],
+        choices=["on", "both", "first", "off"],
         default="on",
         help="also train the baseline on each reduced budget (on: at the best baseline LR; "
-        "both: also at the data-efficiency arm's best LR): the honest reference for a "
-        "data-efficiency arm given fewer tokens",
+        "both: also at the data-efficiency arm's best LR; first: at the best baseline LR, on "
+        "the first fraction only): the honest reference for a data-efficiency arm given "
+        "fewer tokens",
     )
     parser.add_argument("--min-lr-ratio", type=float, default=0.1)
     parser.add_argument("--warmup-fraction", type=float, default=0.02)
@@ -278,7 +280,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         "--batch-control",
         type=int,
         default=0,
-        help="when a data-efficiency run reaches the target: also train the baseline with "
+        help="once a data-efficiency run reaches the target in <= 0.7x the fastest baseline-"
+        "family run's time: also train the baseline with "
         "micro-batch / this divisor on the full budget (at the best LR and at it / sqrt("
         "divisor)), so a gain from smaller early batches is not credited to the curriculum "
         "(0: off)",
@@ -490,7 +493,7 @@ def _schedule_shapes(engine: Any, args: argparse.Namespace, steps: int) -> list[
     for step in range(steps):
         seqlen = curriculum.get_difficulty(step + 1) if curriculum is not None else args.seq
         kept = random_ltd.get_value(step) if random_ltd is not None else args.seq
-        shapes.add((int(seqlen), int(min(kept, args.seq))))
+        shapes.add((int(seqlen), int(min(kept, seqlen))))  # a layer keeping >= seqlen drops none
     return sorted(shapes)
 
 
@@ -841,6 +844,8 @@ def main(argv: list[str] | None = None) -> int:
     def controls(fraction: float, de_lr: float) -> None:
         if args.controls == "off" or fraction >= 1:
             return
+        if args.controls == "first" and fraction != fractions[0]:
+            return
         control_lrs = [best_base["lr"]]
         if args.controls == "both" and not math.isclose(de_lr, best_base["lr"]):
             control_lrs.append(de_lr)
@@ -866,10 +871,21 @@ def main(argv: list[str] | None = None) -> int:
             results.append(
                 run(alone, train, valid, True, first, best_de["lr"], f"data-eff-{variant}")
             )
-    arm_runs = [r for r in results if r["label"].startswith("data-eff")]
-    if args.batch_control > 1 and any(_time_to(r["curve"], target) for r in arm_runs):
-        # The arm reached the target: would a plain baseline with a smaller batch (more,
-        # cheaper steps, as the curriculum's short early steps are) do as well?
+    batch_control_done = False
+
+    def batch_control() -> None:
+        """Once the goal looks met: would a plain baseline with a smaller batch (more, cheaper
+        steps, as the curriculum's short early steps are) do as well?"""
+        nonlocal batch_control_done
+        if args.batch_control <= 1 or batch_control_done:
+            return
+        arm = [_time_to(r["curve"], target) for r in results if r["label"].startswith("data-eff")]
+        base = [_time_to(r["curve"], target) for r in results if r["label"].startswith("baseline")]
+        arm_best = min((t for t in arm if t is not None), default=None)
+        base_best = min((t for t in base if t is not None), default=None)
+        if arm_best is None or base_best is None or arm_best > 0.7 * base_best:
+            return
+        batch_control_done = True
         divisor = args.batch_control
         small = argparse.Namespace(**{**vars(args), "micro_batch": args.micro_batch // divisor,
                                       "eval_batches": args.eval_batches * divisor,
@@ -879,12 +895,15 @@ def main(argv: list[str] | None = None) -> int:
                 result = run(small, train, valid, False, budget, lr, "baseline")
                 result["label"] = f"baseline-mb{small.micro_batch}"
                 results.append(result)
+
+    batch_control()
     for fraction in fractions[1:]:
         if fits(fraction, f"data-eff lr {best_de['lr']:.1e} at {fraction}x"):
             results.append(
                 run(args, train, valid, True, tokens_for(fraction), best_de["lr"], "data-eff")
             )
         controls(fraction, best_de["lr"])
+        batch_control()
 
     print("\n" + _describe(args, budget, description))
     print(f"target validation loss {target:.4f} (best baseline: lr {best_base['lr']:.1e})\n")

@@ -70,8 +70,13 @@ def test_harness_end_to_end_with_a_corpus_file(tmp_path) -> None:
     arm = next(r for r in report["results"] if r["label"] == "data-eff")
     expected = {("baseline", 3e-3), ("data-eff", 6e-3), ("baseline-short", 3e-3),
                 ("baseline-short", 6e-3), ("data-eff-cl", 6e-3)}  # fmt: skip
-    arms = [r for r in report["results"] if r["label"].startswith("data-eff")]
-    if any(r["time_to_target"] is not None for r in arms):  # then the half-batch baselines run
+
+    def best(prefix: str) -> float:
+        times = [r["time_to_target"] for r in report["results"]
+                 if r["label"].startswith(prefix) and not r["label"].startswith("baseline-mb")]  # fmt: skip
+        return min((t for t in times if t is not None), default=float("inf"))
+
+    if best("data-eff") <= 0.7 * best("baseline"):  # then the half-batch baselines run
         expected |= {("baseline-mb2", 3e-3), ("baseline-mb2", round(3e-3 / 2**0.5, 9))}
     assert runs == expected
     # Truncation: early steps read fewer than micro-batch x seq tokens, so the arm takes more
