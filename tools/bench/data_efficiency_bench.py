@@ -64,8 +64,8 @@ those settings to a one-GPU scale (the 85M model, 20 MB corpus file from
 
 Before timing, each run does one forward/backward per distinct shape of its schedule that this
 process has not run yet (or ``--warm-shapes`` of them, evenly spread) on a throwaway copy of the
-model (cuDNN attention plans, cuBLAS heuristics, allocator blocks, Triton compiles), so
-one-time per-shape costs stay out of every clock. They are real but amortized in a long run;
+model (attention and GEMM plan selection, allocator blocks, Triton compiles: whatever a new
+shape costs the first time), so one-time per-shape costs stay out of every clock. They are real but amortized in a long run;
 in a 30-second run they are not: the 2026-11-26 03:10 call warmed 16 of 151 shapes and its
 first truncating run took 33.8 s where the same schedule later took 19.4 s. Use the default
 (all shapes). Without
@@ -497,8 +497,8 @@ def _schedule_shapes(engine: Any, args: argparse.Namespace, steps: int) -> list[
     return sorted(shapes)
 
 
-# Shapes already run in this process: the per-shape first-use costs (cuDNN attention plans,
-# cuBLAS heuristics, allocator blocks) are process-wide, so a shape is warmed up once.
+# Shapes already run in this process: per-shape first-use costs (plan selection, allocator
+# blocks, compiles) are process-wide, so a shape is warmed up once.
 _WARMED: set[tuple[Any, ...]] = set()
 
 
