@@ -10,40 +10,74 @@ validation loss, as DeepSpeed's data-efficiency papers make it, with both arms t
    data-efficiency arm may be given fewer tokens: its LR, curriculum and random-LTD schedules
    then span its own, shorter budget), then the other fractions at its best LR.
 3. **Controls** (``--controls on``): the baseline at its best LR on each reduced budget, so a
-   win from simply training a shorter schedule is not credited to data efficiency.
+   win from simply training a shorter schedule is not credited to data efficiency
+   (``--controls both``: also at the data-efficiency arm's best LR, since DeepSpeed raises the
+   baseline's LR on a reduced budget too; ``--controls first``: on the first fraction only).
+   With ``--batch-control D``, a data-efficiency run that reaches the target in <= 0.7x the
+   baseline family's time also triggers the baseline at micro-batch / D on the full budget:
+   the curriculum's short early steps are small token batches, and this tells that gain apart.
+   ``--de-variants cl`` (or ``ltd``) also runs one technique alone at the arm's best LR.
 
 The verdict divides the fastest data-efficiency run's training time to the target by the
 fastest baseline-family run's (sweep and controls), at validation points every
 ``--eval-every`` steps (validation is not timed; goal of issue 28: <= 0.7). A run whose
-validation loss goes non-finite or doubles is stopped as diverged.
+validation loss goes non-finite or doubles is stopped as diverged. The summary prints each
+run's validation loss against its training seconds, so a crossing is measured, not
+extrapolated. ``--max-seconds`` skips (and lists) later runs that would not fit.
 
-The data-efficiency arm follows DeepSpeed's recipe for GPT pretraining, bucketed for the GPU:
+The data-efficiency arm (defaults: the 2026-11-25 runs):
 
-* seqlen curriculum, ``fixed_root`` (square root) from ``--cl-min`` (64) tokens to the full
-  length over ``--curriculum-fraction`` of its steps, ``difficulty_step`` 64 (so there are
-  only seq/64 distinct shapes). The model takes ``curriculum_seqlen`` and folds each row into
-  seq/c rows of c tokens (``--curriculum-mode fold``, the default: every step reads the same
-  tokens as a baseline step, with a shorter context), or the engine truncates the batch as
-  DeepSpeed's legacy curriculum does (``--curriculum-mode truncate``);
+* seqlen curriculum, ``--cl-schedule`` (``fixed_root``, square root) from ``--cl-min`` (64)
+  tokens to the full length over ``--curriculum-fraction`` of budget / (micro-batch x seq)
+  steps, lengths in multiples of ``--difficulty-step`` (64). The model takes
+  ``curriculum_seqlen`` and folds each row into seq/c rows of c tokens (``--curriculum-mode
+  fold``: a step reads as many tokens as a baseline step, with a shorter context), or the
+  engine truncates the batch as DeepSpeed's ``seqlen_truncate`` does (``truncate``: early
+  steps read fewer tokens and cost less);
 * random-LTD in every layer but the first and last, keeping ``--ltd-min`` (128) tokens at first
-  and rising linearly to the full length over ``--ltd-fraction`` of its steps, in multiples of
-  64 (``seq_per_step``). A layer drops nothing while the curriculum's length is at or below
-  the kept count.
+  and rising linearly to the full length over ``--ltd-fraction`` of those steps, in multiples
+  of ``--ltd-seq-per-step`` (64). A layer drops nothing while the curriculum's length is at or
+  below the kept count;
+* ``--de-lr-clock deepspeed``: Megatron-DeepSpeed's ``consumed_train_tokens`` (rows x the
+  curriculum length, averaged over the layers with the random-LTD layers counting their kept
+  tokens) drives the warmup/cosine LR and ends the run at its budget, as ``train_tokens`` and
+  ``lr_decay_tokens`` do there; so a truncating arm takes more, cheaper steps.
 
-Before timing, each run does one forward/backward per distinct shape of its schedule on a
-throwaway copy of the model (cuBLAS/cuDNN plans, allocator), so one-time warmup is out of
-every clock. Without ``--token-budget``, a short probe of the baseline's rate sizes the budget
-so that a baseline run trains for about ``--baseline-seconds``.
+DeepSpeed's GPT-3 1.3B data-efficiency run script (Megatron-DeepSpeed's data-efficiency GPT
+examples) uses seq 2048, ``seqlen_truncate`` from 80, ``difficulty_step`` 8, root
+1 (linear) over 110K steps (~38% of the baseline's 286K steps of 1M tokens), random-LTD from
+128 with ``seq_per_step`` 16 over 200K steps (~70%), token-based warmup and cosine decay over
+the run's token budget, and raises the peak LR as the budget shrinks (2e-4 at 300B tokens,
+4e-4 at 150B, for baseline and data-efficiency runs alike). The decisive run of issue 28 takes
+those settings to a one-GPU scale (the 85M model, 20 MB corpus file from
+``make_text_corpus.py``; about 5.5 minutes on one H100)::
 
-    # GPU (one H100, about 5 minutes): a 24-layer, 1024-wide byte-level GPT (~300M), seq 512,
-    # on Python's standard library source (held-out files for validation); 4 + 3 LRs
+    python tools/bench/make_text_corpus.py --out .device/de_corpus.bin --bytes 20000000
+    python tools/bench/data_efficiency_bench.py --size base --seq 2048 --micro-batch 16 \\
+        --corpus file --corpus-file .device/de_corpus.bin --holdout 20 \\
+        --baseline-seconds 30 --warmup-fraction 0.05 --eval-every 20 --eval-batches 6 \\
+        --lrs 3e-4,6e-4,1.2e-3 --de-lr-multipliers 1,2,4 --de-budget-fractions 0.6,0.8 \\
+        --curriculum-mode truncate --cl-schedule fixed_linear --cl-min 80 \\
+        --difficulty-step 8 --curriculum-fraction 0.38 --ltd-min 128 --ltd-seq-per-step 16 \\
+        --ltd-fraction 0.7 --de-lr-clock deepspeed --controls both --de-variants cl \\
+        --batch-control 4 --max-seconds 320 --json de4.json
+
+Before timing, each run does one forward/backward per distinct shape of its schedule that this
+process has not run yet (or ``--warm-shapes`` of them, evenly spread) on a throwaway copy of the
+model (attention and GEMM plan selection, allocator blocks, Triton compiles: whatever a new
+shape costs the first time), so one-time per-shape costs stay out of every clock. They are real but amortized in a long run;
+in a 30-second run they are not: the 2026-11-26 03:10 call warmed 16 of 151 shapes and its
+first truncating run took 33.8 s where the same schedule later took 19.4 s. Use the default
+(all shapes). Without
+``--token-budget``, a short probe of the baseline's rate sizes the budget so that a baseline
+run trains for about ``--baseline-seconds``.
+
+    # the 2026-11-25/26 run 1 (309M, seq 512, folded curriculum)
     python tools/bench/data_efficiency_bench.py --baseline-seconds 25 --eval-every 15 \\
         --eval-batches 4 --lrs 6e-4,1.2e-3,2.4e-3,4.8e-3 --de-lrs 1.2e-3,2.4e-3,4.8e-3 \\
         --de-budget-fractions 0.7,1.0 --de-lr-clock layer-tokens
-    # CPU smoke run of the harness (under a minute)
-    python tools/bench/data_efficiency_bench.py --size tiny --seq 128 --micro-batch 4 \\
-        --token-budget 40960 --eval-every 20 --eval-batches 2 --corpus-bytes 2000000 \\
-        --lrs 1e-3,3e-3 --de-lrs 3e-3,6e-3 --de-budget-fractions 0.7,1.0
+    # CPU smoke run of the whole harness (truncation, DeepSpeed's clock, every control)
+    python tools/bench/data_efficiency_bench.py --preset smoke
 
 Without the packages installed, put the sources on the path first:
 ``export PYTHONPATH=$(ls -d kernels/src packages/*/src | tr '\\n' ':')``.
@@ -86,6 +120,20 @@ SIZES = {
     "1.3b": dataclasses.replace(SHAPES["1.3b"], vocab=256),
 }
 BUCKET = 64  # curriculum and random-LTD lengths are multiples of it (few distinct shapes)
+# --preset smoke: the whole harness on CPU in well under a minute (DeepSpeed-style arm: truncating
+# fixed_linear curriculum, DeepSpeed's token clock, controls at both LRs).
+SMOKE: dict[str, Any] = {
+    "size": "tiny", "seq": 128, "micro_batch": 4, "token_budget": 24576, "eval_every": 8,
+    "eval_batches": 2, "corpus_bytes": 1_000_000, "lrs": "1e-3,3e-3",
+    "de_lr_multipliers": "1,2", "de_budget_fractions": "0.7,1.0",
+    "curriculum_mode": "truncate", "cl_min": 16, "cl_schedule": "fixed_linear",
+    "difficulty_step": 8, "ltd_min": 32, "ltd_seq_per_step": 16, "de_lr_clock": "deepspeed",
+    "controls": "both", "warm_shapes": 4, "batch_control": 2, "de_variants": "cl",
+}  # fmt: skip
+
+
+# --de-variants: the data-efficiency arm with one technique only.
+VARIANTS: dict[str, dict[str, str]] = {"cl": {"ltd": "off"}, "ltd": {"curriculum_mode": "off"}}
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
@@ -127,10 +175,12 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     )
     parser.add_argument(
         "--controls",
-        choices=["on", "off"],
+        choices=["on", "both", "first", "off"],
         default="on",
-        help="also train the baseline (best LR) on each reduced budget: the honest reference "
-        "for a data-efficiency arm given fewer tokens",
+        help="also train the baseline on each reduced budget (on: at the best baseline LR; "
+        "both: also at the data-efficiency arm's best LR; first: at the best baseline LR, on "
+        "the first fraction only): the honest reference for a data-efficiency arm given "
+        "fewer tokens",
     )
     parser.add_argument("--min-lr-ratio", type=float, default=0.1)
     parser.add_argument("--warmup-fraction", type=float, default=0.02)
@@ -142,13 +192,46 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         default=None,
         help="default: the best baseline's final validation loss",
     )
+    parser.add_argument(
+        "--de-lr-multipliers",
+        default=None,
+        help="data-efficiency arm peak LRs as multiples of the best baseline LR, comma-"
+        "separated (replaces --de-lrs): the grid follows the tuned baseline",
+    )
     parser.add_argument("--curriculum-mode", choices=["fold", "truncate", "off"], default="fold")
     parser.add_argument("--cl-min", type=int, default=64)
+    parser.add_argument(
+        "--cl-schedule",
+        choices=["fixed_root", "fixed_linear"],
+        default="fixed_root",
+        help="the seqlen curriculum's schedule_type (fixed_root: square root)",
+    )
+    parser.add_argument(
+        "--difficulty-step",
+        type=int,
+        default=BUCKET,
+        help="curriculum lengths are multiples of it (DeepSpeed's GPT examples: 8)",
+    )
+    parser.add_argument(
+        "--ltd-seq-per-step",
+        type=int,
+        default=BUCKET,
+        help="random-LTD's kept counts are multiples of it (seq_per_step)",
+    )
+    parser.add_argument(
+        "--warm-shapes",
+        type=int,
+        default=0,
+        help="warm up at most this many of a run's distinct shapes, evenly spread (0: all); "
+        "the others pay their first-use cost inside the clock. A shape already run in this "
+        "process is not warmed again",
+    )
     parser.add_argument(
         "--curriculum-fraction",
         type=float,
         default=0.3,
-        help="share of the arm's steps over which the seqlen grows",
+        help="the seqlen grows over this share of budget / (micro-batch x seq) steps (the "
+        "arm's steps, unless truncation with the deepspeed clock makes it take more)",
     )
     parser.add_argument("--ltd", choices=["on", "off"], default="on")
     parser.add_argument("--ltd-min", type=int, default=128)
@@ -156,27 +239,99 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         "--ltd-fraction",
         type=float,
         default=0.7,
-        help="share of the arm's steps over which random-LTD's kept tokens grow",
+        help="random-LTD's kept tokens grow over this share of budget / (micro-batch x seq) steps",
     )
     parser.add_argument(
         "--de-lr-clock",
-        choices=["tokens", "layer-tokens"],
+        choices=["tokens", "layer-tokens", "deepspeed"],
         default="tokens",
-        help="the data-efficiency arm's LR schedule runs over tokens read (as the baseline's) "
-        "or over layer-tokens (DeepSpeed's pairing with random-LTD: warmup and decay follow "
-        "the tokens the layers actually processed)",
+        help="the data-efficiency arm's LR schedule runs over tokens read (as the baseline's), "
+        "over layer-tokens (warmup and decay follow the tokens the layers processed; the run "
+        "still ends on tokens read), or 'deepspeed': Megatron-DeepSpeed's "
+        "consumed_train_tokens (rows x the curriculum length, layer-averaged over the random-"
+        "LTD layers' kept count) drives both the LR and the end of the run, as its "
+        "train_tokens / lr_decay_tokens do",
     )
     parser.add_argument("--token-backend", choices=["auto", "torch", "triton"], default="auto")
-    parser.add_argument("--corpus", choices=["stdlib", "grammar"], default="stdlib")
+    parser.add_argument("--corpus", choices=["stdlib", "grammar", "file"], default="stdlib")
+    parser.add_argument(
+        "--corpus-file",
+        type=Path,
+        default=Path(".device/de_corpus.bin"),
+        help="with --corpus file: documents joined by NUL bytes (tools/bench/make_text_corpus.py)",
+    )
     parser.add_argument("--corpus-bytes", type=int, default=64_000_000)
+    parser.add_argument(
+        "--holdout",
+        type=int,
+        default=50,
+        help="with --corpus file: one document in this many (by a hash of its text) is "
+        "held out for validation",
+    )
     parser.add_argument("--seed", type=int, default=1234)
+    parser.add_argument(
+        "--de-variants",
+        default="",
+        help="comma-separated, from 'cl' (curriculum without random-LTD) and 'ltd' (random-"
+        "LTD without curriculum): also run these at the first budget fraction and the arm's "
+        "best LR",
+    )
+    parser.add_argument(
+        "--batch-control",
+        type=int,
+        default=0,
+        help="once a data-efficiency run reaches the target in <= 0.7x the fastest baseline-"
+        "family run's time: also train the baseline with "
+        "micro-batch / this divisor on the full budget (at the best LR and at it / sqrt("
+        "divisor)), so a gain from smaller early batches is not credited to the curriculum "
+        "(0: off)",
+    )
+    parser.add_argument(
+        "--max-seconds",
+        type=float,
+        default=0.0,
+        help="skip later runs (data-efficiency LRs after the first, controls, other "
+        "fractions) that would end past this many seconds of the invocation; the summary "
+        "lists them (0: no limit)",
+    )
     parser.add_argument("--json", type=Path, default=None, help="also write the results here")
-    return parser.parse_args(argv)  # fmt: skip
+    parser.add_argument(
+        "--preset",
+        choices=["none", "smoke"],
+        default="none",
+        help="smoke: a CPU check of the whole harness in well under a minute (tiny model, "
+        "truncating curriculum, DeepSpeed clock, controls at both LRs)",
+    )
+    if parser.parse_known_args(argv)[0].preset == "smoke":
+        parser.set_defaults(**SMOKE)  # options given on the command line still win
+    args = parser.parse_args(argv)
+    return args
 
 
 # ---------------------------------------------------------------------------- data
 def _corpus(args: argparse.Namespace) -> tuple[bytes, bytes, str]:
     """(train bytes, validation bytes, description)."""
+    if args.corpus == "file":
+        if not args.corpus_file.is_file():
+            raise SystemExit(
+                f"--corpus-file {args.corpus_file} does not exist; make it with "
+                "python tools/bench/make_text_corpus.py --out " + str(args.corpus_file)
+            )
+        data = args.corpus_file.read_bytes()
+        documents = data.split(b"\x00")
+        # One document in --holdout (by a hash of its text) is held out for validation.
+        held = [zlib.crc32(doc) % args.holdout == 0 for doc in documents]
+        train_docs = [d for d, h in zip(documents, held, strict=True) if not h]
+        valid_docs = [d for d, h in zip(documents, held, strict=True) if h]
+        while sum(map(len, valid_docs)) * args.holdout < len(data) and len(train_docs) > 1:
+            valid_docs.append(train_docs.pop())  # a small file may hash too little out
+        return (
+            b"\n".join(train_docs),
+            b"\n".join(valid_docs),
+            f"{args.corpus_file.name} ({len(documents):,} documents, {len(data):,} bytes, "
+            f"crc32 {zlib.crc32(data):08x}, 1 document in {args.holdout} held out: "
+            f"{sum(map(len, valid_docs)):,} bytes)",
+        )
     if args.corpus == "grammar":
         data = generate(num_bytes=min(args.corpus_bytes, 8_000_000))
         cut = len(data) * 49 // 50
@@ -262,7 +417,7 @@ def _random_ltd_block(args: argparse.Namespace, steps: int) -> dict[str, Any]:
             "schedule_type": "fixed_linear",
             "schedule_config": {
                 "require_steps": max(int(steps * args.ltd_fraction), 1),
-                "seq_per_step": min(BUCKET, args.seq),
+                "seq_per_step": min(args.ltd_seq_per_step, args.seq),
             },
         },
     }
@@ -287,18 +442,19 @@ def _config(
     if not efficient:
         return config
     if args.curriculum_mode != "off":
-        step = min(BUCKET, args.seq)
+        schedule_config: dict[str, Any] = {
+            "total_curriculum_step": max(int(steps * args.curriculum_fraction), 1),
+            "difficulty_step": min(args.difficulty_step, args.seq),
+        }
+        if args.cl_schedule == "fixed_root":
+            schedule_config["root_degree"] = 2
         config["curriculum_learning"] = {
             "enabled": True,
             "curriculum_type": "seqlen",
             "min_difficulty": min(args.cl_min, args.seq),
             "max_difficulty": args.seq,
-            "schedule_type": "fixed_root",
-            "schedule_config": {
-                "total_curriculum_step": max(int(steps * args.curriculum_fraction), 1),
-                "difficulty_step": step,
-                "root_degree": 2,
-            },
+            "schedule_type": args.cl_schedule,
+            "schedule_config": schedule_config,
         }
     if args.ltd == "on":
         config["data_efficiency"] = {
@@ -337,13 +493,33 @@ def _schedule_shapes(engine: Any, args: argparse.Namespace, steps: int) -> list[
     for step in range(steps):
         seqlen = curriculum.get_difficulty(step + 1) if curriculum is not None else args.seq
         kept = random_ltd.get_value(step) if random_ltd is not None else args.seq
-        shapes.add((int(seqlen), int(min(kept, args.seq))))
+        shapes.add((int(seqlen), int(min(kept, seqlen))))  # a layer keeping >= seqlen drops none
     return sorted(shapes)
 
 
-def _warm_up(args: argparse.Namespace, engine: Any, efficient: bool, steps: int) -> float:
-    """One forward/backward per distinct shape on a throwaway bf16 model; returns seconds."""
+# Shapes already run in this process: per-shape first-use costs (plan selection, allocator
+# blocks, compiles) are process-wide, so a shape is warmed up once.
+_WARMED: set[tuple[Any, ...]] = set()
+
+
+def _warm_up(
+    args: argparse.Namespace, engine: Any, efficient: bool, steps: int
+) -> tuple[float, int]:
+    """One forward/backward per distinct shape not yet run in this process, on a throwaway
+    bf16 model; returns (seconds, shapes warmed)."""
     began = time.perf_counter()
+    shapes = _schedule_shapes(engine, args, steps) if efficient else [(args.seq, args.seq)]
+    if 0 < args.warm_shapes < len(shapes):  # evenly spread, the first and last included
+        picks = {
+            round(i * (len(shapes) - 1) / (args.warm_shapes - 1)) for i in range(args.warm_shapes)
+        }
+        shapes = [shapes[i] for i in sorted(picks)] if args.warm_shapes > 1 else shapes[-1:]
+    ltd = efficient and args.ltd == "on"
+    fold = efficient and args.curriculum_mode == "fold"
+    keys = [(fold, ltd, args.token_backend, args.micro_batch, *shape) for shape in shapes]
+    shapes = [shape for shape, key in zip(shapes, keys, strict=True) if key not in _WARMED]
+    if not shapes:
+        return time.perf_counter() - began, 0
     with torch.device(engine.device):
         model = _model(args, efficient)
     if torch.cuda.is_available():
@@ -353,7 +529,6 @@ def _warm_up(args: argparse.Namespace, engine: Any, efficient: bool, steps: int)
         config = RandomLTDConfig.from_dict(_random_ltd_block(args, steps))
         scheduler = RandomLTDScheduler(config, args.micro_batch)
         attach_random_ltd(model, config, scheduler, backend=args.token_backend)
-    shapes = _schedule_shapes(engine, args, steps) if efficient else [(args.seq, args.seq)]
     batch = torch.randint(0, 256, (args.micro_batch, args.seq + 1), device=engine.device)
     for seqlen, kept in shapes:
         if scheduler is not None:
@@ -368,7 +543,8 @@ def _warm_up(args: argparse.Namespace, engine: Any, efficient: bool, steps: int)
         model(inputs, labels, **kwargs).backward()
     del model
     _sync()
-    return time.perf_counter() - began
+    _WARMED.update(keys)
+    return time.perf_counter() - began, len(shapes)
 
 
 @torch.no_grad()
@@ -399,6 +575,19 @@ def _layer_token_plan(engine: Any, args: argparse.Namespace, steps: int) -> list
     return plan
 
 
+def _consumed_tokens(args: argparse.Namespace, seqlen: int, kept: int | None) -> int:
+    """Megatron-DeepSpeed's ``consumed_train_tokens`` increment for one step: rows of the
+    curriculum length, and with random-LTD the length averaged over the layers (the dropping
+    layers count their kept tokens), rounded down as its training loop does."""
+    layers = SIZES[args.size].layers
+    dropping = layers - 2 if args.ltd == "on" else 0
+    actual = seqlen
+    if kept is not None and kept < seqlen:
+        actual = (seqlen * (layers - dropping) + kept * dropping) // layers
+    rows = _tokens_read(args, seqlen) // seqlen
+    return rows * actual
+
+
 def run(
     args: argparse.Namespace,
     train: torch.Tensor,
@@ -413,6 +602,7 @@ def run(
     The LR schedule and (data-efficiency arm) the curriculum and random-LTD schedules span
     this run's own budget.
     """
+    run_began = time.perf_counter()
     steps_planned = math.ceil(budget / (args.micro_batch * args.seq))
     torch.manual_seed(args.seed)
     with torch.device(train.device):  # built in place: a 300M model's CPU init takes seconds
@@ -428,7 +618,7 @@ def run(
             runtime.random_ltd,
             backend=args.token_backend,
         )
-    warmup_seconds = _warm_up(args, engine, efficient, steps_planned)
+    warmup_seconds, warmed = _warm_up(args, engine, efficient, steps_planned)
     order = torch.randperm(train.shape[0], generator=torch.Generator().manual_seed(args.seed))
     order = order.to(train.device)
     tokens, step, train_seconds = 0, 0, 0.0
@@ -439,15 +629,19 @@ def run(
         else None
     )
     layer_tokens = 0
+    # The clock the run ends on and (unless a layer-token plan) its LR follows: tokens read,
+    # or DeepSpeed's consumed tokens for the data-efficiency arm with --de-lr-clock deepspeed.
+    deepspeed_clock = efficient and args.de_lr_clock == "deepspeed"
+    clock = 0
     curve: list[tuple[int, int, float, float]] = []  # (step, tokens, seconds, val loss)
     diverged = False
     _sync()
     began = time.perf_counter()
-    while tokens < budget:
+    while clock < budget:
         start = (step * args.micro_batch) % (train.shape[0] - args.micro_batch)
         batch = train[order[start : start + args.micro_batch]]
         if plan is None:
-            step_lr = _lr_at(args, lr, tokens, budget)
+            step_lr = _lr_at(args, lr, clock, budget)
         else:
             step_lr = _lr_at(args, lr, layer_tokens, sum(plan))
             layer_tokens += plan[min(step, len(plan) - 1)]
@@ -459,8 +653,14 @@ def run(
         step += 1
         runtime = engine.data_efficiency
         seqlen = runtime.curriculum_difficulty() if runtime is not None else None
-        tokens += _tokens_read(args, seqlen) if seqlen else budget_step(args)
-        if step % args.eval_every == 0 or tokens >= budget:
+        read = _tokens_read(args, seqlen) if seqlen else budget_step(args)
+        tokens += read
+        if deepspeed_clock:
+            kept = runtime.random_ltd.get_current_seq() if runtime.random_ltd else None
+            clock += _consumed_tokens(args, seqlen or args.seq, kept)
+        else:
+            clock = tokens
+        if step % args.eval_every == 0 or clock >= budget:
             _sync()  # the timed segment ends here; validation is not timed
             train_seconds += time.perf_counter() - began
             val = _validate(engine, valid, args)
@@ -485,7 +685,7 @@ def run(
     print(
         f"done: {label} lr {lr:.1e} budget {budget:,} tokens, {step} steps, "
         f"{train_seconds:.1f} s, {tokens / max(train_seconds, 1e-9):,.0f} tokens/s, "
-        f"final val {final:.4f}",
+        f"final val {final:.4f} (untimed warm-up {warmup_seconds:.1f} s, {warmed} new shapes)",
         flush=True,
     )
     return {
@@ -496,6 +696,8 @@ def run(
         "tokens": tokens,
         "train_seconds": train_seconds,
         "warmup_seconds": warmup_seconds,
+        "warmed_shapes": warmed,
+        "wall_seconds": time.perf_counter() - run_began,
         "tokens_per_second": tokens / max(train_seconds, 1e-9),
         "final_val_loss": final,
         "diverged": diverged,
@@ -539,6 +741,10 @@ def _time_to(curve: list[tuple[int, int, float, float]], target: float) -> float
     return None
 
 
+def _floats_or_names(text: str) -> list[str]:
+    return [part.strip() for part in text.split(",") if part.strip()]
+
+
 def _floats(text: str) -> list[float]:
     return [float(part) for part in text.split(",") if part.strip()]
 
@@ -553,10 +759,13 @@ def _describe(args: argparse.Namespace, budget: int, description: str) -> str:
         f"(0.9, 0.95), wd 0.1, clip 1.0, warmup {args.warmup_fraction:.0%} then cosine to "
         f"{args.min_lr_ratio}x over each run's own token budget; validation every "
         f"{args.eval_every} steps on {args.eval_batches * args.micro_batch} held-out windows; "
-        f"data-efficiency arm: curriculum {args.curriculum_mode} (seqlen fixed_root from "
-        f"{args.cl_min} over {args.curriculum_fraction:.0%} of its steps), random-LTD "
-        f"{args.ltd} (kept tokens from {args.ltd_min} over {args.ltd_fraction:.0%} of its "
-        f"steps, token ops {args.token_backend}), LR clock {args.de_lr_clock}"
+        f"data-efficiency arm: curriculum {args.curriculum_mode} (seqlen {args.cl_schedule} "
+        f"from {args.cl_min}, difficulty_step {args.difficulty_step}, over "
+        f"{args.curriculum_fraction:.0%} of budget/(micro-batch x seq) steps), random-LTD "
+        f"{args.ltd} (kept tokens from {args.ltd_min}, seq_per_step {args.ltd_seq_per_step}, "
+        f"over {args.ltd_fraction:.0%} of those steps, token ops {args.token_backend}), LR "
+        f"clock {args.de_lr_clock}; warm-up shapes "
+        f"{args.warm_shapes if args.warm_shapes else 'all'}"
     )
 
 
@@ -566,7 +775,13 @@ def main(argv: list[str] | None = None) -> int:
     wall = time.perf_counter()
     base_lrs = _floats(args.lrs)
     de_lrs = _floats(args.de_lrs) if args.de_lrs else base_lrs
+    multipliers = _floats(args.de_lr_multipliers) if args.de_lr_multipliers else None
     fractions = _floats(args.de_budget_fractions)
+    unknown = set(_floats_or_names(args.de_variants)) - set(VARIANTS)
+    if unknown:
+        raise SystemExit(f"--de-variants: unknown {sorted(unknown)}; use {sorted(VARIANTS)}")
+    if multipliers == []:
+        raise SystemExit("--de-lr-multipliers needs at least one multiplier")
     if not base_lrs or not de_lrs or not fractions or not all(0 < f <= 1 for f in fractions):
         raise SystemExit("--lrs/--de-lrs need LRs and --de-budget-fractions values in (0, 1]")
     device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
@@ -585,8 +800,12 @@ def main(argv: list[str] | None = None) -> int:
         budget, probe_rate = _probe_budget(args, train)
         print(f"probe: baseline {probe_rate:,.0f} tokens/s -> budget {budget:,} tokens", flush=True)
     print(_describe(args, budget, description), flush=True)
+    if multipliers is not None:
+        de_plan = f"the best baseline LR x {multipliers}"
+    else:
+        de_plan = str(de_lrs)
     print(
-        f"plan: baseline LRs {base_lrs}; data-efficiency LRs {de_lrs} at budget fraction "
+        f"plan: baseline LRs {base_lrs}; data-efficiency LRs {de_plan} at budget fraction "
         f"{fractions[0]}, then fractions {fractions[1:]} at its best LR; controls {args.controls}",
         flush=True,
     )
@@ -602,34 +821,97 @@ def main(argv: list[str] | None = None) -> int:
         raise SystemExit("every baseline LR diverged; lower --lrs")
     best_base = min(baselines, key=lambda r: r["final_val_loss"])
     target = args.target_loss if args.target_loss is not None else best_base["final_val_loss"]
-    first = tokens_for(fractions[0])
-    de_runs = [run(args, train, valid, True, first, lr, "data-eff") for lr in de_lrs]
-    results += de_runs
+    if multipliers is not None:
+        de_lrs = [best_base["lr"] * m for m in multipliers]
+    skipped: list[str] = []
+    base_wall = max(r["wall_seconds"] for r in results)
+
+    def fits(fraction: float, what: str) -> bool:
+        """Whether a run of this budget fraction fits in --max-seconds (estimated from the
+        slowest baseline run's wall time); a skipped run is listed in the summary."""
+        if not args.max_seconds:
+            return True
+        if time.perf_counter() - wall + 1.1 * fraction * base_wall <= args.max_seconds:
+            return True
+        skipped.append(what)
+        print(f"skipped (--max-seconds {args.max_seconds:.0f}): {what}", flush=True)
+        return False
 
     def rank(r: dict[str, Any]) -> tuple[float, float]:
         reached = _time_to(r["curve"], target)
         return (reached if reached is not None else math.inf, r["final_val_loss"])
 
-    best_de = min(de_runs, key=rank)
-    for fraction in fractions[1:]:
-        results.append(
-            run(args, train, valid, True, tokens_for(fraction), best_de["lr"], "data-eff")
-        )
-    if args.controls == "on":
-        for fraction in sorted(set(fractions)):
-            if fraction < 1:
-                short = tokens_for(fraction)
+    def controls(fraction: float, de_lr: float) -> None:
+        if args.controls == "off" or fraction >= 1:
+            return
+        if args.controls == "first" and fraction != fractions[0]:
+            return
+        control_lrs = [best_base["lr"]]
+        if args.controls == "both" and not math.isclose(de_lr, best_base["lr"]):
+            control_lrs.append(de_lr)
+        for control_lr in control_lrs:
+            if fits(fraction, f"baseline-short lr {control_lr:.1e} at {fraction}x"):
                 results.append(
-                    run(args, train, valid, False, short, best_base["lr"], "baseline-short")
-                )
+                    run(args, train, valid, False, tokens_for(fraction), control_lr,
+                        "baseline-short")
+                )  # fmt: skip
+
+    first = tokens_for(fractions[0])
+    de_runs = []
+    for i, lr in enumerate(de_lrs):
+        if i == 0 or fits(fractions[0], f"data-eff lr {lr:.1e} at {fractions[0]}x"):
+            de_runs.append(run(args, train, valid, True, first, lr, "data-eff"))
+    results += de_runs
+    best_de = min(de_runs, key=rank)
+    controls(fractions[0], best_de["lr"])
+    for variant in _floats_or_names(args.de_variants):
+        # One technique alone, at the first fraction and the arm's best LR.
+        alone = argparse.Namespace(**{**vars(args), **VARIANTS[variant]})
+        if fits(fractions[0], f"data-eff-{variant} lr {best_de['lr']:.1e} at {fractions[0]}x"):
+            results.append(
+                run(alone, train, valid, True, first, best_de["lr"], f"data-eff-{variant}")
+            )
+    batch_control_done = False
+
+    def batch_control() -> None:
+        """Once the goal looks met: would a plain baseline with a smaller batch (more, cheaper
+        steps, as the curriculum's short early steps are) do as well?"""
+        nonlocal batch_control_done
+        if args.batch_control <= 1 or batch_control_done:
+            return
+        arm = [_time_to(r["curve"], target) for r in results if r["label"].startswith("data-eff")]
+        base = [_time_to(r["curve"], target) for r in results if r["label"].startswith("baseline")]
+        arm_best = min((t for t in arm if t is not None), default=None)
+        base_best = min((t for t in base if t is not None), default=None)
+        if arm_best is None or base_best is None or arm_best > 0.7 * base_best:
+            return
+        batch_control_done = True
+        divisor = args.batch_control
+        small = argparse.Namespace(**{**vars(args), "micro_batch": args.micro_batch // divisor,
+                                      "eval_batches": args.eval_batches * divisor,
+                                      "eval_every": args.eval_every * divisor})  # fmt: skip
+        for lr in (best_base["lr"], best_base["lr"] / math.sqrt(divisor)):
+            if fits(1.0, f"baseline micro-batch {small.micro_batch} lr {lr:.1e}"):
+                result = run(small, train, valid, False, budget, lr, "baseline")
+                result["label"] = f"baseline-mb{small.micro_batch}"
+                results.append(result)
+
+    batch_control()
+    for fraction in fractions[1:]:
+        if fits(fraction, f"data-eff lr {best_de['lr']:.1e} at {fraction}x"):
+            results.append(
+                run(args, train, valid, True, tokens_for(fraction), best_de["lr"], "data-eff")
+            )
+        controls(fraction, best_de["lr"])
+        batch_control()
 
     print("\n" + _describe(args, budget, description))
     print(f"target validation loss {target:.4f} (best baseline: lr {best_base['lr']:.1e})\n")
     print(
-        "| run | peak LR | budget | steps | tokens/s | final val loss | time to target (s) "
-        "| vs best baseline |"
+        "| run | peak LR | budget | steps | tokens read | train s | tokens/s | final val loss "
+        "| time to target (s) | vs best baseline |"
     )
-    print("|---|---|---|---|---|---|---|---|")
+    print("|---|---|---|---|---|---|---|---|---|---|")
     base_time = _time_to(best_base["curve"], target)
     for result in results:
         reached = _time_to(result["curve"], target)
@@ -638,10 +920,22 @@ def main(argv: list[str] | None = None) -> int:
         result["ratio"] = ratio
         print(
             f"| {result['label']} | {result['lr']:.1e} | {result['budget'] / budget:.2f}x | "
-            f"{result['steps']} | {result['tokens_per_second']:,.0f} | "
+            f"{result['steps']} | {result['tokens']:,} | {result['train_seconds']:.1f} | "
+            f"{result['tokens_per_second']:,.0f} | "
             f"{result['final_val_loss']:.4f}{' (diverged)' if result['diverged'] else ''} | "
             f"{'not reached' if reached is None else f'{reached:.1f}'} | "
             f"{'-' if ratio is None else f'{ratio:.2f}x'} |"
+        )
+    print("\nvalidation loss against training seconds (at most 12 points a run):")
+    for result in results:
+        curve = result["curve"]
+        every = max(math.ceil(len(curve) / 12), 1)
+        points = curve[every - 1 :: every]
+        if curve and points[-1] is not curve[-1]:
+            points.append(curve[-1])
+        print(
+            f"  {result['label']} {result['lr']:.1e} {result['budget'] / budget:.2f}x: "
+            + " ".join(f"{seconds:.1f}s:{loss:.3f}" for _, _, seconds, loss in points)
         )
     # The honest reference: the fastest baseline-family run (any LR, any budget) to the target.
     base_family = [r for r in results if r["label"].startswith("baseline")]
@@ -650,7 +944,7 @@ def main(argv: list[str] | None = None) -> int:
         default=None,
     )
     de_best = min(
-        (r for r in results if r["label"] == "data-eff"),
+        (r for r in results if r["label"].startswith("data-eff")),
         key=lambda r: r["time_to_target"] if r["time_to_target"] is not None else math.inf,
     )
     verdict: dict[str, Any] = {"target": target, "baseline_time": base_best_time}
@@ -660,12 +954,20 @@ def main(argv: list[str] | None = None) -> int:
     else:
         ratio = de_best["time_to_target"] / base_best_time
         verdict["ratio"] = ratio
+        outcome = "met" if ratio <= 0.7 else "not met"
+        if ratio <= 0.7 and len(base_lrs) > 1 and best_base["lr"] == max(base_lrs):
+            # A target from a baseline whose best LR is its grid's largest is not a tuned one.
+            outcome = (
+                f"met, but inconclusive: the baseline's best LR {best_base['lr']:.1e} is the "
+                "largest it tried"
+            )
+        verdict["outcome"] = outcome
         print(
-            f"\nverdict: fastest data-efficiency run (lr {de_best['lr']:.1e}, budget "
-            f"{de_best['budget'] / budget:.2f}x) reaches {target:.4f} in "
-            f"{de_best['time_to_target']:.1f} s; fastest baseline run (sweep and controls) in "
-            f"{base_best_time:.1f} s: ratio {ratio:.2f}x (goal <= 0.70: "
-            f"{'met' if ratio <= 0.7 else 'not met'})"
+            f"\nverdict: fastest data-efficiency run ({de_best['label']}, lr "
+            f"{de_best['lr']:.1e}, budget {de_best['budget'] / budget:.2f}x) reaches "
+            f"{target:.4f} in {de_best['time_to_target']:.1f} s; fastest baseline run (sweep "
+            f"and controls) in {base_best_time:.1f} s: ratio {ratio:.2f}x (goal <= 0.70: "
+            f"{outcome})"
         )
     for name, lrs, best in (
         ("baseline", base_lrs, best_base["lr"]),
@@ -676,11 +978,14 @@ def main(argv: list[str] | None = None) -> int:
                 f"note: the {name} arm's best LR {best:.1e} is at the edge of its sweep "
                 f"{lrs}: widen the sweep before trusting the comparison"
             )
+    if skipped:
+        print(f"skipped for time (--max-seconds): {'; '.join(skipped)}")
     print(f"(whole invocation: {time.perf_counter() - wall:.0f} s)")
     if args.json is not None:
-        args.json.write_text(json.dumps({"args": vars(args) | {"json": str(args.json)},
-                                         "budget": budget, "probe_rate": probe_rate,
-                                         "verdict": verdict, "results": results}, indent=1))  # fmt: skip
+        settings = {k: str(v) if isinstance(v, Path) else v for k, v in vars(args).items()}
+        args.json.write_text(json.dumps({"args": settings, "budget": budget,
+                                         "probe_rate": probe_rate, "verdict": verdict,
+                                         "results": results}, indent=1))  # fmt: skip
     from slipstream import comm
 
     comm.destroy()  # the process group initialize() made: no leak warning at exit

@@ -1,0 +1,100 @@
+"""tools/bench/data_efficiency_bench.py and make_text_corpus.py on CPU: DeepSpeed's token clock,
+the corpus file, and one short end-to-end run of the harness."""
+
+from __future__ import annotations
+
+import importlib.util
+import json
+import sys
+from pathlib import Path
+
+import pytest
+
+BENCH = Path(__file__).resolve().parents[3] / "tools" / "bench"
+
+
+def _load(name: str):
+    script = BENCH / f"{name}.py"
+    if not script.exists():
+        pytest.skip(f"tools/bench/{name}.py is not in this checkout")
+    spec = importlib.util.spec_from_file_location(name, script)
+    assert spec is not None and spec.loader is not None
+    module = importlib.util.module_from_spec(spec)
+    sys.modules[name] = module
+    spec.loader.exec_module(module)
+    return module
+
+
+def test_consumed_tokens_follow_megatron_deepspeed() -> None:
+    """Megatron-DeepSpeed counts rows x the curriculum length, layer-averaged over the random-LTD
+    layers' kept tokens when they keep fewer than the length (integer division)."""
+    bench = _load("data_efficiency_bench")
+    args = bench.parse_args(["--preset", "smoke"])  # tiny: 4 layers, 2 of them dropping
+    # truncation: 4 rows of 80 tokens, random-LTD keeps 32 -> (80*2 + 32*2)//4 = 56
+    assert bench._consumed_tokens(args, 80, 32) == 4 * 56
+    assert bench._consumed_tokens(args, 80, 128) == 4 * 80  # keeps all: the plain length
+    assert bench._consumed_tokens(args, 128, None) == 4 * 128
+    args.ltd = "off"
+    assert bench._consumed_tokens(args, 80, 32) == 4 * 80
+    args.ltd, args.curriculum_mode = "on", "fold"  # folded rows: 128 // 40 = 3 rows per row
+    assert bench._consumed_tokens(args, 40, 16) == 12 * ((40 * 2 + 16 * 2) // 4)
+
+
+def test_troff_to_text() -> None:
+    corpus = _load("make_text_corpus")
+    page = (
+        '.\\" a comment\n.TH CAT 1\n.SH NAME\ncat \\- concatenate files\n.SH SYNOPSIS\n'
+        ".B cat\n[\\fIOPTION\\fR]... [\\fIFILE\\fR]...\n.IP \\(bu 2\nfirst item\n.PP\nplain\n"
+    )
+    assert corpus.troff_to_text(page) == (
+        "NAME\ncat - concatenate files\nSYNOPSIS\ncat\n[OPTION]... [FILE]...\n*\nfirst item\n"
+        "plain\n"
+    )
+
+
+def test_harness_end_to_end_with_a_corpus_file(tmp_path) -> None:
+    """One baseline LR, one truncating-curriculum + random-LTD run on DeepSpeed's clock at 0.7x,
+    the curriculum alone, controls at both LRs, read from a NUL-joined corpus file."""
+    bench = _load("data_efficiency_bench")
+    text = Path(bench.__file__).read_bytes() + Path(json.__file__).read_bytes()
+    docs = [b"%d\n" % i + text[i : i + 3000] for i in range(0, len(text), 300)]
+    corpus = tmp_path / "corpus.bin"
+    corpus.write_bytes(b"\x00".join(docs))
+    out = tmp_path / "de.json"
+    argv = ["--preset", "smoke", "--corpus", "file", "--corpus-file", str(corpus),
+            "--lrs", "3e-3", "--de-lr-multipliers", "2", "--de-budget-fractions", "0.7",
+            "--token-budget", "8192", "--eval-every", "4", "--json", str(out)]  # fmt: skip
+    assert bench.main(argv) == 0
+    report = json.loads(out.read_text())
+    runs = {(r["label"], round(r["lr"], 9)) for r in report["results"]}
+    arm = next(r for r in report["results"] if r["label"] == "data-eff")
+    expected = {("baseline", 3e-3), ("data-eff", 6e-3), ("baseline-short", 3e-3),
+                ("baseline-short", 6e-3), ("data-eff-cl", 6e-3)}  # fmt: skip
+
+    def best(prefix: str) -> float:
+        times = [r["time_to_target"] for r in report["results"]
+                 if r["label"].startswith(prefix) and not r["label"].startswith("baseline-mb")]  # fmt: skip
+        return min((t for t in times if t is not None), default=float("inf"))
+
+    if best("data-eff") <= 0.7 * best("baseline"):  # then the half-batch baselines run
+        expected |= {("baseline-mb2", 3e-3), ("baseline-mb2", round(3e-3 / 2**0.5, 9))}
+    assert runs == expected
+    # Truncation: early steps read fewer than micro-batch x seq tokens, so the arm takes more
+    # steps than its budget / (4 x 128) while its DeepSpeed clock reaches the budget.
+    assert arm["tokens"] < arm["steps"] * 4 * 128
+    assert arm["steps"] > arm["budget"] // (4 * 128)
+    assert all(loss == loss for *_, loss in arm["curve"])  # finite validation points
+    # With random-LTD the clock counts fewer tokens than were read; without it (the curriculum
+    # alone) the clock is the tokens read, so that run stops within a step of its budget.
+    alone = next(r for r in report["results"] if r["label"] == "data-eff-cl")
+    assert arm["tokens"] > arm["budget"] + 4 * 128
+    assert alone["budget"] <= alone["tokens"] < alone["budget"] + 4 * 128
+    # Per-shape first-use costs are paid once per process, outside the clocks: the controls
+    # (the baseline's one shape) and every shape run before are not warmed again.
+    warmed = {(r["label"], round(r["lr"], 9)): r["warmed_shapes"] for r in report["results"]}
+    assert warmed[("baseline", 3e-3)] == 1
+    assert warmed[("baseline-short", 3e-3)] == warmed[("baseline-short", 6e-3)] == 0
+    assert arm["warmed_shapes"] > 1
+    assert report["verdict"]["target"] == pytest.approx(
+        next(r for r in report["results"] if r["label"] == "baseline")["final_val_loss"]
+    )
