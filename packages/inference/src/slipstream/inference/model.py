@@ -14,9 +14,12 @@ from torch import nn
 
 from slipstream.kernels.ops import (
     add_rms_norm,
+    decode_gemv,
     gated_activation,
+    gated_gemv,
     layer_norm,
     moe_gemv,
+    norm_gemv,
     rms_norm,
     rotary_embedding,
     rotary_kv_write,
@@ -257,9 +260,20 @@ class FusedBlock(nn.Module):
         slots: torch.Tensor,
         mask: torch.Tensor,
     ) -> torch.Tensor:
-        batch, length, _ = h.shape
+        return self.out(self._attend(self.qkv(h), rotary, cache, slots, mask))
+
+    def _attend(
+        self,
+        qkv: torch.Tensor,
+        rotary: tuple[torch.Tensor, torch.Tensor] | None,
+        cache: tuple[torch.Tensor, torch.Tensor] | None,
+        slots: torch.Tensor,
+        mask: torch.Tensor,
+    ) -> torch.Tensor:
+        """Attention from the QKV projection's output; returns ``(batch, tokens, heads * hd)``
+        before the output projection."""
+        batch, length, _ = qkv.shape
         hd, heads, kv_heads = self.spec.head_dim, self.heads, self.kv_heads
-        qkv = self.qkv(h)
         if cache is not None:
             # One kernel rotates Q and K, writes K and V at the (device-tensor) slots and lays Q
             # out contiguous: four launches fewer per layer than rotary + two index_copy_ +
@@ -282,7 +296,7 @@ class FusedBlock(nn.Module):
             q = q.reshape(batch, kv_heads, (heads // kv_heads) * length, hd)
         out = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, scale=self.spec.scale)
         out = out.reshape(batch, heads, length, hd).transpose(1, 2)
-        return self.out(out.reshape(batch, length, heads * hd))
+        return out.reshape(batch, length, heads * hd)
 
     def forward(
         self,
@@ -317,6 +331,27 @@ class FusedBlock(nn.Module):
             return x, self._reduce(attn + self._mlp(h))
         x, h = self.post_norm.add_forward(self._reduce(attn), x)  # residual add + norm fused
         return x, self._reduce(self._mlp(h))
+
+    def decode_step(
+        self,
+        x: torch.Tensor,
+        pending: torch.Tensor | None,
+        rotary: tuple[torch.Tensor, torch.Tensor] | None,
+        cache: tuple[torch.Tensor, torch.Tensor] | None,
+        slots: torch.Tensor,
+        mask: torch.Tensor,
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """:meth:`forward_split` of one decode token through the fused decode GEMVs (see
+        :mod:`slipstream.inference.fused_decode`): the residual add and RMSNorm run inside the
+        QKV and gate/up GEMVs, SiLU * up inside the down GEMV. Takes the previous block's
+        ``(base, pending)`` (``pending`` None for the first block) and returns this block's."""
+        assert self.post_norm is not None
+        norm, post = self.input_norm, self.post_norm
+        x, qkv = norm_gemv(x, pending, norm.weight, norm.eps, self.qkv.weight, self.qkv.bias)
+        attn = self._attend(qkv, rotary, cache, slots, mask)
+        attn = self._reduce(decode_gemv(attn, self.out.weight, self.out.bias))
+        x, up = norm_gemv(x, attn, post.weight, post.eps, self.up.weight, self.up.bias)
+        return x, self._reduce(gated_gemv(up, self.down.weight, self.down.bias))
 
 
 class FusedDecoder(nn.Module):
@@ -367,6 +402,8 @@ class FusedDecoder(nn.Module):
         self.head_group: dist.ProcessGroup | None = None  # vocab-parallel head under TP
         self.head_reducer: Any = None  # slipstream.inference.allreduce.TPReducer, under TP
         self.layer_hook: LayerHook | None = None  # ZeRO-Inference streams weights through this
+        # Single-token decode steps run FusedBlock.decode_step (fused_decode.enable_decode_fusion)
+        self.decode_fusion = False
 
     def _rotary(self, positions: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor] | None:
         if self.spec.position != "rotary":
@@ -412,6 +449,16 @@ class FusedDecoder(nn.Module):
         )
         # Each block's last residual add runs in the next norm's kernel (add + norm fused).
         pending: torch.Tensor | None = None
+        if self.decode_fusion and input_ids.numel() == 1 and self.layer_hook is None:
+            for index, block in enumerate(self.blocks):
+                assert isinstance(block, FusedBlock)
+                layer_cache = None if cache is None else (cache.keys[index], cache.values[index])
+                x, pending = block.decode_step(x, pending, rotary, layer_cache, slots, mask)
+            norm = self.final_norm
+            logits = norm_gemv(x, pending, norm.weight, norm.eps, self.head.weight, self.head.bias)[
+                1
+            ]
+            return logits if self.head_group is None else self.gather_vocab(logits)
         for index, block in enumerate(self.blocks):
             assert isinstance(block, FusedBlock)
             layer_cache = None if cache is None else (cache.keys[index], cache.values[index])

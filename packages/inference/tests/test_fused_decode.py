@@ -1,0 +1,72 @@
+"""``decode_fusion``: the fused batch-1 decode step equals the unfused one (CPU: the ops' torch
+references, so bit for bit), and it turns itself off for models it cannot run."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import pytest
+import torch
+
+from slipstream.inference import init_inference
+from slipstream.inference.testing import tiny_hf_model
+
+pytest.importorskip("transformers")
+
+KWARGS = {"max_new_tokens": 6, "do_sample": False, "eos_token_id": None, "pad_token_id": 0}
+
+
+def test_fused_decode_step_equals_unfused(monkeypatch: pytest.MonkeyPatch) -> None:
+    import slipstream.inference.model as model_module
+
+    calls = {"norm_gemv": 0}
+    original = model_module.norm_gemv
+
+    def counting(*args: Any) -> Any:
+        calls["norm_gemv"] += 1
+        return original(*args)
+
+    monkeypatch.setattr(model_module, "norm_gemv", counting)
+    model = tiny_hf_model("llama")
+    ids = torch.randint(3, 96, (1, 7), generator=torch.Generator().manual_seed(0))
+    settings = {"dtype": torch.bfloat16, "replace_with_kernel_inject": True, "max_out_tokens": 32}
+    fused = init_inference(model, settings, decode_fusion=True)
+    plain = init_inference(model, settings, decode_fusion=False)
+    assert fused.fused is not None and fused.fused.decode_fusion
+    assert plain.fused is not None and not plain.fused.decode_fusion
+    expected = plain.generate(ids, **KWARGS)
+    assert calls["norm_gemv"] == 0
+    tokens = fused.generate(ids, **KWARGS)
+    assert torch.equal(tokens, expected)
+    layers = len(fused.fused.blocks)
+    # 5 decode steps, each: 2 per block (QKV, gate/up) + the head's; the prefill runs unfused.
+    assert calls["norm_gemv"] == 5 * (2 * layers + 1)
+    # The decode step's logits, bit for bit (CPU: the same torch ops in the same order).
+    runners = []
+    for engine in (plain, fused):
+        assert engine._runner is not None
+        engine._runner.prefill(ids, torch.arange(7)[None], torch.ones_like(ids, dtype=torch.bool))
+        runners.append(engine._runner.decode(ids[:, -1], torch.tensor([7]), 7))
+    assert torch.equal(runners[0], runners[1])
+
+
+def test_decode_fusion_turns_off_where_it_cannot_run() -> None:
+    llama, gpt2 = tiny_hf_model("llama"), tiny_hf_model("gpt2")
+    common = {"replace_with_kernel_inject": True}
+    auto = init_inference(llama, dtype=torch.bfloat16, **common)  # "auto": CUDA only
+    assert auto.fused is not None and not auto.fused.decode_fusion
+    for engine in (
+        init_inference(gpt2, dtype=torch.bfloat16, decode_fusion=True, **common),  # LayerNorm
+        init_inference(llama, dtype=torch.float32, decode_fusion=True, **common),  # fp32
+        init_inference(
+            llama, dtype="int8", quant={"weight": {"num_bits": 8}}, decode_fusion=True, **common
+        ),
+    ):
+        assert engine.fused is not None and not engine.fused.decode_fusion
+    from slipstream.inference.fused_decode import decode_fusion_blockers
+
+    gpt2_engine = init_inference(gpt2, dtype=torch.bfloat16, **common)
+    assert gpt2_engine.fused is not None
+    assert any("norm is 'layer'" in reason for reason in decode_fusion_blockers(gpt2_engine.fused))
+    with pytest.raises(ValueError, match="decode_fusion"):
+        init_inference(llama, decode_fusion="sometimes", **common)
