@@ -86,6 +86,13 @@ def parse_args() -> argparse.Namespace:
         action="store_true",
         help="use_triton=True: the blocks' dense linears run the Triton streaming GEMV at decode",
     )
+    parser.add_argument(
+        "--decode-fusion",
+        choices=["auto", "on", "off"],
+        default="auto",
+        help="decode_fusion: batch-1 decode through the fused Triton decode GEMVs (auto, the "
+        "config's default: on on GPUs) or the unfused kernels and cuBLAS (off)",
+    )
     parser.add_argument("--skip-hf-eager", action="store_true")
     parser.add_argument("--skip-hf-compiled", action="store_true")
     parser.add_argument("--repeats", type=int, default=3, help="timed runs; the best is kept")
@@ -284,6 +291,7 @@ def bench_batch(
         offload=args.offload or False,
         weights=args.weights,
         use_triton=args.use_triton,
+        decode_fusion=bool(engine.fused.decode_fusion),
         gemv_layout=args.gemv_layout,
         **run,
     )
@@ -425,6 +433,7 @@ def main() -> None:
         "max_out_tokens": max_len,
         "tensor_parallel": {"tp_size": world, "allreduce": args.tp_allreduce[0]},
         "use_triton": args.use_triton,
+        "decode_fusion": {"auto": "auto", "on": True, "off": False}[args.decode_fusion],
     }
     if args.offload:
         offload: dict[str, Any] = {"device": args.offload, "pin_memory": True}

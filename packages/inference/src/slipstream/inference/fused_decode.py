@@ -44,7 +44,7 @@ def decode_fusion_blockers(model: FusedDecoder) -> list[str]:
         reasons.append(f"the MLP is {spec.mlp!r} with {spec.activation!r} (needs gated SiLU)")
     if model.layer_hook is not None:
         reasons.append("the weights stream through ZeRO-Inference")
-    linears = [model.head]
+    linears: list[object] = [model.head]
     for block in model.blocks:
         assert isinstance(block, FusedBlock)
         linears += [block.qkv, block.out, getattr(block, "up", None), getattr(block, "down", None)]

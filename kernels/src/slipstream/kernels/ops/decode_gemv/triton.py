@@ -49,11 +49,12 @@ PLAIN, NORM, GATED = 0, 1, 2
 
 @dataclasses.dataclass(frozen=True)
 class DecodeGemvConfig:
-    """Launch shape of one decode GEMV: output features per program, K step, warps."""
+    """Launch shape of one decode GEMV: output features per program, K step, warps, stages."""
 
     block_n: int = 8
     block_k: int = 512
     num_warps: int = 4
+    num_stages: int = 3  # Triton's default on NVIDIA GPUs
 
 
 @triton.jit
@@ -210,6 +211,7 @@ def _launch(
         BLOCK_N=config.block_n,
         BLOCK_K=config.block_k,
         num_warps=config.num_warps,
+        num_stages=config.num_stages,
     )
     return out
 
