@@ -88,10 +88,10 @@ def parse_args() -> argparse.Namespace:
     )
     parser.add_argument(
         "--decode-fusion",
-        choices=["auto", "on", "off"],
         default="auto",
         help="decode_fusion: batch-1 decode through the fused Triton decode GEMVs (auto, the "
-        "config's default: on on GPUs) or the unfused kernels and cuBLAS (off)",
+        "config's default on GPUs; on: every projection) or the unfused kernels and cuBLAS "
+        "(off); or a comma list of the projections to fuse (qkv,out,gate_up,down,head)",
     )
     parser.add_argument("--skip-hf-eager", action="store_true")
     parser.add_argument("--skip-hf-compiled", action="store_true")
@@ -291,7 +291,7 @@ def bench_batch(
         offload=args.offload or False,
         weights=args.weights,
         use_triton=args.use_triton,
-        decode_fusion=bool(engine.fused.decode_fusion),
+        decode_fusion=",".join(sorted(engine.fused.decode_fusion)) or "off",
         gemv_layout=args.gemv_layout,
         **run,
     )
@@ -433,7 +433,7 @@ def main() -> None:
         "max_out_tokens": max_len,
         "tensor_parallel": {"tp_size": world, "allreduce": args.tp_allreduce[0]},
         "use_triton": args.use_triton,
-        "decode_fusion": {"auto": "auto", "on": True, "off": False}[args.decode_fusion],
+        "decode_fusion": {"auto": "auto", "off": False}.get(args.decode_fusion, True),
     }
     if args.offload:
         offload: dict[str, Any] = {"device": args.offload, "pin_memory": True}
@@ -457,6 +457,8 @@ def main() -> None:
     emit(result="phase", phase="init_inference", seconds=round(time.perf_counter() - started, 2))
     fused = engine.fused
     assert fused is not None
+    if args.decode_fusion not in ("auto", "on", "off"):  # a subset of the projections
+        fused.decode_fusion = frozenset(args.decode_fusion.split(",")) & fused.decode_fusion
     spec = fused.spec
     reducer = getattr(fused.blocks[0], "reducer", None)
     common["allreduce"] = reducer.kind if reducer is not None else None

@@ -9,6 +9,7 @@ import pytest
 import torch
 
 from slipstream.inference import init_inference
+from slipstream.inference.fused_decode import PROJECTIONS
 from slipstream.inference.testing import tiny_hf_model
 
 pytest.importorskip("transformers")
@@ -41,13 +42,16 @@ def test_fused_decode_step_equals_unfused(monkeypatch: pytest.MonkeyPatch) -> No
     layers = len(fused.fused.blocks)
     # 5 decode steps, each: 2 per block (QKV, gate/up) + the head's; the prefill runs unfused.
     assert calls["norm_gemv"] == 5 * (2 * layers + 1)
-    # The decode step's logits, bit for bit (CPU: the same torch ops in the same order).
-    runners = []
-    for engine in (plain, fused):
-        assert engine._runner is not None
-        engine._runner.prefill(ids, torch.arange(7)[None], torch.ones_like(ids, dtype=torch.bool))
-        runners.append(engine._runner.decode(ids[:, -1], torch.tensor([7]), 7))
-    assert torch.equal(runners[0], runners[1])
+    # The decode step's logits, bit for bit (CPU: the same torch ops in the same order), with
+    # every projection fused and with part of them (the others through the unfused kernels).
+    assert plain._runner is not None and fused._runner is not None
+    plain._runner.prefill(ids, torch.arange(7)[None], torch.ones_like(ids, dtype=torch.bool))
+    expected_logits = plain._runner.decode(ids[:, -1], torch.tensor([7]), 7)
+    for subset in (PROJECTIONS, {"qkv", "down"}, {"out", "gate_up", "head"}):
+        fused.fused.decode_fusion = frozenset(subset)
+        fused._runner.prefill(ids, torch.arange(7)[None], torch.ones_like(ids, dtype=torch.bool))
+        logits = fused._runner.decode(ids[:, -1], torch.tensor([7]), 7)
+        assert torch.equal(logits, expected_logits), subset
 
 
 def test_decode_fusion_turns_off_where_it_cannot_run() -> None:

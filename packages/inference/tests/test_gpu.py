@@ -99,6 +99,7 @@ def test_decode_fusion_on_gpu() -> None:
     model = tiny_hf_model("llama").cuda()
     ids = torch.randint(3, 96, (1, 9), device="cuda")
     config: dict = {"dtype": torch.bfloat16, "replace_with_kernel_inject": True}
+    config["decode_fusion"] = True  # every projection, whatever "auto" picks
     kwargs = {"max_new_tokens": 12, "do_sample": False, "eos_token_id": None, "pad_token_id": 0}
     engines = [
         init_inference(model, config, enable_cuda_graph=graph, max_out_tokens=32)
@@ -109,7 +110,7 @@ def test_decode_fusion_on_gpu() -> None:
     assert torch.equal(outputs[0], outputs[1])
     steps = []
     for fusion in (True, False):
-        engine = init_inference(model, config, decode_fusion=fusion, max_out_tokens=32)
+        engine = init_inference(model, {**config, "decode_fusion": fusion}, max_out_tokens=32)
         assert engine._runner is not None
         with torch.no_grad():
             engine._runner.prefill(ids, torch.arange(9, device="cuda")[None], ids > 0)

@@ -20,7 +20,12 @@ from torch import nn
 
 from slipstream.inference.model import FusedBlock, FusedDecoder
 
-__all__ = ["decode_fusion_blockers", "enable_decode_fusion"]
+__all__ = ["AUTO_PROJECTIONS", "PROJECTIONS", "decode_fusion_blockers", "enable_decode_fusion"]
+
+PROJECTIONS = frozenset({"qkv", "out", "gate_up", "down", "head"})
+# What decode_fusion "auto" fuses on a GPU: the projections whose fused decode GEMV beat the
+# unfused kernels + cuBLAS in tools/bench/bf16_gemv_bench.py (Llama-3-8B shapes, batch 1).
+AUTO_PROJECTIONS = PROJECTIONS
 
 logger = logging.getLogger(__name__)
 
@@ -55,16 +60,19 @@ def decode_fusion_blockers(model: FusedDecoder) -> list[str]:
 
 def enable_decode_fusion(
     model: FusedDecoder, setting: bool | Literal["auto"], device: torch.device
-) -> bool:
-    """Turn decode fusion on for ``model`` per the ``decode_fusion`` config key; returns whether
-    it is on. ``"auto"``: on for a CUDA/ROCm ``device`` when the model qualifies. ``True``: on
-    wherever the model qualifies (on the CPU the ops run their torch references, the same math
-    as the unfused step), with a warning naming what blocks it otherwise."""
+) -> frozenset[str]:
+    """Turn decode fusion on for ``model`` per the ``decode_fusion`` config key; returns the
+    projections fused (empty: off). ``"auto"``: :data:`AUTO_PROJECTIONS` on a CUDA/ROCm
+    ``device`` when the model qualifies. ``True``: every projection wherever the model
+    qualifies (on the CPU the ops run their torch references, the same math as the unfused
+    step), with a warning naming what blocks it otherwise."""
+    model.decode_fusion = frozenset()
     if setting is False or (setting == "auto" and device.type != "cuda"):
-        model.decode_fusion = False
-        return False
+        return model.decode_fusion
     blockers = decode_fusion_blockers(model)
-    if blockers and setting is True:
-        logger.warning("decode_fusion is off for this model: %s", "; ".join(blockers))
-    model.decode_fusion = not blockers
+    if blockers:
+        if setting is True:
+            logger.warning("decode_fusion is off for this model: %s", "; ".join(blockers))
+        return model.decode_fusion
+    model.decode_fusion = PROJECTIONS if setting is True else AUTO_PROJECTIONS
     return model.decode_fusion

@@ -340,18 +340,36 @@ class FusedBlock(nn.Module):
         cache: tuple[torch.Tensor, torch.Tensor] | None,
         slots: torch.Tensor,
         mask: torch.Tensor,
+        fused: frozenset[str],
     ) -> tuple[torch.Tensor, torch.Tensor]:
-        """:meth:`forward_split` of one decode token through the fused decode GEMVs (see
-        :mod:`slipstream.inference.fused_decode`): the residual add and RMSNorm run inside the
-        QKV and gate/up GEMVs, SiLU * up inside the down GEMV. Takes the previous block's
-        ``(base, pending)`` (``pending`` None for the first block) and returns this block's."""
+        """:meth:`forward_split` of one decode token, the projections named in ``fused`` through
+        the fused decode GEMVs (see :mod:`slipstream.inference.fused_decode`): ``"qkv"`` and
+        ``"gate_up"`` with the residual add and RMSNorm before them, ``"down"`` with SiLU * up,
+        ``"out"`` plain. Takes the previous block's ``(base, pending)`` (``pending`` None for
+        the first block) and returns this block's."""
         assert self.post_norm is not None
         norm, post = self.input_norm, self.post_norm
-        x, qkv = norm_gemv(x, pending, norm.weight, norm.eps, self.qkv.weight, self.qkv.bias)
+        if "qkv" in fused:
+            x, qkv = norm_gemv(x, pending, norm.weight, norm.eps, self.qkv.weight, self.qkv.bias)
+        else:
+            x, h = (x, norm(x)) if pending is None else norm.add_forward(pending, x)
+            qkv = self.qkv(h)
         attn = self._attend(qkv, rotary, cache, slots, mask)
-        attn = self._reduce(decode_gemv(attn, self.out.weight, self.out.bias))
-        x, up = norm_gemv(x, attn, post.weight, post.eps, self.up.weight, self.up.bias)
-        return x, self._reduce(gated_gemv(up, self.down.weight, self.down.bias))
+        if "out" in fused:
+            attn = decode_gemv(attn, self.out.weight, self.out.bias)
+        else:
+            attn = self.out(attn)
+        attn = self._reduce(attn)
+        if "gate_up" in fused:
+            x, up = norm_gemv(x, attn, post.weight, post.eps, self.up.weight, self.up.bias)
+        else:
+            x, h = post.add_forward(attn, x)
+            up = self.up(h)
+        if "down" in fused:
+            down = gated_gemv(up, self.down.weight, self.down.bias)
+        else:
+            down = self.down(gated_activation(up, "silu"))
+        return x, self._reduce(down)
 
 
 class FusedDecoder(nn.Module):
@@ -402,8 +420,9 @@ class FusedDecoder(nn.Module):
         self.head_group: dist.ProcessGroup | None = None  # vocab-parallel head under TP
         self.head_reducer: Any = None  # slipstream.inference.allreduce.TPReducer, under TP
         self.layer_hook: LayerHook | None = None  # ZeRO-Inference streams weights through this
-        # Single-token decode steps run FusedBlock.decode_step (fused_decode.enable_decode_fusion)
-        self.decode_fusion = False
+        # The projections that single-token decode steps run through the fused decode GEMVs
+        # (FusedBlock.decode_step; set by fused_decode.enable_decode_fusion); empty: none.
+        self.decode_fusion: frozenset[str] = frozenset()
 
     def _rotary(self, positions: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor] | None:
         if self.spec.position != "rotary":
@@ -450,14 +469,16 @@ class FusedDecoder(nn.Module):
         # Each block's last residual add runs in the next norm's kernel (add + norm fused).
         pending: torch.Tensor | None = None
         if self.decode_fusion and input_ids.numel() == 1 and self.layer_hook is None:
+            fused = self.decode_fusion
             for index, block in enumerate(self.blocks):
                 assert isinstance(block, FusedBlock)
                 layer_cache = None if cache is None else (cache.keys[index], cache.values[index])
-                x, pending = block.decode_step(x, pending, rotary, layer_cache, slots, mask)
-            norm = self.final_norm
-            logits = norm_gemv(x, pending, norm.weight, norm.eps, self.head.weight, self.head.bias)[
-                1
-            ]
+                x, pending = block.decode_step(x, pending, rotary, layer_cache, slots, mask, fused)
+            norm, head = self.final_norm, self.head
+            if "head" in fused:
+                logits = norm_gemv(x, pending, norm.weight, norm.eps, head.weight, head.bias)[1]
+            else:
+                logits = head(norm.add_forward(pending, x)[1] if pending is not None else norm(x))
             return logits if self.head_group is None else self.gather_vocab(logits)
         for index, block in enumerate(self.blocks):
             assert isinstance(block, FusedBlock)
