@@ -1,6 +1,7 @@
-"""Batch-1 bf16 decode GEMVs of a Llama-3-8B-shaped model: cuBLAS beside ``decode_gemv``.
+"""Batch-1 bf16 decode kernels of a Llama-3-8B-shaped model: cuBLAS/SDPA beside Slipstream's.
 
-For each projection of a decode step (QKV 4096->6144, output 4096->4096, gate/up
+The decode attention (SDPA, as the unfused step runs it, against ``decode_attention`` at each
+chunk size, 32 layers' caches of ``--slots`` slots), then for each projection of a decode step (QKV 4096->6144, output 4096->4096, gate/up
 4096->28672, down 14336->4096, LM head 4096->128256), in one process on one GPU:
 
 - ``cublas``: ``F.linear`` alone, and ``unfused``: what the unfused decode step runs for it
@@ -95,6 +96,8 @@ def main() -> None:
     parser.add_argument("--block-k", type=int, nargs="+", default=[256, 512, 1024])
     parser.add_argument("--warps", type=int, nargs="+", default=[4, 8])
     parser.add_argument("--stages", type=int, nargs="+", default=[1, 4])
+    parser.add_argument("--slots", type=int, nargs="*", default=[160, 384, 2048])
+    parser.add_argument("--block-s", type=int, nargs="+", default=[16, 32, 64])
     parser.add_argument("--top", type=int, default=3, help="launches per shape tried per stage")
     args = parser.parse_args()
     device = torch.device("cuda")
@@ -103,9 +106,53 @@ def main() -> None:
     sms = torch.cuda.get_device_properties(device).multi_processor_count
     emit(result="copy_bandwidth", gb_per_s=round(bandwidth / 1e9, 1), device=name, sms=sms)
     torch.manual_seed(0)
-    best_rows = [bench_shape(shape, args, bandwidth) for shape in args.shapes]
+    best_rows = [bench_attention(slots, args) for slots in args.slots]
+    best_rows += [bench_shape(shape, args, bandwidth) for shape in args.shapes]
     for row in best_rows:
         emit(**row)
+
+
+def bench_attention(slots: int, args: argparse.Namespace) -> dict[str, Any]:
+    """Decode attention of the 8B model at batch 1 (8 KV heads x 4 query rows, head_dim 128)
+    over ``slots`` cache slots, 32 layers' caches: SDPA (what the unfused step runs) against
+    ``decode_attention`` at each chunk size."""
+    from slipstream.kernels.ops.decode_attention import triton as attention
+
+    layers, kv_heads, rows, head_dim = 32, 8, 4, 128
+    cache = torch.randn(2, layers, 1, kv_heads, slots, head_dim, device="cuda").bfloat16()
+    query = torch.randn(1, kv_heads, rows, head_dim, device="cuda").bfloat16()
+    visible = torch.arange(slots, device="cuda") < slots * 3 // 4  # a quarter still ahead
+    mask = torch.zeros(1, 1, rows, slots, device="cuda", dtype=torch.bfloat16)
+    mask.masked_fill_(~visible, float("-inf"))
+    scale = head_dim**-0.5
+
+    def sdpa(layer: int) -> torch.Tensor:
+        return F.scaled_dot_product_attention(
+            query, cache[0, layer], cache[1, layer], attn_mask=mask, scale=scale
+        )
+
+    def split(layer: int, block_s: int | None) -> torch.Tensor:
+        return attention.decode_attention(
+            query, cache[0, layer], cache[1, layer], mask, scale, block_s=block_s
+        )
+
+    row = {"result": "attention", "slots": slots}
+    sdpa_us = graph_time([functools.partial(sdpa, i) for i in range(layers)], args.replays) * 1e6
+    emit(**row, variant="sdpa", us=round(sdpa_us, 2))
+    best = (math.inf, 0)
+    with torch.no_grad():
+        for block_s in [None, *args.block_s]:
+            calls = [functools.partial(split, i, block_s) for i in range(layers)]
+            us = graph_time(calls, args.replays) * 1e6
+            emit(**row, variant="decode_attention", block_s=block_s, us=round(us, 2))
+            best = min(best, (us, block_s or 0))
+    return {
+        "result": "best_attention",
+        "slots": slots,
+        "sdpa_us": round(sdpa_us, 2),
+        "decode_attention_us": round(best[0], 2),
+        "block_s": best[1] or "default",
+    }
 
 
 def bench_shape(shape: str, args: argparse.Namespace, bandwidth: float) -> dict[str, Any]:

@@ -90,8 +90,8 @@ def parse_args() -> argparse.Namespace:
         "--decode-fusion",
         default="auto",
         help="decode_fusion: batch-1 decode through the fused Triton decode GEMVs (auto, the "
-        "config's default on GPUs; on: every projection) or the unfused kernels and cuBLAS "
-        "(off); or a comma list of the projections to fuse (qkv,out,gate_up,down,head)",
+        "config's default on GPUs; on: every part) or the unfused kernels, cuBLAS and SDPA "
+        "(off); or a comma list of the parts to fuse (qkv,attention,out,gate_up,down,head)",
     )
     parser.add_argument("--skip-hf-eager", action="store_true")
     parser.add_argument("--skip-hf-compiled", action="store_true")
@@ -457,7 +457,7 @@ def main() -> None:
     emit(result="phase", phase="init_inference", seconds=round(time.perf_counter() - started, 2))
     fused = engine.fused
     assert fused is not None
-    if args.decode_fusion not in ("auto", "on", "off"):  # a subset of the projections
+    if args.decode_fusion not in ("auto", "on", "off"):  # a subset of the parts
         fused.decode_fusion = frozenset(args.decode_fusion.split(",")) & fused.decode_fusion
     spec = fused.spec
     reducer = getattr(fused.blocks[0], "reducer", None)

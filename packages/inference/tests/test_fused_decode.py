@@ -9,7 +9,7 @@ import pytest
 import torch
 
 from slipstream.inference import init_inference
-from slipstream.inference.fused_decode import PROJECTIONS
+from slipstream.inference.fused_decode import PARTS
 from slipstream.inference.testing import tiny_hf_model
 
 pytest.importorskip("transformers")
@@ -43,11 +43,11 @@ def test_fused_decode_step_equals_unfused(monkeypatch: pytest.MonkeyPatch) -> No
     # 5 decode steps, each: 2 per block (QKV, gate/up) + the head's; the prefill runs unfused.
     assert calls["norm_gemv"] == 5 * (2 * layers + 1)
     # The decode step's logits, bit for bit (CPU: the same torch ops in the same order), with
-    # every projection fused and with part of them (the others through the unfused kernels).
+    # every part fused and with some of them (the others through the unfused kernels).
     assert plain._runner is not None and fused._runner is not None
     plain._runner.prefill(ids, torch.arange(7)[None], torch.ones_like(ids, dtype=torch.bool))
     expected_logits = plain._runner.decode(ids[:, -1], torch.tensor([7]), 7)
-    for subset in (PROJECTIONS, {"qkv", "down"}, {"out", "gate_up", "head"}):
+    for subset in (PARTS, {"qkv", "down"}, {"attention", "out", "gate_up", "head"}):
         fused.fused.decode_fusion = frozenset(subset)
         fused._runner.prefill(ids, torch.arange(7)[None], torch.ones_like(ids, dtype=torch.bool))
         logits = fused._runner.decode(ids[:, -1], torch.tensor([7]), 7)

@@ -53,6 +53,7 @@ KERNEL_MODULES = (
     "slipstream.kernels.ops.gated_activation.triton",
     "slipstream.kernels.ops.moe_gemv.triton",
     "slipstream.kernels.ops.decode_gemv.triton",
+    "slipstream.kernels.ops.decode_attention.triton",
 )
 
 _BINARY_KINDS = ("cubin", "hsaco")

@@ -1,13 +1,13 @@
-"""``decode_fusion``: batch-1 decode steps through the Triton decode GEMVs with their neighbours fused.
+"""``decode_fusion``: batch-1 decode steps through the Triton decode kernels, neighbours fused in.
 
 At batch 1 a decode step is bound by streaming the weights once, and the small kernels between
-the projections (norms, residual adds, SwiGLU) cost launches and gaps rather than bytes. With
-decode fusion on, a single-token step of a :class:`~slipstream.inference.model.FusedDecoder`
-runs per block ``norm_gemv`` (residual add + input RMSNorm + QKV), rotary/KV write and attention,
-``decode_gemv`` (output projection), ``norm_gemv`` (residual add + post RMSNorm + gate/up) and
-``gated_gemv`` (SiLU * up + down), then ``norm_gemv`` (final norm + LM head): six kernels a block
-where the unfused step runs eight, and every projection in ``slipstream.kernels``' decode GEMV
-instead of cuBLAS. Prefill and steps of more than one token are unchanged.
+the projections (norms, residual adds, SwiGLU, cuBLAS's split-K reduce) cost launches and gaps
+rather than bytes. With decode fusion on, a single-token step of a
+:class:`~slipstream.inference.model.FusedDecoder` runs per block ``norm_gemv`` (residual add +
+input RMSNorm + QKV), ``rotary_kv_write``, ``decode_attention`` (split-K over the cache, where
+cuDNN's SDPA took 8.8 us a call on an H200), ``decode_gemv`` (output projection), ``norm_gemv``
+(residual add + post RMSNorm + gate/up) and ``gated_gemv`` (SiLU * up + down), then
+``norm_gemv`` (final norm + LM head). Prefill and steps of more than one token are unchanged.
 """
 
 from __future__ import annotations
@@ -20,12 +20,14 @@ from torch import nn
 
 from slipstream.inference.model import FusedBlock, FusedDecoder
 
-__all__ = ["AUTO_PROJECTIONS", "PROJECTIONS", "decode_fusion_blockers", "enable_decode_fusion"]
+__all__ = ["AUTO_PARTS", "PARTS", "decode_fusion_blockers", "enable_decode_fusion"]
 
-PROJECTIONS = frozenset({"qkv", "out", "gate_up", "down", "head"})
-# What decode_fusion "auto" fuses on a GPU: the projections whose fused decode GEMV beat the
-# unfused kernels + cuBLAS in tools/bench/bf16_gemv_bench.py (Llama-3-8B shapes, batch 1).
-AUTO_PROJECTIONS = PROJECTIONS
+# The parts of a decode step that decode fusion can take over: the five projections (with
+# their norms / SwiGLU fused in) and the attention over the cache (split-K decode_attention).
+PARTS = frozenset({"qkv", "attention", "out", "gate_up", "down", "head"})
+# What decode_fusion "auto" runs on a GPU: the parts whose kernels beat the unfused kernels,
+# cuBLAS and SDPA in tools/bench/bf16_gemv_bench.py (Llama-3-8B shapes, batch 1).
+AUTO_PARTS = PARTS
 
 logger = logging.getLogger(__name__)
 
@@ -62,8 +64,8 @@ def enable_decode_fusion(
     model: FusedDecoder, setting: bool | Literal["auto"], device: torch.device
 ) -> frozenset[str]:
     """Turn decode fusion on for ``model`` per the ``decode_fusion`` config key; returns the
-    projections fused (empty: off). ``"auto"``: :data:`AUTO_PROJECTIONS` on a CUDA/ROCm
-    ``device`` when the model qualifies. ``True``: every projection wherever the model
+    parts fused (empty: off). ``"auto"``: :data:`AUTO_PARTS` on a CUDA/ROCm
+    ``device`` when the model qualifies. ``True``: every part wherever the model
     qualifies (on the CPU the ops run their torch references, the same math as the unfused
     step), with a warning naming what blocks it otherwise."""
     model.decode_fusion = frozenset()
@@ -74,5 +76,5 @@ def enable_decode_fusion(
         if setting is True:
             logger.warning("decode_fusion is off for this model: %s", "; ".join(blockers))
         return model.decode_fusion
-    model.decode_fusion = PROJECTIONS if setting is True else AUTO_PROJECTIONS
+    model.decode_fusion = PARTS if setting is True else AUTO_PARTS
     return model.decode_fusion

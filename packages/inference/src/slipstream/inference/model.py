@@ -14,6 +14,7 @@ from torch import nn
 
 from slipstream.kernels.ops import (
     add_rms_norm,
+    decode_attention,
     decode_gemv,
     gated_activation,
     gated_gemv,
@@ -269,9 +270,11 @@ class FusedBlock(nn.Module):
         cache: tuple[torch.Tensor, torch.Tensor] | None,
         slots: torch.Tensor,
         mask: torch.Tensor,
+        split_attention: bool = False,
     ) -> torch.Tensor:
         """Attention from the QKV projection's output; returns ``(batch, tokens, heads * hd)``
-        before the output projection."""
+        before the output projection. ``split_attention``: over the cache through
+        ``decode_attention`` (split-K over the slots) instead of SDPA."""
         batch, length, _ = qkv.shape
         hd, heads, kv_heads = self.spec.head_dim, self.heads, self.kv_heads
         if cache is not None:
@@ -294,7 +297,10 @@ class FusedBlock(nn.Module):
             # become extra query rows of it (head h reads KV head h // group, as HF's repeat_kv
             # does), so decode reads each cached key once; `mask` comes grouped to match.
             q = q.reshape(batch, kv_heads, (heads // kv_heads) * length, hd)
-        out = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, scale=self.spec.scale)
+        if split_attention and cache is not None:
+            out = decode_attention(q, k, v, mask, self.spec.scale)
+        else:
+            out = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, scale=self.spec.scale)
         out = out.reshape(batch, heads, length, hd).transpose(1, 2)
         return out.reshape(batch, length, heads * hd)
 
@@ -342,10 +348,10 @@ class FusedBlock(nn.Module):
         mask: torch.Tensor,
         fused: frozenset[str],
     ) -> tuple[torch.Tensor, torch.Tensor]:
-        """:meth:`forward_split` of one decode token, the projections named in ``fused`` through
-        the fused decode GEMVs (see :mod:`slipstream.inference.fused_decode`): ``"qkv"`` and
+        """:meth:`forward_split` of one decode token, the parts named in ``fused`` through the
+        decode kernels (see :mod:`slipstream.inference.fused_decode`): ``"qkv"`` and
         ``"gate_up"`` with the residual add and RMSNorm before them, ``"down"`` with SiLU * up,
-        ``"out"`` plain. Takes the previous block's ``(base, pending)`` (``pending`` None for
+        ``"out"`` plain; ``"attention"`` split-K over the cache. Takes the previous block's ``(base, pending)`` (``pending`` None for
         the first block) and returns this block's."""
         assert self.post_norm is not None
         norm, post = self.input_norm, self.post_norm
@@ -354,7 +360,7 @@ class FusedBlock(nn.Module):
         else:
             x, h = (x, norm(x)) if pending is None else norm.add_forward(pending, x)
             qkv = self.qkv(h)
-        attn = self._attend(qkv, rotary, cache, slots, mask)
+        attn = self._attend(qkv, rotary, cache, slots, mask, "attention" in fused)
         if "out" in fused:
             attn = decode_gemv(attn, self.out.weight, self.out.bias)
         else:
@@ -420,7 +426,7 @@ class FusedDecoder(nn.Module):
         self.head_group: dist.ProcessGroup | None = None  # vocab-parallel head under TP
         self.head_reducer: Any = None  # slipstream.inference.allreduce.TPReducer, under TP
         self.layer_hook: LayerHook | None = None  # ZeRO-Inference streams weights through this
-        # The projections that single-token decode steps run through the fused decode GEMVs
+        # The parts that single-token decode steps run through the decode kernels
         # (FusedBlock.decode_step; set by fused_decode.enable_decode_fusion); empty: none.
         self.decode_fusion: frozenset[str] = frozenset()
 
