@@ -92,10 +92,12 @@ def main() -> None:
     parser.add_argument("--shapes", nargs="+", choices=sorted(SHAPES), default=list(SHAPES))
     parser.add_argument("--replays", type=int, default=20)
     parser.add_argument("--span-mib", type=int, default=512)
-    parser.add_argument("--block-n", type=int, nargs="+", default=[4, 8, 16, 32])
+    parser.add_argument("--block-n", type=int, nargs="+", default=[4, 8, 16])
     parser.add_argument("--block-k", type=int, nargs="+", default=[256, 512, 1024])
     parser.add_argument("--warps", type=int, nargs="+", default=[4, 8])
-    parser.add_argument("--stages", type=int, nargs="+", default=[1, 4])
+    parser.add_argument(
+        "--stages", type=int, nargs="*", default=[], help="stages tried on the best launches"
+    )
     parser.add_argument("--slots", type=int, nargs="*", default=[160, 384, 2048])
     parser.add_argument("--block-s", type=int, nargs="+", default=[16, 32, 64])
     parser.add_argument("--top", type=int, default=3, help="launches per shape tried per stage")
