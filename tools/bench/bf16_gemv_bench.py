@@ -234,8 +234,13 @@ def bench_shape(shape: str, args: argparse.Namespace, bandwidth: float) -> dict[
                 seconds = graph_time(triton_calls(staged), args.replays)
                 results.append((seconds, staged))
                 record("triton", seconds, **vars(staged))
-    results.sort(key=lambda item: item[0])
-    seconds, config = results[0]
+        results.sort(key=lambda item: item[0])
+        seconds, config = results[0]
+        if prologue != kernel.PLAIN:  # what the prologue costs: the same launch without it
+            plain = [
+                functools.partial(kernel.decode_gemv, x[:, :k], w, None, config) for w in weights
+            ]
+            record("triton_best_without_prologue", graph_time(plain, args.replays), **vars(config))
     return {
         "result": "best",
         "shape": shape,
