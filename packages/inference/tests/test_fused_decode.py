@@ -18,16 +18,16 @@ KWARGS = {"max_new_tokens": 6, "do_sample": False, "eos_token_id": None, "pad_to
 
 
 def test_fused_decode_step_equals_unfused(monkeypatch: pytest.MonkeyPatch) -> None:
-    import slipstream.inference.model as model_module
+    import slipstream.inference.fused_decode as fused_module
 
     calls = {"norm_gemv": 0}
-    original = model_module.norm_gemv
+    original = fused_module.norm_gemv
 
     def counting(*args: Any) -> Any:
         calls["norm_gemv"] += 1
         return original(*args)
 
-    monkeypatch.setattr(model_module, "norm_gemv", counting)
+    monkeypatch.setattr(fused_module, "norm_gemv", counting)
     model = tiny_hf_model("llama")
     ids = torch.randint(3, 96, (1, 7), generator=torch.Generator().manual_seed(0))
     settings = {"dtype": torch.bfloat16, "replace_with_kernel_inject": True, "max_out_tokens": 32}

@@ -18,9 +18,17 @@ from typing import Literal
 import torch
 from torch import nn
 
-from slipstream.inference.model import FusedBlock, FusedDecoder
+from slipstream.inference.model import FusedBlock, FusedDecoder, KVCache
+from slipstream.kernels.ops import decode_gemv, gated_activation, gated_gemv, norm_gemv
 
-__all__ = ["AUTO_PARTS", "PARTS", "decode_fusion_blockers", "enable_decode_fusion"]
+__all__ = [
+    "AUTO_PARTS",
+    "PARTS",
+    "decode_block",
+    "decode_forward",
+    "decode_fusion_blockers",
+    "enable_decode_fusion",
+]
 
 # The parts of a decode step that decode fusion can take over: the five projections (with
 # their norms / SwiGLU fused in) and the attention over the cache (split-K decode_attention).
@@ -78,3 +86,67 @@ def enable_decode_fusion(
         return model.decode_fusion
     model.decode_fusion = PARTS if setting is True else AUTO_PARTS
     return model.decode_fusion
+
+
+def decode_block(
+    block: FusedBlock,
+    x: torch.Tensor,
+    pending: torch.Tensor | None,
+    rotary: tuple[torch.Tensor, torch.Tensor] | None,
+    cache: tuple[torch.Tensor, torch.Tensor] | None,
+    slots: torch.Tensor,
+    mask: torch.Tensor,
+    parts: frozenset[str],
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """One block of a single-token decode step, the ``parts`` through the decode kernels:
+    ``"qkv"`` and ``"gate_up"`` with the residual add and RMSNorm before them, ``"down"`` with
+    SiLU * up, ``"out"`` plain, ``"attention"`` split-K over the cache; the others as the
+    unfused step runs them. Takes the previous block's ``(base, pending)`` (``pending`` None
+    for the first block; summed over the tensor-parallel group) and returns this block's."""
+    assert block.post_norm is not None
+    norm, post = block.input_norm, block.post_norm
+    if "qkv" in parts:
+        x, qkv = norm_gemv(x, pending, norm.weight, norm.eps, block.qkv.weight, block.qkv.bias)
+    else:
+        x, h = (x, norm(x)) if pending is None else norm.add_forward(pending, x)
+        qkv = block.qkv(h)
+    attn = block._attend(qkv, rotary, cache, slots, mask, "attention" in parts)
+    if "out" in parts:
+        attn = decode_gemv(attn, block.out.weight, block.out.bias)
+    else:
+        attn = block.out(attn)
+    attn = block._reduce(attn)
+    if "gate_up" in parts:
+        x, up = norm_gemv(x, attn, post.weight, post.eps, block.up.weight, block.up.bias)
+    else:
+        x, h = post.add_forward(attn, x)
+        up = block.up(h)
+    if "down" in parts:
+        down = gated_gemv(up, block.down.weight, block.down.bias)
+    else:
+        down = block.down(gated_activation(up, "silu"))
+    return x, block._reduce(down)
+
+
+def decode_forward(
+    model: FusedDecoder,
+    x: torch.Tensor,
+    rotary: tuple[torch.Tensor, torch.Tensor] | None,
+    cache: KVCache | None,
+    slots: torch.Tensor,
+    mask: torch.Tensor,
+) -> torch.Tensor:
+    """The blocks, final norm and head of ``model``'s single-token decode step from the
+    embedded token ``x`` (``FusedDecoder.forward`` calls this when decode fusion is on)."""
+    parts = model.decode_fusion
+    pending: torch.Tensor | None = None
+    for index, block in enumerate(model.blocks):
+        assert isinstance(block, FusedBlock)
+        layer_cache = None if cache is None else (cache.keys[index], cache.values[index])
+        x, pending = decode_block(block, x, pending, rotary, layer_cache, slots, mask, parts)
+    norm, head = model.final_norm, model.head
+    if "head" in parts:
+        logits = norm_gemv(x, pending, norm.weight, norm.eps, head.weight, head.bias)[1]
+    else:
+        logits = head(norm(x) if pending is None else norm.add_forward(pending, x)[1])
+    return logits if model.head_group is None else model.gather_vocab(logits)

@@ -15,12 +15,9 @@ from torch import nn
 from slipstream.kernels.ops import (
     add_rms_norm,
     decode_attention,
-    decode_gemv,
     gated_activation,
-    gated_gemv,
     layer_norm,
     moe_gemv,
-    norm_gemv,
     rms_norm,
     rotary_embedding,
     rotary_kv_write,
@@ -338,45 +335,6 @@ class FusedBlock(nn.Module):
         x, h = self.post_norm.add_forward(self._reduce(attn), x)  # residual add + norm fused
         return x, self._reduce(self._mlp(h))
 
-    def decode_step(
-        self,
-        x: torch.Tensor,
-        pending: torch.Tensor | None,
-        rotary: tuple[torch.Tensor, torch.Tensor] | None,
-        cache: tuple[torch.Tensor, torch.Tensor] | None,
-        slots: torch.Tensor,
-        mask: torch.Tensor,
-        fused: frozenset[str],
-    ) -> tuple[torch.Tensor, torch.Tensor]:
-        """:meth:`forward_split` of one decode token, the parts named in ``fused`` through the
-        decode kernels (see :mod:`slipstream.inference.fused_decode`): ``"qkv"`` and
-        ``"gate_up"`` with the residual add and RMSNorm before them, ``"down"`` with SiLU * up,
-        ``"out"`` plain; ``"attention"`` split-K over the cache. Takes the previous block's ``(base, pending)`` (``pending`` None for
-        the first block) and returns this block's."""
-        assert self.post_norm is not None
-        norm, post = self.input_norm, self.post_norm
-        if "qkv" in fused:
-            x, qkv = norm_gemv(x, pending, norm.weight, norm.eps, self.qkv.weight, self.qkv.bias)
-        else:
-            x, h = (x, norm(x)) if pending is None else norm.add_forward(pending, x)
-            qkv = self.qkv(h)
-        attn = self._attend(qkv, rotary, cache, slots, mask, "attention" in fused)
-        if "out" in fused:
-            attn = decode_gemv(attn, self.out.weight, self.out.bias)
-        else:
-            attn = self.out(attn)
-        attn = self._reduce(attn)
-        if "gate_up" in fused:
-            x, up = norm_gemv(x, attn, post.weight, post.eps, self.up.weight, self.up.bias)
-        else:
-            x, h = post.add_forward(attn, x)
-            up = self.up(h)
-        if "down" in fused:
-            down = gated_gemv(up, self.down.weight, self.down.bias)
-        else:
-            down = self.down(gated_activation(up, "silu"))
-        return x, self._reduce(down)
-
 
 class FusedDecoder(nn.Module):
     """A decoder-only language model built from :class:`FusedBlock` s.
@@ -427,7 +385,7 @@ class FusedDecoder(nn.Module):
         self.head_reducer: Any = None  # slipstream.inference.allreduce.TPReducer, under TP
         self.layer_hook: LayerHook | None = None  # ZeRO-Inference streams weights through this
         # The parts that single-token decode steps run through the decode kernels
-        # (FusedBlock.decode_step; set by fused_decode.enable_decode_fusion); empty: none.
+        # (fused_decode.decode_forward; set by fused_decode.enable_decode_fusion); empty: none.
         self.decode_fusion: frozenset[str] = frozenset()
 
     def _rotary(self, positions: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor] | None:
@@ -472,20 +430,12 @@ class FusedDecoder(nn.Module):
         mask = torch.zeros(mask.shape, dtype=x.dtype, device=x.device).masked_fill_(
             ~mask, float("-inf")
         )
+        if self.decode_fusion and input_ids.numel() == 1 and self.layer_hook is None:
+            from slipstream.inference.fused_decode import decode_forward
+
+            return decode_forward(self, x, rotary, cache, slots, mask)
         # Each block's last residual add runs in the next norm's kernel (add + norm fused).
         pending: torch.Tensor | None = None
-        if self.decode_fusion and input_ids.numel() == 1 and self.layer_hook is None:
-            fused = self.decode_fusion
-            for index, block in enumerate(self.blocks):
-                assert isinstance(block, FusedBlock)
-                layer_cache = None if cache is None else (cache.keys[index], cache.values[index])
-                x, pending = block.decode_step(x, pending, rotary, layer_cache, slots, mask, fused)
-            norm, head = self.final_norm, self.head
-            if "head" in fused:
-                logits = norm_gemv(x, pending, norm.weight, norm.eps, head.weight, head.bias)[1]
-            else:
-                logits = head(norm.add_forward(pending, x)[1] if pending is not None else norm(x))
-            return logits if self.head_group is None else self.gather_vocab(logits)
         for index, block in enumerate(self.blocks):
             assert isinstance(block, FusedBlock)
             layer_cache = None if cache is None else (cache.keys[index], cache.values[index])
