@@ -62,11 +62,27 @@ def test_decode_fusion_turns_off_where_it_cannot_run() -> None:
     for engine in (
         init_inference(gpt2, dtype=torch.bfloat16, decode_fusion=True, **common),  # LayerNorm
         init_inference(llama, dtype=torch.float32, decode_fusion=True, **common),  # fp32
-        init_inference(
-            llama, dtype="int8", quant={"weight": {"num_bits": 8}}, decode_fusion=True, **common
-        ),
     ):
         assert engine.fused is not None and not engine.fused.decode_fusion
+    # Quantized linears keep their kernels; the attention (and the dense head) still fuse.
+    quantized = init_inference(
+        llama,
+        dtype="int8",
+        quant={"weight": {"num_bits": 8, "group_size": 32, "compute_dtype": "bf16"}},
+        decode_fusion=True,
+        **common,
+    )
+    assert quantized.fused is not None
+    assert quantized.fused.decode_fusion == {"attention", "head"}
+    ids = torch.randint(3, 96, (1, 5), generator=torch.Generator().manual_seed(1))
+    expected = init_inference(
+        llama,
+        dtype="int8",
+        quant={"weight": {"num_bits": 8, "group_size": 32, "compute_dtype": "bf16"}},
+        decode_fusion=False,
+        **common,
+    ).generate(ids, **KWARGS)
+    assert torch.equal(quantized.generate(ids, **KWARGS), expected)
     from slipstream.inference.fused_decode import decode_fusion_blockers
 
     gpt2_engine = init_inference(gpt2, dtype=torch.bfloat16, **common)

@@ -27,6 +27,7 @@ __all__ = [
     "decode_block",
     "decode_forward",
     "decode_fusion_blockers",
+    "eligible_parts",
     "enable_decode_fusion",
 ]
 
@@ -48,9 +49,11 @@ def _dense(linear: object) -> bool:
 
 
 def decode_fusion_blockers(model: FusedDecoder) -> list[str]:
-    """Why ``model`` cannot run the fused decode step (empty: it can)."""
+    """Why ``model`` cannot run the fused decode step at all (empty: it can)."""
     spec = model.spec
     reasons = []
+    if model.embed.weight.dtype not in _DTYPES:
+        reasons.append(f"the model is in {model.embed.weight.dtype} (needs bf16 or fp16)")
     if spec.norm != "rms":
         reasons.append(f"norm is {spec.norm!r} (the fused GEMV applies RMSNorm)")
     if spec.parallel_residual:
@@ -59,23 +62,29 @@ def decode_fusion_blockers(model: FusedDecoder) -> list[str]:
         reasons.append(f"the MLP is {spec.mlp!r} with {spec.activation!r} (needs gated SiLU)")
     if model.layer_hook is not None:
         reasons.append("the weights stream through ZeRO-Inference")
-    linears: list[object] = [model.head]
+    return reasons
+
+
+def eligible_parts(model: FusedDecoder) -> frozenset[str]:
+    """The parts ``model`` can run fused: attention always, each projection when every one of
+    its linears is dense bf16/fp16 (quantized linears keep their own kernels)."""
+    linears: dict[str, list[object]] = {"head": [model.head]}
     for block in model.blocks:
         assert isinstance(block, FusedBlock)
-        linears += [block.qkv, block.out, getattr(block, "up", None), getattr(block, "down", None)]
-    if not all(_dense(linear) for linear in linears):
-        reasons.append("some projections are not dense bf16/fp16 linears (quantized or fp32)")
-    return reasons
+        for part, name in (("qkv", "qkv"), ("out", "out"), ("gate_up", "up"), ("down", "down")):
+            linears.setdefault(part, []).append(getattr(block, name, None))
+    dense = {part for part, found in linears.items() if all(_dense(x) for x in found)}
+    return frozenset({"attention"} | dense)
 
 
 def enable_decode_fusion(
     model: FusedDecoder, setting: bool | Literal["auto"], device: torch.device
 ) -> frozenset[str]:
     """Turn decode fusion on for ``model`` per the ``decode_fusion`` config key; returns the
-    parts fused (empty: off). ``"auto"``: :data:`AUTO_PARTS` on a CUDA/ROCm
-    ``device`` when the model qualifies. ``True``: every part wherever the model
-    qualifies (on the CPU the ops run their torch references, the same math as the unfused
-    step), with a warning naming what blocks it otherwise."""
+    parts fused (empty: off). ``"auto"``: those of :data:`AUTO_PARTS` the model can run
+    (:func:`eligible_parts`) on a CUDA/ROCm ``device``. ``True``: every part the model can
+    run, on any device (on the CPU the ops run their torch references, the same math as the
+    unfused step), with a warning naming what blocks the rest."""
     model.decode_fusion = frozenset()
     if setting is False or (setting == "auto" and device.type != "cuda"):
         return model.decode_fusion
@@ -84,7 +93,13 @@ def enable_decode_fusion(
         if setting is True:
             logger.warning("decode_fusion is off for this model: %s", "; ".join(blockers))
         return model.decode_fusion
-    model.decode_fusion = PARTS if setting is True else AUTO_PARTS
+    parts = eligible_parts(model)
+    if setting is True and parts != PARTS:
+        logger.warning(
+            "decode_fusion: %s run unfused (not dense bf16/fp16 linears)",
+            ", ".join(sorted(PARTS - parts)),
+        )
+    model.decode_fusion = parts if setting is True else parts & AUTO_PARTS
     return model.decode_fusion
 
 
