@@ -9,7 +9,8 @@ chunk size, 32 layers' caches of ``--slots`` slots), then for each projection of
   ``F.linear`` for down; ``F.linear`` for the output projection);
 - ``triton``: ``slipstream.kernels``' decode GEMV with its prologue (add + RMSNorm, SwiGLU or
   none, as ``decode_fusion`` runs it) at the default launch and over a sweep of launches
-  (output features per program x K step x warps, then stages for the best few).
+  (output features per block x K step x warps x persistent programs per SM, then stages
+  for the best few on request).
 
 Each timing replays a CUDA graph that calls the op once on each of enough weight copies to
 span 512 MiB (so the weights stream from HBM, not L2), and reports microseconds per call and
@@ -22,6 +23,7 @@ line per result; the last lines are the best launch per shape. From the reposito
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import functools
 import itertools
 import json
@@ -95,6 +97,13 @@ def main() -> None:
     parser.add_argument("--block-n", type=int, nargs="+", default=[4, 8, 16])
     parser.add_argument("--block-k", type=int, nargs="+", default=[256, 512, 1024])
     parser.add_argument("--warps", type=int, nargs="+", default=[4, 8])
+    parser.add_argument(
+        "--programs-per-sm",
+        type=int,
+        nargs="+",
+        default=[0, 4, 8],
+        help="0: one program per block of output features; n: a persistent grid of n per SM",
+    )
     parser.add_argument(
         "--stages", type=int, nargs="*", default=[], help="stages tried on the best launches"
     )
@@ -214,10 +223,12 @@ def bench_shape(shape: str, args: argparse.Namespace, bandwidth: float) -> dict[
         default = kernel.default_config(n, k, device)
         record("triton_default", graph_time(triton_calls(None), args.replays), **vars(default))
         results = []
-        for block_n, block_k, warps in itertools.product(args.block_n, args.block_k, args.warps):
+        for block_n, block_k, warps, per_sm in itertools.product(
+            args.block_n, args.block_k, args.warps, args.programs_per_sm
+        ):
             if block_n * block_k > 16384:  # a larger fp32 accumulator spills registers
                 continue
-            config = kernel.DecodeGemvConfig(block_n, block_k, warps)
+            config = kernel.DecodeGemvConfig(block_n, block_k, warps, programs_per_sm=per_sm)
             try:
                 seconds = graph_time(triton_calls(config), args.replays)
             except Exception as error:  # a launch that does not compile: say so, go on
@@ -228,9 +239,7 @@ def bench_shape(shape: str, args: argparse.Namespace, bandwidth: float) -> dict[
         results.sort(key=lambda item: item[0])
         for _, config in list(results[: args.top]):
             for stages in args.stages:
-                staged = kernel.DecodeGemvConfig(
-                    config.block_n, config.block_k, config.num_warps, stages
-                )
+                staged = dataclasses.replace(config, num_stages=stages)
                 seconds = graph_time(triton_calls(staged), args.replays)
                 results.append((seconds, staged))
                 record("triton", seconds, **vars(staged))

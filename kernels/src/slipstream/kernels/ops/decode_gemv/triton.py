@@ -49,12 +49,14 @@ PLAIN, NORM, GATED = 0, 1, 2
 
 @dataclasses.dataclass(frozen=True)
 class DecodeGemvConfig:
-    """Launch shape of one decode GEMV: output features per program, K step, warps, stages."""
+    """Launch shape of one decode GEMV: output features per block, K step, warps, stages, and
+    programs per SM (0: one program per block; else a persistent grid of that many per SM)."""
 
     block_n: int = 8
     block_k: int = 512
     num_warps: int = 4
     num_stages: int = 3  # Triton's default on NVIDIA GPUs
+    programs_per_sm: int = 0
 
 
 @triton.jit
@@ -80,11 +82,14 @@ def decode_gemv_kernel(
     BLOCK_N: tl.constexpr,
     BLOCK_K: tl.constexpr,
 ):
-    """``y[row, n] = sum_k W[n, k] * h[row, k] (+ b[n])`` with ``h`` the prologue's input."""
+    """``y[row, n] = sum_k W[n, k] * h[row, k] (+ b[n])`` with ``h`` the prologue's input.
+
+    Program ``p`` of ``P`` computes row blocks ``p, p + P, ...`` (``P`` = the grid's first
+    dimension: one block each when the grid covers every block, persistent otherwise, so the
+    norm prologue runs once per program and the last wave is finer-grained)."""
     pid_n = tl.program_id(0)
+    programs = tl.num_programs(0)
     row = tl.program_id(1).to(tl.int64)
-    cols = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
-    col_ok = cols < N
     k = tl.arange(0, BLOCK_K)
     x_row = x_ptr + row * x_stride
     rstd = 0.0
@@ -104,41 +109,44 @@ def decode_gemv_kernel(
             t = t.to(tl.float32)
             squares += t * t
         rstd = 1.0 / tl.sqrt(tl.sum(squares, axis=0) / K + eps)
-    acc = tl.zeros((BLOCK_N, BLOCK_K), dtype=tl.float32)
-    w_rows = w_ptr + cols[:, None].to(tl.int64) * K
-    for k0 in range(0, K, BLOCK_K):
-        kk = k0 + k
-        k_ok = kk < K
-        if EVEN_N and EVEN_K:
-            w = tl.load(w_rows + kk[None, :], eviction_policy="evict_first")
-        else:
-            w = tl.load(
-                w_rows + kk[None, :],
-                mask=col_ok[:, None] & k_ok[None, :],
-                other=0.0,
-                eviction_policy="evict_first",
-            )
-        if PROLOGUE == 2:
-            gate = tl.load(x_row + kk, mask=k_ok, other=0.0).to(tl.float32)
-            up = tl.load(x_row + K + kk, mask=k_ok, other=0.0)
-            act = (gate / (1.0 + tl.exp(-gate))).to(up.dtype).to(tl.float32)
-            h = (act * up.to(tl.float32)).to(up.dtype).to(tl.float32)
-        elif PROLOGUE == 1:
-            t = tl.load(x_row + kk, mask=k_ok, other=0.0)
-            if HAS_RESIDUAL:
-                r = tl.load(r_ptr + row * K + kk, mask=k_ok, other=0.0)
-                t = (t.to(tl.float32) + r.to(tl.float32)).to(total_ptr.dtype.element_ty)
-            h = t.to(tl.float32) * rstd
-            if HAS_NORM_WEIGHT:
-                h = h * tl.load(nw_ptr + kk, mask=k_ok, other=0.0).to(tl.float32)
-            h = h.to(y_ptr.dtype.element_ty).to(tl.float32)
-        else:
-            h = tl.load(x_row + kk, mask=k_ok, other=0.0).to(tl.float32)
-        acc += w.to(tl.float32) * h[None, :]
-    y = tl.sum(acc, axis=1)
-    if HAS_BIAS:
-        y += tl.load(b_ptr + cols, mask=col_ok, other=0.0).to(tl.float32)
-    tl.store(y_ptr + row * y_stride + cols, y.to(y_ptr.dtype.element_ty), mask=col_ok)
+    for block in range(pid_n, tl.cdiv(N, BLOCK_N), programs):
+        cols = block * BLOCK_N + tl.arange(0, BLOCK_N)
+        col_ok = cols < N
+        acc = tl.zeros((BLOCK_N, BLOCK_K), dtype=tl.float32)
+        w_rows = w_ptr + cols[:, None].to(tl.int64) * K
+        for k0 in range(0, K, BLOCK_K):
+            kk = k0 + k
+            k_ok = kk < K
+            if EVEN_N and EVEN_K:
+                w = tl.load(w_rows + kk[None, :], eviction_policy="evict_first")
+            else:
+                w = tl.load(
+                    w_rows + kk[None, :],
+                    mask=col_ok[:, None] & k_ok[None, :],
+                    other=0.0,
+                    eviction_policy="evict_first",
+                )
+            if PROLOGUE == 2:
+                gate = tl.load(x_row + kk, mask=k_ok, other=0.0).to(tl.float32)
+                up = tl.load(x_row + K + kk, mask=k_ok, other=0.0)
+                act = (gate / (1.0 + tl.exp(-gate))).to(up.dtype).to(tl.float32)
+                h = (act * up.to(tl.float32)).to(up.dtype).to(tl.float32)
+            elif PROLOGUE == 1:
+                t = tl.load(x_row + kk, mask=k_ok, other=0.0)
+                if HAS_RESIDUAL:
+                    r = tl.load(r_ptr + row * K + kk, mask=k_ok, other=0.0)
+                    t = (t.to(tl.float32) + r.to(tl.float32)).to(total_ptr.dtype.element_ty)
+                h = t.to(tl.float32) * rstd
+                if HAS_NORM_WEIGHT:
+                    h = h * tl.load(nw_ptr + kk, mask=k_ok, other=0.0).to(tl.float32)
+                h = h.to(y_ptr.dtype.element_ty).to(tl.float32)
+            else:
+                h = tl.load(x_row + kk, mask=k_ok, other=0.0).to(tl.float32)
+            acc += w.to(tl.float32) * h[None, :]
+        y = tl.sum(acc, axis=1)
+        if HAS_BIAS:
+            y += tl.load(b_ptr + cols, mask=col_ok, other=0.0).to(tl.float32)
+        tl.store(y_ptr + row * y_stride + cols, y.to(y_ptr.dtype.element_ty), mask=col_ok)
 
 
 def _multiprocessors(device: torch.device) -> int:
@@ -188,7 +196,10 @@ def _launch(
     rows = rows_view.shape[0]
     config = config or default_config(out_features, in_features, weight.device)
     out = torch.empty(rows, out_features, device=weight.device, dtype=rows_view.dtype)
-    grid = (triton.cdiv(out_features, config.block_n), rows)
+    blocks = triton.cdiv(out_features, config.block_n)
+    if config.programs_per_sm:
+        blocks = min(blocks, config.programs_per_sm * _multiprocessors(weight.device))
+    grid = (blocks, rows)
     decode_gemv_kernel[grid](
         rows_view,
         residual if residual is not None else rows_view,
