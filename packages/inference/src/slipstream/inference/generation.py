@@ -147,8 +147,11 @@ def select_tokens(
     if settings.do_sample:
         probs = scores.softmax(dim=-1)
         return torch.multinomial(probs, 1, generator=generator).squeeze(1)
-    if scores.is_cuda and scores.shape[-1] > ARGMAX_CHUNK:
-        return chunked_argmax(scores)
+    vocab = scores.shape[-1]
+    if scores.is_cuda and vocab > ARGMAX_CHUNK:
+        # A chunk dividing the vocabulary when one does (128256 = 501 x 256): no padded copy.
+        chunk = next((c for c in (1024, 512, 256, 128) if vocab % c == 0), ARGMAX_CHUNK)
+        return chunked_argmax(scores, chunk)
     return scores.argmax(dim=-1)
 
 
