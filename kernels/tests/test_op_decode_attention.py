@@ -42,7 +42,9 @@ def test_triton_matches_reference(triton_device: torch.device) -> None:
             expected = reference(query.float(), key.float(), value.float(), mask.float(), 0.2)
             # fp32: IEEE dots, summation order only; half: p rounded to the dtype before P @ V.
             tol = 1e-5 if dtype == torch.float32 else 2e-2
-            for block_s in (16, 32, None):
-                got = kernel(query, key, value, mask, 0.2, block_s=block_s)
+            for block_s, merge in ((16, True), (32, False), (None, True)):
+                # merge: one launch, the last chunk program merges (and resets its counter, so
+                # the next call, here the next loop, starts from zero again).
+                got = kernel(query, key, value, mask, 0.2, block_s=block_s, merge=merge)
                 assert got.dtype == dtype
                 torch.testing.assert_close(got.float(), expected, rtol=tol, atol=tol)

@@ -142,27 +142,28 @@ def bench_attention(slots: int, args: argparse.Namespace) -> dict[str, Any]:
             query, cache[0, layer], cache[1, layer], attn_mask=mask, scale=scale
         )
 
-    def split(layer: int, block_s: int | None) -> torch.Tensor:
+    def split(layer: int, block_s: int | None, merge: bool) -> torch.Tensor:
         return attention.decode_attention(
-            query, cache[0, layer], cache[1, layer], mask, scale, block_s=block_s
+            query, cache[0, layer], cache[1, layer], mask, scale, block_s=block_s, merge=merge
         )
 
     row = {"result": "attention", "slots": slots}
     sdpa_us = graph_time([functools.partial(sdpa, i) for i in range(layers)], args.replays) * 1e6
     emit(**row, variant="sdpa", us=round(sdpa_us, 2))
-    best = (math.inf, 0)
+    best = (math.inf, 0, True)
     with torch.no_grad():
-        for block_s in [None, *args.block_s]:
-            calls = [functools.partial(split, i, block_s) for i in range(layers)]
+        for block_s, merge in itertools.product([None, *args.block_s], (True, False)):
+            calls = [functools.partial(split, i, block_s, merge) for i in range(layers)]
             us = graph_time(calls, args.replays) * 1e6
-            emit(**row, variant="decode_attention", block_s=block_s, us=round(us, 2))
-            best = min(best, (us, block_s or 0))
+            emit(**row, variant="decode_attention", block_s=block_s, merge=merge, us=round(us, 2))
+            best = min(best, (us, block_s or 0, merge))
     return {
         "result": "best_attention",
         "slots": slots,
         "sdpa_us": round(sdpa_us, 2),
         "decode_attention_us": round(best[0], 2),
         "block_s": best[1] or "default",
+        "merge_in_one_launch": best[2],
     }
 
 

@@ -23,6 +23,7 @@ from slipstream.kernels.triton_support import AotSpec, check_kernel_device, next
 __all__ = ["decode_attention", "default_block_s"]
 
 MAX_ROWS = 64  # query rows per KV head (GQA group x tokens) the kernel takes
+MERGE_IN_SPLIT = True  # one launch: the last chunk program of each head merges the chunks
 
 
 @triton.jit
@@ -52,12 +53,20 @@ def decode_attention_split_kernel(
     mask_sh,
     mask_sr,
     mask_ss,
+    out_ptr,
+    counter_ptr,
+    o_sb,
+    o_sh,
+    o_sr,
     ROWS_PAD: tl.constexpr,
     BLOCK_S: tl.constexpr,
     HEAD_DIM: tl.constexpr,
     IEEE: tl.constexpr,
+    MERGE: tl.constexpr,
 ):
-    """One chunk of ``BLOCK_S`` slots of one (batch, KV head): partial softmax statistics."""
+    """One chunk of ``BLOCK_S`` slots of one (batch, KV head): partial softmax statistics.
+    ``MERGE``: the last chunk program of each (batch, KV head) to finish (an arrival counter,
+    reset to 0 by that program for the next call) merges them, so one launch does it all."""
     split = tl.program_id(0)
     bh = tl.program_id(1)
     b = (bh // KV_HEADS).to(tl.int64)
@@ -98,6 +107,70 @@ def decode_attention_split_kernel(
     tl.store(m_ptr + row, m)
     tl.store(l_ptr + row, l_sum)
     tl.store(acc_ptr + row[:, None] * HEAD_DIM + d[None, :], acc)
+    if MERGE:
+        tl.debug_barrier()  # every thread's partial stores precede the arrival (release)
+        arrived = tl.atomic_add(counter_ptr + bh, 1, sem="acq_rel")
+        if arrived == SPLITS - 1:
+            _merge_chunks(
+                m_ptr,
+                l_ptr,
+                acc_ptr,
+                out_ptr,
+                bh,
+                ROWS,
+                KV_HEADS,
+                SPLITS,
+                o_sb,
+                o_sh,
+                o_sr,
+                ROWS_PAD,
+                HEAD_DIM,
+            )
+            tl.atomic_xchg(counter_ptr + bh, 0)
+
+
+@triton.jit
+def _merge_chunks(
+    m_ptr,
+    l_ptr,
+    acc_ptr,
+    out_ptr,
+    bh,
+    ROWS,
+    KV_HEADS,
+    SPLITS,
+    o_sb,
+    o_sh,
+    o_sr,
+    ROWS_PAD: tl.constexpr,
+    HEAD_DIM: tl.constexpr,
+):
+    """Merge the chunks of (batch x KV head) ``bh`` with online-softmax rescaling and store
+    the output rows (the partials are read from L2: ``.cg``, never a stale L1 line)."""
+    b = (bh // KV_HEADS).to(tl.int64)
+    h = (bh % KV_HEADS).to(tl.int64)
+    r = tl.arange(0, ROWS_PAD)
+    d = tl.arange(0, HEAD_DIM)
+    best = tl.full((ROWS_PAD,), float("-inf"), dtype=tl.float32)
+    total = tl.zeros((ROWS_PAD,), dtype=tl.float32)
+    out = tl.zeros((ROWS_PAD, HEAD_DIM), dtype=tl.float32)
+    for split in range(0, SPLITS):
+        row = (bh * SPLITS + split) * ROWS_PAD + r
+        m = tl.load(m_ptr + row, cache_modifier=".cg")
+        new = tl.maximum(best, m)
+        new_safe = tl.where(new == float("-inf"), 0.0, new)
+        alpha = tl.exp(best - new_safe)
+        beta = tl.exp(m - new_safe)
+        total = total * alpha + tl.load(l_ptr + row, cache_modifier=".cg") * beta
+        part = tl.load(acc_ptr + row[:, None] * HEAD_DIM + d[None, :], cache_modifier=".cg")
+        out = out * alpha[:, None] + part * beta[:, None]
+        best = new
+    out = out / tl.where(total == 0.0, 1.0, total)[:, None]
+    tl.store(
+        out_ptr + b * o_sb + h * o_sh + r[:, None] * o_sr + d[None, :],
+        out.to(out_ptr.dtype.element_ty),
+        mask=(r < ROWS)[:, None],
+    )
 
 
 @triton.jit
@@ -115,31 +188,21 @@ def decode_attention_combine_kernel(
     ROWS_PAD: tl.constexpr,
     HEAD_DIM: tl.constexpr,
 ):
-    """Merge the chunks of one (batch, KV head) with online-softmax rescaling."""
-    bh = tl.program_id(0)
-    b = (bh // KV_HEADS).to(tl.int64)
-    h = (bh % KV_HEADS).to(tl.int64)
-    r = tl.arange(0, ROWS_PAD)
-    d = tl.arange(0, HEAD_DIM)
-    best = tl.full((ROWS_PAD,), float("-inf"), dtype=tl.float32)
-    total = tl.zeros((ROWS_PAD,), dtype=tl.float32)
-    out = tl.zeros((ROWS_PAD, HEAD_DIM), dtype=tl.float32)
-    for split in range(0, SPLITS):
-        row = (bh * SPLITS + split) * ROWS_PAD + r
-        m = tl.load(m_ptr + row)
-        new = tl.maximum(best, m)
-        new_safe = tl.where(new == float("-inf"), 0.0, new)
-        alpha = tl.exp(best - new_safe)
-        beta = tl.exp(m - new_safe)
-        total = total * alpha + tl.load(l_ptr + row) * beta
-        part = tl.load(acc_ptr + row[:, None] * HEAD_DIM + d[None, :])
-        out = out * alpha[:, None] + part * beta[:, None]
-        best = new
-    out = out / tl.where(total == 0.0, 1.0, total)[:, None]
-    tl.store(
-        out_ptr + b * o_sb + h * o_sh + r[:, None] * o_sr + d[None, :],
-        out.to(out_ptr.dtype.element_ty),
-        mask=(r < ROWS)[:, None],
+    """Merge the chunks of one (batch, KV head): the second launch of the two-launch form."""
+    _merge_chunks(
+        m_ptr,
+        l_ptr,
+        acc_ptr,
+        out_ptr,
+        tl.program_id(0),
+        ROWS,
+        KV_HEADS,
+        SPLITS,
+        o_sb,
+        o_sh,
+        o_sr,
+        ROWS_PAD,
+        HEAD_DIM,
     )
 
 
@@ -159,8 +222,10 @@ def decode_attention(
     mask: torch.Tensor,
     scale: float,
     block_s: int | None = None,
+    merge: bool = MERGE_IN_SPLIT,
 ) -> torch.Tensor:
-    """See :func:`slipstream.kernels.ops.decode_attention.reference.decode_attention`. Head
+    """See :func:`slipstream.kernels.ops.decode_attention.reference.decode_attention`.
+    ``merge``: one launch (the last chunk program of each head merges) instead of two. Head
     sizes that are not a power of two in [16, 256], more than ``MAX_ROWS`` rows per KV head, a
     mask that does not broadcast as ``(batch, 1 or kv_heads, rows, slots)`` or autograd: the
     reference."""
@@ -190,6 +255,8 @@ def decode_attention(
     acc = torch.empty(partial, head_dim, device=query.device, dtype=torch.float32)
     mask_strides = [0 if mask.shape[i] == 1 else mask.stride(i) for i in range(4)]
     mask_strides[2:] = [mask.stride(2), mask.stride(3)]
+    out = torch.empty(batch, kv_heads, rows, head_dim, device=query.device, dtype=query.dtype)
+    counter = _counters(query.device, batch * kv_heads) if merge else m
     decode_attention_split_kernel[(splits, batch * kv_heads)](
         query,
         key,
@@ -213,29 +280,49 @@ def decode_attention(
         value.stride(1),
         value.stride(2),
         *mask_strides,
-        ROWS_PAD=rows_pad,
-        BLOCK_S=block_s,
-        HEAD_DIM=head_dim,
-        IEEE=query.dtype == torch.float32,
-        num_warps=4,
-    )
-    out = torch.empty(batch, kv_heads, rows, head_dim, device=query.device, dtype=query.dtype)
-    decode_attention_combine_kernel[(batch * kv_heads,)](
-        m,
-        l_sum,
-        acc,
         out,
-        rows,
-        kv_heads,
-        splits,
+        counter,
         out.stride(0),
         out.stride(1),
         out.stride(2),
         ROWS_PAD=rows_pad,
+        BLOCK_S=block_s,
         HEAD_DIM=head_dim,
+        IEEE=query.dtype == torch.float32,
+        MERGE=merge,
         num_warps=4,
     )
+    if not merge:
+        decode_attention_combine_kernel[(batch * kv_heads,)](
+            m,
+            l_sum,
+            acc,
+            out,
+            rows,
+            kv_heads,
+            splits,
+            out.stride(0),
+            out.stride(1),
+            out.stride(2),
+            ROWS_PAD=rows_pad,
+            HEAD_DIM=head_dim,
+            num_warps=4,
+        )
     return out
+
+
+# Arrival counters of the one-launch form, per device, grown on demand; every call leaves them
+# at 0 (the merging program resets its own), so one zeroed buffer serves every later call and
+# stays at a fixed address for CUDA-graph replays. Calls on one device run in stream order.
+_COUNTERS: dict[torch.device, torch.Tensor] = {}
+
+
+def _counters(device: torch.device, count: int) -> torch.Tensor:
+    found = _COUNTERS.get(device)
+    if found is None or found.numel() < count:
+        found = torch.zeros(max(count, 256), device=device, dtype=torch.int32)
+        _COUNTERS[device] = found
+    return found
 
 
 def aot_specs() -> list[AotSpec]:
@@ -283,14 +370,26 @@ def aot_specs() -> list[AotSpec]:
                 )
             }
         )
-        signature.update({"ROWS_PAD": "constexpr", "BLOCK_S": "constexpr", "HEAD_DIM": "constexpr"})
-        signature["IEEE"] = "constexpr"
+        signature.update(
+            {
+                "out_ptr": f"*{dtype}",
+                "counter_ptr": "*i32",
+                "o_sb": "i32",
+                "o_sh": "i32",
+                "o_sr": "i32",
+                "ROWS_PAD": "constexpr",
+                "BLOCK_S": "constexpr",
+                "HEAD_DIM": "constexpr",
+                "IEEE": "constexpr",
+                "MERGE": "constexpr",
+            }
+        )
         specs.append(
             AotSpec(
                 f"decode_attention.split[{dtype}]",
                 decode_attention_split_kernel,
                 signature,
-                {"ROWS_PAD": 16, "BLOCK_S": 32, "HEAD_DIM": 128, "IEEE": False},
+                {"ROWS_PAD": 16, "BLOCK_S": 32, "HEAD_DIM": 128, "IEEE": False, "MERGE": True},
             )
         )
         specs.append(
