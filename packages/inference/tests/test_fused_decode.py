@@ -102,3 +102,32 @@ def test_chunked_argmax_equals_argmax() -> None:
     for chunk in (64, 100, 1000, 4096):
         assert torch.equal(chunked_argmax(scores, chunk), scores.argmax(dim=-1))
     assert chunked_argmax(scores, 64)[1].item() == 90
+
+
+def _tp_world(model: Any, ids: torch.Tensor) -> None:
+    import copy
+
+    from slipstream.inference.runner import StaticCacheRunner
+    from slipstream.inference.tensor_parallel import shard_decoder
+
+    sharded = shard_decoder(copy.deepcopy(model), None)
+    assert sharded.blocks[0].heads == model.blocks[0].heads // 2  # a vocab-parallel head too
+    assert sharded.head_group is not None
+    steps = []
+    for parts in (frozenset(), PARTS):
+        sharded.decode_fusion = parts
+        runner = StaticCacheRunner(sharded, 16, cuda_graph=False)
+        length = ids.shape[1]
+        runner.prefill(ids, torch.arange(length)[None], torch.ones_like(ids, dtype=torch.bool))
+        steps.append(runner.decode(ids[:, -1], torch.tensor([length]), length))
+    # The fused step reduces the same partial sums over the group: bit for bit on CPU.
+    assert torch.equal(steps[0], steps[1])
+
+
+def test_fused_decode_under_tensor_parallelism() -> None:
+    from slipstream.comm.testing import run_distributed
+    from slipstream.inference import from_hf
+
+    model = from_hf(tiny_hf_model("llama")).to(torch.bfloat16)
+    ids = torch.randint(3, 96, (1, 6), generator=torch.Generator().manual_seed(2))
+    run_distributed(_tp_world, 2, model, ids)
