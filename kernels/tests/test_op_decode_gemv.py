@@ -58,7 +58,7 @@ def test_triton_matches_reference(triton_device: torch.device, shape: tuple[int,
     # several blocks of 4 output features).
     configs = [
         kernel.DecodeGemvConfig(block_n=8, block_k=block_k),
-        kernel.DecodeGemvConfig(block_n=4, block_k=block_k, programs_per_sm=1),
+        kernel.DecodeGemvConfig(block_n=4, block_k=block_k, programs_per_sm=1, prefetch=True),
     ]
     with torch.no_grad():
         for dtype, config in [(d, c) for d in dtypes for c in configs]:

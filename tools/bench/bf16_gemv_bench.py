@@ -9,8 +9,8 @@ chunk size, 32 layers' caches of ``--slots`` slots), then for each projection of
   ``F.linear`` for down; ``F.linear`` for the output projection);
 - ``triton``: ``slipstream.kernels``' decode GEMV with its prologue (add + RMSNorm, SwiGLU or
   none, as ``decode_fusion`` runs it) at the default launch and over a sweep of launches
-  (output features per block x K step x warps x persistent programs per SM, then stages
-  for the best few on request).
+  (output features per block x K step x warps x persistent programs per SM x next-tile
+  prefetch, then stages for the best few on request).
 
 Each timing replays a CUDA graph that calls the op once on each of enough weight copies to
 span 512 MiB (so the weights stream from HBM, not L2), and reports microseconds per call and
@@ -101,8 +101,14 @@ def main() -> None:
         "--programs-per-sm",
         type=int,
         nargs="+",
-        default=[0, 4, 8],
+        default=[0, 4],
         help="0: one program per block of output features; n: a persistent grid of n per SM",
+    )
+    parser.add_argument(
+        "--prefetch-max-block-k",
+        type=int,
+        default=512,
+        help="launches with K steps up to this also run with the next tile prefetched",
     )
     parser.add_argument(
         "--stages", type=int, nargs="*", default=[], help="stages tried on the best launches"
@@ -224,12 +230,16 @@ def bench_shape(shape: str, args: argparse.Namespace, bandwidth: float) -> dict[
         default = kernel.default_config(n, k, device)
         record("triton_default", graph_time(triton_calls(None), args.replays), **vars(default))
         results = []
-        for block_n, block_k, warps, per_sm in itertools.product(
-            args.block_n, args.block_k, args.warps, args.programs_per_sm
+        for block_n, block_k, warps, per_sm, prefetch in itertools.product(
+            args.block_n, args.block_k, args.warps, args.programs_per_sm, (False, True)
         ):
             if block_n * block_k > 16384:  # a larger fp32 accumulator spills registers
                 continue
-            config = kernel.DecodeGemvConfig(block_n, block_k, warps, programs_per_sm=per_sm)
+            if prefetch and block_k > args.prefetch_max_block_k:
+                continue
+            config = kernel.DecodeGemvConfig(
+                block_n, block_k, warps, programs_per_sm=per_sm, prefetch=prefetch
+            )
             try:
                 seconds = graph_time(triton_calls(config), args.replays)
             except Exception as error:  # a launch that does not compile: say so, go on

@@ -49,14 +49,16 @@ PLAIN, NORM, GATED = 0, 1, 2
 
 @dataclasses.dataclass(frozen=True)
 class DecodeGemvConfig:
-    """Launch shape of one decode GEMV: output features per block, K step, warps, stages, and
-    programs per SM (0: one program per block; else a persistent grid of that many per SM)."""
+    """Launch shape of one decode GEMV: output features per block, K step, warps, stages,
+    programs per SM (0: one program per block; else a persistent grid of that many per SM) and
+    whether each step prefetches the next weight tile."""
 
     block_n: int = 8
     block_k: int = 512
     num_warps: int = 4
     num_stages: int = 3  # Triton's default on NVIDIA GPUs
     programs_per_sm: int = 0
+    prefetch: bool = False
 
 
 @triton.jit
@@ -81,8 +83,11 @@ def decode_gemv_kernel(
     EVEN_K: tl.constexpr,
     BLOCK_N: tl.constexpr,
     BLOCK_K: tl.constexpr,
+    PREFETCH: tl.constexpr,
 ):
     """``y[row, n] = sum_k W[n, k] * h[row, k] (+ b[n])`` with ``h`` the prologue's input.
+    ``PREFETCH``: each step loads the next step's weight tile before its own math (two tiles in
+    flight per program; Triton does not software-pipeline loads that feed no dot).
 
     Program ``p`` of ``P`` computes row blocks ``p, p + P, ...`` (``P`` = the grid's first
     dimension: one block each when the grid covers every block, persistent otherwise, so the
@@ -114,10 +119,26 @@ def decode_gemv_kernel(
         col_ok = cols < N
         acc = tl.zeros((BLOCK_N, BLOCK_K), dtype=tl.float32)
         w_rows = w_ptr + cols[:, None].to(tl.int64) * K
+        if PREFETCH:  # the first step's tile; each step then loads the next before its math
+            w_next = tl.load(
+                w_rows + k[None, :],
+                mask=col_ok[:, None] & (k < K)[None, :],
+                other=0.0,
+                eviction_policy="evict_first",
+            )
         for k0 in range(0, K, BLOCK_K):
             kk = k0 + k
             k_ok = kk < K
-            if EVEN_N and EVEN_K:
+            if PREFETCH:
+                w = w_next
+                ahead = kk + BLOCK_K
+                w_next = tl.load(
+                    w_rows + ahead[None, :],
+                    mask=col_ok[:, None] & (ahead < K)[None, :],
+                    other=0.0,
+                    eviction_policy="evict_first",
+                )
+            elif EVEN_N and EVEN_K:
                 w = tl.load(w_rows + kk[None, :], eviction_policy="evict_first")
             else:
                 w = tl.load(
@@ -221,6 +242,7 @@ def _launch(
         EVEN_K=in_features % config.block_k == 0,
         BLOCK_N=config.block_n,
         BLOCK_K=config.block_k,
+        PREFETCH=config.prefetch,
         num_warps=config.num_warps,
         num_stages=config.num_stages,
     )
@@ -327,6 +349,7 @@ def aot_specs() -> list[AotSpec]:
                         "EVEN_K": "constexpr",
                         "BLOCK_N": "constexpr",
                         "BLOCK_K": "constexpr",
+                        "PREFETCH": "constexpr",
                     },
                     {
                         "PROLOGUE": prologue,
@@ -337,6 +360,7 @@ def aot_specs() -> list[AotSpec]:
                         "EVEN_K": True,
                         "BLOCK_N": 8,
                         "BLOCK_K": 512,
+                        "PREFETCH": False,
                     },
                 )
             )
