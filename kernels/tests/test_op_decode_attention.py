@@ -48,8 +48,3 @@ def test_triton_matches_reference(triton_device: torch.device) -> None:
                 got = kernel(query, key, value, mask, 0.2, block_s=block_s, merge=merge)
                 assert got.dtype == dtype
                 torch.testing.assert_close(got.float(), expected, rtol=tol, atol=tol)
-            # Slots no row sees are never read: NaN there (stale cache) changes nothing.
-            key[0, :, 41:] = float("nan")
-            value[1, :, :5] = float("nan")
-            got = kernel(query, key, value, mask, 0.2, block_s=16)
-            torch.testing.assert_close(got.float(), expected, rtol=tol, atol=tol)

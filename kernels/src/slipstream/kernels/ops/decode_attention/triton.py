@@ -76,31 +76,28 @@ def decode_attention_split_kernel(
     s = split * BLOCK_S + tl.arange(0, BLOCK_S)
     r_ok = r < ROWS
     s_ok = s < SLOTS
-    bias = tl.load(
-        mask_ptr + b * mask_sb + h * mask_sh + r[:, None] * mask_sr + s[None, :] * mask_ss,
-        mask=r_ok[:, None] & s_ok[None, :],
-        other=float("-inf"),
-    ).to(tl.float32)
-    # Keys no row may see (slots not yet written, padding) are never read: a static cache
-    # sized for max_out_tokens costs only the slots in use.
-    seen = s_ok & (tl.max(bias, axis=0) > float("-inf"))
     q = tl.load(
         q_ptr + b * q_sb + h * q_sh + r[:, None] * q_sr + d[None, :], mask=r_ok[:, None], other=0.0
     )
     k = tl.load(
-        k_ptr + b * k_sb + h * k_sh + s[:, None] * k_ss + d[None, :], mask=seen[:, None], other=0.0
+        k_ptr + b * k_sb + h * k_sh + s[:, None] * k_ss + d[None, :], mask=s_ok[:, None], other=0.0
     )
     if IEEE:
         scores = tl.dot(q, tl.trans(k), input_precision="ieee") * scale
     else:
         scores = tl.dot(q, tl.trans(k)) * scale
-    scores = scores + bias
+    bias = tl.load(
+        mask_ptr + b * mask_sb + h * mask_sh + r[:, None] * mask_sr + s[None, :] * mask_ss,
+        mask=r_ok[:, None] & s_ok[None, :],
+        other=float("-inf"),
+    )
+    scores = scores + bias.to(tl.float32)
     m = tl.max(scores, axis=1)
     m_safe = tl.where(m == float("-inf"), 0.0, m)
     p = tl.exp(scores - m_safe[:, None])
     l_sum = tl.sum(p, axis=1)
     v = tl.load(
-        v_ptr + b * v_sb + h * v_sh + s[:, None] * v_ss + d[None, :], mask=seen[:, None], other=0.0
+        v_ptr + b * v_sb + h * v_sh + s[:, None] * v_ss + d[None, :], mask=s_ok[:, None], other=0.0
     )
     if IEEE:
         acc = tl.dot(p.to(v.dtype), v, input_precision="ieee")
