@@ -59,6 +59,10 @@ def test_decode_fusion_turns_off_where_it_cannot_run() -> None:
     common = {"replace_with_kernel_inject": True}
     auto = init_inference(llama, dtype=torch.bfloat16, **common)  # "auto": CUDA only
     assert auto.fused is not None and not auto.fused.decode_fusion
+    from slipstream.inference.fused_decode import enable_decode_fusion
+
+    cuda = torch.device("cuda")  # "auto" reads only the device type: no GPU needed here
+    assert enable_decode_fusion(auto.fused, "auto", cuda) == PARTS  # dense, single rank
     for engine in (
         init_inference(gpt2, dtype=torch.bfloat16, decode_fusion=True, **common),  # LayerNorm
         init_inference(llama, dtype=torch.float32, decode_fusion=True, **common),  # fp32
@@ -74,6 +78,9 @@ def test_decode_fusion_turns_off_where_it_cannot_run() -> None:
     )
     assert quantized.fused is not None
     assert quantized.fused.decode_fusion == {"attention", "head"}
+    # "auto" leaves quantized models on their measured path.
+    assert enable_decode_fusion(quantized.fused, "auto", cuda) == frozenset()
+    quantized.fused.decode_fusion = frozenset({"attention", "head"})
     ids = torch.randint(3, 96, (1, 5), generator=torch.Generator().manual_seed(1))
     expected = init_inference(
         llama,
@@ -113,6 +120,11 @@ def _tp_world(model: Any, ids: torch.Tensor) -> None:
     sharded = shard_decoder(copy.deepcopy(model), None)
     assert sharded.blocks[0].heads == model.blocks[0].heads // 2  # a vocab-parallel head too
     assert sharded.head_group is not None
+    from slipstream.inference.fused_decode import enable_decode_fusion
+
+    # "auto" leaves tensor-parallel models on their measured path; true fuses them.
+    assert enable_decode_fusion(sharded, "auto", torch.device("cuda")) == frozenset()
+    assert enable_decode_fusion(sharded, True, torch.device("cpu")) == PARTS
     steps = []
     for parts in (frozenset(), PARTS):
         sharded.decode_fusion = parts

@@ -34,8 +34,9 @@ __all__ = [
 # The parts of a decode step that decode fusion can take over: the five projections (with
 # their norms / SwiGLU fused in) and the attention over the cache (split-K decode_attention).
 PARTS = frozenset({"qkv", "attention", "out", "gate_up", "down", "head"})
-# What decode_fusion "auto" runs on a GPU: the parts whose kernels beat the unfused kernels,
-# cuBLAS and SDPA in tools/bench/bf16_gemv_bench.py (Llama-3-8B shapes, batch 1).
+# What decode_fusion "auto" runs on a GPU. All six: on an H100 (8B Llama shapes, batch 1,
+# CUDA graph) the fused step ran at 85.2% of the bandwidth limit (5.932 ms) against 80.4%
+# (6.295 ms) unfused, in one call (tools/bench/infer_bench.py --decode-fusion on/off).
 AUTO_PARTS = PARTS
 
 logger = logging.getLogger(__name__)
@@ -81,10 +82,12 @@ def enable_decode_fusion(
     model: FusedDecoder, setting: bool | Literal["auto"], device: torch.device
 ) -> frozenset[str]:
     """Turn decode fusion on for ``model`` per the ``decode_fusion`` config key; returns the
-    parts fused (empty: off). ``"auto"``: those of :data:`AUTO_PARTS` the model can run
-    (:func:`eligible_parts`) on a CUDA/ROCm ``device``. ``True``: every part the model can
-    run, on any device (on the CPU the ops run their torch references, the same math as the
-    unfused step), with a warning naming what blocks the rest."""
+    parts fused (empty: off). ``"auto"``: :data:`AUTO_PARTS` on a CUDA/ROCm ``device`` for a
+    model whose projections are all dense bf16/fp16 and not tensor-parallel (what was
+    measured); else off. ``True``: every part the model can run (:func:`eligible_parts`:
+    quantized projections keep their kernels; tensor-parallel blocks reduce as unfused), on
+    any device (on the CPU the ops run their torch references, the same math as the unfused
+    step), with a warning naming what blocks the rest."""
     model.decode_fusion = frozenset()
     if setting is False or (setting == "auto" and device.type != "cuda"):
         return model.decode_fusion
@@ -94,12 +97,21 @@ def enable_decode_fusion(
             logger.warning("decode_fusion is off for this model: %s", "; ".join(blockers))
         return model.decode_fusion
     parts = eligible_parts(model)
-    if setting is True and parts != PARTS:
+    if setting == "auto":
+        # Measured (H100, 8B, batch 1): the dense single-rank model. Quantized and tensor-
+        # parallel models keep their own measured paths unless decode_fusion is true.
+        first = model.blocks[0]
+        sharded = getattr(first, "tp_group", None) is not None or model.head_group is not None
+        if parts != PARTS or sharded:
+            return model.decode_fusion
+        model.decode_fusion = AUTO_PARTS
+        return model.decode_fusion
+    if parts != PARTS:
         logger.warning(
             "decode_fusion: %s run unfused (not dense bf16/fp16 linears)",
             ", ".join(sorted(PARTS - parts)),
         )
-    model.decode_fusion = parts if setting is True else parts & AUTO_PARTS
+    model.decode_fusion = parts
     return model.decode_fusion
 
 
