@@ -132,13 +132,13 @@ class InferenceEngine(nn.Module):
 
             tp = config.tensor_parallel
             install_reducer(fused, _tp_group(config), tp.allreduce, tp.symm_mem_bytes, self.device)
-        from slipstream.inference.fused_decode import enable_decode_fusion
-
-        enable_decode_fusion(fused, config.decode_fusion, self.device)
         self.fused = fused
         self._runner = StaticCacheRunner(
             fused, config.max_out_tokens, cuda_graph=config.enable_cuda_graph
         )
+        from slipstream.inference.fused_decode import enable_decode_fusion
+
+        enable_decode_fusion(fused, config.decode_fusion, self.device)
         if config.injection_policy is not None:
             logger.info(
                 "injection_policy is not needed for %s: its fused adapter knows the layout",
