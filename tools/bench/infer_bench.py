@@ -86,6 +86,13 @@ def parse_args() -> argparse.Namespace:
         action="store_true",
         help="use_triton=True: the blocks' dense linears run the Triton streaming GEMV at decode",
     )
+    parser.add_argument(
+        "--decode-fusion",
+        default="auto",
+        help="decode_fusion: batch-1 decode through the fused Triton decode GEMVs (auto, the "
+        "config's default on GPUs; on: every part) or the unfused kernels, cuBLAS and SDPA "
+        "(off); or a comma list of the parts to fuse (qkv,attention,out,gate_up,down,head)",
+    )
     parser.add_argument("--skip-hf-eager", action="store_true")
     parser.add_argument("--skip-hf-compiled", action="store_true")
     parser.add_argument("--repeats", type=int, default=3, help="timed runs; the best is kept")
@@ -291,6 +298,7 @@ def bench_batch(
         offload=args.offload or False,
         weights=args.weights,
         use_triton=args.use_triton,
+        decode_fusion=",".join(sorted(engine.fused.decode_fusion)) or "off",
         gemv_layout=args.gemv_layout,
         **run,
     )
@@ -436,6 +444,7 @@ def main() -> None:
             "symm_mem_kernel": "torch" if args.tp_allreduce[0].endswith(":torch") else "slipstream",
         },
         "use_triton": args.use_triton,
+        "decode_fusion": {"auto": "auto", "off": False}.get(args.decode_fusion, True),
     }
     if args.offload:
         offload: dict[str, Any] = {"device": args.offload, "pin_memory": True}
@@ -459,6 +468,8 @@ def main() -> None:
     emit(result="phase", phase="init_inference", seconds=round(time.perf_counter() - started, 2))
     fused = engine.fused
     assert fused is not None
+    if args.decode_fusion not in ("auto", "on", "off"):  # a subset of the parts
+        fused.decode_fusion = frozenset(args.decode_fusion.split(",")) & fused.decode_fusion
     spec = fused.spec
     reducer = getattr(fused.blocks[0], "reducer", None)
     common["allreduce"] = reducer.kind if reducer is not None else None

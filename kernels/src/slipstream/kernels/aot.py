@@ -52,6 +52,8 @@ KERNEL_MODULES = (
     "slipstream.kernels.ops.add_rms_norm.triton",
     "slipstream.kernels.ops.gated_activation.triton",
     "slipstream.kernels.ops.moe_gemv.triton",
+    "slipstream.kernels.ops.decode_gemv.triton",
+    "slipstream.kernels.ops.decode_attention.triton",
 )
 
 _BINARY_KINDS = ("cubin", "hsaco")

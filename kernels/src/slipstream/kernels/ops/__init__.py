@@ -13,6 +13,8 @@ from slipstream.kernels.ops.adagrad import adagrad
 from slipstream.kernels.ops.adam import adam
 from slipstream.kernels.ops.add_rms_norm import add_rms_norm
 from slipstream.kernels.ops.cross_entropy import cross_entropy
+from slipstream.kernels.ops.decode_attention import decode_attention
+from slipstream.kernels.ops.decode_gemv import decode_gemv, gated_gemv, norm_gemv
 from slipstream.kernels.ops.gated_activation import gated_activation
 from slipstream.kernels.ops.lamb import lamb
 from slipstream.kernels.ops.layer_norm import layer_norm
@@ -33,12 +35,16 @@ __all__ = [
     "add_rms_norm",
     "causal_keep_mask",
     "cross_entropy",
+    "decode_attention",
+    "decode_gemv",
     "dequantize",
     "gated_activation",
+    "gated_gemv",
     "lamb",
     "layer_norm",
     "lion",
     "moe_gemv",
+    "norm_gemv",
     "paged_attention",
     "quant_matmul",
     "quantize",

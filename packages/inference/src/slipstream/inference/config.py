@@ -289,6 +289,13 @@ class InferenceConfig(ConfigBlock):
     )
     enable_cuda_graph: bool = False
     use_triton: bool = False  # true: the blocks' dense linears run a Triton GEMV at decode
+    # Single-token (batch-1) decode steps of a Llama-like model with dense bf16/fp16 weights run
+    # slipstream.kernels' decode GEMVs with add + RMSNorm and SwiGLU fused into them
+    # (slipstream.inference.fused_decode). "auto": on CUDA/ROCm devices; true: wherever the
+    # model qualifies (a warning says why not); false: the unfused kernels and cuBLAS.
+    decode_fusion: bool | Literal["auto"] = dataclasses.field(
+        default="auto", metadata={"allow_auto": True}
+    )
     triton_autotune: bool = False
     zero: InferenceZeroConfig = dataclasses.field(default_factory=InferenceZeroConfig)
     triangular_masking: bool = dataclasses.field(default=True, metadata={"aliases": ("tm",)})

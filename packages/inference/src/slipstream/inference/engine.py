@@ -143,6 +143,9 @@ class InferenceEngine(nn.Module):
         self._runner = StaticCacheRunner(
             fused, config.max_out_tokens, cuda_graph=config.enable_cuda_graph
         )
+        from slipstream.inference.fused_decode import enable_decode_fusion
+
+        enable_decode_fusion(fused, config.decode_fusion, self.device)
         if config.injection_policy is not None:
             logger.info(
                 "injection_policy is not needed for %s: its fused adapter knows the layout",

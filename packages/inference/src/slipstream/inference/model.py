@@ -14,6 +14,7 @@ from torch import nn
 
 from slipstream.kernels.ops import (
     add_rms_norm,
+    decode_attention,
     gated_activation,
     layer_norm,
     moe_gemv,
@@ -268,9 +269,22 @@ class FusedBlock(nn.Module):
         slots: torch.Tensor,
         mask: torch.Tensor,
     ) -> torch.Tensor:
-        batch, length, _ = h.shape
+        return self.out(self._attend(self.qkv(h), rotary, cache, slots, mask))
+
+    def _attend(
+        self,
+        qkv: torch.Tensor,
+        rotary: tuple[torch.Tensor, torch.Tensor] | None,
+        cache: tuple[torch.Tensor, torch.Tensor] | None,
+        slots: torch.Tensor,
+        mask: torch.Tensor,
+        split_attention: bool = False,
+    ) -> torch.Tensor:
+        """Attention from the QKV projection's output; returns ``(batch, tokens, heads * hd)``
+        before the output projection. ``split_attention``: over the cache through
+        ``decode_attention`` (split-K over the slots) instead of SDPA."""
+        batch, length, _ = qkv.shape
         hd, heads, kv_heads = self.spec.head_dim, self.heads, self.kv_heads
-        qkv = self.qkv(h)
         if cache is not None:
             # One kernel rotates Q and K, writes K and V at the (device-tensor) slots and lays Q
             # out contiguous: four launches fewer per layer than rotary + two index_copy_ +
@@ -291,9 +305,12 @@ class FusedBlock(nn.Module):
             # become extra query rows of it (head h reads KV head h // group, as HF's repeat_kv
             # does), so decode reads each cached key once; `mask` comes grouped to match.
             q = q.reshape(batch, kv_heads, (heads // kv_heads) * length, hd)
-        out = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, scale=self.spec.scale)
+        if split_attention and cache is not None:
+            out = decode_attention(q, k, v, mask, self.spec.scale)
+        else:
+            out = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, scale=self.spec.scale)
         out = out.reshape(batch, heads, length, hd).transpose(1, 2)
-        return self.out(out.reshape(batch, length, heads * hd))
+        return out.reshape(batch, length, heads * hd)
 
     def forward(
         self,
@@ -380,6 +397,9 @@ class FusedDecoder(nn.Module):
         self.head_group: dist.ProcessGroup | None = None  # vocab-parallel head under TP
         self.head_reducer: Any = None  # slipstream.inference.allreduce.TPReducer, under TP
         self.layer_hook: LayerHook | None = None  # ZeRO-Inference streams weights through this
+        # The parts that single-token decode steps run through the decode kernels
+        # (fused_decode.decode_forward; set by fused_decode.enable_decode_fusion); empty: none.
+        self.decode_fusion: frozenset[str] = frozenset()
 
     def _rotary(self, positions: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor] | None:
         if self.spec.position != "rotary":
@@ -424,6 +444,10 @@ class FusedDecoder(nn.Module):
         mask = torch.zeros(mask.shape, dtype=x.dtype, device=x.device).masked_fill_(
             ~mask, float("-inf")
         )
+        if self.decode_fusion and input_ids.numel() == 1 and self.layer_hook is None:
+            from slipstream.inference.fused_decode import decode_forward
+
+            return decode_forward(self, x, rotary, cache, slots, mask)
         # Each block's last residual add runs in the next norm's kernel (add + norm fused).
         pending: torch.Tensor | None = None
         for index, block in enumerate(self.blocks):

@@ -1,0 +1,35 @@
+"""The ``decode_attention`` op: a GQA group's query rows over a static KV cache (split-K at decode)."""
+
+from __future__ import annotations
+
+import torch
+
+from slipstream.kernels.ops.backends import register_triton
+from slipstream.kernels.registry import ANY_DEVICE, get_op, register_op
+
+OP_NAME = "decode_attention"
+
+register_op(
+    OP_NAME,
+    "reference",
+    "slipstream.kernels.ops.decode_attention.reference:decode_attention",
+    device_types=(ANY_DEVICE,),
+    priority=0,
+)
+register_triton(OP_NAME, "slipstream.kernels.ops.decode_attention.triton:decode_attention")
+
+__all__ = ["OP_NAME", "decode_attention"]
+
+
+def decode_attention(
+    query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, mask: torch.Tensor, scale: float
+) -> torch.Tensor:
+    """``softmax(query @ key^T * scale + mask) @ value`` per KV head with the best backend:
+    ``query`` ``(batch, kv_heads, rows, head_dim)``, ``key``/``value`` ``(batch, kv_heads,
+    slots, head_dim)``, ``mask`` additive, broadcasting to ``(batch, kv_heads, rows, slots)``.
+
+    >>> out = decode_attention(torch.randn(1, 2, 4, 16), torch.randn(1, 2, 8, 16),
+    ...                        torch.randn(1, 2, 8, 16), torch.zeros(1, 1, 4, 8), 0.25)
+    """
+    fn = get_op(OP_NAME, query.device.type, query.dtype)
+    return fn(query, key, value, mask, scale)  # type: ignore[no-any-return]

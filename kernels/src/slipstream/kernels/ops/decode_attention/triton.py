@@ -1,0 +1,416 @@
+"""Triton split-K decode attention (flash-decoding) over a static KV cache.
+
+At decode each KV head has a handful of query rows (the query heads of its GQA group) and a
+cache of ``slots`` keys; one program per head would read its keys serially on a few SMs. The
+first kernel splits the slots into ``block_s`` chunks, one program per (chunk, batch x KV head):
+it scores the chunk's keys against all the group's rows with one tensor-core dot (rows padded to
+16), adds the additive mask, and writes the chunk's row maxima, exp-sums and unnormalised
+``p @ V`` in fp32. The second kernel, one program per (batch x KV head), merges the chunks with
+the online-softmax rescaling and writes the output in the query's dtype. A chunk whose keys are
+all masked contributes nothing (its maximum is ``-inf``, its weight 0).
+"""
+
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+from slipstream.kernels.ops.decode_attention.reference import check_shapes
+from slipstream.kernels.ops.decode_attention.reference import decode_attention as reference
+from slipstream.kernels.triton_support import AotSpec, check_kernel_device, next_power_of_2
+
+__all__ = ["decode_attention", "default_block_s"]
+
+MAX_ROWS = 64  # query rows per KV head (GQA group x tokens) the kernel takes
+MERGE_IN_SPLIT = True  # one launch: the last chunk program of each head merges the chunks
+
+
+@triton.jit
+def decode_attention_split_kernel(
+    q_ptr,
+    k_ptr,
+    v_ptr,
+    mask_ptr,
+    m_ptr,
+    l_ptr,
+    acc_ptr,
+    ROWS,
+    SLOTS,
+    KV_HEADS,
+    SPLITS,
+    scale,
+    q_sb,
+    q_sh,
+    q_sr,
+    k_sb,
+    k_sh,
+    k_ss,
+    v_sb,
+    v_sh,
+    v_ss,
+    mask_sb,
+    mask_sh,
+    mask_sr,
+    mask_ss,
+    out_ptr,
+    counter_ptr,
+    o_sb,
+    o_sh,
+    o_sr,
+    ROWS_PAD: tl.constexpr,
+    BLOCK_S: tl.constexpr,
+    HEAD_DIM: tl.constexpr,
+    IEEE: tl.constexpr,
+    MERGE: tl.constexpr,
+):
+    """One chunk of ``BLOCK_S`` slots of one (batch, KV head): partial softmax statistics.
+    ``MERGE``: the last chunk program of each (batch, KV head) to finish (an arrival counter,
+    reset to 0 by that program for the next call) merges them, so one launch does it all."""
+    split = tl.program_id(0)
+    bh = tl.program_id(1)
+    b = (bh // KV_HEADS).to(tl.int64)
+    h = (bh % KV_HEADS).to(tl.int64)
+    r = tl.arange(0, ROWS_PAD)
+    d = tl.arange(0, HEAD_DIM)
+    s = split * BLOCK_S + tl.arange(0, BLOCK_S)
+    r_ok = r < ROWS
+    s_ok = s < SLOTS
+    q = tl.load(
+        q_ptr + b * q_sb + h * q_sh + r[:, None] * q_sr + d[None, :], mask=r_ok[:, None], other=0.0
+    )
+    k = tl.load(
+        k_ptr + b * k_sb + h * k_sh + s[:, None] * k_ss + d[None, :], mask=s_ok[:, None], other=0.0
+    )
+    if IEEE:
+        scores = tl.dot(q, tl.trans(k), input_precision="ieee") * scale
+    else:
+        scores = tl.dot(q, tl.trans(k)) * scale
+    bias = tl.load(
+        mask_ptr + b * mask_sb + h * mask_sh + r[:, None] * mask_sr + s[None, :] * mask_ss,
+        mask=r_ok[:, None] & s_ok[None, :],
+        other=float("-inf"),
+    )
+    scores = scores + bias.to(tl.float32)
+    m = tl.max(scores, axis=1)
+    m_safe = tl.where(m == float("-inf"), 0.0, m)
+    p = tl.exp(scores - m_safe[:, None])
+    l_sum = tl.sum(p, axis=1)
+    v = tl.load(
+        v_ptr + b * v_sb + h * v_sh + s[:, None] * v_ss + d[None, :], mask=s_ok[:, None], other=0.0
+    )
+    if IEEE:
+        acc = tl.dot(p.to(v.dtype), v, input_precision="ieee")
+    else:
+        acc = tl.dot(p.to(v.dtype), v)
+    row = (bh * SPLITS + split) * ROWS_PAD + r
+    tl.store(m_ptr + row, m)
+    tl.store(l_ptr + row, l_sum)
+    tl.store(acc_ptr + row[:, None] * HEAD_DIM + d[None, :], acc)
+    if MERGE:
+        tl.debug_barrier()  # every thread's partial stores precede the arrival (release)
+        arrived = tl.atomic_add(counter_ptr + bh, 1, sem="acq_rel")
+        if arrived == SPLITS - 1:
+            _merge_chunks(
+                m_ptr,
+                l_ptr,
+                acc_ptr,
+                out_ptr,
+                bh,
+                ROWS,
+                KV_HEADS,
+                SPLITS,
+                o_sb,
+                o_sh,
+                o_sr,
+                ROWS_PAD,
+                HEAD_DIM,
+            )
+            tl.atomic_xchg(counter_ptr + bh, 0)
+
+
+@triton.jit
+def _merge_chunks(
+    m_ptr,
+    l_ptr,
+    acc_ptr,
+    out_ptr,
+    bh,
+    ROWS,
+    KV_HEADS,
+    SPLITS,
+    o_sb,
+    o_sh,
+    o_sr,
+    ROWS_PAD: tl.constexpr,
+    HEAD_DIM: tl.constexpr,
+):
+    """Merge the chunks of (batch x KV head) ``bh`` with online-softmax rescaling and store
+    the output rows (the partials are read from L2: ``.cg``, never a stale L1 line)."""
+    b = (bh // KV_HEADS).to(tl.int64)
+    h = (bh % KV_HEADS).to(tl.int64)
+    r = tl.arange(0, ROWS_PAD)
+    d = tl.arange(0, HEAD_DIM)
+    best = tl.full((ROWS_PAD,), float("-inf"), dtype=tl.float32)
+    total = tl.zeros((ROWS_PAD,), dtype=tl.float32)
+    out = tl.zeros((ROWS_PAD, HEAD_DIM), dtype=tl.float32)
+    for split in range(0, SPLITS):
+        row = (bh * SPLITS + split) * ROWS_PAD + r
+        m = tl.load(m_ptr + row, cache_modifier=".cg")
+        new = tl.maximum(best, m)
+        new_safe = tl.where(new == float("-inf"), 0.0, new)
+        alpha = tl.exp(best - new_safe)
+        beta = tl.exp(m - new_safe)
+        total = total * alpha + tl.load(l_ptr + row, cache_modifier=".cg") * beta
+        part = tl.load(acc_ptr + row[:, None] * HEAD_DIM + d[None, :], cache_modifier=".cg")
+        out = out * alpha[:, None] + part * beta[:, None]
+        best = new
+    out = out / tl.where(total == 0.0, 1.0, total)[:, None]
+    tl.store(
+        out_ptr + b * o_sb + h * o_sh + r[:, None] * o_sr + d[None, :],
+        out.to(out_ptr.dtype.element_ty),
+        mask=(r < ROWS)[:, None],
+    )
+
+
+@triton.jit
+def decode_attention_combine_kernel(
+    m_ptr,
+    l_ptr,
+    acc_ptr,
+    out_ptr,
+    ROWS,
+    KV_HEADS,
+    SPLITS,
+    o_sb,
+    o_sh,
+    o_sr,
+    ROWS_PAD: tl.constexpr,
+    HEAD_DIM: tl.constexpr,
+):
+    """Merge the chunks of one (batch, KV head): the second launch of the two-launch form."""
+    _merge_chunks(
+        m_ptr,
+        l_ptr,
+        acc_ptr,
+        out_ptr,
+        tl.program_id(0),
+        ROWS,
+        KV_HEADS,
+        SPLITS,
+        o_sb,
+        o_sh,
+        o_sr,
+        ROWS_PAD,
+        HEAD_DIM,
+    )
+
+
+def default_block_s(slots: int, programs_per_chunk: int, device: torch.device) -> int:
+    """Slots per chunk: 32 while that keeps the chunk count moderate, else 64 or 128 (the
+    merge walks the chunks serially)."""
+    block = 32
+    while block < 128 and triton.cdiv(slots, block) > 64:
+        block *= 2
+    return block
+
+
+def decode_attention(
+    query: torch.Tensor,
+    key: torch.Tensor,
+    value: torch.Tensor,
+    mask: torch.Tensor,
+    scale: float,
+    block_s: int | None = None,
+    merge: bool = MERGE_IN_SPLIT,
+) -> torch.Tensor:
+    """See :func:`slipstream.kernels.ops.decode_attention.reference.decode_attention`.
+    ``merge``: one launch (the last chunk program of each head merges) instead of two. Head
+    sizes that are not a power of two in [16, 256], more than ``MAX_ROWS`` rows per KV head, a
+    mask that does not broadcast as ``(batch, 1 or kv_heads, rows, slots)`` or autograd: the
+    reference."""
+    check_kernel_device("decode_attention", query, key, value, mask)
+    check_shapes(query, key, value)
+    batch, kv_heads, rows, head_dim = query.shape
+    slots = key.shape[2]
+    if (
+        head_dim not in (16, 32, 64, 128, 256)
+        or rows > MAX_ROWS
+        or mask.dim() != 4
+        or mask.shape[-2:] != (rows, slots)
+        or mask.shape[1] not in (1, kv_heads)
+        or mask.shape[0] not in (1, batch)
+        or key.stride(-1) != 1
+        or value.stride(-1) != 1
+        or query.stride(-1) != 1
+        or (torch.is_grad_enabled() and (query.requires_grad or key.requires_grad))
+    ):
+        return reference(query, key, value, mask, scale)
+    block_s = block_s or default_block_s(slots, batch * kv_heads, query.device)
+    splits = triton.cdiv(slots, block_s)
+    rows_pad = max(16, next_power_of_2(rows))
+    partial = batch * kv_heads * splits * rows_pad
+    m = torch.empty(partial, device=query.device, dtype=torch.float32)
+    l_sum = torch.empty_like(m)
+    acc = torch.empty(partial, head_dim, device=query.device, dtype=torch.float32)
+    mask_strides = [0 if mask.shape[i] == 1 else mask.stride(i) for i in range(4)]
+    mask_strides[2:] = [mask.stride(2), mask.stride(3)]
+    out = torch.empty(batch, kv_heads, rows, head_dim, device=query.device, dtype=query.dtype)
+    counter = _counters(query.device, batch * kv_heads) if merge else m
+    decode_attention_split_kernel[(splits, batch * kv_heads)](
+        query,
+        key,
+        value,
+        mask,
+        m,
+        l_sum,
+        acc,
+        rows,
+        slots,
+        kv_heads,
+        splits,
+        scale,
+        query.stride(0),
+        query.stride(1),
+        query.stride(2),
+        key.stride(0),
+        key.stride(1),
+        key.stride(2),
+        value.stride(0),
+        value.stride(1),
+        value.stride(2),
+        *mask_strides,
+        out,
+        counter,
+        out.stride(0),
+        out.stride(1),
+        out.stride(2),
+        ROWS_PAD=rows_pad,
+        BLOCK_S=block_s,
+        HEAD_DIM=head_dim,
+        IEEE=query.dtype == torch.float32,
+        MERGE=merge,
+        num_warps=4,
+    )
+    if not merge:
+        decode_attention_combine_kernel[(batch * kv_heads,)](
+            m,
+            l_sum,
+            acc,
+            out,
+            rows,
+            kv_heads,
+            splits,
+            out.stride(0),
+            out.stride(1),
+            out.stride(2),
+            ROWS_PAD=rows_pad,
+            HEAD_DIM=head_dim,
+            num_warps=4,
+        )
+    return out
+
+
+# Arrival counters of the one-launch form, per device, grown on demand; every call leaves them
+# at 0 (the merging program resets its own), so one zeroed buffer serves every later call and
+# stays at a fixed address for CUDA-graph replays. Calls on one device run in stream order.
+_COUNTERS: dict[torch.device, torch.Tensor] = {}
+
+
+def _counters(device: torch.device, count: int) -> torch.Tensor:
+    found = _COUNTERS.get(device)
+    if found is None or found.numel() < count:
+        found = torch.zeros(max(count, 256), device=device, dtype=torch.int32)
+        _COUNTERS[device] = found
+    return found
+
+
+def aot_specs() -> list[AotSpec]:
+    """The specialisations ``slipstream.kernels.aot`` compiles for every GPU target."""
+    specs = []
+    for dtype in ("bf16", "fp16"):
+        signature = {
+            "q_ptr": f"*{dtype}",
+            "k_ptr": f"*{dtype}",
+            "v_ptr": f"*{dtype}",
+            "mask_ptr": f"*{dtype}",
+            "m_ptr": "*fp32",
+            "l_ptr": "*fp32",
+            "acc_ptr": "*fp32",
+        }
+        signature.update(
+            {
+                name: "i32"
+                for name in (
+                    "ROWS",
+                    "SLOTS",
+                    "KV_HEADS",
+                    "SPLITS",
+                )
+            }
+        )
+        signature["scale"] = "fp32"
+        signature.update(
+            {
+                name: "i32"
+                for name in (
+                    "q_sb",
+                    "q_sh",
+                    "q_sr",
+                    "k_sb",
+                    "k_sh",
+                    "k_ss",
+                    "v_sb",
+                    "v_sh",
+                    "v_ss",
+                    "mask_sb",
+                    "mask_sh",
+                    "mask_sr",
+                    "mask_ss",
+                )
+            }
+        )
+        signature.update(
+            {
+                "out_ptr": f"*{dtype}",
+                "counter_ptr": "*i32",
+                "o_sb": "i32",
+                "o_sh": "i32",
+                "o_sr": "i32",
+                "ROWS_PAD": "constexpr",
+                "BLOCK_S": "constexpr",
+                "HEAD_DIM": "constexpr",
+                "IEEE": "constexpr",
+                "MERGE": "constexpr",
+            }
+        )
+        specs.append(
+            AotSpec(
+                f"decode_attention.split[{dtype}]",
+                decode_attention_split_kernel,
+                signature,
+                {"ROWS_PAD": 16, "BLOCK_S": 32, "HEAD_DIM": 128, "IEEE": False, "MERGE": True},
+            )
+        )
+        specs.append(
+            AotSpec(
+                f"decode_attention.combine[{dtype}]",
+                decode_attention_combine_kernel,
+                {
+                    "m_ptr": "*fp32",
+                    "l_ptr": "*fp32",
+                    "acc_ptr": "*fp32",
+                    "out_ptr": f"*{dtype}",
+                    "ROWS": "i32",
+                    "KV_HEADS": "i32",
+                    "SPLITS": "i32",
+                    "o_sb": "i32",
+                    "o_sh": "i32",
+                    "o_sr": "i32",
+                    "ROWS_PAD": "constexpr",
+                    "HEAD_DIM": "constexpr",
+                },
+                {"ROWS_PAD": 16, "HEAD_DIM": 128},
+            )
+        )
+    return specs

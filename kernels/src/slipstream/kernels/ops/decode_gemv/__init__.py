@@ -1,0 +1,64 @@
+"""The decode GEMV ops: ``decode_gemv``, ``norm_gemv`` (add + RMSNorm first), ``gated_gemv`` (SwiGLU first)."""
+
+from __future__ import annotations
+
+import torch
+
+from slipstream.kernels.ops.backends import register_triton
+from slipstream.kernels.registry import ANY_DEVICE, get_op, register_op
+
+__all__ = ["decode_gemv", "gated_gemv", "norm_gemv"]
+
+_OPS = ("decode_gemv", "norm_gemv", "gated_gemv")
+_DTYPES = (torch.float16, torch.bfloat16, torch.float32)
+
+for _name in _OPS:
+    register_op(
+        _name,
+        "reference",
+        f"slipstream.kernels.ops.decode_gemv.reference:{_name}",
+        device_types=(ANY_DEVICE,),
+        priority=0,
+    )
+    register_triton(_name, f"slipstream.kernels.ops.decode_gemv.triton:{_name}", _DTYPES)
+
+
+def decode_gemv(
+    x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None
+) -> torch.Tensor:
+    """``F.linear(x, weight, bias)`` for a few rows (decode) with the best backend.
+
+    >>> y = decode_gemv(torch.randn(1, 8), torch.randn(4, 8))  # (1, 4)
+    """
+    fn = get_op("decode_gemv", x.device.type, x.dtype)
+    return fn(x, weight, bias)  # type: ignore[no-any-return]
+
+
+def norm_gemv(
+    x: torch.Tensor,
+    residual: torch.Tensor | None,
+    norm_weight: torch.Tensor | None,
+    eps: float,
+    weight: torch.Tensor,
+    bias: torch.Tensor | None = None,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """``(x + residual, F.linear(rms_norm(x + residual, norm_weight, eps), weight, bias))``
+    with the best backend (``residual`` None: ``x`` itself is normalised and returned).
+
+    >>> total, y = norm_gemv(torch.randn(1, 8), torch.randn(1, 8), torch.ones(8), 1e-6,
+    ...                      torch.randn(4, 8))
+    """
+    fn = get_op("norm_gemv", x.device.type, x.dtype)
+    return fn(x, residual, norm_weight, eps, weight, bias)  # type: ignore[no-any-return]
+
+
+def gated_gemv(
+    gate_up: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None
+) -> torch.Tensor:
+    """``F.linear(silu(gate) * up, weight, bias)`` for ``gate_up = [gate, up]`` (SwiGLU, then
+    the down projection) with the best backend.
+
+    >>> y = gated_gemv(torch.randn(1, 16), torch.randn(4, 8))  # (1, 4)
+    """
+    fn = get_op("gated_gemv", gate_up.device.type, gate_up.dtype)
+    return fn(gate_up, weight, bias)  # type: ignore[no-any-return]

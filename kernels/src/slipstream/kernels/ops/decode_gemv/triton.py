@@ -1,0 +1,367 @@
+"""Triton decode GEMV: a few activation rows times a dense weight, streamed once at full width.
+
+Decode at batch 1 multiplies one activation row by every weight of the model once, so each
+projection is a matrix-vector product bound by how fast the weight streams from memory. Program
+``(n, row)`` owns ``BLOCK_N`` output features (whole weight rows: no split-K, so no atomics, no
+zero-fill and no cast launches); it walks K in ``BLOCK_K`` steps, loading a ``(BLOCK_N,
+BLOCK_K)`` tile with 16-byte vector loads along the contiguous input dimension (marked
+evict-first: each weight byte is read once), multiplying it by the step's activations in fp32
+and keeping a 2-D fp32 accumulator that is reduced once at the end.
+
+The kernel also takes over the small kernels around the projection, which at batch 1 cost more
+in launches than in bytes (``PROLOGUE``):
+
+- ``0``: plain ``x @ W.T``;
+- ``1``: residual add + RMSNorm first (``norm_gemv``): every program reads the (tiny) input row
+  and its residual, computes the row's inverse RMS itself, and normalises each step's slice as
+  it streams; program 0 also writes ``x + residual`` for the next block. The normalised value
+  is rounded to the activation dtype exactly where ``add_rms_norm`` rounds it;
+- ``2``: SwiGLU first (``gated_gemv``): the input row is ``[gate, up]`` and each step computes
+  ``silu(gate) * up`` with ``gated_activation``'s two roundings.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+import torch
+import triton
+import triton.language as tl
+
+from slipstream.kernels.ops.decode_gemv.reference import decode_gemv as reference_gemv
+from slipstream.kernels.ops.decode_gemv.reference import gated_gemv as reference_gated
+from slipstream.kernels.ops.decode_gemv.reference import norm_gemv as reference_norm
+from slipstream.kernels.triton_support import AotSpec, check_kernel_device
+
+__all__ = [
+    "MAX_ROWS",
+    "DecodeGemvConfig",
+    "decode_gemv",
+    "default_config",
+    "gated_gemv",
+    "norm_gemv",
+]
+
+MAX_ROWS = 4  # above this many rows the weight is better read once by a matmul: the reference
+
+PLAIN, NORM, GATED = 0, 1, 2
+
+
+@dataclasses.dataclass(frozen=True)
+class DecodeGemvConfig:
+    """Launch shape of one decode GEMV: output features per block, K step, warps, stages,
+    programs per SM (0: one program per block; else a persistent grid of that many per SM) and
+    whether each step prefetches the next weight tile."""
+
+    block_n: int = 8
+    block_k: int = 512
+    num_warps: int = 4
+    num_stages: int = 3  # Triton's default on NVIDIA GPUs
+    programs_per_sm: int = 0
+    prefetch: bool = False
+
+
+@triton.jit
+def decode_gemv_kernel(
+    x_ptr,
+    r_ptr,
+    nw_ptr,
+    total_ptr,
+    w_ptr,
+    b_ptr,
+    y_ptr,
+    N,
+    K,
+    x_stride,
+    y_stride,
+    eps,
+    PROLOGUE: tl.constexpr,
+    HAS_RESIDUAL: tl.constexpr,
+    HAS_NORM_WEIGHT: tl.constexpr,
+    HAS_BIAS: tl.constexpr,
+    EVEN_N: tl.constexpr,
+    EVEN_K: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+    BLOCK_K: tl.constexpr,
+    PREFETCH: tl.constexpr,
+):
+    """``y[row, n] = sum_k W[n, k] * h[row, k] (+ b[n])`` with ``h`` the prologue's input.
+    ``PREFETCH``: each step loads the next step's weight tile before its own math (two tiles in
+    flight per program; Triton does not software-pipeline loads that feed no dot).
+
+    Program ``p`` of ``P`` computes row blocks ``p, p + P, ...`` (``P`` = the grid's first
+    dimension: one block each when the grid covers every block, persistent otherwise, so the
+    norm prologue runs once per program and the last wave is finer-grained)."""
+    pid_n = tl.program_id(0)
+    programs = tl.num_programs(0)
+    row = tl.program_id(1).to(tl.int64)
+    k = tl.arange(0, BLOCK_K)
+    x_row = x_ptr + row * x_stride
+    rstd = 0.0
+    if PROLOGUE == 1:
+        store_end = tl.where(pid_n == 0, K, 0)  # only program 0 writes the residual sum
+        # The row's inverse RMS: every program computes it (K elements from L2, a few percent of
+        # the weight bytes it streams); program 0 also stores the residual sum.
+        squares = tl.zeros((BLOCK_K,), dtype=tl.float32)
+        for k0 in range(0, K, BLOCK_K):
+            kk = k0 + k
+            k_ok = kk < K
+            t = tl.load(x_row + kk, mask=k_ok, other=0.0, eviction_policy="evict_last")
+            if HAS_RESIDUAL:
+                r = tl.load(r_ptr + row * K + kk, mask=k_ok, other=0.0)
+                t = (t.to(tl.float32) + r.to(tl.float32)).to(total_ptr.dtype.element_ty)
+                tl.store(total_ptr + row * K + kk, t, mask=kk < store_end)
+            t = t.to(tl.float32)
+            squares += t * t
+        rstd = 1.0 / tl.sqrt(tl.sum(squares, axis=0) / K + eps)
+    for block in range(pid_n, tl.cdiv(N, BLOCK_N), programs):
+        cols = block * BLOCK_N + tl.arange(0, BLOCK_N)
+        col_ok = cols < N
+        acc = tl.zeros((BLOCK_N, BLOCK_K), dtype=tl.float32)
+        w_rows = w_ptr + cols[:, None].to(tl.int64) * K
+        if PREFETCH:  # the first step's tile; each step then loads the next before its math
+            w_next = tl.load(
+                w_rows + k[None, :],
+                mask=col_ok[:, None] & (k < K)[None, :],
+                other=0.0,
+                eviction_policy="evict_first",
+            )
+        for k0 in range(0, K, BLOCK_K):
+            kk = k0 + k
+            k_ok = kk < K
+            if PREFETCH:
+                w = w_next
+                ahead = kk + BLOCK_K
+                w_next = tl.load(
+                    w_rows + ahead[None, :],
+                    mask=col_ok[:, None] & (ahead < K)[None, :],
+                    other=0.0,
+                    eviction_policy="evict_first",
+                )
+            elif EVEN_N and EVEN_K:
+                w = tl.load(w_rows + kk[None, :], eviction_policy="evict_first")
+            else:
+                w = tl.load(
+                    w_rows + kk[None, :],
+                    mask=col_ok[:, None] & k_ok[None, :],
+                    other=0.0,
+                    eviction_policy="evict_first",
+                )
+            if PROLOGUE == 2:
+                gate = tl.load(x_row + kk, mask=k_ok, other=0.0).to(tl.float32)
+                up = tl.load(x_row + K + kk, mask=k_ok, other=0.0)
+                act = (gate / (1.0 + tl.exp(-gate))).to(up.dtype).to(tl.float32)
+                h = (act * up.to(tl.float32)).to(up.dtype).to(tl.float32)
+            elif PROLOGUE == 1:
+                t = tl.load(x_row + kk, mask=k_ok, other=0.0)
+                if HAS_RESIDUAL:
+                    r = tl.load(r_ptr + row * K + kk, mask=k_ok, other=0.0)
+                    t = (t.to(tl.float32) + r.to(tl.float32)).to(total_ptr.dtype.element_ty)
+                h = t.to(tl.float32) * rstd
+                if HAS_NORM_WEIGHT:
+                    h = h * tl.load(nw_ptr + kk, mask=k_ok, other=0.0).to(tl.float32)
+                h = h.to(y_ptr.dtype.element_ty).to(tl.float32)
+            else:
+                h = tl.load(x_row + kk, mask=k_ok, other=0.0).to(tl.float32)
+            acc += w.to(tl.float32) * h[None, :]
+        y = tl.sum(acc, axis=1)
+        if HAS_BIAS:
+            y += tl.load(b_ptr + cols, mask=col_ok, other=0.0).to(tl.float32)
+        tl.store(y_ptr + row * y_stride + cols, y.to(y_ptr.dtype.element_ty), mask=col_ok)
+
+
+def _multiprocessors(device: torch.device) -> int:
+    if device.type != "cuda":
+        return 8
+    return int(torch.cuda.get_device_properties(device).multi_processor_count)
+
+
+def default_config(out_features: int, in_features: int, device: torch.device) -> DecodeGemvConfig:
+    """The launch used when none is given: rows per program chosen so that the output
+    features give at least four programs per SM (every SM keeps several tiles in flight),
+    a 512-wide K step (16 KiB of bf16 weight per step at 16 rows)."""
+    sms = _multiprocessors(device)
+    block_n = 16
+    while block_n > 2 and triton.cdiv(out_features, block_n) < 4 * sms:
+        block_n //= 2
+    return DecodeGemvConfig(block_n=block_n, block_k=512, num_warps=4)
+
+
+def _supported(rows: int, weight: torch.Tensor, activation: torch.Tensor, k: int) -> bool:
+    return (
+        0 < rows <= MAX_ROWS
+        and weight.dtype == activation.dtype
+        and weight.dim() == 2
+        and weight.shape[1] == k
+        and weight.is_contiguous()
+    )
+
+
+def _needs_grad(*tensors: torch.Tensor | None) -> bool:
+    """Autograd is on and some input wants a gradient: the (differentiable) reference runs."""
+    return torch.is_grad_enabled() and any(t is not None and t.requires_grad for t in tensors)
+
+
+def _launch(
+    prologue: int,
+    rows_view: torch.Tensor,
+    residual: torch.Tensor | None,
+    norm_weight: torch.Tensor | None,
+    total: torch.Tensor | None,
+    weight: torch.Tensor,
+    bias: torch.Tensor | None,
+    eps: float,
+    config: DecodeGemvConfig | None,
+) -> torch.Tensor:
+    out_features, in_features = weight.shape
+    rows = rows_view.shape[0]
+    config = config or default_config(out_features, in_features, weight.device)
+    out = torch.empty(rows, out_features, device=weight.device, dtype=rows_view.dtype)
+    blocks = triton.cdiv(out_features, config.block_n)
+    if config.programs_per_sm:
+        blocks = min(blocks, config.programs_per_sm * _multiprocessors(weight.device))
+    grid = (blocks, rows)
+    decode_gemv_kernel[grid](
+        rows_view,
+        residual if residual is not None else rows_view,
+        norm_weight if norm_weight is not None else rows_view,
+        total if total is not None else out,
+        weight,
+        bias if bias is not None else weight,
+        out,
+        out_features,
+        in_features,
+        rows_view.stride(0),
+        out.stride(0),
+        eps,
+        PROLOGUE=prologue,
+        HAS_RESIDUAL=residual is not None,
+        HAS_NORM_WEIGHT=norm_weight is not None,
+        HAS_BIAS=bias is not None,
+        EVEN_N=out_features % config.block_n == 0,
+        EVEN_K=in_features % config.block_k == 0,
+        BLOCK_N=config.block_n,
+        BLOCK_K=config.block_k,
+        PREFETCH=config.prefetch,
+        num_warps=config.num_warps,
+        num_stages=config.num_stages,
+    )
+    return out
+
+
+def _rows(x: torch.Tensor) -> torch.Tensor:
+    flat = x.reshape(-1, x.shape[-1])
+    return flat if flat.stride(-1) == 1 else flat.contiguous()
+
+
+def decode_gemv(
+    x: torch.Tensor,
+    weight: torch.Tensor,
+    bias: torch.Tensor | None = None,
+    config: DecodeGemvConfig | None = None,
+) -> torch.Tensor:
+    """See :func:`slipstream.kernels.ops.decode_gemv.reference.decode_gemv`; more than
+    :data:`MAX_ROWS` rows or mixed dtypes run the reference (``F.linear``)."""
+    check_kernel_device("decode_gemv", x, weight, bias)
+    rows = x.numel() // max(x.shape[-1], 1)
+    if not _supported(rows, weight, x, x.shape[-1]) or _needs_grad(x, weight, bias):
+        return reference_gemv(x, weight, bias)
+    out = _launch(PLAIN, _rows(x), None, None, None, weight, bias, 0.0, config)
+    return out.reshape(*x.shape[:-1], weight.shape[0])
+
+
+def norm_gemv(
+    x: torch.Tensor,
+    residual: torch.Tensor | None,
+    norm_weight: torch.Tensor | None,
+    eps: float,
+    weight: torch.Tensor,
+    bias: torch.Tensor | None = None,
+    config: DecodeGemvConfig | None = None,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """See :func:`slipstream.kernels.ops.decode_gemv.reference.norm_gemv`."""
+    check_kernel_device("norm_gemv", x, residual, norm_weight, weight, bias)
+    rows = x.numel() // max(x.shape[-1], 1)
+    if (
+        not _supported(rows, weight, x, x.shape[-1])
+        or _needs_grad(x, residual, norm_weight, weight, bias)
+        or (residual is not None and (residual.shape != x.shape or residual.dtype != x.dtype))
+        or (norm_weight is not None and norm_weight.shape != x.shape[-1:])
+    ):
+        return reference_norm(x, residual, norm_weight, eps, weight, bias)
+    flat = x.reshape(-1, x.shape[-1]).contiguous()
+    res = None if residual is None else residual.reshape(flat.shape).contiguous()
+    total = torch.empty_like(flat) if res is not None else None
+    out = _launch(NORM, flat, res, norm_weight, total, weight, bias, eps, config)
+    return (
+        x if total is None else total.view(x.shape),
+        out.reshape(*x.shape[:-1], weight.shape[0]),
+    )
+
+
+def gated_gemv(
+    gate_up: torch.Tensor,
+    weight: torch.Tensor,
+    bias: torch.Tensor | None = None,
+    config: DecodeGemvConfig | None = None,
+) -> torch.Tensor:
+    """See :func:`slipstream.kernels.ops.decode_gemv.reference.gated_gemv`."""
+    check_kernel_device("gated_gemv", gate_up, weight, bias)
+    half = gate_up.shape[-1] // 2
+    rows = gate_up.numel() // max(gate_up.shape[-1], 1)
+    if (
+        gate_up.shape[-1] % 2
+        or not _supported(rows, weight, gate_up, half)
+        or _needs_grad(gate_up, weight, bias)
+    ):
+        return reference_gated(gate_up, weight, bias)
+    out = _launch(GATED, _rows(gate_up), None, None, None, weight, bias, 0.0, config)
+    return out.reshape(*gate_up.shape[:-1], weight.shape[0])
+
+
+def aot_specs() -> list[AotSpec]:
+    """The specialisations ``slipstream.kernels.aot`` compiles for every GPU target."""
+    specs = []
+    for dtype in ("bf16", "fp16"):
+        for prologue in (PLAIN, NORM, GATED):
+            specs.append(
+                AotSpec(
+                    f"decode_gemv.prologue{prologue}[{dtype}]",
+                    decode_gemv_kernel,
+                    {
+                        "x_ptr": f"*{dtype}",
+                        "r_ptr": f"*{dtype}",
+                        "nw_ptr": f"*{dtype}",
+                        "total_ptr": f"*{dtype}",
+                        "w_ptr": f"*{dtype}",
+                        "b_ptr": f"*{dtype}",
+                        "y_ptr": f"*{dtype}",
+                        "N": "i32",
+                        "K": "i32",
+                        "x_stride": "i32",
+                        "y_stride": "i32",
+                        "eps": "fp32",
+                        "PROLOGUE": "constexpr",
+                        "HAS_RESIDUAL": "constexpr",
+                        "HAS_NORM_WEIGHT": "constexpr",
+                        "HAS_BIAS": "constexpr",
+                        "EVEN_N": "constexpr",
+                        "EVEN_K": "constexpr",
+                        "BLOCK_N": "constexpr",
+                        "BLOCK_K": "constexpr",
+                        "PREFETCH": "constexpr",
+                    },
+                    {
+                        "PROLOGUE": prologue,
+                        "HAS_RESIDUAL": prologue == NORM,
+                        "HAS_NORM_WEIGHT": prologue == NORM,
+                        "HAS_BIAS": False,
+                        "EVEN_N": True,
+                        "EVEN_K": True,
+                        "BLOCK_N": 8,
+                        "BLOCK_K": 512,
+                        "PREFETCH": False,
+                    },
+                )
+            )
+    return specs

@@ -1,0 +1,179 @@
+"""``decode_fusion``: batch-1 decode steps through the Triton decode kernels, neighbours fused in.
+
+At batch 1 a decode step is bound by streaming the weights once, and the small kernels between
+the projections (norms, residual adds, SwiGLU, cuBLAS's split-K reduce) cost launches and gaps
+rather than bytes. With decode fusion on, a single-token step of a
+:class:`~slipstream.inference.model.FusedDecoder` runs per block ``norm_gemv`` (residual add +
+input RMSNorm + QKV), ``rotary_kv_write``, ``decode_attention`` (split-K over the cache, where
+cuDNN's SDPA took 8.8 us a call on an H200), ``decode_gemv`` (output projection), ``norm_gemv``
+(residual add + post RMSNorm + gate/up) and ``gated_gemv`` (SiLU * up + down), then
+``norm_gemv`` (final norm + LM head). Prefill and steps of more than one token are unchanged.
+"""
+
+from __future__ import annotations
+
+import logging
+from typing import Literal
+
+import torch
+from torch import nn
+
+from slipstream.inference.model import FusedBlock, FusedDecoder, KVCache
+from slipstream.kernels.ops import decode_gemv, gated_activation, gated_gemv, norm_gemv
+
+__all__ = [
+    "AUTO_PARTS",
+    "PARTS",
+    "decode_block",
+    "decode_forward",
+    "decode_fusion_blockers",
+    "eligible_parts",
+    "enable_decode_fusion",
+]
+
+# The parts of a decode step that decode fusion can take over: the five projections (with
+# their norms / SwiGLU fused in) and the attention over the cache (split-K decode_attention).
+PARTS = frozenset({"qkv", "attention", "out", "gate_up", "down", "head"})
+# What decode_fusion "auto" runs on a GPU. All six: on an H100 (8B Llama shapes, batch 1,
+# CUDA graph) the fused step ran at 85.2% of the bandwidth limit (5.932 ms) against 80.4%
+# (6.295 ms) unfused, in one call (tools/bench/infer_bench.py --decode-fusion on/off).
+AUTO_PARTS = PARTS
+
+logger = logging.getLogger(__name__)
+
+_DTYPES = (torch.bfloat16, torch.float16)
+
+
+def _dense(linear: object) -> bool:
+    # nn.Linear and its GemvLinear subclass hold a dense weight; quantized linears do not.
+    return isinstance(linear, nn.Linear) and linear.weight.dtype in _DTYPES
+
+
+def decode_fusion_blockers(model: FusedDecoder) -> list[str]:
+    """Why ``model`` cannot run the fused decode step at all (empty: it can)."""
+    spec = model.spec
+    reasons = []
+    if model.embed.weight.dtype not in _DTYPES:
+        reasons.append(f"the model is in {model.embed.weight.dtype} (needs bf16 or fp16)")
+    if spec.norm != "rms":
+        reasons.append(f"norm is {spec.norm!r} (the fused GEMV applies RMSNorm)")
+    if spec.parallel_residual:
+        reasons.append("the blocks have a parallel residual")
+    if spec.mlp != "gated" or spec.activation != "silu":
+        reasons.append(f"the MLP is {spec.mlp!r} with {spec.activation!r} (needs gated SiLU)")
+    if model.layer_hook is not None:
+        reasons.append("the weights stream through ZeRO-Inference")
+    return reasons
+
+
+def eligible_parts(model: FusedDecoder) -> frozenset[str]:
+    """The parts ``model`` can run fused: attention always, each projection when every one of
+    its linears is dense bf16/fp16 (quantized linears keep their own kernels)."""
+    linears: dict[str, list[object]] = {"head": [model.head]}
+    for block in model.blocks:
+        assert isinstance(block, FusedBlock)
+        for part, name in (("qkv", "qkv"), ("out", "out"), ("gate_up", "up"), ("down", "down")):
+            linears.setdefault(part, []).append(getattr(block, name, None))
+    dense = {part for part, found in linears.items() if all(_dense(x) for x in found)}
+    return frozenset({"attention"} | dense)
+
+
+def enable_decode_fusion(
+    model: FusedDecoder, setting: bool | Literal["auto"], device: torch.device
+) -> frozenset[str]:
+    """Turn decode fusion on for ``model`` per the ``decode_fusion`` config key; returns the
+    parts fused (empty: off). ``"auto"``: :data:`AUTO_PARTS` on a CUDA/ROCm ``device`` for a
+    model whose projections are all dense bf16/fp16 and not tensor-parallel (what was
+    measured); else off. ``True``: every part the model can run (:func:`eligible_parts`:
+    quantized projections keep their kernels; tensor-parallel blocks reduce as unfused), on
+    any device (on the CPU the ops run their torch references, the same math as the unfused
+    step), with a warning naming what blocks the rest."""
+    model.decode_fusion = frozenset()
+    if setting is False or (setting == "auto" and device.type != "cuda"):
+        return model.decode_fusion
+    blockers = decode_fusion_blockers(model)
+    if blockers:
+        if setting is True:
+            logger.warning("decode_fusion is off for this model: %s", "; ".join(blockers))
+        return model.decode_fusion
+    parts = eligible_parts(model)
+    if setting == "auto":
+        # Measured (H100, 8B, batch 1): the dense single-rank model. Quantized and tensor-
+        # parallel models keep their own measured paths unless decode_fusion is true.
+        first = model.blocks[0]
+        sharded = getattr(first, "tp_group", None) is not None or model.head_group is not None
+        if parts != PARTS or sharded:
+            return model.decode_fusion
+        model.decode_fusion = AUTO_PARTS
+        return model.decode_fusion
+    if parts != PARTS:
+        logger.warning(
+            "decode_fusion: %s run unfused (not dense bf16/fp16 linears)",
+            ", ".join(sorted(PARTS - parts)),
+        )
+    model.decode_fusion = parts
+    return model.decode_fusion
+
+
+def decode_block(
+    block: FusedBlock,
+    x: torch.Tensor,
+    pending: torch.Tensor | None,
+    rotary: tuple[torch.Tensor, torch.Tensor] | None,
+    cache: tuple[torch.Tensor, torch.Tensor] | None,
+    slots: torch.Tensor,
+    mask: torch.Tensor,
+    parts: frozenset[str],
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """One block of a single-token decode step, the ``parts`` through the decode kernels:
+    ``"qkv"`` and ``"gate_up"`` with the residual add and RMSNorm before them, ``"down"`` with
+    SiLU * up, ``"out"`` plain, ``"attention"`` split-K over the cache; the others as the
+    unfused step runs them. Takes the previous block's ``(base, pending)`` (``pending`` None
+    for the first block; summed over the tensor-parallel group) and returns this block's."""
+    assert block.post_norm is not None
+    norm, post = block.input_norm, block.post_norm
+    if "qkv" in parts:
+        x, qkv = norm_gemv(x, pending, norm.weight, norm.eps, block.qkv.weight, block.qkv.bias)
+    else:
+        x, h = (x, norm(x)) if pending is None else norm.add_forward(pending, x)
+        qkv = block.qkv(h)
+    attn = block._attend(qkv, rotary, cache, slots, mask, "attention" in parts)
+    if "out" in parts:
+        attn = decode_gemv(attn, block.out.weight, block.out.bias)
+    else:
+        attn = block.out(attn)
+    attn = block._reduce(attn)
+    if "gate_up" in parts:
+        x, up = norm_gemv(x, attn, post.weight, post.eps, block.up.weight, block.up.bias)
+    else:
+        x, h = post.add_forward(attn, x)
+        up = block.up(h)
+    if "down" in parts:
+        down = gated_gemv(up, block.down.weight, block.down.bias)
+    else:
+        down = block.down(gated_activation(up, "silu"))
+    return x, block._reduce(down)
+
+
+def decode_forward(
+    model: FusedDecoder,
+    x: torch.Tensor,
+    rotary: tuple[torch.Tensor, torch.Tensor] | None,
+    cache: KVCache | None,
+    slots: torch.Tensor,
+    mask: torch.Tensor,
+) -> torch.Tensor:
+    """The blocks, final norm and head of ``model``'s single-token decode step from the
+    embedded token ``x`` (``FusedDecoder.forward`` calls this when decode fusion is on)."""
+    parts = model.decode_fusion
+    pending: torch.Tensor | None = None
+    for index, block in enumerate(model.blocks):
+        assert isinstance(block, FusedBlock)
+        layer_cache = None if cache is None else (cache.keys[index], cache.values[index])
+        x, pending = decode_block(block, x, pending, rotary, layer_cache, slots, mask, parts)
+    norm, head = model.final_norm, model.head
+    if "head" in parts:
+        logits = norm_gemv(x, pending, norm.weight, norm.eps, head.weight, head.bias)[1]
+    else:
+        logits = head(norm(x) if pending is None else norm.add_forward(pending, x)[1])
+    return logits if model.head_group is None else model.gather_vocab(logits)
