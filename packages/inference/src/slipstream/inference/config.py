@@ -135,6 +135,11 @@ class WeightQuantConfig(ConfigBlock):
     gemv_layout: bool | Literal["auto"] = dataclasses.field(
         default="auto", metadata={"allow_auto": True}
     )
+    # Quantize the LM head (the vocabulary projection) too, as GPTQ's ``lm_head`` flag does.
+    # Off by default (DeepSpeed and most weight-only schemes keep the head in the compute
+    # dtype): at batch 1 the bf16 head of a Llama-3-8B is a quarter of an int4 step's bytes,
+    # so this is a speed / accuracy trade the user opts into (docs/inference.md).
+    lm_head: bool = False
 
     @property
     def packed_gemv(self) -> bool:

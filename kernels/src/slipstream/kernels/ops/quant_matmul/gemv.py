@@ -43,7 +43,7 @@ from slipstream.kernels.ops.quant_matmul.packing import (
     unpack_gemv,
 )
 from slipstream.kernels.ops.quant_matmul.reference import check_weight
-from slipstream.kernels.triton_support import AotSpec
+from slipstream.kernels.triton_support import AotSpec, interpreting
 
 __all__ = [
     "GEMV_FORMAT_CODES",
@@ -54,6 +54,7 @@ __all__ = [
     "gemv_default_config",
     "gemv_kernel",
     "gemv_supports",
+    "half2_supported",
     "launch_gemv",
     "pack_block",
     "pack_gemv",
@@ -72,6 +73,11 @@ class GemvConfig:
     num_warps: int = 1
     split_k: int = 1
     num_stages: int = 2
+    # int4/int8 on NVIDIA with 16-bit activations: unpack and multiply two weights per
+    # instruction in f16x2 (see the module docstring); elsewhere the fp32 path runs.
+    half2: bool = False
+    # Load the next step's codes and scales before computing on the current ones.
+    prefetch: bool = False
 
 
 def gemv_block_k(format: str, num_warps: int) -> int:
@@ -88,6 +94,124 @@ def gemv_supports(format: str, group_size: int, in_features: int, config: GemvCo
     if in_features % gemv_block_k(format, config.num_warps):
         return False
     return format == "dense" or group_size % pack_block(format) == 0
+
+
+# PTX for HALF2 (NVIDIA only; the launcher never sets HALF2 elsewhere). A field of the packed
+# word, made offset binary by xor-ing its top bit, is or-ed into the mantissa of fp16 1024 (two
+# fields per lop3: one in each half, at bits 0-3 / 4-7 / 0-7 of the half), so the half is
+# 1024 + u, or 1024 + 16u for a nibble at bits 4-7, exactly; one f16x2 fma maps both to
+# code / 32 (int4) or code / 256 (int8), exactly (the scaling keeps a 4-term f16 sum of
+# |weight| * |x| within |x|, so nothing overflows below fp16's max); f16x2 fmas accumulate the
+# products of one word (4 per half for int4, 2 for int8), and the two halves are added in fp32.
+# lop3 0x6a: (a & b) ^ c, with c = the magic exponent | the offset-binary top bits.
+
+
+@triton.jit
+def _x_half2(lo, hi, X_BF16: tl.constexpr):
+    """Two int32 activation pairs -> two f16x2: (lo.low, hi.low) and (lo.high, hi.high)."""
+    if X_BF16:
+        return tl.inline_asm_elementwise(
+            """{
+            .reg .b32 al, ah, bl, bh;
+            shl.b32 al, $2, 16;
+            and.b32 ah, $2, 0xffff0000;
+            shl.b32 bl, $3, 16;
+            and.b32 bh, $3, 0xffff0000;
+            cvt.rn.f16x2.f32 $0, bl, al;
+            cvt.rn.f16x2.f32 $1, bh, ah;
+            }""",
+            "=r,=r,r,r",
+            [lo, hi],
+            dtype=(tl.int32, tl.int32),
+            is_pure=True,
+            pack=1,
+        )
+    return tl.inline_asm_elementwise(
+        """{
+        prmt.b32 $0, $2, $3, 0x5410;
+        prmt.b32 $1, $2, $3, 0x7632;
+        }""",
+        "=r,=r,r,r",
+        [lo, hi],
+        dtype=(tl.int32, tl.int32),
+        is_pure=True,
+        pack=1,
+    )
+
+
+@triton.jit
+def _half2_word_sums(words, xpairs, FORMAT: tl.constexpr, X_BF16: tl.constexpr):
+    """Per packed word: sum of its fields' codes times their activations, divided by 32 (int4)
+    or 256 (int8), as fp32. ``xpairs``: pointers to the int32 activation pair of field pair 0."""
+    if FORMAT == 1:
+        # word jj: fields (0, 4) are elements (2jj, 64 + 2jj), (1, 5) the next ones, and
+        # (2, 6) / (3, 7) the same at 32 + ...: activation pairs 16p + jj, p = 0 .. 3
+        xa, xb = _x_half2(tl.load(xpairs), tl.load(xpairs + 32), X_BF16)
+        xc, xd = _x_half2(tl.load(xpairs + 16), tl.load(xpairs + 48), X_BF16)
+        part = tl.inline_asm_elementwise(
+            """{
+            .reg .b32 s, a, b, c, d, k5, k9, n5, n9, acc;
+            .reg .b16 lo, hi;
+            .reg .f32 fl, fh;
+            mov.b32 k5, 0x28002800;
+            mov.b32 k9, 0x18001800;
+            mov.b32 n5, 0xd008d008;
+            mov.b32 n9, 0xc080c080;
+            shr.u32 s, $1, 8;
+            lop3.b32 a, $1, 0x000f000f, 0x64086408, 0x6a;
+            lop3.b32 b, $1, 0x00f000f0, 0x64806480, 0x6a;
+            lop3.b32 c, s, 0x000f000f, 0x64086408, 0x6a;
+            lop3.b32 d, s, 0x00f000f0, 0x64806480, 0x6a;
+            fma.rn.f16x2 a, a, k5, n5;
+            fma.rn.f16x2 b, b, k9, n9;
+            fma.rn.f16x2 c, c, k5, n5;
+            fma.rn.f16x2 d, d, k9, n9;
+            mul.rn.f16x2 acc, a, $2;
+            fma.rn.f16x2 acc, b, $3, acc;
+            fma.rn.f16x2 acc, c, $4, acc;
+            fma.rn.f16x2 acc, d, $5, acc;
+            mov.b32 {lo, hi}, acc;
+            cvt.f32.f16 fl, lo;
+            cvt.f32.f16 fh, hi;
+            add.f32 fl, fl, fh;
+            mov.b32 $0, fl;
+            }""",
+            "=r,r,r,r,r,r",
+            [words, xa, xb, xc, xd],
+            dtype=tl.int32,
+            is_pure=True,
+            pack=1,
+        )
+    else:
+        # int8 word jj: fields (0, 2) are elements (2jj, 32 + 2jj), (1, 3) the next ones
+        xa, xb = _x_half2(tl.load(xpairs), tl.load(xpairs + 16), X_BF16)
+        part = tl.inline_asm_elementwise(
+            """{
+            .reg .b32 s, a, b, k8, n8, acc;
+            .reg .b16 lo, hi;
+            .reg .f32 fl, fh;
+            mov.b32 k8, 0x1c001c00;
+            mov.b32 n8, 0xc480c480;
+            shr.u32 s, $1, 8;
+            lop3.b32 a, $1, 0x00ff00ff, 0x64806480, 0x6a;
+            lop3.b32 b, s, 0x00ff00ff, 0x64806480, 0x6a;
+            fma.rn.f16x2 a, a, k8, n8;
+            fma.rn.f16x2 b, b, k8, n8;
+            mul.rn.f16x2 acc, a, $2;
+            fma.rn.f16x2 acc, b, $3, acc;
+            mov.b32 {lo, hi}, acc;
+            cvt.f32.f16 fl, lo;
+            cvt.f32.f16 fh, hi;
+            add.f32 fl, fl, fh;
+            mov.b32 $0, fl;
+            }""",
+            "=r,r,r,r",
+            [words, xa, xb],
+            dtype=tl.int32,
+            is_pure=True,
+            pack=1,
+        )
+    return part.to(tl.float32, bitcast=True)
 
 
 @triton.jit
@@ -112,6 +236,8 @@ def gemv_kernel(
     SPLIT_K: tl.constexpr,
     NATIVE_FP8: tl.constexpr = False,  # fp8: the hardware e4m3 conversion (sm_89+)
     FIXUP: tl.constexpr = False,  # split-K: the last split writes out (no zero-fill, no cast)
+    HALF2: tl.constexpr = False,  # int4/int8, 16-bit x, NVIDIA: f16x2 unpack + multiply (asm)
+    PREFETCH: tl.constexpr = False,  # codes and scales of step + 1 loaded before step's math
 ):
     """out[m, n] = sum_k x[m, k] * w[n, k] (+ bias[n]); one activation row per program."""
     pid_m = tl.program_id(0)
@@ -150,56 +276,79 @@ def gemv_kernel(
         row_ok = col_ok[:, None, None]
         pairs = x_row.to(tl.pointer_type(tl.int32), bitcast=True)
         acc3 = tl.zeros((BLOCK_N, GPS, 16), dtype=tl.float32)
+        if PREFETCH:
+            ahead = row_ok & (tl.full((1, 1, 1), 0, tl.int32) + first < last)
+            next_words = tl.load(code_rows + first * (BLOCK_K // PER) + word, mask=ahead, other=0)
+            next_scale = tl.load(
+                scale_rows + (first * BLOCK_K + g * PACK) // GROUP, mask=ahead, other=0.0
+            )
         for step in range(first, last):
             k0 = step * BLOCK_K
-            words = tl.load(code_rows + step * (BLOCK_K // PER) + word, mask=row_ok, other=0)
-            scale = tl.load(scale_rows + (k0 + g * PACK) // GROUP, mask=row_ok, other=0.0)
-            if FORMAT == 1:
-                words = words ^ -2004318072  # 0x88888888: two's complement -> offset binary
-            elif FORMAT == 0:
-                words = words ^ -2139062144  # 0x80808080
-            high = words >> (BITS * (PER - LOW))  # the upper fields, down to bits 0 ..
-            t = tl.zeros((BLOCK_N, GPS, 16), dtype=tl.float32)
-            for p in tl.static_range(PER // 2):
-                # elements 32p + 2jj (+1) of each block: the int32 pair 16p + jj
-                if x_type == tl.float32:
-                    base = x_row + k0 + g * PACK + 32 * p + 2 * jj
-                    x_lo = tl.load(base)
-                    x_hi = tl.load(base + 1)
-                else:
-                    xp = tl.load(pairs + k0 // 2 + g * (PACK // 2) + 16 * p + jj)
-                    if x_type == tl.bfloat16:
-                        x_lo = (xp << 16).to(tl.float32, bitcast=True)
-                        x_hi = (xp & -65536).to(tl.float32, bitcast=True)
+            if PREFETCH:
+                words = next_words
+                scale = next_scale
+                ahead = row_ok & (tl.full((1, 1, 1), 1, tl.int32) + step < last)
+                next_words = tl.load(
+                    code_rows + (step + 1) * (BLOCK_K // PER) + word, mask=ahead, other=0
+                )
+                next_scale = tl.load(
+                    scale_rows + (k0 + BLOCK_K + g * PACK) // GROUP, mask=ahead, other=0.0
+                )
+            else:
+                words = tl.load(code_rows + step * (BLOCK_K // PER) + word, mask=row_ok, other=0)
+                scale = tl.load(scale_rows + (k0 + g * PACK) // GROUP, mask=row_ok, other=0.0)
+            if HALF2:
+                xpairs = pairs + k0 // 2 + g * (PACK // 2) + jj
+                acc3 += _half2_word_sums(words, xpairs, FORMAT, x_type == tl.bfloat16) * scale
+            else:
+                if FORMAT == 1:
+                    words = words ^ -2004318072  # 0x88888888: two's complement -> offset binary
+                elif FORMAT == 0:
+                    words = words ^ -2139062144  # 0x80808080
+                high = words >> (BITS * (PER - LOW))  # the upper fields, down to bits 0 ..
+                t = tl.zeros((BLOCK_N, GPS, 16), dtype=tl.float32)
+                for p in tl.static_range(PER // 2):
+                    # elements 32p + 2jj (+1) of each block: the int32 pair 16p + jj
+                    if x_type == tl.float32:
+                        base = x_row + k0 + g * PACK + 32 * p + 2 * jj
+                        x_lo = tl.load(base)
+                        x_hi = tl.load(base + 1)
                     else:
-                        x_lo = xp.to(tl.int16).to(tl.float16, bitcast=True).to(tl.float32)
-                        x_hi = (xp >> 16).to(tl.int16).to(tl.float16, bitcast=True)
-                        x_hi = x_hi.to(tl.float32)
-                for b in tl.static_range(2):
-                    f = 2 * p + b
-                    # the field at bit `at` of `src`, or-ed into the mantissa of 2^(23 - at):
-                    # one mantissa unit is 1.0 there, so the float is 2^(23 - at) + u exactly
-                    if FORMAT == 2:
-                        byte = (words >> (8 * f)) & 255
-                        if NATIVE_FP8:
-                            fp8 = byte.to(tl.uint8).to(tl.float8e4nv, bitcast=True)
-                            value = fp8.to(tl.float32)
-                        else:  # the e4m3 byte as an fp16 pattern: the value times 2^-8
-                            half = ((byte & 0x7F) << 7) | ((byte & 0x80) << 8)
-                            value = half.to(tl.int16).to(tl.float16, bitcast=True)
-                            value = value.to(tl.float32)
-                    else:
-                        at = BITS * f if f < LOW else BITS * (f - PER + LOW)
-                        src = words if f < LOW else high
-                        field = src & (((1 << BITS) - 1) << at)
-                        value = (field | ((150 - at) << 23)).to(tl.float32, bitcast=True)
-                        # - (2^(23 - at) + offset): the code itself, exactly (Sterbenz)
-                        value = value - ((1 << (23 - at)) + OFFSET)
-                    t += value * (x_lo if b == 0 else x_hi)
-            acc3 += t * scale
+                        xp = tl.load(pairs + k0 // 2 + g * (PACK // 2) + 16 * p + jj)
+                        if x_type == tl.bfloat16:
+                            x_lo = (xp << 16).to(tl.float32, bitcast=True)
+                            x_hi = (xp & -65536).to(tl.float32, bitcast=True)
+                        else:
+                            x_lo = xp.to(tl.int16).to(tl.float16, bitcast=True).to(tl.float32)
+                            x_hi = (xp >> 16).to(tl.int16).to(tl.float16, bitcast=True)
+                            x_hi = x_hi.to(tl.float32)
+                    for b in tl.static_range(2):
+                        f = 2 * p + b
+                        # the field at bit `at` of `src`, or-ed into the mantissa of 2^(23 - at):
+                        # one mantissa unit is 1.0 there, so the float is 2^(23 - at) + u exactly
+                        if FORMAT == 2:
+                            byte = (words >> (8 * f)) & 255
+                            if NATIVE_FP8:
+                                fp8 = byte.to(tl.uint8).to(tl.float8e4nv, bitcast=True)
+                                value = fp8.to(tl.float32)
+                            else:  # the e4m3 byte as an fp16 pattern: the value times 2^-8
+                                half = ((byte & 0x7F) << 7) | ((byte & 0x80) << 8)
+                                value = half.to(tl.int16).to(tl.float16, bitcast=True)
+                                value = value.to(tl.float32)
+                        else:
+                            at = BITS * f if f < LOW else BITS * (f - PER + LOW)
+                            src = words if f < LOW else high
+                            field = src & (((1 << BITS) - 1) << at)
+                            value = (field | ((150 - at) << 23)).to(tl.float32, bitcast=True)
+                            # - (2^(23 - at) + offset): the code itself, exactly (Sterbenz)
+                            value = value - ((1 << (23 - at)) + OFFSET)
+                        t += value * (x_lo if b == 0 else x_hi)
+                acc3 += t * scale
         acc = tl.sum(tl.sum(acc3, axis=2), axis=1)
         if FORMAT == 2 and not NATIVE_FP8:
             acc = acc * 256.0
+        if HALF2:  # the f16x2 weights are code / 32 (int4) or code / 256 (int8)
+            acc = acc * (32.0 if FORMAT == 1 else 256.0)
     if HAS_BIAS:
         bias = tl.load(bias_ptr + cols, mask=col_ok, other=0.0).to(tl.float32)
         acc += tl.where(pid_k == 0, bias, 0.0)
@@ -407,6 +556,8 @@ def launch_gemv(
         SPLIT_K=split,
         NATIVE_FP8=format == "fp8_e4m3" and _native_fp8(x.device),
         FIXUP=scratch is not None,
+        HALF2=config.half2 and half2_supported(format, x),
+        PREFETCH=config.prefetch and format != "dense",
         num_warps=config.num_warps,
         num_stages=config.num_stages,
     )
@@ -441,6 +592,19 @@ def _fixup_scratch(
     )
     _SCRATCH[key] = held
     return held
+
+
+def half2_supported(format: str, x: torch.Tensor) -> bool:
+    """Whether ``GemvConfig.half2`` takes effect: int4/int8 codes, bf16/fp16 activations, an
+    NVIDIA GPU (the f16x2 unpacking is PTX); elsewhere the fp32 path runs (same results within
+    the 16-bit output's rounding)."""
+    return (
+        format in ("int4", "int8")
+        and x.dtype in (torch.bfloat16, torch.float16)
+        and x.device.type == "cuda"
+        and torch.version.hip is None
+        and not interpreting()
+    )
 
 
 def _native_fp8(device: torch.device) -> bool:
