@@ -207,16 +207,10 @@ def sweep_configs(block_k: int) -> list[backend.QuantMatmulConfig]:
 def gemv_sweep_configs(fmt: str = "dense") -> list[gemv_backend.GemvConfig]:
     """``gemv_kernel`` launches tried by ``--sweep`` at one row: tiles x split-K, and for int4 /
     int8 also the f16x2 unpacking (``half2``) and the register prefetch of the next step."""
-    tiles = [
-        (4, 1, 1),
-        (4, 1, 2),
-        (8, 1, 1),
-        (8, 1, 2),
-        (4, 2, 1),
-        (8, 2, 1),
-        (16, 2, 1),
-        (8, 4, 1),
-    ]
+    # (rows per program, warps, K splits): one warp streaming 4 or 8 rows step by step, and
+    # 2 / 4 warps whose step covers 2048 / 4096 features (one step for K = 4096: every load of
+    # a program in flight at once)
+    tiles = [(4, 1, 1), (4, 1, 2), (8, 1, 1), (4, 2, 1), (8, 2, 1), (4, 4, 1), (8, 4, 1), (4, 1, 4)]
     variants = [(False, False)]
     if fmt in ("int4", "int8"):
         variants = [(False, False), (False, True), (True, False), (True, True)]

@@ -272,7 +272,7 @@ def gemv_kernel(
         jj = tl.arange(0, 16)[None, None, :]
         word = g * 16 + jj  # (1, GPS, 16): word index within the step
         code_rows = codes_ptr + cols64[:, None, None] * stride_cn
-        scale_rows = scales_ptr + cols64[:, None, None] * (K // GROUP)
+        scale_rows = scales_ptr + cols64[:, None, None] * (K // GROUP) + jj * 0  # words' shape
         row_ok = col_ok[:, None, None]
         pairs = x_row.to(tl.pointer_type(tl.int32), bitcast=True)
         acc3 = tl.zeros((BLOCK_N, GPS, 16), dtype=tl.float32)
