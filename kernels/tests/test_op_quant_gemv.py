@@ -104,6 +104,11 @@ def test_gemv_kernel_matches_reference(triton_device: torch.device, fmt: str) ->
             cases.append((1, dtype, GemvConfig(block_n=4, half2=True, prefetch=True), True))
             cases.append((2, dtype, GemvConfig(block_n=8, num_warps=2, half2=True), False))
             cases.append((1, dtype, GemvConfig(block_n=4, split_k=2, half2=True), False))
+            quads = GemvConfig(block_n=8, half2=True, prefetch=True, quads=True)
+            cases.append((1, dtype, quads, True))
+            cases.append(
+                (3, dtype, GemvConfig(block_n=4, num_warps=2, half2=True, quads=True), False)
+            )
     for rows, dtype, config, with_bias in cases:
         x = torch.randn(rows, in_features, generator=_SEED(6)).to(triton_device, dtype)
         bias = torch.randn(24, generator=_SEED(7)).to(triton_device, dtype) if with_bias else None
@@ -189,10 +194,10 @@ from slipstream.kernels.triton_support import AotSpec
 
 for fmt in ("int4", "int8"):
     base = next(s for s in aot_specs() if s.name.startswith(f"quant_matmul.gemv[{fmt}xbf16,w1s1"))
-    signature = {**base.signature, "HALF2": "constexpr", "PREFETCH": "constexpr"}
+    signature = {**base.signature, "HALF2": "constexpr", "PREFETCH": "constexpr", "QUADS": "constexpr"}
     for target, half2 in (("sm_90", True), ("sm_80", True), ("gfx942", False)):
         constexprs = {**base.constexprs, "BLOCK_K": gemv_block_k(fmt, 1), "BLOCK_N": 4}
-        constexprs.update(HALF2=half2, PREFETCH=True)
+        constexprs.update(HALF2=half2, PREFETCH=True, QUADS=half2)
         spec = AotSpec(f"gemv[{fmt},half2={half2}]", base.kernel, signature, constexprs)
         result = compile_spec(spec, target)
         print(fmt, target, result.ok, result.error)

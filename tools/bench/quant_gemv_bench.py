@@ -211,12 +211,13 @@ def gemv_sweep_configs(fmt: str = "dense") -> list[gemv_backend.GemvConfig]:
     # 2 / 4 warps whose step covers 2048 / 4096 features (one step for K = 4096: every load of
     # a program in flight at once)
     tiles = [(4, 1, 1), (4, 1, 2), (8, 1, 1), (4, 2, 1), (8, 2, 1), (4, 4, 1), (8, 4, 1), (4, 1, 4)]
-    variants = [(False, False)]
-    if fmt in ("int4", "int8"):
-        variants = [(False, False), (False, True), (True, False), (True, True)]
+    variants = [(False, False, False)]
+    if fmt in ("int4", "int8"):  # (half2, prefetch, quads)
+        variants += [(False, True, False), (True, True, False), (True, False, True)]
+        variants += [(True, True, True)]
     return [
-        gemv_backend.GemvConfig(block_n=n, num_warps=w, split_k=s, half2=h, prefetch=p)
-        for (h, p), (n, w, s) in itertools.product(variants, tiles)
+        gemv_backend.GemvConfig(block_n=n, num_warps=w, split_k=s, half2=h, prefetch=p, quads=q)
+        for (h, p, q), (n, w, s) in itertools.product(variants, tiles)
     ]
 
 
@@ -285,10 +286,11 @@ def sweep_gemv(
     short = ("block_n", "num_warps", "split_k", "half2", "prefetch")
 
     def brief(config: gemv_backend.GemvConfig) -> str:
-        return "n{}w{}s{}{}{}".format(
+        return "n{}w{}s{}{}{}{}".format(
             *(getattr(config, key) for key in short[:3]),
             "H" if config.half2 else "",
             "P" if config.prefetch else "",
+            "Q" if config.quads else "",
         )
 
     def line(rank: Any, t: float, config: gemv_backend.GemvConfig, error: float) -> None:
@@ -306,9 +308,9 @@ def sweep_gemv(
     for rank, (t, candidate, error) in enumerate(results[:3]):
         line(rank, t, candidate, error)
     # the best of each (half2, prefetch) variant, and the default's time
-    for variant in sorted({(c.half2, c.prefetch) for _, c, _ in results}):
-        best = next(r for r in results if (r[1].half2, r[1].prefetch) == variant)
-        line("best_" + ("H" if variant[0] else "-") + ("P" if variant[1] else "-"), *best)
+    for variant in sorted({(c.half2, c.prefetch, c.quads) for _, c, _ in results}):
+        best = next(r for r in results if (r[1].half2, r[1].prefetch, r[1].quads) == variant)
+        line("best_" + "".join(f if v else "-" for f, v in zip("HPQ", variant)), *best)
     for t, candidate, error in results:
         if candidate == chosen:
             line("default", t, candidate, error)

@@ -78,6 +78,9 @@ class GemvConfig:
     half2: bool = False
     # Load the next step's codes and scales before computing on the current ones.
     prefetch: bool = False
+    # With half2: one f16x2 accumulator per thread's four words (a quarter of the conversions
+    # to fp32 and of the scale fmas; the products are summed over 16 terms in f16).
+    quads: bool = False
 
 
 def gemv_block_k(format: str, num_warps: int) -> int:
@@ -215,6 +218,158 @@ def _half2_word_sums(words, xpairs, FORMAT: tl.constexpr, X_BF16: tl.constexpr):
 
 
 @triton.jit
+def _split4(t):
+    """``(B, G, 16)`` -> four ``(B, G, 4)``: elements 4q, 4q + 1, 4q + 2, 4q + 3 (the four words
+    one thread loads in one 16-byte access; split in registers)."""
+    a, b = tl.split(tl.reshape(t, (t.shape[0], t.shape[1], 4, 2, 2)))
+    a0, a1 = tl.split(a)
+    b0, b1 = tl.split(b)
+    return a0, b0, a1, b1
+
+
+@triton.jit
+def _half2_quad_sums(words, xpairs, FORMAT: tl.constexpr, X_BF16: tl.constexpr):
+    """:func:`_half2_word_sums` over the four consecutive words of one thread (one quantization
+    group): their products are summed in one f16x2 accumulator, so the f16 -> fp32 conversion,
+    the fp32 add and the scale's fma run once per four words. Weights are code / 128 (int4) or
+    code / 1024 (int8) here, which keeps a 16-term (8-term) f16 sum within |x|. Returns
+    ``(B, G, 4)`` fp32 sums, one per quad."""
+    w0, w1, w2, w3 = _split4(words)
+    if FORMAT == 1:
+        xa, xb = _x_half2(tl.load(xpairs), tl.load(xpairs + 32), X_BF16)
+        xc, xd = _x_half2(tl.load(xpairs + 16), tl.load(xpairs + 48), X_BF16)
+        a0, a1, a2, a3 = _split4(xa)
+        b0, b1, b2, b3 = _split4(xb)
+        c0, c1, c2, c3 = _split4(xc)
+        d0, d1, d2, d3 = _split4(xd)
+        part = tl.inline_asm_elementwise(
+            """{
+                    .reg .b32 s, a, b, c, d, k7, k11, n7, n11, acc;
+                    .reg .b16 lo, hi;
+                    .reg .f32 fl, fh;
+                    mov.b32 k7, 0x20002000;
+                    mov.b32 k11, 0x10001000;
+                    mov.b32 n7, 0xc808c808;
+                    mov.b32 n11, 0xb880b880;
+                    shr.u32 s, $1, 8;
+                    lop3.b32 a, $1, 0x000f000f, 0x64086408, 0x6a;
+                    lop3.b32 b, $1, 0x00f000f0, 0x64806480, 0x6a;
+                    lop3.b32 c, s, 0x000f000f, 0x64086408, 0x6a;
+                    lop3.b32 d, s, 0x00f000f0, 0x64806480, 0x6a;
+                    fma.rn.f16x2 a, a, k7, n7;
+                    fma.rn.f16x2 b, b, k11, n11;
+                    fma.rn.f16x2 c, c, k7, n7;
+                    fma.rn.f16x2 d, d, k11, n11;
+                    mul.rn.f16x2 acc, a, $5;
+                    fma.rn.f16x2 acc, b, $6, acc;
+                    fma.rn.f16x2 acc, c, $7, acc;
+                    fma.rn.f16x2 acc, d, $8, acc;
+                    shr.u32 s, $2, 8;
+                    lop3.b32 a, $2, 0x000f000f, 0x64086408, 0x6a;
+                    lop3.b32 b, $2, 0x00f000f0, 0x64806480, 0x6a;
+                    lop3.b32 c, s, 0x000f000f, 0x64086408, 0x6a;
+                    lop3.b32 d, s, 0x00f000f0, 0x64806480, 0x6a;
+                    fma.rn.f16x2 a, a, k7, n7;
+                    fma.rn.f16x2 b, b, k11, n11;
+                    fma.rn.f16x2 c, c, k7, n7;
+                    fma.rn.f16x2 d, d, k11, n11;
+                    fma.rn.f16x2 acc, a, $9, acc;
+                    fma.rn.f16x2 acc, b, $10, acc;
+                    fma.rn.f16x2 acc, c, $11, acc;
+                    fma.rn.f16x2 acc, d, $12, acc;
+                    shr.u32 s, $3, 8;
+                    lop3.b32 a, $3, 0x000f000f, 0x64086408, 0x6a;
+                    lop3.b32 b, $3, 0x00f000f0, 0x64806480, 0x6a;
+                    lop3.b32 c, s, 0x000f000f, 0x64086408, 0x6a;
+                    lop3.b32 d, s, 0x00f000f0, 0x64806480, 0x6a;
+                    fma.rn.f16x2 a, a, k7, n7;
+                    fma.rn.f16x2 b, b, k11, n11;
+                    fma.rn.f16x2 c, c, k7, n7;
+                    fma.rn.f16x2 d, d, k11, n11;
+                    fma.rn.f16x2 acc, a, $13, acc;
+                    fma.rn.f16x2 acc, b, $14, acc;
+                    fma.rn.f16x2 acc, c, $15, acc;
+                    fma.rn.f16x2 acc, d, $16, acc;
+                    shr.u32 s, $4, 8;
+                    lop3.b32 a, $4, 0x000f000f, 0x64086408, 0x6a;
+                    lop3.b32 b, $4, 0x00f000f0, 0x64806480, 0x6a;
+                    lop3.b32 c, s, 0x000f000f, 0x64086408, 0x6a;
+                    lop3.b32 d, s, 0x00f000f0, 0x64806480, 0x6a;
+                    fma.rn.f16x2 a, a, k7, n7;
+                    fma.rn.f16x2 b, b, k11, n11;
+                    fma.rn.f16x2 c, c, k7, n7;
+                    fma.rn.f16x2 d, d, k11, n11;
+                    fma.rn.f16x2 acc, a, $17, acc;
+                    fma.rn.f16x2 acc, b, $18, acc;
+                    fma.rn.f16x2 acc, c, $19, acc;
+                    fma.rn.f16x2 acc, d, $20, acc;
+                    mov.b32 {lo, hi}, acc;
+                    cvt.f32.f16 fl, lo;
+                    cvt.f32.f16 fh, hi;
+                    add.f32 fl, fl, fh;
+                    mov.b32 $0, fl;
+                    }""",
+            "=r,r,r,r,r,r,r,r,r,r,r,r,r,r,r,r,r,r,r,r,r",
+            [w0, w1, w2, w3, a0, b0, c0, d0, a1, b1, c1, d1, a2, b2, c2, d2, a3, b3, c3, d3],
+            dtype=tl.int32,
+            is_pure=True,
+            pack=1,
+        )
+    else:
+        xa, xb = _x_half2(tl.load(xpairs), tl.load(xpairs + 16), X_BF16)
+        a0, a1, a2, a3 = _split4(xa)
+        b0, b1, b2, b3 = _split4(xb)
+        part = tl.inline_asm_elementwise(
+            """{
+                    .reg .b32 s, a, b, k10, n10, acc;
+                    .reg .b16 lo, hi;
+                    .reg .f32 fl, fh;
+                    mov.b32 k10, 0x14001400;
+                    mov.b32 n10, 0xbc80bc80;
+                    shr.u32 s, $1, 8;
+                    lop3.b32 a, $1, 0x00ff00ff, 0x64806480, 0x6a;
+                    lop3.b32 b, s, 0x00ff00ff, 0x64806480, 0x6a;
+                    fma.rn.f16x2 a, a, k10, n10;
+                    fma.rn.f16x2 b, b, k10, n10;
+                    mul.rn.f16x2 acc, a, $5;
+                    fma.rn.f16x2 acc, b, $6, acc;
+                    shr.u32 s, $2, 8;
+                    lop3.b32 a, $2, 0x00ff00ff, 0x64806480, 0x6a;
+                    lop3.b32 b, s, 0x00ff00ff, 0x64806480, 0x6a;
+                    fma.rn.f16x2 a, a, k10, n10;
+                    fma.rn.f16x2 b, b, k10, n10;
+                    fma.rn.f16x2 acc, a, $7, acc;
+                    fma.rn.f16x2 acc, b, $8, acc;
+                    shr.u32 s, $3, 8;
+                    lop3.b32 a, $3, 0x00ff00ff, 0x64806480, 0x6a;
+                    lop3.b32 b, s, 0x00ff00ff, 0x64806480, 0x6a;
+                    fma.rn.f16x2 a, a, k10, n10;
+                    fma.rn.f16x2 b, b, k10, n10;
+                    fma.rn.f16x2 acc, a, $9, acc;
+                    fma.rn.f16x2 acc, b, $10, acc;
+                    shr.u32 s, $4, 8;
+                    lop3.b32 a, $4, 0x00ff00ff, 0x64806480, 0x6a;
+                    lop3.b32 b, s, 0x00ff00ff, 0x64806480, 0x6a;
+                    fma.rn.f16x2 a, a, k10, n10;
+                    fma.rn.f16x2 b, b, k10, n10;
+                    fma.rn.f16x2 acc, a, $11, acc;
+                    fma.rn.f16x2 acc, b, $12, acc;
+                    mov.b32 {lo, hi}, acc;
+                    cvt.f32.f16 fl, lo;
+                    cvt.f32.f16 fh, hi;
+                    add.f32 fl, fl, fh;
+                    mov.b32 $0, fl;
+                    }""",
+            "=r,r,r,r,r,r,r,r,r,r,r,r,r",
+            [w0, w1, w2, w3, a0, b0, a1, b1, a2, b2, a3, b3],
+            dtype=tl.int32,
+            is_pure=True,
+            pack=1,
+        )
+    return part.to(tl.float32, bitcast=True)
+
+
+@triton.jit
 def gemv_kernel(
     x_ptr,
     codes_ptr,
@@ -238,6 +393,7 @@ def gemv_kernel(
     FIXUP: tl.constexpr = False,  # split-K: the last split writes out (no zero-fill, no cast)
     HALF2: tl.constexpr = False,  # int4/int8, 16-bit x, NVIDIA: f16x2 unpack + multiply (asm)
     PREFETCH: tl.constexpr = False,  # codes and scales of step + 1 loaded before step's math
+    QUADS: tl.constexpr = False,  # HALF2: one f16x2 sum per thread's four words (one group)
 ):
     """out[m, n] = sum_k x[m, k] * w[n, k] (+ bias[n]); one activation row per program."""
     pid_m = tl.program_id(0)
@@ -271,33 +427,35 @@ def gemv_kernel(
         g = tl.arange(0, GPS)[None, :, None]
         jj = tl.arange(0, 16)[None, None, :]
         word = g * 16 + jj  # (1, GPS, 16): word index within the step
-        code_rows = codes_ptr + cols64[:, None, None] * stride_cn
-        scale_rows = scales_ptr + cols64[:, None, None] * (K // GROUP) + jj * 0  # words' shape
-        row_ok = col_ok[:, None, None]
+        # Rows past N re-read row N - 1 (their sums are never stored), so no load is masked.
+        safe_rows = tl.minimum(cols, N - 1).to(tl.int64)[:, None, None]
+        code_rows = codes_ptr + safe_rows * stride_cn
+        scale_rows = scales_ptr + safe_rows * (K // GROUP) + jj * 0  # in the words' shape
         pairs = x_row.to(tl.pointer_type(tl.int32), bitcast=True)
         acc3 = tl.zeros((BLOCK_N, GPS, 16), dtype=tl.float32)
+        acc_quads = tl.zeros((BLOCK_N, GPS, 4), dtype=tl.float32)
         if PREFETCH:
-            ahead = row_ok & (tl.full((1, 1, 1), 0, tl.int32) + first < last)
-            next_words = tl.load(code_rows + first * (BLOCK_K // PER) + word, mask=ahead, other=0)
-            next_scale = tl.load(
-                scale_rows + (first * BLOCK_K + g * PACK) // GROUP, mask=ahead, other=0.0
-            )
+            # step + 1 clamped to the split's last step (re-read once, from cache): no masks
+            ahead = tl.minimum(first, steps - 1)
+            next_words = tl.load(code_rows + ahead * (BLOCK_K // PER) + word)
+            next_scale = tl.load(scale_rows + (ahead * BLOCK_K + g * PACK) // GROUP)
         for step in range(first, last):
             k0 = step * BLOCK_K
             if PREFETCH:
                 words = next_words
                 scale = next_scale
-                ahead = row_ok & (tl.full((1, 1, 1), 1, tl.int32) + step < last)
-                next_words = tl.load(
-                    code_rows + (step + 1) * (BLOCK_K // PER) + word, mask=ahead, other=0
-                )
-                next_scale = tl.load(
-                    scale_rows + (k0 + BLOCK_K + g * PACK) // GROUP, mask=ahead, other=0.0
-                )
+                ahead = tl.minimum(step + 1, last - 1)
+                next_words = tl.load(code_rows + ahead * (BLOCK_K // PER) + word)
+                next_scale = tl.load(scale_rows + (ahead * BLOCK_K + g * PACK) // GROUP)
             else:
-                words = tl.load(code_rows + step * (BLOCK_K // PER) + word, mask=row_ok, other=0)
-                scale = tl.load(scale_rows + (k0 + g * PACK) // GROUP, mask=row_ok, other=0.0)
-            if HALF2:
+                words = tl.load(code_rows + step * (BLOCK_K // PER) + word)
+                scale = tl.load(scale_rows + (k0 + g * PACK) // GROUP)
+            if HALF2 and QUADS:
+                xpairs = pairs + k0 // 2 + g * (PACK // 2) + jj
+                quad_scale, _s1, _s2, _s3 = _split4(scale)
+                sums = _half2_quad_sums(words, xpairs, FORMAT, x_type == tl.bfloat16)
+                acc_quads += sums * quad_scale
+            elif HALF2:
                 xpairs = pairs + k0 // 2 + g * (PACK // 2) + jj
                 acc3 += _half2_word_sums(words, xpairs, FORMAT, x_type == tl.bfloat16) * scale
             else:
@@ -347,7 +505,9 @@ def gemv_kernel(
         acc = tl.sum(tl.sum(acc3, axis=2), axis=1)
         if FORMAT == 2 and not NATIVE_FP8:
             acc = acc * 256.0
-        if HALF2:  # the f16x2 weights are code / 32 (int4) or code / 256 (int8)
+        if HALF2 and QUADS:  # the f16x2 weights are code / 128 (int4) or code / 1024 (int8)
+            acc = tl.sum(tl.sum(acc_quads, axis=2), axis=1) * (128.0 if FORMAT == 1 else 1024.0)
+        elif HALF2:  # the f16x2 weights are code / 32 (int4) or code / 256 (int8)
             acc = acc * (32.0 if FORMAT == 1 else 256.0)
     if HAS_BIAS:
         bias = tl.load(bias_ptr + cols, mask=col_ok, other=0.0).to(tl.float32)
@@ -558,6 +718,7 @@ def launch_gemv(
         FIXUP=scratch is not None,
         HALF2=config.half2 and half2_supported(format, x),
         PREFETCH=config.prefetch and format != "dense",
+        QUADS=config.quads,
         num_warps=config.num_warps,
         num_stages=config.num_stages,
     )
