@@ -213,12 +213,23 @@ def gemv_sweep_configs(fmt: str = "dense") -> list[gemv_backend.GemvConfig]:
     tiles = [(4, 1, 1), (4, 1, 2), (8, 1, 1), (4, 2, 1), (8, 2, 1), (4, 4, 1), (8, 4, 1), (4, 1, 4)]
     variants = [(False, False, False)]
     if fmt in ("int4", "int8"):  # (half2, prefetch, quads)
-        variants += [(False, True, False), (True, True, False), (True, False, True)]
-        variants += [(True, True, True)]
+        variants += [(True, True, False), (True, False, True), (True, True, True)]
     return [
         gemv_backend.GemvConfig(block_n=n, num_warps=w, split_k=s, half2=h, prefetch=p, quads=q)
         for (h, p, q), (n, w, s) in itertools.product(variants, tiles)
     ]
+
+
+def brief(config: gemv_backend.GemvConfig) -> str:
+    """A gemv launch in a few characters: rows, warps, splits, then H(alf2) P(refetch) Q(uads)."""
+    return "n{}w{}s{}{}{}{}".format(
+        config.block_n,
+        config.num_warps,
+        config.split_k,
+        "H" if config.half2 else "",
+        "P" if config.prefetch else "",
+        "Q" if config.quads else "",
+    )
 
 
 def gemv_calls(
@@ -283,15 +294,6 @@ def sweep_gemv(
         error = ((out.float() - expected).abs().max() / expected.abs().max()).item()
         results.append((t, candidate, error))
     results.sort(key=lambda item: item[0])
-    short = ("block_n", "num_warps", "split_k", "half2", "prefetch")
-
-    def brief(config: gemv_backend.GemvConfig) -> str:
-        return "n{}w{}s{}{}{}{}".format(
-            *(getattr(config, key) for key in short[:3]),
-            "H" if config.half2 else "",
-            "P" if config.prefetch else "",
-            "Q" if config.quads else "",
-        )
 
     def line(rank: Any, t: float, config: gemv_backend.GemvConfig, error: float) -> None:
         emit(
@@ -407,7 +409,13 @@ def main() -> None:
             if rows > backend.DEQUANTIZE_ABOVE_ROWS:
                 path = "dequantize+matmul"
             else:
-                path = f"kernel {dataclasses.asdict(config) if config else None}"
+                path = "tile kernel " + (
+                    "n{block_n}k{block_k}s{split_k}w{num_warps}".format(
+                        **dataclasses.asdict(config)
+                    )
+                    if config
+                    else "none"
+                )
             emit(
                 shape=name,
                 out_features=n,
@@ -422,7 +430,7 @@ def main() -> None:
                 speedup_vs_bf16=round(dense_seconds / seconds, 2),
                 max_rel_error=float(f"{error:.2e}"),
                 **extra,
-                gemv_config=None if gemv is None else dataclasses.asdict(gemv),
+                gemv_config=None if gemv is None else brief(gemv),
             )
             if fmt == args.formats[0]:
                 # bf16 on the same shape: cuBLAS, and (few rows) dense_gemv's streaming kernel.
