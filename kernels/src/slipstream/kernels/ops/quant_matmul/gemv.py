@@ -808,6 +808,9 @@ def aot_specs() -> list[AotSpec]:
                             "SPLIT_K": "constexpr",
                             "NATIVE_FP8": "constexpr",
                             "FIXUP": "constexpr",
+                            "HALF2": "constexpr",
+                            "PREFETCH": "constexpr",
+                            "QUADS": "constexpr",
                         },
                         {
                             "FORMAT": code,
@@ -818,6 +821,11 @@ def aot_specs() -> list[AotSpec]:
                             "SPLIT_K": split,
                             "NATIVE_FP8": False,
                             "FIXUP": split > 1,
+                            # the PTX half2 path is NVIDIA-only: built in every target's
+                            # portable form here (kernels/tests: the half2 build for sm_80/90)
+                            "HALF2": False,
+                            "PREFETCH": split == 1 and not dense,
+                            "QUADS": False,
                         },
                     )
                 )
