@@ -210,7 +210,8 @@ def gemv_sweep_configs(fmt: str = "dense") -> list[gemv_backend.GemvConfig]:
     # (rows per program, warps, K splits): one warp streaming 4 or 8 rows step by step, and
     # 2 / 4 warps whose step covers 2048 / 4096 features (one step for K = 4096: every load of
     # a program in flight at once)
-    tiles = [(4, 1, 1), (4, 1, 2), (8, 1, 1), (4, 2, 1), (8, 2, 1), (4, 4, 1), (8, 4, 1), (4, 1, 4)]
+    tiles = [(4, 1, 1), (4, 1, 2), (8, 1, 1), (16, 1, 1), (4, 2, 1), (8, 2, 1), (4, 4, 1)]
+    tiles += [(8, 4, 1), (4, 1, 4)]
     variants = [(False, False, False)]
     if fmt in ("int4", "int8"):  # (half2, prefetch, quads)
         variants += [(True, True, False), (True, False, True), (True, True, True)]
