@@ -152,12 +152,17 @@ def test_packed_op_dispatch_and_dense_gemv(triton_device: torch.device) -> None:
             atol=6e-2,
         )
     cpu = torch.device("cpu")
-    wide = gemv_default_config("int4", 4096, 4096, 128, cpu)  # 1024 programs >= 4 per "SM"
-    assert wide == GemvConfig(block_n=4, num_warps=2, split_k=1)
+    hpq = {"half2": True, "prefetch": True, "quads": True}  # every int4/int8 sweep winner's
+    wide = gemv_default_config("int4", 4096, 8192, 128, cpu)  # 1024 programs >= 4 per "SM"
+    assert wide == GemvConfig(block_n=4, num_warps=1, split_k=1, **hpq)
+    deep = gemv_default_config("int4", 4096, 16384, 128, cpu)  # long K: two warps (as down's)
+    assert deep == GemvConfig(block_n=4, num_warps=2, split_k=1, **hpq)
     narrow = gemv_default_config("int8", 64, 2048, 128, cpu)  # 16 programs, 2 K steps
     assert narrow is not None and narrow.split_k == 2  # split K, never more than its steps
     table = gemv_default_config("int4", 6144, 4096, 128, cpu)  # the sweep's table entry
-    assert table == GemvConfig(block_n=4, num_warps=1)
+    assert table == GemvConfig(block_n=4, num_warps=1, **hpq)
+    fp8 = gemv_default_config("fp8_e4m3", 4096, 8192, 128, cpu)  # half2 is int4/int8 only
+    assert fp8 == GemvConfig(block_n=4, num_warps=2)
     assert gemv_default_config("int4", 64, 4096, 64, cpu) is None  # group not a packed block
     assert gemv_default_config("int4", 64, 1536, 128, cpu) is None  # K not a step multiple
     # dense weights through the same kernel (dense_gemv's one-row path)

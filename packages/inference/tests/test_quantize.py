@@ -161,7 +161,10 @@ def test_gemv_layout_config_key_packs_the_model_and_keeps_its_logits() -> None:
     ids = torch.randint(3, 96, (2, 12))
     weight = {"num_bits": 8, "group_size": -1, "compute_dtype": "fp32"}  # one scale per row
     plain = init_inference(
-        model, dtype="int8", replace_with_kernel_inject=True, quant={"weight": weight}
+        model,
+        dtype="int8",
+        replace_with_kernel_inject=True,
+        quant={"weight": {**weight, "gemv_layout": False}},
     )
     packed = init_inference(
         model,
@@ -179,16 +182,15 @@ def test_gemv_layout_config_key_packs_the_model_and_keeps_its_logits() -> None:
         init_inference(model, dtype="int8", quant={"weight": {"gemv_layout": "yes"}})
 
 
-def test_gemv_layout_auto_packs_int4_and_fp8_but_not_int8() -> None:
+def test_gemv_layout_auto_packs_every_format() -> None:
     from slipstream.inference.config import WeightQuantConfig
 
     def packs(**weight: object) -> bool:
         return WeightQuantConfig.from_dict(weight, "quant.weight").packed_gemv
 
     assert WeightQuantConfig().gemv_layout == "auto"
-    assert packs(num_bits=4) and packs(num_bits=8, format="fp8_e4m3")
-    assert not packs(num_bits=8)
-    assert packs(num_bits=8, gemv_layout=True) and not packs(num_bits=4, gemv_layout=False)
+    assert packs(num_bits=4) and packs(num_bits=8, format="fp8_e4m3") and packs(num_bits=8)
+    assert not packs(num_bits=8, gemv_layout=False) and not packs(num_bits=4, gemv_layout=False)
 
 
 def test_lm_head_key_quantizes_the_head_within_its_bound() -> None:

@@ -603,15 +603,25 @@ def dequantize_packed(
     return out
 
 
-# Per-shape choices from the sweep (tools/bench/quant_gemv_bench.py --sweep, one H200, Llama-3-8B
-# shapes at one row), keyed by (format, out_features, in_features), where they differ from
-# gemv_default_config's heuristic (which the sweep's other winners match: 4 rows, 2 warps, no
-# split-K).
+# Per-shape choices from the sweep (tools/bench/quant_gemv_bench.py --sweep --rows 1, one H100,
+# Llama-3-8B shapes incl. the LM head, 2026-11-26), keyed by (format, out_features, in_features);
+# one table for every GPU (half2 only takes effect on NVIDIA: AMD and the CPU interpreter run the
+# same tiles on the fp32 path). Shapes not listed take gemv_default_config's heuristic, which
+# follows these winners. Fraction of the copy bandwidth reached (codes + scales + activations):
+# int4 qkv 0.57, o 0.46, gate_up 0.81, down 0.72, lm_head 0.99; int8 0.74 / 0.67 / 0.95 / 0.85 /
+# 1.04 (was int4 0.34 / 0.29 / 0.40 / 0.39 / 0.46 with the fp32 unpacking).
+_HPQ = {"half2": True, "prefetch": True, "quads": True}
 GEMV_TABLE: dict[tuple[str, int, int], GemvConfig] = {
-    ("int4", 6144, 4096): GemvConfig(block_n=4, num_warps=1),
-    ("int4", 28672, 4096): GemvConfig(block_n=4, num_warps=1),
-    ("int8", 6144, 4096): GemvConfig(block_n=4, num_warps=1),
-    ("int8", 28672, 4096): GemvConfig(block_n=4, num_warps=1),
+    ("int4", 6144, 4096): GemvConfig(block_n=4, num_warps=1, **_HPQ),
+    ("int4", 4096, 4096): GemvConfig(block_n=4, num_warps=1, **_HPQ),
+    ("int4", 28672, 4096): GemvConfig(block_n=8, num_warps=1, half2=True, quads=True),
+    ("int4", 4096, 14336): GemvConfig(block_n=4, num_warps=2, **_HPQ),
+    ("int4", 128256, 4096): GemvConfig(block_n=4, num_warps=1, half2=True, quads=True),
+    ("int8", 6144, 4096): GemvConfig(block_n=4, num_warps=2, **_HPQ),
+    ("int8", 4096, 4096): GemvConfig(block_n=4, num_warps=2, **_HPQ),
+    ("int8", 28672, 4096): GemvConfig(block_n=4, num_warps=1, **_HPQ),
+    ("int8", 4096, 14336): GemvConfig(block_n=4, num_warps=2, **_HPQ),
+    ("int8", 128256, 4096): GemvConfig(block_n=4, num_warps=4, half2=True, quads=True),
 }
 
 
@@ -626,15 +636,21 @@ def gemv_default_config(
 ) -> GemvConfig | None:
     """The launch for one shape (None: the kernel cannot run it).
 
-    The table's entry if any; else 4 output rows per program (the sweep's winner for every
-    format and shape), the most warps (up to 2) whose step divides K, and split-K only while
+    The table's entry if any; else 4 output rows per program (the sweep's winner for almost
+    every format and shape), and for int4/int8 the f16x2 unpacking with quads and prefetch (every
+    int4/int8 winner's), with one warp (int4 at K <= 8192, int8 at N >= 16384; else two, as the
+    winners), or for fp8/dense the most warps (up to 2) whose step divides K; split-K only while
     there are fewer than 4 programs per SM.
     """
     chosen = GEMV_TABLE.get((format, out_features, in_features))
     if chosen is not None and gemv_supports(format, group_size, in_features, chosen):
         return chosen
-    for warps in (2, 1):
-        config = GemvConfig(block_n=4, num_warps=warps)
+    integer = format in ("int4", "int8")
+    order: tuple[int, ...] = (2, 1)
+    if (format == "int4" and in_features <= 8192) or (format == "int8" and out_features >= 16384):
+        order = (1, 2)
+    for warps in order:
+        config = GemvConfig(4, warps, half2=integer, prefetch=integer, quads=integer)
         if gemv_supports(format, group_size, in_features, config):
             break
     else:
