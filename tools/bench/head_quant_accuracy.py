@@ -1,7 +1,7 @@
 """What quantizing the LM head (``quant.weight.lm_head``) costs in accuracy, on a trained model.
 
 Trains a small Llama (Hugging Face ``LlamaForCausalLM``, random init) on a synthetic corpus with
-learnable structure (a random second-order Markov chain: each pair of tokens has a few likely
+learnable structure (a random first-order Markov chain: each token has a few likely
 successors), then serves it through ``init_inference`` with int8 and int4 weights (group 128),
 with and without the head quantized, and prints one JSON line per arm: held-out perplexity, its
 change against the unquantized model, the share of positions whose greedy next token equals the
@@ -44,11 +44,11 @@ def emit(**row: Any) -> None:
 
 
 class MarkovCorpus:
-    """Token streams from a random second-order Markov chain over ``vocab`` tokens."""
+    """Token streams from a random first-order Markov chain over ``vocab`` tokens."""
 
     def __init__(self, vocab: int, successors: int, generator: torch.Generator) -> None:
         self.vocab = vocab
-        table = 4096  # hashed pair contexts
+        table = vocab  # one context per previous token
         self.next = torch.randint(0, vocab, (table, successors), generator=generator)
         weights = torch.rand(table, successors, generator=generator) ** 2 + 0.05
         self.probs = weights / weights.sum(-1, keepdim=True)
@@ -56,9 +56,9 @@ class MarkovCorpus:
 
     def sample(self, batch: int, length: int, generator: torch.Generator) -> torch.Tensor:
         ids = torch.empty(batch, length, dtype=torch.long)
-        ids[:, :2] = torch.randint(0, self.vocab, (batch, 2), generator=generator)
-        for t in range(2, length):
-            context = (ids[:, t - 2] * 7919 + ids[:, t - 1]) % self.table
+        ids[:, :1] = torch.randint(0, self.vocab, (batch, 1), generator=generator)
+        for t in range(1, length):
+            context = ids[:, t - 1]
             pick = torch.multinomial(self.probs[context], 1, generator=generator).squeeze(1)
             ids[:, t] = self.next[context, pick]
         return ids
