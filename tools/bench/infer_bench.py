@@ -86,6 +86,9 @@ def parse_args() -> argparse.Namespace:
         action="store_true",
         help="use_triton=True: the blocks' dense linears run the Triton streaming GEMV at decode",
     )
+    parser.add_argument("--skip-hf-eager", action="store_true")
+    parser.add_argument("--skip-hf-compiled", action="store_true")
+    parser.add_argument("--repeats", type=int, default=3, help="timed runs; the best is kept")
     parser.add_argument(
         "--gemv-table",
         default=None,
@@ -98,9 +101,6 @@ def parse_args() -> argparse.Namespace:
         action="store_true",
         help="quant.weight.lm_head: quantize the LM head too (default: kept in the compute dtype)",
     )
-    parser.add_argument("--skip-hf-eager", action="store_true")
-    parser.add_argument("--skip-hf-compiled", action="store_true")
-    parser.add_argument("--repeats", type=int, default=3, help="timed runs; the best is kept")
     parser.add_argument(
         "--tp-compare",
         type=int,
