@@ -2,8 +2,8 @@
 
 At batch-1 decode every weight is read once and used for one multiply-add, so the kernel must
 stream at memory bandwidth; for int4 that means unpacking ~6e12 weights/s on an H100, which
-per-element integer ops and int-to-float conversions cannot reach. This kernel spends three
-instructions per weight and no layout shuffles:
+per-element integer ops and int-to-float conversions cannot reach. This kernel spends about two
+instructions per int4 weight on NVIDIA (``half2``), three elsewhere, and no layout shuffles:
 
 - **Packed layout** (:func:`pack_gemv`, done once at load time). The codes are int32 words of 8
   nibbles (int4) or 4 bytes (int8). Blocks of ``PACK = 16 * per_word`` consecutive input
@@ -18,7 +18,18 @@ instructions per weight and no layout shuffles:
   exponent makes one unit of bit ``a`` worth 1.0, i.e. ``2^(23 - a)`` (one LOP3), so subtracting
   ``2^(23 - a) + 8`` (one FADD, exact) leaves the code itself, and one FFMA accumulates it
   times the activation in fp32. Fields at or above mantissa bit 20 are shifted down once per
-  word first. The group scale multiplies a per-group partial sum, not each weight.
+  word first. The group scale multiplies a per-group partial sum, not each weight. This fp32
+  path runs on AMD, the CPU interpreter, fp8, and wherever ``GemvConfig.half2`` is off.
+- **f16x2 unpacking** (``half2``, NVIDIA, 16-bit activations; inline PTX in
+  :func:`_half2_word_sums` / :func:`_half2_quad_sums`). One ``lop3`` takes two fields of a word
+  (one per 16-bit half), flips them to offset binary and ors them into the mantissa of fp16 1024;
+  one f16x2 ``fma`` maps both to the code over a power of two, exactly; f16x2 ``fma``s multiply
+  by the activations (converted to f16x2 once per step, shared by the program's rows) and sum a
+  word's (``quads``: a thread's four words') products, converted to fp32 once. The scaling keeps
+  every f16 partial sum within the largest |activation| (no overflow below 65504).
+- **Prefetch** (``prefetch``): the next step's codes and scales are loaded before the current
+  step's math; no load is masked (rows past N re-read row N - 1, the prefetch past the last
+  step re-reads it).
 - **Tiles.** A program owns ``block_n`` output rows of one activation row and a K range (split-K
   sums with fp32 atomics). A step covers ``8 * num_warps`` packed blocks, so that a step's
   activations fill exactly four int32 per thread (what keeps the two layouts equal).
