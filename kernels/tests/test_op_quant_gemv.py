@@ -93,9 +93,22 @@ def test_gemv_kernel_matches_reference(triton_device: torch.device, fmt: str) ->
         (1, torch.float32, GemvConfig(block_n=8, num_warps=1), True),
         (3, torch.float16, GemvConfig(block_n=16, num_warps=2), False),
         (2, torch.float16, GemvConfig(block_n=8, num_warps=1, split_k=2), True),
+        # the register prefetch of the next step: two steps per split, and a lone step
+        (1, torch.float16, GemvConfig(block_n=4, num_warps=1, prefetch=True), False),
+        (1, torch.float32, GemvConfig(block_n=4, num_warps=1, split_k=2, prefetch=True), True),
     ]
     if triton_device.type == "cuda":
         cases.append((1, torch.bfloat16, GemvConfig(block_n=8, num_warps=2, split_k=2), True))
+        # NVIDIA: f16x2 unpacking (int4/int8; fp8 ignores half2), with and without prefetch
+        for dtype in (torch.bfloat16, torch.float16):
+            cases.append((1, dtype, GemvConfig(block_n=4, half2=True, prefetch=True), True))
+            cases.append((2, dtype, GemvConfig(block_n=8, num_warps=2, half2=True), False))
+            cases.append((1, dtype, GemvConfig(block_n=4, split_k=2, half2=True), False))
+            quads = GemvConfig(block_n=8, half2=True, prefetch=True, quads=True)
+            cases.append((1, dtype, quads, True))
+            cases.append(
+                (3, dtype, GemvConfig(block_n=4, num_warps=2, half2=True, quads=True), False)
+            )
     for rows, dtype, config, with_bias in cases:
         x = torch.randn(rows, in_features, generator=_SEED(6)).to(triton_device, dtype)
         bias = torch.randn(24, generator=_SEED(7)).to(triton_device, dtype) if with_bias else None
@@ -139,12 +152,17 @@ def test_packed_op_dispatch_and_dense_gemv(triton_device: torch.device) -> None:
             atol=6e-2,
         )
     cpu = torch.device("cpu")
-    wide = gemv_default_config("int4", 4096, 4096, 128, cpu)  # 1024 programs >= 4 per "SM"
-    assert wide == GemvConfig(block_n=4, num_warps=2, split_k=1)
+    hpq = {"half2": True, "prefetch": True, "quads": True}  # every int4/int8 sweep winner's
+    wide = gemv_default_config("int4", 4096, 8192, 128, cpu)  # 1024 programs >= 4 per "SM"
+    assert wide == GemvConfig(block_n=4, num_warps=1, split_k=1, **hpq)
+    deep = gemv_default_config("int4", 4096, 16384, 128, cpu)  # long K: two warps (as down's)
+    assert deep == GemvConfig(block_n=4, num_warps=2, split_k=1, **hpq)
     narrow = gemv_default_config("int8", 64, 2048, 128, cpu)  # 16 programs, 2 K steps
     assert narrow is not None and narrow.split_k == 2  # split K, never more than its steps
     table = gemv_default_config("int4", 6144, 4096, 128, cpu)  # the sweep's table entry
-    assert table == GemvConfig(block_n=4, num_warps=1)
+    assert table == GemvConfig(block_n=4, num_warps=1, **hpq)
+    fp8 = gemv_default_config("fp8_e4m3", 4096, 8192, 128, cpu)  # half2 is int4/int8 only
+    assert fp8 == GemvConfig(block_n=4, num_warps=2)
     assert gemv_default_config("int4", 64, 4096, 64, cpu) is None  # group not a packed block
     assert gemv_default_config("int4", 64, 1536, 128, cpu) is None  # K not a step multiple
     # dense weights through the same kernel (dense_gemv's one-row path)
@@ -154,3 +172,66 @@ def test_packed_op_dispatch_and_dense_gemv(triton_device: torch.device) -> None:
     torch.testing.assert_close(
         out.float(), F.linear(x.float(), weight.float()), rtol=8e-3, atol=3e-2
     )
+
+
+def test_half2_falls_back_to_the_fp32_path_off_nvidia(triton_device: torch.device) -> None:
+    """``half2`` is PTX: on the CPU interpreter (and AMD) the kernel runs the fp32 path, so a
+    half2 launch there returns exactly what the plain launch does."""
+    from slipstream.kernels.ops.quant_matmul.gemv import GemvConfig, half2_supported, launch_gemv
+
+    codes, scales = _weight("int4", 8, 1024, 128)
+    words = pack_gemv(codes, "int4", 128, 1024).to(triton_device)
+    x = torch.randn(1, 1024, generator=_SEED(8)).to(triton_device, torch.float16)
+    assert not half2_supported("int4", x.float()) and not half2_supported("fp8_e4m3", x)
+    if triton_device.type == "cuda":
+        pytest.skip("the half2 path itself runs on this GPU (test_gemv_kernel_matches_reference)")
+    assert not half2_supported("int4", x)
+    scales = scales.to(triton_device)
+    plain = launch_gemv(x, words, scales, "int4", 128, None, GemvConfig(block_n=4))
+    half2 = launch_gemv(x, words, scales, "int4", 128, None, GemvConfig(block_n=4, half2=True))
+    torch.testing.assert_close(half2, plain, rtol=0, atol=0)
+
+
+_HALF2_BUILD = """
+from slipstream.kernels.aot import compile_spec
+from slipstream.kernels.ops.quant_matmul.gemv import aot_specs, gemv_block_k
+from slipstream.kernels.triton_support import AotSpec
+
+for fmt in ("int4", "int8"):
+    base = next(s for s in aot_specs() if s.name.startswith(f"quant_matmul.gemv[{fmt}xbf16,w1s1"))
+    signature = {**base.signature, "HALF2": "constexpr", "PREFETCH": "constexpr", "QUADS": "constexpr"}
+    for target, half2 in (("sm_90", True), ("sm_80", True), ("gfx942", False)):
+        constexprs = {**base.constexprs, "BLOCK_K": gemv_block_k(fmt, 1), "BLOCK_N": 4}
+        constexprs.update(HALF2=half2, PREFETCH=True, QUADS=half2)
+        spec = AotSpec(f"gemv[{fmt},half2={half2}]", base.kernel, signature, constexprs)
+        result = compile_spec(spec, target)
+        print(fmt, target, result.ok, result.error)
+"""
+
+
+@pytest.mark.aot
+def test_half2_gemv_builds_for_nvidia_and_prefetch_for_amd(tmp_path) -> None:
+    """The f16x2 inline PTX assembles (ptxas) for sm_80 and sm_90; the portable prefetch path
+    builds for MI300 (gfx942), where half2 is never set."""
+    import os
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    pytest.importorskip("triton", reason="the AOT builds need `pip install triton`")
+    env = dict(os.environ)
+    env.pop("TRITON_INTERPRET", None)  # interpreted kernels cannot be compiled
+    src = Path(__file__).resolve().parents[1] / "src"
+    env["PYTHONPATH"] = os.pathsep.join([str(src), env.get("PYTHONPATH", "")])
+    env["TRITON_CACHE_DIR"] = str(tmp_path / "triton-cache")
+    done = subprocess.run(
+        [sys.executable, "-c", _HALF2_BUILD],
+        capture_output=True,
+        text=True,
+        env=env,
+        timeout=600,
+        check=False,
+    )
+    assert done.returncode == 0, done.stderr[-3000:]
+    lines = done.stdout.splitlines()
+    assert len(lines) == 6 and all(line.split()[2] == "True" for line in lines), done.stdout

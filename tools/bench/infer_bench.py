@@ -97,6 +97,18 @@ def parse_args() -> argparse.Namespace:
     parser.add_argument("--skip-hf-compiled", action="store_true")
     parser.add_argument("--repeats", type=int, default=3, help="timed runs; the best is kept")
     parser.add_argument(
+        "--gemv-table",
+        default=None,
+        metavar="JSON",
+        help="decode-GEMV launches per (format, out, in) from quant_gemv_bench.py --table-out, "
+        "installed into slipstream.kernels' gemv.GEMV_TABLE before the model is built",
+    )
+    parser.add_argument(
+        "--lm-head",
+        action="store_true",
+        help="quant.weight.lm_head: quantize the LM head too (default: kept in the compute dtype)",
+    )
+    parser.add_argument(
         "--tp-compare",
         type=int,
         default=0,
@@ -300,6 +312,8 @@ def bench_batch(
         use_triton=args.use_triton,
         decode_fusion=",".join(sorted(engine.fused.decode_fusion)) or "off",
         gemv_layout=args.gemv_layout,
+        lm_head_quantized=args.lm_head,
+        gemv_table=args.gemv_table,
         **run,
     )
     hf_kwargs = {
@@ -461,8 +475,20 @@ def main() -> None:
                 "compute_dtype": args.dtype,
                 "format": "fp8_e4m3" if args.weights == "fp8" else "int",
                 "gemv_layout": {"auto": "auto", "on": True, "off": False}[args.gemv_layout],
+                "lm_head": args.lm_head,
             }
         }
+    if args.gemv_table:
+        from slipstream.kernels.ops.quant_matmul import gemv as gemv_module
+
+        with open(args.gemv_table) as handle:
+            table = json.load(handle)
+        for key, launch in table.items():
+            fmt, out_features, in_features = key.split(",")
+            gemv_module.GEMV_TABLE[(fmt, int(out_features), int(in_features))] = (
+                gemv_module.GemvConfig(**launch)
+            )
+        emit(result="gemv_table", path=args.gemv_table, entries=len(table))
     started = time.perf_counter()
     engine = init_inference(model, config)
     emit(result="phase", phase="init_inference", seconds=round(time.perf_counter() - started, 2))
@@ -498,16 +524,32 @@ def main() -> None:
         probe = torch.randint(3, spec.vocab_size, (1, args.prompt), device=device)
         with torch.no_grad():
             expected = model(input_ids=probe).logits.float()
-        error = (engine(probe).logits.float() - expected).abs().max().item()
+        got = engine(probe).logits.float()
+        error = (got - expected).abs().max().item()
         checks = {
             "logits_max_abs_diff_vs_hf": round(error, 4),
             "logits_max_abs_hf": round(expected.abs().max().item(), 4),
+            # greedy decoding's view of the error: positions whose next token is HF's
+            "top1_agreement_vs_hf": round(
+                (got.argmax(-1) == expected.argmax(-1)).float().mean().item(), 4
+            ),
         }
+        del got
         if args.weights != "native" and world == 1:
             # The quantized kernels against the same model with plain linears holding the
             # dequantized codes: what is left is kernel rounding, not quantization error.
             checks["logits_max_abs_diff_vs_dequantized"] = round(
                 dequantized_difference(engine, probe), 4
+            )
+            # One token: every linear runs the decode GEMV (at most 8 rows), not the prefill path.
+            with torch.no_grad():
+                expected_one = model(input_ids=probe[:, :1]).logits.float()
+                got_one = engine(probe[:, :1]).logits.float()
+            checks["one_token_logits_max_abs_diff_vs_hf"] = round(
+                (got_one - expected_one).abs().max().item(), 4
+            )
+            checks["one_token_logits_max_abs_diff_vs_dequantized"] = round(
+                dequantized_difference(engine, probe[:, :1]), 4
             )
     emit(
         result="model",

@@ -67,6 +67,15 @@ def parse_args() -> argparse.Namespace:
     parser.add_argument("--repeats", type=int, default=5, help="timed replays; best kept")
     parser.add_argument("--sweep", action="store_true", help="time every decode tile config")
     parser.add_argument(
+        "--table-out",
+        default=None,
+        help="with --sweep: write the fastest gemv config per (format, out, in) as JSON, for "
+        "infer_bench.py --gemv-table (and for gemv.GEMV_TABLE)",
+    )
+    parser.add_argument(
+        "--shapes", nargs="+", default=None, help="only these shapes of the preset (default: all)"
+    )
+    parser.add_argument(
         "--sweep-tiled",
         action="store_true",
         help="with --sweep: also sweep the tensor-core tile kernel (slow: many compiles)",
@@ -195,12 +204,33 @@ def sweep_configs(block_k: int) -> list[backend.QuantMatmulConfig]:
     ]
 
 
-def gemv_sweep_configs() -> list[gemv_backend.GemvConfig]:
-    """``gemv_kernel`` launches tried by ``--sweep`` at one row (every format)."""
+def gemv_sweep_configs(fmt: str = "dense") -> list[gemv_backend.GemvConfig]:
+    """``gemv_kernel`` launches tried by ``--sweep`` at one row: tiles x split-K, and for int4 /
+    int8 also the f16x2 unpacking (``half2``) and the register prefetch of the next step."""
+    # (rows per program, warps, K splits): one warp streaming 4 or 8 rows step by step, and
+    # 2 / 4 warps whose step covers 2048 / 4096 features (one step for K = 4096: every load of
+    # a program in flight at once)
+    tiles = [(4, 1, 1), (4, 1, 2), (8, 1, 1), (16, 1, 1), (4, 2, 1), (8, 2, 1), (4, 4, 1)]
+    tiles += [(8, 4, 1), (4, 1, 4)]
+    variants = [(False, False, False)]
+    if fmt in ("int4", "int8"):  # (half2, prefetch, quads)
+        variants += [(True, True, False), (True, False, True), (True, True, True)]
     return [
-        gemv_backend.GemvConfig(block_n=n, num_warps=w, split_k=s)
-        for n, w, s in itertools.product((4, 8, 16), (1, 2), (1, 2, 4))
+        gemv_backend.GemvConfig(block_n=n, num_warps=w, split_k=s, half2=h, prefetch=p, quads=q)
+        for (h, p, q), (n, w, s) in itertools.product(variants, tiles)
     ]
+
+
+def brief(config: gemv_backend.GemvConfig) -> str:
+    """A gemv launch in a few characters: rows, warps, splits, then H(alf2) P(refetch) Q(uads)."""
+    return "n{}w{}s{}{}{}{}".format(
+        config.block_n,
+        config.num_warps,
+        config.split_k,
+        "H" if config.half2 else "",
+        "P" if config.prefetch else "",
+        "Q" if config.quads else "",
+    )
 
 
 def gemv_calls(
@@ -239,38 +269,59 @@ def sweep_gemv(
     nbytes = (weights.dense_bytes if fmt == "dense" else weights.quant_bytes) + act_bytes
     results = []
     chosen = gemv_backend.gemv_default_config(fmt, n, k, group, x.device)
-    for candidate in gemv_sweep_configs():
+    candidates = gemv_sweep_configs(fmt)
+    if chosen is not None and chosen not in candidates:
+        candidates.append(chosen)
+    if fmt == "dense":
+        expected = F.linear(x.float(), weights.dense[0].float())
+    else:
+        expected = (
+            x.float()
+            @ dequantize_weight(
+                weights.codes[0], weights.scales[0], fmt, group, k, torch.float32
+            ).t()
+        )
+    for candidate in candidates:
         if not gemv_backend.gemv_supports(fmt, group, k, candidate):
             continue
         try:
             t = time_calls(
                 gemv_calls(x, fmt, weights, group, candidate, launches), x.device, repeats
             )
+            out = gemv_calls(x, fmt, weights, group, candidate, 1)[0]()
         except Exception as error_:  # a config that does not compile or fit: skip
             emit(sweep_error=str(error_)[:200], config=dataclasses.asdict(candidate))
             continue
-        results.append((t, candidate))
+        error = ((out.float() - expected).abs().max() / expected.abs().max()).item()
+        results.append((t, candidate, error))
     results.sort(key=lambda item: item[0])
-    for rank, (t, candidate) in enumerate(results[:3]):
+
+    def line(rank: Any, t: float, config: gemv_backend.GemvConfig, error: float) -> None:
         emit(
             gemv_sweep=name,
             format=fmt,
             rank=rank,
-            config=dataclasses.asdict(candidate),
+            config=brief(config),
             us=round(t * 1e6, 2),
             GBps=round(nbytes / t / 1e9, 1),
             bw_fraction=round(nbytes / t / bandwidth, 3),
+            max_rel_error=float(f"{error:.1e}"),
         )
-    for t, candidate in results:
+
+    for rank, (t, candidate, error) in enumerate(results[:3]):
+        line(rank, t, candidate, error)
+    # the best of each (half2, prefetch) variant, and the default's time
+    for variant in sorted({(c.half2, c.prefetch, c.quads) for _, c, _ in results}):
+        best = next(r for r in results if (r[1].half2, r[1].prefetch, r[1].quads) == variant)
+        line("best_" + "".join(f if v else "-" for f, v in zip("HPQ", variant)), *best)
+    for t, candidate, error in results:
         if candidate == chosen:
-            emit(
-                gemv_sweep=name,
-                format=fmt,
-                rank="default",
-                config=dataclasses.asdict(candidate),
-                us=round(t * 1e6, 2),
-                bw_fraction=round(nbytes / t / bandwidth, 3),
-            )
+            line("default", t, candidate, error)
+    if results:
+        BEST[f"{fmt},{n},{k}"] = dataclasses.asdict(results[0][1])
+
+
+BEST: dict[str, dict[str, Any]] = {}  # "format,out,in" -> the sweep's fastest GemvConfig
 
 
 def main() -> None:
@@ -281,7 +332,12 @@ def main() -> None:
     bandwidth = copy_bandwidth(device)
     emit(metric="copy_bandwidth_GBps", value=round(bandwidth / 1e9, 1), device=str(device))
     launches = args.launches if device.type == "cuda" else 2
-    for (name, (n, k)), fmt in itertools.product(SHAPES[args.preset].items(), args.formats):
+    shapes = {
+        name: shape
+        for name, shape in SHAPES[args.preset].items()
+        if args.shapes is None or name in args.shapes
+    }
+    for (name, (n, k)), fmt in itertools.product(shapes.items(), args.formats):
         weights = make_weights(n, k, fmt, args.group_size, dtype, device)
         reference = dequantize_weight(
             weights.codes[0], weights.scales[0], fmt, args.group_size, k, torch.float32
@@ -354,7 +410,13 @@ def main() -> None:
             if rows > backend.DEQUANTIZE_ABOVE_ROWS:
                 path = "dequantize+matmul"
             else:
-                path = f"kernel {dataclasses.asdict(config) if config else None}"
+                path = "tile kernel " + (
+                    "n{block_n}k{block_k}s{split_k}w{num_warps}".format(
+                        **dataclasses.asdict(config)
+                    )
+                    if config
+                    else "none"
+                )
             emit(
                 shape=name,
                 out_features=n,
@@ -369,7 +431,7 @@ def main() -> None:
                 speedup_vs_bf16=round(dense_seconds / seconds, 2),
                 max_rel_error=float(f"{error:.2e}"),
                 **extra,
-                gemv_config=None if gemv is None else dataclasses.asdict(gemv),
+                gemv_config=None if gemv is None else brief(gemv),
             )
             if fmt == args.formats[0]:
                 # bf16 on the same shape: cuBLAS, and (few rows) dense_gemv's streaming kernel.
@@ -437,6 +499,10 @@ def main() -> None:
                     us=round(t * 1e6, 2),
                     bw_fraction=round((weights.quant_bytes + act_bytes) / t / bandwidth, 3),
                 )
+    if args.table_out:
+        with open(args.table_out, "w") as handle:
+            json.dump(BEST, handle, indent=1)
+        emit(table_out=args.table_out, entries=len(BEST))
 
 
 if __name__ == "__main__":

@@ -161,7 +161,10 @@ def test_gemv_layout_config_key_packs_the_model_and_keeps_its_logits() -> None:
     ids = torch.randint(3, 96, (2, 12))
     weight = {"num_bits": 8, "group_size": -1, "compute_dtype": "fp32"}  # one scale per row
     plain = init_inference(
-        model, dtype="int8", replace_with_kernel_inject=True, quant={"weight": weight}
+        model,
+        dtype="int8",
+        replace_with_kernel_inject=True,
+        quant={"weight": {**weight, "gemv_layout": False}},
     )
     packed = init_inference(
         model,
@@ -179,13 +182,47 @@ def test_gemv_layout_config_key_packs_the_model_and_keeps_its_logits() -> None:
         init_inference(model, dtype="int8", quant={"weight": {"gemv_layout": "yes"}})
 
 
-def test_gemv_layout_auto_packs_int4_and_fp8_but_not_int8() -> None:
+def test_gemv_layout_auto_packs_every_format() -> None:
     from slipstream.inference.config import WeightQuantConfig
 
     def packs(**weight: object) -> bool:
         return WeightQuantConfig.from_dict(weight, "quant.weight").packed_gemv
 
     assert WeightQuantConfig().gemv_layout == "auto"
-    assert packs(num_bits=4) and packs(num_bits=8, format="fp8_e4m3")
-    assert not packs(num_bits=8)
-    assert packs(num_bits=8, gemv_layout=True) and not packs(num_bits=4, gemv_layout=False)
+    assert packs(num_bits=4) and packs(num_bits=8, format="fp8_e4m3") and packs(num_bits=8)
+    assert not packs(num_bits=8, gemv_layout=False) and not packs(num_bits=4, gemv_layout=False)
+
+
+def test_lm_head_key_quantizes_the_head_within_its_bound() -> None:
+    model = tiny_hf_model("llama")
+    ids = torch.randint(3, 96, (2, 12))
+    exact = init_inference(model, dtype=torch.float32, replace_with_kernel_inject=True)(ids).logits
+    weight = {"num_bits": 8, "group_size": 32, "compute_dtype": "fp32"}
+    body = init_inference(
+        model, dtype="int8", replace_with_kernel_inject=True, quant={"weight": weight}
+    )
+    both = init_inference(
+        model,
+        dtype="int8",
+        replace_with_kernel_inject=True,
+        quant={"weight": {**weight, "lm_head": True}},
+    )
+    assert body.fused is not None and both.fused is not None
+    assert type(body.fused.head) is nn.Linear  # the default keeps the head exact
+    head = both.fused.head
+    assert isinstance(head, WeightOnlyLinear) and head.format == "int8"
+    # the head alone: the same hidden states through the dequantized head weight
+    hidden = {}
+    handle = both.fused.head.register_forward_hook(lambda m, i, o: hidden.update(x=i[0]))
+    logits = both(ids).logits
+    handle.remove()
+    torch.testing.assert_close(
+        logits[:, -1], (hidden["x"] @ head.dequantized_weight().t())[:, -1], rtol=1e-5, atol=1e-5
+    )
+    # int8 head on top of int8 blocks: still within the int8 model's 5% of the largest logit
+    relative = ((logits - exact).abs().max() / exact.abs().max()).item()
+    assert relative < 0.05, relative
+    assert both.generate(ids, max_new_tokens=3).shape == (2, 15)
+    assert weight_bytes_per_parameter(both.fused) < weight_bytes_per_parameter(body.fused)
+    with pytest.raises(ValueError, match="lm_head"):
+        init_inference(model, dtype="int8", quant={"weight": {"lm_head": "yes"}})

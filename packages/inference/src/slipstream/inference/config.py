@@ -134,18 +134,23 @@ class WeightQuantConfig(ConfigBlock):
     format: Literal["int", "fp8_e4m3"] = "int"
     # Store whole-block weights in the decode GEMV's packed layout (slipstream.kernels'
     # pack_gemv; CUDA-core kernel at <= 8 rows). false: quant_matmul's tile kernel. "auto": on
-    # for int4 and fp8, off for int8 — on an H100 the packed layout decoded an 8B model at
-    # 1.50x (int4) and 1.59x (fp8) bf16's rate against 0.82x / 1.27x with the tile kernel,
-    # while int8 measured slower packed (H200); packed prefill is slower (docs/inference.md).
+    # for every format — on an H100 the packed layout decoded an 8B model at 2.18x (int4),
+    # 1.60x (int8, f16x2 unpacking) and 1.59x (fp8) bf16's rate against 0.82x / 1.43x / 1.27x
+    # with the tile kernel; packed prefill is slower (docs/inference.md).
     gemv_layout: bool | Literal["auto"] = dataclasses.field(
         default="auto", metadata={"allow_auto": True}
     )
+    # Quantize the LM head (the vocabulary projection) too, as GPTQ's ``lm_head`` flag does.
+    # Off by default (DeepSpeed and most weight-only schemes keep the head in the compute
+    # dtype): at batch 1 the bf16 head of a Llama-3-8B is a quarter of an int4 step's bytes,
+    # so this is a speed / accuracy trade the user opts into (docs/inference.md).
+    lm_head: bool = False
 
     @property
     def packed_gemv(self) -> bool:
-        """Whether ``gemv_layout`` packs this format's weights ("auto": int4 and fp8)."""
+        """Whether ``gemv_layout`` packs this format's weights ("auto": int4, int8 and fp8)."""
         if self.gemv_layout == "auto":
-            return self.code_format in ("int4", "fp8_e4m3")
+            return self.code_format in ("int4", "int8", "fp8_e4m3")
         return bool(self.gemv_layout)
 
     @property

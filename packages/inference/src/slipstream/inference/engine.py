@@ -109,6 +109,7 @@ class InferenceEngine(nn.Module):
                 weight.group_size,
                 format=weight.code_format,
                 gemv_layout=weight.packed_gemv,
+                lm_head=weight.lm_head,
             )
         if config.use_triton:
             from slipstream.inference.gemv import use_triton_gemv

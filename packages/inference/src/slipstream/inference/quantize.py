@@ -17,8 +17,9 @@ __all__ = ["WeightOnlyLinear", "quantize_decoder", "weight_bytes_per_parameter"]
 
 _FORMATS = {8: "int8", 4: "int4"}
 FP8 = "fp8_e4m3"
-# The block linears that are quantized; embeddings, norms, the LM head and MoE experts stay in
-# the compute dtype (the head is kept exact, as most weight-only schemes do).
+# The block linears that are quantized; embeddings, norms and MoE experts stay in the compute
+# dtype, and so does the LM head unless quant.weight.lm_head is set (as most weight-only
+# schemes do, the head is kept exact by default).
 _QUANTIZED = ("qkv", "out", "up", "down")
 
 
@@ -132,22 +133,33 @@ def quantize_decoder(
     *,
     format: str | None = None,
     gemv_layout: bool = False,
+    lm_head: bool = False,
 ) -> nn.Module:
     """Replace every block linear of a FusedDecoder (QKV, output, up, down) in place.
 
     ``format`` (``"int8"``, ``"int4"``, ``"fp8_e4m3"``) overrides ``bits``; ``group_size`` -1
-    gives per-channel scales; ``gemv_layout`` as in :class:`WeightOnlyLinear`.
+    gives per-channel scales; ``gemv_layout`` as in :class:`WeightOnlyLinear`; ``lm_head``
+    (``quant.weight.lm_head``) quantizes the LM head the same way (a tied embedding keeps its
+    own weight: only the head's copy is quantized).
     """
+
+    def quantized(linear: nn.Linear) -> WeightOnlyLinear:
+        size = group_size if group_size == -1 else min(group_size, linear.in_features)
+        return WeightOnlyLinear(linear, bits, size, format=format, gemv_layout=gemv_layout)
+
     for block in model.blocks:  # type: ignore[union-attr]
         for name in _QUANTIZED:
             linear = getattr(block, name, None)
             if isinstance(linear, nn.Linear):
-                size = group_size if group_size == -1 else min(group_size, linear.in_features)
-                setattr(
-                    block,
-                    name,
-                    WeightOnlyLinear(linear, bits, size, format=format, gemv_layout=gemv_layout),
-                )
+                setattr(block, name, quantized(linear))
+    if lm_head:
+        head = getattr(model, "head", None)
+        if not isinstance(head, nn.Linear):
+            raise ValueError(
+                f"quant.weight.lm_head=true needs the decoder's head to be a plain linear, got "
+                f"{type(head).__name__}; set quant.weight.lm_head to false"
+            )
+        model.head = quantized(head)  # type: ignore[assignment]
     return model
 
 

@@ -2,8 +2,8 @@
 
 At batch-1 decode every weight is read once and used for one multiply-add, so the kernel must
 stream at memory bandwidth; for int4 that means unpacking ~6e12 weights/s on an H100, which
-per-element integer ops and int-to-float conversions cannot reach. This kernel spends three
-instructions per weight and no layout shuffles:
+per-element integer ops and int-to-float conversions cannot reach. This kernel spends about two
+instructions per int4 weight on NVIDIA (``half2``), three elsewhere, and no layout shuffles:
 
 - **Packed layout** (:func:`pack_gemv`, done once at load time). The codes are int32 words of 8
   nibbles (int4) or 4 bytes (int8). Blocks of ``PACK = 16 * per_word`` consecutive input
@@ -18,7 +18,18 @@ instructions per weight and no layout shuffles:
   exponent makes one unit of bit ``a`` worth 1.0, i.e. ``2^(23 - a)`` (one LOP3), so subtracting
   ``2^(23 - a) + 8`` (one FADD, exact) leaves the code itself, and one FFMA accumulates it
   times the activation in fp32. Fields at or above mantissa bit 20 are shifted down once per
-  word first. The group scale multiplies a per-group partial sum, not each weight.
+  word first. The group scale multiplies a per-group partial sum, not each weight. This fp32
+  path runs on AMD, the CPU interpreter, fp8, and wherever ``GemvConfig.half2`` is off.
+- **f16x2 unpacking** (``half2``, NVIDIA, 16-bit activations; inline PTX in
+  :func:`_half2_word_sums` / :func:`_half2_quad_sums`). One ``lop3`` takes two fields of a word
+  (one per 16-bit half), flips them to offset binary and ors them into the mantissa of fp16 1024;
+  one f16x2 ``fma`` maps both to the code over a power of two, exactly; f16x2 ``fma``s multiply
+  by the activations (converted to f16x2 once per step, shared by the program's rows) and sum a
+  word's (``quads``: a thread's four words') products, converted to fp32 once. The scaling keeps
+  every f16 partial sum within the largest |activation| (no overflow below 65504).
+- **Prefetch** (``prefetch``): the next step's codes and scales are loaded before the current
+  step's math; no load is masked (rows past N re-read row N - 1, the prefetch past the last
+  step re-reads it).
 - **Tiles.** A program owns ``block_n`` output rows of one activation row and a K range (split-K
   sums with fp32 atomics). A step covers ``8 * num_warps`` packed blocks, so that a step's
   activations fill exactly four int32 per thread (what keeps the two layouts equal).
@@ -43,7 +54,7 @@ from slipstream.kernels.ops.quant_matmul.packing import (
     unpack_gemv,
 )
 from slipstream.kernels.ops.quant_matmul.reference import check_weight
-from slipstream.kernels.triton_support import AotSpec
+from slipstream.kernels.triton_support import AotSpec, interpreting
 
 __all__ = [
     "GEMV_FORMAT_CODES",
@@ -54,6 +65,7 @@ __all__ = [
     "gemv_default_config",
     "gemv_kernel",
     "gemv_supports",
+    "half2_supported",
     "launch_gemv",
     "pack_block",
     "pack_gemv",
@@ -72,6 +84,14 @@ class GemvConfig:
     num_warps: int = 1
     split_k: int = 1
     num_stages: int = 2
+    # int4/int8 on NVIDIA with 16-bit activations: unpack and multiply two weights per
+    # instruction in f16x2 (see the module docstring); elsewhere the fp32 path runs.
+    half2: bool = False
+    # Load the next step's codes and scales before computing on the current ones.
+    prefetch: bool = False
+    # With half2: one f16x2 accumulator per thread's four words (a quarter of the conversions
+    # to fp32 and of the scale fmas; the products are summed over 16 terms in f16).
+    quads: bool = False
 
 
 def gemv_block_k(format: str, num_warps: int) -> int:
@@ -88,6 +108,276 @@ def gemv_supports(format: str, group_size: int, in_features: int, config: GemvCo
     if in_features % gemv_block_k(format, config.num_warps):
         return False
     return format == "dense" or group_size % pack_block(format) == 0
+
+
+# PTX for HALF2 (NVIDIA only; the launcher never sets HALF2 elsewhere). A field of the packed
+# word, made offset binary by xor-ing its top bit, is or-ed into the mantissa of fp16 1024 (two
+# fields per lop3: one in each half, at bits 0-3 / 4-7 / 0-7 of the half), so the half is
+# 1024 + u, or 1024 + 16u for a nibble at bits 4-7, exactly; one f16x2 fma maps both to
+# code / 32 (int4) or code / 256 (int8), exactly (the scaling keeps a 4-term f16 sum of
+# |weight| * |x| within |x|, so nothing overflows below fp16's max); f16x2 fmas accumulate the
+# products of one word (4 per half for int4, 2 for int8), and the two halves are added in fp32.
+# lop3 0x6a: (a & b) ^ c, with c = the magic exponent | the offset-binary top bits.
+
+
+@triton.jit
+def _x_half2(lo, hi, X_BF16: tl.constexpr):
+    """Two int32 activation pairs -> two f16x2: (lo.low, hi.low) and (lo.high, hi.high)."""
+    if X_BF16:
+        return tl.inline_asm_elementwise(
+            """{
+            .reg .b32 al, ah, bl, bh;
+            shl.b32 al, $2, 16;
+            and.b32 ah, $2, 0xffff0000;
+            shl.b32 bl, $3, 16;
+            and.b32 bh, $3, 0xffff0000;
+            cvt.rn.f16x2.f32 $0, bl, al;
+            cvt.rn.f16x2.f32 $1, bh, ah;
+            }""",
+            "=r,=r,r,r",
+            [lo, hi],
+            dtype=(tl.int32, tl.int32),
+            is_pure=True,
+            pack=1,
+        )
+    return tl.inline_asm_elementwise(
+        """{
+        prmt.b32 $0, $2, $3, 0x5410;
+        prmt.b32 $1, $2, $3, 0x7632;
+        }""",
+        "=r,=r,r,r",
+        [lo, hi],
+        dtype=(tl.int32, tl.int32),
+        is_pure=True,
+        pack=1,
+    )
+
+
+@triton.jit
+def _half2_word_sums(words, xpairs, FORMAT: tl.constexpr, X_BF16: tl.constexpr):
+    """Per packed word: sum of its fields' codes times their activations, divided by 32 (int4)
+    or 256 (int8), as fp32. ``xpairs``: pointers to the int32 activation pair of field pair 0."""
+    if FORMAT == 1:
+        # word jj: fields (0, 4) are elements (2jj, 64 + 2jj), (1, 5) the next ones, and
+        # (2, 6) / (3, 7) the same at 32 + ...: activation pairs 16p + jj, p = 0 .. 3
+        xa, xb = _x_half2(tl.load(xpairs), tl.load(xpairs + 32), X_BF16)
+        xc, xd = _x_half2(tl.load(xpairs + 16), tl.load(xpairs + 48), X_BF16)
+        part = tl.inline_asm_elementwise(
+            """{
+            .reg .b32 s, a, b, c, d, k5, k9, n5, n9, acc;
+            .reg .b16 lo, hi;
+            .reg .f32 fl, fh;
+            mov.b32 k5, 0x28002800;
+            mov.b32 k9, 0x18001800;
+            mov.b32 n5, 0xd008d008;
+            mov.b32 n9, 0xc080c080;
+            shr.u32 s, $1, 8;
+            lop3.b32 a, $1, 0x000f000f, 0x64086408, 0x6a;
+            lop3.b32 b, $1, 0x00f000f0, 0x64806480, 0x6a;
+            lop3.b32 c, s, 0x000f000f, 0x64086408, 0x6a;
+            lop3.b32 d, s, 0x00f000f0, 0x64806480, 0x6a;
+            fma.rn.f16x2 a, a, k5, n5;
+            fma.rn.f16x2 b, b, k9, n9;
+            fma.rn.f16x2 c, c, k5, n5;
+            fma.rn.f16x2 d, d, k9, n9;
+            mul.rn.f16x2 acc, a, $2;
+            fma.rn.f16x2 acc, b, $3, acc;
+            fma.rn.f16x2 acc, c, $4, acc;
+            fma.rn.f16x2 acc, d, $5, acc;
+            mov.b32 {lo, hi}, acc;
+            cvt.f32.f16 fl, lo;
+            cvt.f32.f16 fh, hi;
+            add.f32 fl, fl, fh;
+            mov.b32 $0, fl;
+            }""",
+            "=r,r,r,r,r,r",
+            [words, xa, xb, xc, xd],
+            dtype=tl.int32,
+            is_pure=True,
+            pack=1,
+        )
+    else:
+        # int8 word jj: fields (0, 2) are elements (2jj, 32 + 2jj), (1, 3) the next ones
+        xa, xb = _x_half2(tl.load(xpairs), tl.load(xpairs + 16), X_BF16)
+        part = tl.inline_asm_elementwise(
+            """{
+            .reg .b32 s, a, b, k8, n8, acc;
+            .reg .b16 lo, hi;
+            .reg .f32 fl, fh;
+            mov.b32 k8, 0x1c001c00;
+            mov.b32 n8, 0xc480c480;
+            shr.u32 s, $1, 8;
+            lop3.b32 a, $1, 0x00ff00ff, 0x64806480, 0x6a;
+            lop3.b32 b, s, 0x00ff00ff, 0x64806480, 0x6a;
+            fma.rn.f16x2 a, a, k8, n8;
+            fma.rn.f16x2 b, b, k8, n8;
+            mul.rn.f16x2 acc, a, $2;
+            fma.rn.f16x2 acc, b, $3, acc;
+            mov.b32 {lo, hi}, acc;
+            cvt.f32.f16 fl, lo;
+            cvt.f32.f16 fh, hi;
+            add.f32 fl, fl, fh;
+            mov.b32 $0, fl;
+            }""",
+            "=r,r,r,r",
+            [words, xa, xb],
+            dtype=tl.int32,
+            is_pure=True,
+            pack=1,
+        )
+    return part.to(tl.float32, bitcast=True)
+
+
+@triton.jit
+def _split4(t):
+    """``(B, G, 16)`` -> four ``(B, G, 4)``: elements 4q, 4q + 1, 4q + 2, 4q + 3 (the four words
+    one thread loads in one 16-byte access; split in registers)."""
+    a, b = tl.split(tl.reshape(t, (t.shape[0], t.shape[1], 4, 2, 2)))
+    a0, a1 = tl.split(a)
+    b0, b1 = tl.split(b)
+    return a0, b0, a1, b1
+
+
+@triton.jit
+def _half2_quad_sums(words, xpairs, FORMAT: tl.constexpr, X_BF16: tl.constexpr):
+    """:func:`_half2_word_sums` over the four consecutive words of one thread (one quantization
+    group): their products are summed in one f16x2 accumulator, so the f16 -> fp32 conversion,
+    the fp32 add and the scale's fma run once per four words. Weights are code / 128 (int4) or
+    code / 1024 (int8) here, which keeps a 16-term (8-term) f16 sum within |x|. Returns
+    ``(B, G, 4)`` fp32 sums, one per quad."""
+    w0, w1, w2, w3 = _split4(words)
+    if FORMAT == 1:
+        xa, xb = _x_half2(tl.load(xpairs), tl.load(xpairs + 32), X_BF16)
+        xc, xd = _x_half2(tl.load(xpairs + 16), tl.load(xpairs + 48), X_BF16)
+        a0, a1, a2, a3 = _split4(xa)
+        b0, b1, b2, b3 = _split4(xb)
+        c0, c1, c2, c3 = _split4(xc)
+        d0, d1, d2, d3 = _split4(xd)
+        part = tl.inline_asm_elementwise(
+            """{
+                    .reg .b32 s, a, b, c, d, k7, k11, n7, n11, acc;
+                    .reg .b16 lo, hi;
+                    .reg .f32 fl, fh;
+                    mov.b32 k7, 0x20002000;
+                    mov.b32 k11, 0x10001000;
+                    mov.b32 n7, 0xc808c808;
+                    mov.b32 n11, 0xb880b880;
+                    shr.u32 s, $1, 8;
+                    lop3.b32 a, $1, 0x000f000f, 0x64086408, 0x6a;
+                    lop3.b32 b, $1, 0x00f000f0, 0x64806480, 0x6a;
+                    lop3.b32 c, s, 0x000f000f, 0x64086408, 0x6a;
+                    lop3.b32 d, s, 0x00f000f0, 0x64806480, 0x6a;
+                    fma.rn.f16x2 a, a, k7, n7;
+                    fma.rn.f16x2 b, b, k11, n11;
+                    fma.rn.f16x2 c, c, k7, n7;
+                    fma.rn.f16x2 d, d, k11, n11;
+                    mul.rn.f16x2 acc, a, $5;
+                    fma.rn.f16x2 acc, b, $6, acc;
+                    fma.rn.f16x2 acc, c, $7, acc;
+                    fma.rn.f16x2 acc, d, $8, acc;
+                    shr.u32 s, $2, 8;
+                    lop3.b32 a, $2, 0x000f000f, 0x64086408, 0x6a;
+                    lop3.b32 b, $2, 0x00f000f0, 0x64806480, 0x6a;
+                    lop3.b32 c, s, 0x000f000f, 0x64086408, 0x6a;
+                    lop3.b32 d, s, 0x00f000f0, 0x64806480, 0x6a;
+                    fma.rn.f16x2 a, a, k7, n7;
+                    fma.rn.f16x2 b, b, k11, n11;
+                    fma.rn.f16x2 c, c, k7, n7;
+                    fma.rn.f16x2 d, d, k11, n11;
+                    fma.rn.f16x2 acc, a, $9, acc;
+                    fma.rn.f16x2 acc, b, $10, acc;
+                    fma.rn.f16x2 acc, c, $11, acc;
+                    fma.rn.f16x2 acc, d, $12, acc;
+                    shr.u32 s, $3, 8;
+                    lop3.b32 a, $3, 0x000f000f, 0x64086408, 0x6a;
+                    lop3.b32 b, $3, 0x00f000f0, 0x64806480, 0x6a;
+                    lop3.b32 c, s, 0x000f000f, 0x64086408, 0x6a;
+                    lop3.b32 d, s, 0x00f000f0, 0x64806480, 0x6a;
+                    fma.rn.f16x2 a, a, k7, n7;
+                    fma.rn.f16x2 b, b, k11, n11;
+                    fma.rn.f16x2 c, c, k7, n7;
+                    fma.rn.f16x2 d, d, k11, n11;
+                    fma.rn.f16x2 acc, a, $13, acc;
+                    fma.rn.f16x2 acc, b, $14, acc;
+                    fma.rn.f16x2 acc, c, $15, acc;
+                    fma.rn.f16x2 acc, d, $16, acc;
+                    shr.u32 s, $4, 8;
+                    lop3.b32 a, $4, 0x000f000f, 0x64086408, 0x6a;
+                    lop3.b32 b, $4, 0x00f000f0, 0x64806480, 0x6a;
+                    lop3.b32 c, s, 0x000f000f, 0x64086408, 0x6a;
+                    lop3.b32 d, s, 0x00f000f0, 0x64806480, 0x6a;
+                    fma.rn.f16x2 a, a, k7, n7;
+                    fma.rn.f16x2 b, b, k11, n11;
+                    fma.rn.f16x2 c, c, k7, n7;
+                    fma.rn.f16x2 d, d, k11, n11;
+                    fma.rn.f16x2 acc, a, $17, acc;
+                    fma.rn.f16x2 acc, b, $18, acc;
+                    fma.rn.f16x2 acc, c, $19, acc;
+                    fma.rn.f16x2 acc, d, $20, acc;
+                    mov.b32 {lo, hi}, acc;
+                    cvt.f32.f16 fl, lo;
+                    cvt.f32.f16 fh, hi;
+                    add.f32 fl, fl, fh;
+                    mov.b32 $0, fl;
+                    }""",
+            "=r,r,r,r,r,r,r,r,r,r,r,r,r,r,r,r,r,r,r,r,r",
+            [w0, w1, w2, w3, a0, b0, c0, d0, a1, b1, c1, d1, a2, b2, c2, d2, a3, b3, c3, d3],
+            dtype=tl.int32,
+            is_pure=True,
+            pack=1,
+        )
+    else:
+        xa, xb = _x_half2(tl.load(xpairs), tl.load(xpairs + 16), X_BF16)
+        a0, a1, a2, a3 = _split4(xa)
+        b0, b1, b2, b3 = _split4(xb)
+        part = tl.inline_asm_elementwise(
+            """{
+                    .reg .b32 s, a, b, k10, n10, acc;
+                    .reg .b16 lo, hi;
+                    .reg .f32 fl, fh;
+                    mov.b32 k10, 0x14001400;
+                    mov.b32 n10, 0xbc80bc80;
+                    shr.u32 s, $1, 8;
+                    lop3.b32 a, $1, 0x00ff00ff, 0x64806480, 0x6a;
+                    lop3.b32 b, s, 0x00ff00ff, 0x64806480, 0x6a;
+                    fma.rn.f16x2 a, a, k10, n10;
+                    fma.rn.f16x2 b, b, k10, n10;
+                    mul.rn.f16x2 acc, a, $5;
+                    fma.rn.f16x2 acc, b, $6, acc;
+                    shr.u32 s, $2, 8;
+                    lop3.b32 a, $2, 0x00ff00ff, 0x64806480, 0x6a;
+                    lop3.b32 b, s, 0x00ff00ff, 0x64806480, 0x6a;
+                    fma.rn.f16x2 a, a, k10, n10;
+                    fma.rn.f16x2 b, b, k10, n10;
+                    fma.rn.f16x2 acc, a, $7, acc;
+                    fma.rn.f16x2 acc, b, $8, acc;
+                    shr.u32 s, $3, 8;
+                    lop3.b32 a, $3, 0x00ff00ff, 0x64806480, 0x6a;
+                    lop3.b32 b, s, 0x00ff00ff, 0x64806480, 0x6a;
+                    fma.rn.f16x2 a, a, k10, n10;
+                    fma.rn.f16x2 b, b, k10, n10;
+                    fma.rn.f16x2 acc, a, $9, acc;
+                    fma.rn.f16x2 acc, b, $10, acc;
+                    shr.u32 s, $4, 8;
+                    lop3.b32 a, $4, 0x00ff00ff, 0x64806480, 0x6a;
+                    lop3.b32 b, s, 0x00ff00ff, 0x64806480, 0x6a;
+                    fma.rn.f16x2 a, a, k10, n10;
+                    fma.rn.f16x2 b, b, k10, n10;
+                    fma.rn.f16x2 acc, a, $11, acc;
+                    fma.rn.f16x2 acc, b, $12, acc;
+                    mov.b32 {lo, hi}, acc;
+                    cvt.f32.f16 fl, lo;
+                    cvt.f32.f16 fh, hi;
+                    add.f32 fl, fl, fh;
+                    mov.b32 $0, fl;
+                    }""",
+            "=r,r,r,r,r,r,r,r,r,r,r,r,r",
+            [w0, w1, w2, w3, a0, b0, a1, b1, a2, b2, a3, b3],
+            dtype=tl.int32,
+            is_pure=True,
+            pack=1,
+        )
+    return part.to(tl.float32, bitcast=True)
 
 
 @triton.jit
@@ -112,6 +402,9 @@ def gemv_kernel(
     SPLIT_K: tl.constexpr,
     NATIVE_FP8: tl.constexpr = False,  # fp8: the hardware e4m3 conversion (sm_89+)
     FIXUP: tl.constexpr = False,  # split-K: the last split writes out (no zero-fill, no cast)
+    HALF2: tl.constexpr = False,  # int4/int8, 16-bit x, NVIDIA: f16x2 unpack + multiply (asm)
+    PREFETCH: tl.constexpr = False,  # codes and scales of step + 1 loaded before step's math
+    QUADS: tl.constexpr = False,  # HALF2: one f16x2 sum per thread's four words (one group)
 ):
     """out[m, n] = sum_k x[m, k] * w[n, k] (+ bias[n]); one activation row per program."""
     pid_m = tl.program_id(0)
@@ -145,61 +438,88 @@ def gemv_kernel(
         g = tl.arange(0, GPS)[None, :, None]
         jj = tl.arange(0, 16)[None, None, :]
         word = g * 16 + jj  # (1, GPS, 16): word index within the step
-        code_rows = codes_ptr + cols64[:, None, None] * stride_cn
-        scale_rows = scales_ptr + cols64[:, None, None] * (K // GROUP)
-        row_ok = col_ok[:, None, None]
+        # Rows past N re-read row N - 1 (their sums are never stored), so no load is masked.
+        safe_rows = tl.minimum(cols, N - 1).to(tl.int64)[:, None, None]
+        code_rows = codes_ptr + safe_rows * stride_cn
+        scale_rows = scales_ptr + safe_rows * (K // GROUP) + jj * 0  # in the words' shape
         pairs = x_row.to(tl.pointer_type(tl.int32), bitcast=True)
         acc3 = tl.zeros((BLOCK_N, GPS, 16), dtype=tl.float32)
+        acc_quads = tl.zeros((BLOCK_N, GPS, 4), dtype=tl.float32)
+        if PREFETCH:
+            # step + 1 clamped to the split's last step (re-read once, from cache): no masks
+            ahead = tl.minimum(first, steps - 1)
+            next_words = tl.load(code_rows + ahead * (BLOCK_K // PER) + word)
+            next_scale = tl.load(scale_rows + (ahead * BLOCK_K + g * PACK) // GROUP)
         for step in range(first, last):
             k0 = step * BLOCK_K
-            words = tl.load(code_rows + step * (BLOCK_K // PER) + word, mask=row_ok, other=0)
-            scale = tl.load(scale_rows + (k0 + g * PACK) // GROUP, mask=row_ok, other=0.0)
-            if FORMAT == 1:
-                words = words ^ -2004318072  # 0x88888888: two's complement -> offset binary
-            elif FORMAT == 0:
-                words = words ^ -2139062144  # 0x80808080
-            high = words >> (BITS * (PER - LOW))  # the upper fields, down to bits 0 ..
-            t = tl.zeros((BLOCK_N, GPS, 16), dtype=tl.float32)
-            for p in tl.static_range(PER // 2):
-                # elements 32p + 2jj (+1) of each block: the int32 pair 16p + jj
-                if x_type == tl.float32:
-                    base = x_row + k0 + g * PACK + 32 * p + 2 * jj
-                    x_lo = tl.load(base)
-                    x_hi = tl.load(base + 1)
-                else:
-                    xp = tl.load(pairs + k0 // 2 + g * (PACK // 2) + 16 * p + jj)
-                    if x_type == tl.bfloat16:
-                        x_lo = (xp << 16).to(tl.float32, bitcast=True)
-                        x_hi = (xp & -65536).to(tl.float32, bitcast=True)
+            if PREFETCH:
+                words = next_words
+                scale = next_scale
+                ahead = tl.minimum(step + 1, last - 1)
+                next_words = tl.load(code_rows + ahead * (BLOCK_K // PER) + word)
+                next_scale = tl.load(scale_rows + (ahead * BLOCK_K + g * PACK) // GROUP)
+            else:
+                words = tl.load(code_rows + step * (BLOCK_K // PER) + word)
+                scale = tl.load(scale_rows + (k0 + g * PACK) // GROUP)
+            if HALF2 and QUADS:
+                xpairs = pairs + k0 // 2 + g * (PACK // 2) + jj
+                quad_scale, _s1, _s2, _s3 = _split4(scale)
+                sums = _half2_quad_sums(words, xpairs, FORMAT, x_type == tl.bfloat16)
+                acc_quads += sums * quad_scale
+            elif HALF2:
+                xpairs = pairs + k0 // 2 + g * (PACK // 2) + jj
+                acc3 += _half2_word_sums(words, xpairs, FORMAT, x_type == tl.bfloat16) * scale
+            else:
+                if FORMAT == 1:
+                    words = words ^ -2004318072  # 0x88888888: two's complement -> offset binary
+                elif FORMAT == 0:
+                    words = words ^ -2139062144  # 0x80808080
+                high = words >> (BITS * (PER - LOW))  # the upper fields, down to bits 0 ..
+                t = tl.zeros((BLOCK_N, GPS, 16), dtype=tl.float32)
+                for p in tl.static_range(PER // 2):
+                    # elements 32p + 2jj (+1) of each block: the int32 pair 16p + jj
+                    if x_type == tl.float32:
+                        base = x_row + k0 + g * PACK + 32 * p + 2 * jj
+                        x_lo = tl.load(base)
+                        x_hi = tl.load(base + 1)
                     else:
-                        x_lo = xp.to(tl.int16).to(tl.float16, bitcast=True).to(tl.float32)
-                        x_hi = (xp >> 16).to(tl.int16).to(tl.float16, bitcast=True)
-                        x_hi = x_hi.to(tl.float32)
-                for b in tl.static_range(2):
-                    f = 2 * p + b
-                    # the field at bit `at` of `src`, or-ed into the mantissa of 2^(23 - at):
-                    # one mantissa unit is 1.0 there, so the float is 2^(23 - at) + u exactly
-                    if FORMAT == 2:
-                        byte = (words >> (8 * f)) & 255
-                        if NATIVE_FP8:
-                            fp8 = byte.to(tl.uint8).to(tl.float8e4nv, bitcast=True)
-                            value = fp8.to(tl.float32)
-                        else:  # the e4m3 byte as an fp16 pattern: the value times 2^-8
-                            half = ((byte & 0x7F) << 7) | ((byte & 0x80) << 8)
-                            value = half.to(tl.int16).to(tl.float16, bitcast=True)
-                            value = value.to(tl.float32)
-                    else:
-                        at = BITS * f if f < LOW else BITS * (f - PER + LOW)
-                        src = words if f < LOW else high
-                        field = src & (((1 << BITS) - 1) << at)
-                        value = (field | ((150 - at) << 23)).to(tl.float32, bitcast=True)
-                        # - (2^(23 - at) + offset): the code itself, exactly (Sterbenz)
-                        value = value - ((1 << (23 - at)) + OFFSET)
-                    t += value * (x_lo if b == 0 else x_hi)
-            acc3 += t * scale
+                        xp = tl.load(pairs + k0 // 2 + g * (PACK // 2) + 16 * p + jj)
+                        if x_type == tl.bfloat16:
+                            x_lo = (xp << 16).to(tl.float32, bitcast=True)
+                            x_hi = (xp & -65536).to(tl.float32, bitcast=True)
+                        else:
+                            x_lo = xp.to(tl.int16).to(tl.float16, bitcast=True).to(tl.float32)
+                            x_hi = (xp >> 16).to(tl.int16).to(tl.float16, bitcast=True)
+                            x_hi = x_hi.to(tl.float32)
+                    for b in tl.static_range(2):
+                        f = 2 * p + b
+                        # the field at bit `at` of `src`, or-ed into the mantissa of 2^(23 - at):
+                        # one mantissa unit is 1.0 there, so the float is 2^(23 - at) + u exactly
+                        if FORMAT == 2:
+                            byte = (words >> (8 * f)) & 255
+                            if NATIVE_FP8:
+                                fp8 = byte.to(tl.uint8).to(tl.float8e4nv, bitcast=True)
+                                value = fp8.to(tl.float32)
+                            else:  # the e4m3 byte as an fp16 pattern: the value times 2^-8
+                                half = ((byte & 0x7F) << 7) | ((byte & 0x80) << 8)
+                                value = half.to(tl.int16).to(tl.float16, bitcast=True)
+                                value = value.to(tl.float32)
+                        else:
+                            at = BITS * f if f < LOW else BITS * (f - PER + LOW)
+                            src = words if f < LOW else high
+                            field = src & (((1 << BITS) - 1) << at)
+                            value = (field | ((150 - at) << 23)).to(tl.float32, bitcast=True)
+                            # - (2^(23 - at) + offset): the code itself, exactly (Sterbenz)
+                            value = value - ((1 << (23 - at)) + OFFSET)
+                        t += value * (x_lo if b == 0 else x_hi)
+                acc3 += t * scale
         acc = tl.sum(tl.sum(acc3, axis=2), axis=1)
         if FORMAT == 2 and not NATIVE_FP8:
             acc = acc * 256.0
+        if HALF2 and QUADS:  # the f16x2 weights are code / 128 (int4) or code / 1024 (int8)
+            acc = tl.sum(tl.sum(acc_quads, axis=2), axis=1) * (128.0 if FORMAT == 1 else 1024.0)
+        elif HALF2:  # the f16x2 weights are code / 32 (int4) or code / 256 (int8)
+            acc = acc * (32.0 if FORMAT == 1 else 256.0)
     if HAS_BIAS:
         bias = tl.load(bias_ptr + cols, mask=col_ok, other=0.0).to(tl.float32)
         acc += tl.where(pid_k == 0, bias, 0.0)
@@ -294,15 +614,25 @@ def dequantize_packed(
     return out
 
 
-# Per-shape choices from the sweep (tools/bench/quant_gemv_bench.py --sweep, one H200, Llama-3-8B
-# shapes at one row), keyed by (format, out_features, in_features), where they differ from
-# gemv_default_config's heuristic (which the sweep's other winners match: 4 rows, 2 warps, no
-# split-K).
+# Per-shape choices from the sweep (tools/bench/quant_gemv_bench.py --sweep --rows 1, one H100,
+# Llama-3-8B shapes incl. the LM head, 2026-11-26), keyed by (format, out_features, in_features);
+# one table for every GPU (half2 only takes effect on NVIDIA: AMD and the CPU interpreter run the
+# same tiles on the fp32 path). Shapes not listed take gemv_default_config's heuristic, which
+# follows these winners. Fraction of the copy bandwidth reached (codes + scales + activations):
+# int4 qkv 0.57, o 0.46, gate_up 0.81, down 0.72, lm_head 0.99; int8 0.74 / 0.67 / 0.95 / 0.85 /
+# 1.04 (was int4 0.34 / 0.29 / 0.40 / 0.39 / 0.46 with the fp32 unpacking).
+_HPQ = {"half2": True, "prefetch": True, "quads": True}
 GEMV_TABLE: dict[tuple[str, int, int], GemvConfig] = {
-    ("int4", 6144, 4096): GemvConfig(block_n=4, num_warps=1),
-    ("int4", 28672, 4096): GemvConfig(block_n=4, num_warps=1),
-    ("int8", 6144, 4096): GemvConfig(block_n=4, num_warps=1),
-    ("int8", 28672, 4096): GemvConfig(block_n=4, num_warps=1),
+    ("int4", 6144, 4096): GemvConfig(block_n=4, num_warps=1, **_HPQ),
+    ("int4", 4096, 4096): GemvConfig(block_n=4, num_warps=1, **_HPQ),
+    ("int4", 28672, 4096): GemvConfig(block_n=8, num_warps=1, half2=True, quads=True),
+    ("int4", 4096, 14336): GemvConfig(block_n=4, num_warps=2, **_HPQ),
+    ("int4", 128256, 4096): GemvConfig(block_n=4, num_warps=1, half2=True, quads=True),
+    ("int8", 6144, 4096): GemvConfig(block_n=4, num_warps=2, **_HPQ),
+    ("int8", 4096, 4096): GemvConfig(block_n=4, num_warps=2, **_HPQ),
+    ("int8", 28672, 4096): GemvConfig(block_n=4, num_warps=1, **_HPQ),
+    ("int8", 4096, 14336): GemvConfig(block_n=4, num_warps=2, **_HPQ),
+    ("int8", 128256, 4096): GemvConfig(block_n=4, num_warps=4, half2=True, quads=True),
 }
 
 
@@ -317,15 +647,21 @@ def gemv_default_config(
 ) -> GemvConfig | None:
     """The launch for one shape (None: the kernel cannot run it).
 
-    The table's entry if any; else 4 output rows per program (the sweep's winner for every
-    format and shape), the most warps (up to 2) whose step divides K, and split-K only while
+    The table's entry if any; else 4 output rows per program (the sweep's winner for almost
+    every format and shape), and for int4/int8 the f16x2 unpacking with quads and prefetch (every
+    int4/int8 winner's), with one warp (int4 at K <= 8192, int8 at N >= 16384; else two, as the
+    winners), or for fp8/dense the most warps (up to 2) whose step divides K; split-K only while
     there are fewer than 4 programs per SM.
     """
     chosen = GEMV_TABLE.get((format, out_features, in_features))
     if chosen is not None and gemv_supports(format, group_size, in_features, chosen):
         return chosen
-    for warps in (2, 1):
-        config = GemvConfig(block_n=4, num_warps=warps)
+    integer = format in ("int4", "int8")
+    order: tuple[int, ...] = (2, 1)
+    if (format == "int4" and in_features <= 8192) or (format == "int8" and out_features >= 16384):
+        order = (1, 2)
+    for warps in order:
+        config = GemvConfig(4, warps, half2=integer, prefetch=integer, quads=integer)
         if gemv_supports(format, group_size, in_features, config):
             break
     else:
@@ -407,6 +743,9 @@ def launch_gemv(
         SPLIT_K=split,
         NATIVE_FP8=format == "fp8_e4m3" and _native_fp8(x.device),
         FIXUP=scratch is not None,
+        HALF2=config.half2 and half2_supported(format, x),
+        PREFETCH=config.prefetch and format != "dense",
+        QUADS=config.quads,
         num_warps=config.num_warps,
         num_stages=config.num_stages,
     )
@@ -441,6 +780,19 @@ def _fixup_scratch(
     )
     _SCRATCH[key] = held
     return held
+
+
+def half2_supported(format: str, x: torch.Tensor) -> bool:
+    """Whether ``GemvConfig.half2`` takes effect: int4/int8 codes, bf16/fp16 activations, an
+    NVIDIA GPU (the f16x2 unpacking is PTX); elsewhere the fp32 path runs (same results within
+    the 16-bit output's rounding)."""
+    return (
+        format in ("int4", "int8")
+        and x.dtype in (torch.bfloat16, torch.float16)
+        and x.device.type == "cuda"
+        and torch.version.hip is None
+        and not interpreting()
+    )
 
 
 def _native_fp8(device: torch.device) -> bool:
@@ -483,6 +835,9 @@ def aot_specs() -> list[AotSpec]:
                             "SPLIT_K": "constexpr",
                             "NATIVE_FP8": "constexpr",
                             "FIXUP": "constexpr",
+                            "HALF2": "constexpr",
+                            "PREFETCH": "constexpr",
+                            "QUADS": "constexpr",
                         },
                         {
                             "FORMAT": code,
@@ -493,6 +848,11 @@ def aot_specs() -> list[AotSpec]:
                             "SPLIT_K": split,
                             "NATIVE_FP8": False,
                             "FIXUP": split > 1,
+                            # the PTX half2 path is NVIDIA-only: built in every target's
+                            # portable form here (kernels/tests: the half2 build for sm_80/90)
+                            "HALF2": False,
+                            "PREFETCH": split == 1 and not dense,
+                            "QUADS": False,
                         },
                     )
                 )

@@ -184,7 +184,7 @@ class ServingEngine:
         self.vocab_size = int(model_config.vocab_size)
         eos = model_config.eos_token_id if tokenizer is None else tokenizer.eos_token_id
         self.eos_token_id: int | None = eos[0] if isinstance(eos, list) else eos
-        device = decoder.head.weight.device
+        device = decoder.embed.weight.device  # the head may be quantized (no .weight)
         num_blocks = _num_blocks(decoder, self.config, device)
         if tp > 1:  # every rank's cache must hold the same blocks: the smallest free memory wins
             agreed = torch.tensor([num_blocks], dtype=torch.int64, device=device)

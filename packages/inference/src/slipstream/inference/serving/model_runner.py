@@ -103,8 +103,8 @@ class PagedDecoder:
         self.block_size = block_size
         self.num_blocks = num_blocks
         self.max_blocks_per_seq = max_blocks_per_seq
-        weight = decoder.head.weight
-        self.device: torch.device = weight.device
+        # the embedding's device: the head may be quantized (quant.weight.lm_head, no .weight)
+        self.device: torch.device = decoder.embed.weight.device
         self.dtype: torch.dtype = decoder.embed.weight.dtype
         first = decoder.blocks[0]
         assert isinstance(first, FusedBlock)
