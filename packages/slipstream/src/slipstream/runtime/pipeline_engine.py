@@ -5,9 +5,10 @@ Composed from ``slipstream.pipeline`` calls, in order: the config's ``pipeline``
 data-parallel replicas start from one set of weights; the optimizer and LR schedule are
 resolved as for the plain engine; an executor is wired to the neighbouring stages; with
 ``zero_optimization.stage`` 1 or 2 the optimizer is re-homed onto fp32 master shards over the
-stage's data-parallel group (slipstream.zero); and every ``train_batch`` runs the schedule,
-then the gradient steps of :mod:`slipstream.pipeline.runtime` (or their sharded counterparts)
-and the optimizer.
+stage's data-parallel group (slipstream.zero), at stage 0 it goes to the plain engine's
+replicated gradient path over that group; and every ``train_batch`` runs the schedule, sums the
+tied weights' gradients across stages, and hands the rest (data-parallel reduction, non-finite
+vote, unscale, clip, optimizer step) to that gradient path, with the norm taken across stages.
 """
 
 from __future__ import annotations
@@ -40,7 +41,6 @@ from slipstream.pipeline.runtime import (
     aggregate_loss,
     build_executor,
     eval_batch,
-    train_batch,
 )
 from slipstream.pipeline.schedules import PipelineSchedule, build_schedule
 from slipstream.runtime import zero_setup
@@ -48,7 +48,13 @@ from slipstream.runtime.lr_schedules import resolve_scheduler
 from slipstream.runtime.moe_gradients import agree_overflow
 from slipstream.runtime.optimizers import resolve_optimizer
 from slipstream.runtime.tensor_parallel import check_tensor_parallel_support
-from slipstream.zero import DataParallelGroup, ShardedOptimizerStates
+from slipstream.zero import (
+    DataParallelGroup,
+    GradientPath,
+    ReplicatedGradientPath,
+    ShardedOptimizerStates,
+    StepOutcome,
+)
 
 __all__ = ["PipelineEngine", "initialize_pipeline", "load_pipeline_config"]
 
@@ -174,13 +180,18 @@ class PipelineEngine:
         )
         self.skipped_steps = 0
 
-        # 5. ZeRO 1-2: re-home the optimizer onto fp32 master shards over this stage's
-        # data-parallel group. After step 4, so that the masters of tied weights are cut from
-        # the synchronized copies (every stage sharing a weight starts from the same shard).
+        # 5. The gradient path (slipstream.zero), chosen once. ZeRO 1-2: re-home the optimizer
+        # onto fp32 master shards over this stage's data-parallel group, after step 4, so that
+        # the masters of tied weights are cut from the synchronized copies (every stage sharing
+        # a weight starts from the same shard). Stage 0: the plain engine's replicated path.
         self.zero_stage = config.zero_optimization.stage
         self.zero: ShardedOptimizerStates | None = None
+        self.gradient_path: GradientPath
         if self.zero_stage in (1, 2):
             self.zero = self._shard_optimizer(config)
+            self.gradient_path = self.zero
+        else:
+            self.gradient_path = self._replicated_path(config)
         self._micro_batch = int(config.train_micro_batch_size_per_gpu)  # type: ignore[arg-type]
         self._gas = int(config.gradient_accumulation_steps)  # type: ignore[arg-type]
         self._train_batch = int(config.train_batch_size)  # type: ignore[arg-type]
@@ -214,6 +225,27 @@ class PipelineEngine:
         with torch.no_grad():
             for tensor in [*self.module.parameters(), *self.module.buffers()]:
                 comm.broadcast(tensor.data, src=src, group=group)
+
+    def _replicated_path(self, config: SlipstreamConfig) -> ReplicatedGradientPath:
+        """Stage 0: the path ``SlipstreamEngine`` takes at stage 0, over this stage's
+        data-parallel group (bucket size, pre-scaling and communication dtype from the same
+        config keys). The weights stay fp32 under autocast, so there are no master copies.
+        Its vote spans the world: each stage sees only its own gradients ([Note: one overflow
+        vote across stages])."""
+        replicas = self.data_parallel_size
+        return ReplicatedGradientPath(
+            [p for p in self.module.parameters() if p.requires_grad],
+            self.optimizer,
+            zero_setup.replicated_reduce_settings(config),
+            group=(
+                self.grid.get_data_parallel_group()
+                if self.grid is not None and replicas > 1
+                else None
+            ),
+            group_size=replicas,
+            masters=False,
+            vote_over_world=True,
+        )
 
     def _shard_optimizer(self, config: SlipstreamConfig) -> ShardedOptimizerStates:
         group = DataParallelGroup(None, 1, 0)  # one replica: this rank alone
@@ -338,14 +370,7 @@ class PipelineEngine:
         if self.zero is not None:
             loss, grad_norm = self._train_batch_sharded(iterator)
         else:
-            loss, grad_norm = train_batch(
-                self.executor,
-                self.schedule,
-                iterator,
-                self.optimizer,
-                max_grad_norm=self.config.gradient_clipping,
-                before_step=self._unscale_or_skip,
-            )
+            loss, grad_norm = self._train_batch_replicated(iterator)
         self._last_grad_norm = grad_norm
         if self.lr_scheduler is not None and self.skipped_steps == skipped_before:
             self.lr_scheduler.step()
@@ -369,6 +394,78 @@ class PipelineEngine:
                 f"{float(grad_norm):.4f}" if grad_norm is not None else "n/a",
             )
         return loss
+
+    def _train_batch_replicated(self, iterator: Iterator[Any] | None) -> StepResult:
+        """``train_batch`` at ZeRO stage 0, on :class:`~slipstream.zero.ReplicatedGradientPath`.
+
+        The schedule accumulates every micro-batch's full gradient locally; the tied weights'
+        gradients are summed across the stages sharing them; then the path's all-reduce is
+        armed and finished with no backward in between, which launches every bucket (the mean
+        over this stage's data-parallel group). The norm spans every stage (each tied weight
+        counted once; tensor-parallel shards' squares also over the tensor group) and is
+        taken here from the still-scaled gradients (fp16: divided by the power-of-two scale,
+        exact); the path votes over the world, unscales, clips with it and steps.
+        """
+        path = self.gradient_path
+        assert isinstance(path, ReplicatedGradientPath)
+        module = self.module
+        if not self.schedule.train:
+            raise ValueError(f"schedule {self.schedule.name} is forward-only; use eval_batch")
+        module.train()
+        result = self.executor.run(self.schedule, iterator)
+        reduce_tied_gradients(module)
+        path.prepare_backward(is_boundary=True)
+        path.finish_backward()
+        scaler = self.loss_scaler
+        loss_scale = scaler.loss_scale if scaler is not None else None
+        groups = []
+        if self.grid is not None and self.grid.pipe_parallel_size > 1:
+            groups.append(self.grid.get_pipe_parallel_group())
+        norm = grad_norm_across_stages(
+            module,
+            [(p, p.grad) for p in path.params],
+            groups,
+            self._device,
+            tensor_group=self._tensor_group(),
+        )
+        if loss_scale is not None and loss_scale != 1.0:
+            norm = norm / loss_scale
+        outcome = path.step(
+            loss_scale=loss_scale,
+            max_grad_norm=self.config.gradient_clipping,
+            grad_norm=norm,
+            nonfinite_check=self._losses_check(result.losses) if self._check_nonfinite else None,
+        )
+        path.zero_grad()
+        self._settle(outcome)
+        loss = aggregate_loss(self.executor, result.losses, self._device)
+        return StepResult(loss, None if outcome.overflow else norm)
+
+    def _losses_check(self, losses: list[torch.Tensor]) -> torch.Tensor:
+        """This rank's losses of the batch for the non-finite vote (zero off the last stage)."""
+        if not losses:
+            return torch.zeros((), dtype=torch.float32, device=self._device)
+        return torch.stack([loss.float() for loss in losses]).sum().to(self._device)
+
+    def _tensor_group(self) -> dist.ProcessGroup | None:
+        if self.grid is not None and self.grid.model_parallel_size > 1:
+            return self.grid.get_model_parallel_group()
+        return None
+
+    def _settle(self, outcome: StepOutcome) -> None:
+        """After a step: the fp16 scale backs off or may grow, a skip is counted and logged
+        (the LR schedule moves in :meth:`train_batch` on a taken step only)."""
+        scaler = self.loss_scaler
+        if scaler is not None:
+            scaler.update(outcome.overflow)
+        if outcome.overflow:
+            self.skipped_steps += 1
+            if comm.get_rank() == 0:
+                logger.info(
+                    "step %d: non-finite gradients on some stage; skipping the update%s",
+                    self.global_steps + 1,
+                    f" (loss scale -> {scaler.loss_scale:g})" if scaler is not None else "",
+                )
 
     def _train_batch_sharded(self, iterator: Iterator[Any] | None) -> StepResult:
         """``train_batch`` at ZeRO stage 1 or 2: the gradients end in this rank's fp32 shards.
@@ -423,11 +520,7 @@ class PipelineEngine:
             [(p, zero.masters.grad(i)) for i, p in enumerate(zero.params)],
             groups,
             self._device,
-            tensor_group=(
-                self.grid.get_model_parallel_group()
-                if self.grid is not None and self.grid.model_parallel_size > 1
-                else None
-            ),
+            tensor_group=self._tensor_group(),
         )
         zero.optimizer.step(max_grad_norm=self.config.gradient_clipping, grad_norm=norm)
         zero.zero_grad()
@@ -447,19 +540,9 @@ class PipelineEngine:
         if scaler is None and not self._check_nonfinite:
             return False
         overflow = agree_overflow(grads, self._device)
-        if scaler is not None:
-            old_scale = scaler.loss_scale
-            scaler.update(overflow)
-            if not overflow and grads and old_scale != 1.0:
-                torch._foreach_mul_(grads, 1.0 / old_scale)
-        if overflow:
-            self.skipped_steps += 1
-            if comm.get_rank() == 0:
-                logger.info(
-                    "step %d: non-finite gradients on some stage; skipping the update%s",
-                    self.global_steps + 1,
-                    f" (loss scale -> {scaler.loss_scale:g})" if scaler is not None else "",
-                )
+        if scaler is not None and not overflow and grads and scaler.loss_scale != 1.0:
+            torch._foreach_mul_(grads, 1.0 / scaler.loss_scale)
+        self._settle(StepOutcome(overflow=overflow, grad_norm=None))
         return overflow
 
     def _reduce_scatter_now(self, microbatch: int, chunk: int) -> None:

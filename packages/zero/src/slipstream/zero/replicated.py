@@ -108,7 +108,9 @@ class ReplicatedGradientPath:
     ``params``: the trainable parameters, in the order of ``optimizer``'s; ``masters``: keep
     fp32 master copies (fp16/bf16 modules) that ``optimizer`` steps instead, the model
     receiving their values after each step. ``group``: the data-parallel group (None: the
-    world). ``experts``: expert-parallel parameter groups, reduced over their own groups.
+    world; ``group_size=1`` with no group: this rank alone, e.g. a pipeline stage without
+    data-parallel replicas, whose grid has no group for them). ``experts``: expert-parallel
+    parameter groups, reduced over their own groups.
     ``vote_over_world``: the reduced gradients may differ between ranks of the world (tensor
     parallelism), so the fp16 overflow vote spans it (it always does with ``experts`` and
     for a ``nonfinite_check``).
@@ -126,6 +128,7 @@ class ReplicatedGradientPath:
         settings: ReduceSettings,
         *,
         group: dist.ProcessGroup | None = None,
+        group_size: int | None = None,
         masters: bool = False,
         experts: Sequence[ExpertGroup] = (),
         vote_over_world: bool = False,
@@ -134,7 +137,10 @@ class ReplicatedGradientPath:
         self.torch_optimizer = optimizer
         self.settings = settings
         self.group = group
-        self.world_size = comm.get_world_size(group) if comm.is_initialized() else 1
+        if group_size is not None:
+            self.world_size = group_size
+        else:
+            self.world_size = comm.get_world_size(group) if comm.is_initialized() else 1
         self.experts = list(experts)
         self.vote_over_world = vote_over_world or bool(self.experts)
         self.device = self.params[0].device if self.params else torch.device("cpu")
