@@ -34,7 +34,7 @@ from slipstream.monitor import MonitorMaster
 from slipstream.pipeline import checkpointing as activation_checkpointing
 from slipstream.pipeline.checkpointing import ActivationCheckpointingConfig
 from slipstream.pipeline.config import PipelineConfig
-from slipstream.pipeline.gradients import grad_norm_across_stages, reduce_tied_gradients
+from slipstream.pipeline.gradients import grad_squares_across_stages, reduce_tied_gradients
 from slipstream.pipeline.module import PipelineModule
 from slipstream.pipeline.runtime import (
     StepResult,
@@ -45,7 +45,6 @@ from slipstream.pipeline.runtime import (
 from slipstream.pipeline.schedules import PipelineSchedule, build_schedule
 from slipstream.runtime import zero_setup
 from slipstream.runtime.lr_schedules import resolve_scheduler
-from slipstream.runtime.moe_gradients import agree_overflow
 from slipstream.runtime.optimizers import resolve_optimizer
 from slipstream.runtime.tensor_parallel import check_tensor_parallel_support
 from slipstream.zero import (
@@ -53,7 +52,6 @@ from slipstream.zero import (
     GradientPath,
     ReplicatedGradientPath,
     ShardedOptimizerStates,
-    StepOutcome,
 )
 
 __all__ = ["PipelineEngine", "initialize_pipeline", "load_pipeline_config"]
@@ -401,10 +399,8 @@ class PipelineEngine:
         The schedule accumulates every micro-batch's full gradient locally; the tied weights'
         gradients are summed across the stages sharing them; then the path's all-reduce is
         armed and finished with no backward in between, which launches every bucket (the mean
-        over this stage's data-parallel group). The norm spans every stage (each tied weight
-        counted once; tensor-parallel shards' squares also over the tensor group) and is
-        taken here from the still-scaled gradients (fp16: divided by the power-of-two scale,
-        exact); the path votes over the world, unscales, clips with it and steps.
+        over this stage's data-parallel group; the replicas then hold equal gradients, so the
+        squares need summing over the pipeline only); then :meth:`_step`.
         """
         path = self.gradient_path
         assert isinstance(path, ReplicatedGradientPath)
@@ -416,56 +412,8 @@ class PipelineEngine:
         reduce_tied_gradients(module)
         path.prepare_backward(is_boundary=True)
         path.finish_backward()
-        scaler = self.loss_scaler
-        loss_scale = scaler.loss_scale if scaler is not None else None
-        groups = []
-        if self.grid is not None and self.grid.pipe_parallel_size > 1:
-            groups.append(self.grid.get_pipe_parallel_group())
-        norm = grad_norm_across_stages(
-            module,
-            [(p, p.grad) for p in path.params],
-            groups,
-            self._device,
-            tensor_group=self._tensor_group(),
-        )
-        if loss_scale is not None and loss_scale != 1.0:
-            norm = norm / loss_scale
-        outcome = path.step(
-            loss_scale=loss_scale,
-            max_grad_norm=self.config.gradient_clipping,
-            grad_norm=norm,
-            nonfinite_check=self._losses_check(result.losses) if self._check_nonfinite else None,
-        )
-        path.zero_grad()
-        self._settle(outcome)
-        loss = aggregate_loss(self.executor, result.losses, self._device)
-        return StepResult(loss, None if outcome.overflow else norm)
-
-    def _losses_check(self, losses: list[torch.Tensor]) -> torch.Tensor:
-        """This rank's losses of the batch for the non-finite vote (zero off the last stage)."""
-        if not losses:
-            return torch.zeros((), dtype=torch.float32, device=self._device)
-        return torch.stack([loss.float() for loss in losses]).sum().to(self._device)
-
-    def _tensor_group(self) -> dist.ProcessGroup | None:
-        if self.grid is not None and self.grid.model_parallel_size > 1:
-            return self.grid.get_model_parallel_group()
-        return None
-
-    def _settle(self, outcome: StepOutcome) -> None:
-        """After a step: the fp16 scale backs off or may grow, a skip is counted and logged
-        (the LR schedule moves in :meth:`train_batch` on a taken step only)."""
-        scaler = self.loss_scaler
-        if scaler is not None:
-            scaler.update(outcome.overflow)
-        if outcome.overflow:
-            self.skipped_steps += 1
-            if comm.get_rank() == 0:
-                logger.info(
-                    "step %d: non-finite gradients on some stage; skipping the update%s",
-                    self.global_steps + 1,
-                    f" (loss scale -> {scaler.loss_scale:g})" if scaler is not None else "",
-                )
+        norm = self._step([(p, p.grad) for p in path.params], self._pipe_groups())
+        return StepResult(aggregate_loss(self.executor, result.losses, self._device), norm)
 
     def _train_batch_sharded(self, iterator: Iterator[Any] | None) -> StepResult:
         """``train_batch`` at ZeRO stage 1 or 2: the gradients end in this rank's fp32 shards.
@@ -485,12 +433,13 @@ class PipelineEngine:
           the shards agree: a tie group joins the ranks of one data-parallel coordinate, which
           own the same range of the weight (same shape, same group size; checked at set-up).
           Summing the shards rather than full gradients also moves 1/DP of the bytes.
-        - Then, both stages: the global norm from the final shards (squares summed over the
-          data-parallel group and then over the pipeline, each tied weight counted on its
+        - Then, both stages, :meth:`_step`: the squares of the final shards summed over the
+          data-parallel group and then over the pipeline (each tied weight counted on its
           lowest stage only, as the stage-0 path does; tensor-parallel shards' squares also
-          over the tensor group); the step clips every shard with it
-          (so the copies of a tied weight get the same update and stay bit-identical), steps
-          the optimizer on the shards and all-gathers them into the parameters.
+          over the tensor group) carry the vote and the norm; the path's step clips every
+          shard with it (so the copies of a tied weight get the same update and stay
+          bit-identical), steps the optimizer on the shards and all-gathers them into the
+          parameters.
         """
         zero = self.zero
         assert zero is not None
@@ -507,43 +456,65 @@ class PipelineEngine:
         else:
             reduce_tied_gradients(module)
             zero.finish_backward(is_boundary=True)
-        if self._unscale_or_skip(zero.masters.grads()):
-            zero.zero_grad()
-            return StepResult(aggregate_loss(self.executor, result.losses, self._device), None)
-        groups = []
-        if zero.group.world_size > 1:
-            groups.append(zero.group.group)
-        if self.grid is not None and self.grid.pipe_parallel_size > 1:
-            groups.append(self.grid.get_pipe_parallel_group())
-        norm = grad_norm_across_stages(
-            module,
+        groups = [zero.group.group] if zero.group.world_size > 1 else []
+        norm = self._step(
             [(p, zero.masters.grad(i)) for i, p in enumerate(zero.params)],
-            groups,
-            self._device,
-            tensor_group=self._tensor_group(),
+            groups + self._pipe_groups(),
         )
-        zero.optimizer.step(max_grad_norm=self.config.gradient_clipping, grad_norm=norm)
-        zero.zero_grad()
         return StepResult(aggregate_loss(self.executor, result.losses, self._device), norm)
 
-    def _unscale_or_skip(self, grads: list[torch.Tensor]) -> bool:
-        """Before the step: whether to skip it (True), unscaling fp16 gradients otherwise.
+    def _step(
+        self,
+        grads: list[tuple[torch.Tensor, torch.Tensor | None]],
+        groups: list[dist.ProcessGroup | None],
+    ) -> torch.Tensor | None:
+        """The gradient path's step with the squares summed across the stages; returns the
+        unscaled norm (None when the step was skipped).
 
         [Note: one overflow vote across stages] Each stage sees only its own gradients, so a
-        stage whose gradients are finite cannot know that another's overflowed; the flag is
-        max-reduced over the whole world (every stage and replica: one scalar all-reduce, one
-        host sync per step), and every rank skips or steps alike. With fp16 the shared loss
-        scale then shrinks (overflow) or may grow; with fp32/bf16 the vote runs only under
-        ``check_grad_overflow``.
+        stage whose gradients are finite cannot know that another's overflowed. The sum of
+        squares of ``grads`` (this rank's, still scaled under fp16), all-reduced over
+        ``groups`` (the data-parallel group where the gradients are sharded, then the
+        pipeline) and the tensor group, is non-finite on every rank when any gradient of any
+        rank is: the path's step takes it as ``grad_squares``, which carries the vote as well
+        as the norm (one collective and one host read per step), and every rank skips or
+        steps alike. The vote is on the gradients; with fp32/bf16 it runs only under
+        ``check_grad_overflow`` (a zero ``nonfinite_check`` asks for it).
         """
+        path = self.gradient_path
         scaler = self.loss_scaler
-        if scaler is None and not self._check_nonfinite:
-            return False
-        overflow = agree_overflow(grads, self._device)
-        if scaler is not None and not overflow and grads and scaler.loss_scale != 1.0:
-            torch._foreach_mul_(grads, 1.0 / scaler.loss_scale)
-        self._settle(StepOutcome(overflow=overflow, grad_norm=None))
-        return overflow
+        squares = grad_squares_across_stages(
+            self.module, grads, groups, self._device, tensor_group=self._tensor_group()
+        )
+        check = torch.zeros((), dtype=torch.float32, device=self._device)
+        outcome = path.step(
+            loss_scale=scaler.loss_scale if scaler is not None else None,
+            max_grad_norm=self.config.gradient_clipping,
+            nonfinite_check=check if self._check_nonfinite else None,
+            grad_squares=squares,
+        )
+        path.zero_grad()
+        if scaler is not None:
+            scaler.update(outcome.overflow)
+        if outcome.overflow:
+            self.skipped_steps += 1
+            if comm.get_rank() == 0:
+                logger.info(
+                    "step %d: non-finite gradients on some stage; skipping the update%s",
+                    self.global_steps + 1,
+                    f" (loss scale -> {scaler.loss_scale:g})" if scaler is not None else "",
+                )
+        return outcome.grad_norm
+
+    def _pipe_groups(self) -> list[dist.ProcessGroup | None]:
+        if self.grid is not None and self.grid.pipe_parallel_size > 1:
+            return [self.grid.get_pipe_parallel_group()]
+        return []
+
+    def _tensor_group(self) -> dist.ProcessGroup | None:
+        if self.grid is not None and self.grid.model_parallel_size > 1:
+            return self.grid.get_model_parallel_group()
+        return None
 
     def _reduce_scatter_now(self, microbatch: int, chunk: int) -> None:
         """Stage 2, after each backward instruction: reduce-scatter its gradients into the

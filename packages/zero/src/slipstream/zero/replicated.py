@@ -22,8 +22,14 @@ from slipstream import comm
 from slipstream.kernels.loss_scaler import inf_or_nan_flag
 from slipstream.zero.allreduce import GradientReducer, ReduceSettings, register_ready_hooks
 from slipstream.zero.gradient_path import _load_masters, _masters_state, masters_memory
+from slipstream.zero.group import DataParallelGroup
 from slipstream.zero.norms import clip_grads_
-from slipstream.zero.optimizer import StepOutcome, step_unless_nonfinite, supports_device_skip
+from slipstream.zero.optimizer import (
+    StepOutcome,
+    step_unless_nonfinite,
+    supports_device_skip,
+    take_sharded_step,
+)
 
 __all__ = ["ExpertGroup", "MasterWeights", "ReplicatedGradientPath"]
 
@@ -224,6 +230,7 @@ class ReplicatedGradientPath:
         grad_norm: torch.Tensor | None = None,
         nonfinite_check: torch.Tensor | None = None,
         defer_skip: bool = False,
+        grad_squares: torch.Tensor | None = None,
     ) -> StepOutcome:
         """Vote, unscale, norm, clip, step, copy the masters into the model.
 
@@ -233,6 +240,11 @@ class ReplicatedGradientPath:
         ``nonfinite_check`` no collective is needed. ``grad_norm``: the unscaled global norm
         when the caller took it (tensor parallelism), else torch's ``clip_grad_norm_``
         arithmetic here. ``defer_skip``: see :func:`~slipstream.zero.take_sharded_step`.
+
+        ``grad_squares``: the caller's sum of squares of the reduced (scaled) gradients,
+        all-reduced over every rank whose gradients differ (a pipeline's stages): it carries
+        the vote and gives the norm, and the step is :func:`~slipstream.zero.take_sharded_step`
+        with no collective of its own (the gradients are whole: a group of one).
         """
         optimizer = self.torch_optimizer
         if optimizer is None:
@@ -241,6 +253,22 @@ class ReplicatedGradientPath:
                 "or add an 'optimizer' block to the config"
             )
         grads = self.grads()
+        if grad_squares is not None:
+            outcome = take_sharded_step(
+                optimizer,
+                grads,
+                DataParallelGroup(None, 1, 0),
+                self.device,
+                loss_scale=loss_scale,
+                max_grad_norm=max_grad_norm,
+                grad_norm=grad_norm,
+                nonfinite_check=nonfinite_check,
+                defer_skip=defer_skip,
+                grad_squares=grad_squares,
+            )
+            if self.masters is not None and not outcome.overflow:
+                self.masters.copy_to_model()
+            return outcome
         found_inf: torch.Tensor | None = None
         if loss_scale is not None or nonfinite_check is not None:
             found_inf = self._vote(grads, nonfinite_check)
