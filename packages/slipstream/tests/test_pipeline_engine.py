@@ -257,6 +257,7 @@ def _state_matches(got, expected, **tolerance):
         assert sorted(entry) == sorted(ref[index])
         for key, value in entry.items():
             torch.testing.assert_close(value, ref[index][key], **tolerance)
+
     # (A checkpoint's groups come back from JSON: betas as a list.)
     def plain(groups):
         return [{k: list(v) if isinstance(v, tuple) else v for k, v in g.items()} for g in groups]
