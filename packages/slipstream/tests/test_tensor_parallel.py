@@ -457,13 +457,16 @@ def _train_pp2_tp2(steps: int = 3, clip: float = 0.3) -> dict[str, float]:
     return worst
 
 
-def _train_pp2_tp2_fp16(stage: int, steps: int = 4, bad: int = 1) -> dict[str, float]:
+def _train_pp2_tp2_fp16(
+    stage: int, offload: bool = False, steps: int = 4, bad: int = 1
+) -> dict[str, float]:
     """PP=2 x TP=2, fp16 (autocast, dynamic loss scale 2^8, hysteresis 1) at ZeRO ``stage``,
     vs plain PyTorch under the same autocast and loss scale. At step ``bad`` only global rank
     3 (last stage, tensor rank 1) sees an inf, in a replicated weight (a row-parallel bias,
     whose squares the norm counts on one tensor rank only): every rank must skip that step,
     as the reference does, and halve the scale; the other steps match within fp16's
-    rounding (the tensor split sums in another order)."""
+    rounding (the tensor split sums in another order). ``offload``: the masters and the step
+    on the CPU (the offloaded step takes the pipeline's squares too)."""
     import torch.distributed as dist
 
     import slipstream
@@ -483,7 +486,10 @@ def _train_pp2_tp2_fp16(stage: int, steps: int = 4, bad: int = 1) -> dict[str, f
         "optimizer": {"type": "SGD", "params": {"lr": LR, "momentum": 0.9}},
         "gradient_clipping": clip,
         "fp16": {"enabled": True, "initial_scale_power": 8, "hysteresis": 1},
-        "zero_optimization": {"stage": stage},
+        "zero_optimization": {
+            "stage": stage,
+            **({"offload_optimizer": {"device": "cpu"}} if offload else {}),
+        },
     }
     engine, *_ = slipstream.initialize(model=module, config=config)
     optimizer = torch.optim.SGD(reference.parameters(), lr=LR, momentum=0.9)
@@ -624,6 +630,7 @@ def _world_of_four(root: str) -> dict[str, Any]:
         "pp2_tp2_checkpoint": _check_pp2_tp2_checkpoint(root),
         "pp2_tp2_fp16_zero0": _train_pp2_tp2_fp16(stage=0),
         "pp2_tp2_fp16_zero1": _train_pp2_tp2_fp16(stage=1),
+        "pp2_tp2_fp16_zero1_offload": _train_pp2_tp2_fp16(stage=1, offload=True),
         "fp16_overflow_on_one_rank": _train_fp16_overflow_on_one_rank(),
         "fp16_overflow_on_one_rank_offload": _train_fp16_overflow_on_one_rank(offload=True),
     }
