@@ -101,12 +101,14 @@ class PipelineEngine:
     Precision: ``bf16.enabled`` runs the stages under ``torch.autocast(bfloat16)`` with fp32
     weights and optimizer (a deviation from DeepSpeed, which casts the module); ``fp16.enabled``
     likewise runs ``torch.autocast(float16)``, with the config's loss scaler: the last stage
-    scales the loss, every stage's gradients join one overflow vote over the world before the
-    step, which every rank then skips or takes alike ([Note: one overflow vote across stages]).
+    scales the loss, every stage's gradients join one overflow vote (riding on the norm's sum
+    of squares across the stages) before the step, which every rank then skips or takes alike
+    ([Note: one overflow vote across stages]).
 
-    ZeRO: ``zero_optimization.stage`` 1 or 2 shards each stage's fp32 optimizer state (1) and
-    gradients (2) over that stage's data-parallel group (DeepSpeed refuses stage 2 with
-    pipelines); stage 3 raises.
+    ZeRO: the gradient path (``gradient_path``, slipstream.zero) is chosen once. Stage 0:
+    ``ReplicatedGradientPath``, as the plain engine's; ``zero_optimization.stage`` 1 or 2
+    shards each stage's fp32 optimizer state (1) and gradients (2) over that stage's
+    data-parallel group (DeepSpeed refuses stage 2 with pipelines); stage 3 raises.
     """
 
     def __init__(
