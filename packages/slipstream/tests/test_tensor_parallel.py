@@ -403,9 +403,19 @@ def _pipeline_of_tp_layers(group: Any) -> list[torch.nn.Module]:
     ]
 
 
-def _train_pp2_tp2(steps: int = 3, clip: float = 0.3) -> dict[str, float]:
+def _train_pp2_tp2(
+    steps: int = 3, clip: float = 0.3, fp16_stage: int | None = None, offload: bool = False
+) -> dict[str, float]:
     """PP=2 x TP=2: a PipelineModule whose stages are built from TP layers, vs plain PyTorch,
-    with gradient clipping that bites (the norm spans the stages and the tensor group)."""
+    with gradient clipping that bites (the norm spans the stages and the tensor group).
+
+    ``fp16_stage``: fp16 (autocast, dynamic loss scale 2^8, hysteresis 1) at that ZeRO stage,
+    against plain PyTorch under the same autocast and loss scale. At step 1 only global rank
+    3 (last stage, tensor rank 1) sees an inf, in a replicated weight (a row-parallel bias,
+    whose squares the norm counts on one tensor rank only): every rank must skip that step,
+    as the reference does, and halve the scale; the other steps match within fp16's rounding
+    (the tensor split sums in another order). ``offload``: the masters and the step on the
+    CPU (the offloaded step takes the pipeline's squares too)."""
     import torch.distributed as dist
 
     import slipstream
@@ -418,12 +428,20 @@ def _train_pp2_tp2(steps: int = 3, clip: float = 0.3) -> dict[str, float]:
     layers = _pipeline_of_tp_layers(grid.group("tensor"))
     reference = torch.nn.Sequential(*_pipeline_of_tp_layers(None))
     module = PipelineModule(layers, topology=topology, loss_fn=torch.nn.functional.mse_loss)
-    config = {
+    config: dict[str, Any] = {
         "train_micro_batch_size_per_gpu": 2,
         "gradient_accumulation_steps": 2,
         "optimizer": {"type": "SGD", "params": {"lr": LR, "momentum": 0.9}},
         "gradient_clipping": clip,
     }
+    scale, bad = 1.0, -1
+    if fp16_stage is not None:
+        scale, bad = 2.0**8, 1
+        config["fp16"] = {"enabled": True, "initial_scale_power": 8, "hysteresis": 1}
+        config["zero_optimization"] = {
+            "stage": fp16_stage,
+            **({"offload_optimizer": {"device": "cpu"}} if offload else {}),
+        }
     engine, *_ = slipstream.initialize(model=module, config=config)
     optimizer = torch.optim.SGD(reference.parameters(), lr=LR, momentum=0.9)
     worst = {"loss": 0.0, "param": 0.0, "grad_norm": 0.0}
@@ -432,9 +450,34 @@ def _train_pp2_tp2(steps: int = 3, clip: float = 0.3) -> dict[str, float]:
         batches = [
             (torch.randn(2, 8, generator=gen), torch.randn(2, 4, generator=gen)) for _ in range(2)
         ]
+        before = [p.detach().clone() for p in engine.module.parameters()]
+        handle = None
+        if step == bad and dist.get_rank() == 3:  # a replicated weight: only rank 3 sees it
+            handle = layers[5].bias.register_hook(lambda g: g * float("inf"))
         loss = engine.train_batch(iter(batches))
-        ref_loss = sum(torch.nn.functional.mse_loss(reference(x), y) / 2 for x, y in batches)
-        ref_loss.backward()
+        if handle is not None:
+            handle.remove()
+        if fp16_stage is None:
+            ref_loss = sum(torch.nn.functional.mse_loss(reference(x), y) / 2 for x, y in batches)
+            ref_loss.backward()
+        else:
+            ref_loss = torch.zeros(())
+            for x, y in batches:
+                with torch.autocast("cpu", dtype=torch.float16):
+                    part = torch.nn.functional.mse_loss(reference(x), y) / 2
+                (part * scale).backward()
+                ref_loss = ref_loss + part.detach().float()
+        if step == bad:  # skipped on every rank, and by the reference
+            optimizer.zero_grad()
+            unchanged = all(torch.equal(a, b) for a, b in zip(before, engine.module.parameters()))
+            worst["bad_step_moved"] = 0.0 if unchanged else 1.0
+            worst["not_skipped"] = abs(engine.skipped_steps - 1)
+            worst["scale_kept"] = abs(engine.loss_scaler.loss_scale - scale / 2)
+            scale /= 2
+            continue
+        if scale != 1.0:
+            for param in reference.parameters():
+                param.grad.div_(scale)  # type: ignore[union-attr]
         ref_norm = torch.nn.utils.clip_grad_norm_(reference.parameters(), clip)
         assert float(ref_norm) > 2 * clip, float(ref_norm)  # the clipping bites
         optimizer.step()
@@ -442,7 +485,7 @@ def _train_pp2_tp2(steps: int = 3, clip: float = 0.3) -> dict[str, float]:
         norm = torch.tensor(engine.get_global_grad_norm())
         worst["grad_norm"] = max(worst["grad_norm"], _rel(norm, ref_norm.detach()))
         if engine.is_last_stage():
-            worst["loss"] = max(worst["loss"], _rel(loss.detach(), ref_loss.detach()))
+            worst["loss"] = max(worst["loss"], _rel(loss.detach().float(), ref_loss.detach()))
     ref_layers = list(reference)
     for index, layer in enumerate(layers):
         for name, param in layer.named_parameters():
@@ -454,92 +497,6 @@ def _train_pp2_tp2(steps: int = 3, clip: float = 0.3) -> dict[str, float]:
                 expected = expected.chunk(2, dim=dim)[tp_rank]
             worst["param"] = max(worst["param"], _rel(param.detach(), expected))
     assert dist.get_world_size() == 4
-    return worst
-
-
-def _train_pp2_tp2_fp16(
-    stage: int, offload: bool = False, steps: int = 4, bad: int = 1
-) -> dict[str, float]:
-    """PP=2 x TP=2, fp16 (autocast, dynamic loss scale 2^8, hysteresis 1) at ZeRO ``stage``,
-    vs plain PyTorch under the same autocast and loss scale. At step ``bad`` only global rank
-    3 (last stage, tensor rank 1) sees an inf, in a replicated weight (a row-parallel bias,
-    whose squares the norm counts on one tensor rank only): every rank must skip that step,
-    as the reference does, and halve the scale; the other steps match within fp16's
-    rounding (the tensor split sums in another order). ``offload``: the masters and the step
-    on the CPU (the offloaded step takes the pipeline's squares too)."""
-    import torch.distributed as dist
-
-    import slipstream
-    from slipstream.comm.topology import PipeModelDataParallelTopology, ProcessGrid
-    from slipstream.pipeline import PipelineModule
-
-    clip, scale = 0.3, 2.0**8
-    topology = PipeModelDataParallelTopology(num_pp=2, num_mp=2, num_dp=1)
-    grid = ProcessGrid(topology)
-    tp_rank = grid.get_model_parallel_rank()
-    layers = _pipeline_of_tp_layers(grid.group("tensor"))
-    reference = torch.nn.Sequential(*_pipeline_of_tp_layers(None))
-    module = PipelineModule(layers, topology=topology, loss_fn=torch.nn.functional.mse_loss)
-    config = {
-        "train_micro_batch_size_per_gpu": 2,
-        "gradient_accumulation_steps": 2,
-        "optimizer": {"type": "SGD", "params": {"lr": LR, "momentum": 0.9}},
-        "gradient_clipping": clip,
-        "fp16": {"enabled": True, "initial_scale_power": 8, "hysteresis": 1},
-        "zero_optimization": {
-            "stage": stage,
-            **({"offload_optimizer": {"device": "cpu"}} if offload else {}),
-        },
-    }
-    engine, *_ = slipstream.initialize(model=module, config=config)
-    optimizer = torch.optim.SGD(reference.parameters(), lr=LR, momentum=0.9)
-    poisoned = layers[5].bias  # replicated over the tensor group
-    worst = {"loss": 0.0, "param": 0.0, "grad_norm": 0.0}
-    for step in range(steps):
-        gen = torch.Generator().manual_seed(step)
-        batches = [
-            (torch.randn(2, 8, generator=gen), torch.randn(2, 4, generator=gen)) for _ in range(2)
-        ]
-        before = [p.detach().clone() for p in engine.module.parameters()]
-        handle = None
-        if step == bad and dist.get_rank() == 3:
-            handle = poisoned.register_hook(lambda g: g * float("inf"))
-        loss = engine.train_batch(iter(batches))
-        if handle is not None:
-            handle.remove()
-        ref_loss = torch.zeros(())
-        for x, y in batches:
-            with torch.autocast("cpu", dtype=torch.float16):
-                part = torch.nn.functional.mse_loss(reference(x), y) / 2
-            (part * scale).backward()
-            ref_loss = ref_loss + part.detach().float()
-        if step == bad:  # the reference skips it too
-            optimizer.zero_grad()
-            unchanged = all(torch.equal(a, b) for a, b in zip(before, engine.module.parameters()))
-            worst["bad_step_moved"] = 0.0 if unchanged else 1.0
-            worst["not_skipped"] = abs(engine.skipped_steps - 1)
-            worst["scale_kept"] = abs(engine.loss_scaler.loss_scale - scale / 2)
-            scale /= 2
-            continue
-        for param in reference.parameters():
-            param.grad.div_(scale)  # type: ignore[union-attr]
-        ref_norm = torch.nn.utils.clip_grad_norm_(reference.parameters(), clip)
-        assert float(ref_norm) > 2 * clip, float(ref_norm)  # the clipping bites
-        optimizer.step()
-        optimizer.zero_grad()
-        norm = torch.tensor(engine.get_global_grad_norm())
-        worst["grad_norm"] = max(worst["grad_norm"], _rel(norm, ref_norm.detach()))
-        if engine.is_last_stage():
-            worst["loss"] = max(worst["loss"], _rel(loss.detach().float(), ref_loss))
-    ref_layers = list(reference)
-    for index, layer in enumerate(layers):
-        for name, param in layer.named_parameters():
-            expected = getattr(ref_layers[index], name).detach()
-            dim = getattr(param, "tp_partition_dim", None)
-            if dim is not None:
-                expected = expected.chunk(2, dim=dim)[tp_rank]
-            if _owned(engine.module, param):
-                worst["param"] = max(worst["param"], _rel(param.detach(), expected))
     return worst
 
 
@@ -628,9 +585,9 @@ def _world_of_four(root: str) -> dict[str, Any]:
         "tp2_dp2_zero1": _train_autotp(tp=2, stage=1, clip=0.5),
         "pp2_tp2": _train_pp2_tp2(),
         "pp2_tp2_checkpoint": _check_pp2_tp2_checkpoint(root),
-        "pp2_tp2_fp16_zero0": _train_pp2_tp2_fp16(stage=0),
-        "pp2_tp2_fp16_zero1": _train_pp2_tp2_fp16(stage=1),
-        "pp2_tp2_fp16_zero1_offload": _train_pp2_tp2_fp16(stage=1, offload=True),
+        "pp2_tp2_fp16_zero0": _train_pp2_tp2(steps=4, fp16_stage=0),
+        "pp2_tp2_fp16_zero1": _train_pp2_tp2(steps=4, fp16_stage=1),
+        "pp2_tp2_fp16_zero1_offload": _train_pp2_tp2(steps=4, fp16_stage=1, offload=True),
         "fp16_overflow_on_one_rank": _train_fp16_overflow_on_one_rank(),
         "fp16_overflow_on_one_rank_offload": _train_fp16_overflow_on_one_rank(offload=True),
     }
