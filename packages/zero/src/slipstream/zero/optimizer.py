@@ -271,12 +271,14 @@ class ZeroOptimizer:
             return outcome
         if grad_squares is not None:
             # The caller's squares span every rank (and carry its vote): no collective here.
-            total = grad_squares.detach().float()
+            given_squares = grad_squares.detach().float()
             if (loss_scale is not None or nonfinite_check is not None) and not bool(
-                torch.isfinite(total)
+                torch.isfinite(given_squares)
             ):
                 return self._overflow()
-            given = grad_norm if grad_norm is not None else norm_of_squares(total, loss_scale)
+            given = (
+                grad_norm if grad_norm is not None else norm_of_squares(given_squares, loss_scale)
+            )
             return self._offloaded_step(grads, loss_scale, max_grad_norm, given)
         if (
             loss_scale is None
