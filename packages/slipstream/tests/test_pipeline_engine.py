@@ -242,3 +242,96 @@ def test_umbrella_re_exports():
     assert pipe.LayerSpec is module.LayerSpec and pipe.TiedLayerSpec is module.TiedLayerSpec
     assert checkpointing.get_cuda_rng_tracker() is rng.get_rng_tracker()
     assert callable(checkpointing.model_parallel_cuda_manual_seed)
+
+
+def _state_matches(got, expected, **tolerance):
+    """Two ``ReplicatedGradientPath.state_dict()``s: same layout (masters by position, the
+    torch optimizer's state by index, same keys and groups) and values within ``tolerance``."""
+    assert sorted(got) == sorted(expected) == ["masters", "optimizer"]
+    assert [m.shape for m in got["masters"]] == [m.shape for m in expected["masters"]]
+    for a, b in zip(got["masters"], expected["masters"]):
+        torch.testing.assert_close(a, b, **tolerance)
+    state, ref = got["optimizer"]["state"], expected["optimizer"]["state"]
+    assert sorted(state) == sorted(ref) == list(range(len(got["masters"])))
+    for index, entry in state.items():
+        assert sorted(entry) == sorted(ref[index])
+        for key, value in entry.items():
+            torch.testing.assert_close(value, ref[index][key], **tolerance)
+
+    # (A checkpoint's groups come back from JSON: betas as a list.)
+    def plain(groups):
+        return [{k: list(v) if isinstance(v, tuple) else v for k, v in g.items()} for g in groups]
+
+    assert plain(got["optimizer"]["param_groups"]) == plain(expected["optimizer"]["param_groups"])
+
+
+def test_pipeline_stage0_is_the_plain_engines_replicated_path(tmp_path):
+    """The pipeline engine's stage 0 is slipstream.zero's ReplicatedGradientPath, driven as
+    the plain engine drives it: the same state_dict layout and values after the same training
+    (clipping that bites), every step through the path's step(), and states that move between
+    the two engines and through a pipeline checkpoint."""
+    import torch.distributed as dist
+
+    initialized = dist.is_initialized()
+    try:
+        _check_stage0_path(tmp_path)
+    finally:  # the plain engine starts a one-process group: leave none behind for other tests
+        if not initialized and dist.is_initialized():
+            dist.destroy_process_group()
+
+
+def _check_stage0_path(tmp_path):
+    import copy
+
+    import slipstream
+    from slipstream.pipeline import PipelineModule
+    from slipstream.runtime.checkpoint_manager import gradient_path_state
+    from slipstream.runtime.pipeline_engine import initialize_pipeline
+    from slipstream.zero import ReplicatedGradientPath
+
+    torch.manual_seed(0)
+    layers = [torch.nn.Linear(8, 16), torch.nn.Tanh(), torch.nn.Linear(16, 4)]
+    plain_model = torch.nn.Sequential(*copy.deepcopy(layers))
+    config = _config(gradient_clipping=0.05, gradient_accumulation_steps=2)
+    pipe, *_ = initialize_pipeline(
+        model=PipelineModule(layers, num_stages=1, loss_fn=torch.nn.functional.mse_loss),
+        config=config,
+    )
+    plain, *_ = slipstream.initialize(model=plain_model, config=config)
+    path = pipe.gradient_path
+    assert type(path) is ReplicatedGradientPath and path.masters is None
+    assert gradient_path_state(pipe).path is path and pipe.zero is None
+    steps = []
+    original_step = path.step
+    path.step = lambda **kwargs: steps.append(kwargs) or original_step(**kwargs)
+
+    def batches(step):
+        gen = torch.Generator().manual_seed(step)
+        return [(torch.randn(2, 8, generator=gen), torch.randn(2, 4, generator=gen)) for _ in "ab"]
+
+    def train_plain(step):
+        for x, y in batches(step):
+            plain.backward(torch.nn.functional.mse_loss(plain(x), y))
+            plain.step()
+
+    for step in range(3):
+        pipe.train_batch(iter(batches(step)))
+        train_plain(step)
+    assert len(steps) == 3 and all(s["grad_squares"] is not None for s in steps)
+    assert float(plain.get_global_grad_norm()) > 0.1  # the clipping bites
+    # The norm is summed differently (squares vs torch's norm of norms): 1e-6.
+    _state_matches(path.state_dict(), plain.gradient_path.state_dict(), rtol=1e-6, atol=1e-7)
+    assert sorted(path.memory_report()) == sorted(plain.gradient_path.memory_report())
+    # The plain engine's state loads into the pipeline's path: the next step is the same.
+    # (A copy: the state holds the plain engine's own tensors, which torch's
+    # Optimizer.load_state_dict would adopt as they are.)
+    path.load_state_dict(copy.deepcopy(plain.gradient_path.state_dict()))
+    pipe.train_batch(iter(batches(3)))
+    train_plain(3)
+    _state_matches(path.state_dict(), plain.gradient_path.state_dict(), rtol=1e-6, atol=1e-7)
+    # A pipeline checkpoint round trip restores the path's state exactly.
+    saved = copy.deepcopy(path.state_dict())
+    pipe.save_checkpoint(tmp_path)
+    pipe.train_batch(iter(batches(4)))
+    pipe.load_checkpoint(tmp_path)
+    _state_matches(path.state_dict(), saved, rtol=0, atol=0)

@@ -4,8 +4,9 @@ A tiny random Llama is trained by ``slipstream.initialize`` at TP=2 (2 ranks, st
 gradient clipping that bites) and TP=2 x DP=2 (4 ranks, ZeRO-1, clipping too), beside the unsharded model
 trained by plain PyTorch on the whole global batch; losses and every parameter shard must match
 (fp32, 1e-5 relative). In the 4-rank world an fp16 run (ZeRO-2, with and without CPU
-offload) with an inf on one rank's gradient skips that step on every rank alike. Bad
-configurations raise errors that name the problem.
+offload) with an inf on one rank's gradient skips that step on every rank alike, and so does
+a PP=2 x TP=2 fp16 pipeline (stage 0 and ZeRO-1) against plain PyTorch under the same autocast
+and loss scale (2e-3 relative). Bad configurations raise errors that name the problem.
 """
 
 from __future__ import annotations
@@ -21,6 +22,7 @@ from slipstream.comm.testing import run_distributed
 pytest.importorskip("transformers")
 
 RTOL = 1e-5
+FP16_RTOL = 2e-3
 LR = 0.5
 
 
@@ -401,9 +403,19 @@ def _pipeline_of_tp_layers(group: Any) -> list[torch.nn.Module]:
     ]
 
 
-def _train_pp2_tp2(steps: int = 3, clip: float = 0.3) -> dict[str, float]:
+def _train_pp2_tp2(
+    steps: int = 3, clip: float = 0.3, fp16_stage: int | None = None, offload: bool = False
+) -> dict[str, float]:
     """PP=2 x TP=2: a PipelineModule whose stages are built from TP layers, vs plain PyTorch,
-    with gradient clipping that bites (the norm spans the stages and the tensor group)."""
+    with gradient clipping that bites (the norm spans the stages and the tensor group).
+
+    ``fp16_stage``: fp16 (autocast, dynamic loss scale 2^8, hysteresis 1) at that ZeRO stage,
+    against plain PyTorch under the same autocast and loss scale. At step 1 only global rank
+    3 (last stage, tensor rank 1) sees an inf, in a replicated weight (a row-parallel bias,
+    whose squares the norm counts on one tensor rank only): every rank must skip that step,
+    as the reference does, and halve the scale; the other steps match within fp16's rounding
+    (the tensor split sums in another order). ``offload``: the masters and the step on the
+    CPU (the offloaded step takes the pipeline's squares too)."""
     import torch.distributed as dist
 
     import slipstream
@@ -416,12 +428,20 @@ def _train_pp2_tp2(steps: int = 3, clip: float = 0.3) -> dict[str, float]:
     layers = _pipeline_of_tp_layers(grid.group("tensor"))
     reference = torch.nn.Sequential(*_pipeline_of_tp_layers(None))
     module = PipelineModule(layers, topology=topology, loss_fn=torch.nn.functional.mse_loss)
-    config = {
+    config: dict[str, Any] = {
         "train_micro_batch_size_per_gpu": 2,
         "gradient_accumulation_steps": 2,
         "optimizer": {"type": "SGD", "params": {"lr": LR, "momentum": 0.9}},
         "gradient_clipping": clip,
     }
+    scale, bad = 1.0, -1
+    if fp16_stage is not None:
+        scale, bad = 2.0**8, 1
+        config["fp16"] = {"enabled": True, "initial_scale_power": 8, "hysteresis": 1}
+        config["zero_optimization"] = {
+            "stage": fp16_stage,
+            **({"offload_optimizer": {"device": "cpu"}} if offload else {}),
+        }
     engine, *_ = slipstream.initialize(model=module, config=config)
     optimizer = torch.optim.SGD(reference.parameters(), lr=LR, momentum=0.9)
     worst = {"loss": 0.0, "param": 0.0, "grad_norm": 0.0}
@@ -430,9 +450,34 @@ def _train_pp2_tp2(steps: int = 3, clip: float = 0.3) -> dict[str, float]:
         batches = [
             (torch.randn(2, 8, generator=gen), torch.randn(2, 4, generator=gen)) for _ in range(2)
         ]
+        before = [p.detach().clone() for p in engine.module.parameters()]
+        handle = None
+        if step == bad and dist.get_rank() == 3:  # a replicated weight: only rank 3 sees it
+            handle = layers[5].bias.register_hook(lambda g: g * float("inf"))
         loss = engine.train_batch(iter(batches))
-        ref_loss = sum(torch.nn.functional.mse_loss(reference(x), y) / 2 for x, y in batches)
-        ref_loss.backward()
+        if handle is not None:
+            handle.remove()
+        if fp16_stage is None:
+            ref_loss = sum(torch.nn.functional.mse_loss(reference(x), y) / 2 for x, y in batches)
+            ref_loss.backward()
+        else:
+            ref_loss = torch.zeros(())
+            for x, y in batches:
+                with torch.autocast("cpu", dtype=torch.float16):
+                    part = torch.nn.functional.mse_loss(reference(x), y) / 2
+                (part * scale).backward()
+                ref_loss = ref_loss + part.detach().float()
+        if step == bad:  # skipped on every rank, and by the reference
+            optimizer.zero_grad()
+            unchanged = all(torch.equal(a, b) for a, b in zip(before, engine.module.parameters()))
+            worst["bad_step_moved"] = 0.0 if unchanged else 1.0
+            worst["not_skipped"] = abs(engine.skipped_steps - 1)
+            worst["scale_kept"] = abs(engine.loss_scaler.loss_scale - scale / 2)
+            scale /= 2
+            continue
+        if scale != 1.0:
+            for param in reference.parameters():
+                param.grad.div_(scale)  # type: ignore[union-attr]
         ref_norm = torch.nn.utils.clip_grad_norm_(reference.parameters(), clip)
         assert float(ref_norm) > 2 * clip, float(ref_norm)  # the clipping bites
         optimizer.step()
@@ -440,7 +485,7 @@ def _train_pp2_tp2(steps: int = 3, clip: float = 0.3) -> dict[str, float]:
         norm = torch.tensor(engine.get_global_grad_norm())
         worst["grad_norm"] = max(worst["grad_norm"], _rel(norm, ref_norm.detach()))
         if engine.is_last_stage():
-            worst["loss"] = max(worst["loss"], _rel(loss.detach(), ref_loss.detach()))
+            worst["loss"] = max(worst["loss"], _rel(loss.detach().float(), ref_loss.detach()))
     ref_layers = list(reference)
     for index, layer in enumerate(layers):
         for name, param in layer.named_parameters():
@@ -540,6 +585,9 @@ def _world_of_four(root: str) -> dict[str, Any]:
         "tp2_dp2_zero1": _train_autotp(tp=2, stage=1, clip=0.5),
         "pp2_tp2": _train_pp2_tp2(),
         "pp2_tp2_checkpoint": _check_pp2_tp2_checkpoint(root),
+        "pp2_tp2_fp16_zero0": _train_pp2_tp2(steps=4, fp16_stage=0),
+        "pp2_tp2_fp16_zero1": _train_pp2_tp2(steps=4, fp16_stage=1),
+        "pp2_tp2_fp16_zero1_offload": _train_pp2_tp2(steps=4, fp16_stage=1, offload=True),
         "fp16_overflow_on_one_rank": _train_fp16_overflow_on_one_rank(),
         "fp16_overflow_on_one_rank_offload": _train_fp16_overflow_on_one_rank(offload=True),
     }
@@ -553,4 +601,7 @@ def test_autotp_tp2_equals_single_process(tmp_path: Any) -> None:
 def test_autotp_tp2_dp2_and_pp2_tp2_equal_single_process(tmp_path: Any) -> None:
     for results in run_distributed(_world_of_four, 4, str(tmp_path), timeout=300):
         for name, worst in results.items():
-            assert max(worst.values()) <= RTOL, (name, worst)
+            # fp16: the tensor split sums in another order than the unsplit reference, so the
+            # two differ by fp16 roundings (measured 1.7e-4); a missed skip is off by > 0.07.
+            tolerance = FP16_RTOL if "fp16" in name else RTOL
+            assert max(worst.values()) <= tolerance, (name, worst)

@@ -25,6 +25,7 @@ __all__ = [
     "allreduce_data_parallel_gradients",
     "clip_grad_norm_across_stages",
     "grad_norm_across_stages",
+    "grad_squares_across_stages",
     "reduce_tied_gradients",
 ]
 
@@ -94,25 +95,30 @@ def _reduce_bucket(grads: list[torch.Tensor], group: dist.ProcessGroup | None, w
         offset += grad.numel()
 
 
-def grad_norm_across_stages(
+def grad_squares_across_stages(
     module: PipelineModule,
     grads: Sequence[tuple[torch.Tensor, torch.Tensor | None]],
     groups: Sequence[dist.ProcessGroup | None],
     device: torch.device,
     tensor_group: dist.ProcessGroup | None = None,
 ) -> torch.Tensor:
-    """The L2 norm of the whole model's gradient from this rank's ``(weight, gradient)`` pairs.
+    """The fp32 sum of squares of the whole model's gradient, from this rank's
+    ``(weight, gradient)`` pairs; its square root is the global L2 norm.
 
     A gradient may be the weight's full gradient or this rank's shard of it (ZeRO); each
-    tied weight counts once (on its lowest stage). The fp32 sum of squares is all-reduced
-    over every group of ``groups`` in turn (the pipeline; with sharded gradients, first the
-    data-parallel group), so every rank gets the same norm. With ``tensor_group`` (stages
-    built from tensor-parallel layers), the squares of tensor-parallel shards (weights with
+    tied weight counts once (on its lowest stage). The sum is all-reduced over every group of
+    ``groups`` in turn (the pipeline; with sharded gradients, first the data-parallel group),
+    so every rank gets the same value. With ``tensor_group`` (stages built from
+    tensor-parallel layers), the squares of tensor-parallel shards (weights with
     ``tp_partition_dim`` and ``tp_size > 1``) are also summed over that group, while
     replicated weights (identical on every tensor rank) count once. Collective over those
     groups.
 
-    >>> norm = grad_norm_across_stages(module, [(p, p.grad) for p in params], [pipe], dev)  # doctest: +SKIP
+    It is also the step's non-finite vote: an inf or nan in any gradient of any of those
+    ranks makes it non-finite on all of them (replicated weights' too: their squares times
+    zero ride on the tensor group's all-reduce), so one collective serves both.
+
+    >>> squares = grad_squares_across_stages(module, [(p, p.grad) for p in params], [pipe], dev)  # doctest: +SKIP
     """
     # [sharded squares, replicated squares]: all sums are linear, so the order of the
     # reductions does not matter; only the tensor group is restricted to the shards.
@@ -128,10 +134,28 @@ def grad_norm_across_stages(
         if group is not None and comm.get_world_size(group) > 1:
             comm.all_reduce(parts, group=group)
     if tensor_group is not None and comm.get_world_size(tensor_group) > 1:
-        shards = parts[0].clone()
-        comm.all_reduce(shards, group=tensor_group)
-        return (shards + parts[1]).sqrt()
-    return parts.sum().sqrt()
+        # [shards, replicated * 0]: the second is 0, or nan when any tensor rank's replicated
+        # squares are not finite (adding it changes no finite sum).
+        shared = torch.stack([parts[0], parts[1] * 0.0])
+        comm.all_reduce(shared, group=tensor_group)
+        return shared[0] + parts[1] + shared[1]
+    return parts.sum()
+
+
+def grad_norm_across_stages(
+    module: PipelineModule,
+    grads: Sequence[tuple[torch.Tensor, torch.Tensor | None]],
+    groups: Sequence[dist.ProcessGroup | None],
+    device: torch.device,
+    tensor_group: dist.ProcessGroup | None = None,
+) -> torch.Tensor:
+    """The L2 norm of the whole model's gradient from this rank's ``(weight, gradient)``
+    pairs: the square root of :func:`grad_squares_across_stages` (same arguments, same
+    collectives).
+
+    >>> norm = grad_norm_across_stages(module, [(p, p.grad) for p in params], [pipe], dev)  # doctest: +SKIP
+    """
+    return grad_squares_across_stages(module, grads, groups, device, tensor_group).sqrt()
 
 
 def clip_grad_norm_across_stages(

@@ -48,7 +48,37 @@ class SlipstreamOptimizerWrapper(AcceleratedOptimizer):
         assert engine.optimizer is not None
         super().__init__(engine.optimizer, device_placement=False, scaler=None)
         self.engine = engine
-        self.last_step_skipped = False
+        self._last_skipped = False
+        # engine.skipped_steps before the last boundary's step, until someone asks whether
+        # that step was skipped (None: answered already, in _last_skipped).
+        self._skipped_before: int | None = None
+
+    def stepped(self, skipped_before: int) -> None:
+        """A boundary's ``engine.step()`` is about to run; ``skipped_before`` is the engine's
+        settled ``skipped_steps`` count before it (read after ``engine.backward``, which
+        settles the previous step: no sync). Whether this step was skipped is read when asked.
+        """
+        if self._skipped_before is not None:  # the previous boundary's answer, now settled
+            self._last_skipped = skipped_before != self._skipped_before
+        self._skipped_before = skipped_before
+
+    @property
+    def last_step_skipped(self) -> bool:
+        """Whether the last boundary skipped its update (fp16 overflow, or an inf/nan).
+
+        Read lazily: the engine decides the skip on the device ([Note: the skip decided on
+        the device] in slipstream.zero), so asking right after the step waits for the
+        device to finish it (a host sync); nothing asks during ``accelerator.backward``.
+        """
+        if self._skipped_before is not None:
+            self._last_skipped = self.engine.skipped_steps != self._skipped_before
+            self._skipped_before = None
+        return self._last_skipped
+
+    @last_step_skipped.setter
+    def last_step_skipped(self, value: bool) -> None:
+        self._skipped_before = None
+        self._last_skipped = bool(value)
 
     def zero_grad(self, set_to_none: bool | None = None) -> None:
         """Nothing: the engine drops gradients after its step."""
@@ -58,7 +88,8 @@ class SlipstreamOptimizerWrapper(AcceleratedOptimizer):
 
     @property
     def step_was_skipped(self) -> bool:
-        """Whether the last boundary skipped its update (an fp16 overflow)."""
+        """Whether the last boundary skipped its update (:attr:`last_step_skipped`: asking
+        waits for the step on the device)."""
         return self.last_step_skipped
 
 
@@ -186,12 +217,15 @@ class SlipstreamAccelerator(Accelerator):
         engine = self._engine()
         engine.set_gradient_accumulation_boundary(self.sync_gradients)
         engine.backward(loss / self.gradient_accumulation_steps, scale_wrt_gas=False, **kwargs)
-        skipped_before = engine.skipped_steps
-        engine.step()
         if self.sync_gradients:
+            # engine.backward settled the previous step, so this count is known on the host;
+            # whether the coming step is skipped is read only when asked (step_was_skipped):
+            # reading it here would wait for the device every step.
+            skipped_before = engine.skipped_steps
             for optimizer in self._optimizers:
                 if isinstance(optimizer, SlipstreamOptimizerWrapper):
-                    optimizer.last_step_skipped = engine.skipped_steps != skipped_before
+                    optimizer.stepped(skipped_before)
+        engine.step()
 
     def clip_grad_norm_(self, parameters: Any, max_norm: float, norm_type: float = 2) -> Any:
         """The engine's last gradient norm: it clips to the config's ``gradient_clipping``."""

@@ -51,11 +51,6 @@ from slipstream.zero import (
 
 logger = logging.getLogger(__name__)
 
-# DDP's default bucket (25 MiB of fp32) keeps several all-reduces in flight during backward;
-# DeepSpeed's 5e8-element default would make one bucket and no overlap. An explicit
-# `zero_optimization.reduce_bucket_size` in the user's config wins.
-_DEFAULT_STAGE0_BUCKET_NUMEL = 25 * 1024 * 1024 // 4
-
 
 class SlipstreamEngine(torch.nn.Module):
     """Wraps a model, its optimizer and schedule, and runs DeepSpeed's training loop.
@@ -338,15 +333,7 @@ class SlipstreamEngine(torch.nn.Module):
 
     def _reduce_settings(self) -> ReduceSettings:
         """Stage 0's all-reduce: DDP's bucket size unless the config names one."""
-        config = self.config
-        explicit = (config.raw.get("zero_optimization") or {}).get("reduce_bucket_size")
-        bucket = int(explicit) if explicit is not None else _DEFAULT_STAGE0_BUCKET_NUMEL
-        return ReduceSettings(
-            bucket_numel=bucket,
-            prescale_gradients=config.prescale_gradients,
-            gradient_predivide_factor=config.gradient_predivide_factor,
-            communication_dtype=config.communication_data_type,
-        )
+        return zero_setup.replicated_reduce_settings(self.config)
 
     def _precision_name(self) -> str:
         name = self._dtype_name()

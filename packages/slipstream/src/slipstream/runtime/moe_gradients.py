@@ -31,9 +31,8 @@ import torch
 import torch.distributed as dist
 
 from slipstream import comm
-from slipstream.kernels.loss_scaler import inf_or_nan_flag
 
-__all__ = ["ExpertLayout", "agree_overflow", "declare_stage3_reads", "expert_layout"]
+__all__ = ["ExpertLayout", "declare_stage3_reads", "expert_layout"]
 
 
 @dataclass(slots=True)
@@ -93,17 +92,6 @@ def expert_layout(
         layout.dp_groups[group_name] = expert_dp
         layout.ep_groups[group_name] = get_expert_parallel_group(group_name)
     return layout
-
-
-def agree_overflow(grads: Sequence[torch.Tensor], device: torch.device) -> bool:
-    """Whether any rank's gradients hold an inf or nan (max-reduced over the world: expert
-    gradients differ between expert-parallel ranks, so no rank sees them all)."""
-    flag = inf_or_nan_flag(list(grads))
-    if flag is None:
-        flag = torch.zeros((), dtype=torch.float32, device=device)
-    if comm.is_initialized() and comm.get_world_size() > 1:
-        comm.all_reduce(flag, op=dist.ReduceOp.MAX)
-    return bool(flag.item())  # host sync: the step must know now whether to skip
 
 
 def declare_stage3_reads(model: torch.nn.Module) -> None:

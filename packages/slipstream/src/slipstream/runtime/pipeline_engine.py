@@ -5,9 +5,10 @@ Composed from ``slipstream.pipeline`` calls, in order: the config's ``pipeline``
 data-parallel replicas start from one set of weights; the optimizer and LR schedule are
 resolved as for the plain engine; an executor is wired to the neighbouring stages; with
 ``zero_optimization.stage`` 1 or 2 the optimizer is re-homed onto fp32 master shards over the
-stage's data-parallel group (slipstream.zero); and every ``train_batch`` runs the schedule,
-then the gradient steps of :mod:`slipstream.pipeline.runtime` (or their sharded counterparts)
-and the optimizer.
+stage's data-parallel group (slipstream.zero), at stage 0 it goes to the plain engine's
+replicated gradient path over that group; and every ``train_batch`` runs the schedule, sums the
+tied weights' gradients across stages, and hands the rest (data-parallel reduction, non-finite
+vote, unscale, clip, optimizer step) to that gradient path, with the norm taken across stages.
 """
 
 from __future__ import annotations
@@ -33,22 +34,25 @@ from slipstream.monitor import MonitorMaster
 from slipstream.pipeline import checkpointing as activation_checkpointing
 from slipstream.pipeline.checkpointing import ActivationCheckpointingConfig
 from slipstream.pipeline.config import PipelineConfig
-from slipstream.pipeline.gradients import grad_norm_across_stages, reduce_tied_gradients
+from slipstream.pipeline.gradients import grad_squares_across_stages, reduce_tied_gradients
 from slipstream.pipeline.module import PipelineModule
 from slipstream.pipeline.runtime import (
     StepResult,
     aggregate_loss,
     build_executor,
     eval_batch,
-    train_batch,
 )
 from slipstream.pipeline.schedules import PipelineSchedule, build_schedule
 from slipstream.runtime import zero_setup
 from slipstream.runtime.lr_schedules import resolve_scheduler
-from slipstream.runtime.moe_gradients import agree_overflow
 from slipstream.runtime.optimizers import resolve_optimizer
 from slipstream.runtime.tensor_parallel import check_tensor_parallel_support
-from slipstream.zero import DataParallelGroup, ShardedOptimizerStates
+from slipstream.zero import (
+    DataParallelGroup,
+    GradientPath,
+    ReplicatedGradientPath,
+    ShardedOptimizerStates,
+)
 
 __all__ = ["PipelineEngine", "initialize_pipeline", "load_pipeline_config"]
 
@@ -97,12 +101,14 @@ class PipelineEngine:
     Precision: ``bf16.enabled`` runs the stages under ``torch.autocast(bfloat16)`` with fp32
     weights and optimizer (a deviation from DeepSpeed, which casts the module); ``fp16.enabled``
     likewise runs ``torch.autocast(float16)``, with the config's loss scaler: the last stage
-    scales the loss, every stage's gradients join one overflow vote over the world before the
-    step, which every rank then skips or takes alike ([Note: one overflow vote across stages]).
+    scales the loss, every stage's gradients join one overflow vote (riding on the norm's sum
+    of squares across the stages) before the step, which every rank then skips or takes alike
+    ([Note: one overflow vote across stages]).
 
-    ZeRO: ``zero_optimization.stage`` 1 or 2 shards each stage's fp32 optimizer state (1) and
-    gradients (2) over that stage's data-parallel group (DeepSpeed refuses stage 2 with
-    pipelines); stage 3 raises.
+    ZeRO: the gradient path (``gradient_path``, slipstream.zero) is chosen once. Stage 0:
+    ``ReplicatedGradientPath``, as the plain engine's; ``zero_optimization.stage`` 1 or 2
+    shards each stage's fp32 optimizer state (1) and gradients (2) over that stage's
+    data-parallel group (DeepSpeed refuses stage 2 with pipelines); stage 3 raises.
     """
 
     def __init__(
@@ -174,13 +180,18 @@ class PipelineEngine:
         )
         self.skipped_steps = 0
 
-        # 5. ZeRO 1-2: re-home the optimizer onto fp32 master shards over this stage's
-        # data-parallel group. After step 4, so that the masters of tied weights are cut from
-        # the synchronized copies (every stage sharing a weight starts from the same shard).
+        # 5. The gradient path (slipstream.zero), chosen once. ZeRO 1-2: re-home the optimizer
+        # onto fp32 master shards over this stage's data-parallel group, after step 4, so that
+        # the masters of tied weights are cut from the synchronized copies (every stage sharing
+        # a weight starts from the same shard). Stage 0: the plain engine's replicated path.
         self.zero_stage = config.zero_optimization.stage
         self.zero: ShardedOptimizerStates | None = None
+        self.gradient_path: GradientPath
         if self.zero_stage in (1, 2):
             self.zero = self._shard_optimizer(config)
+            self.gradient_path = self.zero
+        else:
+            self.gradient_path = self._replicated_path(config)
         self._micro_batch = int(config.train_micro_batch_size_per_gpu)  # type: ignore[arg-type]
         self._gas = int(config.gradient_accumulation_steps)  # type: ignore[arg-type]
         self._train_batch = int(config.train_batch_size)  # type: ignore[arg-type]
@@ -214,6 +225,27 @@ class PipelineEngine:
         with torch.no_grad():
             for tensor in [*self.module.parameters(), *self.module.buffers()]:
                 comm.broadcast(tensor.data, src=src, group=group)
+
+    def _replicated_path(self, config: SlipstreamConfig) -> ReplicatedGradientPath:
+        """Stage 0: the path ``SlipstreamEngine`` takes at stage 0, over this stage's
+        data-parallel group (bucket size, pre-scaling and communication dtype from the same
+        config keys). The weights stay fp32 under autocast, so there are no master copies.
+        Its vote spans the world: each stage sees only its own gradients ([Note: one overflow
+        vote across stages])."""
+        replicas = self.data_parallel_size
+        return ReplicatedGradientPath(
+            [p for p in self.module.parameters() if p.requires_grad],
+            self.optimizer,
+            zero_setup.replicated_reduce_settings(config),
+            group=(
+                self.grid.get_data_parallel_group()
+                if self.grid is not None and replicas > 1
+                else None
+            ),
+            group_size=replicas,
+            masters=False,
+            vote_over_world=True,
+        )
 
     def _shard_optimizer(self, config: SlipstreamConfig) -> ShardedOptimizerStates:
         group = DataParallelGroup(None, 1, 0)  # one replica: this rank alone
@@ -338,14 +370,7 @@ class PipelineEngine:
         if self.zero is not None:
             loss, grad_norm = self._train_batch_sharded(iterator)
         else:
-            loss, grad_norm = train_batch(
-                self.executor,
-                self.schedule,
-                iterator,
-                self.optimizer,
-                max_grad_norm=self.config.gradient_clipping,
-                before_step=self._unscale_or_skip,
-            )
+            loss, grad_norm = self._train_batch_replicated(iterator)
         self._last_grad_norm = grad_norm
         if self.lr_scheduler is not None and self.skipped_steps == skipped_before:
             self.lr_scheduler.step()
@@ -370,6 +395,28 @@ class PipelineEngine:
             )
         return loss
 
+    def _train_batch_replicated(self, iterator: Iterator[Any] | None) -> StepResult:
+        """``train_batch`` at ZeRO stage 0, on :class:`~slipstream.zero.ReplicatedGradientPath`.
+
+        The schedule accumulates every micro-batch's full gradient locally; the tied weights'
+        gradients are summed across the stages sharing them; then the path's all-reduce is
+        armed and finished with no backward in between, which launches every bucket (the mean
+        over this stage's data-parallel group; the replicas then hold equal gradients, so the
+        squares need summing over the pipeline only); then :meth:`_step`.
+        """
+        path = self.gradient_path
+        assert isinstance(path, ReplicatedGradientPath)
+        module = self.module
+        if not self.schedule.train:
+            raise ValueError(f"schedule {self.schedule.name} is forward-only; use eval_batch")
+        module.train()
+        result = self.executor.run(self.schedule, iterator)
+        reduce_tied_gradients(module)
+        path.prepare_backward(is_boundary=True)
+        path.finish_backward()
+        norm = self._step([(p, p.grad) for p in path.params], self._pipe_groups())
+        return StepResult(aggregate_loss(self.executor, result.losses, self._device), norm)
+
     def _train_batch_sharded(self, iterator: Iterator[Any] | None) -> StepResult:
         """``train_batch`` at ZeRO stage 1 or 2: the gradients end in this rank's fp32 shards.
 
@@ -388,12 +435,13 @@ class PipelineEngine:
           the shards agree: a tie group joins the ranks of one data-parallel coordinate, which
           own the same range of the weight (same shape, same group size; checked at set-up).
           Summing the shards rather than full gradients also moves 1/DP of the bytes.
-        - Then, both stages: the global norm from the final shards (squares summed over the
-          data-parallel group and then over the pipeline, each tied weight counted on its
+        - Then, both stages, :meth:`_step`: the squares of the final shards summed over the
+          data-parallel group and then over the pipeline (each tied weight counted on its
           lowest stage only, as the stage-0 path does; tensor-parallel shards' squares also
-          over the tensor group); the step clips every shard with it
-          (so the copies of a tied weight get the same update and stay bit-identical), steps
-          the optimizer on the shards and all-gathers them into the parameters.
+          over the tensor group) carry the vote and the norm; the path's step clips every
+          shard with it (so the copies of a tied weight get the same update and stay
+          bit-identical), steps the optimizer on the shards and all-gathers them into the
+          parameters.
         """
         zero = self.zero
         assert zero is not None
@@ -410,49 +458,47 @@ class PipelineEngine:
         else:
             reduce_tied_gradients(module)
             zero.finish_backward(is_boundary=True)
-        if self._unscale_or_skip(zero.masters.grads()):
-            zero.zero_grad()
-            return StepResult(aggregate_loss(self.executor, result.losses, self._device), None)
-        groups = []
-        if zero.group.world_size > 1:
-            groups.append(zero.group.group)
-        if self.grid is not None and self.grid.pipe_parallel_size > 1:
-            groups.append(self.grid.get_pipe_parallel_group())
-        norm = grad_norm_across_stages(
-            module,
+        groups = [zero.group.group] if zero.group.world_size > 1 else []
+        norm = self._step(
             [(p, zero.masters.grad(i)) for i, p in enumerate(zero.params)],
-            groups,
-            self._device,
-            tensor_group=(
-                self.grid.get_model_parallel_group()
-                if self.grid is not None and self.grid.model_parallel_size > 1
-                else None
-            ),
+            groups + self._pipe_groups(),
         )
-        zero.optimizer.step(max_grad_norm=self.config.gradient_clipping, grad_norm=norm)
-        zero.zero_grad()
         return StepResult(aggregate_loss(self.executor, result.losses, self._device), norm)
 
-    def _unscale_or_skip(self, grads: list[torch.Tensor]) -> bool:
-        """Before the step: whether to skip it (True), unscaling fp16 gradients otherwise.
+    def _step(
+        self,
+        grads: list[tuple[torch.Tensor, torch.Tensor | None]],
+        groups: list[dist.ProcessGroup | None],
+    ) -> torch.Tensor | None:
+        """The gradient path's step with the squares summed across the stages; returns the
+        unscaled norm (None when the step was skipped).
 
         [Note: one overflow vote across stages] Each stage sees only its own gradients, so a
-        stage whose gradients are finite cannot know that another's overflowed; the flag is
-        max-reduced over the whole world (every stage and replica: one scalar all-reduce, one
-        host sync per step), and every rank skips or steps alike. With fp16 the shared loss
-        scale then shrinks (overflow) or may grow; with fp32/bf16 the vote runs only under
-        ``check_grad_overflow``.
+        stage whose gradients are finite cannot know that another's overflowed. The sum of
+        squares of ``grads`` (this rank's, still scaled under fp16), all-reduced over
+        ``groups`` (the data-parallel group where the gradients are sharded, then the
+        pipeline) and the tensor group, is non-finite on every rank when any gradient of any
+        rank is: the path's step takes it as ``grad_squares``, which carries the vote as well
+        as the norm (one collective and one host read per step), and every rank skips or
+        steps alike. The vote is on the gradients; with fp32/bf16 it runs only under
+        ``check_grad_overflow`` (a zero ``nonfinite_check`` asks for it).
         """
+        path = self.gradient_path
         scaler = self.loss_scaler
-        if scaler is None and not self._check_nonfinite:
-            return False
-        overflow = agree_overflow(grads, self._device)
+        squares = grad_squares_across_stages(
+            self.module, grads, groups, self._device, tensor_group=self._tensor_group()
+        )
+        check = torch.zeros((), dtype=torch.float32, device=self._device)
+        outcome = path.step(
+            loss_scale=scaler.loss_scale if scaler is not None else None,
+            max_grad_norm=self.config.gradient_clipping,
+            nonfinite_check=check if self._check_nonfinite else None,
+            grad_squares=squares,
+        )
+        path.zero_grad()
         if scaler is not None:
-            old_scale = scaler.loss_scale
-            scaler.update(overflow)
-            if not overflow and grads and old_scale != 1.0:
-                torch._foreach_mul_(grads, 1.0 / old_scale)
-        if overflow:
+            scaler.update(outcome.overflow)
+        if outcome.overflow:
             self.skipped_steps += 1
             if comm.get_rank() == 0:
                 logger.info(
@@ -460,7 +506,17 @@ class PipelineEngine:
                     self.global_steps + 1,
                     f" (loss scale -> {scaler.loss_scale:g})" if scaler is not None else "",
                 )
-        return overflow
+        return outcome.grad_norm
+
+    def _pipe_groups(self) -> list[dist.ProcessGroup | None]:
+        if self.grid is not None and self.grid.pipe_parallel_size > 1:
+            return [self.grid.get_pipe_parallel_group()]
+        return []
+
+    def _tensor_group(self) -> dist.ProcessGroup | None:
+        if self.grid is not None and self.grid.model_parallel_size > 1:
+            return self.grid.get_model_parallel_group()
+        return None
 
     def _reduce_scatter_now(self, microbatch: int, chunk: int) -> None:
         """Stage 2, after each backward instruction: reduce-scatter its gradients into the

@@ -13,11 +13,30 @@ from slipstream.zero import (
     DataParallelGroup,
     GradientPath,
     MultiGroupPath,
+    ReduceSettings,
     ShardedOptimizerStates,
     ZeroSettings,
 )
 
 logger = logging.getLogger(__name__)
+
+# DDP's default bucket (25 MiB of fp32) keeps several all-reduces in flight during backward;
+# DeepSpeed's 5e8-element default would make one bucket and no overlap. An explicit
+# `zero_optimization.reduce_bucket_size` in the user's config wins.
+_DEFAULT_STAGE0_BUCKET_NUMEL = 25 * 1024 * 1024 // 4
+
+
+def replicated_reduce_settings(config: SlipstreamConfig) -> ReduceSettings:
+    """Stage 0's all-reduce (the plain and the pipeline engine): DDP's bucket size unless
+    the config names one; DeepSpeed's pre-scaling, pre-divide factor and communication dtype."""
+    explicit = (config.raw.get("zero_optimization") or {}).get("reduce_bucket_size")
+    bucket = int(explicit) if explicit is not None else _DEFAULT_STAGE0_BUCKET_NUMEL
+    return ReduceSettings(
+        bucket_numel=bucket,
+        prescale_gradients=config.prescale_gradients,
+        gradient_predivide_factor=config.gradient_predivide_factor,
+        communication_dtype=config.communication_data_type,
+    )
 
 
 def zero_settings(config: SlipstreamConfig) -> ZeroSettings:

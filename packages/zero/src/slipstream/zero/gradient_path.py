@@ -55,9 +55,12 @@ class GradientPath(Protocol):
         grad_norm: torch.Tensor | None = None,
         nonfinite_check: torch.Tensor | None = None,
         defer_skip: bool = False,
+        grad_squares: torch.Tensor | None = None,
     ) -> StepOutcome:
         """One update (skipped on every rank when any rank saw an inf or nan); with
-        ``defer_skip`` the skip may be decided on the device (``StepOutcome.skipped``)."""
+        ``defer_skip`` the skip may be decided on the device (``StepOutcome.skipped``);
+        ``grad_squares``: the caller's all-reduced sum of squares, which then carries the
+        vote and the norm (:func:`~slipstream.zero.take_sharded_step`)."""
         ...
 
     def zero_grad(self) -> None:
@@ -141,6 +144,7 @@ class GradientPathMixin:
         grad_norm: torch.Tensor | None = None,
         nonfinite_check: torch.Tensor | None = None,
         defer_skip: bool = False,
+        grad_squares: torch.Tensor | None = None,
     ) -> StepOutcome:
         """One update: see :meth:`slipstream.zero.ZeroOptimizer.step`."""
         return self.optimizer.step(  # type: ignore[no-any-return]
@@ -149,6 +153,7 @@ class GradientPathMixin:
             grad_norm=grad_norm,
             nonfinite_check=nonfinite_check,
             defer_skip=defer_skip,
+            grad_squares=grad_squares,
         )
 
     def publish(self) -> None:
@@ -261,6 +266,7 @@ class MultiGroupPath:
         grad_norm: torch.Tensor | None = None,
         nonfinite_check: torch.Tensor | None = None,
         defer_skip: bool = False,
+        grad_squares: torch.Tensor | None = None,
     ) -> StepOutcome:
         """One update of every part (:func:`~slipstream.zero.optimizer.take_sharded_step`)."""
         grads = [g for part in self.parts for g in part.masters.grads()]
@@ -274,6 +280,7 @@ class MultiGroupPath:
             grad_norm=grad_norm,
             nonfinite_check=nonfinite_check,
             defer_skip=defer_skip,
+            grad_squares=grad_squares,
         )
         if not outcome.overflow:
             for part in self.parts:

@@ -98,6 +98,7 @@ def take_sharded_step(
     grad_norm: torch.Tensor | None = None,
     nonfinite_check: torch.Tensor | None = None,
     defer_skip: bool = False,
+    grad_squares: torch.Tensor | None = None,
 ) -> StepOutcome:
     """The update every on-device gradient path takes: vote, unscale, norm, clip, step.
 
@@ -119,19 +120,31 @@ def take_sharded_step(
     ``defer_skip`` with an optimizer that :func:`supports_device_skip`: the vote is not read
     on the host; the optimizer skips on the device flag, returned as ``StepOutcome.skipped``
     ([Note: the skip decided on the device]). Otherwise the host reads it here.
+
+    ``grad_squares``: the sum of squares of the (scaled) gradients that the caller has
+    already all-reduced over every rank holding a piece of the model, e.g. a pipeline's,
+    summed over the data-parallel group and then over the stages, which ``group`` does not
+    reach. It replaces this function's own sum and all-reduce, carries the vote (an inf or
+    nan on any of those ranks makes it non-finite everywhere; a ``nonfinite_check`` must be
+    folded into it before its all-reduce, and then only asks for the vote) and gives the
+    norm. The step then takes no collective.
     """
     vote = loss_scale is not None or nonfinite_check is not None
     on_device = vote and defer_skip and supports_device_skip(optimizer)
     total: torch.Tensor | None = None
     found_inf: torch.Tensor | None = None
-    if grad_norm is None or vote:
+    if grad_squares is not None:
+        total = grad_squares.detach().float().to(device)
+    elif grad_norm is None or vote:
         total = local_squares(grads, device)
         if nonfinite_check is not None:
             total = total + nonfinite_check.detach().float().to(device) * 0.0
         group.sum_(total)
+    if vote:
+        assert total is not None
         if on_device:
             found_inf = (~torch.isfinite(total)).to(torch.float32)
-        elif vote and not bool(torch.isfinite(total)):  # the step's one host sync
+        elif not bool(torch.isfinite(total)):  # the step's one host sync
             return StepOutcome(overflow=True, grad_norm=None)
     if loss_scale is not None and loss_scale != 1.0 and grads:
         torch._foreach_mul_(grads, 1.0 / loss_scale)
@@ -213,6 +226,7 @@ class ZeroOptimizer:
         grad_norm: torch.Tensor | None = None,
         nonfinite_check: torch.Tensor | None = None,
         defer_skip: bool = False,
+        grad_squares: torch.Tensor | None = None,
     ) -> StepOutcome:
         """Take one update from the reduced gradient shards; skip it on an fp16 overflow.
 
@@ -229,6 +243,10 @@ class ZeroOptimizer:
 
         ``defer_skip``: decide the skip on the device where the optimizer can
         (:func:`take_sharded_step`; not with offload, whose CPU step needs the answer).
+
+        ``grad_squares``: the caller's all-reduced sum of squares of the gradients, spanning
+        ranks this group does not reach (a pipeline's stages); it carries the vote and gives
+        the norm (:func:`take_sharded_step`), with offload too.
         """
         if self.offload is not None and self.offload.tail_kept:
             self._complete()  # the last step still ran (two steps without a forward between)
@@ -244,12 +262,24 @@ class ZeroOptimizer:
                 grad_norm=grad_norm,
                 nonfinite_check=nonfinite_check,
                 defer_skip=defer_skip,
+                grad_squares=grad_squares,
             )
             if not outcome.overflow:
                 # After a skip decided on the device the masters are unchanged: publishing
                 # them again rewrites the same values.
                 self._publish()
             return outcome
+        if grad_squares is not None:
+            # The caller's squares span every rank (and carry its vote): no collective here.
+            given_squares = grad_squares.detach().float()
+            if (loss_scale is not None or nonfinite_check is not None) and not bool(
+                torch.isfinite(given_squares)
+            ):
+                return self._overflow()
+            given = (
+                grad_norm if grad_norm is not None else norm_of_squares(given_squares, loss_scale)
+            )
+            return self._offloaded_step(grads, loss_scale, max_grad_norm, given)
         if (
             loss_scale is None
             and nonfinite_check is not None

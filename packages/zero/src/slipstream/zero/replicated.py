@@ -22,8 +22,14 @@ from slipstream import comm
 from slipstream.kernels.loss_scaler import inf_or_nan_flag
 from slipstream.zero.allreduce import GradientReducer, ReduceSettings, register_ready_hooks
 from slipstream.zero.gradient_path import _load_masters, _masters_state, masters_memory
+from slipstream.zero.group import DataParallelGroup
 from slipstream.zero.norms import clip_grads_
-from slipstream.zero.optimizer import StepOutcome, step_unless_nonfinite, supports_device_skip
+from slipstream.zero.optimizer import (
+    StepOutcome,
+    step_unless_nonfinite,
+    supports_device_skip,
+    take_sharded_step,
+)
 
 __all__ = ["ExpertGroup", "MasterWeights", "ReplicatedGradientPath"]
 
@@ -108,7 +114,9 @@ class ReplicatedGradientPath:
     ``params``: the trainable parameters, in the order of ``optimizer``'s; ``masters``: keep
     fp32 master copies (fp16/bf16 modules) that ``optimizer`` steps instead, the model
     receiving their values after each step. ``group``: the data-parallel group (None: the
-    world). ``experts``: expert-parallel parameter groups, reduced over their own groups.
+    world; ``group_size=1`` with no group: this rank alone, e.g. a pipeline stage without
+    data-parallel replicas, whose grid has no group for them). ``experts``: expert-parallel
+    parameter groups, reduced over their own groups.
     ``vote_over_world``: the reduced gradients may differ between ranks of the world (tensor
     parallelism), so the fp16 overflow vote spans it (it always does with ``experts`` and
     for a ``nonfinite_check``).
@@ -126,6 +134,7 @@ class ReplicatedGradientPath:
         settings: ReduceSettings,
         *,
         group: dist.ProcessGroup | None = None,
+        group_size: int | None = None,
         masters: bool = False,
         experts: Sequence[ExpertGroup] = (),
         vote_over_world: bool = False,
@@ -134,7 +143,10 @@ class ReplicatedGradientPath:
         self.torch_optimizer = optimizer
         self.settings = settings
         self.group = group
-        self.world_size = comm.get_world_size(group) if comm.is_initialized() else 1
+        if group_size is not None:
+            self.world_size = group_size
+        else:
+            self.world_size = comm.get_world_size(group) if comm.is_initialized() else 1
         self.experts = list(experts)
         self.vote_over_world = vote_over_world or bool(self.experts)
         self.device = self.params[0].device if self.params else torch.device("cpu")
@@ -218,6 +230,7 @@ class ReplicatedGradientPath:
         grad_norm: torch.Tensor | None = None,
         nonfinite_check: torch.Tensor | None = None,
         defer_skip: bool = False,
+        grad_squares: torch.Tensor | None = None,
     ) -> StepOutcome:
         """Vote, unscale, norm, clip, step, copy the masters into the model.
 
@@ -227,6 +240,11 @@ class ReplicatedGradientPath:
         ``nonfinite_check`` no collective is needed. ``grad_norm``: the unscaled global norm
         when the caller took it (tensor parallelism), else torch's ``clip_grad_norm_``
         arithmetic here. ``defer_skip``: see :func:`~slipstream.zero.take_sharded_step`.
+
+        ``grad_squares``: the caller's sum of squares of the reduced (scaled) gradients,
+        all-reduced over every rank whose gradients differ (a pipeline's stages): it carries
+        the vote and gives the norm, and the step is :func:`~slipstream.zero.take_sharded_step`
+        with no collective of its own (the gradients are whole: a group of one).
         """
         optimizer = self.torch_optimizer
         if optimizer is None:
@@ -235,6 +253,22 @@ class ReplicatedGradientPath:
                 "or add an 'optimizer' block to the config"
             )
         grads = self.grads()
+        if grad_squares is not None:
+            outcome = take_sharded_step(
+                optimizer,
+                grads,
+                DataParallelGroup(None, 1, 0),
+                self.device,
+                loss_scale=loss_scale,
+                max_grad_norm=max_grad_norm,
+                grad_norm=grad_norm,
+                nonfinite_check=nonfinite_check,
+                defer_skip=defer_skip,
+                grad_squares=grad_squares,
+            )
+            if self.masters is not None and not outcome.overflow:
+                self.masters.copy_to_model()
+            return outcome
         found_inf: torch.Tensor | None = None
         if loss_scale is not None or nonfinite_check is not None:
             found_inf = self._vote(grads, nonfinite_check)
