@@ -19,6 +19,8 @@ GPU, then times ``--steps`` steps of:
   buffers in flight;
 - ``cpu``: the C++ CPU Adam on the same host tensors (bf16 gradient in pinned host memory),
   ``--threads`` OpenMP threads, out of place with ``--out-of-place`` (the speculative step);
+- ``stream-hostgrad``: ``stream`` with the bf16 gradient read from pinned host memory
+  (where CPU offload lands it today) instead of the GPU: 2 more bytes per element;
 - ``hybrid``: both at once, the CPU on the first ``--cpu-share`` of the elements (on a
   thread) and the GPU streaming the rest: whether the copy engines' traffic adds to the
   cores' or only shares the same memory bandwidth.
@@ -31,9 +33,9 @@ registers it (``cudaHostRegister``) instead of using the pinned allocator, which
 pages: whether the TLB matters to the memory-bound step.
 
 Prints one JSON line per mode with the median step over ranks, host bytes counted per second
-(stream 24 B, cpu 32 B counting the landing and upload, hybrid in proportion) and, for the
-streamed elements, PCIe bytes per second each way. Without CUDA, ``stream`` runs its copies
-on the CPU (a smoke test of the tool, not a measurement).
+(stream 24 B, stream-hostgrad 26 B, cpu 32 B counting the landing and upload, hybrid in
+proportion) and, for the streamed elements, PCIe bytes per second each way. Without CUDA,
+``stream`` runs its copies on the CPU (a smoke test of the tool, not a measurement).
 """
 
 from __future__ import annotations
@@ -62,13 +64,15 @@ def _stream_step(
     for index, start in enumerate(range(0, numel, chunk)):
         n = min(chunk, numel - start)
         slot = index % slots
-        p, m, v, g = (b[:n] for b in bufs[slot])
+        p, m, v, g, landed = (b[:n] for b in bufs[slot])
         ctx = torch.cuda.stream(h2d) if h2d is not None else _null()
         with ctx:
             if free[slot] is not None:
                 h2d.wait_event(free[slot])
             for dst, src in zip((p, m, v), host):
                 dst.copy_(src[start : start + n], non_blocking=True)
+            if grad.device.type == "cpu":  # the gradient landed in host memory: upload it
+                landed.copy_(grad[start : start + n], non_blocking=True)
             loaded = torch.cuda.Event() if h2d is not None else None
             if loaded is not None:
                 loaded.record(h2d)
@@ -76,7 +80,9 @@ def _stream_step(
         with ctx:
             if loaded is not None:
                 calc.wait_event(loaded)
-            g.copy_(grad[start : start + n])  # bf16 -> fp32 on the device
+            # bf16 -> fp32 on the device
+            g.copy_(landed if grad.device.type == "cpu" else grad[start : start + n])
+            step_t.fill_(step - 1)  # the fused step counts it up
             torch._fused_adamw_(
                 [p], [g], [m], [v], [], [step_t], lr=1e-3, beta1=0.9, beta2=0.95,
                 weight_decay=0.1, eps=1e-8, amsgrad=False, maximize=False,
@@ -167,9 +173,13 @@ def _worker(rank: int, args: argparse.Namespace, barrier: Any, results: Any) -> 
     dev = device if cuda else torch.device("cpu")
     modes = args.modes.split(",")
     need_stream = any(m in ("stream", "hybrid") for m in modes)
-    need_cpu = any(m in ("cpu", "hybrid") for m in modes)
+    need_cpu = any(m in ("cpu", "hybrid", "stream-hostgrad") for m in modes)
     grad = torch.full((numel,), 0.1, dtype=torch.bfloat16, device=dev) if need_stream else None
-    bufs = [[torch.empty(args.chunk, device=dev) for _ in range(4)] for _ in range(args.slots)]
+    bufs = [
+        [torch.empty(args.chunk, device=dev) for _ in range(4)]
+        + [torch.empty(args.chunk, device=dev, dtype=torch.bfloat16)]
+        for _ in range(args.slots)
+    ]
     streams = [torch.cuda.Stream() for _ in range(3)] if cuda else None
     host_grads = host(0.1, torch.bfloat16) if need_cpu else None
     cpu_optim.set_num_threads(args.threads)
@@ -177,9 +187,9 @@ def _worker(rank: int, args: argparse.Namespace, barrier: Any, results: Any) -> 
     def cut(tensors: list[Any] | None, lo: int, hi: int) -> list[Any] | None:
         return None if tensors is None else [t[lo:hi] for t in tensors]
 
-    def run_stream(step: int, lo: int, hi: int) -> None:
+    def run_stream(step: int, lo: int, hi: int, source: Any) -> None:
         _stream_step(
-            cut(states, lo, hi), cut(spare, lo, hi), grad[lo:hi], bufs, step, args.chunk,
+            cut(states, lo, hi), cut(spare, lo, hi), source[lo:hi], bufs, step, args.chunk,
             streams, dev,
         )  # fmt: skip
 
@@ -198,19 +208,23 @@ def _worker(rank: int, args: argparse.Namespace, barrier: Any, results: Any) -> 
         split = int(numel * args.cpu_share)
         worker = threading.Thread(target=run_cpu, args=(step, 0, split))
         worker.start()
-        run_stream(step, split, numel)
+        run_stream(step, split, numel, grad)
         worker.join()
 
     out: dict[str, list[float]] = {}
     for mode in modes:
-        if mode not in ("stream", "cpu", "hybrid"):
-            raise SystemExit(f"unknown mode {mode!r}: expected stream, cpu or hybrid")
+        if mode not in ("stream", "stream-hostgrad", "cpu", "hybrid"):
+            raise SystemExit(
+                f"unknown mode {mode!r}: expected stream, stream-hostgrad, cpu or hybrid"
+            )
         times = []
         for step in range(1, args.steps + 2):  # the first is a warm-up
             barrier.wait()
             start = time.perf_counter()
             if mode == "stream":
-                run_stream(step, 0, numel)
+                run_stream(step, 0, numel, grad)
+            elif mode == "stream-hostgrad":
+                run_stream(step, 0, numel, host_grads)
             elif mode == "cpu":
                 run_cpu(step, 0, numel)
             else:
@@ -224,7 +238,9 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--processes", type=int, default=2, help="ranks on the host (2)")
     parser.add_argument("--params", type=float, default=5e8, help="elements per rank (5e8)")
-    parser.add_argument("--modes", default="stream,cpu,hybrid", help="stream,cpu,hybrid")
+    parser.add_argument(
+        "--modes", default="stream,cpu,hybrid", help="stream,stream-hostgrad,cpu,hybrid"
+    )
     parser.add_argument(
         "--cpu-share", type=float, default=0.3, help="hybrid: elements the CPU steps (0.3)"
     )
@@ -259,7 +275,12 @@ def main() -> None:
             raise SystemExit(f"a worker exited with code {worker.exitcode}")
     numel = int(args.params)
     share = args.cpu_share
-    per_element = {"stream": 24, "cpu": 32, "hybrid": 32 * share + 24 * (1 - share)}
+    per_element = {
+        "stream": 24,
+        "stream-hostgrad": 26,
+        "cpu": 32,
+        "hybrid": 32 * share + 24 * (1 - share),
+    }
     for mode in args.modes.split(","):
         medians = [statistics.median(gathered[r][mode]) for r in sorted(gathered)]
         median = statistics.median(medians)
@@ -274,6 +295,7 @@ def main() -> None:
         if mode != "cpu":
             streamed = numel * (1 - share if mode == "hybrid" else 1)
             row["pcie_gb_per_s_each_way_per_rank"] = round(streamed * 12 / median / 1e9, 1)
+            row["slots"] = args.slots
             row["chunk"] = args.chunk
         else:
             row["threads"] = args.threads
