@@ -23,7 +23,9 @@ GPU, then times ``--steps`` steps of:
   (where CPU offload lands it today) instead of the GPU: 2 more bytes per element;
 - ``hybrid``: both at once, the CPU on the first ``--cpu-share`` of the elements (on a
   thread) and the GPU streaming the rest: whether the copy engines' traffic adds to the
-  cores' or only shares the same memory bandwidth.
+  cores' or only shares the same memory bandwidth;
+- ``stream+gemm`` (after ``stream``): the streamed step beside bf16 matmuls on another
+  stream that alone take about as long (backward's stand-in): whether the two overlap.
 
     PYTHONPATH=kernels/src python3 tools/bench/stream_adam_bench.py --processes 2 --params 5e8 \\
         --modes stream,cpu,hybrid --threads 16
@@ -129,6 +131,44 @@ def _huge_page_tensor(numel: int, dtype: Any, pin: bool) -> Any:
     return tensor
 
 
+def _with_gemms(
+    args: argparse.Namespace, barrier: Any, stream_s: float, run_stream: Any
+) -> tuple[list[float], list[float]]:
+    """Backward's stand-in: bf16 8192^3 matmuls on a stream of their own, as many as take
+    about ``stream_s`` alone. Returns the times of the matmuls alone and of the matmuls with
+    a streamed step issued beside them (both to completion)."""
+    import torch
+
+    side = torch.cuda.Stream()
+    a = torch.randn(8192, 8192, device="cuda", dtype=torch.bfloat16)
+    b = torch.randn(8192, 8192, device="cuda", dtype=torch.bfloat16)
+
+    def gemms(count: int) -> None:
+        with torch.cuda.stream(side):
+            for _ in range(count):
+                torch.mm(a, b)
+
+    gemms(3)
+    torch.cuda.synchronize()
+    start = time.perf_counter()
+    gemms(20)
+    torch.cuda.synchronize()
+    count = max(1, round(stream_s / ((time.perf_counter() - start) / 20)))
+    alone, together = [], []
+    for step in range(1, args.steps + 2):
+        barrier.wait()
+        start = time.perf_counter()
+        gemms(count)
+        torch.cuda.synchronize()
+        alone.append(time.perf_counter() - start)
+        barrier.wait()
+        start = time.perf_counter()
+        gemms(count)
+        run_stream(step)  # synchronises the device (the matmuls too) before it returns
+        together.append(time.perf_counter() - start)
+    return alone[1:], together[1:]
+
+
 def _anon_huge_gib() -> float:
     """This process's memory in transparent huge pages (GiB), from /proc/self/smaps_rollup."""
     try:
@@ -150,6 +190,15 @@ class _null:
 
 
 def _worker(rank: int, args: argparse.Namespace, barrier: Any, results: Any) -> None:
+    try:
+        _measure(rank, args, barrier, results)
+    except BaseException as exc:  # reported by the parent; the others leave the barrier
+        barrier.abort()
+        results.put((rank, f"{type(exc).__name__}: {exc}", None))
+        raise
+
+
+def _measure(rank: int, args: argparse.Namespace, barrier: Any, results: Any) -> None:
     import torch
 
     from slipstream.kernels.ops import cpu_optim
@@ -213,10 +262,21 @@ def _worker(rank: int, args: argparse.Namespace, barrier: Any, results: Any) -> 
 
     out: dict[str, list[float]] = {}
     for mode in modes:
-        if mode not in ("stream", "stream-hostgrad", "cpu", "hybrid"):
+        if mode not in ("stream", "stream-hostgrad", "cpu", "hybrid", "stream+gemm"):
             raise SystemExit(
-                f"unknown mode {mode!r}: expected stream, stream-hostgrad, cpu or hybrid"
+                f"unknown mode {mode!r}: expected stream, stream-hostgrad, cpu, hybrid or "
+                "stream+gemm"
             )
+        if mode == "stream+gemm":
+            if "stream" not in out or not cuda:
+                raise SystemExit("stream+gemm needs CUDA and the stream mode measured before it")
+            out["gemm-alone"], out[mode] = _with_gemms(
+                args,
+                barrier,
+                statistics.median(out["stream"]),
+                lambda s: run_stream(s, 0, numel, grad),
+            )
+            continue
         times = []
         for step in range(1, args.steps + 2):  # the first is a warm-up
             barrier.wait()
@@ -266,13 +326,17 @@ def main() -> None:
     for worker in workers:
         worker.start()
     gathered, huge = {}, {}
+    errors = []
     for _ in workers:
         rank, times, huge_gib = results.get()
+        if isinstance(times, str):
+            errors.append(f"rank {rank}: {times}")
+            continue
         gathered[rank], huge[rank] = times, huge_gib
     for worker in workers:
         worker.join()
-        if worker.exitcode != 0:
-            raise SystemExit(f"a worker exited with code {worker.exitcode}")
+    if errors:
+        raise SystemExit("; ".join(errors))
     numel = int(args.params)
     share = args.cpu_share
     per_element = {
@@ -282,6 +346,21 @@ def main() -> None:
         "hybrid": 32 * share + 24 * (1 - share),
     }
     for mode in args.modes.split(","):
+        if mode == "stream+gemm":
+            alone = statistics.median(
+                statistics.median(gathered[r]["gemm-alone"]) for r in sorted(gathered)
+            )
+            both = statistics.median(statistics.median(gathered[r][mode]) for r in sorted(gathered))
+            stream = statistics.median(
+                statistics.median(gathered[r]["stream"]) for r in sorted(gathered)
+            )
+            print(json.dumps({
+                "mode": mode, "gemm_alone_ms": round(alone * 1e3, 1),
+                "stream_alone_ms": round(stream * 1e3, 1),
+                "together_ms": round(both * 1e3, 1),
+                "overlap": "perfect at together = max(alone), none at their sum",
+            }), flush=True)  # fmt: skip
+            continue
         medians = [statistics.median(gathered[r][mode]) for r in sorted(gathered)]
         median = statistics.median(medians)
         row: dict[str, Any] = {
