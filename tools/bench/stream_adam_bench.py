@@ -84,7 +84,7 @@ def _stream_step(
                 calc.wait_event(loaded)
             # bf16 -> fp32 on the device
             g.copy_(landed if grad.device.type == "cpu" else grad[start : start + n])
-            step_t.fill_(step - 1)  # the fused step counts it up
+            step_t.fill_(step)  # the step being taken (torch counts it up before the call)
             torch._fused_adamw_(
                 [p], [g], [m], [v], [], [step_t], lr=1e-3, beta1=0.9, beta2=0.95,
                 weight_decay=0.1, eps=1e-8, amsgrad=False, maximize=False,
