@@ -379,3 +379,37 @@ def test_gpu_share_is_checked_and_needs_adam() -> None:
         device=torch.device("cpu"),
     )
     assert host.gpu_share == 0.0 and host._streamed is None  # Lion: the CPU steps it all
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA/ROCm device")
+@pytest.mark.parametrize("pinned", [True, False])
+def test_gpu_share_on_a_gpu_matches_torch(pinned: bool) -> None:
+    """The streamed share on a GPU (chunks of 7 elements, three in flight on three streams),
+    in place and speculated, pinned or pageable host tensors: torch's step to fp32 rounding."""
+    reference = _params(0)
+    offloaded = [
+        torch.nn.Parameter(p.detach().clone().pin_memory() if pinned else p.detach().clone())
+        for p in reference
+    ]
+    ref_opt = FACTORIES["adamw"](reference)
+    host = HostOptimizer(
+        FACTORIES["adamw"](offloaded),
+        OptimizerOffload(gpu_share=0.5),
+        announce=False,
+        device=torch.device("cuda"),
+        allocate=(lambda shape: torch.empty(shape).pin_memory()) if pinned else None,
+    )
+    assert host._streamed is not None and host._streamed.cuda
+    host._streamed.chunk_numel = 7
+    for step in range(3):
+        _grads(reference, step)
+        _grads(offloaded, step)
+        ref_opt.step()
+        if step == 1:
+            host.speculate_params(offloaded)
+            assert host.commit_speculation()
+        else:
+            host.step()
+        for r, o in zip(reference, offloaded):
+            torch.testing.assert_close(o, r, rtol=1e-6, atol=1e-6)

@@ -612,3 +612,21 @@ def test_partial_offload_checkpoint_round_trip_on_gpus(tmp_path) -> None:
         assert len(result["devices"]) == 2 and result["devices"][0] == "cpu"  # host and GPU
         assert result["same"] and result["moved"]
         assert result["worst"] <= 2**-7, result["worst"]  # bf16 weights: one ulp may flip
+
+
+def test_gpu_share_config_needs_stage_1_or_2_on_the_cpu() -> None:
+    from slipstream.config import ConfigError, SlipstreamConfig
+
+    for stage, device, extra in ((3, "cpu", {}), (2, "nvme", {"nvme_path": "/tmp/x"})):
+        config = {
+            "train_micro_batch_size_per_gpu": 1,
+            "zero_optimization": {
+                "stage": stage,
+                "offload_optimizer": {"device": device, "gpu_share": 0.5, **extra},
+            },
+        }
+        with pytest.raises(ConfigError, match="gpu_share=0.5 needs ZeRO stage 1 or 2"):
+            SlipstreamConfig.from_dict(config)
+    bad = {"zero_optimization": {"stage": 2, "offload_optimizer": {"gpu_share": 1.5}}}
+    with pytest.raises(ConfigError, match="gpu_share"):
+        SlipstreamConfig.from_dict({"train_micro_batch_size_per_gpu": 1, **bad})
