@@ -625,7 +625,7 @@ def test_gpu_share_config_needs_stage_1_or_2_on_the_cpu() -> None:
                 "offload_optimizer": {"device": device, "gpu_share": 0.5, **extra},
             },
         }
-        with pytest.raises(ConfigError, match="gpu_share=0.5 needs ZeRO stage 1 or 2"):
+        with pytest.raises(ConfigError, match=r"gpu_share=0\.5 needs ZeRO stage 1 or 2"):
             SlipstreamConfig.from_dict(config)
     bad = {"zero_optimization": {"stage": 2, "offload_optimizer": {"gpu_share": 1.5}}}
     with pytest.raises(ConfigError, match="gpu_share"):
