@@ -219,6 +219,7 @@ class HostOptimizer:
         # gpu_share: that share of each Adam call's elements steps on ``device``, streamed.
         self.gpu_share = 0.0
         self._streamed: StreamedAdam | None = None
+        self._streaming = threading.Lock()
         if settings.gpu_share > 0 and device is not None:
             why = ""
             if self.kernel != "adam":
@@ -395,13 +396,14 @@ class HostOptimizer:
                     gpu[column].append(flat[split:])
         gpu_out = (gpu[4], gpu[5], gpu[6]) if out is not None else None
         cpu_out = (cpu[4], cpu[5], cpu[6]) if out is not None else None
-        if gpu[0]:
-            streamed.enqueue(gpu[0], gpu[1], gpu[2], gpu[3], hyper, gpu_out)
-        try:
-            if cpu[0]:
-                self._cpp_adam(cpu[0], cpu[1], cpu[2], cpu[3], hyper, None, cpu_out)
-        finally:
-            streamed.wait()
+        with self._streaming:  # one call at a time uses the streamer's buffers and streams
+            if gpu[0]:
+                streamed.enqueue(gpu[0], gpu[1], gpu[2], gpu[3], hyper, gpu_out)
+            try:
+                if cpu[0]:
+                    self._cpp_adam(cpu[0], cpu[1], cpu[2], cpu[3], hyper, None, cpu_out)
+            finally:
+                streamed.wait()
 
     def _cpp_adam(
         self,
