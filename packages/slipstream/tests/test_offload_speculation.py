@@ -429,3 +429,56 @@ def test_fp16_speculative_step_is_the_step_bit_for_bit_on_gpus(stage, gas) -> No
         assert on["speculative"] and on["stats"] == expected
         assert on["skipped"] == off["skipped"] == 1 and on["scales"] == off["scales"]
         assert result["first_difference"] is None, result["first_difference"]
+
+
+def _step_reads_no_host_gradients() -> dict:
+    """bf16 with its non-finite check (on by default) and a kept speculative step: engine.step()
+    neither votes over the host gradients (a pass as long as a CPU step: the regression of
+    2026-11-25, step phase ~350 ms at 1.3b) nor steps on the CPU again."""
+    import slipstream
+    import slipstream.zero.optimizer as zero_optimizer
+    from slipstream.zero.testing import TinyTransformer, batch_for
+
+    calls = {"host_vote": 0, "host_step": 0}
+    original_vote = zero_optimizer.overflow_on_any_rank
+
+    def counting_vote(*args: object, **kwargs: object) -> bool:
+        calls["host_vote"] += 1
+        return original_vote(*args, **kwargs)
+
+    zero_optimizer.overflow_on_any_rank = counting_vote
+    torch.manual_seed(0)
+    model = TinyTransformer()
+    config = {
+        "train_micro_batch_size_per_gpu": MICRO,
+        "gradient_clipping": KEEP,
+        "bf16": {"enabled": True},
+        "zero_optimization": {
+            "stage": 2,
+            "reduce_bucket_size": 600,
+            "offload_optimizer": {"device": "cpu"},
+        },
+    }
+    engine, *_ = slipstream.initialize(
+        model=model, optimizer=torch.optim.AdamW(model.parameters(), lr=0.01), config=config
+    )
+    host = engine.zero.optimizer.offload.host
+    original_step = host.step_params
+
+    def counting_step(*args: object, **kwargs: object) -> None:
+        calls["host_step"] += 1
+        original_step(*args, **kwargs)
+
+    host.step_params = counting_step
+    for step in range(3):
+        ids, labels = batch_for(step, 0, MICRO)
+        engine.backward(engine(ids, labels))
+        engine.step()
+    stats = engine.zero.optimizer.offload.speculation
+    return {**calls, "kept": stats.kept, "check": engine._check_nonfinite}
+
+
+def test_a_kept_speculative_step_reads_no_host_gradients_in_step() -> None:
+    (result,) = run_distributed(_step_reads_no_host_gradients, 1, timeout=300)
+    assert result["check"] and result["kept"] == 3
+    assert result["host_vote"] == 0 and result["host_step"] == 0, result
