@@ -105,7 +105,9 @@ class StreamedAdam:
         if self.cuda and not self._streams:
             self._streams = [torch.cuda.Stream(self.device) for _ in range(3)]
         if self._step is None:
-            self._step = torch.zeros((), dtype=torch.float32, device=self.device)
+            # Written only on the step's stream (fill_ below): no kernel on this stream that
+            # could land after it.
+            self._step = torch.empty((), dtype=torch.float32, device=self.device)
         outs = out if out is not None else (params, exp_avgs, exp_avg_sqs)
         fused = torch._fused_adamw_ if hyper.adam_w_mode else torch._fused_adam_
         for index, param in enumerate(params):
