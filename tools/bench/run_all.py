@@ -1,6 +1,6 @@
 """Run several training benchmarks side by side and print a markdown table of the results.
 
-Each spec is ``IMPL[:STAGE[+cpu|+nvme][+param|+nvmeparam][+noclip][+bf16comm][+ratioR][+rbN][+abN][+leaf][+bpN][+pf][+tN][+dyn][+ovf]]@MODEL/MICRO`` (e.g.
+Each spec is ``IMPL[:STAGE[+cpu|+nvme][+param|+nvmeparam][+noclip][+bf16comm][+ratioR][+rbN][+abN][+leaf][+bpN][+pf][+tN][+dyn][+ovf][+gsX]]@MODEL/MICRO`` (e.g.
 ``fsdp2@1.3b/4``, ``slipstream:3@7b/2``, ``slipstream:2+cpu@1.3b/4`` for CPU optimizer
 offload, ``slipstream:3+cpu+nvmeparam@1.3b/2`` with the parameter shards on NVMe,
 ``+bf16comm`` for ``communication_data_type`` bf16, DeepSpeed's default under bf16;
@@ -9,7 +9,7 @@ offload, ``slipstream:3+cpu+nvmeparam@1.3b/2`` with the parameter shards on NVMe
 (default 5e8); ``+leaf`` for stage 3 with each transformer block a ``leaf_module``; ``+bp0`` for ``stage3_reduce_bucket_parts`` 0 (no
 stage-3 cap; default 64); ``+pf`` for ``publish_during_forward`` (stages 1-2); ``+t16`` for ``offload_optimizer.threads`` 16
 (formerly ``SLIPSTREAM_OFFLOAD_THREADS=16``), ``+dyn`` for ``cpu_schedule`` dynamic; ``+ovf`` for
-``offload_optimizer.overlap_forward``; ``deepspeed:2+cpu@7b/2`` runs DeepSpeed, when
+``offload_optimizer.overlap_forward``; ``+gs0.3`` for ``offload_optimizer.gpu_share`` 0.3; ``deepspeed:2+cpu@7b/2`` runs DeepSpeed, when
 installed, on the same config); every
 run is a fresh ``torchrun`` of train_bench.py on ``--gpus`` processes, one after the other on
 the same machine, so the rows compare like with like.
@@ -68,6 +68,8 @@ def _parse(spec: str) -> list[str]:
             args += ["--reduce-bucket-size", extra.removeprefix("rb")]
         elif extra.startswith("ratio"):
             args += ["--offload-ratio", extra.removeprefix("ratio")]
+        elif extra.startswith("gs"):
+            args += ["--offload-gpu-share", extra.removeprefix("gs")]
         else:
             args += ["--offload", extra]
     return args + (["--stage", stage] if stage else [])

@@ -170,13 +170,15 @@ def _offload_blocks(args: argparse.Namespace) -> dict[str, Any]:
         blocks["offload_optimizer"] = {"device": "cpu", "pin_memory": True}
         ours = (
             args.offload_ratio != 1.0,
+            args.offload_gpu_share,
             args.overlap_forward,
             args.offload_threads,
             args.cpu_schedule,
         )
         if args.impl == "deepspeed" and any(ours):
             raise SystemExit(
-                "--offload-ratio / --overlap-forward / --offload-threads / --cpu-schedule: "
+                "--offload-ratio / --offload-gpu-share / --overlap-forward / --offload-threads "
+                "/ --cpu-schedule: "
                 "slipstream only"
             )
         if args.offload_threads:
@@ -185,6 +187,8 @@ def _offload_blocks(args: argparse.Namespace) -> dict[str, Any]:
             blocks["offload_optimizer"]["cpu_schedule"] = args.cpu_schedule
         if args.offload_ratio != 1.0:
             blocks["offload_optimizer"]["ratio"] = args.offload_ratio
+        if args.offload_gpu_share:
+            blocks["offload_optimizer"]["gpu_share"] = args.offload_gpu_share
         if args.overlap_forward:
             blocks["offload_optimizer"]["overlap_forward"] = True
     elif args.offload == "nvme":
@@ -435,6 +439,13 @@ def main(argv: list[str] | None = None) -> int:
         default=1.0,
         help="--offload cpu: offload_optimizer.ratio (the share of the optimizer offloaded; "
         "the first parameters' masters and states stay on the GPU)",
+    )
+    parser.add_argument(
+        "--offload-gpu-share",
+        type=float,
+        default=0.0,
+        help="--offload cpu: offload_optimizer.gpu_share (the share of the CPU step's elements "
+        "stepped on the GPU instead, states streamed from and back to host memory)",
     )
     parser.add_argument(
         "--overlap-forward",
@@ -693,6 +704,7 @@ def main(argv: list[str] | None = None) -> int:
         + ("+noclip" if args.clip == 0 else "")
         + (f"+{args.comm_dtype}comm" if args.comm_dtype else "")
         + (f"+ratio{args.offload_ratio:g}" if args.offload_ratio != 1.0 else "")
+        + (f"+gs{args.offload_gpu_share:g}" if args.offload_gpu_share else "")
         + ("+ovf" if args.overlap_forward else "")
         + (f"+rb{args.reduce_bucket_size:g}" if args.reduce_bucket_size != 5e8 else "")
         + (f"+ab{args.allgather_bucket_size:g}" if args.allgather_bucket_size != 5e8 else "")

@@ -318,3 +318,98 @@ def test_freezing_needs_the_cpp_step() -> None:
     host = HostOptimizer(FACTORIES["sgd"](_params(0)), OptimizerOffload(), announce=False)
     with pytest.raises(RuntimeError, match="C\\+\\+ steps only"):
         host.freeze_hyperparameters()
+
+
+@pytest.mark.parametrize("name", ["adamw", "adam", "adam-groups"])
+@pytest.mark.parametrize("share", [0.5, 1.0])
+def test_gpu_share_matches_torch(name: str, share: float) -> None:
+    """gpu_share: that share of each tensor's elements steps through StreamedAdam (here on the
+    CPU device: the same chunked code with plain copies, 7-element chunks so that tensors span
+    several), the rest on the C++ step; in place, speculated and committed, with a grad scale,
+    and with bf16 gradients. Equal to torch's step up to fp32 rounding."""
+    from slipstream.offload.gpu_stream import StreamedAdam
+
+    reference = _params(0)
+    offloaded = [torch.nn.Parameter(p.detach().clone()) for p in reference]
+    ref_opt = FACTORIES[name](reference)
+    landed: dict[int, torch.Tensor] = {}  # the gradients, as offload hands them over
+    host = HostOptimizer(
+        FACTORIES[name](offloaded),
+        OptimizerOffload(gpu_share=share),
+        announce=False,
+        device=torch.device("cpu"),
+        grad_of=lambda p: landed.get(id(p)),
+    )
+    assert host.gpu_share == share and isinstance(host._streamed, StreamedAdam)
+    host._streamed.chunk_numel = 7
+    for step in range(4):
+        _grads(reference, step)
+        _grads(offloaded, step)
+        scale = 0.5 if step == 2 else 1.0
+        for p in reference:
+            if step == 3:  # bf16 gradients, widened exactly as they are read
+                p.grad = p.grad.bfloat16().float()
+            p.grad.mul_(scale)
+        for p in offloaded:
+            landed[id(p)] = p.grad.bfloat16() if step == 3 else p.grad
+        ref_opt.step()
+        if step in (1, 2):
+            host.speculate_params(offloaded, scale)
+            assert host.commit_speculation(scale)
+        else:
+            host.step(grad_scale=scale)
+        for r, o in zip(reference, offloaded):
+            torch.testing.assert_close(o, r, rtol=1e-6, atol=1e-6)
+    for r, o in zip(reference, offloaded):
+        for key in ("exp_avg", "exp_avg_sq"):
+            torch.testing.assert_close(
+                host.optimizer.state[o][key], ref_opt.state[r][key], rtol=1e-6, atol=1e-6
+            )
+
+
+def test_gpu_share_is_checked_and_needs_adam() -> None:
+    with pytest.raises(ValueError, match="gpu_share"):
+        OptimizerOffload(gpu_share=1.5)
+    with pytest.raises(ValueError, match="gpu_share"):
+        OptimizerOffload(device="nvme", nvme_path="/tmp", gpu_share=0.5)
+    host = HostOptimizer(
+        FACTORIES["lion"](_params(0)),
+        OptimizerOffload(gpu_share=0.5),
+        announce=False,
+        device=torch.device("cpu"),
+    )
+    assert host.gpu_share == 0.0 and host._streamed is None  # Lion: the CPU steps it all
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA/ROCm device")
+@pytest.mark.parametrize("pinned", [True, False])
+def test_gpu_share_on_a_gpu_matches_torch(pinned: bool) -> None:
+    """The streamed share on a GPU (chunks of 7 elements, three in flight on three streams),
+    in place and speculated, pinned or pageable host tensors: torch's step to fp32 rounding."""
+    reference = _params(0)
+    offloaded = [
+        torch.nn.Parameter(p.detach().clone().pin_memory() if pinned else p.detach().clone())
+        for p in reference
+    ]
+    ref_opt = FACTORIES["adamw"](reference)
+    host = HostOptimizer(
+        FACTORIES["adamw"](offloaded),
+        OptimizerOffload(gpu_share=0.5),
+        announce=False,
+        device=torch.device("cuda"),
+        allocate=(lambda shape: torch.empty(shape).pin_memory()) if pinned else None,
+    )
+    assert host._streamed is not None and host._streamed.cuda
+    host._streamed.chunk_numel = 7
+    for step in range(3):
+        _grads(reference, step)
+        _grads(offloaded, step)
+        ref_opt.step()
+        if step == 1:
+            host.speculate_params(offloaded)
+            assert host.commit_speculation()
+        else:
+            host.step()
+        for r, o in zip(reference, offloaded):
+            torch.testing.assert_close(o, r, rtol=1e-6, atol=1e-6)

@@ -90,6 +90,7 @@ def _side_by_side(stage: int, precision: str, offload: dict, optimizer_name: str
         "norms": norms,
         "host": masters_on_host,
         "eager": eager,
+        "gpu_share": host_step.gpu_share,
         "offloaded": flags,
         # Partial offload: the host step takes exactly the offloaded masters.
         "host_step_matches": stepped_on_host
@@ -164,6 +165,12 @@ CASES = [
         2,
         {"offload_optimizer": {"device": "cpu", "ratio": 0.5}, "offload_param": {"device": "cpu"}},
     ),
+    # gpu_share: half of each Adam call's elements step through StreamedAdam (here on the
+    # CPU device, the same code with plain copies), the rest on the C++ step: the speculative
+    # step under clipping (kept, out of place) and overlap_step without it (in place).
+    (2, 1, {"offload_optimizer": {"device": "cpu", "gpu_share": 0.5}}),
+    (2, 2, {"offload_optimizer": {"device": "cpu", "gpu_share": 0.5}}),
+    (2, 1, {"offload_optimizer": {"device": "cpu", "gpu_share": 0.5}, "_clip": 0.0}),
 ]
 
 
@@ -184,6 +191,8 @@ def _ids() -> list[str]:  # unique (checked below)
             parts.append("max-in-cpu")
         if "ratio" in extra.get("offload_optimizer", {}):
             parts.append(f"ratio{extra['offload_optimizer']['ratio']}")
+        if "gpu_share" in extra.get("offload_optimizer", {}):
+            parts.append(f"gpushare{extra['offload_optimizer']['gpu_share']}")
         out.append("-".join(parts))
     return out
 
@@ -207,6 +216,9 @@ def test_offload_matches_the_same_run_without_it_fp32(
     stage, world, extra, optimizer_name, tmp_path
 ) -> None:
     extra = dict(extra)  # shared by the parametrisations
+    share = extra.get("offload_optimizer", {}).get("gpu_share", 0.0)
+    if share and optimizer_name == "sgd":
+        pytest.skip("gpu_share splits the C++ Adam step only (SGD steps with torch's own)")
     eager = "_clip" in extra and extra.get("offload_optimizer", {}).get("overlap_step", True)
     extra = {
         key: {k: (str(tmp_path) if v == "TMP" else v) for k, v in block.items()}
@@ -229,6 +241,7 @@ def test_offload_matches_the_same_run_without_it_fp32(
             assert (ratio == 0.0) == (kept == len(flags)), flags
         assert result["host"]
         assert result["eager"] == eager
+        assert result["gpu_share"] == share
         if extra.get("offload_param", {}).get("device") == "nvme":
             assert result["swapped"] > 0  # shards really were on disk between uses
         worst, in_norm = TOLERANCE[optimizer_name]
@@ -599,3 +612,21 @@ def test_partial_offload_checkpoint_round_trip_on_gpus(tmp_path) -> None:
         assert len(result["devices"]) == 2 and result["devices"][0] == "cpu"  # host and GPU
         assert result["same"] and result["moved"]
         assert result["worst"] <= 2**-7, result["worst"]  # bf16 weights: one ulp may flip
+
+
+def test_gpu_share_config_needs_stage_1_or_2_on_the_cpu() -> None:
+    from slipstream.config import ConfigError, SlipstreamConfig
+
+    for stage, device, extra in ((3, "cpu", {}), (2, "nvme", {"nvme_path": "/tmp/x"})):
+        config = {
+            "train_micro_batch_size_per_gpu": 1,
+            "zero_optimization": {
+                "stage": stage,
+                "offload_optimizer": {"device": device, "gpu_share": 0.5, **extra},
+            },
+        }
+        with pytest.raises(ConfigError, match=r"gpu_share=0\.5 needs ZeRO stage 1 or 2"):
+            SlipstreamConfig.from_dict(config)
+    bad = {"zero_optimization": {"stage": 2, "offload_optimizer": {"gpu_share": 1.5}}}
+    with pytest.raises(ConfigError, match="gpu_share"):
+        SlipstreamConfig.from_dict({"train_micro_batch_size_per_gpu": 1, **bad})

@@ -37,9 +37,11 @@ def _run(
     ratio: float = 1.0,
     clips: tuple[float, ...] = tuple(CLIPS),
     overflow_at: int | None = None,
+    gpu_share: float = 0.0,
 ) -> dict:
     """Train with the ``clips`` schedule; every step's weights, masters and states. fp16:
-    the loss of step ``overflow_at`` is made infinite (the step is skipped)."""
+    the loss of step ``overflow_at`` is made infinite (the step is skipped). ``gpu_share``:
+    that share of each CPU step's elements steps on the device, streamed."""
     import slipstream
     from slipstream import comm
     from slipstream.zero.testing import TinyTransformer, batch_for
@@ -66,6 +68,7 @@ def _run(
                 "pin_memory": torch.cuda.is_available(),
                 "ratio": ratio,  # below 1: the first parameters step on the device
                 "speculative_step": speculate,
+                "gpu_share": gpu_share,
             },
         },
     }
@@ -112,6 +115,11 @@ def _run(
         "norm": norm,
         "skipped": engine.skipped_steps,
         "scales": scales,
+        "masters": len(engine.zero.masters.masters),
+        "params": len(list(engine.module.parameters())),
+        "streamed_on": (
+            offload.host._streamed.device.type if offload.host._streamed is not None else None
+        ),
     }
 
 
@@ -368,6 +376,43 @@ def test_speculative_step_is_the_step_bit_for_bit_on_gpus(stage, ratio) -> None:
         assert result["first_difference"] is None, result["first_difference"]
 
 
+def _gpu_share_check() -> dict:
+    """gpu_share 0.5 on GPUs: the speculative step is the step bit for bit (kept, discarded,
+    paused), and the first step's masters agree with the CPU-only step to fp32 rounding."""
+    on = _run(2, "bf16", 1, True, gpu_share=0.5)
+    off = _run(2, "bf16", 1, False, gpu_share=0.5)
+    cpu = _run(2, "bf16", 1, True, gpu_share=0.0)
+    first_difference = None
+    for step, (a, b) in enumerate(zip(on["snapshots"], off["snapshots"])):
+        if len(a) != len(b) or not all(torch.equal(x, y) for x, y in zip(a, b)):
+            first_difference = step
+            break
+    first = slice(on["params"], on["params"] + on["masters"])  # step 0's masters
+    worst = max(
+        float((a - b).abs().max() / b.abs().max().clamp_min(1e-12))
+        for a, b in zip(on["snapshots"][0][first], cpu["snapshots"][0][first])
+    )
+    return {
+        "first_difference": first_difference,
+        "stats": on["stats"],
+        "streamed_on": on["streamed_on"],
+        "worst_vs_cpu": worst,
+    }
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA/ROCm device")
+def test_gpu_share_speculative_step_on_gpus() -> None:
+    # Half of each bucket's elements step on the GPU (master and states streamed from pinned
+    # host memory and back) while the CPU steps the rest, during backward.
+    world = min(2, torch.cuda.device_count())
+    for result in run_distributed(_gpu_share_check, world, backend="nccl", timeout=300):
+        assert result["streamed_on"] == "cuda"
+        assert result["stats"] == EXPECTED
+        assert result["first_difference"] is None, result["first_difference"]
+        assert result["worst_vs_cpu"] <= 5e-6, result["worst_vs_cpu"]
+
+
 @pytest.mark.gpu
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA/ROCm device")
 @pytest.mark.parametrize(("stage", "gas"), [(2, 1), (2, 2), (1, 1)])
@@ -384,3 +429,56 @@ def test_fp16_speculative_step_is_the_step_bit_for_bit_on_gpus(stage, gas) -> No
         assert on["speculative"] and on["stats"] == expected
         assert on["skipped"] == off["skipped"] == 1 and on["scales"] == off["scales"]
         assert result["first_difference"] is None, result["first_difference"]
+
+
+def _step_reads_no_host_gradients() -> dict:
+    """bf16 with its non-finite check (on by default) and a kept speculative step: engine.step()
+    neither votes over the host gradients (a pass as long as a CPU step: the regression of
+    2026-11-25, step phase ~350 ms at 1.3b) nor steps on the CPU again."""
+    import slipstream
+    import slipstream.zero.optimizer as zero_optimizer
+    from slipstream.zero.testing import TinyTransformer, batch_for
+
+    calls = {"host_vote": 0, "host_step": 0}
+    original_vote = zero_optimizer.overflow_on_any_rank
+
+    def counting_vote(*args: object, **kwargs: object) -> bool:
+        calls["host_vote"] += 1
+        return original_vote(*args, **kwargs)
+
+    zero_optimizer.overflow_on_any_rank = counting_vote
+    torch.manual_seed(0)
+    model = TinyTransformer()
+    config = {
+        "train_micro_batch_size_per_gpu": MICRO,
+        "gradient_clipping": KEEP,
+        "bf16": {"enabled": True},
+        "zero_optimization": {
+            "stage": 2,
+            "reduce_bucket_size": 600,
+            "offload_optimizer": {"device": "cpu"},
+        },
+    }
+    engine, *_ = slipstream.initialize(
+        model=model, optimizer=torch.optim.AdamW(model.parameters(), lr=0.01), config=config
+    )
+    host = engine.zero.optimizer.offload.host
+    original_step = host.step_params
+
+    def counting_step(*args: object, **kwargs: object) -> None:
+        calls["host_step"] += 1
+        original_step(*args, **kwargs)
+
+    host.step_params = counting_step
+    for step in range(3):
+        ids, labels = batch_for(step, 0, MICRO)
+        engine.backward(engine(ids, labels))
+        engine.step()
+    stats = engine.zero.optimizer.offload.speculation
+    return {**calls, "kept": stats.kept, "check": engine._check_nonfinite}
+
+
+def test_a_kept_speculative_step_reads_no_host_gradients_in_step() -> None:
+    (result,) = run_distributed(_step_reads_no_host_gradients, 1, timeout=300)
+    assert result["check"] and result["kept"] == 3
+    assert result["host_vote"] == 0 and result["host_step"] == 0, result

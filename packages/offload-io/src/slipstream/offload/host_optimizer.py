@@ -33,6 +33,7 @@ from typing import Any, Protocol
 
 import torch
 
+from slipstream.offload.gpu_stream import AdamHyper, StreamedAdam
 from slipstream.offload.settings import OptimizerOffload
 from slipstream.offload.threads import choose_threads
 
@@ -141,6 +142,9 @@ class HostOptimizer:
             such gradients; the fallback needs them as ``.grad``.
         params: the optimizer's parameters this steps (default: all of them). Partial
             offload leaves the others on the GPU, where the optimizer's own step updates them.
+        device: the accelerator that steps ``settings.gpu_share`` of each Adam/AdamW call's
+            elements, streamed from and back to host memory (:class:`StreamedAdam`); None:
+            the CPU steps them all. Used only with the C++ Adam, without copies or a swapper.
     """
 
     def __init__(
@@ -154,6 +158,7 @@ class HostOptimizer:
         allocate: Callable[[torch.Size], torch.Tensor] | None = None,
         grad_of: Callable[[torch.Tensor], torch.Tensor | None] | None = None,
         params: Sequence[torch.Tensor] | None = None,
+        device: torch.device | None = None,
     ) -> None:
         self.optimizer = optimizer
         self._grad_of = grad_of or (lambda param: param.grad)
@@ -211,6 +216,30 @@ class HostOptimizer:
         # Group settings as freeze_hyperparameters() saw them (None: read the live groups).
         self._frozen: list[dict[str, Any]] | None = None
         self._reading = threading.Lock()
+        # gpu_share: that share of each Adam call's elements steps on ``device``, streamed.
+        self.gpu_share = 0.0
+        self._streamed: StreamedAdam | None = None
+        self._streaming = threading.Lock()
+        if settings.gpu_share > 0 and device is not None:
+            why = ""
+            if self.kernel != "adam":
+                why = f"it streams Adam/AdamW only ({self.description})"
+            elif swapper is not None:
+                why = "NVMe offload swaps the states (device 'cpu' only)"
+            if why:
+                if announce:
+                    logger.warning("offload_optimizer.gpu_share has no effect: %s", why)
+            else:
+                self.gpu_share = settings.gpu_share
+                self._streamed = StreamedAdam(device)
+                if announce:
+                    logger.info(
+                        "offload_optimizer.gpu_share %g: that share of each step's elements "
+                        "is stepped on %s (states streamed from and back to host memory), the "
+                        "rest by the CPU at the same time",
+                        self.gpu_share,
+                        device,
+                    )
 
     # ------------------------------------------------------------------ hyper-parameters
     def freeze_hyperparameters(self) -> None:
@@ -313,13 +342,97 @@ class HostOptimizer:
     def _spare_of(self, param: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         spare = self._spares.get(id(param))
         if spare is None:
-            spare = (
-                self._allocate(param.shape),
-                torch.empty(param.shape, dtype=torch.float32),
-                torch.empty(param.shape, dtype=torch.float32),
-            )
+            # Streamed (gpu_share): the states come from the allocator too (pinned: the copies
+            # to and from the device are asynchronous); else plain host memory.
+            state = self._allocate if self._streamed is not None else self._plain
+            spare = (self._allocate(param.shape), state(param.shape), state(param.shape))
             self._spares[id(param)] = spare
         return spare
+
+    @staticmethod
+    def _plain(shape: torch.Size) -> torch.Tensor:
+        return torch.empty(shape, dtype=torch.float32)
+
+    def _new_adam_state(self, param: torch.Tensor, entry: dict[str, Any]) -> None:
+        """Adam's state as torch creates it (pinned, from the allocator, when streamed)."""
+        entry["step"] = torch.tensor(0.0, dtype=torch.float32)
+        if self._streamed is None:
+            entry["exp_avg"] = torch.zeros_like(param, memory_format=torch.preserve_format)
+            entry["exp_avg_sq"] = torch.zeros_like(param, memory_format=torch.preserve_format)
+        else:
+            entry["exp_avg"] = self._allocate(param.shape).zero_()
+            entry["exp_avg_sq"] = self._allocate(param.shape).zero_()
+
+    def _run_adam(
+        self,
+        params: list[torch.Tensor],
+        exp_avgs: list[torch.Tensor],
+        exp_avg_sqs: list[torch.Tensor],
+        hyper: AdamHyper,
+        copies: list[torch.Tensor] | None,
+        out: tuple[list[torch.Tensor], list[torch.Tensor], list[torch.Tensor]] | None = None,
+    ) -> None:
+        """One Adam/AdamW call: the C++ step over everything, or (``gpu_share``) the last
+        ``gpu_share`` of each tensor's elements streamed through the device while the C++
+        step takes the rest at the same time."""
+        grads = self._grads(params)
+        streamed = self._streamed
+        if streamed is None or copies is not None:
+            self._cpp_adam(params, grads, exp_avgs, exp_avg_sqs, hyper, copies, out)
+            return
+        lists: list[list[torch.Tensor]] = [params, grads, exp_avgs, exp_avg_sqs]
+        if out is not None:
+            lists += list(out)
+        cpu: list[list[torch.Tensor]] = [[] for _ in lists]
+        gpu: list[list[torch.Tensor]] = [[] for _ in lists]
+        for index, param in enumerate(params):
+            numel = param.numel()
+            split = numel - round(numel * self.gpu_share)
+            for column, tensors in enumerate(lists):
+                flat = tensors[index].view(-1)
+                if split > 0:
+                    cpu[column].append(flat[:split])
+                if split < numel:
+                    gpu[column].append(flat[split:])
+        gpu_out = (gpu[4], gpu[5], gpu[6]) if out is not None else None
+        cpu_out = (cpu[4], cpu[5], cpu[6]) if out is not None else None
+        with self._streaming:  # one call at a time uses the streamer's buffers and streams
+            if gpu[0]:
+                streamed.enqueue(gpu[0], gpu[1], gpu[2], gpu[3], hyper, gpu_out)
+            try:
+                if cpu[0]:
+                    self._cpp_adam(cpu[0], cpu[1], cpu[2], cpu[3], hyper, None, cpu_out)
+            finally:
+                streamed.wait()
+
+    def _cpp_adam(
+        self,
+        params: list[torch.Tensor],
+        grads: list[torch.Tensor],
+        exp_avgs: list[torch.Tensor],
+        exp_avg_sqs: list[torch.Tensor],
+        hyper: AdamHyper,
+        copies: list[torch.Tensor] | None,
+        out: tuple[list[torch.Tensor], list[torch.Tensor], list[torch.Tensor]] | None,
+    ) -> None:
+        self._ops.adam(
+            params,
+            grads,
+            exp_avgs,
+            exp_avg_sqs,
+            lr=hyper.lr,
+            beta1=hyper.beta1,
+            beta2=hyper.beta2,
+            eps=hyper.eps,
+            weight_decay=hyper.weight_decay,
+            adam_w_mode=hyper.adam_w_mode,
+            bias_correction=True,
+            step=hyper.step,
+            param_copies=copies,
+            grad_scale=hyper.grad_scale,
+            out=out,
+            schedule=self.settings.cpu_schedule,
+        )
 
     def _decoupled(self, group: dict[str, Any]) -> bool:
         """AdamW's decoupled weight decay (AdamW, or Adam with ``decoupled_weight_decay``)."""
@@ -359,9 +472,7 @@ class HostOptimizer:
                 continue
             entry = state[param]
             if not entry:  # what the in-place step would create
-                entry["step"] = torch.tensor(0.0, dtype=torch.float32)
-                entry["exp_avg"] = torch.zeros_like(param, memory_format=torch.preserve_format)
-                entry["exp_avg_sq"] = torch.zeros_like(param, memory_format=torch.preserve_format)
+                self._new_adam_state(param, entry)
             spare = self._spare_of(param)
             assumed = self._assumed(param, grad_scale)
             self._speculated[id(param)] = _Speculation(param, *spare, assumed)
@@ -370,27 +481,17 @@ class HostOptimizer:
             lr, beta1, beta2, eps, weight_decay, decoupled, step, scale = assumed
             for chunk, copies in self._split_by_copy(members):
                 taken = [self._speculated[id(p)] for p in chunk]
-                self._ops.adam(
+                self._run_adam(
                     chunk,
-                    self._grads(chunk),
                     [state[p]["exp_avg"] for p in chunk],
                     [state[p]["exp_avg_sq"] for p in chunk],
-                    lr=lr,
-                    beta1=beta1,
-                    beta2=beta2,
-                    eps=eps,
-                    weight_decay=weight_decay,
-                    adam_w_mode=decoupled,
-                    bias_correction=True,
-                    step=step,
-                    param_copies=copies,
-                    grad_scale=scale,
+                    AdamHyper(lr, beta1, beta2, eps, weight_decay, decoupled, step, scale),
+                    copies,
                     out=(
                         [t.value.view(-1) for t in taken],
                         [t.exp_avg.view(-1) for t in taken],
                         [t.exp_avg_sq.view(-1) for t in taken],
                     ),
-                    schedule=self.settings.cpu_schedule,
                 )
 
     def speculative_value(self, param: torch.Tensor) -> torch.Tensor | None:
@@ -491,31 +592,29 @@ class HostOptimizer:
         for param in members:
             entry = state[param]
             if not entry:
-                entry["step"] = torch.tensor(0.0, dtype=torch.float32)
-                entry["exp_avg"] = torch.zeros_like(param, memory_format=torch.preserve_format)
-                entry["exp_avg_sq"] = torch.zeros_like(param, memory_format=torch.preserve_format)
+                self._new_adam_state(param, entry)
             entry["step"] += 1
             by_step.setdefault(float(entry["step"]), []).append(param)
         beta1, beta2 = group["betas"]
         decoupled = self._decoupled(group)
         for step, same_step in by_step.items():
             for params, copies in self._split_by_copy(same_step):
-                self._ops.adam(
+                hyper = AdamHyper(
+                    float(group["lr"]),
+                    float(beta1),
+                    float(beta2),
+                    float(group["eps"]),
+                    float(group["weight_decay"]),
+                    decoupled,
+                    int(step),
+                    scale,
+                )
+                self._run_adam(
                     params,
-                    self._grads(params),
                     [state[p]["exp_avg"] for p in params],
                     [state[p]["exp_avg_sq"] for p in params],
-                    lr=float(group["lr"]),
-                    beta1=float(beta1),
-                    beta2=float(beta2),
-                    eps=float(group["eps"]),
-                    weight_decay=float(group["weight_decay"]),
-                    adam_w_mode=decoupled,
-                    bias_correction=True,
-                    step=int(step),
-                    param_copies=copies,
-                    grad_scale=scale,
-                    schedule=self.settings.cpu_schedule,
+                    hyper,
+                    copies,
                 )
 
     def _adagrad(self, group: dict[str, Any], members: list[torch.Tensor], scale: float) -> None:

@@ -75,6 +75,12 @@ class OptimizerOffload:
         overlap_bucket_numel: ZeRO 1-2 stepping during backward (``overlap_step`` or
             ``speculative_step``): the reduce buckets hold at most this many elements (the
             smaller of it and ``reduce_bucket_size``), so the CPU starts stepping early.
+        gpu_share: CPU, ZeRO 1-2, Adam/AdamW on the C++ step, with a GPU: the share of each
+            step's elements that is stepped on the GPU instead of by the CPU cores, at the
+            same time as the rest: their masters and states stay in host memory and are
+            copied to the GPU and back chunk by chunk by its copy engines
+            (:class:`slipstream.offload.gpu_stream.StreamedAdam`). 0.0 (the default): the
+            CPU steps everything. The states are then allocated like the masters (pinned).
     """
 
     device: Device = "cpu"
@@ -94,9 +100,17 @@ class OptimizerOffload:
     cpu_schedule: Literal["static", "dynamic"] = "static"
     early_upload: bool = True
     overlap_bucket_numel: int = 100_000_000
+    gpu_share: float = 0.0
 
     def __post_init__(self) -> None:
         _check_device("offload_optimizer", self.device, self.nvme_path)
+        if not 0.0 <= self.gpu_share <= 1.0:
+            raise ValueError(f"offload_optimizer.gpu_share={self.gpu_share} must be in [0, 1]")
+        if self.gpu_share > 0 and self.device != "cpu":
+            raise ValueError(
+                f"offload_optimizer.gpu_share={self.gpu_share} needs device='cpu' (NVMe "
+                "offload swaps the states one sub-group at a time); set it to 0"
+            )
         if self.threads < 0:
             raise ValueError(
                 f"offload_optimizer.threads={self.threads} must be >= 0 (0: chosen from the cores)"

@@ -58,7 +58,8 @@ class OffloadOptimizerConfig(ConfigBlock):
     backward; ``early_upload`` (on): with ``overlap_forward`` on a GPU, upload each deferred
     bucket as its CPU step ends; ``threads`` (0: chosen from the cores and
     ``cpuadam_cores_perc``) and ``cpu_schedule`` (``"static"`` or ``"dynamic"``) of the
-    CPU step.
+    CPU step; ``gpu_share`` (0.0): the share of each step's elements that the GPU steps
+    instead of the CPU (states streamed from and back to host memory).
     """
 
     device: OffloadDevice = "none"
@@ -82,6 +83,9 @@ class OffloadOptimizerConfig(ConfigBlock):
     early_upload: bool = True
     threads: int = _ge0(0)
     cpu_schedule: Literal["static", "dynamic"] = "static"
+    # A Slipstream addition (docs/offload.md, "gpu_share"): the share of each CPU step's
+    # elements stepped on the GPU instead, their states streamed from and back to host memory.
+    gpu_share: float = dataclasses.field(default=0.0, metadata={"ge": 0.0, "le": 1.0})
 
 
 @dataclasses.dataclass(kw_only=True)
@@ -364,6 +368,14 @@ class ZeroConfig(ConfigBlock):
                     f"forward); here stage is {self.stage} and device {optimizer.device!r}. "
                     "Remove it or set it to false.",
                     key_path(where, "overlap_forward"),
+                )
+            if optimizer.gpu_share > 0 and (self.stage == 3 or optimizer.device != "cpu"):
+                raise ConfigError(
+                    f"{where}.gpu_share={optimizer.gpu_share} needs ZeRO stage 1 or 2 with "
+                    f'device "cpu" (it splits the CPU step of the offloaded gradient buckets); '
+                    f"here stage is {self.stage} and device {optimizer.device!r}. Remove it or "
+                    "set it to 0.",
+                    key_path(where, "gpu_share"),
                 )
             if optimizer.super_offload:
                 not_implemented(

@@ -148,6 +148,7 @@ def offload_settings(config: SlipstreamConfig) -> tuple[Any, Any]:
             cpu_schedule=optimizer.cpu_schedule,
             early_upload=optimizer.early_upload,
             overlap_bucket_numel=max(1, int(optimizer.overlap_bucket_size)),
+            gpu_share=optimizer.gpu_share,
         )
     param_settings = None
     if param is not None:

@@ -258,6 +258,9 @@ class OffloadedStep:
             (host staging buffers, or the shard itself when it lives on the host too); empty
             when the stage publishes the masters themselves.
         names: parameter names by ``id(master)`` (NVMe swap file names).
+        speculate: step during backward speculatively (``speculative_step``) where possible.
+        device: the model's device, which steps ``offload.gpu_share`` of the CPU step's
+            elements (streamed; None: the CPU steps them all).
     """
 
     def __init__(
@@ -270,6 +273,7 @@ class OffloadedStep:
         names: dict[int, str] | None = None,
         *,
         speculate: bool = False,
+        device: torch.device | None = None,
     ) -> None:
         package = require_offload_package("offload_optimizer")
         self.masters = masters
@@ -321,6 +325,7 @@ class OffloadedStep:
             allocate=lambda shape: masters.host_empty(shape, torch.float32),
             grad_of=masters.grad_of,
             params=[m for m, out in zip(masters.masters, masters.offloaded) if out],
+            device=device,
         )
         if self.device_masters and group.rank == 0:
             kept = sum(m.numel() for m in self.device_masters)

@@ -280,13 +280,17 @@ class ZeroOptimizer:
                 grad_norm if grad_norm is not None else norm_of_squares(given_squares, loss_scale)
             )
             return self._offloaded_step(grads, loss_scale, max_grad_norm, given)
+        squares = self.masters.device_squares
         if (
-            loss_scale is None
+            squares is None
+            and loss_scale is None
             and nonfinite_check is not None
             and overflow_on_any_rank([*grads, nonfinite_check.detach()], self.group, self.device)
         ):
+            # No sum of squares from the device (gradient accumulation at stage 2): the vote
+            # reads the host gradients. With one, the vote rides on it (below): a pass over
+            # the host gradients here costs as much as a CPU step.
             return self._overflow()
-        squares = self.masters.device_squares
         if self.offload is not None and squares is not None:
             # Offload: the reducer took the sum of squares on the device; an inf or nan in
             # any gradient makes it non-finite (one scalar, no pass over the host grads).
@@ -297,8 +301,15 @@ class ZeroOptimizer:
                     total = total + nonfinite_check.detach().float().to(total.device) * 0.0
                 self.group.sum_(total)
             elif nonfinite_check is not None:
-                total = total + nonfinite_check.detach().float().to(total.device) * 0.0
-            if loss_scale is not None and not bool(torch.isfinite(total)):
+                # The total was reduced at the end of backward already: this rank's check
+                # joins the vote through a scalar sum of its own (nan on any rank: nan on all).
+                flag = nonfinite_check.detach().float().to(total.device) * 0.0
+                self.group.sum_(flag)
+                total = total + flag
+            # fp16's overflow, or (bf16/fp32 with nonfinite_check) an inf or nan loss or
+            # gradient on any rank: an inf or nan gradient makes its sum of squares non-finite.
+            vote = loss_scale is not None or nonfinite_check is not None
+            if vote and not bool(torch.isfinite(total)):
                 return self._overflow()
             norm = norm_of_squares(total, loss_scale)
             given = grad_norm if grad_norm is not None else norm

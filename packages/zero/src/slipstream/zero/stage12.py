@@ -140,6 +140,7 @@ class ShardedOptimizerStates(GradientPathMixin):
                 self.group,
                 copies,
                 speculate=offload.speculative_step,
+                device=device,  # gpu_share: where that share of the CPU step's elements steps
             )
             if offload.device == "cpu" and not step.eager:
                 pipelined = self._step_and_publish
