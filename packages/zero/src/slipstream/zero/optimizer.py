@@ -250,31 +250,34 @@ class ZeroOptimizer:
                 # them again rewrites the same values.
                 self._publish()
             return outcome
-        if (
-            loss_scale is None
-            and nonfinite_check is not None
-            and overflow_on_any_rank([*grads, nonfinite_check.detach()], self.group, self.device)
-        ):
-            return self._overflow()
         squares = self.masters.device_squares
         if self.offload is not None and squares is not None:
             # Offload: the reducer took the sum of squares on the device; an inf or nan in
-            # any gradient makes it non-finite (one scalar, no pass over the host grads).
+            # any gradient makes it non-finite (one scalar, no pass over the host grads: a
+            # pass over them here made step() as long as the CPU step at 1.3B, after a
+            # speculative step that had already run during backward). The non-finite vote
+            # (fp16 overflow, or ``nonfinite_check`` under fp32/bf16) rides on it, as in
+            # take_sharded_step ([Note: one collective per step]).
             total = self.masters.global_squares
             if total is None:
                 total = squares.detach().clone()
-                if nonfinite_check is not None:  # fp16: joins the overflow vote
+                if nonfinite_check is not None:  # joins the vote
                     total = total + nonfinite_check.detach().float().to(total.device) * 0.0
                 self.group.sum_(total)
             elif nonfinite_check is not None:
-                total = total + nonfinite_check.detach().float().to(total.device) * 0.0
-            if loss_scale is not None and not bool(torch.isfinite(total)):
+                # The squares were summed over the ranks at the end of backward; this rank's
+                # check still needs every rank's vote (one scalar).
+                check = nonfinite_check.detach().float().to(total.device) * 0.0
+                self.group.sum_(check)
+                total = total + check
+            vote = loss_scale is not None or nonfinite_check is not None
+            if vote and not bool(torch.isfinite(total)):
                 return self._overflow()
             norm = norm_of_squares(total, loss_scale)
             given = grad_norm if grad_norm is not None else norm
             return self._offloaded_step(grads, loss_scale, max_grad_norm, given)
         checks = [nonfinite_check.detach()] if nonfinite_check is not None else []
-        if loss_scale is not None and overflow_on_any_rank(
+        if (loss_scale is not None or checks) and overflow_on_any_rank(
             [*grads, *checks], self.group, self.device
         ):
             return self._overflow()
