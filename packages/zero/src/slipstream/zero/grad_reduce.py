@@ -40,14 +40,18 @@ class BucketState(Enum):
 
 
 def plan_buckets(
-    specs: Sequence[ShardSpec], bucket_numel: int, apart: Sequence[bool] | None = None
+    specs: Sequence[ShardSpec],
+    bucket_numel: int,
+    apart: Sequence[bool] | None = None,
+    tail_numel: int = 0,
 ) -> list[list[int]]:
     """Group parameter indices into buckets of at most ``bucket_numel`` (padded) elements.
 
     Filled in reverse parameter order, roughly the order in which backward produces the
     gradients; a parameter larger than the bucket gets a bucket of its own. A bucket never
     holds two parameters whose ``apart`` flags differ (partial offload: masters on the host
-    and on the device).
+    and on the device). ``tail_numel`` > 0 splits the last bucket (launched when backward
+    ends, so its reduction is not overlapped) into buckets of at most that many elements.
     """
     buckets: list[list[int]] = []
     current: list[int] = []
@@ -61,6 +65,17 @@ def plan_buckets(
         current.append(index)
         size += numel
     if current:
+        buckets.append(current)
+    if tail_numel > 0 and buckets and len(buckets[-1]) > 1:
+        last = buckets.pop()
+        current, size = [], 0
+        for index in last:
+            numel = specs[index].padded_numel
+            if current and size + numel > tail_numel:
+                buckets.append(current)
+                current, size = [], 0
+            current.append(index)
+            size += numel
         buckets.append(current)
     return buckets
 
@@ -159,6 +174,8 @@ class GradientReduceScatter:
         gradient_predivide_factor: float = 1.0,
         prescale: bool = False,
         divisor: int | None = None,
+        tail_numel: int = 0,
+        reduce_group: DataParallelGroup | None = None,
         eager: EagerBucketStep | None = None,
         land_low_precision: bool = False,
     ) -> None:
@@ -167,6 +184,8 @@ class GradientReduceScatter:
         self.masters = masters
         self.divisor = divisor if divisor is not None else group.world_size
         self.group = group
+        # The same ranks on another communicator (reduce_scatter_max_ctas), or ``group``.
+        self.reduce_group = reduce_group or group
         self.grad_of = grad_of
         self.release = release
         self.overlap = overlap
@@ -181,7 +200,8 @@ class GradientReduceScatter:
         # the buckets of offloaded masters; the others are added into their masters on the
         # device, and their squares join the step's norm.
         self._to_host = masters.on_host
-        for indices in plan_buckets(masters.specs, bucket_numel, masters.offloaded):
+        plan = plan_buckets(masters.specs, bucket_numel, masters.offloaded, tail_numel)
+        for indices in plan:
             offsets, total = [], 0
             for i in indices:
                 offsets.append(total)
@@ -340,7 +360,7 @@ class GradientReduceScatter:
         elif self.predivide != 1.0:
             buffer.mul_(1.0 / self.predivide)
         bucket.output = torch.empty(bucket.shard_numel, dtype=self.dtype, device=buffer.device)
-        bucket.work = self.group.reduce_scatter_into(
+        bucket.work = self.reduce_group.reduce_scatter_into(
             bucket.output, buffer.reshape(-1), async_op=True
         )
         if bucket.to_host and buffer.device.type == "cuda":

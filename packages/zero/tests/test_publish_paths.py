@@ -1,0 +1,149 @@
+"""Stages 1-2: the split last bucket, the copy-engine publish and capped reduce-scatter CTAs
+train bit for bit like the plain path (on CPU the last two fall back, which is checked)."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from slipstream.comm.testing import run_distributed
+from slipstream.zero import ShardedOptimizerStates, ZeroSettings
+from slipstream.zero.grad_reduce import plan_buckets
+from slipstream.zero.layout import ShardSpec
+from slipstream.zero.testing import TinyTransformer, batch_for
+
+STEPS, GAS, MICRO = 3, 2, 2
+
+# name -> (ZeroSettings overrides, publish_during_forward)
+VARIANTS: dict[str, tuple[dict, bool]] = {
+    "plain": ({}, False),
+    "tail": ({"reduce_bucket_tail_numel": 300}, False),
+    "copy_engine": ({"publish_transport": "copy_engine"}, False),
+    "copy_engine+pf": ({"publish_transport": "copy_engine", "allgather_bucket_numel": 500}, True),
+    "ctas": ({"reduce_scatter_max_ctas": 4}, False),
+    "all": (
+        {
+            "reduce_bucket_tail_numel": 300,
+            "publish_transport": "copy_engine",
+            "reduce_scatter_max_ctas": 4,
+        },
+        True,
+    ),
+}
+
+
+def test_the_last_bucket_is_split_into_tail_buckets() -> None:
+    specs = [ShardSpec(torch.Size([n]), 1) for n in (10, 10, 10, 30, 40)]
+    assert plan_buckets(specs, 80) == [[4, 3, 2], [1, 0]]
+    assert plan_buckets(specs, 80, tail_numel=10) == [[4, 3, 2], [1], [0]]
+    # Only the last bucket is split; one parameter over the tail still travels alone.
+    assert plan_buckets(specs, 100, tail_numel=25) == [[4], [3], [2, 1], [0]]
+    assert plan_buckets(specs, 100, tail_numel=0) == [[4, 3, 2, 1, 0]]
+    with pytest.raises(ValueError, match="reduce_bucket_tail_numel"):
+        ZeroSettings(stage=2, reduce_bucket_tail_numel=-1)
+    with pytest.raises(ValueError, match="publish_transport"):
+        ZeroSettings(stage=2, publish_transport="nvlink")  # type: ignore[arg-type]
+    with pytest.raises(ValueError, match="reduce_scatter_max_ctas"):
+        ZeroSettings(stage=2, reduce_scatter_max_ctas=-2)
+
+
+def train_variants(stages: tuple[int, ...], device: str = "cpu", dtype: str = "fp32") -> dict:
+    """Every variant at each stage on the same data: the final parameters, the losses and
+    why the copy-engine path and the CTA cap fell back (per variant)."""
+    import torch.distributed as dist
+
+    world = dist.get_world_size() if dist.is_initialized() else 1
+    rank = dist.get_rank() if dist.is_initialized() else 0
+    out: dict = {}
+    for stage in stages:
+        for name, (overrides, lazy) in VARIANTS.items():
+            torch.manual_seed(0)
+            model = TinyTransformer().to(device)
+            if dtype == "bf16":
+                model.to(torch.bfloat16)
+            optimizer = torch.optim.AdamW(model.parameters(), lr=0.01, weight_decay=0.1)
+            settings = ZeroSettings(stage=stage, reduce_bucket_numel=700, **overrides)
+            zero = ShardedOptimizerStates(list(model.parameters()), optimizer, settings)
+            if lazy:
+                assert zero.publish_during_forward(model)
+            losses = []
+            for step in range(STEPS):
+                for m in range(GAS):
+                    ids, labels = batch_for(step, m, MICRO * world)
+                    mine = slice(rank * MICRO, (rank + 1) * MICRO)
+                    boundary = m == GAS - 1
+                    zero.prepare_backward(boundary)
+                    loss = model(ids[mine].to(device), labels[mine].to(device))
+                    (loss / GAS).backward()
+                    zero.finish_backward(boundary)
+                    losses.append(float(loss.detach()))
+                zero.optimizer.step(max_grad_norm=0.5)
+                zero.zero_grad()
+            zero.complete_step()
+            out[(stage, name)] = {
+                "params": [p.detach().float().cpu().clone() for p in model.parameters()],
+                "losses": losses,
+                "transport": zero.publish_transport,
+                "publish_fallback": zero.publish_fallback,
+                "ctas_fallback": zero.reduce_ctas_fallback,
+                "buckets": zero.reducer.num_buckets,
+            }
+            zero.remove_hooks()
+    return out
+
+
+def _check_equal(result: dict, stages: tuple[int, ...]) -> None:
+    for stage in stages:
+        plain = result[(stage, "plain")]
+        for name in VARIANTS:
+            got = result[(stage, name)]
+            assert got["losses"] == plain["losses"], (stage, name)
+            for p, q in zip(got["params"], plain["params"], strict=True):
+                assert torch.equal(p, q), (stage, name)
+        assert result[(stage, "tail")]["buckets"] > plain["buckets"]
+
+
+def test_variants_match_the_plain_path_bit_for_bit_on_one_process() -> None:
+    result = train_variants((1, 2))
+    _check_equal(result, (1, 2))
+    for (_stage, name), got in result.items():
+        assert got["transport"] == "collective"
+        if "copy_engine" in name or name == "all":
+            assert got["publish_fallback"] == "a group of one rank has nothing to publish"
+        if name in ("ctas", "all"):
+            assert got["ctas_fallback"] == "a group of one rank has no collectives"
+
+
+@pytest.mark.parametrize("world_size", [2, 4])
+def test_variants_match_the_plain_path_bit_for_bit_on_gloo(world_size: int) -> None:
+    results = run_distributed(train_variants, world_size, (1, 2), timeout=240)
+    for result in results:
+        _check_equal(result, (1, 2))
+        for (_stage, name), got in result.items():
+            assert got["transport"] == "collective"  # gloo, CPU: the all-gathers
+            if "copy_engine" in name or name == "all":
+                assert got["publish_fallback"] == "the parameters are not all on one CUDA device"
+            if name in ("ctas", "all"):
+                assert got["ctas_fallback"] == "the process group's backend is 'gloo', not 'nccl'"
+    for other in results[1:]:
+        for key, got in other.items():
+            for p, q in zip(got["params"], results[0][key]["params"], strict=True):
+                assert torch.equal(p, q), key
+
+
+def _on_gpus(dtype: str) -> dict:
+    torch.cuda.set_device(torch.distributed.get_rank())
+    return train_variants((1, 2), device="cuda", dtype=dtype)
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(torch.cuda.device_count() < 2, reason="needs 2 GPUs")
+@pytest.mark.parametrize("dtype", ["fp32", "bf16"])
+def test_copy_engine_publish_equals_nccl_on_two_gpus(dtype: str) -> None:
+    for result in run_distributed(_on_gpus, 2, dtype, backend="nccl", timeout=300):
+        _check_equal(result, (1, 2))
+        for (_stage, name), got in result.items():
+            peer = "copy_engine" in name or name == "all"
+            assert got["transport"] == ("copy_engine" if peer else "collective"), name
+            assert got["publish_fallback"] == "", got["publish_fallback"]
+            assert got["ctas_fallback"] == "", got["ctas_fallback"]
