@@ -151,8 +151,8 @@ class PeerPublish:
     @staticmethod
     def _piece(spec: ShardSpec, rank: int) -> tuple[int, int]:
         """(start, length) of ``rank``'s piece of the flat parameter (length 0: padding only)."""
-        start = min(rank * spec.shard_numel, spec.numel)
-        return start, min(spec.shard_numel, spec.numel - start)
+        start, end = spec.valid_range(rank)
+        return start, end - start
 
     @property
     def buffer_bytes(self) -> int:
