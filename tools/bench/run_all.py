@@ -9,7 +9,8 @@ offload, ``slipstream:3+cpu+nvmeparam@1.3b/2`` with the parameter shards on NVMe
 (default 5e8); ``+leaf`` for stage 3 with each transformer block a ``leaf_module``; ``+bp0`` for ``stage3_reduce_bucket_parts`` 0 (no
 stage-3 cap; default 64); ``+pf`` for ``publish_during_forward`` (stages 1-2); ``+ce`` for
 ``publish_transport`` copy_engine (stages 1-2); ``+tail5e7`` for ``reduce_bucket_tail_size`` 5e7
-(stages 1-2); ``+ctas8`` for ``reduce_scatter_max_ctas`` 8 (stages 1-2); ``+t16`` for ``offload_optimizer.threads`` 16
+(stages 1-2); ``+ctas8`` for ``reduce_scatter_max_ctas`` 8 (stages 1-2); ``+avg`` for
+``average_in_reduce_scatter`` (stages 1-2); ``+t16`` for ``offload_optimizer.threads`` 16
 (formerly ``SLIPSTREAM_OFFLOAD_THREADS=16``), ``+dyn`` for ``cpu_schedule`` dynamic; ``+ovf`` for
 ``offload_optimizer.overlap_forward``; ``deepspeed:2+cpu@7b/2`` runs DeepSpeed, when
 installed, on the same config); every
@@ -64,6 +65,8 @@ def _parse(spec: str) -> list[str]:
             args += ["--publish-during-forward"]
         elif extra == "ce":
             args += ["--copy-engine"]
+        elif extra == "avg":
+            args += ["--avg-in-rs"]
         elif extra.startswith("ctas"):
             args += ["--max-ctas", extra.removeprefix("ctas")]
         elif extra.startswith("tail"):

@@ -74,6 +74,7 @@ def _slipstream_config(args: argparse.Namespace) -> dict[str, Any]:
             **({"publish_during_forward": True} if args.publish_during_forward else {}),
             **({"publish_transport": "copy_engine"} if args.copy_engine else {}),
             **({"reduce_scatter_max_ctas": args.max_ctas} if args.max_ctas else {}),
+            **({"average_in_reduce_scatter": True} if args.avg_in_rs else {}),
             **(
                 {"reduce_bucket_tail_size": args.reduce_bucket_tail}
                 if args.reduce_bucket_tail
@@ -517,6 +518,12 @@ def main(argv: list[str] | None = None) -> int:
         "buffer; with --publish-during-forward they land as the next forward reaches them)",
     )
     parser.add_argument(
+        "--avg-in-rs",
+        action="store_true",
+        help="slipstream stages 1-2: zero_optimization.average_in_reduce_scatter (NCCL's AVG "
+        "in the gradient reduce-scatter instead of a post-scale pass over each bucket)",
+    )
+    parser.add_argument(
         "--max-ctas",
         type=int,
         default=0,
@@ -727,6 +734,7 @@ def main(argv: list[str] | None = None) -> int:
         + ("+pf" if args.publish_during_forward else "")
         + ("+ce" if args.copy_engine else "")
         + (f"+ctas{args.max_ctas}" if args.max_ctas else "")
+        + ("+avg" if args.avg_in_rs else "")
         + (f"+tail{args.reduce_bucket_tail:g}" if args.reduce_bucket_tail else "")
         + ("+leaf" if args.leaf_blocks else "")
         + (f"+tp{args.tp}" if args.tp > 1 else ""),

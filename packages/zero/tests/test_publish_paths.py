@@ -21,11 +21,13 @@ VARIANTS: dict[str, tuple[dict, bool]] = {
     "copy_engine": ({"publish_transport": "copy_engine"}, False),
     "copy_engine+pf": ({"publish_transport": "copy_engine", "allgather_bucket_numel": 500}, True),
     "ctas": ({"reduce_scatter_max_ctas": 4}, False),
+    "avg": ({"average_in_reduce_scatter": True}, False),
     "all": (
         {
             "reduce_bucket_tail_numel": 300,
             "publish_transport": "copy_engine",
             "reduce_scatter_max_ctas": 4,
+            "average_in_reduce_scatter": True,
         },
         True,
     ),
@@ -86,6 +88,7 @@ def train_variants(stages: tuple[int, ...], device: str = "cpu", dtype: str = "f
                 "transport": zero.publish_transport,
                 "publish_fallback": zero.publish_fallback,
                 "ctas_fallback": zero.reduce_ctas_fallback,
+                "avg_fallback": zero.reducer.average_fallback,
                 "buckets": zero.reducer.num_buckets,
             }
             zero.remove_hooks()
@@ -112,6 +115,8 @@ def test_variants_match_the_plain_path_bit_for_bit_on_one_process() -> None:
             assert got["publish_fallback"] == "a group of one rank has nothing to publish"
         if name in ("ctas", "all"):
             assert got["ctas_fallback"] == "a group of one rank has no collectives"
+        if name in ("avg", "all"):
+            assert got["avg_fallback"] == "a group of one rank does not reduce"
 
 
 @pytest.mark.parametrize(("world_size", "stages"), [(2, (1, 2)), (4, (2,))])
@@ -127,6 +132,8 @@ def test_variants_match_the_plain_path_bit_for_bit_on_gloo(
                 assert got["publish_fallback"] == "the parameters are not all on one CUDA device"
             if name in ("ctas", "all"):
                 assert got["ctas_fallback"] == "the process group's backend is 'gloo', not 'nccl'"
+            if name in ("avg", "all"):
+                assert got["avg_fallback"] == "the process group's backend is 'gloo', not 'nccl'"
     for other in results[1:]:
         for key, got in other.items():
             for p, q in zip(got["params"], results[0][key]["params"], strict=True):
@@ -149,3 +156,4 @@ def test_copy_engine_publish_equals_nccl_on_two_gpus(dtype: str) -> None:
             assert got["transport"] == ("copy_engine" if peer else "collective"), name
             assert got["publish_fallback"] == "", got["publish_fallback"]
             assert got["ctas_fallback"] == "", got["ctas_fallback"]
+            assert got["avg_fallback"] == "", got["avg_fallback"]

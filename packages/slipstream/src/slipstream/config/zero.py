@@ -194,6 +194,9 @@ class ZeroConfig(ConfigBlock):
     # Slipstream's own: stages 1-2 run the gradient reduce-scatters on a communicator of their
     # own limited to this many CTAs (NCCL's maxCTAs); 0: NCCL's choice.
     reduce_scatter_max_ctas: int = _ge0(0)
+    # Slipstream's own: stages 1-2 average inside the NCCL reduce-scatter (ReduceOp.AVG) where
+    # that is exact (a power-of-two group), instead of a pass over each bucket after it.
+    average_in_reduce_scatter: bool = False
     stage3_prefetch_bucket_size: int = _ge0(50_000_000, "prefetch_bucket_size")
     stage3_param_persistence_threshold: int = _ge0(100_000, "param_persistence_threshold")
     stage3_model_persistence_threshold: int = _ge0(sys.maxsize, "model_persistence_threshold")

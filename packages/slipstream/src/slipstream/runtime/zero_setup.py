@@ -37,6 +37,7 @@ def zero_settings(config: SlipstreamConfig) -> ZeroSettings:
         reduce_bucket_tail_numel=int(zero.reduce_bucket_tail_size),
         publish_transport=zero.publish_transport,
         reduce_scatter_max_ctas=int(zero.reduce_scatter_max_ctas),
+        average_in_reduce_scatter=zero.average_in_reduce_scatter,
         overlap_comm=overlap,
         prefetch_numel=int(zero.stage3_prefetch_bucket_size),
         max_live_numel=int(zero.stage3_max_live_parameters),

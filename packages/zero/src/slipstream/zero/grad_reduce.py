@@ -176,6 +176,7 @@ class GradientReduceScatter:
         divisor: int | None = None,
         tail_numel: int = 0,
         reduce_group: DataParallelGroup | None = None,
+        average_in_collective: bool = False,
         eager: EagerBucketStep | None = None,
         land_low_precision: bool = False,
     ) -> None:
@@ -192,6 +193,15 @@ class GradientReduceScatter:
         self.dtype = communication_dtype or torch.float32
         self.predivide = gradient_predivide_factor
         self.prescale = prescale
+        # average_in_collective: the reduce-scatter averages (NCCL's AVG scales by a power of
+        # two, exactly as the pass after would), so no post-scale pass over each bucket.
+        self.average_fallback = ""  # why it was asked for and not taken ("" otherwise)
+        self._average = False
+        if average_in_collective:
+            self.average_fallback = self._why_not_average(
+                group if reduce_group is None else reduce_group
+            )
+            self._average = not self.average_fallback
         self._buckets: list[_Bucket] = []
         self._bucket_of: dict[int, int] = {}
         # Optimizer offload with a GPU: each bucket's result is post-scaled, its sum of
@@ -236,6 +246,23 @@ class GradientReduceScatter:
         # reduced, and stays so (ShardedMasterWeights.landed); any other lands in fp32.
         self.land_low_precision = land_low_precision
         self.boundary = True
+
+    def _why_not_average(self, group: DataParallelGroup) -> str:
+        world = group.world_size
+        if world == 1:
+            return "a group of one rank does not reduce"
+        if type(group) is not DataParallelGroup:
+            return "a ZeRO++/MiCS group reduces its own way"
+        if world & (world - 1):
+            return f"the group has {world} ranks, not a power of two (1/{world} is inexact)"
+        if self.prescale or self.predivide != 1.0:
+            return "prescale_gradients / gradient_predivide_factor scale the gradients already"
+        if self.divisor != world:
+            return "the mean is over more ranks than the group reduces (expert parameters)"
+        backend = torch.distributed.get_backend(group.group)
+        if backend != "nccl":
+            return f"the process group's backend is {backend!r}, not 'nccl'"
+        return ""
 
     @property
     def num_buckets(self) -> int:
@@ -361,13 +388,13 @@ class GradientReduceScatter:
             buffer.mul_(1.0 / self.predivide)
         bucket.output = torch.empty(bucket.shard_numel, dtype=self.dtype, device=buffer.device)
         bucket.work = self.reduce_group.reduce_scatter_into(
-            bucket.output, buffer.reshape(-1), async_op=True
+            bucket.output, buffer.reshape(-1), async_op=True, average=self._average
         )
         if bucket.to_host and buffer.device.type == "cuda":
             self._copy_to_host_async(bucket)
 
     def _post_scale(self) -> float:
-        return 1.0 if self.prescale else self.predivide / self.divisor
+        return 1.0 if self.prescale or self._average else self.predivide / self.divisor
 
     def _host_target(self, bucket: _Bucket) -> torch.Tensor:
         """The pinned buffer this reduction lands in (see _Bucket)."""

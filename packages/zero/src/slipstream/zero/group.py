@@ -88,10 +88,17 @@ class DataParallelGroup:
         return comm.all_gather_into_tensor(output, shard, group=self.group, async_op=async_op)
 
     def reduce_scatter_into(
-        self, output: torch.Tensor, full: torch.Tensor, async_op: bool = False
+        self,
+        output: torch.Tensor,
+        full: torch.Tensor,
+        async_op: bool = False,
+        *,
+        average: bool = False,
     ) -> dist.Work | None:
-        """Sum ``full`` over ranks and keep this rank's ``output.numel()`` piece of it."""
+        """Sum ``full`` over ranks (``average``: their mean, ``ReduceOp.AVG``, which gloo
+        lacks) and keep this rank's ``output.numel()`` piece of it."""
         if self.world_size == 1:
             output.copy_(full.reshape(-1))
             return None
-        return comm.reduce_scatter_tensor(output, full, group=self.group, async_op=async_op)
+        op = dist.ReduceOp.AVG if average else dist.ReduceOp.SUM
+        return comm.reduce_scatter_tensor(output, full, op=op, group=self.group, async_op=async_op)

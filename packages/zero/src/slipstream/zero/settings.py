@@ -38,6 +38,11 @@ class ZeroSettings:
             reduce-scatters, which overlap backward's matmuls: they run on a communicator of
             their own created with NCCL's ``maxCTAs`` (NCCL, the group of every rank only;
             elsewhere the group's own communicator); 0: NCCL's choice.
+        average_in_reduce_scatter: stages 1-2: average the gradients inside the NCCL
+            reduce-scatter (``ReduceOp.AVG``) instead of a pass over each landed bucket
+            afterwards; only where it is exact (NCCL, a power-of-two group, no
+            ``gradient_predivide_factor``/``prescale_gradients``, the mean over the group
+            itself); elsewhere the pass after.
         overlap_comm: launch gradient reduce-scatters during backward as buckets fill (stage
             2-3) instead of all at once after it.
         prefetch_numel: stage 3: elements of upcoming modules' parameters gathered ahead.
@@ -69,6 +74,7 @@ class ZeroSettings:
     reduce_bucket_tail_numel: int = 0
     publish_transport: Literal["collective", "copy_engine"] = "collective"
     reduce_scatter_max_ctas: int = 0
+    average_in_reduce_scatter: bool = False
     overlap_comm: bool = True
     prefetch_numel: int = 50_000_000
     max_live_numel: int = 1_000_000_000

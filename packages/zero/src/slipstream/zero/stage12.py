@@ -233,11 +233,16 @@ class ShardedOptimizerStates(GradientPathMixin):
             divisor=gradient_divisor,
             tail_numel=settings.reduce_bucket_tail_numel,
             reduce_group=reduce_group,
+            average_in_collective=settings.average_in_reduce_scatter,
             eager=eager,
             # Offload: a bf16 reduction stays bf16 on its way to the CPU step (one reduction
             # per step; accumulated ones are summed in fp32 as before).
             land_low_precision=step is not None and step.reads_low_precision_grads,
         )
+        if self.reducer.average_fallback and self.group.rank == 0:
+            logger.info(
+                "average_in_reduce_scatter has no effect: %s", self.reducer.average_fallback
+            )
         if step is not None and self.group.rank == 0:
             self._say_gradient_dtype()
         # The buckets that stepped during backward were published in finish().
