@@ -149,7 +149,7 @@ def _on_gpus(dtype: str) -> dict:
 @pytest.mark.skipif(torch.cuda.device_count() < 2, reason="needs 2 GPUs")
 @pytest.mark.parametrize("dtype", ["fp32", "bf16"])
 def test_copy_engine_publish_equals_nccl_on_two_gpus(dtype: str) -> None:
-    for result in run_distributed(_on_gpus, 2, dtype, backend="nccl", timeout=300):
+    for result in run_distributed(_on_gpus, 2, dtype, backend="nccl", timeout=100):
         _check_equal(result, (1, 2))
         for (_stage, name), got in result.items():
             peer = "copy_engine" in name or name == "all"
