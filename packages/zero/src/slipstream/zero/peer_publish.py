@@ -66,7 +66,37 @@ def peer_publish_unavailable(
     dist.all_gather_object(hosts, socket.gethostname(), group=group.group)
     if len(set(hosts)) != 1:
         return f"the group spans {len(set(hosts))} hosts (peer copies need one NVLink node)"
+    # A small symmetric buffer first: a driver or container without the memory-sharing calls
+    # fails here, on every rank, and every rank falls back together.
+    failure = ""
+    try:
+        symm_mem = _symm_mem()
+        _enable_group(symm_mem, _process_group(group))
+        probe = symm_mem.empty(64, dtype=params[0].dtype, device=params[0].device)
+        symm_mem.rendezvous(probe, _process_group(group))
+    except Exception as error:  # any failure means: use the collectives
+        failure = f"{type(error).__name__}: {error}"
+    failures: list[Any] = [None] * group.world_size
+    dist.all_gather_object(failures, failure, group=group.group)
+    failed = [f for f in failures if f]
+    if failed:
+        return f"symmetric memory is not usable here ({failed[0][:200]})"
     return ""
+
+
+def _process_group(group: DataParallelGroup) -> dist.ProcessGroup:
+    pg = group.group if group.group is not None else dist.group.WORLD
+    assert pg is not None
+    return pg
+
+
+def _enable_group(symm_mem: Any, pg: dist.ProcessGroup) -> None:
+    """Register ``pg`` with symmetric memory (older torch needs it; newer: a no-op)."""
+    enable = getattr(symm_mem, "enable_symm_mem_for_group", None)
+    if enable is not None:
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore", FutureWarning)
+            enable(pg.group_name)
 
 
 class PeerPublish:
@@ -109,13 +139,8 @@ class PeerPublish:
         for p in self.params:
             self.offsets.append(total)
             total += -(-p.numel() // align) * align
-        pg = group.group if group.group is not None else dist.group.WORLD
-        assert pg is not None
-        enable = getattr(symm_mem, "enable_symm_mem_for_group", None)
-        if enable is not None:  # needed by older torch, a deprecated no-op in newer
-            with warnings.catch_warnings():
-                warnings.simplefilter("ignore", FutureWarning)
-                enable(pg.group_name)
+        pg = _process_group(group)
+        _enable_group(symm_mem, pg)
         self.buffer = symm_mem.empty(max(total, 1), dtype=dtype, device=self.device)
         with torch.no_grad():
             for p, offset in zip(self.params, self.offsets):
