@@ -157,3 +157,61 @@ def test_copy_engine_publish_equals_nccl_on_two_gpus(dtype: str) -> None:
             assert got["publish_fallback"] == "", got["publish_fallback"]
             assert got["ctas_fallback"] == "", got["ctas_fallback"]
             assert got["avg_fallback"] == "", got["avg_fallback"]
+
+
+def _padded_and_unused_vs_reference() -> list[float]:
+    """Stages 1-2 on 3 ranks (every TinyTransformer weight padded to a multiple of 3) with a
+    layer that gets no gradient, against plain PyTorch on the global batch; every new send
+    buffer is poisoned with NaN, so what no gradient covers must be zeroed at launch."""
+    import copy
+    from unittest import mock
+
+    import torch.distributed as dist
+
+    from slipstream.zero.grad_reduce import GradientReduceScatter
+
+    original = GradientReduceScatter._ensure_buffer
+
+    def poisoned(self: GradientReduceScatter, bucket: object) -> torch.Tensor:
+        fresh = bucket.buffer is None  # type: ignore[attr-defined]
+        buffer = original(self, bucket)  # type: ignore[arg-type]
+        if fresh:
+            buffer.fill_(float("nan"))
+        return buffer
+
+    world, rank = dist.get_world_size(), dist.get_rank()
+    worst = []
+    with mock.patch.object(GradientReduceScatter, "_ensure_buffer", poisoned):
+        for stage in (1, 2):
+            torch.manual_seed(0)
+            model = TinyTransformer(unused=True)
+            reference = copy.deepcopy(model)
+            optimizer = torch.optim.AdamW(model.parameters(), lr=0.01)
+            trainable = [p for p in reference.parameters() if p.requires_grad]
+            ref_opt = torch.optim.AdamW(trainable, lr=0.01)
+            settings = ZeroSettings(stage=stage, reduce_bucket_numel=700)
+            zero = ShardedOptimizerStates(list(model.parameters()), optimizer, settings)
+            for step in range(2):
+                ids, labels = batch_for(step, 0, MICRO * world)
+                mine = slice(rank * MICRO, (rank + 1) * MICRO)
+                zero.prepare_backward(True)
+                model(ids[mine], labels[mine]).backward()
+                zero.finish_backward(True)
+                zero.optimizer.step(max_grad_norm=0.5)
+                zero.zero_grad()
+                (reference(ids, labels)).backward()
+                for p in trainable:
+                    if p.grad is None:
+                        p.grad = torch.zeros_like(p)  # ZeRO reduces zeros for it too
+                torch.nn.utils.clip_grad_norm_(trainable, 0.5)
+                ref_opt.step()
+                ref_opt.zero_grad()
+            pairs = zip(model.parameters(), reference.parameters(), strict=True)
+            diffs = torch.stack([(p.detach() - q.detach()).abs().max() for p, q in pairs])
+            worst.append(float(diffs.max()))  # a NaN anywhere stays NaN (Python's max drops it)
+    return worst
+
+
+def test_padding_and_unused_parameters_reduce_as_zeros_on_three_ranks() -> None:
+    for worst in run_distributed(_padded_and_unused_vs_reference, 3, timeout=120):
+        assert max(worst) <= 1e-6, worst
