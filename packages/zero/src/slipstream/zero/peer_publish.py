@@ -18,6 +18,9 @@ __all__ = ["PeerPublish", "peer_publish_unavailable"]
 
 logger = logging.getLogger(__name__)
 
+# The first publish phase holds the parameters of the first 1/parts of the elements.
+_FIRST_PHASE_PARTS = 8
+
 # Parameters start on 128-byte boundaries inside the symmetric buffer (full cache lines for
 # the peer copies).
 _ALIGN_BYTES = 128
@@ -113,10 +116,11 @@ class PeerPublish:
     the other ranks to be done reading this rank's buffer (before its next write).
 
     [Note: peer publish ordering] The side stream waits for the current stream (the step
-    wrote this rank's shards), then a barrier: every rank's shards are written before anyone
-    pulls. A second barrier after the pulls marks that no rank still reads another's
-    buffer; ``land_all`` (called before the next backward and the next step) makes the
-    current stream wait for it, so the next step's writes cannot race a slow peer's pulls.
+    wrote the masters), casts this rank's pieces of a phase's parameters, then a barrier:
+    every rank's pieces are written before anyone pulls them. A last barrier after all the
+    pulls marks that no rank still reads another's buffer; ``land_all`` (called before the
+    next backward and the next step) makes the current stream wait for it, so the next step's
+    writes (masters, then this buffer) cannot race the side stream or a slow peer's pulls.
     """
 
     def __init__(
@@ -168,6 +172,16 @@ class PeerPublish:
             own_dst.append(self.buffer[offset + start : offset + start + length])
             self._own_len.append(length)
         self._own_dst = own_dst
+        # Two phases (see start()): the parameters holding the first eighth of the elements
+        # (the first layers the next forward needs), then the rest.
+        total_numel = sum(p.numel() for p in self.params)
+        first, seen = len(self.params), 0
+        for i, p in enumerate(self.params):
+            seen += p.numel()
+            if seen * _FIRST_PHASE_PARTS >= total_numel:
+                first = i + 1
+                break
+        self._phases = [range(0, first), range(first, len(self.params))]
         self._side = torch.cuda.Stream(self.device)
         self._events: list[torch.cuda.Event] = []
         self._done: torch.cuda.Event | None = None
@@ -187,25 +201,37 @@ class PeerPublish:
 
     @torch.no_grad()
     def start(self, shards: Sequence[torch.Tensor]) -> None:
-        """Write this rank's updated ``shards`` (the fp32 masters) into its parameters, cast,
-        and launch the pulls of every other rank's pieces on the side stream."""
+        """On the side stream: write this rank's updated ``shards`` (the fp32 masters) into
+        its parameters, cast, and pull every other rank's pieces; returns at once.
+
+        In two phases, each a cast of this rank's pieces, a barrier (every rank's pieces of
+        the phase are written) and the pulls: the first phase holds the first eighth of the
+        elements, so the next forward's first layers wait for a small cast and a small pull,
+        and the rest of the cast runs beside that forward instead of before it. The masters
+        are read here while the current stream goes on; it writes them again only in the
+        next step, after :meth:`land_all`."""
         self.land_all()  # the last publish, if no forward needed it
         compute = torch.cuda.current_stream(self.device)
-        dst = [d for d, n in zip(self._own_dst, self._own_len) if n]
-        src = [s.detach().reshape(-1)[:n] for s, n in zip(shards, self._own_len) if n]
-        if dst:
-            torch._foreach_copy_(dst, src)
         side = self._side
-        side.wait_stream(compute)
+        side.wait_stream(compute)  # the step's writes to the masters
         events = []
         with torch.cuda.stream(side):
-            self.handle.barrier(channel=0)
-            for pulls in self._pulls:
-                for into, source in pulls:
-                    into.copy_(source)
-                event = torch.cuda.Event()
-                event.record(side)
-                events.append(event)
+            for phase in self._phases:
+                own = [i for i in phase if self._own_len[i]]
+                if own:
+                    torch._foreach_copy_(
+                        [self._own_dst[i] for i in own],
+                        [shards[i].detach().reshape(-1)[: self._own_len[i]] for i in own],
+                    )
+                if not phase:
+                    continue
+                self.handle.barrier(channel=0)
+                for i in phase:
+                    for into, source in self._pulls[i]:
+                        into.copy_(source)
+                    event = torch.cuda.Event()
+                    event.record(side)
+                    events.append(event)
             self.handle.barrier(channel=0)
             done = torch.cuda.Event()
             done.record(side)
