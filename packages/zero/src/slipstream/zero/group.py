@@ -37,10 +37,10 @@ class DataParallelGroup:
         return cls(group, dist.get_world_size(group), dist.get_rank(group))
 
     def with_max_ctas(self, max_ctas: int) -> tuple[DataParallelGroup, str]:
-        """The same ranks on a new NCCL communicator that runs each collective on at most
-        ``max_ctas`` CTAs (NCCL's ``maxCTAs``), and "" ; or ``(self, why not)``: a group of
-        one, a backend other than NCCL, or a group that is not every rank (creating a
-        communicator is collective over all ranks, which only the whole world can promise).
+        """``(the same ranks on a new NCCL communicator that runs each collective on at most
+        max_ctas CTAs (NCCL's maxCTAs), "")``, or ``(self, why not)``: a group of one, a
+        backend other than NCCL, or a group that is not every rank (creating a communicator
+        is collective over all ranks, which only the whole world can promise here).
         """
         if self.world_size == 1:
             return self, "a group of one rank has no collectives"
