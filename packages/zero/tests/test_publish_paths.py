@@ -1,5 +1,6 @@
-"""Stages 1-2: the split last bucket, the copy-engine publish and capped reduce-scatter CTAs
-train bit for bit like the plain path (on CPU the last two fall back, which is checked)."""
+"""Stages 1-2: the split last bucket, the copy-engine publish, capped CTAs and averaging in the
+reduce-scatter train bit for bit like the plain path (on CPU the last three fall back, which is
+checked); send buffers zero what no gradient covers."""
 
 from __future__ import annotations
 
@@ -95,14 +96,22 @@ def train_variants(stages: tuple[int, ...], device: str = "cpu", dtype: str = "f
     return out
 
 
-def _check_equal(result: dict, stages: tuple[int, ...]) -> None:
+def _check_equal(result: dict, stages: tuple[int, ...], exact_tail: bool = True) -> None:
+    """Every variant equals the plain path bit for bit. ``exact_tail=False`` (3+ ranks):
+    the split tail regroups gradients into other collectives, and a ring reduction over 3+
+    ranks may then add the same terms in another order (as any other reduce_bucket_size
+    does); those variants are held to fp32 rounding instead."""
     for stage in stages:
         plain = result[(stage, "plain")]
-        for name in VARIANTS:
+        for name, (overrides, _) in VARIANTS.items():
             got = result[(stage, name)]
-            assert got["losses"] == plain["losses"], (stage, name)
+            if exact_tail or "reduce_bucket_tail_numel" not in overrides:
+                assert got["losses"] == plain["losses"], (stage, name)
+                for p, q in zip(got["params"], plain["params"], strict=True):
+                    assert torch.equal(p, q), (stage, name)
+                continue
             for p, q in zip(got["params"], plain["params"], strict=True):
-                assert torch.equal(p, q), (stage, name)
+                assert torch.allclose(p, q, rtol=1e-5, atol=1e-6), (stage, name)
         assert result[(stage, "tail")]["buckets"] > plain["buckets"]
 
 
@@ -119,13 +128,26 @@ def test_variants_match_the_plain_path_bit_for_bit_on_one_process() -> None:
             assert got["avg_fallback"] == "a group of one rank does not reduce"
 
 
-@pytest.mark.parametrize(("world_size", "stages"), [(2, (1, 2)), (4, (2,))])
+def _variants_and_padding(stages: tuple[int, ...]) -> dict:
+    """One spawned world for both checks (CI time)."""
+    result = train_variants(stages)
+    result["padding"] = _padded_and_unused_vs_reference()
+    return result
+
+
+@pytest.mark.parametrize(("world_size", "stages"), [(2, (1, 2)), (3, (2,))])
 def test_variants_match_the_plain_path_bit_for_bit_on_gloo(
     world_size: int, stages: tuple[int, ...]
 ) -> None:
-    results = run_distributed(train_variants, world_size, stages, timeout=240)
+    fn = _variants_and_padding if world_size == 3 else train_variants
+    results = run_distributed(fn, world_size, stages, timeout=240)
     for result in results:
-        _check_equal(result, stages)
+        padding = result.pop("padding", None)
+        if world_size == 3:
+            # Padding (every weight padded to a multiple of 3) and an unused layer, with NaN
+            # in every new send buffer, against plain PyTorch.
+            assert max(padding) <= 1e-6, padding
+        _check_equal(result, stages, exact_tail=world_size == 2)
         for (_stage, name), got in result.items():
             assert got["transport"] == "collective"  # gloo, CPU: the all-gathers
             if "copy_engine" in name or name == "all":
@@ -133,7 +155,11 @@ def test_variants_match_the_plain_path_bit_for_bit_on_gloo(
             if name in ("ctas", "all"):
                 assert got["ctas_fallback"] == "the process group's backend is 'gloo', not 'nccl'"
             if name in ("avg", "all"):
-                assert got["avg_fallback"] == "the process group's backend is 'gloo', not 'nccl'"
+                assert got["avg_fallback"] == (
+                    "the process group's backend is 'gloo', not 'nccl'"
+                    if world_size == 2
+                    else "the group has 3 ranks, not a power of two (1/3 is inexact)"
+                )
     for other in results[1:]:
         for key, got in other.items():
             for p, q in zip(got["params"], results[0][key]["params"], strict=True):
@@ -210,8 +236,3 @@ def _padded_and_unused_vs_reference() -> list[float]:
             diffs = torch.stack([(p.detach() - q.detach()).abs().max() for p, q in pairs])
             worst.append(float(diffs.max()))  # a NaN anywhere stays NaN (Python's max drops it)
     return worst
-
-
-def test_padding_and_unused_parameters_reduce_as_zeros_on_three_ranks() -> None:
-    for worst in run_distributed(_padded_and_unused_vs_reference, 3, timeout=120):
-        assert max(worst) <= 1e-6, worst
