@@ -69,7 +69,10 @@ def _minus(a: list[tuple[float, float]], b: list[tuple[float, float]]) -> float:
 
 def _is_comm(name: str) -> bool:
     lowered = name.lower()
-    return "nccl" in lowered or lowered.startswith("gloo") or "c10d::" in lowered
+    if "nccl" in lowered or lowered.startswith("gloo") or "c10d::" in lowered:
+        return True
+    # publish_transport copy_engine: peer copies (copy engines) and symmetric-memory barriers.
+    return "ptop" in lowered or "barrier_kernel" in lowered
 
 
 def summarise(trace: dict[str, Any], steps: int, wall_ms: float, cuda: bool) -> dict[str, Any]:

@@ -7,7 +7,10 @@ offload, ``slipstream:3+cpu+nvmeparam@1.3b/2`` with the parameter shards on NVMe
 ``+ratio0.7`` for partial offload, ``offload_optimizer.ratio`` 0.7; ``+rb1e8`` for
 ``reduce_bucket_size`` 1e8 (default 5e8); ``+ab1e8`` for ``allgather_bucket_size`` 1e8
 (default 5e8); ``+leaf`` for stage 3 with each transformer block a ``leaf_module``; ``+bp0`` for ``stage3_reduce_bucket_parts`` 0 (no
-stage-3 cap; default 64); ``+pf`` for ``publish_during_forward`` (stages 1-2); ``+t16`` for ``offload_optimizer.threads`` 16
+stage-3 cap; default 64); ``+pf`` for ``publish_during_forward`` (stages 1-2); ``+ce`` for
+``publish_transport`` copy_engine (stages 1-2); ``+tail5e7`` for ``reduce_bucket_tail_size`` 5e7
+(stages 1-2); ``+ctas8`` for ``reduce_scatter_max_ctas`` 8 (stages 1-2); ``+avg`` for
+``average_in_reduce_scatter`` (stages 1-2); ``+t16`` for ``offload_optimizer.threads`` 16
 (formerly ``SLIPSTREAM_OFFLOAD_THREADS=16``), ``+dyn`` for ``cpu_schedule`` dynamic; ``+ovf`` for
 ``offload_optimizer.overlap_forward``; ``+gs0.3`` for ``offload_optimizer.gpu_share`` 0.3; ``deepspeed:2+cpu@7b/2`` runs DeepSpeed, when
 installed, on the same config); every
@@ -60,6 +63,14 @@ def _parse(spec: str) -> list[str]:
             args += ["--leaf-blocks"]
         elif extra == "pf":
             args += ["--publish-during-forward"]
+        elif extra == "ce":
+            args += ["--copy-engine"]
+        elif extra == "avg":
+            args += ["--avg-in-rs"]
+        elif extra.startswith("ctas"):
+            args += ["--max-ctas", extra.removeprefix("ctas")]
+        elif extra.startswith("tail"):
+            args += ["--reduce-bucket-tail", extra.removeprefix("tail")]
         elif extra.startswith("bp"):
             args += ["--stage3-bucket-parts", extra.removeprefix("bp")]
         elif extra.startswith("ab"):

@@ -72,6 +72,14 @@ def _slipstream_config(args: argparse.Namespace) -> dict[str, Any]:
             "reduce_bucket_size": args.reduce_bucket_size,
             "allgather_bucket_size": args.allgather_bucket_size,
             **({"publish_during_forward": True} if args.publish_during_forward else {}),
+            **({"publish_transport": "copy_engine"} if args.copy_engine else {}),
+            **({"reduce_scatter_max_ctas": args.max_ctas} if args.max_ctas else {}),
+            **({"average_in_reduce_scatter": True} if args.avg_in_rs else {}),
+            **(
+                {"reduce_bucket_tail_size": args.reduce_bucket_tail}
+                if args.reduce_bucket_tail
+                else {}
+            ),
             **(
                 {"stage3_reduce_bucket_parts": args.stage3_bucket_parts}
                 if args.stage3_bucket_parts is not None
@@ -514,6 +522,33 @@ def main(argv: list[str] | None = None) -> int:
         "shards' all-gathers land as the next forward reaches them)",
     )
     parser.add_argument(
+        "--copy-engine",
+        action="store_true",
+        help='slipstream stages 1-2: zero_optimization.publish_transport "copy_engine" (the '
+        "updated shards are pulled with peer copies out of a symmetric-memory parameter "
+        "buffer; with --publish-during-forward they land as the next forward reaches them)",
+    )
+    parser.add_argument(
+        "--avg-in-rs",
+        action="store_true",
+        help="slipstream stages 1-2: zero_optimization.average_in_reduce_scatter (NCCL's AVG "
+        "in the gradient reduce-scatter instead of a post-scale pass over each bucket)",
+    )
+    parser.add_argument(
+        "--max-ctas",
+        type=int,
+        default=0,
+        help="slipstream stages 1-2: zero_optimization.reduce_scatter_max_ctas (the gradient "
+        "reduce-scatters on a communicator limited to this many CTAs; 0: NCCL's choice)",
+    )
+    parser.add_argument(
+        "--reduce-bucket-tail",
+        type=float,
+        default=0,
+        help="slipstream stages 1-2: zero_optimization.reduce_bucket_tail_size (the last "
+        "reduce-scatter bucket split into buckets of at most this many elements; 0: off)",
+    )
+    parser.add_argument(
         "--stage3-bucket-parts",
         type=int,
         default=None,
@@ -709,6 +744,10 @@ def main(argv: list[str] | None = None) -> int:
         + (f"+rb{args.reduce_bucket_size:g}" if args.reduce_bucket_size != 5e8 else "")
         + (f"+ab{args.allgather_bucket_size:g}" if args.allgather_bucket_size != 5e8 else "")
         + ("+pf" if args.publish_during_forward else "")
+        + ("+ce" if args.copy_engine else "")
+        + (f"+ctas{args.max_ctas}" if args.max_ctas else "")
+        + ("+avg" if args.avg_in_rs else "")
+        + (f"+tail{args.reduce_bucket_tail:g}" if args.reduce_bucket_tail else "")
         + ("+leaf" if args.leaf_blocks else "")
         + (f"+tp{args.tp}" if args.tp > 1 else ""),
         "model": args.model,

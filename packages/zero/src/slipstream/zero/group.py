@@ -36,6 +36,24 @@ class DataParallelGroup:
             return cls(None, 1, 0)
         return cls(group, dist.get_world_size(group), dist.get_rank(group))
 
+    def with_max_ctas(self, max_ctas: int) -> tuple[DataParallelGroup, str]:
+        """``(the same ranks on a new NCCL communicator that runs each collective on at most
+        max_ctas CTAs (NCCL's maxCTAs), "")``, or ``(self, why not)``: a group of one, a
+        backend other than NCCL, or a group that is not every rank (creating a communicator
+        is collective over all ranks, which only the whole world can promise here).
+        """
+        if self.world_size == 1:
+            return self, "a group of one rank has no collectives"
+        backend = dist.get_backend(self.group)
+        if backend != "nccl":
+            return self, f"the process group's backend is {backend!r}, not 'nccl'"
+        if self.world_size != dist.get_world_size():
+            return self, "only the group of every rank gets a communicator of its own"
+        options = dist.ProcessGroupNCCL.Options()
+        options.config.max_ctas = max_ctas
+        group = dist.new_group(list(range(self.world_size)), backend="nccl", pg_options=options)
+        return DataParallelGroup(group, self.world_size, self.rank), ""
+
     def global_rank(self, group_rank: int) -> int:
         """The global rank of ``group_rank`` in this group (for broadcast sources)."""
         if self.group is None or self.world_size == 1:
@@ -70,10 +88,17 @@ class DataParallelGroup:
         return comm.all_gather_into_tensor(output, shard, group=self.group, async_op=async_op)
 
     def reduce_scatter_into(
-        self, output: torch.Tensor, full: torch.Tensor, async_op: bool = False
+        self,
+        output: torch.Tensor,
+        full: torch.Tensor,
+        async_op: bool = False,
+        *,
+        average: bool = False,
     ) -> dist.Work | None:
-        """Sum ``full`` over ranks and keep this rank's ``output.numel()`` piece of it."""
+        """Sum ``full`` over ranks (``average``: their mean, ``ReduceOp.AVG``, which gloo
+        lacks) and keep this rank's ``output.numel()`` piece of it."""
         if self.world_size == 1:
             output.copy_(full.reshape(-1))
             return None
-        return comm.reduce_scatter_tensor(output, full, group=self.group, async_op=async_op)
+        op = dist.ReduceOp.AVG if average else dist.ReduceOp.SUM
+        return comm.reduce_scatter_tensor(output, full, op=op, group=self.group, async_op=async_op)

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import sys
 from dataclasses import dataclass
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Literal
 
 import torch
 
@@ -26,6 +26,23 @@ class ZeroSettings:
             buckets' send buffers stay a small share of the model states whatever
             ``reduce_bucket_numel`` says; 0: no cap. See docs/zero.md, "Bucket sizes".
         allgather_bucket_numel: elements per all-gather of updated shards (stages 1-2).
+        reduce_bucket_tail_numel: stages 1-2: the last reduce-scatter bucket of a backward (the
+            first parameters, whose gradients come last) is split into buckets of at most
+            this many elements, so the reduction left after backward is short; 0: no split.
+        publish_transport: stages 1-2: how the updated shards reach the other ranks after a
+            step. ``"collective"``: all-gathers. ``"copy_engine"``: the parameters live in a
+            symmetric-memory buffer and each rank pulls the others' shards with peer copies
+            (the GPUs' copy engines over NVLink, no SMs; one node, NCCL, CUDA); falls back to
+            ``"collective"`` elsewhere (CPU, gloo, several hosts, optimizer offload).
+        reduce_scatter_max_ctas: stages 1-2: at most this many CTAs (SMs) for the gradient
+            reduce-scatters, which overlap backward's matmuls: they run on a communicator of
+            their own created with NCCL's ``maxCTAs`` (NCCL, the group of every rank only;
+            elsewhere the group's own communicator); 0: NCCL's choice.
+        average_in_reduce_scatter: stages 1-2: average the gradients inside the NCCL
+            reduce-scatter (``ReduceOp.AVG``) instead of a pass over each landed bucket
+            afterwards; only where it is exact (NCCL, a power-of-two group, no
+            ``gradient_predivide_factor``/``prescale_gradients``, the mean over the group
+            itself); elsewhere the pass after.
         overlap_comm: launch gradient reduce-scatters during backward as buckets fill (stage
             2-3) instead of all at once after it.
         prefetch_numel: stage 3: elements of upcoming modules' parameters gathered ahead.
@@ -54,6 +71,10 @@ class ZeroSettings:
     reduce_bucket_numel: int = 500_000_000
     stage3_reduce_bucket_parts: int = 64
     allgather_bucket_numel: int = 500_000_000
+    reduce_bucket_tail_numel: int = 0
+    publish_transport: Literal["collective", "copy_engine"] = "collective"
+    reduce_scatter_max_ctas: int = 0
+    average_in_reduce_scatter: bool = False
     overlap_comm: bool = True
     prefetch_numel: int = 50_000_000
     max_live_numel: int = 1_000_000_000
@@ -78,6 +99,21 @@ class ZeroSettings:
         for name in ("reduce_bucket_numel", "allgather_bucket_numel"):
             if getattr(self, name) < 1:
                 raise ValueError(f"ZeroSettings.{name}={getattr(self, name)!r} must be >= 1")
+        if self.reduce_bucket_tail_numel < 0:
+            raise ValueError(
+                f"ZeroSettings.reduce_bucket_tail_numel={self.reduce_bucket_tail_numel!r} "
+                "must be >= 0 (0: no split)"
+            )
+        if not 0 <= self.reduce_scatter_max_ctas <= 64:
+            raise ValueError(
+                f"ZeroSettings.reduce_scatter_max_ctas={self.reduce_scatter_max_ctas!r} must be "
+                "between 0 (NCCL's choice) and 64"
+            )
+        if self.publish_transport not in ("collective", "copy_engine"):
+            raise ValueError(
+                f"ZeroSettings.publish_transport={self.publish_transport!r}: expected "
+                "'collective' or 'copy_engine'"
+            )
         if self.stage3_reduce_bucket_parts < 0:
             raise ValueError(
                 "ZeroSettings.stage3_reduce_bucket_parts="

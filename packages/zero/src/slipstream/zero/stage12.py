@@ -25,6 +25,7 @@ from slipstream.zero.param_gather import (
     plan_gather_buckets,
     start_gather,
 )
+from slipstream.zero.peer_publish import PeerPublish, peer_publish_unavailable
 from slipstream.zero.settings import ZeroSettings
 
 __all__ = ["ShardedOptimizerStates"]
@@ -148,6 +149,27 @@ class ShardedOptimizerStates(GradientPathMixin):
         self._gather_plan = plan_gather_buckets(
             self.specs, settings.allgather_bucket_numel, self.masters.offloaded
         )
+        # publish_transport "copy_engine": the parameters move into a symmetric-memory buffer
+        # and each publish pulls the other ranks' shards with peer copies (peer_publish.py);
+        # anywhere that cannot (CPU, gloo, several hosts, offload) keeps the all-gathers.
+        self._peer: PeerPublish | None = None
+        self.publish_fallback = ""  # why "copy_engine" fell back ("" when it did not)
+        if settings.publish_transport == "copy_engine":
+            why = peer_publish_unavailable(self.params, self.group, offload=offload is not None)
+            if why:
+                self.publish_fallback = why
+                if self.group.rank == 0:
+                    logger.info(
+                        'publish_transport "copy_engine" falls back to all-gathers: %s', why
+                    )
+            else:
+                self._peer = PeerPublish(self.params, self.specs, self.group)
+                if self.group.rank == 0:
+                    logger.info(
+                        "publish_transport copy_engine: parameters in a %.2f GiB symmetric "
+                        "buffer per rank; updated shards are pulled with peer copies",
+                        self._peer.buffer_bytes / 2**30,
+                    )
         self.optimizer = ZeroOptimizer(
             optimizer,
             self.masters,
@@ -192,6 +214,13 @@ class ShardedOptimizerStates(GradientPathMixin):
                 on_stepped=self._publish_stepped,
                 before_stepped=self._check_speculation if step.speculative else None,
             )
+        reduce_group = self.group
+        self.reduce_ctas_fallback = ""  # why reduce_scatter_max_ctas fell back ("" if not)
+        if settings.reduce_scatter_max_ctas > 0:
+            reduce_group, why = self.group.with_max_ctas(settings.reduce_scatter_max_ctas)
+            self.reduce_ctas_fallback = why
+            if why and self.group.rank == 0:
+                logger.info("reduce_scatter_max_ctas has no effect: %s", why)
         self.reducer = GradientReduceScatter(
             self.masters,
             self.group,
@@ -203,11 +232,18 @@ class ShardedOptimizerStates(GradientPathMixin):
             gradient_predivide_factor=settings.gradient_predivide_factor,
             prescale=settings.prescale_gradients,
             divisor=gradient_divisor,
+            tail_numel=settings.reduce_bucket_tail_numel,
+            reduce_group=reduce_group,
+            average_in_collective=settings.average_in_reduce_scatter,
             eager=eager,
             # Offload: a bf16 reduction stays bf16 on its way to the CPU step (one reduction
             # per step; accumulated ones are summed in fp32 as before).
             land_low_precision=step is not None and step.reads_low_precision_grads,
         )
+        if self.reducer.average_fallback and self.group.rank == 0:
+            logger.info(
+                "average_in_reduce_scatter has no effect: %s", self.reducer.average_fallback
+            )
         if step is not None and self.group.rank == 0:
             self._say_gradient_dtype()
         # The buckets that stepped during backward were published in finish().
@@ -403,8 +439,18 @@ class ShardedOptimizerStates(GradientPathMixin):
             return
         self._publish_all()
 
+    @property
+    def publish_transport(self) -> str:
+        """How updated shards reach the other ranks: "copy_engine" or "collective"."""
+        return "copy_engine" if self._peer is not None else "collective"
+
     def _publish_all(self) -> None:
         shards = self._publish_sources
+        if self._peer is not None:
+            self._peer.start(shards)
+            if self._in_flight is None:  # not overlapped with the forward: land it now
+                self._peer.land_all()
+            return
         if self._in_flight is not None:
             self.finish_publish()  # a publish nobody's forward needed yet
             for indices in self._gather_plan:
@@ -462,6 +508,11 @@ class ShardedOptimizerStates(GradientPathMixin):
     def _land_before_forward(
         self, owned: frozenset[int], module: torch.nn.Module, args: Any
     ) -> None:
+        peer = self._peer
+        if peer is not None:
+            if peer.in_flight:
+                peer.land(max(owned))
+            return
         pending = self._in_flight
         if not pending:
             return
@@ -474,6 +525,8 @@ class ShardedOptimizerStates(GradientPathMixin):
 
     def finish_publish(self) -> None:
         """Land every all-gather still in flight (publish_during_forward)."""
+        if self._peer is not None:
+            self._peer.land_all()
         pending = self._in_flight
         while pending:
             pending.pop(0).finish()

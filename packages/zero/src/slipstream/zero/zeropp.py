@@ -233,10 +233,21 @@ class ZeroPlusPlusGroup(DataParallelGroup):
 
     # ------------------------------------------------------------------ gradients
     def reduce_scatter_into(
-        self, output: torch.Tensor, full: torch.Tensor, async_op: bool = False
+        self,
+        output: torch.Tensor,
+        full: torch.Tensor,
+        async_op: bool = False,
+        *,
+        average: bool = False,
     ) -> Any:
         """Sum ``full`` over the shard group (int8 all-to-all with qgZ) into this rank's
-        ``output``; with MiCS, then average it across the replicas."""
+        ``output``; with MiCS, then average it across the replicas. (``average``, the
+        in-collective mean of the plain group, is not offered here.)"""
+        if average:
+            raise ValueError(
+                "a ZeRO++/MiCS group sums its reduce-scatter; average after it instead "
+                "(average_in_reduce_scatter is for the plain data-parallel group)"
+            )
         if self.quantize_gradients and self.world_size > 1:
             work = self._quantized_reduce_scatter(output, full, async_op)
         else:
