@@ -15,8 +15,7 @@ BENCH = Path(__file__).resolve().parents[3] / "tools" / "bench"
 
 def _load(name: str):
     script = BENCH / f"{name}.py"
-    if not script.exists():
-        pytest.skip(f"tools/bench/{name}.py is not in this checkout")
+    assert script.exists(), f"{script} is missing: the bench this test checks moved or was removed"
     spec = importlib.util.spec_from_file_location(name, script)
     assert spec is not None and spec.loader is not None
     module = importlib.util.module_from_spec(spec)

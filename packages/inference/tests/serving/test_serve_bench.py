@@ -15,8 +15,7 @@ SCRIPT = Path(__file__).resolve().parents[4] / "tools" / "bench" / "serve_bench.
 
 
 def _load():
-    if not SCRIPT.exists():
-        pytest.skip("tools/bench/serve_bench.py is not in this checkout")
+    assert SCRIPT.exists(), f"{SCRIPT} is missing: the bench this test checks moved or was removed"
     spec = importlib.util.spec_from_file_location("serve_bench", SCRIPT)
     assert spec is not None and spec.loader is not None
     module = importlib.util.module_from_spec(spec)
