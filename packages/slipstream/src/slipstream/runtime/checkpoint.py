@@ -827,4 +827,7 @@ def _saved_optimizer_state(
                 entry[key[len(prefix) :]] = tensor
         if entry:
             state[index] = entry
-    return {"state": state, "param_groups": saved_param_groups(saved["param_groups"], current_groups)}
+    return {
+        "state": state,
+        "param_groups": saved_param_groups(saved["param_groups"], current_groups),
+    }

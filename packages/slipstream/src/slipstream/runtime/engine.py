@@ -27,6 +27,7 @@ from slipstream.runtime.agreement import check_ranks_agree, parameter_signature
 from slipstream.runtime.lr_schedules import resolve_scheduler
 from slipstream.runtime.moe_gradients import declare_stage3_reads, expert_layout
 from slipstream.runtime.optimizers import resolve_optimizer
+from slipstream.runtime.step_flag import FlagCopy as _FlagCopy
 from slipstream.runtime.tensor_parallel import (
     agree_nonfinite_across_tensor_group,
     check_tensor_parallel_support,
@@ -1100,37 +1101,6 @@ class _UnsettledStep:
     outcome: StepOutcome
     lr_kwargs: dict[str, Any] | None
     flag: _FlagCopy | None
-
-
-@dataclass(frozen=True, slots=True)
-class _FlagCopy:
-    """A device flag on its way to the host: copied into page-locked memory behind the step's
-    kernels, with an event after the copy. Reading it waits for that event only, not for the
-    forward queued since (``.item()`` on the device tensor would wait for the whole stream)."""
-
-    device_flag: torch.Tensor
-    host: torch.Tensor | None
-    event: Any
-
-    @classmethod
-    def start(cls, flag: torch.Tensor | None) -> _FlagCopy | None:
-        """Start copying ``flag`` (None: nothing to copy)."""
-        if flag is None:
-            return None
-        if flag.device.type != "cuda":
-            return cls(flag, None, None)  # CPU: the value is there when the step returns
-        host = torch.empty(flag.shape, dtype=flag.dtype, pin_memory=True)
-        host.copy_(flag, non_blocking=True)
-        event = torch.cuda.Event()
-        event.record()
-        return cls(flag, host, event)
-
-    def read(self) -> bool:
-        """Whether the flag is set (waits for the copy, at most)."""
-        if self.host is None:
-            return bool(self.device_flag.item())
-        self.event.synchronize()
-        return bool(self.host.item())  # a host tensor: no device sync
 
 
 def _compression_scheduler(
