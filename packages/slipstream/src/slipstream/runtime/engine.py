@@ -382,6 +382,34 @@ class SlipstreamEngine(torch.nn.Module):
             return None
         return float(self._last_grad_norm)  # host sync: only when the caller asks
 
+    def global_grad_norm_tensor(self) -> torch.Tensor | None:
+        """:meth:`get_global_grad_norm` as a 0-d device tensor, without a host read.
+
+        While the last step's skip is still on the device (:attr:`step_pending`), the tensor
+        picks on the device that step's norm if it was taken, else the previous step's (nan
+        when there was none, where :meth:`get_global_grad_norm` says None): reading it later
+        gives what :meth:`get_global_grad_norm` gives then.
+        """
+        unsettled = self._unsettled
+        if unsettled is None or unsettled.flag is None or unsettled.outcome.grad_norm is None:
+            self._settle_step()  # known on the host already: no wait
+            return self._last_grad_norm
+        taken = unsettled.outcome.grad_norm.detach().float()
+        previous = self._last_grad_norm
+        kept = (
+            previous.detach().float().to(taken.device)
+            if previous is not None
+            else torch.full_like(taken, float("nan"))
+        )
+        return torch.where(unsettled.flag.device_flag.to(taken.device) > 0, kept, taken)
+
+    @property
+    def step_pending(self) -> bool:
+        """Whether the last step's skip was decided on the device and is not read yet (reading
+        :attr:`skipped_steps`, :meth:`get_lr` or the norm then waits for the device)."""
+        unsettled = self._unsettled
+        return unsettled is not None and unsettled.flag is not None
+
     def set_flops_per_token(self, flops: float) -> None:
         """Replace the 6·N estimate used for MFU (e.g. to count attention exactly)."""
         self.throughput.flops_per_token = float(flops)
