@@ -17,6 +17,7 @@ from __future__ import annotations
 from contextlib import contextmanager
 from typing import Any
 
+import pytest
 import torch
 
 from slipstream.comm.testing import run_distributed
@@ -145,5 +146,77 @@ def _worker() -> list[str]:
 
 def test_pipeline_skip_is_decided_on_the_device() -> None:
     results = run_distributed(_worker, 2, timeout=300)
+    problems = [f"rank {r}: {p}" for r, found in enumerate(results) for p in found]
+    assert not problems, "\n".join(problems)
+
+
+def _no_sync_worker() -> list[str]:
+    """bf16, AdamW from the config (fused on CUDA), clipping, the default non-finite check,
+    ZeRO 0 and 1: the gradient path's ``step`` under ``torch.cuda.set_sync_debug_mode("error")``
+    on every batch, a poisoned batch among them still skipped exactly."""
+    import traceback
+
+    from slipstream.pipeline import PipelineModule
+    from slipstream.pipeline.models import decoder_layer_specs, language_model_loss
+    from slipstream.runtime.pipeline_engine import initialize_pipeline
+
+    problems: list[str] = []
+    for zero_stage in (0, 1):
+        config = {
+            "train_micro_batch_size_per_gpu": MICRO,
+            "gradient_accumulation_steps": GAS,
+            "gradient_clipping": 1.0,
+            "steps_per_print": 10_000,
+            "bf16": {"enabled": True},
+            "optimizer": {"type": "AdamW", "params": {"lr": 1e-2}},
+            "zero_optimization": {"stage": zero_stage},
+        }
+        specs = decoder_layer_specs(VOCAB, HIDDEN, LAYERS, HEADS, FFN, tie_embeddings=True)
+        module = PipelineModule(specs, num_stages=2, loss_fn=language_model_loss)
+        engine, *_ = initialize_pipeline(model=module, config=config)
+        path_step = engine.gradient_path.step
+
+        def strict_step(*args: Any, step: Any = path_step, **kwargs: Any) -> Any:
+            torch.cuda.synchronize()
+            torch.cuda.set_sync_debug_mode("error")
+            try:
+                return step(*args, **kwargs)
+            finally:
+                torch.cuda.set_sync_debug_mode("default")
+
+        engine.gradient_path.step = strict_step
+        for step in range(STEPS):
+            batches = [(x.cuda(), y.cuda()) for x, y in _batches(step)]
+            before = _params(engine) if step == BAD else None
+            handle = None
+            if step == BAD and engine.is_last_stage():
+                weight = next(p for n, p in engine.module.named_parameters() if n[0] != "t")
+                handle = weight.register_hook(lambda g: g * float("inf"))
+            try:
+                engine.train_batch(iter(batches))
+            except RuntimeError as error:
+                where = traceback.extract_tb(error.__traceback__)[-1]
+                problems.append(
+                    f"zero {zero_stage} step {step}: {str(error).splitlines()[0]} at "
+                    f"{where.filename.rsplit('/src/', 1)[-1]}:{where.lineno}"
+                )
+                break
+            finally:
+                if handle is not None:
+                    handle.remove()
+            if before is not None and not all(
+                torch.equal(b, a) for b, a in zip(before, _params(engine))
+            ):
+                problems.append(f"zero {zero_stage}: the skipped step changed the weights")
+        if engine.skipped_steps != 1:
+            problems.append(f"zero {zero_stage}: skipped_steps {engine.skipped_steps}")
+    return problems
+
+
+@pytest.mark.gpu
+def test_pipeline_step_does_not_synchronize_on_gpus() -> None:
+    if torch.cuda.device_count() < 2:
+        pytest.skip("needs 2 GPUs")
+    results = run_distributed(_no_sync_worker, 2, backend="nccl", timeout=300)
     problems = [f"rank {r}: {p}" for r, found in enumerate(results) for p in found]
     assert not problems, "\n".join(problems)
