@@ -141,3 +141,14 @@ def test_trainer_reads_nothing_after_each_update_and_records_the_skip(tmp_path: 
     assert all(a != b for i, (a, b) in enumerate(pairwise(lr)) if i != BAD), lr
     assert norm[BAD] == norm[BAD - 1], norm
     assert all(math.isfinite(n) for n in norm), norm
+
+
+def test_metric_driven_schedulers_stay_the_trainers() -> None:
+    from transformers.optimization import GreedyLR
+
+    from slipstream.integrations.transformers import _steps_without_metrics
+
+    optimizer = torch.optim.SGD([torch.nn.Parameter(torch.zeros(1))], lr=0.1)
+    assert _steps_without_metrics(torch.optim.lr_scheduler.LambdaLR(optimizer, lambda s: 1.0))
+    assert not _steps_without_metrics(torch.optim.lr_scheduler.ReduceLROnPlateau(optimizer))
+    assert not _steps_without_metrics(GreedyLR(optimizer))

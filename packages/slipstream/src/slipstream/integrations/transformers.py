@@ -158,7 +158,8 @@ class Trainer(transformers.Trainer):
         """The config's ``scheduler`` if it has one, else the Trainer's own (``args``); either
         way the engine steps it, after taken updates only (as the Trainer would: it skips its
         scheduler's step when the update was skipped), and ``lr_scheduler.step()`` from the
-        Trainer does nothing. The engine's checkpoint holds it."""
+        Trainer does nothing. The engine's checkpoint holds it. A metric-driven scheduler
+        (``reduce_lr_on_plateau``, ``greedy``) stays the Trainer's to step."""
         engine = getattr(self.accelerator, "engine", None)
         if self._slipstream() is None or engine is None or self.lr_scheduler is not None:
             return super().create_scheduler(num_training_steps, optimizer)
@@ -166,7 +167,10 @@ class Trainer(transformers.Trainer):
             o for o in self.accelerator._optimizers if isinstance(o, SlipstreamOptimizerWrapper)
         )
         if engine.lr_scheduler is None:
-            engine.lr_scheduler = super().create_scheduler(num_training_steps, optimizer)
+            scheduler = super().create_scheduler(num_training_steps, optimizer)
+            if not _steps_without_metrics(scheduler):
+                return scheduler  # ReduceLROnPlateau, GreedyLR: the Trainer steps them on metrics
+            engine.lr_scheduler = scheduler
         self.lr_scheduler = SlipstreamSchedulerWrapper(engine.lr_scheduler, wrapper)
         self._created_lr_scheduler = True
         # The Trainer asks optimizer_step_was_skipped after every update only to hold this
@@ -212,6 +216,14 @@ class Trainer(transformers.Trainer):
             self._save(output_dir, state_dict=state_dict)
         if self.args.push_to_hub and not _internal_call:
             self.push_to_hub(commit_message="Model save")
+
+
+def _steps_without_metrics(scheduler: Any) -> bool:
+    """Whether ``scheduler.step()`` needs no argument (every torch ``LRScheduler`` but
+    ``ReduceLROnPlateau``; not Transformers' ``GreedyLR``), so the engine can step it."""
+    return isinstance(scheduler, torch.optim.lr_scheduler.LRScheduler) and not isinstance(
+        scheduler, torch.optim.lr_scheduler.ReduceLROnPlateau
+    )
 
 
 def from_pretrained(
