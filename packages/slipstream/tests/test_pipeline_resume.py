@@ -1,8 +1,9 @@
 """A pipeline checkpoint resumes bit for bit, through the gradient path's ``load_state_dict``.
 
-One spawned world of 2 gloo ranks (2 stages), ZeRO 0 and 2 (stage 1 shares its path): a run saves after step 2 and
-goes on to step 4; a fresh engine built from another seed loads the checkpoint and trains
-steps 3-4. Its weights, optimizer state (``betas`` a tuple again), learning rate and counters
+One spawned world of 2 gloo ranks (2 stages), ZeRO 0, 2, and 1 with the optimizer offloaded
+to NVMe (a swap folder; its publish after a load must refresh the staged copies): a run saves
+after step 2 and goes on to step 4; a fresh engine built from another seed loads the
+checkpoint and trains steps 3-4. Its weights, optimizer state (``betas`` a tuple again), learning rate and counters
 must equal the uninterrupted run's exactly, and the load must have gone through the gradient
 path's ``load_state_dict`` (the checkpoint manager's one way into a path's state), with the
 masters and the optimizer state handed over there.
@@ -21,7 +22,7 @@ VOCAB, HIDDEN, LAYERS, HEADS, FFN = 32, 16, 2, 2, 24
 MICRO, GAS, SEQ, STEPS, SAVE_AT = 2, 2, 8, 4, 2
 
 
-def _engine(zero_stage: int, seed: int) -> Any:
+def _engine(zero_stage: int, seed: int, swap: str | None = None) -> Any:
     from slipstream.pipeline import PipelineModule
     from slipstream.pipeline.models import decoder_layer_specs, language_model_loss
     from slipstream.runtime.pipeline_engine import initialize_pipeline
@@ -35,6 +36,10 @@ def _engine(zero_stage: int, seed: int) -> Any:
         "scheduler": {"type": "WarmupLR", "params": {"warmup_num_steps": 3}},
         "zero_optimization": {"stage": zero_stage},
     }
+    if swap is not None:
+        Path(swap).mkdir(parents=True, exist_ok=True)
+        offload = {"device": "nvme", "nvme_path": swap}
+        config["zero_optimization"]["offload_optimizer"] = offload  # type: ignore[index]
     torch.manual_seed(seed)
     specs = decoder_layer_specs(VOCAB, HIDDEN, LAYERS, HEADS, FFN, tie_embeddings=True)
     module = PipelineModule(specs, num_stages=2, loss_fn=language_model_loss)
@@ -79,15 +84,17 @@ def _same(a: Any, b: Any) -> bool:
 
 def _worker(root: str) -> list[str]:
     problems: list[str] = []
-    for zero_stage in (0, 2):
-        name = f"zero {zero_stage}"
-        folder = Path(root) / f"zero{zero_stage}"
-        whole = _engine(zero_stage, seed=0)
+    for zero_stage, nvme in ((0, False), (2, False), (1, True)):
+        name = f"zero {zero_stage}{' nvme' if nvme else ''}"
+        folder = Path(root) / name.replace(" ", "_")
+        swap = str(folder) + "_swap" if nvme else None
+        whole = _engine(zero_stage, seed=0, swap=swap and swap + "_whole")
         for step in range(STEPS):
             if step == SAVE_AT:
                 whole.save_checkpoint(folder)
             whole.train_batch(iter(_batches(step)))
-        resumed = _engine(zero_stage, seed=1)  # other weights: only the checkpoint restores
+        # Other weights: only the checkpoint restores them.
+        resumed = _engine(zero_stage, seed=1, swap=swap and swap + "_resumed")
         path = resumed.gradient_path
         handed: list[dict[str, Any]] = []
         load_state_dict = path.load_state_dict

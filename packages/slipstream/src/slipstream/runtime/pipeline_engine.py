@@ -639,9 +639,10 @@ class PipelineEngine:
         from slipstream.runtime import checkpoint
 
         self._settle_step()  # the counters and the schedule as of the last step
-        return checkpoint.save(
-            self, save_dir, tag, dict(client_state or {}), save_latest, allow_non_finite
-        )
+        with self.gradient_path.resident():  # NVMe offload: masters and states in memory
+            return checkpoint.save(
+                self, save_dir, tag, dict(client_state or {}), save_latest, allow_non_finite
+            )
 
     def load_checkpoint(
         self,
@@ -658,15 +659,16 @@ class PipelineEngine:
         from slipstream.runtime import checkpoint
 
         self._settle_step()  # the last step's follow-up first; the checkpoint then replaces it
-        return checkpoint.load(
-            self,
-            load_dir,
-            tag,
-            load_module_strict=load_module_strict,
-            load_optimizer_states=load_optimizer_states and not load_module_only,
-            load_lr_scheduler_states=load_lr_scheduler_states and not load_module_only,
-            load_module_only=load_module_only,
-        )
+        with self.gradient_path.resident():  # NVMe offload: masters and states in memory
+            return checkpoint.load(
+                self,
+                load_dir,
+                tag,
+                load_module_strict=load_module_strict,
+                load_optimizer_states=load_optimizer_states and not load_module_only,
+                load_lr_scheduler_states=load_lr_scheduler_states and not load_module_only,
+                load_module_only=load_module_only,
+            )
 
 
 def _check_supported(config: SlipstreamConfig) -> None:

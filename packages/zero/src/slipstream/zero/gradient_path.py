@@ -176,11 +176,11 @@ class GradientPathMixin:
         ``state["optimizer"]`` may be empty (or absent): the optimizer keeps its state (a
         checkpoint loaded without its optimizer states).
         """
-        with self.resident():
+        with self.resident():  # NVMe: the masters are read while publishing too
             _load_masters(self.masters, state["masters"])
             if state.get("optimizer"):
                 self.optimizer.optimizer.load_state_dict(state["optimizer"])
-        self.publish()
+            self.publish()
 
     def memory_report(self) -> dict[str, int]:
         """Masters, master gradients, optimizer states by device, and live bucket bytes."""
