@@ -17,9 +17,8 @@ holds. Each ZeRO stage is one implementation:
   optimizer (dense parameters over the data-parallel group, each expert group's over its
   expert-data-parallel group), stepped together.
 
-The engine picks one, once (``engine.gradient_path``); every on-device step ends in
-:func:`slipstream.zero.optimizer.clip_and_step` (the sharded ones through
-:func:`~slipstream.zero.optimizer.take_sharded_step`), so no two copies of the update exist.
+The engine picks one, once (``engine.gradient_path``); every step path shares
+:func:`slipstream.zero.optimizer.take_sharded_step`, so no two copies of the update exist.
 """
 
 from __future__ import annotations
