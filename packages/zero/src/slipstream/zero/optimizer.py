@@ -29,11 +29,9 @@ if TYPE_CHECKING:
 __all__ = [
     "StepOutcome",
     "ZeroOptimizer",
-    "clip_and_step",
     "step_unless_nonfinite",
     "supports_device_skip",
     "take_sharded_step",
-    "unscale_grads_",
 ]
 
 logger = logging.getLogger(__name__)
@@ -87,32 +85,6 @@ def step_unless_nonfinite(optimizer: Any, found_inf: torch.Tensor) -> None:
     finally:
         del optimizer.found_inf
         del optimizer.grad_scale
-
-
-def unscale_grads_(grads: list[torch.Tensor], loss_scale: float | None) -> None:
-    """Divide ``grads`` by the fp16 loss scale in place (nothing without one, or at 1)."""
-    if loss_scale is not None and loss_scale != 1.0 and grads:
-        torch._foreach_mul_(grads, 1.0 / loss_scale)
-
-
-def clip_and_step(
-    optimizer: Any,
-    grads: list[torch.Tensor],
-    norm: torch.Tensor | None,
-    max_grad_norm: float,
-    found_inf: torch.Tensor | None,
-) -> StepOutcome:
-    """The end of every on-device update, after the vote and the unscale: clip ``grads`` to
-    ``max_grad_norm`` with their global ``norm`` (None: no gradients, nothing to clip), then
-    ``optimizer.step()``, skipped on the device when ``found_inf`` is given and set
-    (:func:`step_unless_nonfinite`; the outcome's ``skipped`` is then that flag)."""
-    if norm is not None:
-        clip_grads_(grads, norm, max_grad_norm)
-    if found_inf is not None:
-        step_unless_nonfinite(optimizer, found_inf)
-    else:
-        optimizer.step()
-    return StepOutcome(overflow=False, grad_norm=norm, skipped=found_inf)
 
 
 def take_sharded_step(
@@ -174,13 +146,19 @@ def take_sharded_step(
             found_inf = (~torch.isfinite(total)).to(torch.float32)
         elif not bool(torch.isfinite(total)):  # the step's one host sync
             return StepOutcome(overflow=True, grad_norm=None)
-    unscale_grads_(grads, loss_scale)
+    if loss_scale is not None and loss_scale != 1.0 and grads:
+        torch._foreach_mul_(grads, 1.0 / loss_scale)
     if grad_norm is not None:
         norm = grad_norm
     else:
         assert total is not None
         norm = norm_of_squares(total, loss_scale)
-    return clip_and_step(optimizer, grads, norm, max_grad_norm, found_inf)
+    clip_grads_(grads, norm, max_grad_norm)
+    if found_inf is not None:
+        step_unless_nonfinite(optimizer, found_inf)
+        return StepOutcome(overflow=False, grad_norm=norm, skipped=found_inf)
+    optimizer.step()
+    return StepOutcome(overflow=False, grad_norm=norm)
 
 
 class ZeroOptimizer:
