@@ -24,7 +24,7 @@ import torch
 pytest.importorskip("transformers")
 pytest.importorskip("accelerate")
 
-from slipstream.comm.testing import run_distributed
+from slipstream.comm.testing import count_host_reads, run_distributed
 
 CONFIG = {
     "train_micro_batch_size_per_gpu": "auto",
@@ -34,7 +34,6 @@ CONFIG = {
     "steps_per_print": 10_000,
 }
 STEPS, BAD = 5, 2
-_READS = ("item", "__bool__", "__float__", "__int__", "tolist")
 
 
 class _Tokens(torch.utils.data.Dataset):
@@ -53,22 +52,11 @@ def _worker(root: str) -> dict[str, Any]:
 
     from slipstream.integrations import transformers as slip
 
-    reads, counting = [0], [False]
-    originals = {name: getattr(torch.Tensor, name) for name in _READS}
-
-    def wrap(name: str) -> Any:
-        def read(self: torch.Tensor, *args: Any, **kwargs: Any) -> Any:
-            reads[0] += counting[0]
-            return originals[name](self, *args, **kwargs)
-
-        return read
+    reads = [0]
 
     def counted(call: Any) -> Any:
-        counting[0] = True
-        try:
+        with count_host_reads(reads):
             return call()
-        finally:
-            counting[0] = False
 
     torch.manual_seed(0)
     model = GPT2LMHeadModel(GPT2Config(n_layer=1, n_embd=16, n_head=2, vocab_size=64))
@@ -110,13 +98,7 @@ def _worker(root: str) -> dict[str, Any]:
         lambda self: counted(lambda: skipped_property.fget(self))
     )
     cls.clip_grad_norm_ = lambda self, *a, **k: counted(lambda: clip(self, *a, **k))  # type: ignore[method-assign]
-    for name in _READS:
-        setattr(torch.Tensor, name, wrap(name))
-    try:
-        trainer.train()
-    finally:
-        for name, original in originals.items():
-            setattr(torch.Tensor, name, original)
+    trainer.train()
     engine = trainer.accelerator.engine
     logs = [entry for entry in trainer.state.log_history if "grad_norm" in entry]
     return {
