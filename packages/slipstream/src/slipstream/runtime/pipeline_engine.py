@@ -501,8 +501,9 @@ class PipelineEngine:
         rank is: the path's step takes it as ``grad_squares``, which carries the vote as well
         as the norm (one collective per step), and every rank skips or steps alike. With a
         fused optimizer the skip is decided on the device and read later
-        ([Note: the pipeline step's skip, read late]); otherwise the path reads it here. The vote is on the gradients; with fp32/bf16 it runs only under
-        ``check_grad_overflow`` (a zero ``nonfinite_check`` asks for it).
+        ([Note: the pipeline step's skip, read late]); otherwise the path reads it here. The
+        vote is on the gradients; with fp32/bf16 it runs only under ``check_grad_overflow``
+        (a zero ``nonfinite_check`` asks for it).
         """
         path = self.gradient_path
         squares = grad_squares_across_stages(
