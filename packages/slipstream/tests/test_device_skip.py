@@ -20,12 +20,10 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from slipstream.comm.testing import run_distributed
+from slipstream.comm.testing import count_host_reads, run_distributed
 
 STEPS = 4
 BAD = 1
-
-_READS = ("item", "__bool__", "__float__", "__int__", "tolist")
 
 
 class Tiny(nn.Module):
@@ -36,29 +34,6 @@ class Tiny(nn.Module):
 
     def forward(self, x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
         return F.cross_entropy(self.b(torch.tanh(self.a(x.to(self.a.weight.dtype)))).float(), y)
-
-
-@contextmanager
-def _count_host_reads(counter: list[int]) -> Any:
-    """Count Python-level host reads of tensors (each a device->host sync on a GPU)."""
-    originals = {name: getattr(torch.Tensor, name) for name in _READS}
-
-    def wrap(name: str) -> Any:
-        original = originals[name]
-
-        def counted(self: torch.Tensor, *args: Any, **kwargs: Any) -> Any:
-            counter[0] += 1
-            return original(self, *args, **kwargs)
-
-        return counted
-
-    for name in _READS:
-        setattr(torch.Tensor, name, wrap(name))
-    try:
-        yield
-    finally:
-        for name, original in originals.items():
-            setattr(torch.Tensor, name, original)
 
 
 def _weights(engine: Any) -> list[torch.Tensor]:
@@ -110,7 +85,7 @@ def _worker(cases: list[tuple[str, int, bool]]) -> list[str]:
                 if rank == world - 1:  # poisoned on one rank: every rank must skip
                     loss = loss + torch.sqrt(next(engine.module.parameters()).sum() * 0.0)
                 engine.backward(loss)
-                with _count_host_reads(reads):
+                with count_host_reads(reads):
                     engine.step()
                 if not all(torch.equal(b, a) for b, a in zip(before, _weights(engine))):
                     problems.append(f"{name}: the skipped step changed the weights")
@@ -126,7 +101,7 @@ def _worker(cases: list[tuple[str, int, bool]]) -> list[str]:
                 continue
             for run in (engine, twin):
                 run.backward(run(x, y))
-                with _count_host_reads(reads) if run is engine else _null():
+                with count_host_reads(reads) if run is engine else _null():
                     run.step()
         if fused and reads[0]:
             problems.append(f"{name}: engine.step() read a tensor on the host {reads[0]} times")

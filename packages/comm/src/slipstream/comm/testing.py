@@ -9,6 +9,7 @@ survive fork).
 
 from __future__ import annotations
 
+import contextlib
 import functools
 import importlib.util
 import inspect
@@ -20,10 +21,10 @@ import sys
 import time
 import traceback
 import uuid
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from typing import Any, TypeVar
 
-__all__ = ["DistributedTestError", "distributed_test", "run_distributed"]
+__all__ = ["DistributedTestError", "count_host_reads", "distributed_test", "run_distributed"]
 
 _F = TypeVar("_F", bound=Callable[..., Any])
 
@@ -293,3 +294,40 @@ def distributed_test(
         return wrapper  # type: ignore[return-value]
 
     return decorate
+
+
+_HOST_READS = ("item", "__bool__", "__float__", "__int__", "tolist")
+
+
+@contextlib.contextmanager
+def count_host_reads(counter: list[int]) -> Iterator[list[int]]:
+    """Within the block, add 1 to ``counter[0]`` for every Python-level host read of a tensor
+    (``item``, ``bool``, ``float``, ``int``, ``tolist``: each a device->host sync on a GPU),
+    so a CPU test can assert that code runs without one.
+
+    >>> reads = [0]
+    >>> with count_host_reads(reads):
+    ...     _ = torch.ones(()).item()
+    >>> reads
+    [1]
+    """
+    import torch
+
+    originals = {name: getattr(torch.Tensor, name) for name in _HOST_READS}
+
+    def counted(name: str) -> Callable[..., Any]:
+        original = originals[name]
+
+        def read(self: Any, *args: Any, **kwargs: Any) -> Any:
+            counter[0] += 1
+            return original(self, *args, **kwargs)
+
+        return read
+
+    for name in _HOST_READS:
+        setattr(torch.Tensor, name, counted(name))
+    try:
+        yield counter
+    finally:
+        for name, original in originals.items():
+            setattr(torch.Tensor, name, original)

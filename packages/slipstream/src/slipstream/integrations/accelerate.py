@@ -110,6 +110,11 @@ class SlipstreamAccelerator(Accelerator):
             global batch from both and the world size, the ZeRO bucket sizes from the
             model's hidden size; ``auto_values`` adds or overrides any dotted key.
         auto_values: ``{"optimizer.params.lr": 1e-4, ...}`` for the other ``"auto"`` keys.
+        skip_answer_waits: False: :attr:`optimizer_step_was_skipped` answers from what the
+            host knows, never waiting for the device (a skip still being decided there reads
+            as not skipped). For loops that ask only to hold back a scheduler the engine
+            steps itself, on taken steps only (the Transformers ``Trainer``); the optimizer's
+            ``step_was_skipped`` still gives the exact answer.
         **kwargs: ``Accelerator``'s own arguments (``cpu``, ``gradient_accumulation_steps``, ...).
             ``mixed_precision`` is left to the config's ``fp16``/``bf16`` blocks.
     """
@@ -119,9 +124,11 @@ class SlipstreamAccelerator(Accelerator):
         *args: Any,
         config: Any,
         auto_values: Mapping[str, Any] | None = None,
+        skip_answer_waits: bool = True,
         **kwargs: Any,
     ) -> None:
         super().__init__(*args, **kwargs)
+        self.skip_answer_waits = skip_answer_waits
         self.slipstream_config = read_config(config)
         self.auto_values: dict[str, Any] = dict(auto_values or {})
         self.engine: SlipstreamEngine | None = None
@@ -228,8 +235,19 @@ class SlipstreamAccelerator(Accelerator):
         engine.step()
 
     def clip_grad_norm_(self, parameters: Any, max_norm: float, norm_type: float = 2) -> Any:
-        """The engine's last gradient norm: it clips to the config's ``gradient_clipping``."""
-        return self._engine().get_global_grad_norm()
+        """The engine's last gradient norm (it clips to the config's ``gradient_clipping``), a
+        0-d tensor on the device as torch's ``clip_grad_norm_`` returns, read by nobody here:
+        asking right after a step does not wait for it (None before the first step)."""
+        return self._engine().global_grad_norm_tensor()
+
+    @property
+    def optimizer_step_was_skipped(self) -> bool:
+        """Whether the last update was skipped; with ``skip_answer_waits=False``, as far as the
+        host knows without waiting (see the class's arguments)."""
+        engine = self.engine
+        if not self.skip_answer_waits and engine is not None and engine.step_pending:
+            return False  # the engine holds its schedulers back itself on a skipped step
+        return bool(super().optimizer_step_was_skipped)
 
     @contextlib.contextmanager
     def no_sync(self, model: torch.nn.Module) -> Iterator[None]:

@@ -155,19 +155,29 @@ class Trainer(transformers.Trainer):
         return super().create_optimizer(model)
 
     def create_scheduler(self, num_training_steps: int, optimizer: Any = None) -> Any:
-        """The Trainer's scheduler, unless the engine owns one (the config's ``scheduler``)."""
+        """The config's ``scheduler`` if it has one, else the Trainer's own (``args``); either
+        way the engine steps it, after taken updates only (as the Trainer would: it skips its
+        scheduler's step when the update was skipped), and ``lr_scheduler.step()`` from the
+        Trainer does nothing. The engine's checkpoint holds it. A metric-driven scheduler
+        (``reduce_lr_on_plateau``, ``greedy``) stays the Trainer's to step."""
         engine = getattr(self.accelerator, "engine", None)
-        if self._slipstream() is not None and engine is not None and self.lr_scheduler is None:
-            if engine.lr_scheduler is not None:
-                wrapper = next(
-                    o
-                    for o in self.accelerator._optimizers
-                    if isinstance(o, SlipstreamOptimizerWrapper)
-                )
-                self.lr_scheduler = SlipstreamSchedulerWrapper(engine.lr_scheduler, wrapper)
-                self._created_lr_scheduler = True
-                return self.lr_scheduler
-        return super().create_scheduler(num_training_steps, optimizer)
+        if self._slipstream() is None or engine is None or self.lr_scheduler is not None:
+            return super().create_scheduler(num_training_steps, optimizer)
+        wrapper = next(
+            o for o in self.accelerator._optimizers if isinstance(o, SlipstreamOptimizerWrapper)
+        )
+        if engine.lr_scheduler is None:
+            scheduler = super().create_scheduler(num_training_steps, optimizer)
+            if not _steps_without_metrics(scheduler):
+                return scheduler  # ReduceLROnPlateau, GreedyLR: the Trainer steps them on metrics
+            engine.lr_scheduler = scheduler
+        self.lr_scheduler = SlipstreamSchedulerWrapper(engine.lr_scheduler, wrapper)
+        self._created_lr_scheduler = True
+        # The Trainer asks optimizer_step_was_skipped after every update only to hold this
+        # scheduler back, which the engine does itself: the answer need not wait for the
+        # device (a host sync per update). A scheduler passed to the Trainer keeps the wait.
+        self.accelerator.skip_answer_waits = False
+        return self.lr_scheduler
 
     # ------------------------------------------------------------------ checkpoints
     def _engine_owns_scheduler(self) -> bool:
@@ -192,11 +202,8 @@ class Trainer(transformers.Trainer):
             return super()._load_optimizer_and_scheduler(checkpoint)
         self.accelerator._engine().load_checkpoint(checkpoint)  # type: ignore[attr-defined]
         path = os.path.join(checkpoint, SCHEDULER_NAME)
-        if (
-            self.lr_scheduler is not None
-            and not self._engine_owns_scheduler()
-            and os.path.isfile(path)
-        ):
+        if self.lr_scheduler is not None and os.path.isfile(path):
+            # Written before the engine stepped the Trainer's scheduler (now in its checkpoint).
             self.lr_scheduler.load_state_dict(torch.load(path, weights_only=True))
 
     def save_model(self, output_dir: str | None = None, _internal_call: bool = False) -> None:
@@ -209,6 +216,14 @@ class Trainer(transformers.Trainer):
             self._save(output_dir, state_dict=state_dict)
         if self.args.push_to_hub and not _internal_call:
             self.push_to_hub(commit_message="Model save")
+
+
+def _steps_without_metrics(scheduler: Any) -> bool:
+    """Whether ``scheduler.step()`` needs no argument (every torch ``LRScheduler`` but
+    ``ReduceLROnPlateau``; not Transformers' ``GreedyLR``), so the engine can step it."""
+    return isinstance(scheduler, torch.optim.lr_scheduler.LRScheduler) and not isinstance(
+        scheduler, torch.optim.lr_scheduler.ReduceLROnPlateau
+    )
 
 
 def from_pretrained(

@@ -98,6 +98,7 @@ __all__ = [
     "read_manifest",
     "recover_leftovers",
     "save",
+    "saved_param_groups",
 ]
 
 
@@ -131,6 +132,25 @@ def _from_json(value: Any) -> Any:
     if isinstance(value, list):
         return [_from_json(v) for v in value]
     return value
+
+
+def saved_param_groups(saved: Any, current: list[dict[str, Any]]) -> list[dict[str, Any]]:
+    """The optimizer parameter groups to load: each of ``current`` (this optimizer's, which
+    keeps its own ``params``) with the hyper-parameters of ``saved`` (a manifest's
+    ``param_groups``, as JSON).
+
+    JSON has no tuples, so a value saved from a tuple comes back a list; where this optimizer
+    holds a tuple (Adam's ``betas``: torch's ``param_groups`` contract), it is a tuple again.
+    Every layout's load goes through here.
+    """
+    groups = []
+    for old, new in zip(_from_json(saved), current):
+        merged = {**new, **old, "params": new["params"]}
+        for key, value in new.items():
+            if isinstance(value, tuple) and isinstance(merged.get(key), list):
+                merged[key] = tuple(merged[key])
+        groups.append(merged)
+    return groups
 
 
 def _dump_object(directory: Path, stem: str, value: Any) -> str:
@@ -796,7 +816,6 @@ def _saved_optimizer_state(
     """The torch ``state_dict`` of this engine's optimizer that the checkpoint holds."""
     assert engine.optimizer is not None
     names = _optimizer_param_names(engine)
-    saved_groups = _from_json(saved["param_groups"])
     current_groups = engine.optimizer.state_dict()["param_groups"]
     scalars = _from_json(saved["scalars"])
     state: dict[int, dict[str, Any]] = {}
@@ -808,5 +827,7 @@ def _saved_optimizer_state(
                 entry[key[len(prefix) :]] = tensor
         if entry:
             state[index] = entry
-    groups = [{**c, **s, "params": c["params"]} for s, c in zip(saved_groups, current_groups)]
-    return {"state": state, "param_groups": groups}
+    return {
+        "state": state,
+        "param_groups": saved_param_groups(saved["param_groups"], current_groups),
+    }

@@ -27,6 +27,7 @@ from slipstream.runtime.agreement import check_ranks_agree, parameter_signature
 from slipstream.runtime.lr_schedules import resolve_scheduler
 from slipstream.runtime.moe_gradients import declare_stage3_reads, expert_layout
 from slipstream.runtime.optimizers import resolve_optimizer
+from slipstream.runtime.step_flag import FlagCopy as _FlagCopy
 from slipstream.runtime.tensor_parallel import (
     agree_nonfinite_across_tensor_group,
     check_tensor_parallel_support,
@@ -380,6 +381,34 @@ class SlipstreamEngine(torch.nn.Module):
         if self._last_grad_norm is None:
             return None
         return float(self._last_grad_norm)  # host sync: only when the caller asks
+
+    def global_grad_norm_tensor(self) -> torch.Tensor | None:
+        """:meth:`get_global_grad_norm` as a 0-d device tensor, without a host read.
+
+        While the last step's skip is still on the device (:attr:`step_pending`), the tensor
+        picks on the device that step's norm if it was taken, else the previous step's (nan
+        when there was none, where :meth:`get_global_grad_norm` says None): reading it later
+        gives what :meth:`get_global_grad_norm` gives then.
+        """
+        unsettled = self._unsettled
+        if unsettled is None or unsettled.flag is None or unsettled.outcome.grad_norm is None:
+            self._settle_step()  # known on the host already: no wait
+            return self._last_grad_norm
+        taken = unsettled.outcome.grad_norm.detach().float()
+        previous = self._last_grad_norm
+        kept = (
+            previous.detach().float().to(taken.device)
+            if previous is not None
+            else torch.full_like(taken, float("nan"))
+        )
+        return torch.where(unsettled.flag.device_flag.to(taken.device) > 0, kept, taken)
+
+    @property
+    def step_pending(self) -> bool:
+        """Whether the last step's skip was decided on the device and is not read yet (reading
+        :attr:`skipped_steps`, :meth:`get_lr` or the norm then waits for the device)."""
+        unsettled = self._unsettled
+        return unsettled is not None and unsettled.flag is not None
 
     def set_flops_per_token(self, flops: float) -> None:
         """Replace the 6·N estimate used for MFU (e.g. to count attention exactly)."""
@@ -1100,37 +1129,6 @@ class _UnsettledStep:
     outcome: StepOutcome
     lr_kwargs: dict[str, Any] | None
     flag: _FlagCopy | None
-
-
-@dataclass(frozen=True, slots=True)
-class _FlagCopy:
-    """A device flag on its way to the host: copied into page-locked memory behind the step's
-    kernels, with an event after the copy. Reading it waits for that event only, not for the
-    forward queued since (``.item()`` on the device tensor would wait for the whole stream)."""
-
-    device_flag: torch.Tensor
-    host: torch.Tensor | None
-    event: Any
-
-    @classmethod
-    def start(cls, flag: torch.Tensor | None) -> _FlagCopy | None:
-        """Start copying ``flag`` (None: nothing to copy)."""
-        if flag is None:
-            return None
-        if flag.device.type != "cuda":
-            return cls(flag, None, None)  # CPU: the value is there when the step returns
-        host = torch.empty(flag.shape, dtype=flag.dtype, pin_memory=True)
-        host.copy_(flag, non_blocking=True)
-        event = torch.cuda.Event()
-        event.record()
-        return cls(flag, host, event)
-
-    def read(self) -> bool:
-        """Whether the flag is set (waits for the copy, at most)."""
-        if self.host is None:
-            return bool(self.device_flag.item())
-        self.event.synchronize()
-        return bool(self.host.item())  # a host tensor: no device sync
 
 
 def _compression_scheduler(

@@ -389,9 +389,8 @@ def apply(
             if entry:
                 entries[index] = entry
         if options["load_optimizer_states"]:
-            saved_groups = ckpt._from_json(manifest["optimizer"]["param_groups"])
             current = optimizer.state_dict()["param_groups"]
-            groups = [{**c, **s, "params": c["params"]} for s, c in zip(saved_groups, current)]
+            groups = ckpt.saved_param_groups(manifest["optimizer"]["param_groups"], current)
             optimizer.load_state_dict({"state": entries, "param_groups": groups})
     if state.stage3 is not None:
         state.stage3.release_all()  # gathered copies (persistent ones) hold old values

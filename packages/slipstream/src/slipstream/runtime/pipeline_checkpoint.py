@@ -345,9 +345,17 @@ def apply(
     plan: dict[str, Any],
     options: dict[str, bool],
 ) -> None:
-    """Copy a validated pipeline checkpoint into this stage (each rank reads its own ranges)."""
+    """Copy a validated pipeline checkpoint into this stage (each rank reads its own ranges).
+
+    The weights and buffers go into the module; the fp32 master shards (ZeRO) and the
+    optimizer state go back through the gradient path's ``load_state_dict``, as every
+    layout's do ([Note: one gradient-path adapter] in checkpoint_manager.py), which then
+    publishes the masters into the weights.
+    """
     state = gradient_path_state(engine)
     _, dp_rank, dp = _coordinates(engine)
+    masters: list[torch.Tensor] | None = None  # stage 0: the weights are the stepped tensors
+    optimizer_state: dict[str, Any] = {}
     with ShardReader(path, manifest) as reader, torch.no_grad():
         for name, param in engine.module.named_parameters():
             kind = "master" if param.dtype == torch.float32 and reader.has("master", name) else ""
@@ -360,19 +368,23 @@ def apply(
         names = _param_names(engine)
         if state.zero is not None:
             kind = "model" if options["load_module_only"] else "master"
+            masters = []
             for param, master in zip(state.zero.params, state.zero.masters.masters):
                 spec = ShardSpec(param.shape, dp)
                 start, end = spec.valid_range(dp_rank)
                 full = _local_slice(reader.read_full(kind, names[id(master)]), param)
                 values = full.reshape(-1)[start:end].float()
-                master.copy_(_padded(values, spec.shard_numel))
+                masters.append(_padded(values, spec.shard_numel))
         if options["load_optimizer_states"]:
-            _load_optimizer(engine, reader, manifest, dp_rank, dp)
+            optimizer_state = _saved_optimizer_state(engine, reader, manifest, dp_rank, dp)
+    state.path.load_state_dict({"masters": masters, "optimizer": optimizer_state})
 
 
-def _load_optimizer(
+def _saved_optimizer_state(
     engine: PipelineEngine, reader: ShardReader, manifest: dict[str, Any], dp_rank: int, dp: int
-) -> None:
+) -> dict[str, Any]:
+    """The torch ``state_dict`` of this stage's optimizer that the checkpoint holds (this
+    rank's ranges of the sharded state at ZeRO)."""
     path = gradient_path_state(engine)
     optimizer = path.optimizer
     assert optimizer is not None
@@ -398,7 +410,6 @@ def _load_optimizer(
             entry["step"] = value
         if entry:
             state[index] = entry
-    saved_groups = ckpt._from_json(saved["param_groups"])
     current = optimizer.state_dict()["param_groups"]
-    groups = [{**c, **s, "params": c["params"]} for s, c in zip(saved_groups, current)]
-    optimizer.load_state_dict({"state": state, "param_groups": groups})
+    groups = ckpt.saved_param_groups(saved["param_groups"], current)
+    return {"state": state, "param_groups": groups}

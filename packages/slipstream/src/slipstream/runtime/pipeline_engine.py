@@ -46,12 +46,14 @@ from slipstream.pipeline.schedules import PipelineSchedule, build_schedule
 from slipstream.runtime import zero_setup
 from slipstream.runtime.lr_schedules import resolve_scheduler
 from slipstream.runtime.optimizers import resolve_optimizer
+from slipstream.runtime.step_flag import FlagCopy
 from slipstream.runtime.tensor_parallel import check_tensor_parallel_support
 from slipstream.zero import (
     DataParallelGroup,
     GradientPath,
     ReplicatedGradientPath,
     ShardedOptimizerStates,
+    StepOutcome,
 )
 
 __all__ = ["PipelineEngine", "initialize_pipeline", "load_pipeline_config"]
@@ -178,7 +180,10 @@ class PipelineEngine:
         self._check_nonfinite = not config.fp16.enabled and (
             config.bf16.check_grad_overflow if config.bf16.enabled else config.check_grad_overflow
         )
-        self.skipped_steps = 0
+        self._skipped_steps = 0
+        # The last step, until the host has read whether it was skipped ([Note: the pipeline
+        # step's skip, read late]): (step number, outcome, the flag's copy).
+        self._unsettled: tuple[int, StepOutcome, FlagCopy | None] | None = None
 
         # 5. The gradient path (slipstream.zero), chosen once. ZeRO 1-2: re-home the optimizer
         # onto fp32 master shards over this stage's data-parallel group, after step 4, so that
@@ -307,12 +312,26 @@ class PipelineEngine:
         return self.module.stage_id == self.module.num_stages - 1
 
     def get_lr(self) -> list[float]:
-        """The learning rate of each parameter group."""
+        """The learning rate of each parameter group (the schedule has followed the last step)."""
+        self._settle_step()
         return [group["lr"] for group in self.optimizer.param_groups]
 
     def get_global_grad_norm(self) -> float | None:
-        """The whole model's gradient norm at the last step, before clipping."""
+        """The whole model's gradient norm at the last step, before clipping (None when that
+        step was skipped)."""
+        self._settle_step()
         return None if self._last_grad_norm is None else float(self._last_grad_norm)
+
+    @property
+    def skipped_steps(self) -> int:
+        """Optimizer steps skipped (fp16 overflow, or an inf/nan under ``check_grad_overflow``)."""
+        self._settle_step()
+        return self._skipped_steps
+
+    @skipped_steps.setter
+    def skipped_steps(self, value: int) -> None:
+        self._settle_step()
+        self._skipped_steps = int(value)
 
     # -- DeepSpeed's engine accessors (docs/deepspeed-compat.md) ---------------------------
     @property
@@ -364,16 +383,15 @@ class PipelineEngine:
         """Run one batch (``gradient_accumulation_steps`` micro-batches) and one optimizer
         step; return the mean loss (a 0-dim tensor, the same on every rank)."""
         iterator = data_iter if data_iter is not None else self.data_iterator
-        skipped_before = self.skipped_steps
         if self.loss_scaler is not None:
+            # fp16: this batch's loss scale depends on whether the last step overflowed, the
+            # one host decision that needs the last step's flag before the schedule runs.
+            self._settle_step()
             self.executor.loss_scale = self.loss_scaler.loss_scale
         if self.zero is not None:
-            loss, grad_norm = self._train_batch_sharded(iterator)
+            loss, _ = self._train_batch_sharded(iterator)
         else:
-            loss, grad_norm = self._train_batch_replicated(iterator)
-        self._last_grad_norm = grad_norm
-        if self.lr_scheduler is not None and self.skipped_steps == skipped_before:
-            self.lr_scheduler.step()
+            loss, _ = self._train_batch_replicated(iterator)
         self.global_steps += 1
         self.global_samples += self._train_batch
         if self.monitor.enabled and comm.get_rank() == 0:
@@ -385,7 +403,9 @@ class PipelineEngine:
                 ]
             )
         if self.global_steps % self.config.steps_per_print == 0 and comm.get_rank() == 0:
-            # float(loss): a host sync, once per log line.
+            # float(loss) and the skip flag: host syncs, once per log line.
+            self._settle_step()
+            grad_norm = self._last_grad_norm
             logger.info(
                 "step=%d loss=%.4f lr=%s grad_norm=%s",
                 self.global_steps,
@@ -479,34 +499,68 @@ class PipelineEngine:
         ``groups`` (the data-parallel group where the gradients are sharded, then the
         pipeline) and the tensor group, is non-finite on every rank when any gradient of any
         rank is: the path's step takes it as ``grad_squares``, which carries the vote as well
-        as the norm (one collective and one host read per step), and every rank skips or
-        steps alike. The vote is on the gradients; with fp32/bf16 it runs only under
-        ``check_grad_overflow`` (a zero ``nonfinite_check`` asks for it).
+        as the norm (one collective per step), and every rank skips or steps alike. With a
+        fused optimizer the skip is decided on the device and read later
+        ([Note: the pipeline step's skip, read late]); otherwise the path reads it here. The
+        vote is on the gradients; with fp32/bf16 it runs only under ``check_grad_overflow``
+        (a zero ``nonfinite_check`` asks for it).
         """
         path = self.gradient_path
-        scaler = self.loss_scaler
         squares = grad_squares_across_stages(
             self.module, grads, groups, self._device, tensor_group=self._tensor_group()
         )
+        # The last step's skip, read now that this batch's schedule is queued: its LR step
+        # must come before this update ([Note: the pipeline step's skip, read late]).
+        self._settle_step()
+        scaler = self.loss_scaler
         check = torch.zeros((), dtype=torch.float32, device=self._device)
         outcome = path.step(
             loss_scale=scaler.loss_scale if scaler is not None else None,
             max_grad_norm=self.config.gradient_clipping,
             nonfinite_check=check if self._check_nonfinite else None,
             grad_squares=squares,
+            # A fused optimizer skips on the device flag: no device->host sync per step.
+            defer_skip=True,
         )
         path.zero_grad()
+        flag = FlagCopy.start(outcome.skipped)
+        self._unsettled = (self.global_steps + 1, outcome, flag)
+        if flag is None:
+            self._settle_step()  # decided on the host already
+        return None if outcome.overflow else outcome.grad_norm
+
+    def _settle_step(self) -> None:
+        """Count the last step as taken or skipped and follow up: the LR schedule moves on a
+        taken step, the fp16 scale grows or backs off, a skip is logged.
+
+        [Note: the pipeline step's skip, read late] With a fused optimizer the skip is
+        decided on the device (slipstream.zero's [Note: the skip decided on the device]); its
+        flag is read here, lazily: before the next step (after the next batch's schedule is
+        queued), at the start of the next batch under fp16 (its loss scale depends on it), at
+        a log line, a checkpoint, or a read of the counters, the learning rate or the norm.
+        """
+        unsettled = self._unsettled
+        if unsettled is None:
+            return
+        self._unsettled = None
+        step, outcome, flag = unsettled
+        skipped = outcome.overflow if flag is None else flag.read()
+        scaler = self.loss_scaler
         if scaler is not None:
-            scaler.update(outcome.overflow)
-        if outcome.overflow:
-            self.skipped_steps += 1
+            scaler.update(skipped)
+        if skipped:
+            self._skipped_steps += 1
+            self._last_grad_norm = None
             if comm.get_rank() == 0:
                 logger.info(
                     "step %d: non-finite gradients on some stage; skipping the update%s",
-                    self.global_steps + 1,
+                    step,
                     f" (loss scale -> {scaler.loss_scale:g})" if scaler is not None else "",
                 )
-        return outcome.grad_norm
+            return
+        self._last_grad_norm = outcome.grad_norm
+        if self.lr_scheduler is not None:
+            self.lr_scheduler.step()
 
     def _pipe_groups(self) -> list[dist.ProcessGroup | None]:
         if self.grid is not None and self.grid.pipe_parallel_size > 1:
@@ -585,9 +639,11 @@ class PipelineEngine:
         """
         from slipstream.runtime import checkpoint
 
-        return checkpoint.save(
-            self, save_dir, tag, dict(client_state or {}), save_latest, allow_non_finite
-        )
+        self._settle_step()  # the counters and the schedule as of the last step
+        with self.gradient_path.resident():  # NVMe offload: masters and states in memory
+            return checkpoint.save(
+                self, save_dir, tag, dict(client_state or {}), save_latest, allow_non_finite
+            )
 
     def load_checkpoint(
         self,
@@ -603,15 +659,17 @@ class PipelineEngine:
         copied."""
         from slipstream.runtime import checkpoint
 
-        return checkpoint.load(
-            self,
-            load_dir,
-            tag,
-            load_module_strict=load_module_strict,
-            load_optimizer_states=load_optimizer_states and not load_module_only,
-            load_lr_scheduler_states=load_lr_scheduler_states and not load_module_only,
-            load_module_only=load_module_only,
-        )
+        self._settle_step()  # the last step's follow-up first; the checkpoint then replaces it
+        with self.gradient_path.resident():  # NVMe offload: masters and states in memory
+            return checkpoint.load(
+                self,
+                load_dir,
+                tag,
+                load_module_strict=load_module_strict,
+                load_optimizer_states=load_optimizer_states and not load_module_only,
+                load_lr_scheduler_states=load_lr_scheduler_states and not load_module_only,
+                load_module_only=load_module_only,
+            )
 
 
 def _check_supported(config: SlipstreamConfig) -> None:

@@ -541,9 +541,8 @@ def _load_optimizer(
                 entry[key] = value
         if entry:
             state[index] = entry
-    saved_groups = ckpt._from_json(saved["param_groups"])
     current = engine.optimizer.state_dict()["param_groups"]
-    groups = [{**c, **s, "params": c["params"]} for s, c in zip(saved_groups, current)]
+    groups = ckpt.saved_param_groups(saved["param_groups"], current)
     engine.optimizer.load_state_dict({"state": state, "param_groups": groups})
 
 

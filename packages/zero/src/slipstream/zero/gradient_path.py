@@ -72,7 +72,8 @@ class GradientPath(Protocol):
         ...
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
-        """Restore :meth:`state_dict`'s output (same layout) and publish the weights."""
+        """Restore :meth:`state_dict`'s output (same layout) and publish the weights; an
+        empty ``"optimizer"`` keeps the optimizer's state (a weights-only load)."""
         ...
 
     def memory_report(self) -> dict[str, int]:
@@ -169,11 +170,16 @@ class GradientPathMixin:
             }
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
-        """Restore masters and optimizer state, then publish them to the model."""
-        with self.resident():
+        """Restore masters and optimizer state, then publish them to the model.
+
+        ``state["optimizer"]`` may be empty (or absent): the optimizer keeps its state (a
+        checkpoint loaded without its optimizer states).
+        """
+        with self.resident():  # NVMe: the masters are read while publishing too
             _load_masters(self.masters, state["masters"])
-            self.optimizer.optimizer.load_state_dict(state["optimizer"])
-        self.publish()
+            if state.get("optimizer"):
+                self.optimizer.optimizer.load_state_dict(state["optimizer"])
+            self.publish()
 
     def memory_report(self) -> dict[str, int]:
         """Masters, master gradients, optimizer states by device, and live bucket bytes."""
@@ -308,7 +314,8 @@ class MultiGroupPath:
             )
         for part, saved in zip(self.parts, state["parts"]):
             _load_masters(part.masters, saved["masters"])
-        self.torch_optimizer.load_state_dict(state["optimizer"])
+        if state.get("optimizer"):
+            self.torch_optimizer.load_state_dict(state["optimizer"])
         for part in self.parts:
             part.publish()
 

@@ -406,9 +406,16 @@ class ShardedOptimizerStates(GradientPathMixin):
         self._reducing = self.settings.stage == 2
 
     def publish(self) -> None:
-        """All-gather the updated master shards into the full parameters (after a step)."""
+        """All-gather the master shards into the full parameters (after a load; the masters
+        resident). NVMe: the staged model-dtype copies, which the step writes, are refreshed
+        from the masters first."""
         self.complete_step()
         self._eager_published = False
+        if self._staging is not None:
+            with torch.no_grad():
+                for staged, master in zip(self._staging, self.masters.masters):
+                    if staged is not master:
+                        staged.copy_(master)
         self._publish_all()
 
     def _step_and_publish(self, grad_scale: float) -> None:
