@@ -104,6 +104,13 @@ def parse_args() -> argparse.Namespace:
         "installed into slipstream.kernels' gemv.GEMV_TABLE before the model is built",
     )
     parser.add_argument(
+        "--decode-gemv-table",
+        default=None,
+        metavar="JSON",
+        help="decode_gemv_table: launches of the bf16/fp16 decode GEMVs (decode_fusion) per GPU "
+        "and shape, from bf16_gemv_bench.py --table-out, ahead of the built-in table",
+    )
+    parser.add_argument(
         "--lm-head",
         action="store_true",
         help="quant.weight.lm_head: quantize the LM head too (default: kept in the compute dtype)",
@@ -314,6 +321,7 @@ def bench_batch(
         gemv_layout=args.gemv_layout,
         lm_head_quantized=args.lm_head,
         gemv_table=args.gemv_table,
+        decode_gemv_table=args.decode_gemv_table,
         **run,
     )
     hf_kwargs = {
@@ -459,6 +467,7 @@ def main() -> None:
         },
         "use_triton": args.use_triton,
         "decode_fusion": {"auto": "auto", "off": False}.get(args.decode_fusion, True),
+        "decode_gemv_table": args.decode_gemv_table,
     }
     if args.offload:
         offload: dict[str, Any] = {"device": args.offload, "pin_memory": True}
