@@ -577,7 +577,7 @@ def main() -> None:
         bench_batch(args, engine, model, ids.to(device), weight_bytes, params, bandwidth, common)
     if args.profile:
         ids = torch.randint(3, spec.vocab_size, (args.batch[0], args.prompt), generator=generator)
-        profile_decode(engine, ids.to(device), args.profile, common)
+        profile_decode(engine, ids.to(device), args.profile, common, bandwidth)
     if reducer is not None and reducer.norm_state is not None:
         # Set when a wait of Slipstream's TP kernel gave up (then the sums were wrong).
         emit(result="tp_kernel_check", wait_gave_up=int(reducer.norm_state.error.item()))
@@ -608,11 +608,34 @@ def dequantized_difference(engine: Any, ids: torch.Tensor) -> float:
     return (got - want).abs().max().item()
 
 
-def profile_decode(engine: Any, ids: torch.Tensor, steps: int, common: dict[str, Any]) -> None:
+def _gemv_parts(engine: Any) -> list[tuple[str, int]]:
+    """The fused decode GEMVs of one decode step in launch order, with each one's weight bytes
+    (``decode_gemv_kernel`` runs them all: the profile tells them apart by position)."""
+    fused = engine.fused
+    parts = fused.decode_fusion
+    order = []
+    for block in fused.blocks:
+        for part, name in (("qkv", "qkv"), ("out", "out"), ("gate_up", "up"), ("down", "down")):
+            if part in parts:
+                weight = getattr(block, name).weight
+                order.append((part, weight.numel() * weight.element_size()))
+    if "head" in parts:
+        order.append(("head", fused.head.weight.numel() * fused.head.weight.element_size()))
+    return order
+
+
+def profile_decode(
+    engine: Any, ids: torch.Tensor, steps: int, common: dict[str, Any], bandwidth: float
+) -> None:
     """Per-kernel GPU time of a decode step: ``generate`` of 1 and of ``1 + steps`` new tokens
     are profiled, and the difference per kernel name, divided by ``steps``, is one decode step
-    (inside the CUDA graph the kernels are still reported one by one)."""
+    (inside the CUDA graph the kernels are still reported one by one). With decode fusion on,
+    ``decode_gemv_kernel``'s calls are also told apart by their place in the step (QKV, output,
+    gate/up, down per block, then the head): time, GB/s and share of the copy bandwidth each."""
     from torch.profiler import ProfilerActivity, profile
+
+    gemv_order = _gemv_parts(engine)
+    gemv_calls: dict[int, list[float]] = {}
 
     def kernels(new: int) -> dict[str, tuple[int, float]]:
         mask = torch.ones_like(ids)
@@ -625,6 +648,7 @@ def profile_decode(engine: Any, ids: torch.Tensor, steps: int, common: dict[str,
             engine.generate(ids, attention_mask=mask, max_new_tokens=new, eos_token_id=None)
             sync(ids.device)
         table: dict[str, tuple[int, float]] = {}
+        gemvs = []
         for event in prof.events():
             on_device = getattr(event, "device_type", None) == torch.autograd.DeviceType.CUDA
             if not on_device and ids.is_cuda:
@@ -632,8 +656,11 @@ def profile_decode(engine: Any, ids: torch.Tensor, steps: int, common: dict[str,
             if not ids.is_cuda and event.cpu_parent is not None:
                 continue  # CPU run: top-level ops only
             time_us = event.device_time if ids.is_cuda else event.cpu_time
+            if event.name == "decode_gemv_kernel":
+                gemvs.append((event.time_range.start, time_us))
             calls, total = table.get(event.name, (0, 0.0))
             table[event.name] = (calls + 1, total + time_us)
+        gemv_calls[new] = [time_us for _, time_us in sorted(gemvs)]
         return table
 
     base, longer = kernels(1), kernels(1 + steps)
@@ -660,6 +687,30 @@ def profile_decode(engine: Any, ids: torch.Tensor, steps: int, common: dict[str,
             calls_per_step=round(per_step_calls, 2),
             us_per_step=round(per_step_us, 2),
             share=round(per_step_us / max(step_us, 1e-9), 4),
+        )
+    # The decode steps' GEMVs, each labelled by its place in the step (the prefill runs none).
+    base_calls, calls = gemv_calls.get(1, []), gemv_calls.get(1 + steps, [])
+    period = len(gemv_order)
+    if not ids.is_cuda or not period or base_calls or len(calls) != period * steps:
+        if ids.is_cuda and (calls or base_calls):
+            emit(result="decode_profile_gemv_skipped", calls=len(calls), expected=period * steps)
+        return
+    by_part: dict[str, list[float]] = {}
+    by_bytes: dict[str, int] = {}
+    for index, time_us in enumerate(calls):
+        part, size = gemv_order[index % period]
+        by_part.setdefault(part, []).append(time_us)
+        by_bytes[part] = by_bytes.get(part, 0) + size
+    for part, times in by_part.items():
+        seconds = sum(times) / 1e6
+        emit(
+            result="decode_profile_gemv",
+            part=part,
+            calls_per_step=len(times) // steps,
+            us_per_step=round(sum(times) / steps, 2),
+            us_per_call=round(sum(times) / len(times), 2),
+            gb_per_s=round(by_bytes[part] / seconds / 1e9, 1),
+            fraction_of_copy=round(by_bytes[part] / seconds / bandwidth, 3),
         )
 
 
