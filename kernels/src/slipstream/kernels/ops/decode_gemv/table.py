@@ -155,12 +155,13 @@ def device_key(device: torch.device) -> DeviceKey:
 
 
 def lookup_launch(
-    fusion: str, out_features: int, in_features: int, device: torch.device
+    fusion: str, out_features: int, in_features: int, device: torch.device | DeviceKey
 ) -> tuple[DecodeGemvConfig, str]:
     """The launch for ``fusion`` (``"plain"``, ``"norm"``, ``"gated"``) at ``out_features`` x
-    ``in_features`` on ``device``, and where it came from (``"user"``, ``"builtin"``,
-    ``"default"``): the user table, then :data:`BUILTIN_TABLE`, then :func:`default_rule`."""
-    key = device_key(device)
+    ``in_features`` on ``device`` (or a device described by its :class:`DeviceKey`), and where
+    it came from (``"user"``, ``"builtin"``, ``"default"``): the user table, then
+    :data:`BUILTIN_TABLE`, then :func:`default_rule`."""
+    key = device if isinstance(device, DeviceKey) else device_key(device)
     for source, table in (("user", _user_table), ("builtin", BUILTIN_TABLE)):
         for entry in table:
             if entry.matches(key, fusion, out_features, in_features):
