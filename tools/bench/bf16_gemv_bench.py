@@ -152,11 +152,11 @@ def graph_time(calls: Sequence[Callable[[], Any]], replays: int) -> float:
     """Seconds per call: one CUDA graph of ``calls`` replayed ``replays`` times (on the CPU:
     the calls run ``replays`` times, wall clock)."""
     if not torch.cuda.is_available():
-        start = time.perf_counter()
+        began = time.perf_counter()
         for _ in range(replays):
             for call in calls:
                 call()
-        return (time.perf_counter() - start) / replays / len(calls)
+        return (time.perf_counter() - began) / replays / len(calls)
     side = torch.cuda.Stream()
     side.wait_stream(torch.cuda.current_stream())
     with torch.cuda.stream(side):
