@@ -689,15 +689,20 @@ def profile_decode(
             share=round(per_step_us / max(step_us, 1e-9), 4),
         )
     # The decode steps' GEMVs, each labelled by its place in the step (the prefill runs none).
-    base_calls, calls = gemv_calls.get(1, []), gemv_calls.get(1 + steps, [])
+    in_prefill, in_steps = gemv_calls.get(1, []), gemv_calls.get(1 + steps, [])
     period = len(gemv_order)
-    if not ids.is_cuda or not period or base_calls or len(calls) != period * steps:
-        if ids.is_cuda and (calls or base_calls):
-            emit(result="decode_profile_gemv_skipped", calls=len(calls), expected=period * steps)
+    if not ids.is_cuda or not period or in_prefill or len(in_steps) != period * steps:
+        if ids.is_cuda and (in_steps or in_prefill):
+            emit(
+                result="decode_profile_gemv_skipped",
+                calls=len(in_steps),
+                in_prefill=len(in_prefill),
+                expected=period * steps,
+            )
         return
     by_part: dict[str, list[float]] = {}
     by_bytes: dict[str, int] = {}
-    for index, time_us in enumerate(calls):
+    for index, time_us in enumerate(in_steps):
         part, size = gemv_order[index % period]
         by_part.setdefault(part, []).append(time_us)
         by_bytes[part] = by_bytes.get(part, 0) + size
