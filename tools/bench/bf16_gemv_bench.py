@@ -164,7 +164,7 @@ def graph_time(calls: Sequence[Callable[[], Any]], replays: int) -> float:
             call()
     torch.cuda.current_stream().wait_stream(side)
     graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
+    with torch.cuda.graph(graph, stream=side):  # the split-K scratch the warm-up made
         for call in calls:
             call()
     graph.replay()
