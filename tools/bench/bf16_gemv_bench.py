@@ -344,6 +344,49 @@ def bench_shape(
     return summary
 
 
+def bench_attention(slots: int, args: argparse.Namespace) -> None:
+    """The 8B decode attention at batch 1 (8 KV heads x 4 query rows, head_dim 128) over
+    ``slots`` cache slots, 32 layers' caches, in one graph: SDPA (the unfused step) against
+    ``decode_attention`` at each chunk size, merged in the split launch or in a second one."""
+    from slipstream.kernels.ops.decode_attention import triton as attention
+
+    layers, kv_heads, rows, head_dim = (2, 2, 4, 16) if args.smoke else (32, 8, 4, 128)
+    device = torch.device("cpu" if args.smoke else "cuda")
+    dtype = torch.float32 if args.smoke else torch.bfloat16
+    cache = torch.randn(2, layers, 1, kv_heads, slots, head_dim, device=device).to(dtype)
+    query = torch.randn(1, kv_heads, rows, head_dim, device=device).to(dtype)
+    mask = torch.zeros(1, 1, rows, slots, device=device, dtype=dtype)
+    mask[..., slots * 3 // 4 :] = float("-inf")  # a quarter of the cache still ahead
+    scale = head_dim**-0.5
+
+    def sdpa(layer: int) -> torch.Tensor:
+        return F.scaled_dot_product_attention(
+            query, cache[0, layer], cache[1, layer], attn_mask=mask, scale=scale
+        )
+
+    def split(layer: int, block_s: int | None, merge: bool) -> torch.Tensor:
+        return attention.decode_attention(
+            query, cache[0, layer], cache[1, layer], mask, scale, block_s=block_s, merge=merge
+        )
+
+    found: dict[str, Any] = {"result": "attention", "slots": slots, "layers": layers}
+    with torch.no_grad():
+        calls = [functools.partial(sdpa, i) for i in range(layers)]
+        found["sdpa_us_per_call"] = round(graph_time(calls, args.replays) * 1e6, 2)
+        default = attention.default_block_s(slots, kv_heads, device)
+        found["default_block_s"] = default
+        for block_s in (16, 32, 64, 128):
+            for merge in (True, False):
+                calls = [functools.partial(split, i, block_s, merge) for i in range(layers)]
+                try:
+                    us = graph_time(calls, args.replays) * 1e6
+                except Exception as error:
+                    emit(result="error", attention_block_s=block_s, error=str(error)[:200])
+                    continue
+                found[f"block_s{block_s}_{'merged' if merge else 'two_launches'}_us"] = round(us, 2)
+    emit(**found)
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--shapes", nargs="+", choices=sorted(SHAPES), default=list(SHAPES))
@@ -355,6 +398,13 @@ def main() -> None:
     parser.add_argument("--table-out", default=None, help="write the best launches here (JSON)")
     parser.add_argument("--rows-out", default=None, help="every row as JSON lines")
     parser.add_argument("--verbose", action="store_true", help="print every row")
+    parser.add_argument(
+        "--attention-slots",
+        type=int,
+        nargs="*",
+        default=[192],
+        help="also time the decode attention at these cache sizes (192: infer_bench's 128 + 64)",
+    )
     parser.add_argument("--smoke", action="store_true", help="tiny shapes on the CPU: a check")
     args = parser.parse_args()
     from slipstream.kernels.ops.decode_gemv.table import (
@@ -378,9 +428,12 @@ def main() -> None:
         precompile(shapes, args.compile_workers, args.smoke)
     rows: list[dict[str, Any]] = []
     summaries = []
-    for name, (n, k, fusion) in shapes.items():
+    for index, (name, (n, k, fusion)) in enumerate(shapes.items()):
         inputs = Inputs(n, k, fusion, device, args.span_mib)
-        summaries.append(bench_shape(name, inputs, args, bandwidth, deadline, rows))
+        # Each shape gets an equal share of what is left of the budget.
+        share = (deadline - time.perf_counter()) / (len(shapes) - index)
+        shape_deadline = time.perf_counter() + share
+        summaries.append(bench_shape(name, inputs, args, bandwidth, shape_deadline, rows))
         emit(**summaries[-1])
         del inputs
     entries = [
@@ -388,6 +441,8 @@ def main() -> None:
         for s in summaries
         if "config" in s
     ]
+    for slots in [32] if args.smoke else args.attention_slots:
+        bench_attention(slots, args)
     step_current = sum(s["current_us"] * (1 if s["shape"] == "lm_head" else 32) for s in summaries)
     step_best = sum(
         s.get("us", s["current_us"]) * (1 if s["shape"] == "lm_head" else 32) for s in summaries
