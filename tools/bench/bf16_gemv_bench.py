@@ -78,6 +78,8 @@ def candidates(fusion: str, smoke: bool = False) -> list[Any]:
                 if block_n * block_k <= 16384:
                     found.append(C(block_n, block_k, warps))
     found += [C(bn, bk, 4, prefetch=True) for bn in (4, 8, 16) for bk in (256, 512)]
+    found += [C(4, 1024, 4, prefetch=True), C(8, 1024, 8, prefetch=True)]
+    found += [C(16, 512, 8, prefetch=True), C(8, 512, 4, programs_per_sm=4, prefetch=True)]
     found += [C(bn, 512, w, num_stages=4) for bn in (4, 8, 16) for w in (4, 8)]
     found += [C(bn, 512, 4, programs_per_sm=4) for bn in (4, 8)]
     if fusion != "norm":
@@ -468,7 +470,7 @@ def main() -> None:
     if args.table_out:
         with open(args.table_out, "w") as handle:
             json.dump(table_json(entries, measured), handle, indent=1)
-        emit(result="table", path=args.table_out, entries=len(entries))
+        emit(result="table", path=args.table_out, entries=table_json(entries)["entries"])
     if args.rows_out:
         with open(args.rows_out, "w") as handle:
             for row in rows:
