@@ -162,7 +162,7 @@ def decode_gemv_kernel(
                 h = t.to(tl.float32) * rstd
                 if HAS_NORM_WEIGHT:
                     h = h * tl.load(nw_ptr + kk, mask=k_ok, other=0.0).to(tl.float32)
-                h = h.to(y_ptr.dtype.element_ty).to(tl.float32)
+                h = h.to(x_ptr.dtype.element_ty).to(tl.float32)  # where add_rms_norm rounds
             else:
                 h = tl.load(x_row + kk, mask=k_ok, other=0.0).to(tl.float32)
             acc += w.to(tl.float32) * h[None, :]
