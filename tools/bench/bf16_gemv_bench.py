@@ -391,7 +391,15 @@ def bench_attention(slots: int, args: argparse.Namespace) -> None:
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("--shapes", nargs="+", choices=sorted(SHAPES), default=list(SHAPES))
+    parser.add_argument("--shapes", nargs="*", choices=sorted(SHAPES), default=None)
+    parser.add_argument(
+        "--shape",
+        action="append",
+        default=[],
+        metavar="NAME=N,K,FUSION",
+        help="another model's shape (FUSION: norm, plain or gated), e.g. qkv_tp2=3072,4096,norm; "
+        "repeatable; with it only --shapes named explicitly run besides these",
+    )
     parser.add_argument("--replays", type=int, default=20)
     parser.add_argument("--span-mib", type=int, default=512)
     parser.add_argument("--budget-s", type=float, default=90.0, help="stop trying new launches")
@@ -418,7 +426,20 @@ def main() -> None:
 
     started = time.perf_counter()
     deadline = started + args.budget_s
-    shapes = SMOKE_SHAPES if args.smoke else {name: SHAPES[name] for name in args.shapes}
+    shapes = {name: SHAPES[name] for name in (args.shapes if args.shapes is not None else [])}
+    if args.shapes is None and not args.shape:
+        shapes = dict(SHAPES)
+    for text in args.shape:
+        try:
+            name, rest = text.split("=")
+            n, k, fusion = rest.split(",")
+            if fusion not in ("norm", "plain", "gated"):
+                raise ValueError(fusion)
+            shapes[name] = (int(n), int(k), fusion)
+        except ValueError:
+            parser.error(f"--shape {text!r}: expected NAME=N,K,FUSION with FUSION norm/plain/gated")
+    if args.smoke:
+        shapes = SMOKE_SHAPES
     if args.smoke:
         device, bandwidth = torch.device("cpu"), 1e9
         args.replays, args.span_mib = 2, 0
@@ -445,10 +466,9 @@ def main() -> None:
     ]
     for slots in [32] if args.smoke else args.attention_slots:
         bench_attention(slots, args)
-    step_current = sum(s["current_us"] * (1 if s["shape"] == "lm_head" else 32) for s in summaries)
-    step_best = sum(
-        s.get("us", s["current_us"]) * (1 if s["shape"] == "lm_head" else 32) for s in summaries
-    )
+    layers = {name: 1 if name == "lm_head" else 32 for name in SHAPES}  # 8B: per step
+    step_current = sum(s["current_us"] * layers.get(s["shape"], 0) for s in summaries)
+    step_best = sum(s.get("us", s["current_us"]) * layers.get(s["shape"], 0) for s in summaries)
     emit(
         result="step_estimate",
         note="8B: 32 x (qkv, out, gate_up, down) + lm_head, GEMVs only, us",
