@@ -238,6 +238,11 @@ def test_any_table_entry_stays_exact(
         {"block_n": 4, "block_k": 32, "num_warps": 2, "prefetch": True, "split_k": 3},
         {"block_n": 8, "block_k": 16, "num_warps": 4, "programs_per_sm": 1, "split_k": 2},
         {"block_n": 8, "block_k": 32, "num_warps": 1, "split_k": 8},  # more splits than steps
+        # pdl: the first tile loaded first, used by the first block only (persistent grids of
+        # 8 programs per 8 "SMs" for 12 blocks); the grid-dependency wait runs on sm_90+ only.
+        {"block_n": 1, "block_k": 32, "num_warps": 4, "pdl": True, "programs_per_sm": 1},
+        {"block_n": 1, "block_k": 16, "num_warps": 2, "prefetch": True, "pdl": True}
+        | {"programs_per_sm": 1, "split_k": 2},
     ]
     inputs = [rand(2, k), rand(2, k), rand(k), rand(n, k) / k**0.5, rand(n), rand(2, 2 * k)]
     # CPU: fp32, and fp16 (the split-K parts add into an fp32 output there: the normalised row

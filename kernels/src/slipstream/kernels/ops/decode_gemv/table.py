@@ -55,8 +55,9 @@ FUSIONS = {"plain": 0, "norm": 1, "gated": 2}
 class DecodeGemvConfig:
     """Launch shape of one decode GEMV: output features per block, K step, warps, stages,
     programs per SM (0: one program per block; else a persistent grid of that many per SM),
-    whether each step prefetches the next weight tile, and K splits (>1: each block's K range
-    is cut in ``split_k`` parts whose fp32 sums the last part to finish adds up)."""
+    whether each step prefetches the next weight tile, K splits (>1: each block's K range
+    is cut in ``split_k`` parts whose fp32 sums the last part to finish adds up), and whether
+    it launches as a programmatic dependent launch (``pdl``)."""
 
     block_n: int = 8
     block_k: int = 512
@@ -65,6 +66,9 @@ class DecodeGemvConfig:
     programs_per_sm: int = 0
     prefetch: bool = False
     split_k: int = 1
+    # Programmatic dependent launch (NVIDIA sm_90+; elsewhere a plain launch): the first weight
+    # tile loads before waiting for the previous kernel, and the next kernel may start early.
+    pdl: bool = False
 
 
 class LaunchTableError(ValueError):
@@ -218,8 +222,9 @@ def _parse_entry(raw: object, where: str) -> LaunchEntry:
     for name, minimum in (("num_stages", 1), ("programs_per_sm", 0), ("split_k", 1)):
         if name in launch:
             _check_int(where, name, launch[name], minimum)
-    if not isinstance(launch.get("prefetch", False), bool):
-        raise LaunchTableError(f"{where}: 'prefetch' must be true or false")
+    for name in ("prefetch", "pdl"):
+        if not isinstance(launch.get(name, False), bool):
+            raise LaunchTableError(f"{where}: {name!r} must be true or false")
     return LaunchEntry(device.strip(), sms, raw["fusion"], n, k, DecodeGemvConfig(**launch))
 
 
@@ -227,7 +232,7 @@ def parse_launch_table(data: object, source: str = "launch table") -> list[Launc
     """The entries of a launch table's JSON value ``{"version": 1, "entries": [...]}``, each
     ``{"device": "H200", "sms": 132, "fusion": "norm", "n": 6144, "k": 4096, "block_n": 8,
     "block_k": 512, "num_warps": 4}`` plus optional ``num_stages``, ``programs_per_sm``,
-    ``prefetch``, ``split_k`` (:class:`DecodeGemvConfig`'s defaults otherwise; ``sms`` null or
+    ``prefetch``, ``split_k``, ``pdl`` (:class:`DecodeGemvConfig`'s defaults otherwise; ``sms`` null or
     absent: any count). Raises :class:`LaunchTableError` naming ``source`` and the entry."""
     if not isinstance(data, dict) or not isinstance(data.get("entries"), list):
         raise LaunchTableError(

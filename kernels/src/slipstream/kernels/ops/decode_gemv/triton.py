@@ -22,6 +22,8 @@ in launches than in bytes (``PROLOGUE``):
 
 from __future__ import annotations
 
+import functools
+
 import torch
 import triton
 import triton.language as tl
@@ -47,6 +49,12 @@ MAX_ROWS = 4  # above this many rows the weight is better read once by a matmul:
 
 PLAIN, NORM, GATED = 0, 1, 2
 _FUSION_NAMES = {PLAIN: "plain", NORM: "norm", GATED: "gated"}  # the launch table's names
+try:  # grid-dependency control (programmatic dependent launch), Triton >= 3.3 on CUDA
+    from triton.language.extra.cuda import gdc_launch_dependents as _gdc  # noqa: F401
+
+    _HAS_GDC = True
+except ImportError:
+    _HAS_GDC = False
 
 
 @triton.jit
@@ -76,6 +84,8 @@ def decode_gemv_kernel(
     PREFETCH: tl.constexpr,
     SPLIT_K: tl.constexpr = 1,
     FIXUP: tl.constexpr = False,
+    EARLY: tl.constexpr = False,
+    USE_GDC: tl.constexpr = False,
 ):
     """``y[row, n] = sum_k W[n, k] * h[row, k] (+ b[n])`` with ``h`` the prologue's input.
     ``PREFETCH``: each step loads the next step's weight tile before its own math (two tiles in
@@ -88,7 +98,13 @@ def decode_gemv_kernel(
     ``SPLIT_K`` > 1: the grid's third dimension cuts K into that many ranges of whole steps.
     ``FIXUP``: each split adds its fp32 sums into the workspace ``ws_ptr`` and the last to
     arrive (counted in ``count_ptr``) takes the total, leaving both zeroed, and writes the
-    output with the bias; else the splits add into a zeroed fp32 output (bias from split 0)."""
+    output with the bias; else the splits add into a zeroed fp32 output (bias from split 0).
+
+    ``EARLY``: the program's first weight tile is loaded before anything else (weights are
+    never written by the kernels before this one). ``USE_GDC`` (launched with programmatic
+    dependent launch, sm_90+): then the program waits for the previous kernel of the stream to
+    finish (every read of activations and every store comes after), and lets the next kernel's
+    programs start, so a GEMV following this one loads its first tile while this one runs."""
     pid_n = tl.program_id(0)
     programs = tl.num_programs(0)
     row = tl.program_id(1).to(tl.int64)
@@ -98,6 +114,17 @@ def decode_gemv_kernel(
     per_split = tl.cdiv(tl.cdiv(K, BLOCK_K), SPLIT_K) * BLOCK_K
     k_begin = pid_k * per_split
     k_end = tl.minimum(k_begin + per_split, K)
+    if EARLY:
+        first_cols = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
+        w_first = tl.load(
+            w_ptr + first_cols[:, None].to(tl.int64) * K + (k_begin + k)[None, :],
+            mask=(first_cols < N)[:, None] & (k_begin + k < k_end)[None, :],
+            other=0.0,
+            eviction_policy="evict_first",
+        )
+    if USE_GDC:
+        tl.extra.cuda.gdc_wait()
+        tl.extra.cuda.gdc_launch_dependents()
     rstd = 0.0
     if PROLOGUE == 1:
         # only program (0, row, 0) writes the residual sum
@@ -122,12 +149,23 @@ def decode_gemv_kernel(
         acc = tl.zeros((BLOCK_N, BLOCK_K), dtype=tl.float32)
         w_rows = w_ptr + cols[:, None].to(tl.int64) * K
         if PREFETCH:  # the first step's tile; each step then loads the next before its math
-            w_next = tl.load(
-                w_rows + (k_begin + k)[None, :],
-                mask=col_ok[:, None] & (k_begin + k < k_end)[None, :],
-                other=0.0,
-                eviction_policy="evict_first",
-            )
+            if EARLY:
+                if block == pid_n:
+                    w_next = w_first
+                else:
+                    w_next = tl.load(
+                        w_rows + (k_begin + k)[None, :],
+                        mask=col_ok[:, None] & (k_begin + k < k_end)[None, :],
+                        other=0.0,
+                        eviction_policy="evict_first",
+                    )
+            else:
+                w_next = tl.load(
+                    w_rows + (k_begin + k)[None, :],
+                    mask=col_ok[:, None] & (k_begin + k < k_end)[None, :],
+                    other=0.0,
+                    eviction_policy="evict_first",
+                )
         for k0 in range(k_begin, k_end, BLOCK_K):
             kk = k0 + k
             k_ok = kk < K
@@ -140,6 +178,16 @@ def decode_gemv_kernel(
                     other=0.0,
                     eviction_policy="evict_first",
                 )
+            elif EARLY:
+                if (block == pid_n) & (k0 == k_begin):
+                    w = w_first
+                else:
+                    w = tl.load(
+                        w_rows + kk[None, :],
+                        mask=col_ok[:, None] & k_ok[None, :],
+                        other=0.0,
+                        eviction_policy="evict_first",
+                    )
             elif EVEN_N and EVEN_K:
                 w = tl.load(w_rows + kk[None, :], eviction_policy="evict_first")
             else:
@@ -197,6 +245,19 @@ def _multiprocessors(device: torch.device) -> int:
     return int(torch.cuda.get_device_properties(device).multi_processor_count)
 
 
+@functools.cache
+def _pdl_capable(index: int) -> bool:
+    return torch.cuda.get_device_capability(index) >= (9, 0)
+
+
+def _pdl_supported(device: torch.device) -> bool:
+    """Programmatic dependent launch: NVIDIA sm_90+ and a Triton with grid-dependency control;
+    elsewhere a ``pdl`` launch runs as a plain one (same results)."""
+    if device.type != "cuda" or torch.version.hip is not None or not _HAS_GDC:
+        return False
+    return _pdl_capable(device.index if device.index is not None else torch.cuda.current_device())
+
+
 def default_config(out_features: int, in_features: int, device: torch.device) -> DecodeGemvConfig:
     """The launch for a GPU or shape no launch table lists (:func:`~slipstream.kernels.ops.
     decode_gemv.table.default_rule` with ``device``'s SM count)."""
@@ -252,6 +313,7 @@ def _launch(
     if config.programs_per_sm:
         blocks = min(blocks, config.programs_per_sm * _multiprocessors(weight.device))
     grid = (blocks, rows, split)
+    pdl = config.pdl and _pdl_supported(weight.device)
     decode_gemv_kernel[grid](
         rows_view,
         residual if residual is not None else rows_view,
@@ -278,8 +340,11 @@ def _launch(
         PREFETCH=config.prefetch,
         SPLIT_K=split,
         FIXUP=scratch is not None,
+        EARLY=config.pdl,
+        USE_GDC=pdl,
         num_warps=config.num_warps,
         num_stages=config.num_stages,
+        **({"launch_pdl": True} if pdl else {}),
     )
     return out if out.dtype == rows_view.dtype else out.to(rows_view.dtype)
 
@@ -389,6 +454,8 @@ def aot_specs() -> list[AotSpec]:
                         "PREFETCH": "constexpr",
                         "SPLIT_K": "constexpr",
                         "FIXUP": "constexpr",
+                        "EARLY": "constexpr",
+                        "USE_GDC": "constexpr",
                     },
                     {
                         "PROLOGUE": prologue,
@@ -402,6 +469,8 @@ def aot_specs() -> list[AotSpec]:
                         "PREFETCH": False,
                         "SPLIT_K": 1,
                         "FIXUP": False,
+                        "EARLY": False,
+                        "USE_GDC": False,
                     },
                 )
             )
