@@ -63,14 +63,16 @@ def emit(**row: Any) -> None:
 def candidates(fusion: str, smoke: bool = False) -> list[Any]:
     """The launches tried for ``fusion``: a grid of output features per block x K step x
     warps (accumulator at most 16K fp32), then next-tile prefetch, 4 stages, persistent grids,
-    and for the tall-skinny ``plain``/``gated`` shapes (output, down) split-K."""
+    for the tall-skinny ``plain``/``gated`` shapes (output, down) split-K, and programmatic
+    dependent launch (``pdl``) on the likeliest tiles. (The best few then also run with ``pdl``
+    and with 4 stages: :func:`bench_shape`.)"""
     from slipstream.kernels.ops.decode_gemv.table import DecodeGemvConfig as C
 
     if smoke:
         found = [C(4, 32), C(8, 64, prefetch=True), C(4, 32, programs_per_sm=1)]
         if fusion != "norm":
             found.append(C(4, 32, split_k=2))
-        return found
+        return [*found, C(4, 32, pdl=True)]
     found = []
     for block_n in (4, 8, 16, 32):
         for block_k in (256, 512, 1024):
@@ -85,6 +87,9 @@ def candidates(fusion: str, smoke: bool = False) -> list[Any]:
     if fusion != "norm":
         found += [C(bn, 512, 4, split_k=s) for bn in (4, 8, 16, 32) for s in (2, 4)]
         found += [C(16, 1024, 8, split_k=2), C(8, 512, 4, split_k=2, prefetch=True)]
+    likely = [C(4, 512, 4), C(8, 512, 4), C(16, 512, 4), C(4, 1024, 4), C(8, 1024, 8)]
+    likely += [C(16, 1024, 8), C(4, 512, 4, prefetch=True), C(8, 512, 4, prefetch=True)]
+    found += [dataclasses.replace(c, pdl=True) for c in likely]
     return found
 
 
@@ -292,12 +297,17 @@ def bench_shape(
     with torch.no_grad():
         current_us = timed(current)
         record("current", current_us, source=source, **dataclasses.asdict(current))
-        for config in [current, default, *candidates(inputs.fusion, args.smoke)]:
+
+        # A quarter of the shape's time is kept for stage 2.
+        first_stage_end = time.perf_counter() + 0.75 * (deadline - time.perf_counter())
+
+        def attempt(config: Any, until: float) -> None:
+            nonlocal skipped
             if any(config == seen for _, seen, _ in tried):
-                continue
-            if time.perf_counter() > deadline:
+                return
+            if time.perf_counter() > until:
                 skipped += 1
-                continue
+                return
             try:
                 seconds = current_us if config == current else timed(config)
                 error = inputs.check(config)
@@ -308,9 +318,19 @@ def bench_shape(
                     **dataclasses.asdict(config),
                     error=str(failure)[:200],
                 )
-                continue
+                return
             tried.append((seconds, config, error))
             record("triton", seconds, max_rel_error=round(error, 5), **dataclasses.asdict(config))
+
+        for config in [current, default, *candidates(inputs.fusion, args.smoke)]:
+            attempt(config, first_stage_end)
+        # Stage 2: the three fastest checked launches with pdl, and with 4 stages.
+        fastest = sorted(
+            (item for item in tried if item[2] <= args.max_rel_error), key=lambda t: t[0]
+        )[:3]
+        for _, config, _ in fastest:
+            attempt(dataclasses.replace(config, pdl=True), deadline)
+            attempt(dataclasses.replace(config, num_stages=4), deadline)
     bad = [(s, c, e) for s, c, e in tried if not e <= args.max_rel_error]
     for _, config, error in bad:
         emit(result="wrong", shape=name, max_rel_error=error, **dataclasses.asdict(config))
