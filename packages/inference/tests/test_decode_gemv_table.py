@@ -45,3 +45,51 @@ def test_decode_gemv_table_key(tmp_path: Path) -> None:
     path.write_text(json.dumps({"entries": [{**entry, **launch, "block_n": 6}]}))
     with pytest.raises(ValueError, match=r"decode_gemv_table.*entries\[0\]: 'block_n'"):
         init_inference(model, decode_gemv_table=str(path), **common)
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
+def test_table_launches_in_the_decode_graph(tmp_path: Path) -> None:
+    """Table launches with split-K, prefetch and programmatic dependent launch (sm_90+) inside
+    the captured decode step: graph equals eager, and the step stays near the unfused one."""
+    model = tiny_hf_model("llama").cuda()
+    config: dict = {"dtype": torch.bfloat16, "replace_with_kernel_inject": True}
+    probe = init_inference(model, config, decode_fusion=True, max_out_tokens=32)
+    assert probe.fused is not None
+    block = probe.fused.blocks[0]
+    shapes = [("norm", *block.qkv.weight.shape), ("plain", *block.out.weight.shape)]
+    shapes += [("norm", *block.up.weight.shape), ("gated", *block.down.weight.shape)]
+    shapes += [("norm", *probe.fused.head.weight.shape)]
+    launch = {"block_n": 4, "block_k": 32, "num_warps": 4, "prefetch": True, "pdl": True}
+    name = torch.cuda.get_device_name()
+    entries = [
+        {"device": name, "fusion": f, "n": n, "k": k, **launch, "split_k": 2} for f, n, k in shapes
+    ]
+    path = tmp_path / "table.json"
+    path.write_text(json.dumps({"entries": entries}))
+    ids = torch.randint(3, 96, (1, 9), device="cuda")
+    kwargs = {"max_new_tokens": 12, "do_sample": False, "eos_token_id": None, "pad_token_id": 0}
+    engines = [
+        init_inference(
+            model,
+            config,
+            decode_fusion=True,
+            decode_gemv_table=str(path),
+            enable_cuda_graph=graph,
+            max_out_tokens=32,
+        )
+        for graph in (False, True)
+    ]
+    for fusion, n, k in shapes:
+        assert table.lookup_launch(fusion, n, k, torch.device("cuda"))[1] == "user"
+    outputs = [engine.generate(ids, **kwargs) for engine in engines]
+    assert torch.equal(outputs[0], outputs[1])
+    steps = []
+    for fusion in (True, False):
+        engine = init_inference(model, config, decode_fusion=fusion, max_out_tokens=32)
+        assert engine._runner is not None
+        with torch.no_grad():
+            engine._runner.prefill(ids, torch.arange(9, device="cuda")[None], ids > 0)
+            steps.append(engine._runner.decode(ids[:, -1], torch.tensor([9], device="cuda"), 9))
+    error = (steps[0].float() - steps[1].float()).abs().max() / steps[1].float().abs().max()
+    assert error.item() < 0.02
