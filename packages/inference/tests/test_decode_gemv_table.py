@@ -83,6 +83,8 @@ def test_table_launches_in_the_decode_graph(tmp_path: Path) -> None:
     for fusion, n, k in shapes:
         assert table.lookup_launch(fusion, n, k, torch.device("cuda"))[1] == "user"
     outputs = [engine.generate(ids, **kwargs) for engine in engines]
+    runner = engines[1]._runner
+    assert runner is not None and runner.buckets[1].graph is not None  # captured, not eager
     assert torch.equal(outputs[0], outputs[1])
     steps = []
     for fusion in (True, False):
