@@ -132,6 +132,8 @@ BUILTIN_TABLE: tuple[LaunchEntry, ...] = tuple(
 )
 
 _user_table: tuple[LaunchEntry, ...] = ()
+# (fusion, N, K, device) -> lookup_launch's answer; emptied when the user table changes.
+_found: dict[tuple[str, int, int, DeviceKey], tuple[DecodeGemvConfig, str]] = {}
 
 
 def default_rule(out_features: int, in_features: int, sms: int) -> DecodeGemvConfig:
@@ -166,11 +168,17 @@ def lookup_launch(
     it came from (``"user"``, ``"builtin"``, ``"default"``): the user table, then
     :data:`BUILTIN_TABLE`, then :func:`default_rule`."""
     key = device if isinstance(device, DeviceKey) else device_key(device)
+    cached = _found.get((fusion, out_features, in_features, key))
+    if cached is not None:
+        return cached
+    found = default_rule(out_features, in_features, key.sms), "default"
     for source, table in (("user", _user_table), ("builtin", BUILTIN_TABLE)):
-        for entry in table:
-            if entry.matches(key, fusion, out_features, in_features):
-                return entry.config, source
-    return default_rule(out_features, in_features, key.sms), "default"
+        match = next((e for e in table if e.matches(key, fusion, out_features, in_features)), None)
+        if match is not None:
+            found = match.config, source
+            break
+    _found[(fusion, out_features, in_features, key)] = found
+    return found
 
 
 def use_launch_table(entries: Iterable[LaunchEntry] | None) -> None:
@@ -178,6 +186,7 @@ def use_launch_table(entries: Iterable[LaunchEntry] | None) -> None:
     empty: none). Process-wide: the last table installed serves every model."""
     global _user_table
     _user_table = tuple(entries or ())
+    _found.clear()
 
 
 _POW2_FIELDS = ("block_n", "block_k", "num_warps")
