@@ -241,7 +241,7 @@ def test_any_table_entry_stays_exact(
 
     n, k = 12, 80  # ragged against every block_n and block_k below
     launches = [
-        {"block_n": 16, "block_k": 64, "num_warps": 8, "num_stages": 4},
+        {"block_n": 16, "block_k": 64, "num_warps": 8, "num_stages": 4, "early": True},
         {"block_n": 4, "block_k": 32, "num_warps": 2, "prefetch": True, "split_k": 3},
         {"block_n": 8, "block_k": 16, "num_warps": 4, "programs_per_sm": 1, "split_k": 2},
         {"block_n": 8, "block_k": 32, "num_warps": 1, "split_k": 8},  # more splits than steps

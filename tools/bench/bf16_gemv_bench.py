@@ -90,6 +90,9 @@ def candidates(fusion: str, smoke: bool = False) -> list[Any]:
     likely = [C(4, 512, 4), C(8, 512, 4), C(16, 512, 4), C(4, 1024, 4), C(8, 1024, 8)]
     likely += [C(16, 1024, 8), C(4, 512, 4, prefetch=True), C(8, 512, 4, prefetch=True)]
     found += [dataclasses.replace(c, pdl=True) for c in likely]
+    if fusion == "norm":  # the first weight tile in flight while the row's RMS is computed
+        found += [dataclasses.replace(c, early=True) for c in likely]
+        found += [C(32, 512, 4, early=True), C(32, 256, 4, early=True), C(64, 256, 8)]
     return found
 
 

@@ -69,6 +69,9 @@ class DecodeGemvConfig:
     # Programmatic dependent launch (NVIDIA sm_90+; elsewhere a plain launch): the first weight
     # tile loads before waiting for the previous kernel, and the next kernel may start early.
     pdl: bool = False
+    # Load the first weight tile before the prologue (norm_gemv: while the row's RMS is
+    # computed). Implied by pdl.
+    early: bool = False
 
 
 class LaunchTableError(ValueError):
@@ -240,7 +243,7 @@ def _parse_entry(raw: object, where: str) -> LaunchEntry:
     for name, minimum in (("num_stages", 1), ("programs_per_sm", 0), ("split_k", 1)):
         if name in launch:
             _check_int(where, name, launch[name], minimum)
-    for name in ("prefetch", "pdl"):
+    for name in ("prefetch", "pdl", "early"):
         if not isinstance(launch.get(name, False), bool):
             raise LaunchTableError(f"{where}: {name!r} must be true or false")
     return LaunchEntry(device.strip(), sms, raw["fusion"], n, k, DecodeGemvConfig(**launch))
@@ -250,7 +253,7 @@ def parse_launch_table(data: object, source: str = "launch table") -> list[Launc
     """The entries of a launch table's JSON value ``{"version": 1, "entries": [...]}``, each
     ``{"device": "H200", "sms": 132, "fusion": "norm", "n": 6144, "k": 4096, "block_n": 8,
     "block_k": 512, "num_warps": 4}`` plus optional ``num_stages``, ``programs_per_sm``,
-    ``prefetch``, ``split_k``, ``pdl`` (:class:`DecodeGemvConfig`'s defaults otherwise; ``sms`` null or
+    ``prefetch``, ``split_k``, ``pdl``, ``early`` (:class:`DecodeGemvConfig`'s defaults otherwise; ``sms`` null or
     absent: any count). Raises :class:`LaunchTableError` naming ``source`` and the entry."""
     if not isinstance(data, dict) or not isinstance(data.get("entries"), list):
         raise LaunchTableError(

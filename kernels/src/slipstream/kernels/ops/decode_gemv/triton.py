@@ -86,6 +86,7 @@ def decode_gemv_kernel(
     FIXUP: tl.constexpr = False,
     EARLY: tl.constexpr = False,
     USE_GDC: tl.constexpr = False,
+    NORM_BLOCK: tl.constexpr = 1024,
 ):
     """``y[row, n] = sum_k W[n, k] * h[row, k] (+ b[n])`` with ``h`` the prologue's input.
     ``PREFETCH``: each step loads the next step's weight tile before its own math (two tiles in
@@ -131,9 +132,12 @@ def decode_gemv_kernel(
         store_end = tl.where((pid_n == 0) & (pid_k == 0), K, 0)
         # The row's inverse RMS: every program computes it (K elements from L2, a few percent of
         # the weight bytes it streams); program 0 also stores the residual sum.
-        squares = tl.zeros((BLOCK_K,), dtype=tl.float32)
-        for k0 in range(0, K, BLOCK_K):
-            kk = k0 + k
+        # In NORM_BLOCK-wide steps (the whole row for K <= NORM_BLOCK): each step is one L2
+        # round trip that every program waits for before its first weight tile.
+        nk = tl.arange(0, NORM_BLOCK)
+        squares = 0.0
+        for k0 in range(0, K, NORM_BLOCK):
+            kk = k0 + nk
             k_ok = kk < K
             t = tl.load(x_row + kk, mask=k_ok, other=0.0, eviction_policy="evict_last")
             if HAS_RESIDUAL:
@@ -141,8 +145,8 @@ def decode_gemv_kernel(
                 t = (t.to(tl.float32) + r.to(tl.float32)).to(total_ptr.dtype.element_ty)
                 tl.store(total_ptr + row * K + kk, t, mask=kk < store_end)
             t = t.to(tl.float32)
-            squares += t * t
-        rstd = 1.0 / tl.sqrt(tl.sum(squares, axis=0) / K + eps)
+            squares += tl.sum(t * t, axis=0)
+        rstd = 1.0 / tl.sqrt(squares / K + eps)
     for block in range(pid_n, tl.cdiv(N, BLOCK_N), programs):
         cols = block * BLOCK_N + tl.arange(0, BLOCK_N)
         col_ok = cols < N
@@ -340,8 +344,9 @@ def _launch(
         PREFETCH=config.prefetch,
         SPLIT_K=split,
         FIXUP=scratch is not None,
-        EARLY=config.pdl,
+        EARLY=config.pdl or config.early,
         USE_GDC=pdl,
+        NORM_BLOCK=min(triton.next_power_of_2(in_features), 1024 * config.num_warps),
         num_warps=config.num_warps,
         num_stages=config.num_stages,
         **({"launch_pdl": True} if pdl else {}),
@@ -456,6 +461,7 @@ def aot_specs() -> list[AotSpec]:
                         "FIXUP": "constexpr",
                         "EARLY": "constexpr",
                         "USE_GDC": "constexpr",
+                        "NORM_BLOCK": "constexpr",
                     },
                     {
                         "PROLOGUE": prologue,
@@ -471,6 +477,7 @@ def aot_specs() -> list[AotSpec]:
                         "FIXUP": False,
                         "EARLY": False,
                         "USE_GDC": False,
+                        "NORM_BLOCK": 4096,
                     },
                 )
             )
