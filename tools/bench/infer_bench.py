@@ -111,6 +111,14 @@ def parse_args() -> argparse.Namespace:
         "and shape, from bf16_gemv_bench.py --table-out, ahead of the built-in table",
     )
     parser.add_argument(
+        "--attention-block-s",
+        type=int,
+        default=0,
+        metavar="SLOTS",
+        help="bench-only: decode_attention's cache slots per chunk (default: its own rule, "
+        "32 for short caches), to measure another chunk size in the whole step",
+    )
+    parser.add_argument(
         "--lm-head",
         action="store_true",
         help="quant.weight.lm_head: quantize the LM head too (default: kept in the compute dtype)",
@@ -487,6 +495,12 @@ def main() -> None:
                 "lm_head": args.lm_head,
             }
         }
+    if args.attention_block_s:
+        from slipstream.kernels.ops.decode_attention import triton as attention_module
+
+        chunk = args.attention_block_s
+        attention_module.default_block_s = lambda *_: chunk  # type: ignore[assignment]
+        emit(result="attention_block_s", block_s=chunk)
     if args.gemv_table:
         from slipstream.kernels.ops.quant_matmul import gemv as gemv_module
 
