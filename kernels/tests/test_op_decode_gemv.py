@@ -3,6 +3,9 @@ Triton kernel against the references (every prologue, ragged and even tiles, bia
 
 from __future__ import annotations
 
+import json
+from typing import Any
+
 import pytest
 import torch
 import torch.nn.functional as F
@@ -102,3 +105,183 @@ def test_default_config_keeps_every_sm_busy() -> None:
     cpu = torch.device("cpu")  # 8 "SMs" off the GPU
     assert default_config(128256, 4096, cpu).block_n == 16  # lm_head: wide tiles
     assert default_config(64, 4096, cpu).block_n == 2  # tiny N: as many programs as it gets
+
+
+# The Llama-3-8B decode shapes, by the fusion decode_fusion launches them with.
+_8B = [("norm", 6144, 4096), ("plain", 4096, 4096), ("norm", 28672, 4096)]
+_8B += [("gated", 4096, 14336), ("norm", 128256, 4096)]
+
+
+@pytest.fixture
+def no_user_table() -> Any:
+    from slipstream.kernels.ops.decode_gemv import table
+
+    table.use_launch_table(None)
+    yield table
+    table.use_launch_table(None)
+
+
+def test_launch_table_lookup(no_user_table: Any, tmp_path: Any) -> None:
+    table = no_user_table
+    h100 = table.DeviceKey("NVIDIA H100 80GB HBM3", 132)
+    # The H100's entries are the launches it ran before the table existed (85.2% of the limit).
+    expected_block_n = [8, 4, 16, 4, 16]
+    for (fusion, n, k), block_n in zip(_8B, expected_block_n, strict=True):
+        config, source = table.lookup_launch(fusion, n, k, h100)
+        assert source == "builtin"
+        assert config == table.DecodeGemvConfig(block_n=block_n, block_k=512, num_warps=4)
+        assert config == table.default_rule(n, k, 132)
+    # The H200's, from the sweep on it: wider tiles for QKV and the head, a persistent
+    # prefetching grid for gate/up, the default launch kept for the output and down.
+    h200 = table.DeviceKey("NVIDIA H200", 132)
+    h200_block_n = [32, 4, 8, 4, 32]
+    for (fusion, n, k), block_n in zip(_8B, h200_block_n, strict=True):
+        config, source = table.lookup_launch(fusion, n, k, h200)
+        assert source == "builtin" and config.block_n == block_n
+    assert table.lookup_launch("norm", 28672, 4096, h200)[0].prefetch
+    # Other GPUs (an H100 PCIe's 114 SMs, ROCm) and other shapes: the default rule.
+    for key in (table.DeviceKey("NVIDIA H100 PCIe", 114), table.DeviceKey("AMD MI300X", 304)):
+        assert table.lookup_launch("norm", 6144, 4096, key) == (
+            table.default_rule(6144, 4096, key.sms),
+            "default",
+        )
+    assert table.lookup_launch("norm", 6144, 2048, h100)[1] == "default"
+    assert table.lookup_launch("plain", 6144, 4096, h100)[1] == "default"  # another fusion
+    # A user table (bf16_gemv_bench.py --table-out's format) comes first; unlisted: as before.
+    path = tmp_path / "table.json"
+    entry = {"device": "h100", "sms": 132, "fusion": "norm", "n": 6144, "k": 4096}
+    launch = {"block_n": 32, "block_k": 256, "num_warps": 8, "num_stages": 4, "split_k": 2}
+    path.write_text(json.dumps({"version": 1, "entries": [{**entry, **launch}]}))
+    table.use_launch_table(table.load_launch_table(path))
+    assert table.lookup_launch("norm", 6144, 4096, h100) == (
+        table.DecodeGemvConfig(**launch),
+        "user",
+    )
+    assert table.lookup_launch("norm", 28672, 4096, h100)[1] == "builtin"
+    assert table.lookup_launch("norm", 6144, 4096, h200)[1] == "builtin"
+    # What the sweep writes reads back the same.
+    entries = table.parse_launch_table(table.table_json(table.BUILTIN_TABLE))
+    assert tuple(entries) == table.BUILTIN_TABLE
+
+
+@pytest.mark.parametrize(
+    ("content", "message"),
+    [
+        (None, "No such file"),
+        ("{not json", "is not JSON"),
+        ("[]", "'entries' list"),
+        ('{"version": 2, "entries": []}', "version 2"),
+        ('{"entries": [], "extra": 1}', "unknown top-level key"),
+        ('{"entries": [7]}', r"entries\[0\]: an entry must be a JSON object"),
+        ('{"entries": [{"device": "H200", "fusion": "norm", "n": 8, "k": 8}]}', "missing"),
+        ("ENTRY", r"entries\[0\]: unknown key\(s\) \['blockn'\]"),
+    ],
+)
+def test_bad_launch_table_is_a_named_error(
+    no_user_table: Any, tmp_path: Any, content: str | None, message: str
+) -> None:
+    table = no_user_table
+    path = tmp_path / "bad.json"
+    if content == "ENTRY":
+        bad = {"device": "H200", "fusion": "norm", "n": 8, "k": 8, "blockn": 8}
+        content = json.dumps({"entries": [{**bad, "block_n": 8, "block_k": 8, "num_warps": 4}]})
+    if content is not None:
+        path.write_text(content)
+    with pytest.raises(table.LaunchTableError, match=message) as caught:
+        table.load_launch_table(path)
+    assert "bad.json" in str(caught.value)
+
+
+@pytest.mark.parametrize(
+    ("field", "value", "message"),
+    [
+        ("block_n", 12, "power of two"),
+        ("num_warps", 0, ">= 1"),
+        ("split_k", 0, ">= 1"),
+        ("programs_per_sm", -1, ">= 0"),
+        ("prefetch", "yes", "true or false"),
+        ("fusion", "swiglu", "'fusion' must be one of"),
+        ("n", "4096", "'n' must be an integer"),
+        ("sms", 0, "'sms' must be an integer"),
+        ("device", "", "non-empty string"),
+    ],
+)
+def test_bad_launch_entry_names_its_field(
+    no_user_table: Any, field: str, value: object, message: str
+) -> None:
+    good = {"device": "H200", "fusion": "norm", "n": 8, "k": 8, "block_n": 8, "block_k": 8}
+    entry = {**good, "num_warps": 4, field: value}
+    with pytest.raises(no_user_table.LaunchTableError, match=message) as caught:
+        no_user_table.parse_launch_table({"entries": [good | {"num_warps": 4}, entry]}, "T")
+    assert str(caught.value).startswith("T: entries[1]")
+
+
+def test_any_table_entry_stays_exact(
+    triton_device: torch.device, no_user_table: Any, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Whatever launch a table gives (tile sizes, prefetch, persistent grid, split-K with
+    ragged splits), the ops called without a config look it up and match the references."""
+    from slipstream.kernels.ops.decode_gemv import triton as kernel
+    from slipstream.kernels.ops.decode_gemv.reference import gated_gemv as gated_reference
+    from slipstream.kernels.ops.decode_gemv.reference import norm_gemv as norm_reference
+
+    table = no_user_table
+    name = table.device_key(triton_device).name
+    used: list[tuple[Any, str]] = []
+
+    def spy(*args: Any) -> tuple[Any, str]:
+        used.append(table.lookup_launch(*args))
+        return used[-1]
+
+    monkeypatch.setattr(kernel, "lookup_launch", spy)
+    generator = torch.Generator().manual_seed(1)
+
+    def rand(*size: int) -> torch.Tensor:
+        return torch.randn(*size, generator=generator).to(triton_device)
+
+    n, k = 12, 80  # ragged against every block_n and block_k below
+    launches = [
+        {"block_n": 16, "block_k": 64, "num_warps": 8, "num_stages": 4, "early": True},
+        {"block_n": 4, "block_k": 32, "num_warps": 2, "prefetch": True, "split_k": 3},
+        {"block_n": 8, "block_k": 16, "num_warps": 4, "programs_per_sm": 1, "split_k": 2},
+        {"block_n": 8, "block_k": 32, "num_warps": 1, "split_k": 8},  # more splits than steps
+        # pdl: the first tile loaded first, used by the first block only (persistent grids of
+        # 8 programs per 8 "SMs" for 12 blocks); the grid-dependency wait runs on sm_90+ only.
+        {"block_n": 1, "block_k": 32, "num_warps": 4, "pdl": True, "programs_per_sm": 1},
+        {"block_n": 1, "block_k": 16, "num_warps": 2, "prefetch": True, "pdl": True}
+        | {"programs_per_sm": 1, "split_k": 2},
+    ]
+    inputs = [rand(2, k), rand(2, k), rand(k), rand(n, k) / k**0.5, rand(n), rand(2, 2 * k)]
+    # CPU: fp32, and fp16 (the split-K parts add into an fp32 output there: the normalised row
+    # must still be rounded to fp16 where add_rms_norm rounds it).
+    dtypes = [torch.float32, torch.float16] if triton_device.type == "cpu" else [torch.bfloat16]
+    with torch.no_grad():
+        for dtype, launch in [(d, launch) for d in dtypes for launch in launches]:
+            tol = 1e-4 if dtype == torch.float32 else 2e-2
+            x, r, nw, w, b, gate_up = (t.to(dtype) for t in inputs)
+            entries = [
+                {"device": name, "fusion": fusion, "n": n, "k": k, **launch}
+                for fusion in table.FUSIONS
+            ]
+            table.use_launch_table(table.parse_launch_table({"entries": entries}))
+            used.clear()
+            # On a GPU twice: split-K leaves its workspace and arrival counters at rest.
+            for _ in range(2 if triton_device.type == "cuda" else 1):
+                torch.testing.assert_close(
+                    kernel.decode_gemv(x, w, b),
+                    F.linear(x.float(), w.float(), b.float()).to(dtype),
+                    rtol=tol,
+                    atol=tol,
+                )
+                total, y = kernel.norm_gemv(x, r, nw, 1e-6, w, b)
+                expected_total, expected = norm_reference(x, r, nw, 1e-6, w, b)
+                torch.testing.assert_close(total, expected_total, rtol=0, atol=0)
+                torch.testing.assert_close(y, expected, rtol=tol, atol=tol)
+                torch.testing.assert_close(
+                    kernel.gated_gemv(gate_up, w, b),
+                    gated_reference(gate_up, w, b),
+                    rtol=tol,
+                    atol=tol,
+                )
+            # Each op launched the table's entry.
+            assert used and set(used) == {(table.DecodeGemvConfig(**launch), "user")}

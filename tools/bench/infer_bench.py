@@ -104,6 +104,21 @@ def parse_args() -> argparse.Namespace:
         "installed into slipstream.kernels' gemv.GEMV_TABLE before the model is built",
     )
     parser.add_argument(
+        "--decode-gemv-table",
+        default=None,
+        metavar="JSON",
+        help="decode_gemv_table: launches of the bf16/fp16 decode GEMVs (decode_fusion) per GPU "
+        "and shape, from bf16_gemv_bench.py --table-out, ahead of the built-in table",
+    )
+    parser.add_argument(
+        "--attention-block-s",
+        type=int,
+        default=0,
+        metavar="SLOTS",
+        help="bench-only: decode_attention's cache slots per chunk (default: its own rule, "
+        "32 for short caches), to measure another chunk size in the whole step",
+    )
+    parser.add_argument(
         "--lm-head",
         action="store_true",
         help="quant.weight.lm_head: quantize the LM head too (default: kept in the compute dtype)",
@@ -314,6 +329,7 @@ def bench_batch(
         gemv_layout=args.gemv_layout,
         lm_head_quantized=args.lm_head,
         gemv_table=args.gemv_table,
+        decode_gemv_table=args.decode_gemv_table,
         **run,
     )
     hf_kwargs = {
@@ -459,6 +475,7 @@ def main() -> None:
         },
         "use_triton": args.use_triton,
         "decode_fusion": {"auto": "auto", "off": False}.get(args.decode_fusion, True),
+        "decode_gemv_table": args.decode_gemv_table,
     }
     if args.offload:
         offload: dict[str, Any] = {"device": args.offload, "pin_memory": True}
@@ -478,6 +495,12 @@ def main() -> None:
                 "lm_head": args.lm_head,
             }
         }
+    if args.attention_block_s:
+        from slipstream.kernels.ops.decode_attention import triton as attention_module
+
+        chunk = args.attention_block_s
+        attention_module.default_block_s = lambda *_: chunk  # type: ignore[assignment]
+        emit(result="attention_block_s", block_s=chunk)
     if args.gemv_table:
         from slipstream.kernels.ops.quant_matmul import gemv as gemv_module
 
@@ -568,7 +591,7 @@ def main() -> None:
         bench_batch(args, engine, model, ids.to(device), weight_bytes, params, bandwidth, common)
     if args.profile:
         ids = torch.randint(3, spec.vocab_size, (args.batch[0], args.prompt), generator=generator)
-        profile_decode(engine, ids.to(device), args.profile, common)
+        profile_decode(engine, ids.to(device), args.profile, common, bandwidth)
     if reducer is not None and reducer.norm_state is not None:
         # Set when a wait of Slipstream's TP kernel gave up (then the sums were wrong).
         emit(result="tp_kernel_check", wait_gave_up=int(reducer.norm_state.error.item()))
@@ -599,11 +622,34 @@ def dequantized_difference(engine: Any, ids: torch.Tensor) -> float:
     return (got - want).abs().max().item()
 
 
-def profile_decode(engine: Any, ids: torch.Tensor, steps: int, common: dict[str, Any]) -> None:
+def _gemv_parts(engine: Any) -> list[tuple[str, int]]:
+    """The fused decode GEMVs of one decode step in launch order, with each one's weight bytes
+    (``decode_gemv_kernel`` runs them all: the profile tells them apart by position)."""
+    fused = engine.fused
+    parts = fused.decode_fusion
+    order = []
+    for block in fused.blocks:
+        for part, name in (("qkv", "qkv"), ("out", "out"), ("gate_up", "up"), ("down", "down")):
+            if part in parts:
+                weight = getattr(block, name).weight
+                order.append((part, weight.numel() * weight.element_size()))
+    if "head" in parts:
+        order.append(("head", fused.head.weight.numel() * fused.head.weight.element_size()))
+    return order
+
+
+def profile_decode(
+    engine: Any, ids: torch.Tensor, steps: int, common: dict[str, Any], bandwidth: float
+) -> None:
     """Per-kernel GPU time of a decode step: ``generate`` of 1 and of ``1 + steps`` new tokens
     are profiled, and the difference per kernel name, divided by ``steps``, is one decode step
-    (inside the CUDA graph the kernels are still reported one by one)."""
+    (inside the CUDA graph the kernels are still reported one by one). With decode fusion on,
+    ``decode_gemv_kernel``'s calls are also told apart by their place in the step (QKV, output,
+    gate/up, down per block, then the head): time, GB/s and share of the copy bandwidth each."""
     from torch.profiler import ProfilerActivity, profile
+
+    gemv_order = _gemv_parts(engine)
+    gemv_calls: dict[int, list[float]] = {}
 
     def kernels(new: int) -> dict[str, tuple[int, float]]:
         mask = torch.ones_like(ids)
@@ -616,6 +662,7 @@ def profile_decode(engine: Any, ids: torch.Tensor, steps: int, common: dict[str,
             engine.generate(ids, attention_mask=mask, max_new_tokens=new, eos_token_id=None)
             sync(ids.device)
         table: dict[str, tuple[int, float]] = {}
+        gemvs = []
         for event in prof.events():
             on_device = getattr(event, "device_type", None) == torch.autograd.DeviceType.CUDA
             if not on_device and ids.is_cuda:
@@ -623,8 +670,11 @@ def profile_decode(engine: Any, ids: torch.Tensor, steps: int, common: dict[str,
             if not ids.is_cuda and event.cpu_parent is not None:
                 continue  # CPU run: top-level ops only
             time_us = event.device_time if ids.is_cuda else event.cpu_time
+            if event.name == "decode_gemv_kernel":
+                gemvs.append((event.time_range.start, time_us))
             calls, total = table.get(event.name, (0, 0.0))
             table[event.name] = (calls + 1, total + time_us)
+        gemv_calls[new] = [time_us for _, time_us in sorted(gemvs)]
         return table
 
     base, longer = kernels(1), kernels(1 + steps)
@@ -651,6 +701,35 @@ def profile_decode(engine: Any, ids: torch.Tensor, steps: int, common: dict[str,
             calls_per_step=round(per_step_calls, 2),
             us_per_step=round(per_step_us, 2),
             share=round(per_step_us / max(step_us, 1e-9), 4),
+        )
+    # The decode steps' GEMVs, each labelled by its place in the step (the prefill runs none).
+    in_prefill, in_steps = gemv_calls.get(1, []), gemv_calls.get(1 + steps, [])
+    period = len(gemv_order)
+    if not ids.is_cuda or not period or in_prefill or len(in_steps) != period * steps:
+        if ids.is_cuda and (in_steps or in_prefill):
+            emit(
+                result="decode_profile_gemv_skipped",
+                calls=len(in_steps),
+                in_prefill=len(in_prefill),
+                expected=period * steps,
+            )
+        return
+    by_part: dict[str, list[float]] = {}
+    by_bytes: dict[str, int] = {}
+    for index, time_us in enumerate(in_steps):
+        part, size = gemv_order[index % period]
+        by_part.setdefault(part, []).append(time_us)
+        by_bytes[part] = by_bytes.get(part, 0) + size
+    for part, times in by_part.items():
+        seconds = sum(times) / 1e6
+        emit(
+            result="decode_profile_gemv",
+            part=part,
+            calls_per_step=len(times) // steps,
+            us_per_step=round(sum(times) / steps, 2),
+            us_per_call=round(sum(times) / len(times), 2),
+            gb_per_s=round(by_bytes[part] / seconds / 1e9, 1),
+            fraction_of_copy=round(by_bytes[part] / seconds / bandwidth, 3),
         )
 
 

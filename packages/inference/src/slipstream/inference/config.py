@@ -301,6 +301,10 @@ class InferenceConfig(ConfigBlock):
     decode_fusion: bool | Literal["auto"] = dataclasses.field(
         default="auto", metadata={"allow_auto": True}
     )
+    # A JSON launch table for the decode GEMVs (tools/bench/bf16_gemv_bench.py --table-out):
+    # its entries for this GPU and shape come before the built-in ones
+    # (slipstream.kernels.ops.decode_gemv.table). None: the built-in table, then the default rule.
+    decode_gemv_table: str | None = None
     triton_autotune: bool = False
     zero: InferenceZeroConfig = dataclasses.field(default_factory=InferenceZeroConfig)
     triangular_masking: bool = dataclasses.field(default=True, metadata={"aliases": ("tm",)})

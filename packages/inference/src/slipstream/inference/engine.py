@@ -40,6 +40,26 @@ def _default_device(model: nn.Module) -> torch.device:
     return torch.device("cpu") if device.type == "meta" else device  # meta: filled by a checkpoint
 
 
+def _install_gemv_table(path: str) -> None:
+    """Read ``decode_gemv_table``'s file and make its launches the decode GEMVs' first choice."""
+    from slipstream.kernels.ops.decode_gemv.table import (
+        LaunchTableError,
+        load_launch_table,
+        use_launch_table,
+    )
+
+    try:
+        entries = load_launch_table(path)
+    except LaunchTableError as error:
+        raise ValueError(
+            f"decode_gemv_table = {path!r}: {error}. Write the file with "
+            "tools/bench/bf16_gemv_bench.py --table-out, or leave the key unset (the built-in "
+            "table and the default launches)"
+        ) from error
+    use_launch_table(entries)
+    logger.info("decode_gemv_table: %d launch(es) from %s", len(entries), path)
+
+
 def _cast_parameters(module: nn.Module, dtype: torch.dtype) -> None:
     """Cast floating parameters only (the rotary inverse frequencies stay fp32)."""
     for param in module.parameters():
@@ -144,6 +164,8 @@ class InferenceEngine(nn.Module):
         self._runner = StaticCacheRunner(
             fused, config.max_out_tokens, cuda_graph=config.enable_cuda_graph
         )
+        if config.decode_gemv_table is not None:
+            _install_gemv_table(config.decode_gemv_table)
         from slipstream.inference.fused_decode import enable_decode_fusion
 
         enable_decode_fusion(fused, config.decode_fusion, self.device)

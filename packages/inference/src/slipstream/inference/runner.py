@@ -148,7 +148,9 @@ class StaticCacheRunner:
                     self._graph_step(bucket)
             torch.cuda.current_stream().wait_stream(side)
             graph = torch.cuda.CUDAGraph()
-            with torch.cuda.graph(graph):
+            # Captured on the warm-up stream: per-stream scratch the warm-up made (the split-K
+            # GEMVs' workspace) is found at capture, where it cannot be allocated.
+            with torch.cuda.graph(graph, stream=side):
                 bucket.logits = self._graph_step(bucket)
             bucket.graph = graph
         except Exception as error:  # any capture failure falls back to eager

@@ -22,7 +22,7 @@ in launches than in bytes (``PROLOGUE``):
 
 from __future__ import annotations
 
-import dataclasses
+import functools
 
 import torch
 import triton
@@ -31,6 +31,8 @@ import triton.language as tl
 from slipstream.kernels.ops.decode_gemv.reference import decode_gemv as reference_gemv
 from slipstream.kernels.ops.decode_gemv.reference import gated_gemv as reference_gated
 from slipstream.kernels.ops.decode_gemv.reference import norm_gemv as reference_norm
+from slipstream.kernels.ops.decode_gemv.table import DecodeGemvConfig, default_rule, lookup_launch
+from slipstream.kernels.ops.quant_matmul.gemv import _fixup_scratch
 from slipstream.kernels.triton_support import AotSpec, check_kernel_device
 
 __all__ = [
@@ -39,26 +41,20 @@ __all__ = [
     "decode_gemv",
     "default_config",
     "gated_gemv",
+    "launch_config",
     "norm_gemv",
 ]
 
 MAX_ROWS = 4  # above this many rows the weight is better read once by a matmul: the reference
 
 PLAIN, NORM, GATED = 0, 1, 2
+_FUSION_NAMES = {PLAIN: "plain", NORM: "norm", GATED: "gated"}  # the launch table's names
+try:  # grid-dependency control (programmatic dependent launch), Triton >= 3.3 on CUDA
+    from triton.language.extra.cuda import gdc_launch_dependents as _gdc  # noqa: F401
 
-
-@dataclasses.dataclass(frozen=True)
-class DecodeGemvConfig:
-    """Launch shape of one decode GEMV: output features per block, K step, warps, stages,
-    programs per SM (0: one program per block; else a persistent grid of that many per SM) and
-    whether each step prefetches the next weight tile."""
-
-    block_n: int = 8
-    block_k: int = 512
-    num_warps: int = 4
-    num_stages: int = 3  # Triton's default on NVIDIA GPUs
-    programs_per_sm: int = 0
-    prefetch: bool = False
+    _HAS_GDC = True
+except ImportError:
+    _HAS_GDC = False
 
 
 @triton.jit
@@ -70,6 +66,8 @@ def decode_gemv_kernel(
     w_ptr,
     b_ptr,
     y_ptr,
+    ws_ptr,  # FIXUP: fp32 (rows, N) partial sums, zero at rest
+    count_ptr,  # FIXUP: int32 arrival counters, one per (row, block of outputs), zero at rest
     N,
     K,
     x_stride,
@@ -84,6 +82,11 @@ def decode_gemv_kernel(
     BLOCK_N: tl.constexpr,
     BLOCK_K: tl.constexpr,
     PREFETCH: tl.constexpr,
+    SPLIT_K: tl.constexpr = 1,
+    FIXUP: tl.constexpr = False,
+    EARLY: tl.constexpr = False,
+    USE_GDC: tl.constexpr = False,
+    NORM_BLOCK: tl.constexpr = 1024,
 ):
     """``y[row, n] = sum_k W[n, k] * h[row, k] (+ b[n])`` with ``h`` the prologue's input.
     ``PREFETCH``: each step loads the next step's weight tile before its own math (two tiles in
@@ -91,20 +94,50 @@ def decode_gemv_kernel(
 
     Program ``p`` of ``P`` computes row blocks ``p, p + P, ...`` (``P`` = the grid's first
     dimension: one block each when the grid covers every block, persistent otherwise, so the
-    norm prologue runs once per program and the last wave is finer-grained)."""
+    norm prologue runs once per program and the last wave is finer-grained).
+
+    ``SPLIT_K`` > 1: the grid's third dimension cuts K into that many ranges of whole steps.
+    ``FIXUP``: each split adds its fp32 sums into the workspace ``ws_ptr`` and the last to
+    arrive (counted in ``count_ptr``) takes the total, leaving both zeroed, and writes the
+    output with the bias; else the splits add into a zeroed fp32 output (bias from split 0).
+
+    ``EARLY``: the program's first weight tile is loaded before anything else (weights are
+    never written by the kernels before this one). ``USE_GDC`` (launched with programmatic
+    dependent launch, sm_90+): then the program waits for the previous kernel of the stream to
+    finish (every read of activations and every store comes after), and lets the next kernel's
+    programs start, so a GEMV following this one loads its first tile while this one runs."""
     pid_n = tl.program_id(0)
     programs = tl.num_programs(0)
     row = tl.program_id(1).to(tl.int64)
+    pid_k = tl.program_id(2)
     k = tl.arange(0, BLOCK_K)
     x_row = x_ptr + row * x_stride
+    per_split = tl.cdiv(tl.cdiv(K, BLOCK_K), SPLIT_K) * BLOCK_K
+    k_begin = pid_k * per_split
+    k_end = tl.minimum(k_begin + per_split, K)
+    if EARLY:
+        first_cols = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
+        w_first = tl.load(
+            w_ptr + first_cols[:, None].to(tl.int64) * K + (k_begin + k)[None, :],
+            mask=(first_cols < N)[:, None] & (k_begin + k < k_end)[None, :],
+            other=0.0,
+            eviction_policy="evict_first",
+        )
+    if USE_GDC:
+        tl.extra.cuda.gdc_wait()
+        tl.extra.cuda.gdc_launch_dependents()
     rstd = 0.0
     if PROLOGUE == 1:
-        store_end = tl.where(pid_n == 0, K, 0)  # only program 0 writes the residual sum
+        # only program (0, row, 0) writes the residual sum
+        store_end = tl.where((pid_n == 0) & (pid_k == 0), K, 0)
         # The row's inverse RMS: every program computes it (K elements from L2, a few percent of
         # the weight bytes it streams); program 0 also stores the residual sum.
-        squares = tl.zeros((BLOCK_K,), dtype=tl.float32)
-        for k0 in range(0, K, BLOCK_K):
-            kk = k0 + k
+        # In NORM_BLOCK-wide steps (the whole row for K <= NORM_BLOCK): each step is one L2
+        # round trip that every program waits for before its first weight tile.
+        nk = tl.arange(0, NORM_BLOCK)
+        squares = 0.0
+        for k0 in range(0, K, NORM_BLOCK):
+            kk = k0 + nk
             k_ok = kk < K
             t = tl.load(x_row + kk, mask=k_ok, other=0.0, eviction_policy="evict_last")
             if HAS_RESIDUAL:
@@ -112,21 +145,32 @@ def decode_gemv_kernel(
                 t = (t.to(tl.float32) + r.to(tl.float32)).to(total_ptr.dtype.element_ty)
                 tl.store(total_ptr + row * K + kk, t, mask=kk < store_end)
             t = t.to(tl.float32)
-            squares += t * t
-        rstd = 1.0 / tl.sqrt(tl.sum(squares, axis=0) / K + eps)
+            squares += tl.sum(t * t, axis=0)
+        rstd = 1.0 / tl.sqrt(squares / K + eps)
     for block in range(pid_n, tl.cdiv(N, BLOCK_N), programs):
         cols = block * BLOCK_N + tl.arange(0, BLOCK_N)
         col_ok = cols < N
         acc = tl.zeros((BLOCK_N, BLOCK_K), dtype=tl.float32)
         w_rows = w_ptr + cols[:, None].to(tl.int64) * K
         if PREFETCH:  # the first step's tile; each step then loads the next before its math
-            w_next = tl.load(
-                w_rows + k[None, :],
-                mask=col_ok[:, None] & (k < K)[None, :],
-                other=0.0,
-                eviction_policy="evict_first",
-            )
-        for k0 in range(0, K, BLOCK_K):
+            if EARLY:
+                if block == pid_n:
+                    w_next = w_first
+                else:
+                    w_next = tl.load(
+                        w_rows + (k_begin + k)[None, :],
+                        mask=col_ok[:, None] & (k_begin + k < k_end)[None, :],
+                        other=0.0,
+                        eviction_policy="evict_first",
+                    )
+            else:
+                w_next = tl.load(
+                    w_rows + (k_begin + k)[None, :],
+                    mask=col_ok[:, None] & (k_begin + k < k_end)[None, :],
+                    other=0.0,
+                    eviction_policy="evict_first",
+                )
+        for k0 in range(k_begin, k_end, BLOCK_K):
             kk = k0 + k
             k_ok = kk < K
             if PREFETCH:
@@ -134,10 +178,20 @@ def decode_gemv_kernel(
                 ahead = kk + BLOCK_K
                 w_next = tl.load(
                     w_rows + ahead[None, :],
-                    mask=col_ok[:, None] & (ahead < K)[None, :],
+                    mask=col_ok[:, None] & (ahead < k_end)[None, :],
                     other=0.0,
                     eviction_policy="evict_first",
                 )
+            elif EARLY:
+                if (block == pid_n) & (k0 == k_begin):
+                    w = w_first
+                else:
+                    w = tl.load(
+                        w_rows + kk[None, :],
+                        mask=col_ok[:, None] & k_ok[None, :],
+                        other=0.0,
+                        eviction_policy="evict_first",
+                    )
             elif EVEN_N and EVEN_K:
                 w = tl.load(w_rows + kk[None, :], eviction_policy="evict_first")
             else:
@@ -160,14 +214,33 @@ def decode_gemv_kernel(
                 h = t.to(tl.float32) * rstd
                 if HAS_NORM_WEIGHT:
                     h = h * tl.load(nw_ptr + kk, mask=k_ok, other=0.0).to(tl.float32)
-                h = h.to(y_ptr.dtype.element_ty).to(tl.float32)
+                h = h.to(x_ptr.dtype.element_ty).to(tl.float32)  # where add_rms_norm rounds
             else:
                 h = tl.load(x_row + kk, mask=k_ok, other=0.0).to(tl.float32)
             acc += w.to(tl.float32) * h[None, :]
         y = tl.sum(acc, axis=1)
-        if HAS_BIAS:
-            y += tl.load(b_ptr + cols, mask=col_ok, other=0.0).to(tl.float32)
-        tl.store(y_ptr + row * y_stride + cols, y.to(y_ptr.dtype.element_ty), mask=col_ok)
+        y_ptrs = y_ptr + row * y_stride + cols
+        if SPLIT_K == 1:
+            if HAS_BIAS:
+                y += tl.load(b_ptr + cols, mask=col_ok, other=0.0).to(tl.float32)
+            tl.store(y_ptrs, y.to(y_ptr.dtype.element_ty), mask=col_ok)
+        elif FIXUP:
+            ws_ptrs = ws_ptr + row * N + cols
+            tl.atomic_add(ws_ptrs, y, mask=col_ok, sem="relaxed")
+            tl.debug_barrier()
+            counter = count_ptr + row * tl.cdiv(N, BLOCK_N) + block
+            arrived = tl.atomic_add(counter, 1, sem="acq_rel")
+            if arrived == SPLIT_K - 1:
+                total = tl.atomic_xchg(ws_ptrs, tl.zeros_like(y), mask=col_ok, sem="relaxed")
+                if HAS_BIAS:
+                    total += tl.load(b_ptr + cols, mask=col_ok, other=0.0).to(tl.float32)
+                tl.store(y_ptrs, total.to(y_ptr.dtype.element_ty), mask=col_ok)
+                tl.atomic_xchg(counter, 0, sem="relaxed")
+        else:
+            if HAS_BIAS:
+                bias = tl.load(b_ptr + cols, mask=col_ok, other=0.0).to(tl.float32)
+                y += tl.where(pid_k == 0, bias, 0.0)
+            tl.atomic_add(y_ptrs, y, mask=col_ok)
 
 
 def _multiprocessors(device: torch.device) -> int:
@@ -176,15 +249,31 @@ def _multiprocessors(device: torch.device) -> int:
     return int(torch.cuda.get_device_properties(device).multi_processor_count)
 
 
+@functools.cache
+def _pdl_capable(index: int) -> bool:
+    return torch.cuda.get_device_capability(index) >= (9, 0)
+
+
+def _pdl_supported(device: torch.device) -> bool:
+    """Programmatic dependent launch: NVIDIA sm_90+ and a Triton with grid-dependency control;
+    elsewhere a ``pdl`` launch runs as a plain one (same results)."""
+    if device.type != "cuda" or torch.version.hip is not None or not _HAS_GDC:
+        return False
+    return _pdl_capable(device.index if device.index is not None else torch.cuda.current_device())
+
+
 def default_config(out_features: int, in_features: int, device: torch.device) -> DecodeGemvConfig:
-    """The launch used when none is given: rows per program chosen so that the output
-    features give at least four programs per SM (every SM keeps several tiles in flight),
-    a 512-wide K step (16 KiB of bf16 weight per step at 16 rows)."""
-    sms = _multiprocessors(device)
-    block_n = 16
-    while block_n > 2 and triton.cdiv(out_features, block_n) < 4 * sms:
-        block_n //= 2
-    return DecodeGemvConfig(block_n=block_n, block_k=512, num_warps=4)
+    """The launch for a GPU or shape no launch table lists (:func:`~slipstream.kernels.ops.
+    decode_gemv.table.default_rule` with ``device``'s SM count)."""
+    return default_rule(out_features, in_features, _multiprocessors(device))
+
+
+def launch_config(
+    prologue: int, out_features: int, in_features: int, device: torch.device
+) -> DecodeGemvConfig:
+    """The launch used when none is given: ``prologue``'s entry for this shape and ``device``
+    in the launch tables (the user's, then the built-in), else :func:`default_config`."""
+    return lookup_launch(_FUSION_NAMES[prologue], out_features, in_features, device)[0]
 
 
 def _supported(rows: int, weight: torch.Tensor, activation: torch.Tensor, k: int) -> bool:
@@ -215,12 +304,20 @@ def _launch(
 ) -> torch.Tensor:
     out_features, in_features = weight.shape
     rows = rows_view.shape[0]
-    config = config or default_config(out_features, in_features, weight.device)
-    out = torch.empty(rows, out_features, device=weight.device, dtype=rows_view.dtype)
+    config = config or launch_config(prologue, out_features, in_features, weight.device)
     blocks = triton.cdiv(out_features, config.block_n)
+    split = max(1, min(config.split_k, triton.cdiv(in_features, config.block_k)))
+    scratch = None
+    if split > 1:
+        scratch = _fixup_scratch(weight.device, rows * out_features, rows * blocks)
+    if split == 1 or scratch is not None:
+        out = torch.empty(rows, out_features, device=weight.device, dtype=rows_view.dtype)
+    else:  # the splits add into a zeroed fp32 output, cast below
+        out = torch.zeros(rows, out_features, device=weight.device, dtype=torch.float32)
     if config.programs_per_sm:
         blocks = min(blocks, config.programs_per_sm * _multiprocessors(weight.device))
-    grid = (blocks, rows)
+    grid = (blocks, rows, split)
+    pdl = config.pdl and _pdl_supported(weight.device)
     decode_gemv_kernel[grid](
         rows_view,
         residual if residual is not None else rows_view,
@@ -229,6 +326,8 @@ def _launch(
         weight,
         bias if bias is not None else weight,
         out,
+        scratch[0] if scratch is not None else out,
+        scratch[1] if scratch is not None else out,
         out_features,
         in_features,
         rows_view.stride(0),
@@ -243,10 +342,16 @@ def _launch(
         BLOCK_N=config.block_n,
         BLOCK_K=config.block_k,
         PREFETCH=config.prefetch,
+        SPLIT_K=split,
+        FIXUP=scratch is not None,
+        EARLY=config.pdl or config.early,
+        USE_GDC=pdl,
+        NORM_BLOCK=min(triton.next_power_of_2(in_features), 1024 * config.num_warps),
         num_warps=config.num_warps,
         num_stages=config.num_stages,
+        **({"launch_pdl": True} if pdl else {}),
     )
-    return out
+    return out if out.dtype == rows_view.dtype else out.to(rows_view.dtype)
 
 
 def _rows(x: torch.Tensor) -> torch.Tensor:
@@ -336,6 +441,8 @@ def aot_specs() -> list[AotSpec]:
                         "w_ptr": f"*{dtype}",
                         "b_ptr": f"*{dtype}",
                         "y_ptr": f"*{dtype}",
+                        "ws_ptr": "*fp32",
+                        "count_ptr": "*i32",
                         "N": "i32",
                         "K": "i32",
                         "x_stride": "i32",
@@ -350,6 +457,11 @@ def aot_specs() -> list[AotSpec]:
                         "BLOCK_N": "constexpr",
                         "BLOCK_K": "constexpr",
                         "PREFETCH": "constexpr",
+                        "SPLIT_K": "constexpr",
+                        "FIXUP": "constexpr",
+                        "EARLY": "constexpr",
+                        "USE_GDC": "constexpr",
+                        "NORM_BLOCK": "constexpr",
                     },
                     {
                         "PROLOGUE": prologue,
@@ -361,6 +473,11 @@ def aot_specs() -> list[AotSpec]:
                         "BLOCK_N": 8,
                         "BLOCK_K": 512,
                         "PREFETCH": False,
+                        "SPLIT_K": 1,
+                        "FIXUP": False,
+                        "EARLY": False,
+                        "USE_GDC": False,
+                        "NORM_BLOCK": 4096,
                     },
                 )
             )
