@@ -1,0 +1,438 @@
+"""The packed int4 / int8 / fp8 decode GEMV with a decoder block's small ops folded in.
+
+At batch-1 decode a quantized step spends about a third of its time outside the GEMVs: the
+residual add + RMSNorm before QKV and gate/up, SiLU * up before down, each a launch of its own.
+:func:`fused_quant_gemv` runs :mod:`.gemv`'s packed-weight loop (same layout, same f16x2
+unpacking, same launch table) with three optional pieces around it, so that a Llama block needs
+no kernel between its projections but the attention's:
+
+- **add + norm epilogue** (``residual``, ``norm_weight``): the output projection (or down)
+  writes, for its own ``block_n`` features, ``total = x + y`` (the residual stream, rounded as
+  ``add_rms_norm`` rounds it), ``u = total * norm_weight`` (the next RMSNorm without its
+  ``1 / rms``) as the output, and one fp32 partial sum of ``total**2`` per program. The row's
+  RMS needs every feature, which no program has; the consumer finishes it.
+- **norm prologue** (``stats``): the next GEMV (QKV, gate/up, head) reads the partial sums (a
+  few KiB from L2), forms ``rstd = 1 / sqrt(mean(total**2) + eps)`` and multiplies its fp32
+  accumulator by it: ``y = rstd * (W @ u)``, the same value as ``W @ rms_norm(total)`` with the
+  norm's rounding moved from ``u * rstd`` to ``y``. In the f16x2 path the activations are
+  scaled by the power of two nearest below ``rstd`` before their f16 conversion (exact), so a
+  residual stream far from 1 keeps f16's precision and range.
+- **SiLU * up epilogue** (``gated``): the weight is ``[gate; up]`` (``2I`` rows); program ``p``
+  computes gate rows ``j`` and up rows ``I + j`` of the same ``block_n / 2`` features ``j`` and
+  writes ``silu(gate) * up`` (``I`` outputs, rounded as ``gated_activation`` rounds).
+
+No split-K (the epilogues need a program's whole rows; the Llama shapes' table entries are
+split 1 anyway) and one program per activation row, for a few rows.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+import torch
+import triton
+import triton.language as tl
+
+from slipstream.kernels.ops.quant_matmul.gemv import (
+    GEMV_FORMAT_CODES,
+    GemvConfig,
+    _half2_quad_dot,
+    _half2_quad_sums,
+    _split4,
+    gemv_block_k,
+    gemv_default_config,
+    gemv_supports,
+    half2_supported,
+)
+from slipstream.kernels.ops.quant_matmul.packing import PER_WORD, check_packable
+from slipstream.kernels.ops.quant_matmul.reference import (
+    quant_decode_gemv as reference_decode_gemv,
+)
+from slipstream.kernels.triton_support import AotSpec, check_kernel_device
+
+__all__ = ["fused_gemv_kernel", "fused_quant_gemv", "fused_quant_supported"]
+
+MAX_ROWS = 4
+STATS_BLOCK = 256
+
+
+@triton.jit
+def _x_half2_scaled(lo, hi, xscale):
+    """``gemv._x_half2`` for bf16 pairs, each value times ``xscale`` (a power of two) in fp32
+    before the f16 conversion: ``(lo.low, hi.low)`` and ``(lo.high, hi.high)`` as f16x2."""
+    a_lo = ((lo << 16).to(tl.float32, bitcast=True) * xscale).to(tl.float16)
+    a_hi = ((lo & -65536).to(tl.float32, bitcast=True) * xscale).to(tl.float16)
+    b_lo = ((hi << 16).to(tl.float32, bitcast=True) * xscale).to(tl.float16)
+    b_hi = ((hi & -65536).to(tl.float32, bitcast=True) * xscale).to(tl.float16)
+    low = a_lo.to(tl.int16, bitcast=True).to(tl.int32) & 65535
+    high = a_hi.to(tl.int16, bitcast=True).to(tl.int32) & 65535
+    low = low | (b_lo.to(tl.int16, bitcast=True).to(tl.int32) << 16)
+    high = high | (b_hi.to(tl.int16, bitcast=True).to(tl.int32) << 16)
+    return low, high
+
+
+@triton.jit
+def fused_gemv_kernel(
+    x_ptr,
+    codes_ptr,
+    scales_ptr,
+    bias_ptr,
+    out_ptr,
+    stats_ptr,  # NORM_IN: (rows, n_stats) fp32 partial sums of squares of the normed row
+    res_ptr,  # ADD_NORM: the residual (rows, N)
+    nw_ptr,  # ADD_NORM: the next RMSNorm's weight (N,)
+    total_ptr,  # ADD_NORM: out, the residual sum (rows, N)
+    stats_out_ptr,  # ADD_NORM: out, (rows, programs) partial sums of total**2
+    N,
+    K,
+    stride_xm,
+    stride_om,
+    stride_cn,
+    n_stats,
+    eps,
+    FORMAT: tl.constexpr,  # 0 int8, 1 int4, 2 fp8 e4m3 (packed words)
+    GROUP: tl.constexpr,
+    HAS_BIAS: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+    BLOCK_K: tl.constexpr,
+    NATIVE_FP8: tl.constexpr,
+    HALF2: tl.constexpr,  # int4/int8, 16-bit x, NVIDIA: f16x2 quads (gemv's QUADS path)
+    PREFETCH: tl.constexpr,
+    NORM_IN: tl.constexpr,
+    GATED: tl.constexpr,
+    ADD_NORM: tl.constexpr,
+    STATS: tl.constexpr,
+):
+    """One activation row per program ``(row, p)``; see the module docstring for the pieces."""
+    pid_m = tl.program_id(0)
+    pid_n = tl.program_id(1)
+    r = tl.arange(0, BLOCK_N)
+    if GATED:
+        half_n = N // 2
+        feature = pid_n * (BLOCK_N // 2) + r // 2
+        col_ok = feature < half_n
+        # weight rows: gate j, up j, gate j + 1, up j + 1, ... (rows past I re-read row I - 1)
+        cols = tl.minimum(feature, half_n - 1) + (r % 2) * half_n
+    else:
+        cols = pid_n * BLOCK_N + r
+        col_ok = cols < N
+        cols = tl.minimum(cols, N - 1)
+    steps = K // BLOCK_K
+    x_row = x_ptr + pid_m.to(tl.int64) * stride_xm
+    x_type = x_ptr.dtype.element_ty
+    out_type = out_ptr.dtype.element_ty
+    PER: tl.constexpr = 8 if FORMAT == 1 else 4  # fields per word
+    PACK: tl.constexpr = 16 * PER  # input features per packed block
+    GPS: tl.constexpr = BLOCK_K // PACK  # packed blocks per step
+    BITS: tl.constexpr = 32 // PER
+    LOW: tl.constexpr = 20 // BITS
+    OFFSET: tl.constexpr = 8 if FORMAT == 1 else 128
+    g = tl.arange(0, GPS)[None, :, None]
+    jj = tl.arange(0, 16)[None, None, :]
+    word = g * 16 + jj
+    safe_rows = cols.to(tl.int64)[:, None, None]
+    code_rows = codes_ptr + safe_rows * stride_cn
+    scale_rows = scales_ptr + safe_rows * (K // GROUP) + jj * 0
+    pairs = x_row.to(tl.pointer_type(tl.int32), bitcast=True)
+    acc3 = tl.zeros((BLOCK_N, GPS, 16), dtype=tl.float32)
+    acc_quads = tl.zeros((BLOCK_N, GPS, 4), dtype=tl.float32)
+    if PREFETCH:
+        next_words = tl.load(code_rows + word)
+        next_scale = tl.load(scale_rows + (g * PACK) // GROUP)
+    # the norm's statistics while the first weight tile is in flight
+    rstd = 1.0
+    xscale = 1.0
+    if NORM_IN:
+        s = tl.zeros((STATS,), dtype=tl.float32)
+        for i in range(0, n_stats, STATS):
+            idx = i + tl.arange(0, STATS)
+            s += tl.load(stats_ptr + pid_m * n_stats + idx, mask=idx < n_stats, other=0.0)
+        rstd = 1.0 / tl.sqrt(tl.sum(s, axis=0) / K + eps)
+        if HALF2 and x_type == tl.bfloat16:
+            # the power of two at or below rstd: scaling by it is exact
+            xscale = (rstd.to(tl.int32, bitcast=True) & 0x7F800000).to(tl.float32, bitcast=True)
+    for step in range(0, steps):
+        k0 = step * BLOCK_K
+        if PREFETCH:
+            words = next_words
+            scale = next_scale
+            ahead = tl.minimum(step + 1, steps - 1)
+            next_words = tl.load(code_rows + ahead * (BLOCK_K // PER) + word)
+            next_scale = tl.load(scale_rows + (ahead * BLOCK_K + g * PACK) // GROUP)
+        else:
+            words = tl.load(code_rows + step * (BLOCK_K // PER) + word)
+            scale = tl.load(scale_rows + (k0 + g * PACK) // GROUP)
+        if HALF2:
+            xpairs = pairs + k0 // 2 + g * (PACK // 2) + jj
+            quad_scale, _s1, _s2, _s3 = _split4(scale)
+            if NORM_IN and x_type == tl.bfloat16:
+                if FORMAT == 1:
+                    xa, xb = _x_half2_scaled(tl.load(xpairs), tl.load(xpairs + 32), xscale)
+                    xc, xd = _x_half2_scaled(tl.load(xpairs + 16), tl.load(xpairs + 48), xscale)
+                else:
+                    xa, xb = _x_half2_scaled(tl.load(xpairs), tl.load(xpairs + 16), xscale)
+                    xc, xd = xa, xb
+                sums = _half2_quad_dot(words, xa, xb, xc, xd, FORMAT)
+            else:
+                sums = _half2_quad_sums(words, xpairs, FORMAT, x_type == tl.bfloat16)
+            acc_quads += sums * quad_scale
+        else:
+            if FORMAT == 1:
+                words = words ^ -2004318072  # 0x88888888: two's complement -> offset binary
+            elif FORMAT == 0:
+                words = words ^ -2139062144  # 0x80808080
+            high = words >> (BITS * (PER - LOW))
+            t = tl.zeros((BLOCK_N, GPS, 16), dtype=tl.float32)
+            for p in tl.static_range(PER // 2):
+                if x_type == tl.float32:
+                    base = x_row + k0 + g * PACK + 32 * p + 2 * jj
+                    x_lo = tl.load(base)
+                    x_hi = tl.load(base + 1)
+                else:
+                    xp = tl.load(pairs + k0 // 2 + g * (PACK // 2) + 16 * p + jj)
+                    if x_type == tl.bfloat16:
+                        x_lo = (xp << 16).to(tl.float32, bitcast=True)
+                        x_hi = (xp & -65536).to(tl.float32, bitcast=True)
+                    else:
+                        x_lo = xp.to(tl.int16).to(tl.float16, bitcast=True).to(tl.float32)
+                        x_hi = (xp >> 16).to(tl.int16).to(tl.float16, bitcast=True)
+                        x_hi = x_hi.to(tl.float32)
+                for b in tl.static_range(2):
+                    f = 2 * p + b
+                    if FORMAT == 2:
+                        byte = (words >> (8 * f)) & 255
+                        if NATIVE_FP8:
+                            fp8 = byte.to(tl.uint8).to(tl.float8e4nv, bitcast=True)
+                            value = fp8.to(tl.float32)
+                        else:
+                            half = ((byte & 0x7F) << 7) | ((byte & 0x80) << 8)
+                            value = half.to(tl.int16).to(tl.float16, bitcast=True)
+                            value = value.to(tl.float32)
+                    else:
+                        at = BITS * f if f < LOW else BITS * (f - PER + LOW)
+                        src = words if f < LOW else high
+                        field = src & (((1 << BITS) - 1) << at)
+                        value = (field | ((150 - at) << 23)).to(tl.float32, bitcast=True)
+                        value = value - ((1 << (23 - at)) + OFFSET)
+                    t += value * (x_lo if b == 0 else x_hi)
+            acc3 += t * scale
+    if HALF2:
+        acc = tl.sum(tl.sum(acc_quads, axis=2), axis=1) * (128.0 if FORMAT == 1 else 1024.0)
+    else:
+        acc = tl.sum(tl.sum(acc3, axis=2), axis=1)
+        if FORMAT == 2 and not NATIVE_FP8:
+            acc = acc * 256.0
+    if NORM_IN:
+        acc = acc * (rstd / xscale)
+    if HAS_BIAS:
+        acc += tl.load(bias_ptr + cols).to(tl.float32)
+    out_row = out_ptr + pid_m.to(tl.int64) * stride_om
+    if GATED:
+        # the projection's outputs rounded as the unfused GEMV's, then gated_activation's math
+        y = acc.to(out_type).to(tl.float32)
+        gate, up = tl.split(tl.reshape(y, (BLOCK_N // 2, 2)))
+        act = (gate / (1.0 + tl.exp(-gate))).to(out_type).to(tl.float32)
+        j = pid_n * (BLOCK_N // 2) + tl.arange(0, BLOCK_N // 2)
+        tl.store(out_row + j, (act * up).to(out_type), mask=j < N // 2)
+    elif ADD_NORM:
+        y = acc.to(out_type).to(tl.float32)
+        row_n = pid_m.to(tl.int64) * N
+        res = tl.load(res_ptr + row_n + cols, mask=col_ok, other=0.0).to(tl.float32)
+        total = (y + res).to(total_ptr.dtype.element_ty)
+        tl.store(total_ptr + row_n + cols, total, mask=col_ok)
+        tf = tl.where(col_ok, total.to(tl.float32), 0.0)
+        tl.store(stats_out_ptr + pid_m * tl.num_programs(1) + pid_n, tl.sum(tf * tf, axis=0))
+        nw = tl.load(nw_ptr + cols, mask=col_ok, other=0.0).to(tl.float32)
+        tl.store(out_row + cols, (tf * nw).to(out_type), mask=col_ok)
+    else:
+        tl.store(out_row + cols, acc.to(out_type), mask=col_ok)
+
+
+def _native_fp8(device: torch.device) -> bool:
+    if device.type != "cuda" or torch.version.hip is not None:
+        return False
+    return torch.cuda.get_device_capability(device) >= (8, 9)
+
+
+def fused_quant_supported(format: str, group_size: int, in_features: int) -> bool:
+    """Whether :func:`fused_quant_gemv` takes a packed weight of this format and shape."""
+    if format not in PER_WORD:
+        return False
+    try:
+        check_packable(format, group_size, in_features)
+    except ValueError:
+        return False
+    return True
+
+
+def _config(
+    format: str, out_features: int, in_features: int, group_size: int, gated: bool, x: torch.Tensor
+) -> GemvConfig | None:
+    config = gemv_default_config(format, out_features, in_features, group_size, x.device)
+    if config is None:
+        return None
+    block_n = max(config.block_n, 2) if gated else config.block_n
+    half2 = config.half2 and half2_supported(format, x)
+    return dataclasses.replace(config, split_k=1, block_n=block_n, half2=half2, quads=half2)
+
+
+def fused_quant_gemv(
+    x: torch.Tensor,
+    words: torch.Tensor,
+    scales: torch.Tensor,
+    format: str,
+    group_size: int,
+    bias: torch.Tensor | None = None,
+    stats: torch.Tensor | None = None,
+    eps: float = 0.0,
+    gated: bool = False,
+    residual: torch.Tensor | None = None,
+    norm_weight: torch.Tensor | None = None,
+) -> tuple[torch.Tensor, torch.Tensor | None, torch.Tensor | None]:
+    """See :func:`slipstream.kernels.ops.quant_matmul.reference.quant_decode_gemv`: returns
+    ``(out, total, stats_out)`` (the last two None without ``residual``)."""
+    check_kernel_device("quant_decode_gemv", x, words, scales, bias, stats, residual, norm_weight)
+    in_features = x.shape[-1]
+    check_packable(format, group_size, in_features)
+    out_features = words.numel() * PER_WORD[format] // in_features
+    rows = x.numel() // max(in_features, 1)
+    add_norm = residual is not None
+    if gated and (out_features % 2 or add_norm):
+        raise ValueError("fused_quant_gemv: gated needs an even [gate; up] weight, no residual")
+    if add_norm and norm_weight is None:
+        raise ValueError("fused_quant_gemv: residual needs norm_weight")
+    config = _config(format, out_features, in_features, group_size, gated, x)
+    if (
+        not 0 < rows <= MAX_ROWS
+        or (torch.is_grad_enabled() and x.requires_grad)
+        or config is None
+        or not gemv_supports(format, group_size, in_features, config)
+    ):
+        # more rows, autograd, or a shape the packed loop cannot step through: the reference
+        return reference_decode_gemv(
+            x, words, scales, format, group_size, bias, stats, eps, gated, residual, norm_weight
+        )
+    flat = x.reshape(rows, in_features)
+    if flat.stride(-1) != 1 or flat.stride(0) % 2 or flat.data_ptr() % 4:
+        flat = flat.clone(memory_format=torch.contiguous_format)
+    width = out_features // 2 if gated else out_features
+    out = torch.empty(rows, width, device=x.device, dtype=x.dtype)
+    blocks = triton.cdiv(width, config.block_n // 2 if gated else config.block_n)
+    total = stats_out = None
+    if add_norm:
+        assert residual is not None and norm_weight is not None
+        if residual.numel() != rows * out_features:
+            raise ValueError(
+                f"fused_quant_gemv: residual has {residual.numel()} elements, expected "
+                f"{rows} x {out_features}"
+            )
+        residual = residual.reshape(rows, out_features).contiguous()
+        total = torch.empty_like(residual)
+        stats_out = torch.empty(rows, blocks, device=x.device, dtype=torch.float32)
+    if stats is not None:
+        stats = stats.reshape(rows, -1).float().contiguous()
+    fused_gemv_kernel[(rows, blocks)](
+        flat,
+        words,
+        scales,
+        bias if bias is not None else flat,
+        out,
+        stats if stats is not None else out,
+        residual if residual is not None else out,
+        norm_weight if norm_weight is not None else out,
+        total if total is not None else out,
+        stats_out if stats_out is not None else out,
+        out_features,
+        in_features,
+        flat.stride(0),
+        out.stride(0),
+        in_features // PER_WORD[format],
+        stats.shape[1] if stats is not None else 0,
+        eps,
+        FORMAT=GEMV_FORMAT_CODES[format],
+        GROUP=group_size,
+        HAS_BIAS=bias is not None,
+        BLOCK_N=config.block_n,
+        BLOCK_K=gemv_block_k(format, config.num_warps),
+        NATIVE_FP8=format == "fp8_e4m3" and _native_fp8(x.device),
+        HALF2=config.half2,
+        PREFETCH=config.prefetch,
+        NORM_IN=stats is not None,
+        GATED=gated,
+        ADD_NORM=add_norm,
+        STATS=STATS_BLOCK,
+        num_warps=config.num_warps,
+        num_stages=config.num_stages,
+    )
+    shape = x.shape[:-1]
+    return (
+        out.reshape(*shape, width),
+        None if total is None else total.reshape(*shape, out_features),
+        stats_out,
+    )
+
+
+def aot_specs(half2: bool = False) -> list[AotSpec]:
+    """The fused specialisations of a Llama decode step (bf16, 1-warp int4 / int8 steps): the
+    norm-prologue + SwiGLU-epilogue gate/up, the add + norm epilogue, the norm-prologue QKV.
+    ``half2``: the f16x2 PTX path (NVIDIA targets only)."""
+    signature = {
+        "x_ptr": "*bf16",
+        "codes_ptr": "*i32",
+        "scales_ptr": "*fp32",
+        "bias_ptr": "*bf16",
+        "out_ptr": "*bf16",
+        "stats_ptr": "*fp32",
+        "res_ptr": "*bf16",
+        "nw_ptr": "*bf16",
+        "total_ptr": "*bf16",
+        "stats_out_ptr": "*fp32",
+        "N": "i32",
+        "K": "i32",
+        "stride_xm": "i32",
+        "stride_om": "i32",
+        "stride_cn": "i32",
+        "n_stats": "i32",
+        "eps": "fp32",
+        **{
+            name: "constexpr"
+            for name in (
+                "FORMAT",
+                "GROUP",
+                "HAS_BIAS",
+                "BLOCK_N",
+                "BLOCK_K",
+                "NATIVE_FP8",
+                "HALF2",
+                "PREFETCH",
+                "NORM_IN",
+                "GATED",
+                "ADD_NORM",
+                "STATS",
+            )
+        },
+    }
+    specs = []
+    for format in ("int4", "int8"):
+        for norm_in, gated, add_norm in (
+            (True, True, False),
+            (False, False, True),
+            (True, False, False),
+        ):
+            constexprs = {
+                "FORMAT": GEMV_FORMAT_CODES[format],
+                "GROUP": 128,
+                "HAS_BIAS": False,
+                "BLOCK_N": 8 if gated else 4,
+                "BLOCK_K": gemv_block_k(format, 1),
+                "NATIVE_FP8": False,
+                "HALF2": half2,
+                "PREFETCH": True,
+                "NORM_IN": norm_in,
+                "GATED": gated,
+                "ADD_NORM": add_norm,
+                "STATS": STATS_BLOCK,
+            }
+            name = f"quant_matmul.fused_gemv[{format}xbf16,norm={norm_in},gated={gated},add={add_norm}]"
+            specs.append(AotSpec(name, fused_gemv_kernel, signature, constexprs))
+    return specs

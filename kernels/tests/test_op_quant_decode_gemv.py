@@ -1,0 +1,120 @@
+"""``quant_decode_gemv``: the packed int4 / int8 / fp8 decode GEMV with the norm prologue, the
+SiLU * up epilogue and the residual add + norm epilogue. The reference equals the unfused ops it
+replaces (add_rms_norm, quant_matmul_packed, gated_activation) within bf16 rounding; the Triton
+kernel equals the reference (CPU interpreter: fp32 / fp16; GPU with ``-m gpu``: bf16 and the
+f16x2 path too)."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from slipstream.kernels.ops import add_rms_norm, gated_activation, quantize
+from slipstream.kernels.ops.quant_matmul import pack_gemv, quant_decode_gemv, quant_matmul_packed
+from slipstream.kernels.ops.quant_matmul.reference import quant_decode_gemv as reference
+
+_SEED = torch.Generator().manual_seed
+_IN = {"int4": 1024, "int8": 512, "fp8_e4m3": 512}  # one 1-warp step of the packed loop
+
+
+def _packed(fmt: str, out_features: int, in_features: int, seed: int = 3):
+    w = torch.randn(out_features, in_features, generator=_SEED(seed))
+    q = quantize(w, fmt, 128)
+    words = pack_gemv(q.data.reshape(out_features, -1), fmt, 128, in_features)
+    return words, q.scales.reshape(out_features, -1)
+
+
+@pytest.mark.parametrize("fmt", ["int4", "int8"])
+def test_reference_is_the_unfused_ops(fmt: str) -> None:
+    """x + residual -> RMSNorm -> GEMV -> SiLU * up, as the fused chain computes it: the norm's
+    1/rms applied after the GEMV (its rounding moved), the rest rounded as the unfused ops."""
+    hidden, inter = 256, 128
+    up_words, up_scales = _packed(fmt, 2 * inter, hidden)
+    out_words, out_scales = _packed(fmt, hidden, hidden, seed=4)
+    dtype = torch.bfloat16
+    x = torch.randn(1, hidden, generator=_SEED(1)).to(dtype)
+    attn = torch.randn(1, hidden, generator=_SEED(2)).to(dtype)
+    norm_weight = (1 + 0.1 * torch.randn(hidden, generator=_SEED(5))).to(dtype)
+    # unfused: o_proj, add + RMSNorm, gate/up, SiLU * up
+    pending = quant_matmul_packed(attn, out_words, out_scales, fmt, 128)
+    total, h = add_rms_norm(pending, x, norm_weight, 1e-5)
+    expected = gated_activation(quant_matmul_packed(h, up_words, up_scales, fmt, 128), "silu")
+    # fused: o_proj with the add + norm-weight epilogue, gate/up with the 1/rms and SiLU * up
+    u, fused_total, stats = reference(
+        attn, out_words, out_scales, fmt, 128, residual=x, norm_weight=norm_weight
+    )
+    assert fused_total is not None and stats is not None
+    # (the CPU's unfused GEMV rounds the dequantized weight to bf16 first: an ulp apart)
+    ulp = total.float().abs().max().item() / 128
+    torch.testing.assert_close(fused_total, total, rtol=0, atol=ulp)
+    sums = total.float().pow(2).sum(-1)
+    torch.testing.assert_close(stats.sum(-1), sums, rtol=0.01, atol=0)
+    out, none, _ = reference(u, up_words, up_scales, fmt, 128, stats=stats, eps=1e-5, gated=True)
+    assert none is None and out.shape == expected.shape
+    scale = expected.float().abs().max().item()
+    torch.testing.assert_close(out.float(), expected.float(), rtol=0.02, atol=0.02 * scale)
+    # the op on the CPU is the reference
+    again = quant_decode_gemv(u, up_words, up_scales, fmt, 128, None, stats, 1e-5, True)[0]
+    torch.testing.assert_close(again, out, rtol=0, atol=0)
+
+
+@pytest.mark.parametrize("fmt", ["int4", "int8", "fp8_e4m3"])
+def test_kernel_matches_reference(triton_device: torch.device, fmt: str) -> None:
+    from slipstream.kernels.ops.quant_matmul.fused_gemv import fused_quant_gemv
+
+    in_features, out_features = _IN[fmt], 24
+    words, scales = _packed(fmt, out_features, in_features)
+    words, scales = words.to(triton_device), scales.to(triton_device)
+    dtypes = [torch.float32, torch.float16]
+    if triton_device.type == "cuda":
+        dtypes.append(torch.bfloat16)  # and the f16x2 path (int4 / int8 on NVIDIA)
+    for dtype in dtypes:
+        gen = _SEED(6)
+
+        def rand(
+            *shape: int, dtype: torch.dtype = dtype, gen: torch.Generator = gen
+        ) -> torch.Tensor:
+            return torch.randn(*shape, generator=gen).to(triton_device, dtype)
+
+        x = rand(1, in_features)
+        # the norm's input as a residual stream far from 1: rms ~ 100 (x then is total * w)
+        parts = rand(1, 7, dtype=torch.float32).abs() + 0.5
+        stats = parts / parts.sum() * in_features * 1e4
+        big = 100 * x
+        cases: list[dict] = [
+            {},
+            {"bias": rand(out_features)},
+            {"stats": stats, "eps": 1e-6, "x": big},
+            {"gated": True},
+            {"stats": stats, "eps": 1e-6, "gated": True, "bias": rand(out_features), "x": big},
+            {"residual": rand(1, out_features), "norm_weight": rand(out_features)},
+        ]
+        for kwargs in cases:
+            row = kwargs.pop("x", x)
+            got = fused_quant_gemv(row, words, scales, fmt, 128, **kwargs)
+            want = reference(row, words, scales, fmt, 128, **kwargs)
+            for a, b in zip(got[:2], want[:2], strict=True):
+                assert (a is None) == (b is None)
+                if a is None or b is None:
+                    continue
+                assert a.shape == b.shape and a.dtype == b.dtype
+                # one rounding of the same fp32 sum (16-bit: a unit in the last place)
+                scale = b.float().abs().max().item()
+                tol = 2e-5 if dtype == torch.float32 else 1e-2
+                torch.testing.assert_close(a.float(), b.float(), rtol=tol, atol=tol * scale)
+            if "residual" in kwargs:  # per-program partial sums: the same total
+                assert got[2] is not None and want[2] is not None
+                torch.testing.assert_close(
+                    got[2].sum(-1),
+                    want[2].sum(-1),
+                    rtol=2e-2 if dtype != torch.float32 else 1e-5,
+                    atol=0,
+                )
+    # more rows than a decode step: the reference
+    many = torch.randn(6, in_features).to(triton_device, torch.float32)
+    torch.testing.assert_close(
+        fused_quant_gemv(many, words, scales, fmt, 128)[0],
+        reference(many, words, scales, fmt, 128)[0],
+    )
+    with pytest.raises(ValueError, match="norm_weight"):
+        fused_quant_gemv(x, words, scales, fmt, 128, residual=x[:, :out_features])
