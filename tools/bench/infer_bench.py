@@ -104,6 +104,12 @@ def parse_args() -> argparse.Namespace:
         "installed into slipstream.kernels' gemv.GEMV_TABLE before the model is built",
     )
     parser.add_argument(
+        "--quant-pdl",
+        action="store_true",
+        help="the fused quantized decode GEMVs (decode_fusion on int8/int4) launched with "
+        "programmatic dependent launch (slipstream.kernels' fused_gemv.PDL; sm_90+)",
+    )
+    parser.add_argument(
         "--lm-head",
         action="store_true",
         help="quant.weight.lm_head: quantize the LM head too (default: kept in the compute dtype)",
@@ -314,6 +320,7 @@ def bench_batch(
         gemv_layout=args.gemv_layout,
         lm_head_quantized=args.lm_head,
         gemv_table=args.gemv_table,
+        quant_pdl=args.quant_pdl,
         **run,
     )
     hf_kwargs = {
@@ -489,6 +496,10 @@ def main() -> None:
                 gemv_module.GemvConfig(**launch)
             )
         emit(result="gemv_table", path=args.gemv_table, entries=len(table))
+    if args.quant_pdl:
+        from slipstream.kernels.ops.quant_matmul import fused_gemv
+
+        fused_gemv.PDL = True
     started = time.perf_counter()
     engine = init_inference(model, config)
     emit(result="phase", phase="init_inference", seconds=round(time.perf_counter() - started, 2))

@@ -73,7 +73,7 @@ def eligible_parts(model: FusedDecoder) -> frozenset[str]:
     from slipstream.inference.fused_quant_decode import fusable_quantized
 
     unsharded = model.head_group is None
-    linears: dict[str, list[tuple[object, object]]] = {"head": [(model.head, None)]}
+    linears: dict[str, list[tuple[object, nn.Module | None]]] = {"head": [(model.head, None)]}
     for block in model.blocks:
         assert isinstance(block, FusedBlock)
         for part, name in (("qkv", "qkv"), ("out", "out"), ("gate_up", "up"), ("down", "down")):

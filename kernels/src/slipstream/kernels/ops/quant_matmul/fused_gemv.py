@@ -50,10 +50,30 @@ from slipstream.kernels.ops.quant_matmul.reference import (
 )
 from slipstream.kernels.triton_support import AotSpec, check_kernel_device
 
-__all__ = ["fused_gemv_kernel", "fused_quant_gemv", "fused_quant_supported"]
+__all__ = ["PDL", "fused_gemv_kernel", "fused_quant_gemv", "fused_quant_supported"]
 
 MAX_ROWS = 4
 STATS_BLOCK = 256
+# Programmatic dependent launch (NVIDIA sm_90+): each launch may start while the kernel before
+# it finishes, loading its first weight tile (weights are never written) and waiting
+# (``griddepcontrol.wait``) before it reads activations or writes anything. Off until measured
+# (tools/bench/infer_bench.py --quant-pdl).
+PDL = False
+
+try:
+    from triton.language.extra.cuda import gdc_launch_dependents, gdc_wait
+
+    _HAS_GDC = True
+except ImportError:  # an older Triton: never launched with GDC=True
+    _HAS_GDC = False
+
+    @triton.jit
+    def gdc_wait():  # type: ignore[no-redef]
+        """Placeholder (this Triton has no grid dependency control)."""
+
+    @triton.jit
+    def gdc_launch_dependents():  # type: ignore[no-redef]
+        """Placeholder (this Triton has no grid dependency control)."""
 
 
 @triton.jit
@@ -102,8 +122,11 @@ def fused_gemv_kernel(
     GATED: tl.constexpr,
     ADD_NORM: tl.constexpr,
     STATS: tl.constexpr,
+    GDC: tl.constexpr = False,  # launched with PDL: wait for the previous kernel (see PDL)
 ):
     """One activation row per program ``(row, p)``; see the module docstring for the pieces."""
+    if GDC:
+        gdc_launch_dependents()  # the next fused GEMV may be scheduled behind this one
     pid_m = tl.program_id(0)
     pid_n = tl.program_id(1)
     r = tl.arange(0, BLOCK_N)
@@ -139,6 +162,8 @@ def fused_gemv_kernel(
     if PREFETCH:
         next_words = tl.load(code_rows + word)
         next_scale = tl.load(scale_rows + (g * PACK) // GROUP)
+    if GDC:  # the weights are ours to read early; everything else waits for the producer
+        gdc_wait()
     # the norm's statistics while the first weight tile is in flight
     rstd = 1.0
     xscale = 1.0
@@ -254,6 +279,15 @@ def _native_fp8(device: torch.device) -> bool:
     return torch.cuda.get_device_capability(device) >= (8, 9)
 
 
+def _pdl(device: torch.device) -> dict[str, bool]:
+    """The launch options for :data:`PDL` on this device (none where it cannot run)."""
+    if not (PDL and _HAS_GDC and device.type == "cuda" and torch.version.hip is None):
+        return {}
+    if torch.cuda.get_device_capability(device) < (9, 0):
+        return {}
+    return {"GDC": True, "launch_pdl": True}
+
+
 def fused_quant_supported(format: str, group_size: int, in_features: int) -> bool:
     """Whether :func:`fused_quant_gemv` takes a packed weight of this format and shape."""
     if format not in PER_WORD:
@@ -363,6 +397,7 @@ def fused_quant_gemv(
         STATS=STATS_BLOCK,
         num_warps=config.num_warps,
         num_stages=config.num_stages,
+        **_pdl(x.device),
     )
     shape = x.shape[:-1]
     return (
@@ -409,6 +444,7 @@ def aot_specs(half2: bool = False) -> list[AotSpec]:
                 "GATED",
                 "ADD_NORM",
                 "STATS",
+                "GDC",
             )
         },
     }
@@ -432,6 +468,7 @@ def aot_specs(half2: bool = False) -> list[AotSpec]:
                 "GATED": gated,
                 "ADD_NORM": add_norm,
                 "STATS": STATS_BLOCK,
+                "GDC": False,
             }
             name = f"quant_matmul.fused_gemv[{format}xbf16,norm={norm_in},gated={gated},add={add_norm}]"
             specs.append(AotSpec(name, fused_gemv_kernel, signature, constexprs))
