@@ -126,6 +126,7 @@ def fused_gemv_kernel(
     stride_cn,
     n_stats,
     eps,
+    prefetch_bytes,  # L2_PREFETCH: bytes of each code row prefetched (a multiple of 16)
     FORMAT: tl.constexpr,  # 0 int8, 1 int4, 2 fp8 e4m3 (packed words)
     GROUP: tl.constexpr,
     HAS_BIAS: tl.constexpr,
@@ -181,9 +182,9 @@ def fused_gemv_kernel(
         next_scale = tl.load(scale_rows + (g * PACK) // GROUP)
     if GDC:  # the weights are ours to read early; everything else waits for the producer
         if L2_PREFETCH:
-            # each of the program's code rows (K / 2 or K bytes, contiguous) in one bulk L2
-            # prefetch (sm_90), so a small projection streams while the previous one finishes
-            _l2_prefetch(codes_ptr + cols.to(tl.int64) * stride_cn, r * 0 + stride_cn * 4)
+            # the first prefetch_bytes of each of the program's code rows (contiguous) in one
+            # bulk L2 prefetch (sm_90): the weight streams while the previous kernel finishes
+            _l2_prefetch(codes_ptr + cols.to(tl.int64) * stride_cn, r * 0 + prefetch_bytes)
         gdc_wait()
     # the norm's statistics while the first weight tile is in flight
     rstd = 1.0
@@ -309,9 +310,16 @@ def _pdl(device: torch.device) -> dict[str, bool]:
     return {"GDC": True, "launch_pdl": True}
 
 
-# With PDL, weights up to this many bytes are prefetched into L2 before the wait (a quarter of
-# an H100's L2: QKV and the output projection of an 8B model; gate/up and down stream as usual).
+# With PDL, up to this many bytes of each weight are prefetched into L2 before the wait (a
+# quarter of an H100's L2): all of an 8B model's QKV and output projection, the first part of
+# every row of gate/up and down.
 L2_PREFETCH_BYTES = 12 << 20
+
+
+def _prefetch_bytes(out_features: int, row_bytes: int) -> int:
+    """Bytes of each code row to prefetch into L2 (0: none, too few to be worth it)."""
+    share = min(row_bytes, L2_PREFETCH_BYTES // max(out_features, 1)) // 16 * 16
+    return share if share >= 256 else 0
 
 
 def fused_quant_supported(format: str, group_size: int, in_features: int) -> bool:
@@ -392,6 +400,7 @@ def fused_quant_gemv(
     if stats is not None:
         stats = stats.reshape(rows, -1).float().contiguous()
     pdl = _pdl(x.device)
+    prefetch = _prefetch_bytes(out_features, in_features * 4 // PER_WORD[format]) if pdl else 0
     fused_gemv_kernel[(rows, blocks)](
         flat,
         words,
@@ -410,6 +419,7 @@ def fused_quant_gemv(
         in_features // PER_WORD[format],
         stats.shape[1] if stats is not None else 0,
         eps,
+        prefetch,
         FORMAT=GEMV_FORMAT_CODES[format],
         GROUP=group_size,
         HAS_BIAS=bias is not None,
@@ -424,7 +434,7 @@ def fused_quant_gemv(
         STATS=STATS_BLOCK,
         num_warps=config.num_warps,
         num_stages=config.num_stages,
-        L2_PREFETCH=bool(pdl) and words.numel() * 4 <= L2_PREFETCH_BYTES,
+        L2_PREFETCH=prefetch > 0,
         **pdl,
     )
     shape = x.shape[:-1]
@@ -457,6 +467,7 @@ def aot_specs(half2: bool = False) -> list[AotSpec]:
         "stride_cn": "i32",
         "n_stats": "i32",
         "eps": "fp32",
+        "prefetch_bytes": "i32",
         **{
             name: "constexpr"
             for name in (
