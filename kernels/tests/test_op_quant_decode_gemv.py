@@ -130,3 +130,39 @@ def _kernel_matches_reference(triton_device: torch.device, fmt: str) -> None:
     )
     with pytest.raises(ValueError, match="norm_weight"):
         fused_quant_gemv(x, words, scales, fmt, 128, residual=x[:, :out_features])
+
+
+@pytest.mark.parametrize("fmt", ["int4", "int8"])
+def test_qkv_with_rotary_and_cache_write(triton_device: torch.device, fmt: str) -> None:
+    """quant_decode_qkv: the QKV GEMV (norm 1/rms from stats) then rotary_kv_write, in one
+    kernel: queries, the rotated key and the value at the slot equal the reference's."""
+    from slipstream.kernels.ops.quant_matmul.fused_gemv import fused_quant_qkv
+    from slipstream.kernels.ops.quant_matmul.reference import quant_decode_qkv
+
+    heads, kv_heads, head_dim, slots = 4, 2, 16, 8
+    in_features = _IN[fmt]
+    words, scales = _packed(fmt, (heads + 2 * kv_heads) * head_dim, in_features)
+    words, scales = words.to(triton_device), scales.to(triton_device)
+    dtypes = [torch.float32, torch.float16]
+    if triton_device.type == "cuda":
+        dtypes.append(torch.bfloat16)
+    gen = _SEED(8)
+    for dtype in dtypes:
+        x = (10 * torch.randn(1, 1, in_features, generator=gen)).to(triton_device, dtype)
+        stats = torch.full((1, 3), 100.0 * in_features / 3, device=triton_device)
+        angles = torch.rand(1, 1, head_dim // 2, generator=gen).to(triton_device) * 6
+        cos, sin = angles.cos(), angles.sin()
+        slot = torch.tensor([5], device=triton_device)
+        caches = [torch.zeros(2, 1, kv_heads, slots, head_dim, device=triton_device, dtype=dtype)]
+        caches.append(caches[0].clone())
+        outs = []
+        for fn, (keys, values) in zip((fused_quant_qkv, quant_decode_qkv), caches, strict=True):
+            args = (x, words, scales, fmt, 128, None, stats, 1e-6, cos, sin, keys, values, slot)
+            outs.append(fn(*args, heads, kv_heads))
+        assert outs[0].shape == outs[1].shape == (1, heads, 1, head_dim)
+        tol = 2e-5 if dtype == torch.float32 else 1e-2
+        for got, want in ((outs[0], outs[1]), (caches[0][0], caches[1][0])):
+            scale = want.float().abs().max().item()
+            torch.testing.assert_close(got.float(), want.float(), rtol=tol, atol=tol * scale)
+        torch.testing.assert_close(caches[0][1], caches[1][1], rtol=tol, atol=tol * scale)
+        assert caches[0][0][:, :, 5].abs().sum() > 0 and caches[0][0][:, :, 4].abs().sum() == 0

@@ -178,8 +178,8 @@ def test_fused_quantized_decode_equals_unfused(monkeypatch: pytest.MonkeyPatch) 
     import slipstream.inference.fused_quant_decode as quant_module
     from slipstream.inference.fused_decode import enable_decode_fusion
 
-    calls = {"gated": 0, "norm_in": 0, "add_norm": 0}
-    original = quant_module.quant_decode_gemv
+    calls = {"gated": 0, "norm_in": 0, "add_norm": 0, "qkv": 0}
+    original, original_qkv = quant_module.quant_decode_gemv, quant_module.quant_decode_qkv
 
     def counting(*args: Any) -> Any:
         calls["gated"] += bool(args[8])
@@ -187,7 +187,12 @@ def test_fused_quantized_decode_equals_unfused(monkeypatch: pytest.MonkeyPatch) 
         calls["add_norm"] += args[9] is not None
         return original(*args)
 
+    def counting_qkv(*args: Any) -> Any:
+        calls["qkv"] += 1
+        return original_qkv(*args)
+
     monkeypatch.setattr(quant_module, "quant_decode_gemv", counting)
+    monkeypatch.setattr(quant_module, "quant_decode_qkv", counting_qkv)
     model = _packable_llama()
     ids = torch.randint(3, 96, (1, 7), generator=torch.Generator().manual_seed(0))
     cuda = torch.device("cuda")  # "auto" reads only the device type
@@ -202,14 +207,15 @@ def test_fused_quantized_decode_equals_unfused(monkeypatch: pytest.MonkeyPatch) 
         assert auto == (frozenset() if fmt == "fp8_e4m3" else PARTS), (bits, fmt)
         assert plain.fused is not None
         plain.fused.decode_fusion = frozenset()
-        calls.update(gated=0, norm_in=0, add_norm=0)
+        calls.update(gated=0, norm_in=0, add_norm=0, qkv=0)
         tokens = fused.generate(ids, **KWARGS)
         layers = len(fused.fused.blocks)
-        # 5 decode steps: per block gate/up (gated, 1/rms), QKV (1/rms), out and down (add +
-        # norm epilogue), the quantized head's 1/rms; the last down's epilogue feeds a bf16 head
-        # through norm_gemv instead.
+        # 5 decode steps: per block QKV (1/rms, rotary and cache write), gate/up (gated,
+        # 1/rms), out and down (add + norm epilogue), the quantized head's 1/rms; the last
+        # down's epilogue feeds a bf16 head through norm_gemv instead.
+        assert calls["qkv"] == 5 * layers
         assert calls["gated"] == 5 * layers
-        assert calls["norm_in"] == 5 * (2 * layers + lm_head)
+        assert calls["norm_in"] == 5 * (layers + lm_head)
         assert calls["add_norm"] == 5 * (2 * layers - 1 + lm_head)
         assert torch.equal(tokens, plain.generate(ids, **KWARGS)), (bits, fmt)
         assert plain._runner is not None and fused._runner is not None

@@ -5,15 +5,16 @@ A packed quantized projection (``quant.weight.gemv_layout``) runs
 between the projections. Per Llama block at batch 1:
 
 - ``qkv``: the input RMSNorm's ``1 / rms`` (from the partial sums of squares the previous
-  block's down projection left) scales the accumulator; ``rotary_kv_write`` and
-  ``decode_attention`` follow (``"attention"``);
+  block's down projection left) scales the accumulator, and its epilogue rotates the queries
+  and keys and writes keys and values into the cache (``rotary_kv_write``'s work, with
+  ``"attention"`` fused too); ``decode_attention`` follows;
 - ``out``: its epilogue adds the residual, writes the residual stream and ``total *
   post_norm.weight`` (the next RMSNorm but its ``1 / rms``) and the partial sums of squares;
 - ``gate_up``: the post-norm's ``1 / rms`` as for QKV, and SiLU(gate) * up in its epilogue (when
   ``down`` is fused too), so the 2I-wide projection never reaches memory;
 - ``down``: the residual add and the next block's (or the final) norm weight in its epilogue.
 
-Five launches per block instead of nine; the first block's norm and a dense (bf16) head's norm
+Five launches per block (QKV, attention, output, gate/up, down) instead of nine; the first block's norm and a dense (bf16) head's norm
 run as the dense fused step runs them. Parts left out of ``decode_fusion`` run unfused, the
 others still fused (the hand-over between them is converted as needed). Tensor-parallel blocks
 are not fused here (their partial sums must be reduced before the norm).
@@ -28,8 +29,14 @@ from torch import nn
 
 from slipstream.inference.model import FusedBlock, FusedDecoder, KVCache, Norm
 from slipstream.inference.quantize import WeightOnlyLinear
-from slipstream.kernels.ops import decode_gemv, gated_activation, gated_gemv, norm_gemv
-from slipstream.kernels.ops.quant_matmul import quant_decode_gemv
+from slipstream.kernels.ops import (
+    decode_attention,
+    decode_gemv,
+    gated_activation,
+    gated_gemv,
+    norm_gemv,
+)
+from slipstream.kernels.ops.quant_matmul import quant_decode_gemv, quant_decode_qkv
 
 __all__ = ["FUSABLE_FORMATS", "fusable_quantized", "has_fused_quantized", "quant_decode_forward"]
 
@@ -140,6 +147,53 @@ def _produce(
     return ("pending", x, linear(act))
 
 
+def _rotary_qkv(
+    block: FusedBlock,
+    u: torch.Tensor,
+    stats: torch.Tensor,
+    rotary: tuple[torch.Tensor, torch.Tensor],
+    cache: tuple[torch.Tensor, torch.Tensor],
+    slots: torch.Tensor,
+) -> torch.Tensor:
+    """The rotated queries ``(batch, heads, 1, head_dim)`` of the quantized QKV projection of
+    ``u`` (normalised by ``stats``), its keys and values written into ``cache`` at ``slots``."""
+    linear = block.qkv
+    assert isinstance(linear, WeightOnlyLinear)
+    bias = None if linear.bias is None else linear.bias.to(u.dtype)
+    return quant_decode_qkv(
+        u,
+        linear.codes,
+        linear.scales,
+        linear.format,
+        linear.group_size,
+        bias,
+        stats,
+        block.input_norm.eps,
+        rotary[0][:, :, 0],
+        rotary[1][:, :, 0],
+        cache[0],
+        cache[1],
+        slots,
+        block.heads,
+        block.kv_heads,
+    )
+
+
+def _cached_attention(
+    block: FusedBlock,
+    q: torch.Tensor,
+    cache: tuple[torch.Tensor, torch.Tensor],
+    mask: torch.Tensor,
+) -> torch.Tensor:
+    """``FusedBlock._attend``'s split-K attention over the cache from rotated queries."""
+    batch, heads, length, head_dim = q.shape
+    keys, values = cache[0][:, :, : mask.shape[-1]], cache[1][:, :, : mask.shape[-1]]
+    if heads > block.kv_heads:  # the GQA group's query heads as rows of their KV head
+        q = q.reshape(batch, block.kv_heads, (heads // block.kv_heads) * length, head_dim)
+    out = decode_attention(q, keys, values, mask, block.spec.scale)
+    return out.reshape(batch, heads, length, head_dim).transpose(1, 2).reshape(batch, length, -1)
+
+
 def quant_decode_forward(
     model: FusedDecoder,
     x: torch.Tensor,
@@ -156,8 +210,20 @@ def quant_decode_forward(
     for index, block in enumerate(blocks):
         assert isinstance(block, FusedBlock) and block.post_norm is not None
         layer_cache = None if cache is None else (cache.keys[index], cache.values[index])
-        x, qkv = _consume(state, block.input_norm, block.qkv, "qkv" in parts)
-        attn = block._attend(qkv, rotary, layer_cache, slots, mask, "attention" in parts)
+        if (
+            "qkv" in parts
+            and "attention" in parts
+            and fusable_quantized(block.qkv)
+            and layer_cache is not None
+            and rotary is not None
+        ):
+            # rotary_kv_write in the QKV projection's epilogue, then decode_attention
+            x, u, stats = _normed(state, block.input_norm)
+            q = _rotary_qkv(block, u, stats, rotary, layer_cache, slots)
+            attn = _cached_attention(block, q, layer_cache, mask)
+        else:
+            x, qkv = _consume(state, block.input_norm, block.qkv, "qkv" in parts)
+            attn = block._attend(qkv, rotary, layer_cache, slots, mask, "attention" in parts)
         up_normed = "gate_up" in parts and fusable_quantized(block.up)
         post = block.post_norm if up_normed else None
         state = _produce(x, attn, block.out, "out" in parts, post)

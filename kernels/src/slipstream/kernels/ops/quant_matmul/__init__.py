@@ -46,16 +46,31 @@ register_triton(
     "slipstream.kernels.ops.quant_matmul.fused_gemv:fused_quant_gemv",
     (torch.float16, torch.bfloat16, torch.float32),
 )
+QKV_OP_NAME = "quant_decode_qkv"
+register_op(
+    QKV_OP_NAME,
+    "reference",
+    "slipstream.kernels.ops.quant_matmul.reference:quant_decode_qkv",
+    device_types=(ANY_DEVICE,),
+    priority=0,
+)
+register_triton(
+    QKV_OP_NAME,
+    "slipstream.kernels.ops.quant_matmul.fused_gemv:fused_quant_qkv",
+    (torch.float16, torch.bfloat16, torch.float32),
+)
 
 __all__ = [
     "DECODE_OP_NAME",
     "OP_NAME",
     "PACKED_OP_NAME",
+    "QKV_OP_NAME",
     "check_weight",
     "dequantize_weight",
     "is_packable",
     "pack_gemv",
     "quant_decode_gemv",
+    "quant_decode_qkv",
     "quant_matmul",
     "quant_matmul_packed",
     "unpack_gemv",
@@ -131,4 +146,46 @@ def quant_decode_gemv(
     fn = get_op(DECODE_OP_NAME, x.device.type, x.dtype)
     return fn(  # type: ignore[no-any-return]
         x, words, scales, format, group_size, bias, stats, eps, gated, residual, norm_weight
+    )
+
+
+def quant_decode_qkv(
+    x: torch.Tensor,
+    words: torch.Tensor,
+    scales: torch.Tensor,
+    format: str,
+    group_size: int,
+    bias: torch.Tensor | None,
+    stats: torch.Tensor | None,
+    eps: float,
+    cos: torch.Tensor | None,
+    sin: torch.Tensor | None,
+    key_cache: torch.Tensor,
+    value_cache: torch.Tensor,
+    slots: torch.Tensor,
+    num_heads: int,
+    num_kv_heads: int,
+) -> torch.Tensor:
+    """A decode step's fused QKV projection (:func:`quant_decode_gemv` with the norm's
+    ``stats``) with ``rotary_kv_write`` folded into its epilogue: returns the rotated queries
+    ``(batch, num_heads, 1, head_dim)`` and writes the rotated keys and the values into
+    ``key_cache`` / ``value_cache`` ``(batch, kv_heads, slots, head_dim)`` at ``slots``, with
+    the best backend (see :func:`.reference.quant_decode_qkv`)."""
+    fn = get_op(QKV_OP_NAME, x.device.type, x.dtype)
+    return fn(  # type: ignore[no-any-return]
+        x,
+        words,
+        scales,
+        format,
+        group_size,
+        bias,
+        stats,
+        eps,
+        cos,
+        sin,
+        key_cache,
+        value_cache,
+        slots,
+        num_heads,
+        num_kv_heads,
     )

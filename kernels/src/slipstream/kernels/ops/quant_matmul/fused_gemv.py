@@ -44,13 +44,22 @@ from slipstream.kernels.ops.quant_matmul.gemv import (
     gemv_supports,
     half2_supported,
 )
-from slipstream.kernels.ops.quant_matmul.packing import PER_WORD, check_packable
+from slipstream.kernels.ops.quant_matmul.packing import PER_WORD, check_packable, is_packable
 from slipstream.kernels.ops.quant_matmul.reference import (
     quant_decode_gemv as reference_decode_gemv,
 )
+from slipstream.kernels.ops.quant_matmul.reference import (
+    quant_decode_qkv as reference_decode_qkv,
+)
 from slipstream.kernels.triton_support import AotSpec, check_kernel_device
 
-__all__ = ["PDL", "fused_gemv_kernel", "fused_quant_gemv", "fused_quant_supported"]
+__all__ = [
+    "PDL",
+    "fused_gemv_kernel",
+    "fused_quant_gemv",
+    "fused_quant_qkv",
+    "fused_quant_supported",
+]
 
 MAX_ROWS = 4
 STATS_BLOCK = 256
@@ -127,6 +136,16 @@ def fused_gemv_kernel(
     n_stats,
     eps,
     prefetch_bytes,  # L2_PREFETCH: bytes of each code row prefetched (a multiple of 16)
+    cos_ptr,  # ROPE: (rows, HEAD_DIM / 2) fp32 rotary tables
+    sin_ptr,
+    slot_ptr,  # ROPE: the cache slot of the token
+    key_ptr,  # ROPE: the layer's key / value cache (rows, kv_heads, slots, HEAD_DIM)
+    value_ptr,
+    heads,
+    kv_heads,
+    cache_sb,
+    cache_sh,
+    cache_ss,
     FORMAT: tl.constexpr,  # 0 int8, 1 int4, 2 fp8 e4m3 (packed words)
     GROUP: tl.constexpr,
     HAS_BIAS: tl.constexpr,
@@ -139,6 +158,8 @@ def fused_gemv_kernel(
     GATED: tl.constexpr,
     ADD_NORM: tl.constexpr,
     STATS: tl.constexpr,
+    ROPE: tl.constexpr = False,  # QKV: rotate q and k, write q to out and k, v to the cache
+    HEAD_DIM: tl.constexpr = 128,
     GDC: tl.constexpr = False,  # launched with PDL: wait for the previous kernel (see PDL)
     L2_PREFETCH: tl.constexpr = False,  # GDC: the program's weight rows into L2 before the wait
 ):
@@ -148,7 +169,14 @@ def fused_gemv_kernel(
     pid_m = tl.program_id(0)
     pid_n = tl.program_id(1)
     r = tl.arange(0, BLOCK_N)
-    if GATED:
+    if ROPE:
+        # rotary pairs: weight rows (head, i) and (head, i + HEAD_DIM / 2) in one program
+        pair = pid_n * (BLOCK_N // 2) + r // 2
+        col_ok = pair < N // 2
+        pair = tl.minimum(pair, N // 2 - 1)
+        cols = (pair // (HEAD_DIM // 2)) * HEAD_DIM + pair % (HEAD_DIM // 2)
+        cols = cols + (r % 2) * (HEAD_DIM // 2)
+    elif GATED:
         half_n = N // 2
         feature = pid_n * (BLOCK_N // 2) + r // 2
         col_ok = feature < half_n
@@ -274,7 +302,35 @@ def fused_gemv_kernel(
     if HAS_BIAS:
         acc += tl.load(bias_ptr + cols).to(tl.float32)
     out_row = out_ptr + pid_m.to(tl.int64) * stride_om
-    if GATED:
+    if ROPE:
+        # the projection's outputs rounded as the unfused GEMV's, then rotary_kv_write's math
+        HALF: tl.constexpr = HEAD_DIM // 2
+        y = acc.to(out_type).to(tl.float32)
+        first, second = tl.split(tl.reshape(y, (BLOCK_N // 2, 2)))
+        p = pid_n * (BLOCK_N // 2) + tl.arange(0, BLOCK_N // 2)
+        ok = p < N // 2
+        head = p // HALF
+        i = p % HALF
+        is_q = head < heads
+        is_v = head >= heads + kv_heads
+        turn = ok & (head < heads + kv_heads)
+        c = tl.load(cos_ptr + pid_m * HALF + i, mask=turn, other=1.0).to(tl.float32)
+        sn = tl.load(sin_ptr + pid_m * HALF + i, mask=turn, other=0.0).to(tl.float32)
+        lo = (first * c - second * sn).to(out_type)
+        hi = (second * c + first * sn).to(out_type)
+        q_at = out_row + head * HEAD_DIM + i
+        tl.store(q_at, lo, mask=ok & is_q)
+        tl.store(q_at + HALF, hi, mask=ok & is_q)
+        slot = tl.load(slot_ptr).to(tl.int64)
+        kv = tl.where(is_v, head - heads - kv_heads, head - heads)
+        at = pid_m.to(tl.int64) * cache_sb + kv * cache_sh + slot * cache_ss + i
+        k_ok = ok & (head >= heads) & ~is_v
+        v_ok = ok & is_v
+        tl.store(key_ptr + at, lo.to(key_ptr.dtype.element_ty), mask=k_ok)
+        tl.store(key_ptr + at + HALF, hi.to(key_ptr.dtype.element_ty), mask=k_ok)
+        tl.store(value_ptr + at, lo.to(value_ptr.dtype.element_ty), mask=v_ok)
+        tl.store(value_ptr + at + HALF, hi.to(value_ptr.dtype.element_ty), mask=v_ok)
+    elif GATED:
         # the projection's outputs rounded as the unfused GEMV's, then gated_activation's math
         y = acc.to(out_type).to(tl.float32)
         gate, up = tl.split(tl.reshape(y, (BLOCK_N // 2, 2)))
@@ -399,9 +455,153 @@ def fused_quant_gemv(
         stats_out = torch.empty(rows, blocks, device=x.device, dtype=torch.float32)
     if stats is not None:
         stats = stats.reshape(rows, -1).float().contiguous()
-    pdl = _pdl(x.device)
+    _launch(
+        (rows, blocks),
+        flat,
+        words,
+        scales,
+        bias,
+        out,
+        stats,
+        residual,
+        norm_weight,
+        total,
+        stats_out,
+        format,
+        group_size,
+        eps,
+        config,
+        gated=gated,
+    )
+    shape = x.shape[:-1]
+    return (
+        out.reshape(*shape, width),
+        None if total is None else total.reshape(*shape, out_features),
+        stats_out,
+    )
+
+
+def fused_quant_qkv(
+    x: torch.Tensor,
+    words: torch.Tensor,
+    scales: torch.Tensor,
+    format: str,
+    group_size: int,
+    bias: torch.Tensor | None,
+    stats: torch.Tensor | None,
+    eps: float,
+    cos: torch.Tensor | None,
+    sin: torch.Tensor | None,
+    key_cache: torch.Tensor,
+    value_cache: torch.Tensor,
+    slots: torch.Tensor,
+    num_heads: int,
+    num_kv_heads: int,
+) -> torch.Tensor:
+    """See :func:`slipstream.kernels.ops.quant_matmul.reference.quant_decode_qkv`: the QKV
+    projection with ``rotary_kv_write`` in its epilogue (one token, full-width rotary)."""
+    check_kernel_device(
+        "quant_decode_qkv", x, words, scales, bias, stats, cos, sin, key_cache, value_cache, slots
+    )
+    in_features = x.shape[-1]
+    rows = x.numel() // max(in_features, 1)
+    head_dim = key_cache.shape[-1]
+    out_features = words.numel() * PER_WORD[format] // max(in_features, 1)
+    config = None
+    if is_packable(format, group_size, in_features):
+        config = _config(format, out_features, in_features, group_size, True, x)
+    if (
+        config is None
+        or not gemv_supports(format, group_size, in_features, config)
+        or x.dim() != 3
+        or x.shape[1] != 1
+        or not 0 < rows <= MAX_ROWS
+        or (torch.is_grad_enabled() and x.requires_grad)
+        or cos is None
+        or sin is None
+        or 2 * cos.shape[-1] != head_dim
+        or slots.numel() != 1
+        or out_features != (num_heads + 2 * num_kv_heads) * head_dim
+        or key_cache.stride() != value_cache.stride()
+        or key_cache.stride(-1) != 1
+        or key_cache.dtype != value_cache.dtype
+    ):
+        return reference_decode_qkv(
+            x,
+            words,
+            scales,
+            format,
+            group_size,
+            bias,
+            stats,
+            eps,
+            cos,
+            sin,
+            key_cache,
+            value_cache,
+            slots,
+            num_heads,
+            num_kv_heads,
+        )
+    flat = x.reshape(rows, in_features)
+    if flat.stride(-1) != 1 or flat.stride(0) % 2 or flat.data_ptr() % 4:
+        flat = flat.clone(memory_format=torch.contiguous_format)
+    if stats is not None:
+        stats = stats.reshape(rows, -1).float().contiguous()
+    out = torch.empty(rows, num_heads * head_dim, device=x.device, dtype=x.dtype)
+    tables = (
+        cos.reshape(rows, -1).float().contiguous(),
+        sin.reshape(rows, -1).float().contiguous(),
+    )
+    _launch(
+        (rows, triton.cdiv(out_features // 2, config.block_n // 2)),
+        flat,
+        words,
+        scales,
+        bias,
+        out,
+        stats,
+        None,
+        None,
+        None,
+        None,
+        format,
+        group_size,
+        eps,
+        config,
+        rope=(*tables, slots, key_cache, value_cache),
+        rope_shape=(num_heads, num_kv_heads, head_dim),
+    )
+    return out.view(rows, num_heads, 1, head_dim)
+
+
+def _launch(
+    grid: tuple[int, int],
+    flat: torch.Tensor,
+    words: torch.Tensor,
+    scales: torch.Tensor,
+    bias: torch.Tensor | None,
+    out: torch.Tensor,
+    stats: torch.Tensor | None,
+    residual: torch.Tensor | None,
+    norm_weight: torch.Tensor | None,
+    total: torch.Tensor | None,
+    stats_out: torch.Tensor | None,
+    format: str,
+    group_size: int,
+    eps: float,
+    config: GemvConfig,
+    gated: bool = False,
+    rope: tuple[torch.Tensor, ...] | None = None,
+    rope_shape: tuple[int, int, int] = (0, 0, 128),
+) -> None:
+    in_features = flat.shape[-1]
+    out_features = words.numel() * PER_WORD[format] // in_features
+    pdl = _pdl(flat.device)
     prefetch = _prefetch_bytes(out_features, in_features * 4 // PER_WORD[format]) if pdl else 0
-    fused_gemv_kernel[(rows, blocks)](
+    cos, sin, slots, key_cache, value_cache = rope if rope is not None else (out,) * 5
+    cache_strides = key_cache.stride()[:3] if rope is not None else (0, 0, 0)
+    fused_gemv_kernel[grid](
         flat,
         words,
         scales,
@@ -420,28 +620,32 @@ def fused_quant_gemv(
         stats.shape[1] if stats is not None else 0,
         eps,
         prefetch,
+        cos,
+        sin,
+        slots,
+        key_cache,
+        value_cache,
+        rope_shape[0],
+        rope_shape[1],
+        *cache_strides,
         FORMAT=GEMV_FORMAT_CODES[format],
         GROUP=group_size,
         HAS_BIAS=bias is not None,
         BLOCK_N=config.block_n,
         BLOCK_K=gemv_block_k(format, config.num_warps),
-        NATIVE_FP8=format == "fp8_e4m3" and _native_fp8(x.device),
+        NATIVE_FP8=format == "fp8_e4m3" and _native_fp8(flat.device),
         HALF2=config.half2,
         PREFETCH=config.prefetch,
         NORM_IN=stats is not None,
         GATED=gated,
-        ADD_NORM=add_norm,
+        ADD_NORM=residual is not None,
         STATS=STATS_BLOCK,
         num_warps=config.num_warps,
         num_stages=config.num_stages,
         L2_PREFETCH=prefetch > 0,
+        ROPE=rope is not None,
+        HEAD_DIM=rope_shape[2],
         **pdl,
-    )
-    shape = x.shape[:-1]
-    return (
-        out.reshape(*shape, width),
-        None if total is None else total.reshape(*shape, out_features),
-        stats_out,
     )
 
 
@@ -468,6 +672,16 @@ def aot_specs(half2: bool = False) -> list[AotSpec]:
         "n_stats": "i32",
         "eps": "fp32",
         "prefetch_bytes": "i32",
+        "cos_ptr": "*fp32",
+        "sin_ptr": "*fp32",
+        "slot_ptr": "*i64",
+        "key_ptr": "*bf16",
+        "value_ptr": "*bf16",
+        "heads": "i32",
+        "kv_heads": "i32",
+        "cache_sb": "i32",
+        "cache_sh": "i32",
+        "cache_ss": "i32",
         **{
             name: "constexpr"
             for name in (
@@ -483,6 +697,8 @@ def aot_specs(half2: bool = False) -> list[AotSpec]:
                 "GATED",
                 "ADD_NORM",
                 "STATS",
+                "ROPE",
+                "HEAD_DIM",
                 "GDC",
                 "L2_PREFETCH",
             )
@@ -490,16 +706,16 @@ def aot_specs(half2: bool = False) -> list[AotSpec]:
     }
     specs = []
     for format in ("int4", "int8"):
-        for norm_in, gated, add_norm in (
-            (True, True, False),
-            (False, False, True),
-            (True, False, False),
+        for norm_in, gated, add_norm, rope in (
+            (True, True, False, False),
+            (False, False, True, False),
+            (True, False, False, True),
         ):
             constexprs = {
                 "FORMAT": GEMV_FORMAT_CODES[format],
                 "GROUP": 128,
                 "HAS_BIAS": False,
-                "BLOCK_N": 8 if gated else 4,
+                "BLOCK_N": 8 if gated else 4,  # (rope: two rotary pairs)
                 "BLOCK_K": gemv_block_k(format, 1),
                 "NATIVE_FP8": False,
                 "HALF2": half2,
@@ -508,9 +724,14 @@ def aot_specs(half2: bool = False) -> list[AotSpec]:
                 "GATED": gated,
                 "ADD_NORM": add_norm,
                 "STATS": STATS_BLOCK,
+                "ROPE": rope,
+                "HEAD_DIM": 128,
                 "GDC": False,
                 "L2_PREFETCH": False,
             }
-            name = f"quant_matmul.fused_gemv[{format}xbf16,norm={norm_in},gated={gated},add={add_norm}]"
+            name = (
+                f"quant_matmul.fused_gemv[{format}xbf16,norm={norm_in},gated={gated},"
+                f"add={add_norm},rope={rope}]"
+            )
             specs.append(AotSpec(name, fused_gemv_kernel, signature, constexprs))
     return specs

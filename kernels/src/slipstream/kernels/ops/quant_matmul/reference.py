@@ -11,6 +11,7 @@ __all__ = [
     "check_weight",
     "dequantize_weight",
     "quant_decode_gemv",
+    "quant_decode_qkv",
     "quant_matmul",
     "quant_matmul_packed",
 ]
@@ -143,3 +144,39 @@ def quant_decode_gemv(
     total = (y.float() + residual.float()).to(residual.dtype)
     stats_out = total.float().pow(2).sum(-1).reshape(-1, 1)
     return (total.float() * norm_weight.float()).to(x.dtype), total, stats_out
+
+
+def quant_decode_qkv(
+    x: torch.Tensor,
+    words: torch.Tensor,
+    scales: torch.Tensor,
+    format: str,
+    group_size: int,
+    bias: torch.Tensor | None,
+    stats: torch.Tensor | None,
+    eps: float,
+    cos: torch.Tensor | None,
+    sin: torch.Tensor | None,
+    key_cache: torch.Tensor,
+    value_cache: torch.Tensor,
+    slots: torch.Tensor,
+    num_heads: int,
+    num_kv_heads: int,
+) -> torch.Tensor:
+    """:func:`quant_decode_gemv` of a fused QKV projection (``x`` ``(batch, 1, in)``, with the
+    norm's ``stats``), then ``rotary_kv_write``: returns the rotated queries ``(batch,
+    num_heads, 1, head_dim)`` and writes the rotated keys and the values into the caches at
+    ``slots``."""
+    from slipstream.kernels.ops.rotary_kv_write.reference import rotary_kv_write
+
+    y = quant_decode_gemv(x, words, scales, format, group_size, bias, stats, eps)[0]
+    return rotary_kv_write(
+        y.reshape(x.shape[0], -1, y.shape[-1]),
+        cos,
+        sin,
+        key_cache,
+        value_cache,
+        slots,
+        num_heads,
+        num_kv_heads,
+    )
