@@ -30,6 +30,7 @@ for line in sys.stdin:
 }
 first() {
   python3 -m pytest -m gpu kernels/tests/test_op_quant_decode_gemv.py -q -x -p no:cacheprovider 2>&1 | tail -2
+  python3 -m pytest -m gpu packages/inference/tests/test_gpu.py -k fused_quantized -q -x -p no:cacheprovider 2>&1 | tail -2
   $B --decode-fusion on 2>/dev/null | summary bf16-fused
   $B --weights int4 --decode-fusion off 2>/dev/null | summary int4-unfused
   $B --weights int4 --profile 16 2>/dev/null | summary int4-fused
