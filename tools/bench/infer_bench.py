@@ -497,9 +497,11 @@ def main() -> None:
             )
         emit(result="gemv_table", path=args.gemv_table, entries=len(table))
     if args.quant_pdl:
+        from slipstream.kernels.ops.decode_attention import triton as attention_triton
         from slipstream.kernels.ops.quant_matmul import fused_gemv
 
         fused_gemv.PDL = True
+        attention_triton.LAUNCH_DEPENDENTS_EARLY = True
     started = time.perf_counter()
     engine = init_inference(model, config)
     emit(result="phase", phase="init_inference", seconds=round(time.perf_counter() - started, 2))

@@ -177,6 +177,7 @@ def test_fused_quantized_decode_on_gpu(bits: int, monkeypatch: pytest.MonkeyPatc
     dependent launch), and its logits stay near the unfused quantized step's."""
     import transformers
 
+    from slipstream.kernels.ops.decode_attention import triton as attention_triton
     from slipstream.kernels.ops.quant_matmul import fused_gemv
 
     config_hf = transformers.LlamaConfig(
@@ -208,11 +209,13 @@ def test_fused_quantized_decode_on_gpu(bits: int, monkeypatch: pytest.MonkeyPatc
     outputs = []
     for graph, pdl in ((False, False), (True, False), (True, True)):
         monkeypatch.setattr(fused_gemv, "PDL", pdl)
+        monkeypatch.setattr(attention_triton, "LAUNCH_DEPENDENTS_EARLY", pdl)
         engine = init_inference(model, config, enable_cuda_graph=graph, max_out_tokens=32)
         assert engine.fused is not None and len(engine.fused.decode_fusion) == 6  # auto: all
         outputs.append(engine.generate(ids, **kwargs))
     assert torch.equal(outputs[0], outputs[1]) and torch.equal(outputs[0], outputs[2])
     monkeypatch.setattr(fused_gemv, "PDL", False)
+    monkeypatch.setattr(attention_triton, "LAUNCH_DEPENDENTS_EARLY", False)
     steps = []
     for fusion in (True, False):
         engine = init_inference(model, {**config, "decode_fusion": fusion}, max_out_tokens=32)
