@@ -6,6 +6,8 @@ f16x2 path too)."""
 
 from __future__ import annotations
 
+import importlib
+
 import pytest
 import torch
 
@@ -69,6 +71,9 @@ def test_kernel_matches_reference(
     for pdl in (False, True) if triton_device.type == "cuda" else (False,):
         monkeypatch.setattr(fused_gemv, "PDL", pdl)
         _kernel_matches_reference(triton_device, fmt)
+    # a persistent grid (an LM head's): two programs walk the blocks
+    monkeypatch.setattr(fused_gemv, "_grid_programs", lambda blocks, device: min(blocks, 2))
+    _kernel_matches_reference(triton_device, fmt)
 
 
 def _kernel_matches_reference(triton_device: torch.device, fmt: str) -> None:
@@ -133,7 +138,9 @@ def _kernel_matches_reference(triton_device: torch.device, fmt: str) -> None:
 
 
 @pytest.mark.parametrize("fmt", ["int4", "int8"])
-def test_qkv_with_rotary_and_cache_write(triton_device: torch.device, fmt: str) -> None:
+def test_qkv_with_rotary_and_cache_write(
+    triton_device: torch.device, fmt: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
     """quant_decode_qkv: the QKV GEMV (norm 1/rms from stats) then rotary_kv_write, in one
     kernel: queries, the rotated key and the value at the slot equal the reference's."""
     from slipstream.kernels.ops.quant_matmul.fused_gemv import fused_quant_qkv
@@ -148,6 +155,9 @@ def test_qkv_with_rotary_and_cache_write(triton_device: torch.device, fmt: str) 
         dtypes.append(torch.bfloat16)
     gen = _SEED(8)
     for dtype in dtypes:
+        if dtype == torch.float16:  # and a persistent grid: two programs walk the blocks
+            fused_gemv = importlib.import_module("slipstream.kernels.ops.quant_matmul.fused_gemv")
+            monkeypatch.setattr(fused_gemv, "_grid_programs", lambda blocks, device: 2)
         x = (10 * torch.randn(1, 1, in_features, generator=gen)).to(triton_device, dtype)
         stats = torch.full((1, 3), 100.0 * in_features / 3, device=triton_device)
         angles = torch.rand(1, 1, head_dim // 2, generator=gen).to(triton_device) * 6

@@ -38,6 +38,7 @@ from slipstream.kernels.ops.quant_matmul.gemv import (
     GemvConfig,
     _half2_quad_dot,
     _half2_quad_sums,
+    _multiprocessors,
     _split4,
     gemv_block_k,
     gemv_default_config,
@@ -117,6 +118,37 @@ def _l2_prefetch(rows, nbytes):
 
 
 @triton.jit
+def _block_rows(
+    blk,
+    r,
+    N,
+    ROPE: tl.constexpr,
+    GATED: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+    HEAD_DIM: tl.constexpr,
+):
+    """The weight rows of output block ``blk`` (rows past the end re-read the last one) and
+    which of them are real."""
+    if ROPE:
+        # rotary pairs: weight rows (head, i) and (head, i + HEAD_DIM / 2) in one program
+        pair = blk * (BLOCK_N // 2) + r // 2
+        ok = pair < N // 2
+        pair = tl.minimum(pair, N // 2 - 1)
+        rows = (pair // (HEAD_DIM // 2)) * HEAD_DIM + pair % (HEAD_DIM // 2)
+        rows = rows + (r % 2) * (HEAD_DIM // 2)
+    elif GATED:
+        # gate j, up j, gate j + 1, up j + 1, ...
+        feature = blk * (BLOCK_N // 2) + r // 2
+        ok = feature < N // 2
+        rows = tl.minimum(feature, N // 2 - 1) + (r % 2) * (N // 2)
+    else:
+        rows = blk * BLOCK_N + r
+        ok = rows < N
+        rows = tl.minimum(rows, N - 1)
+    return rows, ok
+
+
+@triton.jit
 def fused_gemv_kernel(
     x_ptr,
     codes_ptr,
@@ -168,24 +200,12 @@ def fused_gemv_kernel(
         gdc_launch_dependents()  # the next fused GEMV may be scheduled behind this one
     pid_m = tl.program_id(0)
     pid_n = tl.program_id(1)
+    programs = tl.num_programs(1)
     r = tl.arange(0, BLOCK_N)
-    if ROPE:
-        # rotary pairs: weight rows (head, i) and (head, i + HEAD_DIM / 2) in one program
-        pair = pid_n * (BLOCK_N // 2) + r // 2
-        col_ok = pair < N // 2
-        pair = tl.minimum(pair, N // 2 - 1)
-        cols = (pair // (HEAD_DIM // 2)) * HEAD_DIM + pair % (HEAD_DIM // 2)
-        cols = cols + (r % 2) * (HEAD_DIM // 2)
-    elif GATED:
-        half_n = N // 2
-        feature = pid_n * (BLOCK_N // 2) + r // 2
-        col_ok = feature < half_n
-        # weight rows: gate j, up j, gate j + 1, up j + 1, ... (rows past I re-read row I - 1)
-        cols = tl.minimum(feature, half_n - 1) + (r % 2) * half_n
+    if ROPE or GATED:
+        n_blocks = tl.cdiv(N // 2, BLOCK_N // 2)
     else:
-        cols = pid_n * BLOCK_N + r
-        col_ok = cols < N
-        cols = tl.minimum(cols, N - 1)
+        n_blocks = tl.cdiv(N, BLOCK_N)
     steps = K // BLOCK_K
     x_row = x_ptr + pid_m.to(tl.int64) * stride_xm
     x_type = x_ptr.dtype.element_ty
@@ -199,15 +219,12 @@ def fused_gemv_kernel(
     g = tl.arange(0, GPS)[None, :, None]
     jj = tl.arange(0, 16)[None, None, :]
     word = g * 16 + jj
-    safe_rows = cols.to(tl.int64)[:, None, None]
-    code_rows = codes_ptr + safe_rows * stride_cn
-    scale_rows = scales_ptr + safe_rows * (K // GROUP) + jj * 0
     pairs = x_row.to(tl.pointer_type(tl.int32), bitcast=True)
-    acc3 = tl.zeros((BLOCK_N, GPS, 16), dtype=tl.float32)
-    acc_quads = tl.zeros((BLOCK_N, GPS, 4), dtype=tl.float32)
-    if PREFETCH:
-        next_words = tl.load(code_rows + word)
-        next_scale = tl.load(scale_rows + (g * PACK) // GROUP)
+    cols, col_ok = _block_rows(pid_n, r, N, ROPE, GATED, BLOCK_N, HEAD_DIM)
+    if PREFETCH:  # the first block's first tile
+        first_rows = cols.to(tl.int64)[:, None, None]
+        next_words = tl.load(codes_ptr + first_rows * stride_cn + word)
+        next_scale = tl.load(scales_ptr + first_rows * (K // GROUP) + (g * PACK) // GROUP + jj * 0)
     if GDC:  # the weights are ours to read early; everything else waits for the producer
         if L2_PREFETCH:
             # the first prefetch_bytes of each of the program's code rows (contiguous) in one
@@ -226,129 +243,151 @@ def fused_gemv_kernel(
         if HALF2 and x_type == tl.bfloat16:
             # the power of two at or below rstd: scaling by it is exact
             xscale = (rstd.to(tl.int32, bitcast=True) & 0x7F800000).to(tl.float32, bitcast=True)
-    for step in range(0, steps):
-        k0 = step * BLOCK_K
-        if PREFETCH:
-            words = next_words
-            scale = next_scale
-            ahead = tl.minimum(step + 1, steps - 1)
-            next_words = tl.load(code_rows + ahead * (BLOCK_K // PER) + word)
-            next_scale = tl.load(scale_rows + (ahead * BLOCK_K + g * PACK) // GROUP)
-        else:
-            words = tl.load(code_rows + step * (BLOCK_K // PER) + word)
-            scale = tl.load(scale_rows + (k0 + g * PACK) // GROUP)
-        if HALF2:
-            xpairs = pairs + k0 // 2 + g * (PACK // 2) + jj
-            quad_scale, _s1, _s2, _s3 = _split4(scale)
-            if NORM_IN and x_type == tl.bfloat16:
-                if FORMAT == 1:
-                    xa, xb = _x_half2_scaled(tl.load(xpairs), tl.load(xpairs + 32), xscale)
-                    xc, xd = _x_half2_scaled(tl.load(xpairs + 16), tl.load(xpairs + 48), xscale)
-                else:
-                    xa, xb = _x_half2_scaled(tl.load(xpairs), tl.load(xpairs + 16), xscale)
-                    xc, xd = xa, xb
-                sums = _half2_quad_dot(words, xa, xb, xc, xd, FORMAT)
+    # Program p computes blocks p, p + P, ... (one block each unless the grid is persistent:
+    # then the statistics above are read once for several blocks).
+    for blk in range(pid_n, n_blocks, programs):
+        cols, col_ok = _block_rows(blk, r, N, ROPE, GATED, BLOCK_N, HEAD_DIM)
+        following, _ok = _block_rows(
+            tl.minimum(blk + programs, n_blocks - 1), r, N, ROPE, GATED, BLOCK_N, HEAD_DIM
+        )
+        safe_rows = cols.to(tl.int64)[:, None, None]
+        code_rows = codes_ptr + safe_rows * stride_cn
+        scale_rows = scales_ptr + safe_rows * (K // GROUP) + jj * 0
+        acc3 = tl.zeros((BLOCK_N, GPS, 16), dtype=tl.float32)
+        acc_quads = tl.zeros((BLOCK_N, GPS, 4), dtype=tl.float32)
+        for step in range(0, steps):
+            k0 = step * BLOCK_K
+            if PREFETCH:
+                words = next_words
+                scale = next_scale
+                # the next step's tile, or after the last step the next block's first tile
+                more = step + 1 < steps
+                ahead = tl.where(more, step + 1, 0)
+                ahead_rows = tl.where(more, cols, following).to(tl.int64)[:, None, None]
+                next_words = tl.load(
+                    codes_ptr + ahead_rows * stride_cn + ahead * (BLOCK_K // PER) + word
+                )
+                next_scale = tl.load(
+                    scales_ptr
+                    + ahead_rows * (K // GROUP)
+                    + (ahead * BLOCK_K + g * PACK) // GROUP
+                    + jj * 0
+                )
             else:
-                sums = _half2_quad_sums(words, xpairs, FORMAT, x_type == tl.bfloat16)
-            acc_quads += sums * quad_scale
-        else:
-            if FORMAT == 1:
-                words = words ^ -2004318072  # 0x88888888: two's complement -> offset binary
-            elif FORMAT == 0:
-                words = words ^ -2139062144  # 0x80808080
-            high = words >> (BITS * (PER - LOW))
-            t = tl.zeros((BLOCK_N, GPS, 16), dtype=tl.float32)
-            for p in tl.static_range(PER // 2):
-                if x_type == tl.float32:
-                    base = x_row + k0 + g * PACK + 32 * p + 2 * jj
-                    x_lo = tl.load(base)
-                    x_hi = tl.load(base + 1)
+                words = tl.load(code_rows + step * (BLOCK_K // PER) + word)
+                scale = tl.load(scale_rows + (k0 + g * PACK) // GROUP)
+            if HALF2:
+                xpairs = pairs + k0 // 2 + g * (PACK // 2) + jj
+                quad_scale, _s1, _s2, _s3 = _split4(scale)
+                if NORM_IN and x_type == tl.bfloat16:
+                    if FORMAT == 1:
+                        xa, xb = _x_half2_scaled(tl.load(xpairs), tl.load(xpairs + 32), xscale)
+                        xc, xd = _x_half2_scaled(tl.load(xpairs + 16), tl.load(xpairs + 48), xscale)
+                    else:
+                        xa, xb = _x_half2_scaled(tl.load(xpairs), tl.load(xpairs + 16), xscale)
+                        xc, xd = xa, xb
+                    sums = _half2_quad_dot(words, xa, xb, xc, xd, FORMAT)
                 else:
-                    xp = tl.load(pairs + k0 // 2 + g * (PACK // 2) + 16 * p + jj)
-                    if x_type == tl.bfloat16:
-                        x_lo = (xp << 16).to(tl.float32, bitcast=True)
-                        x_hi = (xp & -65536).to(tl.float32, bitcast=True)
+                    sums = _half2_quad_sums(words, xpairs, FORMAT, x_type == tl.bfloat16)
+                acc_quads += sums * quad_scale
+            else:
+                if FORMAT == 1:
+                    words = words ^ -2004318072  # 0x88888888: two's complement -> offset binary
+                elif FORMAT == 0:
+                    words = words ^ -2139062144  # 0x80808080
+                high = words >> (BITS * (PER - LOW))
+                t = tl.zeros((BLOCK_N, GPS, 16), dtype=tl.float32)
+                for p in tl.static_range(PER // 2):
+                    if x_type == tl.float32:
+                        base = x_row + k0 + g * PACK + 32 * p + 2 * jj
+                        x_lo = tl.load(base)
+                        x_hi = tl.load(base + 1)
                     else:
-                        x_lo = xp.to(tl.int16).to(tl.float16, bitcast=True).to(tl.float32)
-                        x_hi = (xp >> 16).to(tl.int16).to(tl.float16, bitcast=True)
-                        x_hi = x_hi.to(tl.float32)
-                for b in tl.static_range(2):
-                    f = 2 * p + b
-                    if FORMAT == 2:
-                        byte = (words >> (8 * f)) & 255
-                        if NATIVE_FP8:
-                            fp8 = byte.to(tl.uint8).to(tl.float8e4nv, bitcast=True)
-                            value = fp8.to(tl.float32)
+                        xp = tl.load(pairs + k0 // 2 + g * (PACK // 2) + 16 * p + jj)
+                        if x_type == tl.bfloat16:
+                            x_lo = (xp << 16).to(tl.float32, bitcast=True)
+                            x_hi = (xp & -65536).to(tl.float32, bitcast=True)
                         else:
-                            half = ((byte & 0x7F) << 7) | ((byte & 0x80) << 8)
-                            value = half.to(tl.int16).to(tl.float16, bitcast=True)
-                            value = value.to(tl.float32)
-                    else:
-                        at = BITS * f if f < LOW else BITS * (f - PER + LOW)
-                        src = words if f < LOW else high
-                        field = src & (((1 << BITS) - 1) << at)
-                        value = (field | ((150 - at) << 23)).to(tl.float32, bitcast=True)
-                        value = value - ((1 << (23 - at)) + OFFSET)
-                    t += value * (x_lo if b == 0 else x_hi)
-            acc3 += t * scale
-    if HALF2:
-        acc = tl.sum(tl.sum(acc_quads, axis=2), axis=1) * (128.0 if FORMAT == 1 else 1024.0)
-    else:
-        acc = tl.sum(tl.sum(acc3, axis=2), axis=1)
-        if FORMAT == 2 and not NATIVE_FP8:
-            acc = acc * 256.0
-    if NORM_IN:
-        acc = acc * (rstd / xscale)
-    if HAS_BIAS:
-        acc += tl.load(bias_ptr + cols).to(tl.float32)
-    out_row = out_ptr + pid_m.to(tl.int64) * stride_om
-    if ROPE:
-        # the projection's outputs rounded as the unfused GEMV's, then rotary_kv_write's math
-        HALF: tl.constexpr = HEAD_DIM // 2
-        y = acc.to(out_type).to(tl.float32)
-        first, second = tl.split(tl.reshape(y, (BLOCK_N // 2, 2)))
-        p = pid_n * (BLOCK_N // 2) + tl.arange(0, BLOCK_N // 2)
-        ok = p < N // 2
-        head = p // HALF
-        i = p % HALF
-        is_q = head < heads
-        is_v = head >= heads + kv_heads
-        turn = ok & (head < heads + kv_heads)
-        c = tl.load(cos_ptr + pid_m * HALF + i, mask=turn, other=1.0).to(tl.float32)
-        sn = tl.load(sin_ptr + pid_m * HALF + i, mask=turn, other=0.0).to(tl.float32)
-        lo = (first * c - second * sn).to(out_type)
-        hi = (second * c + first * sn).to(out_type)
-        q_at = out_row + head * HEAD_DIM + i
-        tl.store(q_at, lo, mask=ok & is_q)
-        tl.store(q_at + HALF, hi, mask=ok & is_q)
-        slot = tl.load(slot_ptr).to(tl.int64)
-        kv = tl.where(is_v, head - heads - kv_heads, head - heads)
-        at = pid_m.to(tl.int64) * cache_sb + kv * cache_sh + slot * cache_ss + i
-        k_ok = ok & (head >= heads) & ~is_v
-        v_ok = ok & is_v
-        tl.store(key_ptr + at, lo.to(key_ptr.dtype.element_ty), mask=k_ok)
-        tl.store(key_ptr + at + HALF, hi.to(key_ptr.dtype.element_ty), mask=k_ok)
-        tl.store(value_ptr + at, lo.to(value_ptr.dtype.element_ty), mask=v_ok)
-        tl.store(value_ptr + at + HALF, hi.to(value_ptr.dtype.element_ty), mask=v_ok)
-    elif GATED:
-        # the projection's outputs rounded as the unfused GEMV's, then gated_activation's math
-        y = acc.to(out_type).to(tl.float32)
-        gate, up = tl.split(tl.reshape(y, (BLOCK_N // 2, 2)))
-        act = (gate / (1.0 + tl.exp(-gate))).to(out_type).to(tl.float32)
-        j = pid_n * (BLOCK_N // 2) + tl.arange(0, BLOCK_N // 2)
-        tl.store(out_row + j, (act * up).to(out_type), mask=j < N // 2)
-    elif ADD_NORM:
-        y = acc.to(out_type).to(tl.float32)
-        row_n = pid_m.to(tl.int64) * N
-        res = tl.load(res_ptr + row_n + cols, mask=col_ok, other=0.0).to(tl.float32)
-        total = (y + res).to(total_ptr.dtype.element_ty)
-        tl.store(total_ptr + row_n + cols, total, mask=col_ok)
-        tf = tl.where(col_ok, total.to(tl.float32), 0.0)
-        tl.store(stats_out_ptr + pid_m * tl.num_programs(1) + pid_n, tl.sum(tf * tf, axis=0))
-        nw = tl.load(nw_ptr + cols, mask=col_ok, other=0.0).to(tl.float32)
-        tl.store(out_row + cols, (tf * nw).to(out_type), mask=col_ok)
-    else:
-        tl.store(out_row + cols, acc.to(out_type), mask=col_ok)
+                            x_lo = xp.to(tl.int16).to(tl.float16, bitcast=True).to(tl.float32)
+                            x_hi = (xp >> 16).to(tl.int16).to(tl.float16, bitcast=True)
+                            x_hi = x_hi.to(tl.float32)
+                    for b in tl.static_range(2):
+                        f = 2 * p + b
+                        if FORMAT == 2:
+                            byte = (words >> (8 * f)) & 255
+                            if NATIVE_FP8:
+                                fp8 = byte.to(tl.uint8).to(tl.float8e4nv, bitcast=True)
+                                value = fp8.to(tl.float32)
+                            else:
+                                half = ((byte & 0x7F) << 7) | ((byte & 0x80) << 8)
+                                value = half.to(tl.int16).to(tl.float16, bitcast=True)
+                                value = value.to(tl.float32)
+                        else:
+                            at = BITS * f if f < LOW else BITS * (f - PER + LOW)
+                            src = words if f < LOW else high
+                            field = src & (((1 << BITS) - 1) << at)
+                            value = (field | ((150 - at) << 23)).to(tl.float32, bitcast=True)
+                            value = value - ((1 << (23 - at)) + OFFSET)
+                        t += value * (x_lo if b == 0 else x_hi)
+                acc3 += t * scale
+        if HALF2:
+            acc = tl.sum(tl.sum(acc_quads, axis=2), axis=1) * (128.0 if FORMAT == 1 else 1024.0)
+        else:
+            acc = tl.sum(tl.sum(acc3, axis=2), axis=1)
+            if FORMAT == 2 and not NATIVE_FP8:
+                acc = acc * 256.0
+        if NORM_IN:
+            acc = acc * (rstd / xscale)
+        if HAS_BIAS:
+            acc += tl.load(bias_ptr + cols).to(tl.float32)
+        out_row = out_ptr + pid_m.to(tl.int64) * stride_om
+        if ROPE:
+            # the projection's outputs rounded as the unfused GEMV's, then rotary_kv_write's math
+            HALF: tl.constexpr = HEAD_DIM // 2
+            y = acc.to(out_type).to(tl.float32)
+            first, second = tl.split(tl.reshape(y, (BLOCK_N // 2, 2)))
+            pr = blk * (BLOCK_N // 2) + tl.arange(0, BLOCK_N // 2)
+            ok = pr < N // 2
+            head = pr // HALF
+            i = pr % HALF
+            is_q = head < heads
+            is_v = head >= heads + kv_heads
+            turn = ok & (head < heads + kv_heads)
+            c = tl.load(cos_ptr + pid_m * HALF + i, mask=turn, other=1.0).to(tl.float32)
+            sn = tl.load(sin_ptr + pid_m * HALF + i, mask=turn, other=0.0).to(tl.float32)
+            lo = (first * c - second * sn).to(out_type)
+            hi = (second * c + first * sn).to(out_type)
+            q_at = out_row + head * HEAD_DIM + i
+            tl.store(q_at, lo, mask=ok & is_q)
+            tl.store(q_at + HALF, hi, mask=ok & is_q)
+            slot = tl.load(slot_ptr).to(tl.int64)
+            kv = tl.where(is_v, head - heads - kv_heads, head - heads)
+            at = pid_m.to(tl.int64) * cache_sb + kv * cache_sh + slot * cache_ss + i
+            k_ok = ok & (head >= heads) & ~is_v
+            v_ok = ok & is_v
+            tl.store(key_ptr + at, lo.to(key_ptr.dtype.element_ty), mask=k_ok)
+            tl.store(key_ptr + at + HALF, hi.to(key_ptr.dtype.element_ty), mask=k_ok)
+            tl.store(value_ptr + at, lo.to(value_ptr.dtype.element_ty), mask=v_ok)
+            tl.store(value_ptr + at + HALF, hi.to(value_ptr.dtype.element_ty), mask=v_ok)
+        elif GATED:
+            # the projection's outputs rounded as the unfused GEMV's, then gated_activation's math
+            y = acc.to(out_type).to(tl.float32)
+            gate, up = tl.split(tl.reshape(y, (BLOCK_N // 2, 2)))
+            act = (gate / (1.0 + tl.exp(-gate))).to(out_type).to(tl.float32)
+            j = blk * (BLOCK_N // 2) + tl.arange(0, BLOCK_N // 2)
+            tl.store(out_row + j, (act * up).to(out_type), mask=j < N // 2)
+        elif ADD_NORM:
+            y = acc.to(out_type).to(tl.float32)
+            row_n = pid_m.to(tl.int64) * N
+            res = tl.load(res_ptr + row_n + cols, mask=col_ok, other=0.0).to(tl.float32)
+            total = (y + res).to(total_ptr.dtype.element_ty)
+            tl.store(total_ptr + row_n + cols, total, mask=col_ok)
+            tf = tl.where(col_ok, total.to(tl.float32), 0.0)
+            tl.store(stats_out_ptr + pid_m * n_blocks + blk, tl.sum(tf * tf, axis=0))
+            nw = tl.load(nw_ptr + cols, mask=col_ok, other=0.0).to(tl.float32)
+            tl.store(out_row + cols, (tf * nw).to(out_type), mask=col_ok)
+        else:
+            tl.store(out_row + cols, acc.to(out_type), mask=col_ok)
 
 
 def _native_fp8(device: torch.device) -> bool:
@@ -575,6 +614,21 @@ def fused_quant_qkv(
     return out.view(rows, num_heads, 1, head_dim)
 
 
+# Weights with at least this many output blocks per SM (an LM head's 32K) run a persistent grid
+# of PERSISTENT_PROGRAMS_PER_SM programs per SM, so the norm statistics are read once per
+# program rather than once per block.
+PERSISTENT_BLOCKS_PER_SM = 32
+PERSISTENT_PROGRAMS_PER_SM = 16
+
+
+def _grid_programs(blocks: int, device: torch.device) -> int:
+    """Programs along the output blocks: one per block, or a persistent grid."""
+    sms = _multiprocessors(device)
+    if blocks >= PERSISTENT_BLOCKS_PER_SM * sms:
+        return PERSISTENT_PROGRAMS_PER_SM * sms
+    return blocks
+
+
 def _launch(
     grid: tuple[int, int],
     flat: torch.Tensor,
@@ -601,6 +655,7 @@ def _launch(
     prefetch = _prefetch_bytes(out_features, in_features * 4 // PER_WORD[format]) if pdl else 0
     cos, sin, slots, key_cache, value_cache = rope if rope is not None else (out,) * 5
     cache_strides = key_cache.stride()[:3] if rope is not None else (0, 0, 0)
+    grid = (grid[0], _grid_programs(grid[1], flat.device))
     fused_gemv_kernel[grid](
         flat,
         words,
