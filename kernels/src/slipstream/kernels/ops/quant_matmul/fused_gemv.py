@@ -349,20 +349,20 @@ def fused_gemv_kernel(
             pr = blk * (BLOCK_N // 2) + tl.arange(0, BLOCK_N // 2)
             ok = pr < N // 2
             head = pr // HALF
-            i = pr % HALF
+            fi = pr % HALF
             is_q = head < heads
             is_v = head >= heads + kv_heads
             turn = ok & (head < heads + kv_heads)
-            c = tl.load(cos_ptr + pid_m * HALF + i, mask=turn, other=1.0).to(tl.float32)
-            sn = tl.load(sin_ptr + pid_m * HALF + i, mask=turn, other=0.0).to(tl.float32)
+            c = tl.load(cos_ptr + pid_m * HALF + fi, mask=turn, other=1.0).to(tl.float32)
+            sn = tl.load(sin_ptr + pid_m * HALF + fi, mask=turn, other=0.0).to(tl.float32)
             lo = (first * c - second * sn).to(out_type)
             hi = (second * c + first * sn).to(out_type)
-            q_at = out_row + head * HEAD_DIM + i
+            q_at = out_row + head * HEAD_DIM + fi
             tl.store(q_at, lo, mask=ok & is_q)
             tl.store(q_at + HALF, hi, mask=ok & is_q)
             slot = tl.load(slot_ptr).to(tl.int64)
             kv = tl.where(is_v, head - heads - kv_heads, head - heads)
-            at = pid_m.to(tl.int64) * cache_sb + kv * cache_sh + slot * cache_ss + i
+            at = pid_m.to(tl.int64) * cache_sb + kv * cache_sh + slot * cache_ss + fi
             k_ok = ok & (head >= heads) & ~is_v
             v_ok = ok & is_v
             tl.store(key_ptr + at, lo.to(key_ptr.dtype.element_ty), mask=k_ok)
