@@ -89,16 +89,35 @@ except ImportError:  # an older Triton: never launched with GDC=True
 @triton.jit
 def _x_half2_scaled(lo, hi, xscale):
     """``gemv._x_half2`` for bf16 pairs, each value times ``xscale`` (a power of two) in fp32
-    before the f16 conversion: ``(lo.low, hi.low)`` and ``(lo.high, hi.high)`` as f16x2."""
-    a_lo = ((lo << 16).to(tl.float32, bitcast=True) * xscale).to(tl.float16)
-    a_hi = ((lo & -65536).to(tl.float32, bitcast=True) * xscale).to(tl.float16)
-    b_lo = ((hi << 16).to(tl.float32, bitcast=True) * xscale).to(tl.float16)
-    b_hi = ((hi & -65536).to(tl.float32, bitcast=True) * xscale).to(tl.float16)
-    low = a_lo.to(tl.int16, bitcast=True).to(tl.int32) & 65535
-    high = a_hi.to(tl.int16, bitcast=True).to(tl.int32) & 65535
-    low = low | (b_lo.to(tl.int16, bitcast=True).to(tl.int32) << 16)
-    high = high | (b_hi.to(tl.int16, bitcast=True).to(tl.int32) << 16)
-    return low, high
+    before the f16 conversion: ``(lo.low, hi.low)`` and ``(lo.high, hi.high)`` as f16x2 (inline
+    PTX: four fmuls more than the unscaled conversion)."""
+    scale = (tl.zeros_like(lo).to(tl.float32) + xscale).to(tl.int32, bitcast=True)
+    return tl.inline_asm_elementwise(
+        """{
+        .reg .b32 al, ah, bl, bh;
+        .reg .f32 s, fal, fah, fbl, fbh;
+        mov.b32 s, $4;
+        shl.b32 al, $2, 16;
+        and.b32 ah, $2, 0xffff0000;
+        shl.b32 bl, $3, 16;
+        and.b32 bh, $3, 0xffff0000;
+        mov.b32 fal, al;
+        mov.b32 fah, ah;
+        mov.b32 fbl, bl;
+        mov.b32 fbh, bh;
+        mul.rn.f32 fal, fal, s;
+        mul.rn.f32 fah, fah, s;
+        mul.rn.f32 fbl, fbl, s;
+        mul.rn.f32 fbh, fbh, s;
+        cvt.rn.f16x2.f32 $0, fbl, fal;
+        cvt.rn.f16x2.f32 $1, fbh, fah;
+        }""",
+        "=r,=r,r,r,r",
+        [lo, hi, scale],
+        dtype=(tl.int32, tl.int32),
+        is_pure=True,
+        pack=1,
+    )
 
 
 @triton.jit
