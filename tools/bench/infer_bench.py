@@ -105,9 +105,15 @@ def parse_args() -> argparse.Namespace:
     )
     parser.add_argument(
         "--quant-pdl",
-        action="store_true",
+        nargs="?",
+        const="on",
+        default=None,
+        choices=["on", "off", "whole", "noattn"],
         help="the fused quantized decode GEMVs (decode_fusion on int8/int4) launched with "
-        "programmatic dependent launch (slipstream.kernels' fused_gemv.PDL; sm_90+)",
+        "programmatic dependent launch (slipstream.kernels' fused_gemv.PDL; sm_90+): on (the "
+        "weights' L2 prefetch, whole or in part, and attention letting the output projection "
+        "start early), off, whole (only weights that fit the L2 budget whole are prefetched), "
+        "noattn (attention does not launch its dependents early); default: the library's",
     )
     parser.add_argument(
         "--lm-head",
@@ -496,12 +502,13 @@ def main() -> None:
                 gemv_module.GemvConfig(**launch)
             )
         emit(result="gemv_table", path=args.gemv_table, entries=len(table))
-    if args.quant_pdl:
+    if args.quant_pdl is not None:
         from slipstream.kernels.ops.decode_attention import triton as attention_triton
         from slipstream.kernels.ops.quant_matmul import fused_gemv
 
-        fused_gemv.PDL = True
-        attention_triton.LAUNCH_DEPENDENTS_EARLY = True
+        fused_gemv.PDL = args.quant_pdl != "off"
+        fused_gemv.L2_PREFETCH_PARTIAL = args.quant_pdl != "whole"
+        attention_triton.LAUNCH_DEPENDENTS_EARLY = args.quant_pdl in ("on", "whole")
     started = time.perf_counter()
     engine = init_inference(model, config)
     emit(result="phase", phase="init_inference", seconds=round(time.perf_counter() - started, 2))

@@ -428,11 +428,14 @@ def _pdl(device: torch.device) -> dict[str, bool]:
 # quarter of an H100's L2): all of an 8B model's QKV and output projection, the first part of
 # every row of gate/up and down.
 L2_PREFETCH_BYTES = 12 << 20
+L2_PREFETCH_PARTIAL = True  # False: only weights that fit the budget whole are prefetched
 
 
 def _prefetch_bytes(out_features: int, row_bytes: int) -> int:
     """Bytes of each code row to prefetch into L2 (0: none, too few to be worth it)."""
     share = min(row_bytes, L2_PREFETCH_BYTES // max(out_features, 1)) // 16 * 16
+    if share < row_bytes and not L2_PREFETCH_PARTIAL:
+        return 0
     return share if share >= 256 else 0
 
 
