@@ -33,14 +33,16 @@ first() {
   python3 -m pytest -m gpu packages/inference/tests/test_gpu.py -k fused_quantized -q -x -p no:cacheprovider 2>&1 | tail -2
   $B --decode-fusion on 2>/dev/null | summary bf16-fused
   $B --weights int4 --decode-fusion off 2>/dev/null | summary int4-unfused
-  $B --weights int4 --profile 16 2>/dev/null | summary int4-fused
-  $B --weights int4 --quant-pdl 2>/dev/null | summary int4-fused-pdl
+  $B --weights int4 --quant-pdl off --profile 16 2>/dev/null | summary int4-fused
+  $B --weights int4 --quant-pdl on 2>/dev/null | summary int4-fused-pdl
+  $B --weights int4 --quant-pdl whole 2>/dev/null | summary int4-fused-pdl-whole
 }
 second() {
   $B --weights int8 --decode-fusion off 2>/dev/null | summary int8-unfused
-  $B --weights int8 2>/dev/null | summary int8-fused
-  $B --weights int8 --quant-pdl 2>/dev/null | summary int8-fused-pdl
-  $B --weights int4 --lm-head --quant-pdl --profile 16 2>/dev/null | summary int4-head-fused-pdl
+  $B --weights int8 --quant-pdl off 2>/dev/null | summary int8-fused
+  $B --weights int8 --quant-pdl on 2>/dev/null | summary int8-fused-pdl
+  $B --weights int4 --lm-head --quant-pdl off --profile 16 2>/dev/null | summary int4-head-fused
+  $B --weights int4 --lm-head --quant-pdl on 2>/dev/null | summary int4-head-fused-pdl
 }
 if [ "${1:-}" = split ]; then
   CUDA_VISIBLE_DEVICES=0 first > /tmp/qfa_first.txt 2>&1 &
