@@ -108,12 +108,12 @@ def parse_args() -> argparse.Namespace:
         nargs="?",
         const="on",
         default=None,
-        choices=["on", "off", "whole", "noattn"],
+        choices=["on", "off", "basic"],
         help="the fused quantized decode GEMVs (decode_fusion on int8/int4) launched with "
         "programmatic dependent launch (slipstream.kernels' fused_gemv.PDL; sm_90+): on (the "
         "weights' L2 prefetch, whole or in part, and attention letting the output projection "
-        "start early), off, whole (only weights that fit the L2 budget whole are prefetched), "
-        "noattn (attention does not launch its dependents early); default: the library's",
+        "start early), off, basic (only weights that fit the L2 budget whole are prefetched, "
+        "attention does not launch the output projection early); default: the library's",
     )
     parser.add_argument(
         "--lm-head",
@@ -507,8 +507,8 @@ def main() -> None:
         from slipstream.kernels.ops.quant_matmul import fused_gemv
 
         fused_gemv.PDL = args.quant_pdl != "off"
-        fused_gemv.L2_PREFETCH_PARTIAL = args.quant_pdl != "whole"
-        attention_triton.LAUNCH_DEPENDENTS_EARLY = args.quant_pdl in ("on", "whole")
+        fused_gemv.L2_PREFETCH_PARTIAL = args.quant_pdl == "on"
+        attention_triton.LAUNCH_DEPENDENTS_EARLY = args.quant_pdl == "on"
     started = time.perf_counter()
     engine = init_inference(model, config)
     emit(result="phase", phase="init_inference", seconds=round(time.perf_counter() - started, 2))

@@ -35,7 +35,7 @@ first() {
   $B --weights int4 --decode-fusion off 2>/dev/null | summary int4-unfused
   $B --weights int4 --quant-pdl off --profile 16 2>/dev/null | summary int4-fused
   $B --weights int4 --quant-pdl on 2>/dev/null | summary int4-fused-pdl
-  $B --weights int4 --quant-pdl whole 2>/dev/null | summary int4-fused-pdl-whole
+  $B --weights int4 --quant-pdl basic 2>/dev/null | summary int4-fused-pdl-basic
 }
 second() {
   $B --weights int8 --decode-fusion off 2>/dev/null | summary int8-unfused
