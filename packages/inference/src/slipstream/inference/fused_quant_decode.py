@@ -14,10 +14,12 @@ between the projections. Per Llama block at batch 1:
   ``down`` is fused too), so the 2I-wide projection never reaches memory;
 - ``down``: the residual add and the next block's (or the final) norm weight in its epilogue.
 
-Five launches per block (QKV, attention, output, gate/up, down) instead of nine; the first block's norm and a dense (bf16) head's norm
-run as the dense fused step runs them. Parts left out of ``decode_fusion`` run unfused, the
-others still fused (the hand-over between them is converted as needed). Tensor-parallel blocks
-are not fused here (their partial sums must be reduced before the norm).
+Five launches per block (QKV, attention, output, gate/up, down) instead of nine; the first
+block's norm is one ``rms_norm`` launch (its output goes into QKV with no statistics to apply)
+and a dense (bf16) head's norm runs as in the dense fused step. Parts left out of
+``decode_fusion`` run unfused, the others still fused (the hand-over between them is converted
+as needed). Tensor-parallel blocks are not fused here (their partial sums must be reduced
+before the norm).
 """
 
 from __future__ import annotations
@@ -101,16 +103,15 @@ def _quantized(
     )
 
 
-def _normed(state: _State, norm: Norm) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """``(total, u, stats)`` for ``norm`` from any state (torch ops: the first block, or after
-    an unfused projection)."""
+def _normed(state: _State, norm: Norm) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:
+    """``(total, u, stats)`` for ``norm`` from any state: the producer's epilogue output, or
+    (the first block, or after an unfused projection) the norm itself, one ``add_rms_norm`` /
+    ``rms_norm`` launch, with no statistics left to apply (``stats`` None)."""
     if state[0] == "normed":
         return state[1], state[2], state[3]
     x, pending = state[1], state[2]
-    total = x if pending is None else x + pending
-    wide = total.float()
-    stats = wide.pow(2).sum(-1).reshape(-1, 1)
-    return total, (wide * norm.weight.float()).to(total.dtype), stats
+    total, h = (x, norm(x)) if pending is None else norm.add_forward(pending, x)
+    return total, h, None
 
 
 def _consume(
@@ -150,7 +151,7 @@ def _produce(
 def _rotary_qkv(
     block: FusedBlock,
     u: torch.Tensor,
-    stats: torch.Tensor,
+    stats: torch.Tensor | None,
     rotary: tuple[torch.Tensor, torch.Tensor],
     cache: tuple[torch.Tensor, torch.Tensor],
     slots: torch.Tensor,
