@@ -454,14 +454,26 @@ def fused_quant_supported(format: str, group_size: int, in_features: int) -> boo
 
 
 def _config(
-    format: str, out_features: int, in_features: int, group_size: int, gated: bool, x: torch.Tensor
+    format: str,
+    out_features: int,
+    in_features: int,
+    group_size: int,
+    gated: bool,
+    x: torch.Tensor,
+    norm_in: bool = False,
 ) -> GemvConfig | None:
+    """``gemv_default_config``'s launch (the sweep's table) without split-K, with f16x2 quads
+    where they run, two rows at least for the paired epilogues, and with the norm prologue the
+    first weight tile loaded before the statistics (its latency hidden behind theirs)."""
     config = gemv_default_config(format, out_features, in_features, group_size, x.device)
     if config is None:
         return None
     block_n = max(config.block_n, 2) if gated else config.block_n
     half2 = config.half2 and half2_supported(format, x)
-    return dataclasses.replace(config, split_k=1, block_n=block_n, half2=half2, quads=half2)
+    prefetch = config.prefetch or norm_in
+    return dataclasses.replace(
+        config, split_k=1, block_n=block_n, half2=half2, quads=half2, prefetch=prefetch
+    )
 
 
 def fused_quant_gemv(
@@ -489,7 +501,7 @@ def fused_quant_gemv(
         raise ValueError("fused_quant_gemv: gated needs an even [gate; up] weight, no residual")
     if add_norm and norm_weight is None:
         raise ValueError("fused_quant_gemv: residual needs norm_weight")
-    config = _config(format, out_features, in_features, group_size, gated, x)
+    config = _config(format, out_features, in_features, group_size, gated, x, stats is not None)
     if (
         not 0 < rows <= MAX_ROWS
         or (torch.is_grad_enabled() and x.requires_grad)
@@ -573,7 +585,7 @@ def fused_quant_qkv(
     out_features = words.numel() * PER_WORD[format] // max(in_features, 1)
     config = None
     if is_packable(format, group_size, in_features):
-        config = _config(format, out_features, in_features, group_size, True, x)
+        config = _config(format, out_features, in_features, group_size, True, x, stats is not None)
     if (
         config is None
         or not gemv_supports(format, group_size, in_features, config)
