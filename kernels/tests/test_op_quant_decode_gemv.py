@@ -16,7 +16,7 @@ from slipstream.kernels.ops.quant_matmul import pack_gemv, quant_decode_gemv, qu
 from slipstream.kernels.ops.quant_matmul.reference import quant_decode_gemv as reference
 
 _SEED = torch.Generator().manual_seed
-_IN = {"int4": 1024, "int8": 512, "fp8_e4m3": 512}  # one 1-warp step of the packed loop
+_IN = {"int4": 2048, "int8": 2048, "fp8_e4m3": 2048}  # two steps of the packed loop
 
 
 def _packed(fmt: str, out_features: int, in_features: int, seed: int = 3):
