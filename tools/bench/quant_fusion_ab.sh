@@ -38,8 +38,8 @@ first() {
   $B --weights int4 --quant-pdl basic 2>/dev/null | summary int4-fused-pdl-basic
 }
 second() {
-  $B --weights int8 --decode-fusion off 2>/dev/null | summary int8-unfused
-  $B --weights int8 --quant-pdl off 2>/dev/null | summary int8-fused
+  $B --weights int8 --decode-fusion off --profile 16 2>/dev/null | summary int8-unfused
+  $B --weights int8 --quant-pdl off --profile 16 2>/dev/null | summary int8-fused
   $B --weights int8 --quant-pdl on 2>/dev/null | summary int8-fused-pdl
   $B --weights int4 --lm-head --quant-pdl off --profile 16 2>/dev/null | summary int4-head-fused
   $B --weights int4 --lm-head --quant-pdl on 2>/dev/null | summary int4-head-fused-pdl
