@@ -651,19 +651,22 @@ def fused_quant_qkv(
     return out.view(rows, num_heads, 1, head_dim)
 
 
-# Weights with at least this many output blocks per SM (an LM head's 32K) run a persistent grid
-# of PERSISTENT_PROGRAMS_PER_SM programs per SM, so the norm statistics are read once per
-# program rather than once per block.
-PERSISTENT_BLOCKS_PER_SM = 32
+# Weights with at least this many output blocks per SM (an 8B LM head's 32K blocks: 243 per
+# SM of an H100; the block projections have at most 54) run a persistent grid of about
+# PERSISTENT_PROGRAMS_PER_SM programs per SM, so the norm statistics are read once per program
+# rather than once per block.
+PERSISTENT_BLOCKS_PER_SM = 128
 PERSISTENT_PROGRAMS_PER_SM = 16
 
 
 def _grid_programs(blocks: int, device: torch.device) -> int:
-    """Programs along the output blocks: one per block, or a persistent grid."""
+    """Programs along the output blocks: one per block, or a persistent grid in which every
+    program walks the same number of blocks (the last one fewer)."""
     sms = _multiprocessors(device)
-    if blocks >= PERSISTENT_BLOCKS_PER_SM * sms:
-        return PERSISTENT_PROGRAMS_PER_SM * sms
-    return blocks
+    if blocks < PERSISTENT_BLOCKS_PER_SM * sms:
+        return blocks
+    per_program = triton.cdiv(blocks, PERSISTENT_PROGRAMS_PER_SM * sms)
+    return triton.cdiv(blocks, per_program)
 
 
 def _launch(
