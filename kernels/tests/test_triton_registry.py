@@ -28,6 +28,8 @@ TRITON_OPS = {
     "moe_gemv",
     "norm_gemv",
     "paged_attention",
+    "quant_decode_gemv",
+    "quant_decode_qkv",
     "quant_matmul",
     "quant_matmul_packed",
     "quantize",

@@ -119,6 +119,18 @@ def parse_args() -> argparse.Namespace:
         "32 for short caches), to measure another chunk size in the whole step",
     )
     parser.add_argument(
+        "--quant-pdl",
+        nargs="?",
+        const="on",
+        default=None,
+        choices=["on", "off", "basic"],
+        help="the fused quantized decode GEMVs (decode_fusion on int8/int4) launched with "
+        "programmatic dependent launch (slipstream.kernels' fused_gemv.PDL; sm_90+): on (the "
+        "weights' L2 prefetch, whole or in part, and attention letting the output projection "
+        "start early), off, basic (only weights that fit the L2 budget whole are prefetched, "
+        "attention does not launch the output projection early); default: the library's",
+    )
+    parser.add_argument(
         "--lm-head",
         action="store_true",
         help="quant.weight.lm_head: quantize the LM head too (default: kept in the compute dtype)",
@@ -330,6 +342,7 @@ def bench_batch(
         lm_head_quantized=args.lm_head,
         gemv_table=args.gemv_table,
         decode_gemv_table=args.decode_gemv_table,
+        quant_pdl=args.quant_pdl,
         **run,
     )
     hf_kwargs = {
@@ -512,6 +525,13 @@ def main() -> None:
                 gemv_module.GemvConfig(**launch)
             )
         emit(result="gemv_table", path=args.gemv_table, entries=len(table))
+    if args.quant_pdl is not None:
+        from slipstream.kernels.ops.decode_attention import triton as attention_triton
+        from slipstream.kernels.ops.quant_matmul import fused_gemv
+
+        fused_gemv.PDL = args.quant_pdl != "off"
+        fused_gemv.L2_PREFETCH_PARTIAL = args.quant_pdl == "on"
+        attention_triton.LAUNCH_DEPENDENTS_EARLY = args.quant_pdl == "on"
     started = time.perf_counter()
     engine = init_inference(model, config)
     emit(result="phase", phase="init_inference", seconds=round(time.perf_counter() - started, 2))

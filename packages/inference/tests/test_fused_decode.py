@@ -143,3 +143,89 @@ def test_fused_decode_under_tensor_parallelism() -> None:
     model = from_hf(tiny_hf_model("llama")).to(torch.bfloat16)
     ids = torch.randint(3, 96, (1, 6), generator=torch.Generator().manual_seed(2))
     run_distributed(_tp_world, 2, model, ids)
+
+
+def _packable_llama() -> Any:
+    """A tiny random Llama whose projections hold whole packed int4 blocks (128 features)."""
+    import transformers
+
+    config = transformers.LlamaConfig(
+        vocab_size=96,
+        hidden_size=128,
+        intermediate_size=256,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        max_position_embeddings=64,
+        rope_theta=500000.0,
+        bos_token_id=1,
+        eos_token_id=2,
+        pad_token_id=0,
+    )
+    torch.manual_seed(0)
+    model = transformers.AutoModelForCausalLM.from_config(config, attn_implementation="eager")
+    with torch.no_grad():
+        for name, param in model.named_parameters():
+            param.normal_(1.0, 0.1) if "norm" in name else param.normal_(0.0, 0.2)
+    return model.eval()
+
+
+def test_fused_quantized_decode_equals_unfused(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Packed int4 / int8 (and fp8 with decode_fusion true): the fused step — norms in the
+    quantized GEMVs, SiLU * up in gate/up's epilogue — equals the unfused quantized step within
+    bf16 rounding (the norm's 1/rms is applied after the GEMV instead of before), every part
+    subset too; "auto" fuses int8/int4 on a GPU, not fp8."""
+    import slipstream.inference.fused_quant_decode as quant_module
+    from slipstream.inference.fused_decode import enable_decode_fusion
+
+    calls = {"gated": 0, "norm_in": 0, "add_norm": 0, "qkv": 0}
+    original, original_qkv = quant_module.quant_decode_gemv, quant_module.quant_decode_qkv
+
+    def counting(*args: Any) -> Any:
+        calls["gated"] += bool(args[8])
+        calls["norm_in"] += args[6] is not None
+        calls["add_norm"] += args[9] is not None
+        return original(*args)
+
+    def counting_qkv(*args: Any) -> Any:
+        calls["qkv"] += 1
+        return original_qkv(*args)
+
+    monkeypatch.setattr(quant_module, "quant_decode_gemv", counting)
+    monkeypatch.setattr(quant_module, "quant_decode_qkv", counting_qkv)
+    model = _packable_llama()
+    ids = torch.randint(3, 96, (1, 7), generator=torch.Generator().manual_seed(0))
+    cuda = torch.device("cuda")  # "auto" reads only the device type
+    for bits, fmt, lm_head in ((4, "int", False), (8, "int", True), (8, "fp8_e4m3", True)):
+        quant = {"weight": {"num_bits": bits, "group_size": 128, "compute_dtype": "bf16"}}
+        quant["weight"].update(format=fmt, lm_head=lm_head)
+        settings = {"dtype": "int8", "replace_with_kernel_inject": True, "max_out_tokens": 32}
+        fused = init_inference(model, settings, quant=quant, decode_fusion=True)
+        plain = init_inference(model, settings, quant=quant, decode_fusion=False)
+        assert fused.fused is not None and fused.fused.decode_fusion == PARTS
+        auto = enable_decode_fusion(plain.fused, "auto", cuda)  # type: ignore[arg-type]
+        assert auto == (frozenset() if fmt == "fp8_e4m3" else PARTS), (bits, fmt)
+        assert plain.fused is not None
+        plain.fused.decode_fusion = frozenset()
+        calls.update(gated=0, norm_in=0, add_norm=0, qkv=0)
+        tokens = fused.generate(ids, **KWARGS)
+        layers = len(fused.fused.blocks)
+        # 5 decode steps: per block QKV (1/rms, rotary and cache write), gate/up (gated,
+        # 1/rms), out and down (add + norm epilogue), the quantized head's 1/rms; the last
+        # down's epilogue feeds a bf16 head through norm_gemv instead.
+        assert calls["qkv"] == 5 * layers
+        assert calls["gated"] == 5 * layers
+        assert calls["norm_in"] == 5 * (layers + lm_head)
+        assert calls["add_norm"] == 5 * (2 * layers - 1 + lm_head)
+        assert torch.equal(tokens, plain.generate(ids, **KWARGS)), (bits, fmt)
+        assert plain._runner is not None and fused._runner is not None
+        valid = torch.ones_like(ids, dtype=torch.bool)
+        plain._runner.prefill(ids, torch.arange(7)[None], valid)
+        expected = plain._runner.decode(ids[:, -1], torch.tensor([7]), 7).float()
+        # bf16 rounding of logits of magnitude ~8, a few ulps (0.0625 each)
+        for subset in (PARTS, {"qkv", "down"}, {"attention", "out", "gate_up", "head"}, {"down"}):
+            fused.fused.decode_fusion = frozenset(subset)
+            fused._runner.prefill(ids, torch.arange(7)[None], valid)
+            logits = fused._runner.decode(ids[:, -1], torch.tensor([7]), 7).float()
+            error = (logits - expected).abs().max().item()
+            assert error <= 0.02 * expected.abs().max().item(), (bits, fmt, subset, error)

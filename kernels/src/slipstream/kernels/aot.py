@@ -48,6 +48,7 @@ KERNEL_MODULES = (
     "slipstream.kernels.ops.quantize.triton",
     "slipstream.kernels.ops.paged_attention.triton",
     "slipstream.kernels.ops.quant_matmul.triton",
+    "slipstream.kernels.ops.quant_matmul.fused_gemv",
     "slipstream.kernels.ops.rotary_kv_write.triton",
     "slipstream.kernels.ops.add_rms_norm.triton",
     "slipstream.kernels.ops.gated_activation.triton",

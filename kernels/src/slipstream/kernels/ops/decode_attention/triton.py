@@ -24,6 +24,19 @@ __all__ = ["decode_attention", "default_block_s"]
 
 MAX_ROWS = 64  # query rows per KV head (GQA group x tokens) the kernel takes
 MERGE_IN_SPLIT = True  # one launch: the last chunk program of each head merges the chunks
+# NVIDIA sm_90+: every program lets the next kernel launch early (griddepcontrol); only a kernel
+# launched with programmatic dependent launch (the fused quantized output projection, with
+# quant_matmul.fused_gemv.PDL) uses it, to prefetch its weights while attention runs. Off with
+# it (infer_bench.py --quant-pdl sets both).
+LAUNCH_DEPENDENTS_EARLY = False
+
+try:
+    from triton.language.extra.cuda import gdc_launch_dependents
+except ImportError:  # an older Triton: never traced with TRIGGER=True
+
+    @triton.jit
+    def gdc_launch_dependents():  # type: ignore[no-redef]
+        """Placeholder (this Triton has no grid dependency control)."""
 
 
 @triton.jit
@@ -63,10 +76,13 @@ def decode_attention_split_kernel(
     HEAD_DIM: tl.constexpr,
     IEEE: tl.constexpr,
     MERGE: tl.constexpr,
+    TRIGGER: tl.constexpr = False,  # LAUNCH_DEPENDENTS_EARLY
 ):
     """One chunk of ``BLOCK_S`` slots of one (batch, KV head): partial softmax statistics.
     ``MERGE``: the last chunk program of each (batch, KV head) to finish (an arrival counter,
     reset to 0 by that program for the next call) merges them, so one launch does it all."""
+    if TRIGGER:
+        gdc_launch_dependents()
     split = tl.program_id(0)
     bh = tl.program_id(1)
     b = (bh // KV_HEADS).to(tl.int64)
@@ -290,6 +306,7 @@ def decode_attention(
         HEAD_DIM=head_dim,
         IEEE=query.dtype == torch.float32,
         MERGE=merge,
+        TRIGGER=_trigger(query.device),
         num_warps=4,
     )
     if not merge:
@@ -323,6 +340,15 @@ def _counters(device: torch.device, count: int) -> torch.Tensor:
         found = torch.zeros(max(count, 256), device=device, dtype=torch.int32)
         _COUNTERS[device] = found
     return found
+
+
+def _trigger(device: torch.device) -> bool:
+    return (
+        LAUNCH_DEPENDENTS_EARLY
+        and device.type == "cuda"
+        and torch.version.hip is None
+        and torch.cuda.get_device_capability(device) >= (9, 0)
+    )
 
 
 def aot_specs() -> list[AotSpec]:
@@ -382,6 +408,7 @@ def aot_specs() -> list[AotSpec]:
                 "HEAD_DIM": "constexpr",
                 "IEEE": "constexpr",
                 "MERGE": "constexpr",
+                "TRIGGER": "constexpr",
             }
         )
         specs.append(
@@ -389,7 +416,14 @@ def aot_specs() -> list[AotSpec]:
                 f"decode_attention.split[{dtype}]",
                 decode_attention_split_kernel,
                 signature,
-                {"ROWS_PAD": 16, "BLOCK_S": 32, "HEAD_DIM": 128, "IEEE": False, "MERGE": True},
+                {
+                    "ROWS_PAD": 16,
+                    "BLOCK_S": 32,
+                    "HEAD_DIM": 128,
+                    "IEEE": False,
+                    "MERGE": True,
+                    "TRIGGER": False,
+                },
             )
         )
         specs.append(

@@ -33,14 +33,44 @@ register_op(
     priority=0,
 )
 register_triton(PACKED_OP_NAME, "slipstream.kernels.ops.quant_matmul.triton:quant_matmul_packed")
+DECODE_OP_NAME = "quant_decode_gemv"
+register_op(
+    DECODE_OP_NAME,
+    "reference",
+    "slipstream.kernels.ops.quant_matmul.reference:quant_decode_gemv",
+    device_types=(ANY_DEVICE,),
+    priority=0,
+)
+register_triton(
+    DECODE_OP_NAME,
+    "slipstream.kernels.ops.quant_matmul.fused_gemv:fused_quant_gemv",
+    (torch.float16, torch.bfloat16, torch.float32),
+)
+QKV_OP_NAME = "quant_decode_qkv"
+register_op(
+    QKV_OP_NAME,
+    "reference",
+    "slipstream.kernels.ops.quant_matmul.reference:quant_decode_qkv",
+    device_types=(ANY_DEVICE,),
+    priority=0,
+)
+register_triton(
+    QKV_OP_NAME,
+    "slipstream.kernels.ops.quant_matmul.fused_gemv:fused_quant_qkv",
+    (torch.float16, torch.bfloat16, torch.float32),
+)
 
 __all__ = [
+    "DECODE_OP_NAME",
     "OP_NAME",
     "PACKED_OP_NAME",
+    "QKV_OP_NAME",
     "check_weight",
     "dequantize_weight",
     "is_packable",
     "pack_gemv",
+    "quant_decode_gemv",
+    "quant_decode_qkv",
     "quant_matmul",
     "quant_matmul_packed",
     "unpack_gemv",
@@ -85,3 +115,77 @@ def quant_matmul_packed(
     """
     fn = get_op(PACKED_OP_NAME, x.device.type, x.dtype)
     return fn(x, words, scales, format, group_size, bias)  # type: ignore[no-any-return]
+
+
+def quant_decode_gemv(
+    x: torch.Tensor,
+    words: torch.Tensor,
+    scales: torch.Tensor,
+    format: str,
+    group_size: int,
+    bias: torch.Tensor | None = None,
+    stats: torch.Tensor | None = None,
+    eps: float = 0.0,
+    gated: bool = False,
+    residual: torch.Tensor | None = None,
+    norm_weight: torch.Tensor | None = None,
+) -> tuple[torch.Tensor, torch.Tensor | None, torch.Tensor | None]:
+    """:func:`quant_matmul_packed` for a few rows (decode) with a decoder block's small ops
+    folded in, with the best backend: the RMSNorm's ``1 / rms`` from ``stats`` applied to the
+    output, SiLU * up after a ``[gate; up]`` weight (``gated``), or the residual add and the
+    next RMSNorm's weight after it (``residual``, ``norm_weight``: also returns the residual
+    sum and the partial sums of squares for the next call's ``stats``). Returns ``(out, total,
+    stats_out)``; see :func:`.reference.quant_decode_gemv` for the exact math and
+    :mod:`.fused_gemv` for the kernel.
+
+    >>> from slipstream.kernels.ops import quantize
+    >>> q = quantize(torch.randn(8, 128), "int4", group_size=128)
+    >>> words = pack_gemv(q.data.reshape(8, -1), "int4", 128, 128)
+    >>> y, _, _ = quant_decode_gemv(torch.randn(1, 128), words, q.scales, "int4", 128)
+    """
+    fn = get_op(DECODE_OP_NAME, x.device.type, x.dtype)
+    return fn(  # type: ignore[no-any-return]
+        x, words, scales, format, group_size, bias, stats, eps, gated, residual, norm_weight
+    )
+
+
+def quant_decode_qkv(
+    x: torch.Tensor,
+    words: torch.Tensor,
+    scales: torch.Tensor,
+    format: str,
+    group_size: int,
+    bias: torch.Tensor | None,
+    stats: torch.Tensor | None,
+    eps: float,
+    cos: torch.Tensor | None,
+    sin: torch.Tensor | None,
+    key_cache: torch.Tensor,
+    value_cache: torch.Tensor,
+    slots: torch.Tensor,
+    num_heads: int,
+    num_kv_heads: int,
+) -> torch.Tensor:
+    """A decode step's fused QKV projection (:func:`quant_decode_gemv` with the norm's
+    ``stats``) with ``rotary_kv_write`` folded into its epilogue: returns the rotated queries
+    ``(batch, num_heads, 1, head_dim)`` and writes the rotated keys and the values into
+    ``key_cache`` / ``value_cache`` ``(batch, kv_heads, slots, head_dim)`` at ``slots``, with
+    the best backend (see :func:`.reference.quant_decode_qkv`)."""
+    fn = get_op(QKV_OP_NAME, x.device.type, x.dtype)
+    return fn(  # type: ignore[no-any-return]
+        x,
+        words,
+        scales,
+        format,
+        group_size,
+        bias,
+        stats,
+        eps,
+        cos,
+        sin,
+        key_cache,
+        value_cache,
+        slots,
+        num_heads,
+        num_kv_heads,
+    )

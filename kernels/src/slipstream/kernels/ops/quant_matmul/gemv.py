@@ -245,10 +245,21 @@ def _half2_quad_sums(words, xpairs, FORMAT: tl.constexpr, X_BF16: tl.constexpr):
     the fp32 add and the scale's fma run once per four words. Weights are code / 128 (int4) or
     code / 1024 (int8) here, which keeps a 16-term (8-term) f16 sum within |x|. Returns
     ``(B, G, 4)`` fp32 sums, one per quad."""
-    w0, w1, w2, w3 = _split4(words)
     if FORMAT == 1:
         xa, xb = _x_half2(tl.load(xpairs), tl.load(xpairs + 32), X_BF16)
         xc, xd = _x_half2(tl.load(xpairs + 16), tl.load(xpairs + 48), X_BF16)
+    else:
+        xa, xb = _x_half2(tl.load(xpairs), tl.load(xpairs + 16), X_BF16)
+        xc, xd = xa, xb
+    return _half2_quad_dot(words, xa, xb, xc, xd, FORMAT)
+
+
+@triton.jit
+def _half2_quad_dot(words, xa, xb, xc, xd, FORMAT: tl.constexpr):
+    """:func:`_half2_quad_sums` from the activations already in f16x2 (``xa .. xd``: int4's
+    four field pairs; int8 reads ``xa`` and ``xb`` only)."""
+    w0, w1, w2, w3 = _split4(words)
+    if FORMAT == 1:
         a0, a1, a2, a3 = _split4(xa)
         b0, b1, b2, b3 = _split4(xb)
         c0, c1, c2, c3 = _split4(xc)
@@ -327,7 +338,6 @@ def _half2_quad_sums(words, xpairs, FORMAT: tl.constexpr, X_BF16: tl.constexpr):
             pack=1,
         )
     else:
-        xa, xb = _x_half2(tl.load(xpairs), tl.load(xpairs + 16), X_BF16)
         a0, a1, a2, a3 = _split4(xa)
         b0, b1, b2, b3 = _split4(xb)
         part = tl.inline_asm_elementwise(

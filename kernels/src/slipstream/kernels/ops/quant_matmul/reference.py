@@ -7,7 +7,14 @@ import torch.nn.functional as F
 
 from slipstream.kernels.ops.quantize.reference import FORMATS, dequantize
 
-__all__ = ["check_weight", "dequantize_weight", "quant_matmul", "quant_matmul_packed"]
+__all__ = [
+    "check_weight",
+    "dequantize_weight",
+    "quant_decode_gemv",
+    "quant_decode_qkv",
+    "quant_matmul",
+    "quant_matmul_packed",
+]
 
 
 def check_weight(
@@ -85,3 +92,91 @@ def quant_matmul_packed(
 
     codes = unpack_gemv(words, format, x.shape[-1])
     return quant_matmul(x, codes, scales, format, group_size, bias)
+
+
+def quant_decode_gemv(
+    x: torch.Tensor,
+    words: torch.Tensor,
+    scales: torch.Tensor,
+    format: str,
+    group_size: int,
+    bias: torch.Tensor | None = None,
+    stats: torch.Tensor | None = None,
+    eps: float = 0.0,
+    gated: bool = False,
+    residual: torch.Tensor | None = None,
+    norm_weight: torch.Tensor | None = None,
+) -> tuple[torch.Tensor, torch.Tensor | None, torch.Tensor | None]:
+    """A packed-weight decode GEMV with a decoder block's small ops around it (fp32 math, the
+    unfused ops' roundings); returns ``(out, total, stats_out)``.
+
+    ``y = (W @ x) * rstd + bias`` rounded to ``x.dtype``, where ``rstd = 1 / sqrt(sum(stats) /
+    in_features + eps)`` per row when ``stats`` (partial sums of squares of the row ``x`` is the
+    RMSNorm input of, any number per row) is given, else 1; then
+
+    - ``gated``: ``out = silu(gate) * up`` for ``y = [gate, up]`` (``gated_activation``'s
+      roundings);
+    - ``residual`` (with ``norm_weight``): ``total = residual + y`` (rounded), ``out = total *
+      norm_weight`` (rounded; the next RMSNorm but its ``rstd``) and ``stats_out`` the partial
+      sums of ``total**2`` for the next call's ``stats`` (one per row here);
+    - else ``out = y``.
+    """
+    from slipstream.kernels.ops.quant_matmul.packing import unpack_gemv
+
+    in_features = x.shape[-1]
+    codes = unpack_gemv(words, format, in_features)
+    weight = dequantize_weight(codes, scales, format, group_size, in_features, torch.float32)
+    y = F.linear(x.float(), weight)
+    if stats is not None:
+        sums = stats.float().reshape(*x.shape[:-1], -1).sum(-1, keepdim=True)
+        y = y * torch.rsqrt(sums / in_features + eps)
+    if bias is not None:
+        y = y + bias.float()
+    y = y.to(x.dtype)
+    if gated:
+        gate, up = y.float().chunk(2, dim=-1)
+        act = F.silu(gate).to(x.dtype).float()
+        return (act * up).to(x.dtype), None, None
+    if residual is None:
+        return y, None, None
+    if norm_weight is None:
+        raise ValueError("quant_decode_gemv: residual needs norm_weight")
+    total = (y.float() + residual.float()).to(residual.dtype)
+    stats_out = total.float().pow(2).sum(-1).reshape(-1, 1)
+    return (total.float() * norm_weight.float()).to(x.dtype), total, stats_out
+
+
+def quant_decode_qkv(
+    x: torch.Tensor,
+    words: torch.Tensor,
+    scales: torch.Tensor,
+    format: str,
+    group_size: int,
+    bias: torch.Tensor | None,
+    stats: torch.Tensor | None,
+    eps: float,
+    cos: torch.Tensor | None,
+    sin: torch.Tensor | None,
+    key_cache: torch.Tensor,
+    value_cache: torch.Tensor,
+    slots: torch.Tensor,
+    num_heads: int,
+    num_kv_heads: int,
+) -> torch.Tensor:
+    """:func:`quant_decode_gemv` of a fused QKV projection (``x`` ``(batch, 1, in)``, with the
+    norm's ``stats``), then ``rotary_kv_write``: returns the rotated queries ``(batch,
+    num_heads, 1, head_dim)`` and writes the rotated keys and the values into the caches at
+    ``slots``."""
+    from slipstream.kernels.ops.rotary_kv_write.reference import rotary_kv_write
+
+    y = quant_decode_gemv(x, words, scales, format, group_size, bias, stats, eps)[0]
+    return rotary_kv_write(
+        y.reshape(x.shape[0], -1, y.shape[-1]),
+        cos,
+        sin,
+        key_cache,
+        value_cache,
+        slots,
+        num_heads,
+        num_kv_heads,
+    )

@@ -1,0 +1,832 @@
+"""The packed int4 / int8 / fp8 decode GEMV with a decoder block's small ops folded in.
+
+At batch-1 decode a quantized step spends about a third of its time outside the GEMVs: the
+residual add + RMSNorm before QKV and gate/up, SiLU * up before down, each a launch of its own.
+:func:`fused_quant_gemv` runs :mod:`.gemv`'s packed-weight loop (same layout, same f16x2
+unpacking, same launch table) with three optional pieces around it, so that a Llama block needs
+no kernel between its projections but the attention's:
+
+- **add + norm epilogue** (``residual``, ``norm_weight``): the output projection (or down)
+  writes, for its own ``block_n`` features, ``total = x + y`` (the residual stream, rounded as
+  ``add_rms_norm`` rounds it), ``u = total * norm_weight`` (the next RMSNorm without its
+  ``1 / rms``) as the output, and one fp32 partial sum of ``total**2`` per program. The row's
+  RMS needs every feature, which no program has; the consumer finishes it.
+- **norm prologue** (``stats``): the next GEMV (QKV, gate/up, head) reads the partial sums (a
+  few KiB from L2), forms ``rstd = 1 / sqrt(mean(total**2) + eps)`` and multiplies its fp32
+  accumulator by it: ``y = rstd * (W @ u)``, the same value as ``W @ rms_norm(total)`` with the
+  norm's rounding moved from ``u * rstd`` to ``y``. In the f16x2 path the activations are
+  scaled by the power of two nearest below ``rstd`` before their f16 conversion (exact), so a
+  residual stream far from 1 keeps f16's precision and range.
+- **SiLU * up epilogue** (``gated``): the weight is ``[gate; up]`` (``2I`` rows); program ``p``
+  computes gate rows ``j`` and up rows ``I + j`` of the same ``block_n / 2`` features ``j`` and
+  writes ``silu(gate) * up`` (``I`` outputs, rounded as ``gated_activation`` rounds).
+
+No split-K (the epilogues need a program's whole rows; the Llama shapes' table entries are
+split 1 anyway) and one program per activation row, for a few rows.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+import torch
+import triton
+import triton.language as tl
+
+from slipstream.kernels.ops.quant_matmul.gemv import (
+    GEMV_FORMAT_CODES,
+    GemvConfig,
+    _half2_quad_dot,
+    _half2_quad_sums,
+    _multiprocessors,
+    _split4,
+    gemv_block_k,
+    gemv_default_config,
+    gemv_supports,
+    half2_supported,
+)
+from slipstream.kernels.ops.quant_matmul.packing import PER_WORD, check_packable, is_packable
+from slipstream.kernels.ops.quant_matmul.reference import (
+    quant_decode_gemv as reference_decode_gemv,
+)
+from slipstream.kernels.ops.quant_matmul.reference import (
+    quant_decode_qkv as reference_decode_qkv,
+)
+from slipstream.kernels.triton_support import AotSpec, check_kernel_device
+
+__all__ = [
+    "PDL",
+    "fused_gemv_kernel",
+    "fused_quant_gemv",
+    "fused_quant_qkv",
+    "fused_quant_supported",
+]
+
+MAX_ROWS = 4
+STATS_BLOCK = 256
+# Programmatic dependent launch (NVIDIA sm_90+): each launch may start while the kernel before
+# it finishes, loading its first weight tile (weights are never written) and waiting
+# (``griddepcontrol.wait``) before it reads activations or writes anything. On: an H200 decoded
+# an 8B model 2.0% (int4) and 5.2% (int8) faster with it (tools/bench/infer_bench.py
+# --quant-pdl basic|off, the default L2 prefetch settings below).
+PDL = True
+
+try:
+    from triton.language.extra.cuda import gdc_launch_dependents, gdc_wait
+
+    _HAS_GDC = True
+except ImportError:  # an older Triton: never launched with GDC=True
+    _HAS_GDC = False
+
+    @triton.jit
+    def gdc_wait():  # type: ignore[no-redef]
+        """Placeholder (this Triton has no grid dependency control)."""
+
+    @triton.jit
+    def gdc_launch_dependents():  # type: ignore[no-redef]
+        """Placeholder (this Triton has no grid dependency control)."""
+
+
+@triton.jit
+def _x_half2_scaled(lo, hi, xscale):
+    """``gemv._x_half2`` for bf16 pairs, each value times ``xscale`` (a power of two) in fp32
+    before the f16 conversion: ``(lo.low, hi.low)`` and ``(lo.high, hi.high)`` as f16x2 (inline
+    PTX: four fmuls more than the unscaled conversion)."""
+    scale = (tl.zeros_like(lo).to(tl.float32) + xscale).to(tl.int32, bitcast=True)
+    return tl.inline_asm_elementwise(
+        """{
+        .reg .b32 al, ah, bl, bh;
+        .reg .f32 s, fal, fah, fbl, fbh;
+        mov.b32 s, $4;
+        shl.b32 al, $2, 16;
+        and.b32 ah, $2, 0xffff0000;
+        shl.b32 bl, $3, 16;
+        and.b32 bh, $3, 0xffff0000;
+        mov.b32 fal, al;
+        mov.b32 fah, ah;
+        mov.b32 fbl, bl;
+        mov.b32 fbh, bh;
+        mul.rn.f32 fal, fal, s;
+        mul.rn.f32 fah, fah, s;
+        mul.rn.f32 fbl, fbl, s;
+        mul.rn.f32 fbh, fbh, s;
+        cvt.rn.f16x2.f32 $0, fbl, fal;
+        cvt.rn.f16x2.f32 $1, fbh, fah;
+        }""",
+        "=r,=r,r,r,r",
+        [lo, hi, scale],
+        dtype=(tl.int32, tl.int32),
+        is_pure=True,
+        pack=1,
+    )
+
+
+@triton.jit
+def _l2_prefetch(rows, nbytes):
+    """``cp.async.bulk.prefetch.L2`` of ``nbytes`` from each pointer of ``rows`` (sm_90)."""
+    return tl.inline_asm_elementwise(
+        """{
+        cp.async.bulk.prefetch.L2.global [$1], $2;
+        mov.u32 $0, 0;
+        }""",
+        "=r,l,r",
+        [rows, nbytes],
+        dtype=tl.int32,
+        is_pure=False,
+        pack=1,
+    )
+
+
+@triton.jit
+def _block_rows(
+    blk,
+    r,
+    N,
+    ROPE: tl.constexpr,
+    GATED: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+    HEAD_DIM: tl.constexpr,
+):
+    """The weight rows of output block ``blk`` (rows past the end re-read the last one) and
+    which of them are real."""
+    if ROPE:
+        # rotary pairs: weight rows (head, i) and (head, i + HEAD_DIM / 2) in one program
+        pair = blk * (BLOCK_N // 2) + r // 2
+        ok = pair < N // 2
+        pair = tl.minimum(pair, N // 2 - 1)
+        rows = (pair // (HEAD_DIM // 2)) * HEAD_DIM + pair % (HEAD_DIM // 2)
+        rows = rows + (r % 2) * (HEAD_DIM // 2)
+    elif GATED:
+        # gate j, up j, gate j + 1, up j + 1, ...
+        feature = blk * (BLOCK_N // 2) + r // 2
+        ok = feature < N // 2
+        rows = tl.minimum(feature, N // 2 - 1) + (r % 2) * (N // 2)
+    else:
+        rows = blk * BLOCK_N + r
+        ok = rows < N
+        rows = tl.minimum(rows, N - 1)
+    return rows, ok
+
+
+@triton.jit
+def fused_gemv_kernel(
+    x_ptr,
+    codes_ptr,
+    scales_ptr,
+    bias_ptr,
+    out_ptr,
+    stats_ptr,  # NORM_IN: (rows, n_stats) fp32 partial sums of squares of the normed row
+    res_ptr,  # ADD_NORM: the residual (rows, N)
+    nw_ptr,  # ADD_NORM: the next RMSNorm's weight (N,)
+    total_ptr,  # ADD_NORM: out, the residual sum (rows, N)
+    stats_out_ptr,  # ADD_NORM: out, (rows, programs) partial sums of total**2
+    N,
+    K,
+    stride_xm,
+    stride_om,
+    stride_cn,
+    n_stats,
+    eps,
+    prefetch_bytes,  # L2_PREFETCH: bytes of each code row prefetched (a multiple of 16)
+    cos_ptr,  # ROPE: (rows, HEAD_DIM / 2) fp32 rotary tables
+    sin_ptr,
+    slot_ptr,  # ROPE: the cache slot of the token
+    key_ptr,  # ROPE: the layer's key / value cache (rows, kv_heads, slots, HEAD_DIM)
+    value_ptr,
+    heads,
+    kv_heads,
+    cache_sb,
+    cache_sh,
+    cache_ss,
+    FORMAT: tl.constexpr,  # 0 int8, 1 int4, 2 fp8 e4m3 (packed words)
+    GROUP: tl.constexpr,
+    HAS_BIAS: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+    BLOCK_K: tl.constexpr,
+    NATIVE_FP8: tl.constexpr,
+    HALF2: tl.constexpr,  # int4/int8, 16-bit x, NVIDIA: f16x2 quads (gemv's QUADS path)
+    PREFETCH: tl.constexpr,
+    NORM_IN: tl.constexpr,
+    GATED: tl.constexpr,
+    ADD_NORM: tl.constexpr,
+    STATS: tl.constexpr,
+    ROPE: tl.constexpr = False,  # QKV: rotate q and k, write q to out and k, v to the cache
+    HEAD_DIM: tl.constexpr = 128,
+    GDC: tl.constexpr = False,  # launched with PDL: wait for the previous kernel (see PDL)
+    L2_PREFETCH: tl.constexpr = False,  # GDC: the program's weight rows into L2 before the wait
+):
+    """One activation row per program ``(row, p)``; see the module docstring for the pieces."""
+    if GDC:
+        gdc_launch_dependents()  # the next fused GEMV may be scheduled behind this one
+    pid_m = tl.program_id(0)
+    pid_n = tl.program_id(1)
+    programs = tl.num_programs(1)
+    r = tl.arange(0, BLOCK_N)
+    if ROPE or GATED:
+        n_blocks = tl.cdiv(N // 2, BLOCK_N // 2)
+    else:
+        n_blocks = tl.cdiv(N, BLOCK_N)
+    steps = K // BLOCK_K
+    x_row = x_ptr + pid_m.to(tl.int64) * stride_xm
+    x_type = x_ptr.dtype.element_ty
+    out_type = out_ptr.dtype.element_ty
+    PER: tl.constexpr = 8 if FORMAT == 1 else 4  # fields per word
+    PACK: tl.constexpr = 16 * PER  # input features per packed block
+    GPS: tl.constexpr = BLOCK_K // PACK  # packed blocks per step
+    BITS: tl.constexpr = 32 // PER
+    LOW: tl.constexpr = 20 // BITS
+    OFFSET: tl.constexpr = 8 if FORMAT == 1 else 128
+    g = tl.arange(0, GPS)[None, :, None]
+    jj = tl.arange(0, 16)[None, None, :]
+    word = g * 16 + jj
+    pairs = x_row.to(tl.pointer_type(tl.int32), bitcast=True)
+    cols, col_ok = _block_rows(pid_n, r, N, ROPE, GATED, BLOCK_N, HEAD_DIM)
+    if PREFETCH:  # the first block's first tile
+        first_rows = cols.to(tl.int64)[:, None, None]
+        next_words = tl.load(codes_ptr + first_rows * stride_cn + word)
+        next_scale = tl.load(scales_ptr + first_rows * (K // GROUP) + (g * PACK) // GROUP + jj * 0)
+    if GDC:  # the weights are ours to read early; everything else waits for the producer
+        if L2_PREFETCH:
+            # the first prefetch_bytes of each of the program's code rows (contiguous) in one
+            # bulk L2 prefetch (sm_90): the weight streams while the previous kernel finishes
+            _l2_prefetch(codes_ptr + cols.to(tl.int64) * stride_cn, r * 0 + prefetch_bytes)
+        gdc_wait()
+    # the norm's statistics while the first weight tile is in flight
+    rstd = 1.0
+    xscale = 1.0
+    if NORM_IN:
+        s = tl.zeros((STATS,), dtype=tl.float32)
+        for i in range(0, n_stats, STATS):
+            idx = i + tl.arange(0, STATS)
+            s += tl.load(stats_ptr + pid_m * n_stats + idx, mask=idx < n_stats, other=0.0)
+        rstd = 1.0 / tl.sqrt(tl.sum(s, axis=0) / K + eps)
+        if HALF2 and x_type == tl.bfloat16:
+            # the power of two at or below rstd: scaling by it is exact
+            xscale = (rstd.to(tl.int32, bitcast=True) & 0x7F800000).to(tl.float32, bitcast=True)
+    # Program p computes blocks p, p + P, ... (one block each unless the grid is persistent:
+    # then the statistics above are read once for several blocks).
+    for blk in range(pid_n, n_blocks, programs):
+        cols, col_ok = _block_rows(blk, r, N, ROPE, GATED, BLOCK_N, HEAD_DIM)
+        following, _ok = _block_rows(
+            tl.minimum(blk + programs, n_blocks - 1), r, N, ROPE, GATED, BLOCK_N, HEAD_DIM
+        )
+        safe_rows = cols.to(tl.int64)[:, None, None]
+        code_rows = codes_ptr + safe_rows * stride_cn
+        scale_rows = scales_ptr + safe_rows * (K // GROUP) + jj * 0
+        acc3 = tl.zeros((BLOCK_N, GPS, 16), dtype=tl.float32)
+        acc_quads = tl.zeros((BLOCK_N, GPS, 4), dtype=tl.float32)
+        for step in range(0, steps):
+            k0 = step * BLOCK_K
+            if PREFETCH:
+                words = next_words
+                scale = next_scale
+                # the next step's tile, or after the last step the next block's first tile
+                more = step + 1 < steps
+                ahead = tl.where(more, step + 1, 0)
+                ahead_rows = tl.where(more, cols, following).to(tl.int64)[:, None, None]
+                next_words = tl.load(
+                    codes_ptr + ahead_rows * stride_cn + ahead * (BLOCK_K // PER) + word
+                )
+                next_scale = tl.load(
+                    scales_ptr
+                    + ahead_rows * (K // GROUP)
+                    + (ahead * BLOCK_K + g * PACK) // GROUP
+                    + jj * 0
+                )
+            else:
+                words = tl.load(code_rows + step * (BLOCK_K // PER) + word)
+                scale = tl.load(scale_rows + (k0 + g * PACK) // GROUP)
+            if HALF2:
+                xpairs = pairs + k0 // 2 + g * (PACK // 2) + jj
+                quad_scale, _s1, _s2, _s3 = _split4(scale)
+                if NORM_IN and x_type == tl.bfloat16:
+                    if FORMAT == 1:
+                        xa, xb = _x_half2_scaled(tl.load(xpairs), tl.load(xpairs + 32), xscale)
+                        xc, xd = _x_half2_scaled(tl.load(xpairs + 16), tl.load(xpairs + 48), xscale)
+                    else:
+                        xa, xb = _x_half2_scaled(tl.load(xpairs), tl.load(xpairs + 16), xscale)
+                        xc, xd = xa, xb
+                    sums = _half2_quad_dot(words, xa, xb, xc, xd, FORMAT)
+                else:
+                    sums = _half2_quad_sums(words, xpairs, FORMAT, x_type == tl.bfloat16)
+                acc_quads += sums * quad_scale
+            else:
+                if FORMAT == 1:
+                    words = words ^ -2004318072  # 0x88888888: two's complement -> offset binary
+                elif FORMAT == 0:
+                    words = words ^ -2139062144  # 0x80808080
+                high = words >> (BITS * (PER - LOW))
+                t = tl.zeros((BLOCK_N, GPS, 16), dtype=tl.float32)
+                for p in tl.static_range(PER // 2):
+                    if x_type == tl.float32:
+                        base = x_row + k0 + g * PACK + 32 * p + 2 * jj
+                        x_lo = tl.load(base)
+                        x_hi = tl.load(base + 1)
+                    else:
+                        xp = tl.load(pairs + k0 // 2 + g * (PACK // 2) + 16 * p + jj)
+                        if x_type == tl.bfloat16:
+                            x_lo = (xp << 16).to(tl.float32, bitcast=True)
+                            x_hi = (xp & -65536).to(tl.float32, bitcast=True)
+                        else:
+                            x_lo = xp.to(tl.int16).to(tl.float16, bitcast=True).to(tl.float32)
+                            x_hi = (xp >> 16).to(tl.int16).to(tl.float16, bitcast=True)
+                            x_hi = x_hi.to(tl.float32)
+                    for b in tl.static_range(2):
+                        f = 2 * p + b
+                        if FORMAT == 2:
+                            byte = (words >> (8 * f)) & 255
+                            if NATIVE_FP8:
+                                fp8 = byte.to(tl.uint8).to(tl.float8e4nv, bitcast=True)
+                                value = fp8.to(tl.float32)
+                            else:
+                                half = ((byte & 0x7F) << 7) | ((byte & 0x80) << 8)
+                                value = half.to(tl.int16).to(tl.float16, bitcast=True)
+                                value = value.to(tl.float32)
+                        else:
+                            at = BITS * f if f < LOW else BITS * (f - PER + LOW)
+                            src = words if f < LOW else high
+                            field = src & (((1 << BITS) - 1) << at)
+                            value = (field | ((150 - at) << 23)).to(tl.float32, bitcast=True)
+                            value = value - ((1 << (23 - at)) + OFFSET)
+                        t += value * (x_lo if b == 0 else x_hi)
+                acc3 += t * scale
+        if HALF2:
+            acc = tl.sum(tl.sum(acc_quads, axis=2), axis=1) * (128.0 if FORMAT == 1 else 1024.0)
+        else:
+            acc = tl.sum(tl.sum(acc3, axis=2), axis=1)
+            if FORMAT == 2 and not NATIVE_FP8:
+                acc = acc * 256.0
+        if NORM_IN:
+            acc = acc * (rstd / xscale)
+        if HAS_BIAS:
+            acc += tl.load(bias_ptr + cols).to(tl.float32)
+        out_row = out_ptr + pid_m.to(tl.int64) * stride_om
+        if ROPE:
+            # the projection's outputs rounded as the unfused GEMV's, then rotary_kv_write's math
+            HALF: tl.constexpr = HEAD_DIM // 2
+            y = acc.to(out_type).to(tl.float32)
+            first, second = tl.split(tl.reshape(y, (BLOCK_N // 2, 2)))
+            pr = blk * (BLOCK_N // 2) + tl.arange(0, BLOCK_N // 2)
+            ok = pr < N // 2
+            head = pr // HALF
+            fi = pr % HALF
+            is_q = head < heads
+            is_v = head >= heads + kv_heads
+            turn = ok & (head < heads + kv_heads)
+            c = tl.load(cos_ptr + pid_m * HALF + fi, mask=turn, other=1.0).to(tl.float32)
+            sn = tl.load(sin_ptr + pid_m * HALF + fi, mask=turn, other=0.0).to(tl.float32)
+            lo = (first * c - second * sn).to(out_type)
+            hi = (second * c + first * sn).to(out_type)
+            q_at = out_row + head * HEAD_DIM + fi
+            tl.store(q_at, lo, mask=ok & is_q)
+            tl.store(q_at + HALF, hi, mask=ok & is_q)
+            slot = tl.load(slot_ptr).to(tl.int64)
+            kv = tl.where(is_v, head - heads - kv_heads, head - heads)
+            at = pid_m.to(tl.int64) * cache_sb + kv * cache_sh + slot * cache_ss + fi
+            k_ok = ok & (head >= heads) & ~is_v
+            v_ok = ok & is_v
+            tl.store(key_ptr + at, lo.to(key_ptr.dtype.element_ty), mask=k_ok)
+            tl.store(key_ptr + at + HALF, hi.to(key_ptr.dtype.element_ty), mask=k_ok)
+            tl.store(value_ptr + at, lo.to(value_ptr.dtype.element_ty), mask=v_ok)
+            tl.store(value_ptr + at + HALF, hi.to(value_ptr.dtype.element_ty), mask=v_ok)
+        elif GATED:
+            # the projection's outputs rounded as the unfused GEMV's, then gated_activation's math
+            y = acc.to(out_type).to(tl.float32)
+            gate, up = tl.split(tl.reshape(y, (BLOCK_N // 2, 2)))
+            act = (gate / (1.0 + tl.exp(-gate))).to(out_type).to(tl.float32)
+            j = blk * (BLOCK_N // 2) + tl.arange(0, BLOCK_N // 2)
+            tl.store(out_row + j, (act * up).to(out_type), mask=j < N // 2)
+        elif ADD_NORM:
+            y = acc.to(out_type).to(tl.float32)
+            row_n = pid_m.to(tl.int64) * N
+            res = tl.load(res_ptr + row_n + cols, mask=col_ok, other=0.0).to(tl.float32)
+            total = (y + res).to(total_ptr.dtype.element_ty)
+            tl.store(total_ptr + row_n + cols, total, mask=col_ok)
+            tf = tl.where(col_ok, total.to(tl.float32), 0.0)
+            tl.store(stats_out_ptr + pid_m * n_blocks + blk, tl.sum(tf * tf, axis=0))
+            nw = tl.load(nw_ptr + cols, mask=col_ok, other=0.0).to(tl.float32)
+            tl.store(out_row + cols, (tf * nw).to(out_type), mask=col_ok)
+        else:
+            tl.store(out_row + cols, acc.to(out_type), mask=col_ok)
+
+
+def _native_fp8(device: torch.device) -> bool:
+    if device.type != "cuda" or torch.version.hip is not None:
+        return False
+    return torch.cuda.get_device_capability(device) >= (8, 9)
+
+
+def _pdl(device: torch.device) -> dict[str, bool]:
+    """The launch options for :data:`PDL` on this device (none where it cannot run)."""
+    if not (PDL and _HAS_GDC and device.type == "cuda" and torch.version.hip is None):
+        return {}
+    if torch.cuda.get_device_capability(device) < (9, 0):
+        return {}
+    return {"GDC": True, "launch_pdl": True}
+
+
+# With PDL, up to this many bytes of each weight are prefetched into L2 before the wait (a
+# quarter of an H100's L2): all of an 8B model's QKV and output projection, the first part of
+# every row of gate/up and down.
+L2_PREFETCH_BYTES = 12 << 20
+# True: every weight's rows are prefetched in part when the whole does not fit the budget
+# (not measured yet: --quant-pdl on); False: only weights that fit it whole.
+L2_PREFETCH_PARTIAL = False
+
+
+def _prefetch_bytes(out_features: int, row_bytes: int) -> int:
+    """Bytes of each code row to prefetch into L2 (0: none, too few to be worth it)."""
+    share = min(row_bytes, L2_PREFETCH_BYTES // max(out_features, 1)) // 16 * 16
+    if share < row_bytes and not L2_PREFETCH_PARTIAL:
+        return 0
+    return share if share >= 256 else 0
+
+
+def fused_quant_supported(format: str, group_size: int, in_features: int) -> bool:
+    """Whether :func:`fused_quant_gemv` takes a packed weight of this format and shape."""
+    if format not in PER_WORD:
+        return False
+    try:
+        check_packable(format, group_size, in_features)
+    except ValueError:
+        return False
+    return True
+
+
+def _config(
+    format: str,
+    out_features: int,
+    in_features: int,
+    group_size: int,
+    gated: bool,
+    x: torch.Tensor,
+    norm_in: bool = False,
+) -> GemvConfig | None:
+    """``gemv_default_config``'s launch (the sweep's table) without split-K, with f16x2 quads
+    where they run, two rows at least for the paired epilogues, and with the norm prologue the
+    first weight tile loaded before the statistics (its latency hidden behind theirs)."""
+    config = gemv_default_config(format, out_features, in_features, group_size, x.device)
+    if config is None:
+        return None
+    block_n = max(config.block_n, 2) if gated else config.block_n
+    half2 = config.half2 and half2_supported(format, x)
+    prefetch = config.prefetch or norm_in
+    return dataclasses.replace(
+        config, split_k=1, block_n=block_n, half2=half2, quads=half2, prefetch=prefetch
+    )
+
+
+def fused_quant_gemv(
+    x: torch.Tensor,
+    words: torch.Tensor,
+    scales: torch.Tensor,
+    format: str,
+    group_size: int,
+    bias: torch.Tensor | None = None,
+    stats: torch.Tensor | None = None,
+    eps: float = 0.0,
+    gated: bool = False,
+    residual: torch.Tensor | None = None,
+    norm_weight: torch.Tensor | None = None,
+) -> tuple[torch.Tensor, torch.Tensor | None, torch.Tensor | None]:
+    """See :func:`slipstream.kernels.ops.quant_matmul.reference.quant_decode_gemv`: returns
+    ``(out, total, stats_out)`` (the last two None without ``residual``)."""
+    check_kernel_device("quant_decode_gemv", x, words, scales, bias, stats, residual, norm_weight)
+    in_features = x.shape[-1]
+    check_packable(format, group_size, in_features)
+    out_features = words.numel() * PER_WORD[format] // in_features
+    rows = x.numel() // max(in_features, 1)
+    add_norm = residual is not None
+    if gated and (out_features % 2 or add_norm):
+        raise ValueError("fused_quant_gemv: gated needs an even [gate; up] weight, no residual")
+    if add_norm and norm_weight is None:
+        raise ValueError("fused_quant_gemv: residual needs norm_weight")
+    config = _config(format, out_features, in_features, group_size, gated, x, stats is not None)
+    if (
+        not 0 < rows <= MAX_ROWS
+        or (torch.is_grad_enabled() and x.requires_grad)
+        or config is None
+        or not gemv_supports(format, group_size, in_features, config)
+    ):
+        # more rows, autograd, or a shape the packed loop cannot step through: the reference
+        return reference_decode_gemv(
+            x, words, scales, format, group_size, bias, stats, eps, gated, residual, norm_weight
+        )
+    flat = x.reshape(rows, in_features)
+    if flat.stride(-1) != 1 or flat.stride(0) % 2 or flat.data_ptr() % 4:
+        flat = flat.clone(memory_format=torch.contiguous_format)
+    width = out_features // 2 if gated else out_features
+    out = torch.empty(rows, width, device=x.device, dtype=x.dtype)
+    blocks = triton.cdiv(width, config.block_n // 2 if gated else config.block_n)
+    total = stats_out = None
+    if add_norm:
+        assert residual is not None and norm_weight is not None
+        if residual.numel() != rows * out_features:
+            raise ValueError(
+                f"fused_quant_gemv: residual has {residual.numel()} elements, expected "
+                f"{rows} x {out_features}"
+            )
+        residual = residual.reshape(rows, out_features).contiguous()
+        total = torch.empty_like(residual)
+        stats_out = torch.empty(rows, blocks, device=x.device, dtype=torch.float32)
+    if stats is not None:
+        stats = stats.reshape(rows, -1).float().contiguous()
+    _launch(
+        (rows, blocks),
+        flat,
+        words,
+        scales,
+        bias,
+        out,
+        stats,
+        residual,
+        norm_weight,
+        total,
+        stats_out,
+        format,
+        group_size,
+        eps,
+        config,
+        gated=gated,
+    )
+    shape = x.shape[:-1]
+    return (
+        out.reshape(*shape, width),
+        None if total is None else total.reshape(*shape, out_features),
+        stats_out,
+    )
+
+
+def fused_quant_qkv(
+    x: torch.Tensor,
+    words: torch.Tensor,
+    scales: torch.Tensor,
+    format: str,
+    group_size: int,
+    bias: torch.Tensor | None,
+    stats: torch.Tensor | None,
+    eps: float,
+    cos: torch.Tensor | None,
+    sin: torch.Tensor | None,
+    key_cache: torch.Tensor,
+    value_cache: torch.Tensor,
+    slots: torch.Tensor,
+    num_heads: int,
+    num_kv_heads: int,
+) -> torch.Tensor:
+    """See :func:`slipstream.kernels.ops.quant_matmul.reference.quant_decode_qkv`: the QKV
+    projection with ``rotary_kv_write`` in its epilogue (one token, full-width rotary)."""
+    check_kernel_device(
+        "quant_decode_qkv", x, words, scales, bias, stats, cos, sin, key_cache, value_cache, slots
+    )
+    in_features = x.shape[-1]
+    rows = x.numel() // max(in_features, 1)
+    head_dim = key_cache.shape[-1]
+    out_features = words.numel() * PER_WORD[format] // max(in_features, 1)
+    config = None
+    if is_packable(format, group_size, in_features):
+        config = _config(format, out_features, in_features, group_size, True, x, stats is not None)
+    if (
+        config is None
+        or not gemv_supports(format, group_size, in_features, config)
+        or x.dim() != 3
+        or x.shape[1] != 1
+        or not 0 < rows <= MAX_ROWS
+        or (torch.is_grad_enabled() and x.requires_grad)
+        or cos is None
+        or sin is None
+        or 2 * cos.shape[-1] != head_dim
+        or slots.numel() != 1
+        or out_features != (num_heads + 2 * num_kv_heads) * head_dim
+        or key_cache.stride() != value_cache.stride()
+        or key_cache.stride(-1) != 1
+        or key_cache.dtype != value_cache.dtype
+    ):
+        return reference_decode_qkv(
+            x,
+            words,
+            scales,
+            format,
+            group_size,
+            bias,
+            stats,
+            eps,
+            cos,
+            sin,
+            key_cache,
+            value_cache,
+            slots,
+            num_heads,
+            num_kv_heads,
+        )
+    flat = x.reshape(rows, in_features)
+    if flat.stride(-1) != 1 or flat.stride(0) % 2 or flat.data_ptr() % 4:
+        flat = flat.clone(memory_format=torch.contiguous_format)
+    if stats is not None:
+        stats = stats.reshape(rows, -1).float().contiguous()
+    out = torch.empty(rows, num_heads * head_dim, device=x.device, dtype=x.dtype)
+    tables = (
+        cos.reshape(rows, -1).float().contiguous(),
+        sin.reshape(rows, -1).float().contiguous(),
+    )
+    _launch(
+        (rows, triton.cdiv(out_features // 2, config.block_n // 2)),
+        flat,
+        words,
+        scales,
+        bias,
+        out,
+        stats,
+        None,
+        None,
+        None,
+        None,
+        format,
+        group_size,
+        eps,
+        config,
+        rope=(*tables, slots, key_cache, value_cache),
+        rope_shape=(num_heads, num_kv_heads, head_dim),
+    )
+    return out.view(rows, num_heads, 1, head_dim)
+
+
+# Weights with at least this many output blocks per SM (an 8B LM head's 32K blocks: 243 per
+# SM of an H100; the block projections have at most 54) run a persistent grid of about
+# PERSISTENT_PROGRAMS_PER_SM programs per SM, so the norm statistics are read once per program
+# rather than once per block.
+PERSISTENT_BLOCKS_PER_SM = 128
+PERSISTENT_PROGRAMS_PER_SM = 16
+
+
+def _grid_programs(blocks: int, device: torch.device) -> int:
+    """Programs along the output blocks: one per block, or a persistent grid in which every
+    program walks the same number of blocks (the last one fewer)."""
+    sms = _multiprocessors(device)
+    if blocks < PERSISTENT_BLOCKS_PER_SM * sms:
+        return blocks
+    per_program = triton.cdiv(blocks, PERSISTENT_PROGRAMS_PER_SM * sms)
+    return triton.cdiv(blocks, per_program)
+
+
+def _launch(
+    grid: tuple[int, int],
+    flat: torch.Tensor,
+    words: torch.Tensor,
+    scales: torch.Tensor,
+    bias: torch.Tensor | None,
+    out: torch.Tensor,
+    stats: torch.Tensor | None,
+    residual: torch.Tensor | None,
+    norm_weight: torch.Tensor | None,
+    total: torch.Tensor | None,
+    stats_out: torch.Tensor | None,
+    format: str,
+    group_size: int,
+    eps: float,
+    config: GemvConfig,
+    gated: bool = False,
+    rope: tuple[torch.Tensor, ...] | None = None,
+    rope_shape: tuple[int, int, int] = (0, 0, 128),
+) -> None:
+    in_features = flat.shape[-1]
+    out_features = words.numel() * PER_WORD[format] // in_features
+    pdl = _pdl(flat.device)
+    prefetch = _prefetch_bytes(out_features, in_features * 4 // PER_WORD[format]) if pdl else 0
+    cos, sin, slots, key_cache, value_cache = rope if rope is not None else (out,) * 5
+    cache_strides = key_cache.stride()[:3] if rope is not None else (0, 0, 0)
+    grid = (grid[0], _grid_programs(grid[1], flat.device))
+    fused_gemv_kernel[grid](
+        flat,
+        words,
+        scales,
+        bias if bias is not None else flat,
+        out,
+        stats if stats is not None else out,
+        residual if residual is not None else out,
+        norm_weight if norm_weight is not None else out,
+        total if total is not None else out,
+        stats_out if stats_out is not None else out,
+        out_features,
+        in_features,
+        flat.stride(0),
+        out.stride(0),
+        in_features // PER_WORD[format],
+        stats.shape[1] if stats is not None else 0,
+        eps,
+        prefetch,
+        cos,
+        sin,
+        slots,
+        key_cache,
+        value_cache,
+        rope_shape[0],
+        rope_shape[1],
+        *cache_strides,
+        FORMAT=GEMV_FORMAT_CODES[format],
+        GROUP=group_size,
+        HAS_BIAS=bias is not None,
+        BLOCK_N=config.block_n,
+        BLOCK_K=gemv_block_k(format, config.num_warps),
+        NATIVE_FP8=format == "fp8_e4m3" and _native_fp8(flat.device),
+        HALF2=config.half2,
+        PREFETCH=config.prefetch,
+        NORM_IN=stats is not None,
+        GATED=gated,
+        ADD_NORM=residual is not None,
+        STATS=STATS_BLOCK,
+        num_warps=config.num_warps,
+        num_stages=config.num_stages,
+        L2_PREFETCH=prefetch > 0,
+        ROPE=rope is not None,
+        HEAD_DIM=rope_shape[2],
+        **pdl,
+    )
+
+
+def aot_specs(half2: bool = False) -> list[AotSpec]:
+    """The fused specialisations of a Llama decode step (bf16, 1-warp int4 / int8 steps): the
+    norm-prologue + SwiGLU-epilogue gate/up, the add + norm epilogue, the norm-prologue QKV.
+    ``half2``: the f16x2 PTX path (NVIDIA targets only)."""
+    signature = {
+        "x_ptr": "*bf16",
+        "codes_ptr": "*i32",
+        "scales_ptr": "*fp32",
+        "bias_ptr": "*bf16",
+        "out_ptr": "*bf16",
+        "stats_ptr": "*fp32",
+        "res_ptr": "*bf16",
+        "nw_ptr": "*bf16",
+        "total_ptr": "*bf16",
+        "stats_out_ptr": "*fp32",
+        "N": "i32",
+        "K": "i32",
+        "stride_xm": "i32",
+        "stride_om": "i32",
+        "stride_cn": "i32",
+        "n_stats": "i32",
+        "eps": "fp32",
+        "prefetch_bytes": "i32",
+        "cos_ptr": "*fp32",
+        "sin_ptr": "*fp32",
+        "slot_ptr": "*i64",
+        "key_ptr": "*bf16",
+        "value_ptr": "*bf16",
+        "heads": "i32",
+        "kv_heads": "i32",
+        "cache_sb": "i32",
+        "cache_sh": "i32",
+        "cache_ss": "i32",
+        **{
+            name: "constexpr"
+            for name in (
+                "FORMAT",
+                "GROUP",
+                "HAS_BIAS",
+                "BLOCK_N",
+                "BLOCK_K",
+                "NATIVE_FP8",
+                "HALF2",
+                "PREFETCH",
+                "NORM_IN",
+                "GATED",
+                "ADD_NORM",
+                "STATS",
+                "ROPE",
+                "HEAD_DIM",
+                "GDC",
+                "L2_PREFETCH",
+            )
+        },
+    }
+    specs = []
+    for format in ("int4", "int8"):
+        for norm_in, gated, add_norm, rope in (
+            (True, True, False, False),
+            (False, False, True, False),
+            (True, False, False, True),
+        ):
+            constexprs = {
+                "FORMAT": GEMV_FORMAT_CODES[format],
+                "GROUP": 128,
+                "HAS_BIAS": False,
+                "BLOCK_N": 8 if gated else 4,  # (rope: two rotary pairs)
+                "BLOCK_K": gemv_block_k(format, 1),
+                "NATIVE_FP8": False,
+                "HALF2": half2,
+                "PREFETCH": True,
+                "NORM_IN": norm_in,
+                "GATED": gated,
+                "ADD_NORM": add_norm,
+                "STATS": STATS_BLOCK,
+                "ROPE": rope,
+                "HEAD_DIM": 128,
+                "GDC": False,
+                "L2_PREFETCH": False,
+            }
+            name = (
+                f"quant_matmul.fused_gemv[{format}xbf16,norm={norm_in},gated={gated},"
+                f"add={add_norm},rope={rope}]"
+            )
+            specs.append(AotSpec(name, fused_gemv_kernel, signature, constexprs))
+    return specs

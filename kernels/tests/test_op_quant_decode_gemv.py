@@ -1,0 +1,221 @@
+"""``quant_decode_gemv``: the packed int4 / int8 / fp8 decode GEMV with the norm prologue, the
+SiLU * up epilogue and the residual add + norm epilogue. The reference equals the unfused ops it
+replaces (add_rms_norm, quant_matmul_packed, gated_activation) within bf16 rounding; the Triton
+kernel equals the reference (CPU interpreter: fp32 / fp16; GPU with ``-m gpu``: bf16 and the
+f16x2 path too)."""
+
+from __future__ import annotations
+
+import importlib
+
+import pytest
+import torch
+
+from slipstream.kernels.ops import add_rms_norm, gated_activation, quantize
+from slipstream.kernels.ops.quant_matmul import pack_gemv, quant_decode_gemv, quant_matmul_packed
+from slipstream.kernels.ops.quant_matmul.reference import quant_decode_gemv as reference
+
+_SEED = torch.Generator().manual_seed
+_IN = {"int4": 2048, "int8": 2048, "fp8_e4m3": 2048}  # two steps of the packed loop
+
+
+def _packed(fmt: str, out_features: int, in_features: int, seed: int = 3):
+    w = torch.randn(out_features, in_features, generator=_SEED(seed))
+    q = quantize(w, fmt, 128)
+    words = pack_gemv(q.data.reshape(out_features, -1), fmt, 128, in_features)
+    return words, q.scales.reshape(out_features, -1)
+
+
+@pytest.mark.parametrize("fmt", ["int4", "int8"])
+def test_reference_is_the_unfused_ops(fmt: str) -> None:
+    """x + residual -> RMSNorm -> GEMV -> SiLU * up, as the fused chain computes it: the norm's
+    1/rms applied after the GEMV (its rounding moved), the rest rounded as the unfused ops."""
+    hidden, inter = 256, 128
+    up_words, up_scales = _packed(fmt, 2 * inter, hidden)
+    out_words, out_scales = _packed(fmt, hidden, hidden, seed=4)
+    dtype = torch.bfloat16
+    x = torch.randn(1, hidden, generator=_SEED(1)).to(dtype)
+    attn = torch.randn(1, hidden, generator=_SEED(2)).to(dtype)
+    norm_weight = (1 + 0.1 * torch.randn(hidden, generator=_SEED(5))).to(dtype)
+    # unfused: o_proj, add + RMSNorm, gate/up, SiLU * up
+    pending = quant_matmul_packed(attn, out_words, out_scales, fmt, 128)
+    total, h = add_rms_norm(pending, x, norm_weight, 1e-5)
+    expected = gated_activation(quant_matmul_packed(h, up_words, up_scales, fmt, 128), "silu")
+    # fused: o_proj with the add + norm-weight epilogue, gate/up with the 1/rms and SiLU * up
+    u, fused_total, stats = reference(
+        attn, out_words, out_scales, fmt, 128, residual=x, norm_weight=norm_weight
+    )
+    assert fused_total is not None and stats is not None
+    # (the CPU's unfused GEMV rounds the dequantized weight to bf16 first: an ulp apart)
+    ulp = total.float().abs().max().item() / 128
+    torch.testing.assert_close(fused_total, total, rtol=0, atol=ulp)
+    sums = total.float().pow(2).sum(-1)
+    torch.testing.assert_close(stats.sum(-1), sums, rtol=0.01, atol=0)
+    out, none, _ = reference(u, up_words, up_scales, fmt, 128, stats=stats, eps=1e-5, gated=True)
+    assert none is None and out.shape == expected.shape
+    scale = expected.float().abs().max().item()
+    torch.testing.assert_close(out.float(), expected.float(), rtol=0.02, atol=0.02 * scale)
+    # the op on the CPU is the reference
+    again = quant_decode_gemv(u, up_words, up_scales, fmt, 128, None, stats, 1e-5, True)[0]
+    torch.testing.assert_close(again, out, rtol=0, atol=0)
+
+
+@pytest.mark.parametrize("fmt", ["int4", "int8", "fp8_e4m3"])
+def test_kernel_matches_reference(
+    triton_device: torch.device, fmt: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    from slipstream.kernels.ops.quant_matmul import fused_gemv
+
+    # On a GPU also with programmatic dependent launch (and the L2 prefetch: a small weight);
+    # NVIDIA sm_90+ only, a no-op elsewhere.
+    for pdl in (False, True) if triton_device.type == "cuda" else (False,):
+        monkeypatch.setattr(fused_gemv, "PDL", pdl)
+        _kernel_matches_reference(triton_device, fmt)
+    # a persistent grid (an LM head's): two programs walk the blocks
+    monkeypatch.setattr(fused_gemv, "_grid_programs", lambda blocks, device: min(blocks, 2))
+    _kernel_matches_reference(triton_device, fmt)
+
+
+def _kernel_matches_reference(triton_device: torch.device, fmt: str) -> None:
+    from slipstream.kernels.ops.quant_matmul.fused_gemv import fused_quant_gemv
+
+    in_features, out_features = _IN[fmt], 24
+    words, scales = _packed(fmt, out_features, in_features)
+    words, scales = words.to(triton_device), scales.to(triton_device)
+    dtypes = [torch.float32, torch.float16]
+    if triton_device.type == "cuda":
+        dtypes.append(torch.bfloat16)  # and the f16x2 path (int4 / int8 on NVIDIA)
+    for dtype in dtypes:
+        gen = _SEED(6)
+
+        def rand(
+            *shape: int, dtype: torch.dtype = dtype, gen: torch.Generator = gen
+        ) -> torch.Tensor:
+            return torch.randn(*shape, generator=gen).to(triton_device, dtype)
+
+        x = rand(1, in_features)
+        # the norm's input as a residual stream far from 1: rms ~ 100 (x then is total * w)
+        parts = rand(1, 7, dtype=torch.float32).abs() + 0.5
+        stats = parts / parts.sum() * in_features * 1e4
+        big = 100 * x
+        cases: list[dict] = [
+            {},
+            {"bias": rand(out_features)},
+            {"stats": stats, "eps": 1e-6, "x": big},
+            {"gated": True},
+            {"stats": stats, "eps": 1e-6, "gated": True, "bias": rand(out_features), "x": big},
+            {"residual": rand(1, out_features), "norm_weight": rand(out_features)},
+        ]
+        for kwargs in cases:
+            row = kwargs.pop("x", x)
+            got = fused_quant_gemv(row, words, scales, fmt, 128, **kwargs)
+            want = reference(row, words, scales, fmt, 128, **kwargs)
+            for a, b in zip(got[:2], want[:2], strict=True):
+                assert (a is None) == (b is None)
+                if a is None or b is None:
+                    continue
+                assert a.shape == b.shape and a.dtype == b.dtype
+                # one rounding of the same fp32 sum (16-bit: a unit in the last place)
+                scale = b.float().abs().max().item()
+                tol = 2e-5 if dtype == torch.float32 else 1e-2
+                torch.testing.assert_close(a.float(), b.float(), rtol=tol, atol=tol * scale)
+            if "residual" in kwargs:  # per-program partial sums: the same total
+                assert got[2] is not None and want[2] is not None
+                torch.testing.assert_close(
+                    got[2].sum(-1),
+                    want[2].sum(-1),
+                    rtol=2e-2 if dtype != torch.float32 else 1e-5,
+                    atol=0,
+                )
+    # more rows than a decode step: the reference
+    many = torch.randn(6, in_features).to(triton_device, torch.float32)
+    torch.testing.assert_close(
+        fused_quant_gemv(many, words, scales, fmt, 128)[0],
+        reference(many, words, scales, fmt, 128)[0],
+    )
+    with pytest.raises(ValueError, match="norm_weight"):
+        fused_quant_gemv(x, words, scales, fmt, 128, residual=x[:, :out_features])
+
+
+@pytest.mark.parametrize("fmt", ["int4", "int8"])
+def test_qkv_with_rotary_and_cache_write(
+    triton_device: torch.device, fmt: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """quant_decode_qkv: the QKV GEMV (norm 1/rms from stats) then rotary_kv_write, in one
+    kernel: queries, the rotated key and the value at the slot equal the reference's."""
+    from slipstream.kernels.ops.quant_matmul.fused_gemv import fused_quant_qkv
+    from slipstream.kernels.ops.quant_matmul.reference import quant_decode_qkv
+
+    heads, kv_heads, head_dim, slots = 4, 2, 16, 8
+    in_features = _IN[fmt]
+    words, scales = _packed(fmt, (heads + 2 * kv_heads) * head_dim, in_features)
+    words, scales = words.to(triton_device), scales.to(triton_device)
+    dtypes = [torch.float32, torch.float16]
+    if triton_device.type == "cuda":
+        dtypes.append(torch.bfloat16)
+    gen = _SEED(8)
+    for dtype in dtypes:
+        if dtype == torch.float16:  # and a persistent grid: two programs walk the blocks
+            fused_gemv = importlib.import_module("slipstream.kernels.ops.quant_matmul.fused_gemv")
+            monkeypatch.setattr(fused_gemv, "_grid_programs", lambda blocks, device: 2)
+        x = (10 * torch.randn(1, 1, in_features, generator=gen)).to(triton_device, dtype)
+        stats = torch.full((1, 3), 100.0 * in_features / 3, device=triton_device)
+        angles = torch.rand(1, 1, head_dim // 2, generator=gen).to(triton_device) * 6
+        cos, sin = angles.cos(), angles.sin()
+        slot = torch.tensor([5], device=triton_device)
+        caches = [torch.zeros(2, 1, kv_heads, slots, head_dim, device=triton_device, dtype=dtype)]
+        caches.append(caches[0].clone())
+        outs = []
+        for fn, (keys, values) in zip((fused_quant_qkv, quant_decode_qkv), caches, strict=True):
+            args = (x, words, scales, fmt, 128, None, stats, 1e-6, cos, sin, keys, values, slot)
+            outs.append(fn(*args, heads, kv_heads))
+        assert outs[0].shape == outs[1].shape == (1, heads, 1, head_dim)
+        tol = 2e-5 if dtype == torch.float32 else 1e-2
+        for got, want in ((outs[0], outs[1]), (caches[0][0], caches[1][0])):
+            scale = want.float().abs().max().item()
+            torch.testing.assert_close(got.float(), want.float(), rtol=tol, atol=tol * scale)
+        torch.testing.assert_close(caches[0][1], caches[1][1], rtol=tol, atol=tol * scale)
+        assert caches[0][0][:, :, 5].abs().sum() > 0 and caches[0][0][:, :, 4].abs().sum() == 0
+
+
+_FUSED_BUILD = """
+import dataclasses
+from slipstream.kernels.aot import compile_spec
+from slipstream.kernels.ops.quant_matmul.fused_gemv import aot_specs
+
+for target, half2 in (("sm_90", True), ("sm_80", True), ("gfx942", False)):
+    for spec in aot_specs(half2):
+        if target == "sm_90":  # with programmatic dependent launch and the L2 prefetch
+            extra = {"GDC": True, "L2_PREFETCH": True}
+            spec = dataclasses.replace(spec, constexprs={**spec.constexprs, **extra})
+        result = compile_spec(spec, target)
+        print(target, spec.name, result.ok, result.error[-300:].replace(chr(10), " "))
+"""
+
+
+@pytest.mark.aot
+def test_fused_gemv_builds_for_nvidia_and_amd(tmp_path) -> None:
+    """The fused kernel's PTX (f16x2 with the scaled activations, grid dependency control, the
+    bulk L2 prefetch) assembles for sm_90 and sm_80; the portable path builds for gfx942."""
+    import os
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    pytest.importorskip("triton", reason="the AOT builds need `pip install triton`")
+    env = dict(os.environ)
+    env.pop("TRITON_INTERPRET", None)  # interpreted kernels cannot be compiled
+    src = Path(__file__).resolve().parents[1] / "src"
+    env["PYTHONPATH"] = os.pathsep.join([str(src), env.get("PYTHONPATH", "")])
+    env["TRITON_CACHE_DIR"] = str(tmp_path / "triton-cache")
+    done = subprocess.run(
+        [sys.executable, "-c", _FUSED_BUILD],
+        capture_output=True,
+        text=True,
+        env=env,
+        timeout=900,
+        check=False,
+    )
+    assert done.returncode == 0, done.stderr[-3000:]
+    lines = done.stdout.splitlines()
+    assert len(lines) == 18 and all(" True " in f"{line} " for line in lines), done.stdout
