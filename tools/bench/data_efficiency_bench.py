@@ -109,6 +109,8 @@ from slipstream.data import (
     RandomLTDScheduler,
     attach_random_ltd,
     convert_to_random_ltd,
+    reshape_batch,
+    reshaped_rows,
 )
 from slipstream.examples.corpus import generate
 
@@ -198,7 +200,15 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         help="data-efficiency arm peak LRs as multiples of the best baseline LR, comma-"
         "separated (replaces --de-lrs): the grid follows the tuned baseline",
     )
-    parser.add_argument("--curriculum-mode", choices=["fold", "truncate", "off"], default="fold")
+    parser.add_argument(
+        "--curriculum-mode",
+        choices=["fold", "truncate", "reshape", "off"],
+        default="fold",
+        help="how the seqlen curriculum shortens a step: fold each row into seq/c rows of c "
+        "tokens, truncate the batch (DeepSpeed's seqlen_truncate), or reshape it exactly as "
+        "Megatron-DeepSpeed's seqlen_reshape does (rows of c+1 token windows, about as many "
+        "tokens per step as a full step)",
+    )
     parser.add_argument("--cl-min", type=int, default=64)
     parser.add_argument(
         "--cl-schedule",
@@ -384,19 +394,53 @@ class FoldingLlama(Llama):
         return super().forward(input_ids, labels)
 
 
+class ReshapingLlama(Llama):
+    """The benchmark Llama taking ``curriculum_seqlen`` the way Megatron-DeepSpeed's
+    ``seqlen_reshape`` metric shapes a batch: the ``(batch, seq + 1)`` text behind the inputs
+    and labels is cut into rows of ``c + 1`` tokens (:func:`slipstream.data.reshape_batch`),
+    each giving ``c`` inputs and their next-token labels."""
+
+    def forward(  # type: ignore[override]
+        self,
+        input_ids: torch.Tensor,
+        labels: torch.Tensor,
+        curriculum_seqlen: int | None = None,
+    ) -> torch.Tensor:
+        if curriculum_seqlen is not None and curriculum_seqlen < input_ids.shape[1]:
+            # labels are the inputs shifted by one: the text is the inputs and the last label
+            text = torch.cat((input_ids, labels[:, -1:]), dim=1)
+            rows = reshape_batch(text, curriculum_seqlen + 1)
+            input_ids, labels = rows[:, :-1], rows[:, 1:]
+        return super().forward(input_ids, labels)
+
+
+# Models of the curriculum modes in which the model takes curriculum_seqlen itself.
+SEQLEN_MODELS: dict[str, type[Llama]] = {"fold": FoldingLlama, "reshape": ReshapingLlama}
+
+
 def _model(args: argparse.Namespace, efficient: bool) -> Llama:
     shape = SIZES[args.size]
-    fold = efficient and args.curriculum_mode == "fold"
-    model = FoldingLlama(shape) if fold else Llama(shape)
+    kind = SEQLEN_MODELS.get(args.curriculum_mode, Llama) if efficient else Llama
+    model = kind(shape)
     if efficient and args.ltd == "on":
         convert_to_random_ltd(model, Block)
     return model
 
 
-def _tokens_read(args: argparse.Namespace, seqlen: int) -> int:
+def _rows(args: argparse.Namespace, seqlen: int) -> int:
+    """Rows of ``seqlen`` tokens the model receives in a step."""
+    if seqlen >= args.seq:
+        return args.micro_batch
     if args.curriculum_mode == "fold":
-        return args.micro_batch * (args.seq // seqlen * seqlen)
-    return args.micro_batch * seqlen
+        return args.micro_batch * (args.seq // seqlen)
+    if args.curriculum_mode == "reshape":
+        return reshaped_rows(args.micro_batch, args.seq + 1, seqlen + 1)
+    return args.micro_batch
+
+
+def _tokens_read(args: argparse.Namespace, seqlen: int) -> int:
+    """Input tokens the model receives in a step at curriculum length ``seqlen``."""
+    return _rows(args, seqlen) * min(seqlen, args.seq)
 
 
 # ---------------------------------------------------------------------------- configs
@@ -515,8 +559,8 @@ def _warm_up(
         }
         shapes = [shapes[i] for i in sorted(picks)] if args.warm_shapes > 1 else shapes[-1:]
     ltd = efficient and args.ltd == "on"
-    fold = efficient and args.curriculum_mode == "fold"
-    keys = [(fold, ltd, args.token_backend, args.micro_batch, *shape) for shape in shapes]
+    mode = args.curriculum_mode if efficient else "off"
+    keys = [(mode, ltd, args.token_backend, args.micro_batch, *shape) for shape in shapes]
     shapes = [shape for shape, key in zip(shapes, keys, strict=True) if key not in _WARMED]
     if not shapes:
         return time.perf_counter() - began, 0
@@ -536,7 +580,7 @@ def _warm_up(
             scheduler.sample_indices = None
         inputs, labels = batch[:, :-1], batch[:, 1:]
         kwargs: dict[str, Any] = {}
-        if isinstance(model, FoldingLlama):
+        if isinstance(model, (FoldingLlama, ReshapingLlama)):
             kwargs["curriculum_seqlen"] = seqlen
         else:
             inputs, labels = inputs[:, :seqlen], labels[:, :seqlen]
@@ -570,7 +614,7 @@ def _layer_token_plan(engine: Any, args: argparse.Namespace, steps: int) -> list
     for step in range(steps):
         seqlen = curriculum.get_difficulty(step + 1) if curriculum is not None else args.seq
         kept = random_ltd.get_value(step) if random_ltd is not None else seqlen
-        rows = _tokens_read(args, seqlen) // seqlen
+        rows = _rows(args, seqlen)
         plan.append(rows * ((layers - dropping) * seqlen + dropping * min(kept, seqlen)))
     return plan
 
@@ -584,8 +628,7 @@ def _consumed_tokens(args: argparse.Namespace, seqlen: int, kept: int | None) ->
     actual = seqlen
     if kept is not None and kept < seqlen:
         actual = (seqlen * (layers - dropping) + kept * dropping) // layers
-    rows = _tokens_read(args, seqlen) // seqlen
-    return rows * actual
+    return _rows(args, seqlen) * actual
 
 
 def run(

@@ -37,6 +37,50 @@ def test_consumed_tokens_follow_megatron_deepspeed() -> None:
     assert bench._consumed_tokens(args, 80, 32) == 4 * 80
     args.ltd, args.curriculum_mode = "on", "fold"  # folded rows: 128 // 40 = 3 rows per row
     assert bench._consumed_tokens(args, 40, 16) == 12 * ((40 * 2 + 16 * 2) // 4)
+    # seqlen_reshape: 4 windows of 129 tokens in rows of 41 -> ceil(516 / 41) = 13 -> 12 rows
+    args.curriculum_mode = "reshape"
+    assert bench._consumed_tokens(args, 40, 16) == 12 * ((40 * 2 + 16 * 2) // 4)
+    assert bench._tokens_read(args, 16) == 30 * 16  # ceil(516 / 17) = 31 -> 30 rows
+    assert bench._tokens_read(args, 128) == 4 * 128  # full length: the batch as it is
+
+
+def test_reshape_mode_gives_the_model_megatron_deepspeeds_rows() -> None:
+    """Through the engine: the legacy curriculum hands the model curriculum_seqlen, and the
+    reshaping model's layers receive exactly reshape_batch(text, c + 1)'s inputs and labels;
+    training steps see one row count per length, the rows the token clock counts."""
+    import torch
+
+    import slipstream
+    from slipstream.data import reshape_batch
+
+    bench = _load("data_efficiency_bench")
+    args = bench.parse_args(["--preset", "smoke", "--curriculum-mode", "reshape"])
+    torch.manual_seed(0)
+    model = bench._model(args, True)
+    assert isinstance(model, bench.ReshapingLlama)
+    engine, *_ = slipstream.initialize(model=model, config=bench._config(args, 40, True))
+    seen: list[torch.Tensor] = []
+    model.embed.register_forward_pre_hook(lambda _, inputs: seen.append(inputs[0].clone()))
+    text = torch.randint(0, 256, (args.micro_batch, args.seq + 1))
+    lengths = []
+    for _ in range(3):
+        loss = engine(text[:, :-1], text[:, 1:])
+        engine.backward(loss)
+        engine.step()
+        lengths.append(engine.data_efficiency.curriculum_difficulty())
+    assert 16 <= lengths[0] < lengths[2] < args.seq  # three different row counts
+    rows = reshape_batch(text, lengths[0] + 1)
+    assert torch.equal(seen[0], rows[:, :-1])
+    assert [ids.shape for ids in seen] == [
+        (bench._rows(args, c), c) for c in lengths
+    ]  # fmt: skip
+    # The loss is the plain model's on those rows (eval: random-LTD off).
+    engine.module.eval()
+    with torch.no_grad():
+        reshaped = model(text[:, :-1], text[:, 1:], curriculum_seqlen=lengths[0])
+        plain = bench.Llama.forward(model, rows[:, :-1], rows[:, 1:])
+    assert torch.equal(reshaped, plain)
+    engine.destroy()
 
 
 def test_troff_to_text() -> None:
