@@ -304,6 +304,25 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         "fractions) that would end past this many seconds of the invocation; the summary "
         "lists them (0: no limit)",
     )
+    parser.add_argument(
+        "--de-extra",
+        action="append",
+        default=[],
+        metavar="NAME:KEY=VALUE[,KEY=VALUE...][@FRACTION[,FRACTION...]]",
+        help="another data-efficiency arm, run after the others at the arm's best LR: the "
+        "options KEY (an option's name with underscores, e.g. curriculum_mode=reshape, "
+        "difficulty_step=64) changed, at these budget fractions (default: the first of "
+        "--de-budget-fractions); labelled data-eff-NAME. Repeatable",
+    )
+    parser.add_argument(
+        "--eval-late-every",
+        type=int,
+        default=0,
+        help="validate every this many steps once a run's clock passes --eval-late-from of its "
+        "budget (0: --eval-every throughout): a finer time-to-target near the crossing, for "
+        "every run alike",
+    )
+    parser.add_argument("--eval-late-from", type=float, default=0.6)
     parser.add_argument("--json", type=Path, default=None, help="also write the results here")
     parser.add_argument(
         "--preset",
@@ -703,7 +722,9 @@ def run(
             clock += _consumed_tokens(args, seqlen or args.seq, kept)
         else:
             clock = tokens
-        if step % args.eval_every == 0 or clock >= budget:
+        late = args.eval_late_every > 0 and clock >= args.eval_late_from * budget
+        every = args.eval_late_every if late else args.eval_every
+        if step % every == 0 or clock >= budget:
             _sync()  # the timed segment ends here; validation is not timed
             train_seconds += time.perf_counter() - began
             val = _validate(engine, valid, args)
@@ -801,7 +822,13 @@ def _describe(args: argparse.Namespace, budget: int, description: str) -> str:
         f"seed {args.seed}, {gpu}, bf16={torch.cuda.is_available()}; {description}; AdamW "
         f"(0.9, 0.95), wd 0.1, clip 1.0, warmup {args.warmup_fraction:.0%} then cosine to "
         f"{args.min_lr_ratio}x over each run's own token budget; validation every "
-        f"{args.eval_every} steps on {args.eval_batches * args.micro_batch} held-out windows; "
+        f"{args.eval_every} steps"
+        + (
+            f" (every {args.eval_late_every} after {args.eval_late_from:.0%} of each budget)"
+            if args.eval_late_every
+            else ""
+        )
+        + f" on {args.eval_batches * args.micro_batch} held-out windows; "
         f"data-efficiency arm: curriculum {args.curriculum_mode} (seqlen {args.cl_schedule} "
         f"from {args.cl_min}, difficulty_step {args.difficulty_step}, over "
         f"{args.curriculum_fraction:.0%} of budget/(micro-batch x seq) steps), random-LTD "
@@ -809,7 +836,28 @@ def _describe(args: argparse.Namespace, budget: int, description: str) -> str:
         f"over {args.ltd_fraction:.0%} of those steps, token ops {args.token_backend}), LR "
         f"clock {args.de_lr_clock}; warm-up shapes "
         f"{args.warm_shapes if args.warm_shapes else 'all'}"
+        + "".join(f"; extra arm {spec}" for spec in args.de_extra)
     )
+
+
+def _parse_extra(spec: str, args: argparse.Namespace) -> tuple[str, dict[str, Any], list[float]]:
+    """``NAME:KEY=VALUE,...[@F,...]`` -> (name, option overrides typed as the options, fractions)."""
+    head, _, tail = spec.partition("@")
+    name, _, assignments = head.partition(":")
+    if not name or not assignments:
+        raise SystemExit(f"--de-extra {spec!r}: write NAME:KEY=VALUE[,KEY=VALUE...][@FRACTIONS]")
+    overrides: dict[str, Any] = {}
+    for item in assignments.split(","):
+        key, _, value = item.partition("=")
+        key = key.strip().replace("-", "_")
+        if key not in vars(args) or not value:
+            raise SystemExit(f"--de-extra {spec!r}: {key!r} is not an option of this bench")
+        current = getattr(args, key)
+        overrides[key] = type(current)(value) if current is not None else value
+    fractions = _floats(tail) if tail else []
+    if not all(0 < f <= 1 for f in fractions):
+        raise SystemExit(f"--de-extra {spec!r}: budget fractions must be in (0, 1]")
+    return name, overrides, fractions
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -823,6 +871,7 @@ def main(argv: list[str] | None = None) -> int:
     unknown = set(_floats_or_names(args.de_variants)) - set(VARIANTS)
     if unknown:
         raise SystemExit(f"--de-variants: unknown {sorted(unknown)}; use {sorted(VARIANTS)}")
+    extras = [_parse_extra(spec, args) for spec in args.de_extra]
     if multipliers == []:
         raise SystemExit("--de-lr-multipliers needs at least one multiplier")
     if not base_lrs or not de_lrs or not fractions or not all(0 < f <= 1 for f in fractions):
@@ -946,6 +995,17 @@ def main(argv: list[str] | None = None) -> int:
                 run(args, train, valid, True, tokens_for(fraction), best_de["lr"], "data-eff")
             )
         controls(fraction, best_de["lr"])
+        batch_control()
+
+    for name, overrides, extra_fractions in extras:
+        variant = argparse.Namespace(**{**vars(args), **overrides})
+        for fraction in extra_fractions or fractions[:1]:
+            what = f"data-eff-{name} lr {best_de['lr']:.1e} at {fraction}x"
+            if fits(fraction, what):
+                results.append(
+                    run(variant, train, valid, True, tokens_for(fraction), best_de["lr"],
+                        f"data-eff-{name}")
+                )  # fmt: skip
         batch_control()
 
     print("\n" + _describe(args, budget, description))

@@ -4,6 +4,7 @@ the corpus file, and one short end-to-end run of the harness."""
 from __future__ import annotations
 
 import importlib.util
+import itertools
 import json
 import sys
 from pathlib import Path
@@ -106,13 +107,14 @@ def test_harness_end_to_end_with_a_corpus_file(tmp_path) -> None:
     out = tmp_path / "de.json"
     argv = ["--preset", "smoke", "--corpus", "file", "--corpus-file", str(corpus),
             "--lrs", "3e-3", "--de-lr-multipliers", "2", "--de-budget-fractions", "0.7",
-            "--token-budget", "8192", "--eval-every", "4", "--json", str(out)]  # fmt: skip
+            "--token-budget", "8192", "--eval-every", "4", "--eval-late-every", "2",
+            "--de-extra", "rs:curriculum_mode=reshape", "--json", str(out)]  # fmt: skip
     assert bench.main(argv) == 0
     report = json.loads(out.read_text())
     runs = {(r["label"], round(r["lr"], 9)) for r in report["results"]}
     arm = next(r for r in report["results"] if r["label"] == "data-eff")
     expected = {("baseline", 3e-3), ("data-eff", 6e-3), ("baseline-short", 3e-3),
-                ("baseline-short", 6e-3), ("data-eff-cl", 6e-3)}  # fmt: skip
+                ("baseline-short", 6e-3), ("data-eff-cl", 6e-3), ("data-eff-rs", 6e-3)}  # fmt: skip
 
     def best(prefix: str) -> float:
         times = [r["time_to_target"] for r in report["results"]
@@ -138,6 +140,16 @@ def test_harness_end_to_end_with_a_corpus_file(tmp_path) -> None:
     assert warmed[("baseline", 3e-3)] == 1
     assert warmed[("baseline-short", 3e-3)] == warmed[("baseline-short", 6e-3)] == 0
     assert arm["warmed_shapes"] > 1
+    # The extra arm reshapes (DeepSpeed's seqlen_reshape): full-sized early steps, so fewer
+    # steps than the truncating arm on the same budget; validation every 2 steps late in a run.
+    reshaped = next(r for r in report["results"] if r["label"] == "data-eff-rs")
+    assert reshaped["steps"] < arm["steps"]
+    steps = [point[0] for point in reshaped["curve"]]
+    assert steps[:2] == [4, 8] and 2 in {b - a for a, b in itertools.pairwise(steps)}
+    with pytest.raises(SystemExit, match="not an option"):
+        bench._parse_extra("x:no_such=1", bench.parse_args([]))
+    assert bench._parse_extra("b:difficulty_step=64,ltd=off@0.6,0.7", bench.parse_args([])) == (
+        "b", {"difficulty_step": 64, "ltd": "off"}, [0.6, 0.7])  # fmt: skip
     assert report["verdict"]["target"] == pytest.approx(
         next(r for r in report["results"] if r["label"] == "baseline")["final_val_loss"]
     )
