@@ -981,7 +981,8 @@ def main(argv: list[str] | None = None) -> int:
         divisor = args.batch_control
         small = argparse.Namespace(**{**vars(args), "micro_batch": args.micro_batch // divisor,
                                       "eval_batches": args.eval_batches * divisor,
-                                      "eval_every": args.eval_every * divisor})  # fmt: skip
+                                      "eval_every": args.eval_every * divisor,
+                                      "eval_late_every": args.eval_late_every * divisor})  # fmt: skip
         for lr in (best_base["lr"], best_base["lr"] / math.sqrt(divisor)):
             if fits(1.0, f"baseline micro-batch {small.micro_batch} lr {lr:.1e}"):
                 result = run(small, train, valid, False, budget, lr, "baseline")
