@@ -87,6 +87,7 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
+import functools
 import gc
 import json
 import math
@@ -323,6 +324,21 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         "every run alike",
     )
     parser.add_argument("--eval-late-from", type=float, default=0.6)
+    parser.add_argument(
+        "--profile-shapes",
+        default="",
+        help="comma-separated LENGTH:KEPT shapes timed before the runs (fixed shape, fresh "
+        "engine, --profile-steps steps; KEPT < LENGTH: random-LTD in the middle layers): where "
+        "a step's time goes, outside every run's clock",
+    )
+    parser.add_argument("--profile-steps", type=int, default=10)
+    parser.add_argument(
+        "--profile-table",
+        default="",
+        help="LENGTH:KEPT shapes (of --profile-shapes) to also run under torch.profiler: the "
+        "top kernels of two steps",
+    )
+    parser.add_argument("--profile-rows", type=int, default=14)
     parser.add_argument("--json", type=Path, default=None, help="also write the results here")
     parser.add_argument(
         "--preset",
@@ -797,6 +813,77 @@ def _probe_budget(args: argparse.Namespace, train: torch.Tensor) -> tuple[int, f
     return steps * budget_step(args), rate
 
 
+def _fixed_step(engine: Any, batch: torch.Tensor, length: int, kept: int, scheduler: Any) -> None:
+    """One training step on ``batch`` cut to ``length``, random-LTD (if any) keeping ``kept``."""
+    if scheduler is not None:
+        scheduler.set_current_seq(kept)
+        scheduler.sample_indices = None
+    engine.backward(engine(batch[:, :length], batch[:, 1 : length + 1]))
+    engine.step()
+
+
+def _profile_shapes(args: argparse.Namespace, train: torch.Tensor) -> list[dict[str, Any]]:
+    """Per-step cost at fixed ``(length, kept)`` shapes, each on a fresh engine (untimed
+    towards any run): the synchronized step time, the host's time to issue a step, and for
+    ``--profile-table`` shapes the top device kernels of two steps. Length ``c`` truncates the
+    batch; ``kept < c`` wraps the middle layers in random-LTD keeping ``kept`` tokens."""
+    rows = []
+    batch = train[: args.micro_batch]
+    tables = {
+        tuple(int(x) for x in spec.split(":")) for spec in _floats_or_names(args.profile_table)
+    }
+    for spec in _floats_or_names(args.profile_shapes):
+        length, kept = (int(x) for x in spec.split(":"))
+        torch.manual_seed(args.seed)
+        with torch.device(train.device):
+            model = Llama(SIZES[args.size])
+        scheduler = None
+        if kept < length:
+            convert_to_random_ltd(model, Block)
+        engine, *_ = slipstream.initialize(model=model, config=_config(args, 1000, False))
+        if kept < length:
+            config = RandomLTDConfig.from_dict(_random_ltd_block(args, 1000))
+            scheduler = RandomLTDScheduler(config, args.micro_batch)
+            attach_random_ltd(engine.module, config, scheduler, backend=args.token_backend)
+
+        step = functools.partial(_fixed_step, engine, batch, length, kept, scheduler)
+        for _ in range(3):
+            step()
+        _sync()
+        host, began = 0.0, time.perf_counter()
+        for _ in range(args.profile_steps):
+            issued = time.perf_counter()
+            step()
+            host += time.perf_counter() - issued
+        _sync()
+        ms = (time.perf_counter() - began) * 1e3 / args.profile_steps
+        row = {"length": length, "kept": kept, "step_ms": ms,
+               "host_ms": host * 1e3 / args.profile_steps}  # fmt: skip
+        rows.append(row)
+        print(
+            f"profile: length {length} kept {kept}: {ms:.2f} ms/step, host issues a step in "
+            f"{row['host_ms']:.2f} ms ({args.micro_batch * length * 1e3 / ms:,.0f} tokens/s)",
+            flush=True,
+        )
+        if (length, kept) in tables:
+            from torch.profiler import ProfilerActivity, profile
+
+            activities = [ProfilerActivity.CPU]
+            if torch.cuda.is_available():
+                activities.append(ProfilerActivity.CUDA)
+            with profile(activities=activities) as prof:
+                step()
+                step()
+                _sync()
+            key = "self_device_time_total" if torch.cuda.is_available() else "self_cpu_time_total"
+            print(f"profile table (two steps), length {length} kept {kept}:")
+            print(prof.key_averages().table(sort_by=key, row_limit=args.profile_rows), flush=True)
+        engine.destroy()
+        del engine, model
+        gc.collect()
+    return rows
+
+
 def _time_to(curve: list[tuple[int, int, float, float]], target: float) -> float | None:
     """Training seconds at the first validation point at or below ``target`` (None: never)."""
     for _, _, seconds, loss in curve:
@@ -886,6 +973,7 @@ def main(argv: list[str] | None = None) -> int:
         raise SystemExit(
             f"the held-out set has only {valid.shape[0]} windows; lower --eval-batches"
         )
+    profile = _profile_shapes(args, train) if args.profile_shapes else []
     probe_rate = None
     budget = args.token_budget
     if budget is None:
@@ -1088,7 +1176,7 @@ def main(argv: list[str] | None = None) -> int:
     if args.json is not None:
         settings = {k: str(v) if isinstance(v, Path) else v for k, v in vars(args).items()}
         args.json.write_text(json.dumps({"args": settings, "budget": budget,
-                                         "probe_rate": probe_rate, "verdict": verdict,
+                                         "probe_rate": probe_rate, "verdict": verdict, "profile": profile,
                                          "results": results}, indent=1))  # fmt: skip
     from slipstream import comm
 

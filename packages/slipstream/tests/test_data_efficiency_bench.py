@@ -108,7 +108,8 @@ def test_harness_end_to_end_with_a_corpus_file(tmp_path) -> None:
     argv = ["--preset", "smoke", "--corpus", "file", "--corpus-file", str(corpus),
             "--lrs", "3e-3", "--de-lr-multipliers", "2", "--de-budget-fractions", "0.7",
             "--token-budget", "8192", "--eval-every", "4", "--eval-late-every", "2",
-            "--de-extra", "rs:curriculum_mode=reshape", "--json", str(out)]  # fmt: skip
+            "--de-extra", "rs:curriculum_mode=reshape", "--profile-shapes", "128:128,128:32",
+            "--profile-steps", "1", "--profile-table", "128:32", "--json", str(out)]  # fmt: skip
     assert bench.main(argv) == 0
     report = json.loads(out.read_text())
     runs = {(r["label"], round(r["lr"], 9)) for r in report["results"]}
@@ -146,6 +147,9 @@ def test_harness_end_to_end_with_a_corpus_file(tmp_path) -> None:
     assert reshaped["steps"] < arm["steps"]
     steps = [point[0] for point in reshaped["curve"]]
     assert steps[:2] == [4, 8] and 2 in {b - a for a, b in itertools.pairwise(steps)}
+    # The fixed-shape profile: one row per shape, outside every run.
+    assert [(r["length"], r["kept"]) for r in report["profile"]] == [(128, 128), (128, 32)]
+    assert all(r["step_ms"] > 0 and 0 < r["host_ms"] for r in report["profile"])
     with pytest.raises(SystemExit, match="not an option"):
         bench._parse_extra("x:no_such=1", bench.parse_args([]))
     assert bench._parse_extra("b:difficulty_step=64,ltd=off@0.6,0.7", bench.parse_args([])) == (
