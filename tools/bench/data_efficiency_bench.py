@@ -871,13 +871,16 @@ def _profile_shapes(args: argparse.Namespace, train: torch.Tensor) -> list[dict[
             activities = [ProfilerActivity.CPU]
             if torch.cuda.is_available():
                 activities.append(ProfilerActivity.CUDA)
-            with profile(activities=activities) as prof:
-                step()
-                step()
-                _sync()
             key = "self_device_time_total" if torch.cuda.is_available() else "self_cpu_time_total"
-            print(f"profile table (two steps), length {length} kept {kept}:")
-            print(prof.key_averages().table(sort_by=key, row_limit=args.profile_rows), flush=True)
+            try:  # a diagnostic: a profiler that cannot start must not cost the runs
+                with profile(activities=activities) as prof:
+                    step()
+                    step()
+                    _sync()
+                table = prof.key_averages().table(sort_by=key, row_limit=args.profile_rows)
+            except Exception as error:  # noqa: BLE001
+                table = f"(torch.profiler failed: {type(error).__name__}: {error})"
+            print(f"profile table (two steps), length {length} kept {kept}:\n{table}", flush=True)
         engine.destroy()
         del engine, model
         gc.collect()
