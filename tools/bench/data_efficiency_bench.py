@@ -878,7 +878,7 @@ def _profile_shapes(args: argparse.Namespace, train: torch.Tensor) -> list[dict[
                     step()
                     _sync()
                 table = prof.key_averages().table(sort_by=key, row_limit=args.profile_rows)
-            except Exception as error:  # noqa: BLE001
+            except Exception as error:
                 table = f"(torch.profiler failed: {type(error).__name__}: {error})"
             print(f"profile table (two steps), length {length} kept {kept}:\n{table}", flush=True)
         engine.destroy()
