@@ -327,9 +327,10 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument(
         "--profile-shapes",
         default="",
-        help="comma-separated LENGTH:KEPT shapes timed before the runs (fixed shape, fresh "
-        "engine, --profile-steps steps; KEPT < LENGTH: random-LTD in the middle layers): where "
-        "a step's time goes, outside every run's clock",
+        help="comma-separated LENGTH:KEPT[:BACKEND] shapes timed before the runs (fixed shape, "
+        "fresh engine, --profile-steps steps; KEPT < LENGTH: random-LTD in the middle layers, "
+        "token ops BACKEND or --token-backend): where a step's time goes, outside every run's "
+        "clock",
     )
     parser.add_argument("--profile-steps", type=int, default=10)
     parser.add_argument(
@@ -822,6 +823,14 @@ def _fixed_step(engine: Any, batch: torch.Tensor, length: int, kept: int, schedu
     engine.step()
 
 
+def _profile_spec(spec: str, backend: str) -> tuple[int, int, str]:
+    """``LENGTH:KEPT[:BACKEND]`` -> (length, kept, backend)."""
+    parts = spec.split(":")
+    if len(parts) not in (2, 3):
+        raise SystemExit(f"--profile-shapes/--profile-table: {spec!r} is not LENGTH:KEPT[:BACKEND]")
+    return int(parts[0]), int(parts[1]), parts[2] if len(parts) == 3 else backend
+
+
 def _profile_shapes(args: argparse.Namespace, train: torch.Tensor) -> list[dict[str, Any]]:
     """Per-step cost at fixed ``(length, kept)`` shapes, each on a fresh engine (untimed
     towards any run): the synchronized step time, the host's time to issue a step, and for
@@ -830,10 +839,10 @@ def _profile_shapes(args: argparse.Namespace, train: torch.Tensor) -> list[dict[
     rows = []
     batch = train[: args.micro_batch]
     tables = {
-        tuple(int(x) for x in spec.split(":")) for spec in _floats_or_names(args.profile_table)
+        _profile_spec(spec, args.token_backend) for spec in _floats_or_names(args.profile_table)
     }
     for spec in _floats_or_names(args.profile_shapes):
-        length, kept = (int(x) for x in spec.split(":"))
+        length, kept, backend = _profile_spec(spec, args.token_backend)
         torch.manual_seed(args.seed)
         with torch.device(train.device):
             model = Llama(SIZES[args.size])
@@ -844,7 +853,7 @@ def _profile_shapes(args: argparse.Namespace, train: torch.Tensor) -> list[dict[
         if kept < length:
             config = RandomLTDConfig.from_dict(_random_ltd_block(args, 1000))
             scheduler = RandomLTDScheduler(config, args.micro_batch)
-            attach_random_ltd(engine.module, config, scheduler, backend=args.token_backend)
+            attach_random_ltd(engine.module, config, scheduler, backend=backend)
 
         step = functools.partial(_fixed_step, engine, batch, length, kept, scheduler)
         for _ in range(3):
@@ -857,15 +866,34 @@ def _profile_shapes(args: argparse.Namespace, train: torch.Tensor) -> list[dict[
             host += time.perf_counter() - issued
         _sync()
         ms = (time.perf_counter() - began) * 1e3 / args.profile_steps
-        row = {"length": length, "kept": kept, "step_ms": ms,
-               "host_ms": host * 1e3 / args.profile_steps}  # fmt: skip
+        # From an idle device: the host's time to issue forward + backward, and their time to
+        # finish. Issuing that takes as long as finishing means the host waited on the device
+        # (a synchronization) or is the bottleneck.
+        issue, finish = [], []
+        for _ in range(3):
+            _sync()
+            began = time.perf_counter()
+            if scheduler is not None:
+                scheduler.set_current_seq(kept)
+                scheduler.sample_indices = None
+            engine.backward(engine(batch[:, :length], batch[:, 1 : length + 1]))
+            issue.append(time.perf_counter() - began)
+            _sync()
+            finish.append(time.perf_counter() - began)
+            engine.step()
+        _sync()
+        row = {"length": length, "kept": kept, "backend": backend, "step_ms": ms,
+               "host_ms": host * 1e3 / args.profile_steps,
+               "issue_fb_ms": min(issue) * 1e3, "fb_ms": min(finish) * 1e3}  # fmt: skip
         rows.append(row)
         print(
-            f"profile: length {length} kept {kept}: {ms:.2f} ms/step, host issues a step in "
-            f"{row['host_ms']:.2f} ms ({args.micro_batch * length * 1e3 / ms:,.0f} tokens/s)",
+            f"profile: length {length} kept {kept}{f' ({backend})' if kept < length else ''}: "
+            f"{ms:.2f} ms/step ({args.micro_batch * length * 1e3 / ms:,.0f} tokens/s), host "
+            f"in step() calls {row['host_ms']:.2f} ms; from idle: forward+backward issued in "
+            f"{row['issue_fb_ms']:.2f} ms, done in {row['fb_ms']:.2f} ms",
             flush=True,
         )
-        if (length, kept) in tables:
+        if (length, kept, backend) in tables:
             from torch.profiler import ProfilerActivity, profile
 
             activities = [ProfilerActivity.CPU]
