@@ -823,6 +823,29 @@ def _fixed_step(engine: Any, batch: torch.Tensor, length: int, kept: int, schedu
     engine.step()
 
 
+def _synchronizing_calls(step: Any) -> list[str]:
+    """Where one call of ``step`` makes the host wait on the device (CUDA's sync debug mode:
+    the Python lines of the synchronizing operations; empty on the CPU)."""
+    if not torch.cuda.is_available():
+        return []
+    import warnings
+
+    _sync()
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        torch.cuda.set_sync_debug_mode("warn")
+        try:
+            step()
+        finally:
+            torch.cuda.set_sync_debug_mode("default")
+    _sync()
+    found: dict[str, None] = {}
+    for record in caught:
+        if "synchroniz" in str(record.message):
+            found[f"{Path(record.filename).name}:{record.lineno}"] = None
+    return list(found)
+
+
 def _profile_spec(spec: str, backend: str) -> tuple[int, int, str]:
     """``LENGTH:KEPT[:BACKEND]`` -> (length, kept, backend)."""
     parts = spec.split(":")
@@ -882,15 +905,18 @@ def _profile_shapes(args: argparse.Namespace, train: torch.Tensor) -> list[dict[
             finish.append(time.perf_counter() - began)
             engine.step()
         _sync()
+        syncs = _synchronizing_calls(step)
         row = {"length": length, "kept": kept, "backend": backend, "step_ms": ms,
                "host_ms": host * 1e3 / args.profile_steps,
-               "issue_fb_ms": min(issue) * 1e3, "fb_ms": min(finish) * 1e3}  # fmt: skip
+               "issue_fb_ms": min(issue) * 1e3, "fb_ms": min(finish) * 1e3,
+               "synchronizing_calls": syncs}  # fmt: skip
         rows.append(row)
         print(
             f"profile: length {length} kept {kept}{f' ({backend})' if kept < length else ''}: "
             f"{ms:.2f} ms/step ({args.micro_batch * length * 1e3 / ms:,.0f} tokens/s), host "
             f"in step() calls {row['host_ms']:.2f} ms; from idle: forward+backward issued in "
-            f"{row['issue_fb_ms']:.2f} ms, done in {row['fb_ms']:.2f} ms",
+            f"{row['issue_fb_ms']:.2f} ms, done in {row['fb_ms']:.2f} ms; synchronizing calls in "
+            f"a step: {'; '.join(syncs) if syncs else 'none'}",
             flush=True,
         )
         if (length, kept, backend) in tables:
