@@ -79,6 +79,12 @@ run trains for about ``--baseline-seconds``.
     # CPU smoke run of the whole harness (truncation, DeepSpeed's clock, every control)
     python tools/bench/data_efficiency_bench.py --preset smoke
 
+``--curriculum-mode reshape`` cuts the batch as DeepSpeed's ``seqlen_reshape`` does (rows of
+c+1 tokens, about a full step's tokens at every length); ``--de-extra NAME:KEY=VALUE,...@F``
+runs further arms in the same call; ``--eval-late-every`` validates more often near the end of
+every run; ``--profile-shapes LENGTH:KEPT[:BACKEND]`` times fixed-shape steps before the runs
+(where the arm's time goes; outside every clock).
+
 Without the packages installed, put the sources on the path first:
 ``export PYTHONPATH=$(ls -d kernels/src packages/*/src | tr '\\n' ':')``.
 """
