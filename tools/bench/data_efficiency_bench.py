@@ -270,6 +270,14 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         "train_tokens / lr_decay_tokens do",
     )
     parser.add_argument("--token-backend", choices=["auto", "torch", "triton"], default="auto")
+    parser.add_argument(
+        "--check-grad-overflow",
+        choices=["on", "off"],
+        default="off",
+        help="bf16.check_grad_overflow for every run (Slipstream's default is on, DeepSpeed's "
+        "off): on adds an isfinite/all pass per gradient tensor to each step, host work that a "
+        "run of many small steps pays more often (the 2026-11-26 calls before 06:00 ran on)",
+    )
     parser.add_argument("--corpus", choices=["stdlib", "grammar", "file"], default="stdlib")
     parser.add_argument(
         "--corpus-file",
@@ -518,7 +526,7 @@ def _config(
         "gradient_accumulation_steps": 1,
         "gradient_clipping": 1.0,
         "steps_per_print": 10**9,
-        "bf16": {"enabled": on_gpu},
+        "bf16": {"enabled": on_gpu, "check_grad_overflow": args.check_grad_overflow == "on"},
         # The LR is set per step from the tokens read (_lr_at), the same function in both arms.
         "optimizer": {
             "type": "AdamW",
@@ -969,7 +977,7 @@ def _describe(args: argparse.Namespace, budget: int, description: str) -> str:
     return (
         f"{args.size} GPT ({params / 1e6:.0f}M parameters, byte vocabulary), seq {args.seq}, "
         f"micro-batch {args.micro_batch} (GAS 1, 1 GPU), baseline budget {budget:,} tokens, "
-        f"seed {args.seed}, {gpu}, bf16={torch.cuda.is_available()}; {description}; AdamW "
+        f"seed {args.seed}, {gpu}, bf16={torch.cuda.is_available()} (check_grad_overflow {args.check_grad_overflow}); {description}; AdamW "
         f"(0.9, 0.95), wd 0.1, clip 1.0, warmup {args.warmup_fraction:.0%} then cosine to "
         f"{args.min_lr_ratio}x over each run's own token budget; validation every "
         f"{args.eval_every} steps"
