@@ -69,7 +69,9 @@ class MasterWeights:
         multi-tensor copy: a per-parameter loop is host work every step pays)."""
         with torch.no_grad():
             if self.params:
-                torch._foreach_copy_(self.params, self.masters)
+                params: list[torch.Tensor] = list(self.params)
+                masters: list[torch.Tensor] = list(self.masters)
+                torch._foreach_copy_(params, masters)
 
     def copy_from_model(self) -> None:
         """Refresh the masters from the model (after loading low-precision weights)."""
