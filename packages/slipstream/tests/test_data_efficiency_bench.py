@@ -34,6 +34,10 @@ def test_consumed_tokens_follow_megatron_deepspeed() -> None:
     assert bench._consumed_tokens(args, 80, 32) == 4 * 56
     assert bench._consumed_tokens(args, 80, 128) == 4 * 80  # keeps all: the plain length
     assert bench._consumed_tokens(args, 128, None) == 4 * 128
+    # Every run's bf16 block: DeepSpeed's default (no per-tensor non-finite pass) unless asked.
+    assert bench._config(args, 10, False)["bf16"]["check_grad_overflow"] is False
+    on = bench.parse_args(["--preset", "smoke", "--check-grad-overflow", "on"])
+    assert bench._config(on, 10, True)["bf16"]["check_grad_overflow"] is True
     args.ltd = "off"
     assert bench._consumed_tokens(args, 80, 32) == 4 * 80
     args.ltd, args.curriculum_mode = "on", "fold"  # folded rows: 128 // 40 = 3 rows per row
