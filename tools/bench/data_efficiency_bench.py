@@ -79,6 +79,12 @@ run trains for about ``--baseline-seconds``.
     # CPU smoke run of the whole harness (truncation, DeepSpeed's clock, every control)
     python tools/bench/data_efficiency_bench.py --preset smoke
 
+``--curriculum-mode reshape`` cuts the batch as DeepSpeed's ``seqlen_reshape`` does (rows of
+c+1 tokens, about a full step's tokens at every length); ``--de-extra NAME:KEY=VALUE,...@F``
+runs further arms in the same call; ``--eval-late-every`` validates more often near the end of
+every run; ``--profile-shapes LENGTH:KEPT[:BACKEND]`` times fixed-shape steps before the runs
+(where the arm's time goes; outside every clock).
+
 Without the packages installed, put the sources on the path first:
 ``export PYTHONPATH=$(ls -d kernels/src packages/*/src | tr '\\n' ':')``.
 """
@@ -87,6 +93,7 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
+import functools
 import gc
 import json
 import math
@@ -109,6 +116,8 @@ from slipstream.data import (
     RandomLTDScheduler,
     attach_random_ltd,
     convert_to_random_ltd,
+    reshape_batch,
+    reshaped_rows,
 )
 from slipstream.examples.corpus import generate
 
@@ -198,7 +207,15 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         help="data-efficiency arm peak LRs as multiples of the best baseline LR, comma-"
         "separated (replaces --de-lrs): the grid follows the tuned baseline",
     )
-    parser.add_argument("--curriculum-mode", choices=["fold", "truncate", "off"], default="fold")
+    parser.add_argument(
+        "--curriculum-mode",
+        choices=["fold", "truncate", "reshape", "off"],
+        default="fold",
+        help="how the seqlen curriculum shortens a step: fold each row into seq/c rows of c "
+        "tokens, truncate the batch (DeepSpeed's seqlen_truncate), or reshape it exactly as "
+        "Megatron-DeepSpeed's seqlen_reshape does (rows of c+1 token windows, about as many "
+        "tokens per step as a full step)",
+    )
     parser.add_argument("--cl-min", type=int, default=64)
     parser.add_argument(
         "--cl-schedule",
@@ -253,6 +270,14 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         "train_tokens / lr_decay_tokens do",
     )
     parser.add_argument("--token-backend", choices=["auto", "torch", "triton"], default="auto")
+    parser.add_argument(
+        "--check-grad-overflow",
+        choices=["on", "off"],
+        default="off",
+        help="bf16.check_grad_overflow for every run (Slipstream's default is on, DeepSpeed's "
+        "off): on adds an isfinite/all pass per gradient tensor to each step, host work that a "
+        "run of many small steps pays more often (the 2026-11-26 calls before 06:00 ran on)",
+    )
     parser.add_argument("--corpus", choices=["stdlib", "grammar", "file"], default="stdlib")
     parser.add_argument(
         "--corpus-file",
@@ -294,6 +319,41 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         "fractions) that would end past this many seconds of the invocation; the summary "
         "lists them (0: no limit)",
     )
+    parser.add_argument(
+        "--de-extra",
+        action="append",
+        default=[],
+        metavar="NAME:KEY=VALUE[,KEY=VALUE...][@FRACTION[,FRACTION...]]",
+        help="another data-efficiency arm, run after the others at the arm's best LR: the "
+        "options KEY (an option's name with underscores, e.g. curriculum_mode=reshape, "
+        "difficulty_step=64) changed, at these budget fractions (default: the first of "
+        "--de-budget-fractions); labelled data-eff-NAME. Repeatable",
+    )
+    parser.add_argument(
+        "--eval-late-every",
+        type=int,
+        default=0,
+        help="validate every this many steps once a run's clock passes --eval-late-from of its "
+        "budget (0: --eval-every throughout): a finer time-to-target near the crossing, for "
+        "every run alike",
+    )
+    parser.add_argument("--eval-late-from", type=float, default=0.6)
+    parser.add_argument(
+        "--profile-shapes",
+        default="",
+        help="comma-separated LENGTH:KEPT[:BACKEND] shapes timed before the runs (fixed shape, "
+        "fresh engine, --profile-steps steps; KEPT < LENGTH: random-LTD in the middle layers, "
+        "token ops BACKEND or --token-backend): where a step's time goes, outside every run's "
+        "clock",
+    )
+    parser.add_argument("--profile-steps", type=int, default=10)
+    parser.add_argument(
+        "--profile-table",
+        default="",
+        help="LENGTH:KEPT shapes (of --profile-shapes) to also run under torch.profiler: the "
+        "top kernels of two steps",
+    )
+    parser.add_argument("--profile-rows", type=int, default=14)
     parser.add_argument("--json", type=Path, default=None, help="also write the results here")
     parser.add_argument(
         "--preset",
@@ -384,19 +444,53 @@ class FoldingLlama(Llama):
         return super().forward(input_ids, labels)
 
 
+class ReshapingLlama(Llama):
+    """The benchmark Llama taking ``curriculum_seqlen`` the way Megatron-DeepSpeed's
+    ``seqlen_reshape`` metric shapes a batch: the ``(batch, seq + 1)`` text behind the inputs
+    and labels is cut into rows of ``c + 1`` tokens (:func:`slipstream.data.reshape_batch`),
+    each giving ``c`` inputs and their next-token labels."""
+
+    def forward(  # type: ignore[override]
+        self,
+        input_ids: torch.Tensor,
+        labels: torch.Tensor,
+        curriculum_seqlen: int | None = None,
+    ) -> torch.Tensor:
+        if curriculum_seqlen is not None and curriculum_seqlen < input_ids.shape[1]:
+            # labels are the inputs shifted by one: the text is the inputs and the last label
+            text = torch.cat((input_ids, labels[:, -1:]), dim=1)
+            rows = reshape_batch(text, curriculum_seqlen + 1)
+            input_ids, labels = rows[:, :-1], rows[:, 1:]
+        return super().forward(input_ids, labels)
+
+
+# Models of the curriculum modes in which the model takes curriculum_seqlen itself.
+SEQLEN_MODELS: dict[str, type[Llama]] = {"fold": FoldingLlama, "reshape": ReshapingLlama}
+
+
 def _model(args: argparse.Namespace, efficient: bool) -> Llama:
     shape = SIZES[args.size]
-    fold = efficient and args.curriculum_mode == "fold"
-    model = FoldingLlama(shape) if fold else Llama(shape)
+    kind = SEQLEN_MODELS.get(args.curriculum_mode, Llama) if efficient else Llama
+    model = kind(shape)
     if efficient and args.ltd == "on":
         convert_to_random_ltd(model, Block)
     return model
 
 
-def _tokens_read(args: argparse.Namespace, seqlen: int) -> int:
+def _rows(args: argparse.Namespace, seqlen: int) -> int:
+    """Rows of ``seqlen`` tokens the model receives in a step."""
+    if seqlen >= args.seq:
+        return args.micro_batch
     if args.curriculum_mode == "fold":
-        return args.micro_batch * (args.seq // seqlen * seqlen)
-    return args.micro_batch * seqlen
+        return args.micro_batch * (args.seq // seqlen)
+    if args.curriculum_mode == "reshape":
+        return reshaped_rows(args.micro_batch, args.seq + 1, seqlen + 1)
+    return args.micro_batch
+
+
+def _tokens_read(args: argparse.Namespace, seqlen: int) -> int:
+    """Input tokens the model receives in a step at curriculum length ``seqlen``."""
+    return _rows(args, seqlen) * min(seqlen, args.seq)
 
 
 # ---------------------------------------------------------------------------- configs
@@ -432,7 +526,7 @@ def _config(
         "gradient_accumulation_steps": 1,
         "gradient_clipping": 1.0,
         "steps_per_print": 10**9,
-        "bf16": {"enabled": on_gpu},
+        "bf16": {"enabled": on_gpu, "check_grad_overflow": args.check_grad_overflow == "on"},
         # The LR is set per step from the tokens read (_lr_at), the same function in both arms.
         "optimizer": {
             "type": "AdamW",
@@ -515,8 +609,8 @@ def _warm_up(
         }
         shapes = [shapes[i] for i in sorted(picks)] if args.warm_shapes > 1 else shapes[-1:]
     ltd = efficient and args.ltd == "on"
-    fold = efficient and args.curriculum_mode == "fold"
-    keys = [(fold, ltd, args.token_backend, args.micro_batch, *shape) for shape in shapes]
+    mode = args.curriculum_mode if efficient else "off"
+    keys = [(mode, ltd, args.token_backend, args.micro_batch, *shape) for shape in shapes]
     shapes = [shape for shape, key in zip(shapes, keys, strict=True) if key not in _WARMED]
     if not shapes:
         return time.perf_counter() - began, 0
@@ -536,7 +630,7 @@ def _warm_up(
             scheduler.sample_indices = None
         inputs, labels = batch[:, :-1], batch[:, 1:]
         kwargs: dict[str, Any] = {}
-        if isinstance(model, FoldingLlama):
+        if isinstance(model, (FoldingLlama, ReshapingLlama)):
             kwargs["curriculum_seqlen"] = seqlen
         else:
             inputs, labels = inputs[:, :seqlen], labels[:, :seqlen]
@@ -570,7 +664,7 @@ def _layer_token_plan(engine: Any, args: argparse.Namespace, steps: int) -> list
     for step in range(steps):
         seqlen = curriculum.get_difficulty(step + 1) if curriculum is not None else args.seq
         kept = random_ltd.get_value(step) if random_ltd is not None else seqlen
-        rows = _tokens_read(args, seqlen) // seqlen
+        rows = _rows(args, seqlen)
         plan.append(rows * ((layers - dropping) * seqlen + dropping * min(kept, seqlen)))
     return plan
 
@@ -584,8 +678,7 @@ def _consumed_tokens(args: argparse.Namespace, seqlen: int, kept: int | None) ->
     actual = seqlen
     if kept is not None and kept < seqlen:
         actual = (seqlen * (layers - dropping) + kept * dropping) // layers
-    rows = _tokens_read(args, seqlen) // seqlen
-    return rows * actual
+    return _rows(args, seqlen) * actual
 
 
 def run(
@@ -660,7 +753,9 @@ def run(
             clock += _consumed_tokens(args, seqlen or args.seq, kept)
         else:
             clock = tokens
-        if step % args.eval_every == 0 or clock >= budget:
+        late = args.eval_late_every > 0 and clock >= args.eval_late_from * budget
+        every = args.eval_late_every if late else args.eval_every
+        if step % every == 0 or clock >= budget:
             _sync()  # the timed segment ends here; validation is not timed
             train_seconds += time.perf_counter() - began
             val = _validate(engine, valid, args)
@@ -733,6 +828,133 @@ def _probe_budget(args: argparse.Namespace, train: torch.Tensor) -> tuple[int, f
     return steps * budget_step(args), rate
 
 
+def _fixed_step(engine: Any, batch: torch.Tensor, length: int, kept: int, scheduler: Any) -> None:
+    """One training step on ``batch`` cut to ``length``, random-LTD (if any) keeping ``kept``."""
+    if scheduler is not None:
+        scheduler.set_current_seq(kept)
+        scheduler.sample_indices = None
+    engine.backward(engine(batch[:, :length], batch[:, 1 : length + 1]))
+    engine.step()
+
+
+def _synchronizing_calls(step: Any) -> list[str]:
+    """Where one call of ``step`` makes the host wait on the device (CUDA's sync debug mode:
+    the Python lines of the synchronizing operations; empty on the CPU)."""
+    if not torch.cuda.is_available():
+        return []
+    import warnings
+
+    _sync()
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        torch.cuda.set_sync_debug_mode("warn")
+        try:
+            step()
+        finally:
+            torch.cuda.set_sync_debug_mode("default")
+    _sync()
+    found: dict[str, None] = {}
+    for record in caught:
+        if "synchroniz" in str(record.message):
+            found[f"{Path(record.filename).name}:{record.lineno}"] = None
+    return list(found)
+
+
+def _profile_spec(spec: str, backend: str) -> tuple[int, int, str]:
+    """``LENGTH:KEPT[:BACKEND]`` -> (length, kept, backend)."""
+    parts = spec.split(":")
+    if len(parts) not in (2, 3):
+        raise SystemExit(f"--profile-shapes/--profile-table: {spec!r} is not LENGTH:KEPT[:BACKEND]")
+    return int(parts[0]), int(parts[1]), parts[2] if len(parts) == 3 else backend
+
+
+def _profile_shapes(args: argparse.Namespace, train: torch.Tensor) -> list[dict[str, Any]]:
+    """Per-step cost at fixed ``(length, kept)`` shapes, each on a fresh engine (untimed
+    towards any run): the synchronized step time, the host's time to issue a step, and for
+    ``--profile-table`` shapes the top device kernels of two steps. Length ``c`` truncates the
+    batch; ``kept < c`` wraps the middle layers in random-LTD keeping ``kept`` tokens."""
+    rows = []
+    batch = train[: args.micro_batch]
+    tables = {
+        _profile_spec(spec, args.token_backend) for spec in _floats_or_names(args.profile_table)
+    }
+    for spec in _floats_or_names(args.profile_shapes):
+        length, kept, backend = _profile_spec(spec, args.token_backend)
+        torch.manual_seed(args.seed)
+        with torch.device(train.device):
+            model = Llama(SIZES[args.size])
+        scheduler = None
+        if kept < length:
+            convert_to_random_ltd(model, Block)
+        engine, *_ = slipstream.initialize(model=model, config=_config(args, 1000, False))
+        if kept < length:
+            config = RandomLTDConfig.from_dict(_random_ltd_block(args, 1000))
+            scheduler = RandomLTDScheduler(config, args.micro_batch)
+            attach_random_ltd(engine.module, config, scheduler, backend=backend)
+
+        step = functools.partial(_fixed_step, engine, batch, length, kept, scheduler)
+        for _ in range(3):
+            step()
+        _sync()
+        host, began = 0.0, time.perf_counter()
+        for _ in range(args.profile_steps):
+            issued = time.perf_counter()
+            step()
+            host += time.perf_counter() - issued
+        _sync()
+        ms = (time.perf_counter() - began) * 1e3 / args.profile_steps
+        # From an idle device: the host's time to issue forward + backward, and their time to
+        # finish. Issuing that takes as long as finishing means the host waited on the device
+        # (a synchronization) or is the bottleneck.
+        issue, finish = [], []
+        for _ in range(3):
+            _sync()
+            began = time.perf_counter()
+            if scheduler is not None:
+                scheduler.set_current_seq(kept)
+                scheduler.sample_indices = None
+            engine.backward(engine(batch[:, :length], batch[:, 1 : length + 1]))
+            issue.append(time.perf_counter() - began)
+            _sync()
+            finish.append(time.perf_counter() - began)
+            engine.step()
+        _sync()
+        syncs = _synchronizing_calls(step)
+        row = {"length": length, "kept": kept, "backend": backend, "step_ms": ms,
+               "host_ms": host * 1e3 / args.profile_steps,
+               "issue_fb_ms": min(issue) * 1e3, "fb_ms": min(finish) * 1e3,
+               "synchronizing_calls": syncs}  # fmt: skip
+        rows.append(row)
+        print(
+            f"profile: length {length} kept {kept}{f' ({backend})' if kept < length else ''}: "
+            f"{ms:.2f} ms/step ({args.micro_batch * length * 1e3 / ms:,.0f} tokens/s), host "
+            f"in step() calls {row['host_ms']:.2f} ms; from idle: forward+backward issued in "
+            f"{row['issue_fb_ms']:.2f} ms, done in {row['fb_ms']:.2f} ms; synchronizing calls in "
+            f"a step: {'; '.join(syncs) if syncs else 'none'}",
+            flush=True,
+        )
+        if (length, kept, backend) in tables:
+            from torch.profiler import ProfilerActivity, profile
+
+            activities = [ProfilerActivity.CPU]
+            if torch.cuda.is_available():
+                activities.append(ProfilerActivity.CUDA)
+            key = "self_device_time_total" if torch.cuda.is_available() else "self_cpu_time_total"
+            try:  # a diagnostic: a profiler that cannot start must not cost the runs
+                with profile(activities=activities) as prof:
+                    step()
+                    step()
+                    _sync()
+                table = prof.key_averages().table(sort_by=key, row_limit=args.profile_rows)
+            except Exception as error:
+                table = f"(torch.profiler failed: {type(error).__name__}: {error})"
+            print(f"profile table (two steps), length {length} kept {kept}:\n{table}", flush=True)
+        engine.destroy()
+        del engine, model
+        gc.collect()
+    return rows
+
+
 def _time_to(curve: list[tuple[int, int, float, float]], target: float) -> float | None:
     """Training seconds at the first validation point at or below ``target`` (None: never)."""
     for _, _, seconds, loss in curve:
@@ -755,10 +977,16 @@ def _describe(args: argparse.Namespace, budget: int, description: str) -> str:
     return (
         f"{args.size} GPT ({params / 1e6:.0f}M parameters, byte vocabulary), seq {args.seq}, "
         f"micro-batch {args.micro_batch} (GAS 1, 1 GPU), baseline budget {budget:,} tokens, "
-        f"seed {args.seed}, {gpu}, bf16={torch.cuda.is_available()}; {description}; AdamW "
+        f"seed {args.seed}, {gpu}, bf16={torch.cuda.is_available()} (check_grad_overflow {args.check_grad_overflow}); {description}; AdamW "
         f"(0.9, 0.95), wd 0.1, clip 1.0, warmup {args.warmup_fraction:.0%} then cosine to "
         f"{args.min_lr_ratio}x over each run's own token budget; validation every "
-        f"{args.eval_every} steps on {args.eval_batches * args.micro_batch} held-out windows; "
+        f"{args.eval_every} steps"
+        + (
+            f" (every {args.eval_late_every} after {args.eval_late_from:.0%} of each budget)"
+            if args.eval_late_every
+            else ""
+        )
+        + f" on {args.eval_batches * args.micro_batch} held-out windows; "
         f"data-efficiency arm: curriculum {args.curriculum_mode} (seqlen {args.cl_schedule} "
         f"from {args.cl_min}, difficulty_step {args.difficulty_step}, over "
         f"{args.curriculum_fraction:.0%} of budget/(micro-batch x seq) steps), random-LTD "
@@ -766,7 +994,28 @@ def _describe(args: argparse.Namespace, budget: int, description: str) -> str:
         f"over {args.ltd_fraction:.0%} of those steps, token ops {args.token_backend}), LR "
         f"clock {args.de_lr_clock}; warm-up shapes "
         f"{args.warm_shapes if args.warm_shapes else 'all'}"
+        + "".join(f"; extra arm {spec}" for spec in args.de_extra)
     )
+
+
+def _parse_extra(spec: str, args: argparse.Namespace) -> tuple[str, dict[str, Any], list[float]]:
+    """``NAME:KEY=VALUE,...[@F,...]`` -> (name, option overrides typed as the options, fractions)."""
+    head, _, tail = spec.partition("@")
+    name, _, assignments = head.partition(":")
+    if not name or not assignments:
+        raise SystemExit(f"--de-extra {spec!r}: write NAME:KEY=VALUE[,KEY=VALUE...][@FRACTIONS]")
+    overrides: dict[str, Any] = {}
+    for item in assignments.split(","):
+        key, _, value = item.partition("=")
+        key = key.strip().replace("-", "_")
+        if key not in vars(args) or not value:
+            raise SystemExit(f"--de-extra {spec!r}: {key!r} is not an option of this bench")
+        current = getattr(args, key)
+        overrides[key] = type(current)(value) if current is not None else value
+    fractions = _floats(tail) if tail else []
+    if not all(0 < f <= 1 for f in fractions):
+        raise SystemExit(f"--de-extra {spec!r}: budget fractions must be in (0, 1]")
+    return name, overrides, fractions
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -780,6 +1029,7 @@ def main(argv: list[str] | None = None) -> int:
     unknown = set(_floats_or_names(args.de_variants)) - set(VARIANTS)
     if unknown:
         raise SystemExit(f"--de-variants: unknown {sorted(unknown)}; use {sorted(VARIANTS)}")
+    extras = [_parse_extra(spec, args) for spec in args.de_extra]
     if multipliers == []:
         raise SystemExit("--de-lr-multipliers needs at least one multiplier")
     if not base_lrs or not de_lrs or not fractions or not all(0 < f <= 1 for f in fractions):
@@ -794,6 +1044,7 @@ def main(argv: list[str] | None = None) -> int:
         raise SystemExit(
             f"the held-out set has only {valid.shape[0]} windows; lower --eval-batches"
         )
+    profile = _profile_shapes(args, train) if args.profile_shapes else []
     probe_rate = None
     budget = args.token_budget
     if budget is None:
@@ -889,7 +1140,8 @@ def main(argv: list[str] | None = None) -> int:
         divisor = args.batch_control
         small = argparse.Namespace(**{**vars(args), "micro_batch": args.micro_batch // divisor,
                                       "eval_batches": args.eval_batches * divisor,
-                                      "eval_every": args.eval_every * divisor})  # fmt: skip
+                                      "eval_every": args.eval_every * divisor,
+                                      "eval_late_every": args.eval_late_every * divisor})  # fmt: skip
         for lr in (best_base["lr"], best_base["lr"] / math.sqrt(divisor)):
             if fits(1.0, f"baseline micro-batch {small.micro_batch} lr {lr:.1e}"):
                 result = run(small, train, valid, False, budget, lr, "baseline")
@@ -903,6 +1155,17 @@ def main(argv: list[str] | None = None) -> int:
                 run(args, train, valid, True, tokens_for(fraction), best_de["lr"], "data-eff")
             )
         controls(fraction, best_de["lr"])
+        batch_control()
+
+    for name, overrides, extra_fractions in extras:
+        variant = argparse.Namespace(**{**vars(args), **overrides})
+        for fraction in extra_fractions or fractions[:1]:
+            what = f"data-eff-{name} lr {best_de['lr']:.1e} at {fraction}x"
+            if fits(fraction, what):
+                results.append(
+                    run(variant, train, valid, True, tokens_for(fraction), best_de["lr"],
+                        f"data-eff-{name}")
+                )  # fmt: skip
         batch_control()
 
     print("\n" + _describe(args, budget, description))
@@ -984,7 +1247,7 @@ def main(argv: list[str] | None = None) -> int:
     if args.json is not None:
         settings = {k: str(v) if isinstance(v, Path) else v for k, v in vars(args).items()}
         args.json.write_text(json.dumps({"args": settings, "budget": budget,
-                                         "probe_rate": probe_rate, "verdict": verdict,
+                                         "probe_rate": probe_rate, "verdict": verdict, "profile": profile,
                                          "results": results}, indent=1))  # fmt: skip
     from slipstream import comm
 

@@ -144,6 +144,7 @@ _LTD = "data_routing.random_ltd"
         (GPT_RANDOM_LTD, f"{_LTD}.random_ltd_layer_num", 9, r"random_ltd_layer_num"),
         (GPT_RANDOM_LTD, f"{_LTD}.hidden_state_order", "bsh", r"hidden_state_order"),
         (GPT_RANDOM_LTD, f"{_LTD}.random_ltd_schedule.min_value", 2048, r"min_value"),
+        (GPT_RANDOM_LTD, f"{_LTD}.random_ltd_schedule.min_value", 4, r"min_value = 4 is below .*seq_per_step = 8.*keep 0 tokens"),
         (GPT_RANDOM_LTD, f"{_LTD}.random_ltd_schedule.schedule_type", "fixed_root", r"schedule_type"),
         (GPT_RANDOM_LTD, f"{_LTD}.random_ltd_schedul", {}, r"did you mean"),
         (GPT_RANDOM_LTD, f"{_LTD}.layer_token_lr_schedule", {"enabled": True}, r"total_layer_tokens"),
@@ -160,6 +161,7 @@ def test_bad_values_name_the_key(block: dict, path: str, value: Any, match: str)
         ("schedule_type", "fixed_discrete", r"schedule_config\.difficulty"),
         ("schedule_config.difficulty_step", 0, r"difficulty_step"),
         ("min_difficulty", -1, r"min_difficulty"),
+        ("min_difficulty", 4, r"min_difficulty = 4 is below .*difficulty_step = 8.*0-token"),
     ],
 )
 def test_legacy_bad_values_name_the_key(path: str, value: Any, match: str) -> None:

@@ -1,7 +1,9 @@
-"""What a model receives under the seqlen curriculum: the keyword, or an aligned truncation."""
+"""What a model receives under the seqlen curriculum: the keyword, an aligned truncation, or
+DeepSpeed's reshape."""
 
 from __future__ import annotations
 
+import pytest
 import torch
 from torch import nn
 
@@ -44,3 +46,50 @@ def test_a_model_that_takes_curriculum_seqlen_gets_the_keyword_and_the_full_batc
     ids = torch.zeros(2, 10, dtype=torch.long)
     args, kwargs = apply_seqlen_curriculum(Aware(), (ids,), {}, 4)
     assert args[0] is ids and kwargs == {"curriculum_seqlen": 4}
+
+
+def test_reshape_cuts_rows_into_pieces_then_tails_as_megatron_deepspeed() -> None:
+    """DeepSpeed's seqlen_reshape: each row's full pieces in order, then each row's last
+    ``width`` tokens, keeping ceil(numel / width) rows (one fewer when odd and above one)."""
+    from slipstream.data import reshape_batch, reshaped_rows
+
+    ids = torch.arange(2 * 10).view(2, 10)
+    # ceil(20 / 3) = 7 -> odd -> 6 rows: the six full pieces, no tail, remainders left out.
+    out = reshape_batch(ids, 3)
+    expected = [[0, 1, 2], [3, 4, 5], [6, 7, 8], [10, 11, 12], [13, 14, 15], [16, 17, 18]]
+    assert out.tolist() == expected
+    # Tails are used: 3 rows of 10, width 4 -> 6 pieces + tails of rows 0 and 1 (8 rows).
+    ids = torch.arange(3 * 10).view(3, 10)
+    assert reshape_batch(ids, 4).tolist() == [
+        [0, 1, 2, 3], [4, 5, 6, 7], [10, 11, 12, 13], [14, 15, 16, 17],
+        [20, 21, 22, 23], [24, 25, 26, 27], [6, 7, 8, 9], [16, 17, 18, 19],
+    ]  # fmt: skip
+    assert reshaped_rows(3, 10, 4) == 8 and reshaped_rows(2, 10, 3) == 6
+    # One row of 5, width 3: its one piece and its tail (overlapping); a width at or past the
+    # length changes nothing.
+    assert reshape_batch(torch.arange(5).view(1, 5), 3).tolist() == [[0, 1, 2], [2, 3, 4]]
+    assert reshaped_rows(1, 5, 3) == 2
+    same = torch.arange(8).view(2, 4)
+    assert reshape_batch(same, 4) is same and reshaped_rows(2, 4, 9) == 2
+    # The GPT recipe's first step: 16 windows of 2049 tokens, curriculum_seqlen 80 -> width 81:
+    # 25 pieces per row (400) + 4 tails = ceil(32784 / 81) = 405 -> 404 rows.
+    text = torch.arange(16 * 2049).view(16, 2049)
+    out = reshape_batch(text, 81)
+    assert out.shape == (404, 81) and reshaped_rows(16, 2049, 81) == 404
+    assert torch.equal(out[25], text[1, :81]) and torch.equal(out[400], text[0, -81:])
+    with pytest.raises(ValueError, match="batch, length"):
+        reshape_batch(torch.arange(4), 2)
+
+
+def test_seqlen_post_process_truncates_or_reshapes_by_the_metric_name() -> None:
+    from slipstream.data import reshape_batch, seqlen_post_process
+
+    text = torch.arange(4 * 9).view(4, 9)  # seq 8 plus the label column
+    batch = {"text": text, "other": 1}
+    cut = seqlen_post_process(batch, {"current_difficulties": {"seqlen_truncate": 3}})
+    assert torch.equal(cut["text"], text[:, :4]) and cut["other"] == 1
+    reshaped = seqlen_post_process(batch, {"current_difficulties": {"seqlen_reshape": 3}})
+    assert torch.equal(reshaped["text"], reshape_batch(text, 4))
+    assert reshaped["text"].shape == (8, 4)  # ceil(36 / 4) = 9 -> 8
+    for progress in ({"current_difficulties": {"seqlen_reshape": 8}}, {}):
+        assert seqlen_post_process(batch, progress)["text"] is text  # full length: unchanged

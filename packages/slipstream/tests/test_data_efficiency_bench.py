@@ -4,6 +4,7 @@ the corpus file, and one short end-to-end run of the harness."""
 from __future__ import annotations
 
 import importlib.util
+import itertools
 import json
 import sys
 from pathlib import Path
@@ -33,10 +34,58 @@ def test_consumed_tokens_follow_megatron_deepspeed() -> None:
     assert bench._consumed_tokens(args, 80, 32) == 4 * 56
     assert bench._consumed_tokens(args, 80, 128) == 4 * 80  # keeps all: the plain length
     assert bench._consumed_tokens(args, 128, None) == 4 * 128
+    # Every run's bf16 block: DeepSpeed's default (no per-tensor non-finite pass) unless asked.
+    assert bench._config(args, 10, False)["bf16"]["check_grad_overflow"] is False
+    on = bench.parse_args(["--preset", "smoke", "--check-grad-overflow", "on"])
+    assert bench._config(on, 10, True)["bf16"]["check_grad_overflow"] is True
     args.ltd = "off"
     assert bench._consumed_tokens(args, 80, 32) == 4 * 80
     args.ltd, args.curriculum_mode = "on", "fold"  # folded rows: 128 // 40 = 3 rows per row
     assert bench._consumed_tokens(args, 40, 16) == 12 * ((40 * 2 + 16 * 2) // 4)
+    # seqlen_reshape: 4 windows of 129 tokens in rows of 41 -> ceil(516 / 41) = 13 -> 12 rows
+    args.curriculum_mode = "reshape"
+    assert bench._consumed_tokens(args, 40, 16) == 12 * ((40 * 2 + 16 * 2) // 4)
+    assert bench._tokens_read(args, 16) == 30 * 16  # ceil(516 / 17) = 31 -> 30 rows
+    assert bench._tokens_read(args, 128) == 4 * 128  # full length: the batch as it is
+
+
+def test_reshape_mode_gives_the_model_megatron_deepspeeds_rows() -> None:
+    """Through the engine: the legacy curriculum hands the model curriculum_seqlen, and the
+    reshaping model's layers receive exactly reshape_batch(text, c + 1)'s inputs and labels;
+    training steps see one row count per length, the rows the token clock counts."""
+    import torch
+
+    import slipstream
+    from slipstream.data import reshape_batch
+
+    bench = _load("data_efficiency_bench")
+    args = bench.parse_args(["--preset", "smoke", "--curriculum-mode", "reshape"])
+    torch.manual_seed(0)
+    model = bench._model(args, True)
+    assert isinstance(model, bench.ReshapingLlama)
+    engine, *_ = slipstream.initialize(model=model, config=bench._config(args, 40, True))
+    seen: list[torch.Tensor] = []
+    model.embed.register_forward_pre_hook(lambda _, inputs: seen.append(inputs[0].clone()))
+    text = torch.randint(0, 256, (args.micro_batch, args.seq + 1))
+    lengths = []
+    for _ in range(3):
+        loss = engine(text[:, :-1], text[:, 1:])
+        engine.backward(loss)
+        engine.step()
+        lengths.append(engine.data_efficiency.curriculum_difficulty())
+    assert 16 <= lengths[0] < lengths[2] < args.seq  # three different row counts
+    rows = reshape_batch(text, lengths[0] + 1)
+    assert torch.equal(seen[0], rows[:, :-1])
+    assert [ids.shape for ids in seen] == [
+        (bench._rows(args, c), c) for c in lengths
+    ]  # fmt: skip
+    # The loss is the plain model's on those rows (eval: random-LTD off).
+    engine.module.eval()
+    with torch.no_grad():
+        reshaped = model(text[:, :-1], text[:, 1:], curriculum_seqlen=lengths[0])
+        plain = bench.Llama.forward(model, rows[:, :-1], rows[:, 1:])
+    assert torch.equal(reshaped, plain)
+    engine.destroy()
 
 
 def test_troff_to_text() -> None:
@@ -62,13 +111,15 @@ def test_harness_end_to_end_with_a_corpus_file(tmp_path) -> None:
     out = tmp_path / "de.json"
     argv = ["--preset", "smoke", "--corpus", "file", "--corpus-file", str(corpus),
             "--lrs", "3e-3", "--de-lr-multipliers", "2", "--de-budget-fractions", "0.7",
-            "--token-budget", "8192", "--eval-every", "4", "--json", str(out)]  # fmt: skip
+            "--token-budget", "8192", "--eval-every", "4", "--eval-late-every", "2",
+            "--de-extra", "rs:curriculum_mode=reshape", "--profile-shapes", "128:128,128:32",
+            "--profile-steps", "1", "--profile-table", "128:32", "--json", str(out)]  # fmt: skip
     assert bench.main(argv) == 0
     report = json.loads(out.read_text())
     runs = {(r["label"], round(r["lr"], 9)) for r in report["results"]}
     arm = next(r for r in report["results"] if r["label"] == "data-eff")
     expected = {("baseline", 3e-3), ("data-eff", 6e-3), ("baseline-short", 3e-3),
-                ("baseline-short", 6e-3), ("data-eff-cl", 6e-3)}  # fmt: skip
+                ("baseline-short", 6e-3), ("data-eff-cl", 6e-3), ("data-eff-rs", 6e-3)}  # fmt: skip
 
     def best(prefix: str) -> float:
         times = [r["time_to_target"] for r in report["results"]
@@ -94,6 +145,19 @@ def test_harness_end_to_end_with_a_corpus_file(tmp_path) -> None:
     assert warmed[("baseline", 3e-3)] == 1
     assert warmed[("baseline-short", 3e-3)] == warmed[("baseline-short", 6e-3)] == 0
     assert arm["warmed_shapes"] > 1
+    # The extra arm reshapes (DeepSpeed's seqlen_reshape): full-sized early steps, so fewer
+    # steps than the truncating arm on the same budget; validation every 2 steps late in a run.
+    reshaped = next(r for r in report["results"] if r["label"] == "data-eff-rs")
+    assert reshaped["steps"] < arm["steps"]
+    steps = [point[0] for point in reshaped["curve"]]
+    assert steps[:2] == [4, 8] and 2 in {b - a for a, b in itertools.pairwise(steps)}
+    # The fixed-shape profile: one row per shape, outside every run.
+    assert [(r["length"], r["kept"]) for r in report["profile"]] == [(128, 128), (128, 32)]
+    assert all(r["step_ms"] > 0 and 0 < r["host_ms"] for r in report["profile"])
+    with pytest.raises(SystemExit, match="not an option"):
+        bench._parse_extra("x:no_such=1", bench.parse_args([]))
+    assert bench._parse_extra("b:difficulty_step=64,ltd=off@0.6,0.7", bench.parse_args([])) == (
+        "b", {"difficulty_step": 64, "ltd": "off"}, [0.6, 0.7])  # fmt: skip
     assert report["verdict"]["target"] == pytest.approx(
         next(r for r in report["results"] if r["label"] == "baseline")["final_val_loss"]
     )

@@ -60,7 +60,13 @@ from slipstream.data.sampler import (
     MetricIndex,
     build_curriculum_dataloader,
 )
-from slipstream.data.seqlen import apply_seqlen_curriculum, truncate_batch
+from slipstream.data.seqlen import (
+    apply_seqlen_curriculum,
+    reshape_batch,
+    reshaped_rows,
+    seqlen_post_process,
+    truncate_batch,
+)
 
 __all__ = [
     "STATE_KEY",
@@ -98,10 +104,13 @@ __all__ = [
     "gather_tokens",
     "layer_keep_probability",
     "remove_random_ltd_state_dict",
+    "reshape_batch",
+    "reshaped_rows",
     "run_layers_with_drop",
     "sample_length",
     "scale_lr",
     "scatter_tokens",
+    "seqlen_post_process",
     "truncate_batch",
     "write_rows",
 ]

@@ -149,7 +149,8 @@ class CurriculumLearningConfig(ConfigBlock):
         return super().from_dict(data, path)
 
     def validate(self, path: str) -> None:
-        """The schedule's required keys and consistent bounds (when enabled)."""
+        """The schedule's required keys and consistent bounds (when enabled); a seqlen
+        curriculum may not start below one ``difficulty_step`` (it would round to 0 tokens)."""
         if self.enabled:
             _check_schedule(
                 path,
@@ -158,6 +159,21 @@ class CurriculumLearningConfig(ConfigBlock):
                 self.min_difficulty,
                 self.max_difficulty,
             )
+            step = self.schedule_config.difficulty_step
+            if (
+                self.curriculum_type == "seqlen"
+                and self.schedule_type in ("fixed_linear", "fixed_root")
+                and step is not None
+                and self.min_difficulty < step
+            ):
+                raise ConfigError(
+                    f"{key_path(path, 'min_difficulty')} = {self.min_difficulty} is below "
+                    f"{key_path(path, 'schedule_config.difficulty_step')} = {step}: difficulties "
+                    f"are rounded down to a multiple of {step}, so the first steps would get "
+                    f"0-token sequences; raise min_difficulty to at least {step} or lower "
+                    "difficulty_step",
+                    key_path(path, "min_difficulty"),
+                )
 
     def schedule_params(self) -> dict[str, Any]:
         """The schedule as the plain dict that CurriculumScheduler takes."""
@@ -351,11 +367,21 @@ class RandomLTDScheduleConfig(ConfigBlock):
     schedule_config: RandomLTDScheduleSettings
 
     def validate(self, path: str) -> None:
-        """min_value may not exceed max_value."""
+        """min_value may not exceed max_value, nor lie below one seq_per_step (the first kept
+        count, rounded down to a multiple of it, would be 0 tokens)."""
         if self.min_value > self.max_value:
             raise ConfigError(
                 f"{key_path(path, 'min_value')} = {self.min_value} is above "
                 f"{key_path(path, 'max_value')} = {self.max_value}",
+                key_path(path, "min_value"),
+            )
+        step = self.schedule_config.seq_per_step
+        if self.min_value < step:
+            raise ConfigError(
+                f"{key_path(path, 'min_value')} = {self.min_value} is below "
+                f"{key_path(path, 'schedule_config.seq_per_step')} = {step}: the kept-token "
+                f"count is rounded down to a multiple of {step}, so the layers would keep 0 "
+                f"tokens; raise min_value to at least {step} or lower seq_per_step",
                 key_path(path, "min_value"),
             )
 

@@ -65,10 +65,13 @@ class MasterWeights:
         param.grad = None
 
     def copy_to_model(self) -> None:
-        """Write the updated fp32 masters back into the low-precision parameters."""
+        """Write the updated fp32 masters back into the low-precision parameters (one
+        multi-tensor copy: a per-parameter loop is host work every step pays)."""
         with torch.no_grad():
-            for param, master in zip(self.params, self.masters):
-                param.copy_(master)
+            if self.params:
+                params: list[torch.Tensor] = list(self.params)
+                masters: list[torch.Tensor] = list(self.masters)
+                torch._foreach_copy_(params, masters)
 
     def copy_from_model(self) -> None:
         """Refresh the masters from the model (after loading low-precision weights)."""
