@@ -81,6 +81,13 @@ class TensorParallelConfig(ConfigBlock):
     # (torch.ops.symm_mem's one-shot kernel, then add_rms_norm), see
     # slipstream.inference.allreduce_norm.
     symm_mem_kernel: Literal["slipstream", "torch"] = "slipstream"
+    # With decode_fusion under TP: the row-parallel decode GEMVs push their partial sums into
+    # the peers' symmetric memory and the next norm GEMV adds them (no kernel per sum), see
+    # slipstream.inference.tp_decode. "auto": where the symm_mem sums run (checked at setup);
+    # true: required (an error says why it cannot run); false: one sum kernel per sum.
+    gemv_push: bool | Literal["auto"] = dataclasses.field(
+        default="auto", metadata={"allow_auto": True}
+    )
 
 
 @dataclasses.dataclass(kw_only=True)

@@ -147,11 +147,31 @@ class InferenceEngine(nn.Module):
         from slipstream.inference.fused_decode import enable_decode_fusion
 
         enable_decode_fusion(fused, config.decode_fusion, self.device)
+        if config.tp_size > 1:
+            self._setup_gemv_push(fused)
         if config.injection_policy is not None:
             logger.info(
                 "injection_policy is not needed for %s: its fused adapter knows the layout",
                 fused.spec.family,
             )
+
+    def _setup_gemv_push(self, fused: FusedDecoder) -> None:
+        """``tensor_parallel.gemv_push``: the fused TP decode step's sums ride on its GEMVs."""
+        from slipstream.inference.tp_decode import setup_gemv_push
+
+        setting = self.config.tensor_parallel.gemv_push
+        reducer = getattr(fused.blocks[0], "reducer", None)
+        if setting is False or (
+            setting == "auto" and (reducer is None or reducer.kind != "symm_mem")
+        ):
+            return
+        why = setup_gemv_push(fused, _tp_group(self.config), self.device)
+        if why and setting is True:
+            raise ValueError(
+                f'tensor_parallel.gemv_push = true cannot run here: {why}. Use "auto" (where '
+                "it can run) or false (one sum kernel per sum)"
+            )
+        logger.info("tensor_parallel.gemv_push: %s", why or "on (the sums ride on the GEMVs)")
 
     def _check_unfused(self) -> None:
         config = self.config

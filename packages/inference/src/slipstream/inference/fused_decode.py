@@ -83,7 +83,7 @@ def enable_decode_fusion(
 ) -> frozenset[str]:
     """Turn decode fusion on for ``model`` per the ``decode_fusion`` config key; returns the
     parts fused (empty: off). ``"auto"``: :data:`AUTO_PARTS` on a CUDA/ROCm ``device`` for a
-    model whose projections are all dense bf16/fp16 and not tensor-parallel (what was
+    model whose projections are all dense bf16/fp16, tensor-parallel or not (what was
     measured); else off. ``True``: every part the model can run (:func:`eligible_parts`:
     quantized projections keep their kernels; tensor-parallel blocks reduce as unfused), on
     any device (on the CPU the ops run their torch references, the same math as the unfused
@@ -98,11 +98,10 @@ def enable_decode_fusion(
         return model.decode_fusion
     parts = eligible_parts(model)
     if setting == "auto":
-        # Measured (H100, 8B, batch 1): the dense single-rank model. Quantized and tensor-
-        # parallel models keep their own measured paths unless decode_fusion is true.
-        first = model.blocks[0]
-        sharded = getattr(first, "tp_group", None) is not None or model.head_group is not None
-        if parts != PARTS or sharded:
+        # Measured (H100, 8B, batch 1): the dense model, single-rank and tensor-parallel (its
+        # sums pushed by the GEMVs, tensor_parallel.gemv_push). Quantized models keep their
+        # own measured paths unless decode_fusion is true.
+        if parts != PARTS:
             return model.decode_fusion
         model.decode_fusion = AUTO_PARTS
         return model.decode_fusion
@@ -165,6 +164,10 @@ def decode_forward(
 ) -> torch.Tensor:
     """The blocks, final norm and head of ``model``'s single-token decode step from the
     embedded token ``x`` (``FusedDecoder.forward`` calls this when decode fusion is on)."""
+    if model.tp_push is not None and model.decode_fusion == PARTS:  # sums on the GEMVs (TP)
+        from slipstream.inference.tp_decode import tp_decode_forward
+
+        return tp_decode_forward(model, x, rotary, cache, slots, mask)
     parts = model.decode_fusion
     pending: torch.Tensor | None = None
     for index, block in enumerate(model.blocks):
