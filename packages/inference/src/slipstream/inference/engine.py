@@ -78,6 +78,7 @@ class InferenceEngine(nn.Module):
         self.module = model
         self.device = _default_device(model)
         self.fused: FusedDecoder | None = None
+        self.gemv_push_why = ""  # why tensor_parallel.gemv_push is off, where it was tried
         self._runner: StaticCacheRunner | None = None
         dtype = config.torch_dtype
         if not config.replace_with_kernel_inject:
@@ -165,7 +166,7 @@ class InferenceEngine(nn.Module):
             setting == "auto" and (reducer is None or reducer.kind != "symm_mem")
         ):
             return
-        why = setup_gemv_push(fused, _tp_group(self.config), self.device)
+        why = self.gemv_push_why = setup_gemv_push(fused, _tp_group(self.config), self.device)
         if why and setting is True:
             raise ValueError(
                 f'tensor_parallel.gemv_push = true cannot run here: {why}. Use "auto" (where '
