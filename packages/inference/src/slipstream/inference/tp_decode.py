@@ -44,6 +44,7 @@ __all__ = [
     "push_gemv",
     "reference_pull_norm_gemv",
     "setup_gemv_push",
+    "symmetric_push_state",
     "tp_decode_forward",
 ]
 
@@ -83,9 +84,10 @@ class PushState:
         self.step = torch.zeros(1, dtype=torch.int32, device=recv.device)
         self.error = torch.zeros(1, dtype=torch.int32, device=recv.device)
         self.spin = MAX_SPIN
-        self.config: Any = (
-            None  # slipstream.kernels' DecodeGemvConfig for every GEMV; None: its default
-        )
+        # Launches (slipstream.kernels' DecodeGemvConfig): per (out_features, in_features,
+        # pulls), else `config` for every GEMV, else the kernels' default_config.
+        self.configs: dict[tuple[int, int, bool], Any] = {}
+        self.config: Any = None
 
     def reset(self) -> None:
         """The start state: no step made, no word received. Every rank must do it, and
@@ -116,12 +118,15 @@ def _kernel() -> Any:
     return tp_gemv_kernel
 
 
-def _config(state: PushState, weight: torch.Tensor) -> Any:
+def _config(state: PushState, weight: torch.Tensor, pulls: bool) -> Any:
     from slipstream.kernels.ops.decode_gemv.triton import default_config
 
+    out_features, in_features = weight.shape
+    found = state.configs.get((out_features, in_features, pulls))
+    if found is not None:
+        return found
     if state.config is not None:
         return state.config
-    out_features, in_features = weight.shape
     return default_config(out_features, in_features, weight.device)
 
 
@@ -142,11 +147,17 @@ def _launch(
 
     out_features, in_features = weight.shape
     rows = x.shape[0]
-    config = _config(state, weight)
+    config = _config(state, weight, pull_site is not None)
     block_n = max(config.block_n, 2)  # pushed bf16 words hold two columns
     out = torch.empty(rows, out_features, device=weight.device, dtype=x.dtype)
     region = state.region_words
-    _kernel()[(triton.cdiv(out_features, block_n), rows)](
+    programs = triton.cdiv(out_features, block_n)
+    if config.programs_per_sm and weight.is_cuda:
+        # A persistent grid: each program's prologue (the pulled row's sum and norm) serves
+        # several output blocks.
+        sms = torch.cuda.get_device_properties(weight.device).multi_processor_count
+        programs = min(programs, config.programs_per_sm * sms)
+    _kernel()[(programs, rows)](
         x,
         partial if partial is not None else x,
         norm_weight if norm_weight is not None else x,
@@ -168,6 +179,8 @@ def _launch(
         PROLOGUE=prologue,
         HAS_NORM_WEIGHT=norm_weight is not None,
         HAS_BIAS=bias is not None,
+        EVEN_N=out_features % block_n == 0,
+        EVEN_K=in_features % config.block_k == 0,
         BLOCK_N=block_n,
         BLOCK_K=config.block_k,
         PULL=pull_site is not None,
@@ -350,26 +363,10 @@ def setup_gemv_push(model: Any, group: dist.ProcessGroup | None, device: torch.d
         why = f"the group's backend is {dist.get_backend(group)}, not nccl"
     if why:
         return why
-    rank, world = dist.get_rank(group), dist.get_world_size(group)
-    sites = 2 * len(model.blocks)
-    region = model.spec.hidden_size  # one row (batch-1 decode) of fp32 words, or of bf16 pairs
-    state = None
-    try:
-        import torch.distributed._symmetric_memory as symm_mem
-
-        whole = group if group is not None else dist.group.WORLD
-        assert whole is not None
-        recv = symm_mem.empty(sites * world * region, dtype=torch.int64, device=device)
-        handle = symm_mem.rendezvous(recv, whole)
-        ptrs = torch.tensor(list(handle.buffer_ptrs), dtype=torch.int64, device=device)
-        state = PushState(recv, ptrs, rank, world, sites, region)
-        state.reset()
-        torch.cuda.synchronize(device)
-    except Exception as error:  # the per-sum kernels instead (agreed below)
-        why = f"setup failed: {error}"
-    if not _agree(not why, group, device):
-        return why or "another rank's setup failed"
-    assert state is not None
+    # One row (batch-1 decode) per site: of fp32 words, or of bf16 pairs.
+    state, why = symmetric_push_state(group, device, 2 * len(model.blocks), model.spec.hidden_size)
+    if state is None:
+        return why
     try:
         state.spin = 1 << 24  # a rank that failed to launch costs seconds, not a minute
         why = _check(state, device, model.embed.weight.dtype)
@@ -386,6 +383,34 @@ def setup_gemv_push(model: Any, group: dist.ProcessGroup | None, device: torch.d
     _agree(True, group, device)
     model.tp_push = state
     return ""
+
+
+def symmetric_push_state(
+    group: dist.ProcessGroup | None, device: torch.device, sites: int, region_words: int
+) -> tuple[PushState | None, str]:
+    """A :class:`PushState` over a receive buffer in symmetric memory mapped by every rank of
+    ``group`` (a collective), reset on every rank; or None and why not (agreed)."""
+    why, state = "", None
+    rank, world = dist.get_rank(group), dist.get_world_size(group)
+    try:
+        import torch.distributed._symmetric_memory as symm_mem
+
+        whole = group if group is not None else dist.group.WORLD
+        assert whole is not None
+        enable = getattr(symm_mem, "enable_symm_mem_for_group", None)
+        if enable is not None:
+            enable(whole.group_name)
+        recv = symm_mem.empty(sites * world * region_words, dtype=torch.int64, device=device)
+        handle = symm_mem.rendezvous(recv, whole)
+        ptrs = torch.tensor(list(handle.buffer_ptrs), dtype=torch.int64, device=device)
+        state = PushState(recv, ptrs, rank, world, sites, region_words)
+        state.reset()
+        torch.cuda.synchronize(device)
+    except Exception as error:  # the per-sum kernels instead (agreed below)
+        why = f"setup failed: {error}"
+    if not _agree(not why, group, device):
+        return None, why or "another rank's setup failed"
+    return state, ""
 
 
 def _agree(ok: bool, group: dist.ProcessGroup | None, device: torch.device) -> bool:

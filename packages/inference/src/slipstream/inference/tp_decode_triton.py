@@ -91,6 +91,8 @@ def tp_gemv_kernel(
     PROLOGUE: tl.constexpr,  # 0 plain, 1 add + RMSNorm (norm_gemv), 2 SiLU * up (gated_gemv)
     HAS_NORM_WEIGHT: tl.constexpr,
     HAS_BIAS: tl.constexpr,
+    EVEN_N: tl.constexpr,
+    EVEN_K: tl.constexpr,
     BLOCK_N: tl.constexpr,
     BLOCK_K: tl.constexpr,
     PULL: tl.constexpr,
@@ -139,12 +141,15 @@ def tp_gemv_kernel(
         for k0 in range(0, K, BLOCK_K):
             kk = k0 + k
             k_ok = kk < K
-            w = tl.load(
-                w_rows + kk[None, :],
-                mask=col_ok[:, None] & k_ok[None, :],
-                other=0.0,
-                eviction_policy="evict_first",
-            )
+            if EVEN_N and EVEN_K:
+                w = tl.load(w_rows + kk[None, :], eviction_policy="evict_first")
+            else:
+                w = tl.load(
+                    w_rows + kk[None, :],
+                    mask=col_ok[:, None] & k_ok[None, :],
+                    other=0.0,
+                    eviction_policy="evict_first",
+                )
             if PROLOGUE == 2:
                 gate = tl.load(x_row + kk, mask=k_ok, other=0.0).to(tl.float32)
                 up = tl.load(x_row + K + kk, mask=k_ok, other=0.0)
