@@ -3,17 +3,18 @@
 With ``decode_fusion`` on, a tensor-parallel decode step runs per block the decode GEMVs of
 :mod:`slipstream.inference.fused_decode` on this rank's shards; between a row-parallel
 projection (output, down) and the next norm's GEMV, the partial outputs must be summed over the
-group. By default (:func:`~slipstream.inference.fused_decode.decode_block`) that is one kernel of
-its own per sum (the symmetric-memory sum of ``tensor_parallel.symm_mem_kernel``, 64 launches a
-step for a 32-layer model). With ``tensor_parallel.gemv_push`` the sum has no kernel: the
-row-parallel GEMV stores each word of its output straight into every peer's receive buffer as
-it computes it, and the next norm GEMV adds the peers' words to its own partial and the
-residual in its prologue (:func:`push_gemv`, :func:`pull_norm_gemv`).
+group. Without this module (:func:`~slipstream.inference.fused_decode.decode_block`) each sum
+is a kernel of its own (the symmetric-memory sum of ``tensor_parallel.symm_mem_kernel``: 64
+launches a step for a 32-layer model). With ``tensor_parallel.gemv_push`` the sums have no
+kernel: the row-parallel GEMV stores each word of its output straight into every peer's
+receive buffer as it computes it, and the next norm GEMV adds the peers' words to its own
+partial and the residual in its prologue (:func:`push_gemv`, :func:`pull_norm_gemv`).
 
 [Note: the push protocol of the fused TP decode step]
 Every rank holds a receive buffer in symmetric memory (every rank has mapped every other
-rank's) of 8-byte slots, one region per ``(site, sender)``; the sites are the step's sums, in
-order (block ``i``'s output projection is site ``2i``, its down projection ``2i + 1``). Each
+rank's) of 8-byte slots, one region per ``(site, sender)``; the sites are the step's pushed
+sums, in order (block ``i``'s output projection is site ``2i``, its down projection ``2i + 1``;
+the last block's down sum goes through the group's reducer, before the wide LM head). Each
 fused decode step first adds one to a step counter on the device (the same number on every
 rank: every rank runs the same steps). A pushing GEMV stores each 32-bit word of its output
 (two bf16 or one fp32) beside the step's number, in one 8-byte store (seen whole or not at
@@ -22,10 +23,10 @@ their own buffer until every word of the row carries this step's number (a poll 
 ``SPIN`` tries and raises an error flag), then sum the ranks' partials in fp32 in rank order
 (the same bits on every rank) and add the residual, exactly as
 :func:`slipstream.inference.allreduce_norm.reference` does. One region per site suffices, with
-no parity and no barrier: a peer overwrites site ``s`` only in a later step, after it has
-received this rank's words of the site before ``s`` in that step (or of the step's last site),
-which this rank sends after its stream has finished every kernel of the earlier step, so after
-it has read site ``s``. Old words never pass for new ones (their number is older).
+no parity and no barrier: a peer pushes into site ``s`` again only in a later step, after the
+step's last sum (through the reducer), which needs this rank's part, which this rank gives
+after its stream has finished every pull of the step. Old words never pass for new ones (their
+number is older).
 """
 
 from __future__ import annotations
@@ -266,14 +267,15 @@ def tp_decode_forward(
     """:func:`slipstream.inference.fused_decode.decode_forward` of a tensor-parallel ``model``
     whose sums ride on the GEMVs (``model.tp_push``, every part fused): per block the QKV
     norm GEMV (pulling the previous block's down sum), the split-K attention, the output GEMV
-    (pushing), the gate/up norm GEMV (pulling it), the gated down GEMV (pushing); then the final
-    norm and the vocab-parallel head (pulling the last sum) and the logits' gather."""
-    from slipstream.kernels.ops import norm_gemv
+    (pushing), the gate/up norm GEMV (pulling it), the gated down GEMV (pushing; the last
+    block's sums through the group's reducer); then the final norm and the vocab-parallel head,
+    and the logits' gather."""
+    from slipstream.kernels.ops import gated_gemv, norm_gemv
 
     state: PushState = model.tp_push
     state.begin_step()
     partial: torch.Tensor | None = None
-    site = -1
+    site, last = -1, len(model.blocks) - 1
     for index, block in enumerate(model.blocks):
         norm, post = block.input_norm, block.post_norm
         if partial is None:
@@ -290,12 +292,15 @@ def tp_decode_forward(
             state, site, x, partial, post.weight, post.eps, block.up.weight, block.up.bias
         )
         site += 1
-        partial = push_gemv(state, site, GATED, up, block.down.weight, block.down.bias)
+        if index < last:
+            partial = push_gemv(state, site, GATED, up, block.down.weight, block.down.bias)
+        else:
+            # The head's GEMV is wide (vocab / tp_size rows): a pull in each of its thousands
+            # of programs would cost more than the one sum kernel before it.
+            partial = block._reduce(gated_gemv(up, block.down.weight, block.down.bias))
     norm, head = model.final_norm, model.head
     assert partial is not None
-    logits = pull_norm_gemv(state, site, x, partial, norm.weight, norm.eps, head.weight, head.bias)[
-        1
-    ]
+    logits = norm_gemv(x, partial, norm.weight, norm.eps, head.weight, head.bias)[1]
     return model.gather_vocab(logits)  # type: ignore[no-any-return]
 
 
