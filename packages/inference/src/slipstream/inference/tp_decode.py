@@ -149,7 +149,7 @@ def _launch(
     out_features, in_features = weight.shape
     rows = x.shape[0]
     config = _config(state, weight, pull_site is not None)
-    block_n = max(config.block_n, 2)  # pushed bf16 words hold two columns
+    block_n = max(config.block_n, 4)  # pushed bf16 words hold two columns (a 2 x 2 tile, at least)
     out = torch.empty(rows, out_features, device=weight.device, dtype=x.dtype)
     region = state.region_words
     programs = triton.cdiv(out_features, block_n)
