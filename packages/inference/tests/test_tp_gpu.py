@@ -98,37 +98,35 @@ def _check_engine() -> None:
     assert torch.equal(runs["slipstream"][1], runs["torch"][1])
 
 
-def _push_steps(engine, ids: torch.Tensor, steps: int = 8):
-    """Prefill ``ids`` (batch 1), then ``steps`` greedy decode steps replayed from a CUDA graph:
-    their logits and tokens."""
+def _push_steps(engine, ids: torch.Tensor, feed: torch.Tensor):
+    """Prefill ``ids`` (batch 1), then one decode step per token of ``feed`` (teacher-forced,
+    so that a near tie cannot send two runs apart) replayed from a CUDA graph: their logits."""
     from slipstream.inference.runner import StaticCacheRunner
 
     runner = StaticCacheRunner(engine.fused, 64, cuda_graph=True)
     length = ids.shape[1]
     positions = torch.arange(length, device=ids.device)[None]
+    steps = []
     with torch.no_grad():
-        logits = runner.prefill(ids, positions, torch.ones_like(ids, dtype=torch.bool))
-        all_logits, tokens = [], []
-        for step in range(steps):
-            token = logits.argmax(-1)
-            tokens.append(token)
+        runner.prefill(ids, positions, torch.ones_like(ids, dtype=torch.bool))
+        for step, token in enumerate(feed):
             slot = length + step
-            logits = runner.decode(token, torch.tensor([slot], device=ids.device), slot)
-            all_logits.append(logits)
+            steps.append(runner.decode(token[None], torch.tensor([slot], device=ids.device), slot))
     assert runner.captured(1)
-    return torch.stack(all_logits), torch.stack(tokens)
+    return torch.stack(steps)
 
 
 def _check_gemv_push() -> None:
     """tensor_parallel.gemv_push: the fused TP decode step (bf16: decode fusion's dtypes) with
     its sums pushed by the GEMVs equals the one with a sum kernel per sum and the unfused step
-    within a few bf16 steps, with the same greedy tokens, in a CUDA graph; "auto" turns it on."""
+    within a few bf16 steps, in a CUDA graph; "auto" turns it on (the same logits)."""
     from slipstream.inference import init_inference
     from slipstream.inference.fused_decode import PARTS
     from slipstream.inference.testing import tiny_hf_model
 
     model = tiny_hf_model("llama", layers=3)
     ids = torch.randint(3, 96, (1, 9), generator=torch.Generator().manual_seed(2)).cuda()
+    feed = torch.randint(3, 96, (8,), generator=torch.Generator().manual_seed(3)).cuda()
     runs = {}
     for name, fusion, push in (
         ("unfused", False, False),
@@ -151,14 +149,12 @@ def _check_gemv_push() -> None:
             assert fused.tp_push is not None, engine.gemv_push_why
         else:
             assert fused.tp_push is None
-        runs[name] = _push_steps(engine, ids)
+        runs[name] = _push_steps(engine, ids, feed)
         if fused.tp_push is not None:
             assert int(fused.tp_push.error.item()) == 0, name
-    for name in ("unfused", "fused", "auto"):
-        torch.testing.assert_close(
-            runs["push"][0].float(), runs[name][0].float(), rtol=0.05, atol=0.1
-        )
-        assert torch.equal(runs["push"][1], runs[name][1]), name
+    assert torch.equal(runs["push"], runs["auto"])  # the same path
+    for name in ("unfused", "fused"):  # other GEMVs and sums: a few bf16 steps apart
+        torch.testing.assert_close(runs["push"].float(), runs[name].float(), rtol=0.05, atol=0.1)
 
 
 def _check_world() -> None:
