@@ -96,6 +96,16 @@ def _world(
             torch.testing.assert_close(logits.float(), want_logits.float(), rtol=0.05, atol=0.1)
         assert torch.equal(tokens, want_tokens), (name, tp)
         dist.barrier()
+    # Where the pushed sums cannot run, setup says why (the same answer on every rank).
+    from slipstream.inference.tp_decode import setup_gemv_push
+
+    group = halves[rank // 2]
+    model = shard_decoder(copy.deepcopy(models["bf16"]), group)
+    cpu = torch.device("cpu")
+    assert setup_gemv_push(model, group, cpu) == "decode_fusion does not run every part"
+    model.decode_fusion = PARTS
+    assert setup_gemv_push(model, group, cpu) == "the model is on cpu, not CUDA"
+    assert model.tp_push is None
 
 
 @pytest.mark.slow
