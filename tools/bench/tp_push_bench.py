@@ -11,7 +11,8 @@ reported, with the weight bytes streamed per second per GPU:
   (``decode_fusion: true, tensor_parallel.gemv_push: false``);
 - ``push``: the row-parallel GEMVs push their partial sums, the norm GEMVs pull them
   (``gemv_push: true``), with the default launches and with a few others for the pulling GEMVs
-  (``push:pull_block_n=..``, ``push:pull_programs_per_sm=..``).
+  (``push:pull_block_n=..``, ``push:pull_programs_per_sm=..``, ``push:push_block_n=..``,
+  ``push:prefetch``: the first weight tile requested before the wait for the peers).
 
 The attention's input is stood in by a slice of the QKV output. ``fused`` and ``push`` must end
 with the same residual (printed as ``max_diff``)::
@@ -171,26 +172,37 @@ def main() -> None:
 
     variants: dict[str, Callable[[], None]] = {"unfused": unfused, "fused": fused}
     variants["push"] = pushed("push", state)
-    pulled = [(args.qkv // world, hidden), (2 * inter, hidden)]
-    for key, value in (
-        ("pull_block_n", 2),
-        ("pull_programs_per_sm", 2),
-        ("pull_programs_per_sm", 4),
-    ):
-        configs = {}
-        for out_features, in_features in pulled:
-            base = default_config(out_features, in_features, device)
-            if key == "pull_block_n":
-                launch = dataclasses.replace(base, block_n=base.block_n * value)
-            else:
-                launch = dataclasses.replace(base, programs_per_sm=value)
-            configs[(out_features, in_features, True)] = launch
-        name = f"push:{key}={'x' if key == 'pull_block_n' else ''}{value}"
+    shapes = {  # (out_features, in_features): pulls
+        (args.qkv // world, hidden): True,
+        (hidden, heads_width): False,
+        (2 * inter, hidden): True,
+        (hidden, inter): False,
+    }
+    tweaks: dict[str, Callable[[Any, bool], Any]] = {
+        "push:pull_block_n=x2": lambda c, pulls: (
+            dataclasses.replace(c, block_n=2 * c.block_n) if pulls else c
+        ),
+        "push:pull_programs_per_sm=2": lambda c, pulls: (
+            dataclasses.replace(c, programs_per_sm=2) if pulls else c
+        ),
+        "push:pull_programs_per_sm=4": lambda c, pulls: (
+            dataclasses.replace(c, programs_per_sm=4) if pulls else c
+        ),
+        "push:push_block_n=x2": lambda c, pulls: (
+            c if pulls else dataclasses.replace(c, block_n=2 * c.block_n)
+        ),
+        "push:prefetch": lambda c, pulls: dataclasses.replace(c, prefetch=True),
+        "push:pull_prefetch": lambda c, pulls: dataclasses.replace(c, prefetch=pulls),
+    }
+    for name, tweak in tweaks.items():
         variant_state = PushState(
             state.recv, state.recv_ptrs, rank, world, state.sites, state.region_words
         )
         variant_state.step = state.step  # one counter: the regions are shared
-        variant_state.configs = configs
+        variant_state.error = state.error
+        for (out_features, in_features), pulls in shapes.items():
+            base = default_config(out_features, in_features, device)
+            variant_state.configs[(out_features, in_features, pulls)] = tweak(base, pulls)
         variants[name] = pushed(name, variant_state)
     for name, fn in variants.items():
         micros = graph_time_us(fn, args.replays) / args.layers

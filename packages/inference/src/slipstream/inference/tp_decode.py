@@ -153,6 +153,7 @@ def _launch(
     out = torch.empty(rows, out_features, device=weight.device, dtype=x.dtype)
     region = state.region_words
     programs = triton.cdiv(out_features, block_n)
+    prefetch = bool(config.prefetch) and not config.programs_per_sm  # one block per program
     if config.programs_per_sm and weight.is_cuda:
         # A persistent grid: each program's prologue (the pulled row's sum and norm) serves
         # several output blocks.
@@ -190,6 +191,7 @@ def _launch(
         RANK=state.rank,
         WORLD=state.world,
         SPIN=state.spin,
+        PREFETCH=prefetch,
         num_warps=config.num_warps,
         num_stages=config.num_stages,
     )

@@ -101,12 +101,15 @@ def tp_gemv_kernel(
     RANK: tl.constexpr,
     WORLD: tl.constexpr,
     SPIN: tl.constexpr,
+    PREFETCH: tl.constexpr,  # load the next weight tile before each step's math (one block each)
 ):
     """The decode GEMV of ``slipstream.kernels`` (whole rows per program, a grid over the
     output blocks) with the tensor-parallel sum folded in: ``PUSH`` stores each output word,
     beside the step's number, into every peer's receive buffer as it is computed; ``PULL`` (a
     norm prologue) waits for the peers' words of that site and adds them to this rank's partial
     and the residual before the RMSNorm. See the note in :mod:`slipstream.inference.tp_decode`.
+    ``PREFETCH`` (a grid of one program per block only): the first weight tile is requested
+    before the prologue, so that its latency hides behind the wait for the peers' words.
     """
     pid_n = tl.program_id(0)
     programs = tl.num_programs(0)
@@ -119,6 +122,14 @@ def tp_gemv_kernel(
     row_words = K // 2 if PACKED else K  # the pulled row's words
     dtype = y_ptr.dtype.element_ty
     rstd = 0.0
+    if PREFETCH:  # this program's one block: its first tile, before the prologue's wait
+        first = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
+        w_next = tl.load(
+            w_ptr + first[:, None].to(tl.int64) * K + k[None, :],
+            mask=(first < N)[:, None] & (k < K)[None, :],
+            other=0.0,
+            eviction_policy="evict_first",
+        )
     if PROLOGUE == 1:
         store_end = tl.where(pid_n == 0, K, 0)  # only program 0 writes the residual sum
         squares = tl.zeros((BLOCK_K,), dtype=tl.float32)
@@ -141,7 +152,16 @@ def tp_gemv_kernel(
         for k0 in range(0, K, BLOCK_K):
             kk = k0 + k
             k_ok = kk < K
-            if EVEN_N and EVEN_K:
+            if PREFETCH:
+                w = w_next
+                ahead = kk + BLOCK_K
+                w_next = tl.load(
+                    w_rows + ahead[None, :],
+                    mask=col_ok[:, None] & (ahead < K)[None, :],
+                    other=0.0,
+                    eviction_policy="evict_first",
+                )
+            elif EVEN_N and EVEN_K:
                 w = tl.load(w_rows + kk[None, :], eviction_policy="evict_first")
             else:
                 w = tl.load(
