@@ -194,19 +194,25 @@ def main() -> None:
         "push:prefetch": lambda c, pulls: dataclasses.replace(c, prefetch=True),
         "push:pull_prefetch": lambda c, pulls: dataclasses.replace(c, prefetch=pulls),
     }
-    for name, tweak in tweaks.items():
+    for name, tweak in [*tweaks.items(), ("push:pull_row_in_registers", lambda c, pulls: c)]:
         variant_state = PushState(
             state.recv, state.recv_ptrs, rank, world, state.sites, state.region_words
         )
         variant_state.step = state.step  # one counter: the regions are shared
         variant_state.error = state.error
+        variant_state.row_in_registers = name == "push:pull_row_in_registers"
         for (out_features, in_features), pulls in shapes.items():
             base = default_config(out_features, in_features, device)
             variant_state.configs[(out_features, in_features, pulls)] = tweak(base, pulls)
         variants[name] = pushed(name, variant_state)
     for name, fn in variants.items():
-        micros = graph_time_us(fn, args.replays) / args.layers
-        torch.cuda.synchronize()
+        try:
+            micros = graph_time_us(fn, args.replays) / args.layers
+            torch.cuda.synchronize()
+        except Exception as error:  # one variant's failure (a compile) must not end the rest
+            if rank == 0:
+                print(json.dumps({"variant": name, "failed": str(error)[:300]}), flush=True)
+            continue
         row: dict[str, Any] = {
             "variant": name,
             "world": world,

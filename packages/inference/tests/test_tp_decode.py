@@ -42,9 +42,11 @@ def _push_state(path: str, model: Any, group: dist.ProcessGroup | None) -> Any:
         whole[rank * per_rank : (rank + 1) * per_rank], pointers, rank, world, sites, region
     )
     # Small tiles: several programs per GEMV and several K steps per row (the tiny model's
-    # rows are 64 wide), so the pushes and pulls are split as on a GPU; at TP=4 the next weight
-    # tile is loaded ahead (the prefetching variant of the kernel).
+    # rows are 64 wide), so the pushes and pulls are split as on a GPU; at TP=2 the pulling
+    # GEMVs keep the row in registers, at TP=4 the next weight tile is loaded ahead (the
+    # kernel's variants).
     state.config = DecodeGemvConfig(block_n=16, block_k=32, prefetch=world == 4)
+    state.row_in_registers = world == 2
     state.spin = 1 << 22
     return state
 

@@ -89,6 +89,9 @@ class PushState:
         # pulls), else `config` for every GEMV, else the kernels' default_config.
         self.configs: dict[tuple[int, int, bool], Any] = {}
         self.config: Any = None
+        # Pulling GEMVs keep the normalised row in registers (tp_gemv_kernel's ROW) where the
+        # row is a power-of-two number of K steps (else they read it again per step).
+        self.row_in_registers = False
 
     def reset(self) -> None:
         """The start state: no step made, no word received. Every rank must do it, and
@@ -154,6 +157,14 @@ def _launch(
     region = state.region_words
     programs = triton.cdiv(out_features, block_n)
     prefetch = bool(config.prefetch) and not config.programs_per_sm  # one block per program
+    steps = in_features // config.block_k
+    row_in_registers = (
+        state.row_in_registers
+        and prologue == NORM
+        and in_features % config.block_k == 0
+        and steps & (steps - 1) == 0
+        and in_features <= 16384
+    )
     if config.programs_per_sm and weight.is_cuda:
         # A persistent grid: each program's prologue (the pulled row's sum and norm) serves
         # several output blocks.
@@ -192,6 +203,7 @@ def _launch(
         WORLD=state.world,
         SPIN=state.spin,
         PREFETCH=prefetch,
+        ROW=in_features if row_in_registers else 0,
         num_warps=config.num_warps,
         num_stages=config.num_stages,
     )

@@ -102,6 +102,7 @@ def tp_gemv_kernel(
     WORLD: tl.constexpr,
     SPIN: tl.constexpr,
     PREFETCH: tl.constexpr,  # load the next weight tile before each step's math (one block each)
+    ROW: tl.constexpr,  # > 0 (== K): the normed row is kept in registers (a norm prologue)
 ):
     """The decode GEMV of ``slipstream.kernels`` (whole rows per program, a grid over the
     output blocks) with the tensor-parallel sum folded in: ``PUSH`` stores each output word,
@@ -110,6 +111,9 @@ def tp_gemv_kernel(
     and the residual before the RMSNorm. See the note in :mod:`slipstream.inference.tp_decode`.
     ``PREFETCH`` (a grid of one program per block only): the first weight tile is requested
     before the prologue, so that its latency hides behind the wait for the peers' words.
+    ``ROW`` (``K``, a power-of-two multiple of ``BLOCK_K``): the prologue reads the whole row
+    once and keeps it normalised in registers, ``(ROW // BLOCK_K, BLOCK_K)``; each K step picks
+    its slice from there instead of reading the row (and the peers' words) again.
     """
     pid_n = tl.program_id(0)
     programs = tl.num_programs(0)
@@ -130,7 +134,23 @@ def tp_gemv_kernel(
             other=0.0,
             eviction_policy="evict_first",
         )
-    if PROLOGUE == 1:
+    if PROLOGUE == 1 and ROW > 0:
+        store_end = tl.where(pid_n == 0, K, 0)  # only program 0 writes the residual sum
+        kr = tl.arange(0, ROW)
+        t = _total(
+            x_row, p_row, mine, pull_base, region_words, row_words, row, kr, kr < K, e,
+            err_ptr, PULL, PACKED, True, RANK, WORLD, SPIN,
+        ).to(dtype)  # fmt: skip
+        tl.store(total_ptr + row * K + kr, t, mask=kr < store_end)
+        t = t.to(tl.float32)
+        rstd = 1.0 / tl.sqrt(tl.sum(t * t, axis=0) / K + eps)
+        normed = t * rstd
+        if HAS_NORM_WEIGHT:
+            normed = normed * tl.load(nw_ptr + kr).to(tl.float32)
+        normed = normed.to(dtype).to(tl.float32)
+        row_tiles = tl.reshape(normed, (ROW // BLOCK_K, BLOCK_K))
+        tile_index = tl.arange(0, ROW // BLOCK_K)
+    elif PROLOGUE == 1:
         store_end = tl.where(pid_n == 0, K, 0)  # only program 0 writes the residual sum
         squares = tl.zeros((BLOCK_K,), dtype=tl.float32)
         for k0 in range(0, K, BLOCK_K):
@@ -175,6 +195,9 @@ def tp_gemv_kernel(
                 up = tl.load(x_row + K + kk, mask=k_ok, other=0.0)
                 act = (gate / (1.0 + tl.exp(-gate))).to(up.dtype).to(tl.float32)
                 h = (act * up.to(tl.float32)).to(up.dtype).to(tl.float32)
+            elif PROLOGUE == 1 and ROW > 0:
+                pick = (tile_index == k0 // BLOCK_K)[:, None]
+                h = tl.sum(tl.where(pick, row_tiles, 0.0), axis=0)
             elif PROLOGUE == 1:
                 # The peers' words were all seen in the first pass: no waiting here (they
                 # stay until this kernel has ended, see the note).
