@@ -36,6 +36,7 @@ from typing import Any
 
 import torch
 import torch.distributed as dist
+from torch import nn
 
 __all__ = [
     "GATED",
@@ -331,6 +332,9 @@ def push_blockers(model: Any) -> list[str]:
         reasons.append(f"the model is in {model.embed.weight.dtype} (bf16 or fp32 words)")
     if model.spec.hidden_size % 2:
         reasons.append("the hidden size is odd")
+    linears = [getattr(b, n, None) for b in model.blocks for n in ("qkv", "out", "up", "down")]
+    if not all(isinstance(x, nn.Linear) and x.weight.dtype in _DTYPES for x in linears):
+        reasons.append("some block linears are not dense bf16/fp32 (quantized weights)")
     return reasons
 
 
