@@ -159,8 +159,14 @@ def _check_gemv_push() -> None:
 
 def _check_world() -> None:
     _check_kernel()
-    _check_gemv_push()
     _check_engine()
+
+
+@pytest.mark.slow
+def test_gemv_push_on_two_gpus() -> None:
+    os.environ.setdefault("TORCH_SYMM_MEM_DISABLE_MULTICAST", "1")
+    os.environ.setdefault("NCCL_NVLS_ENABLE", "0")
+    run_distributed(_check_gemv_push, 2, backend="nccl", timeout=300)
 
 
 @pytest.mark.slow
