@@ -119,7 +119,8 @@ def _push_steps(engine, ids: torch.Tensor, feed: torch.Tensor):
 def _check_gemv_push() -> None:
     """tensor_parallel.gemv_push: the fused TP decode step (bf16: decode fusion's dtypes) with
     its sums pushed by the GEMVs equals the one with a sum kernel per sum and the unfused step
-    within a few bf16 steps, in a CUDA graph; "auto" turns it on (the same logits)."""
+    within a few bf16 steps, in a CUDA graph; the defaults fuse the step without it (the
+    same logits as false)."""
     from slipstream.inference import init_inference
     from slipstream.inference.fused_decode import PARTS
     from slipstream.inference.testing import tiny_hf_model
@@ -132,27 +133,26 @@ def _check_gemv_push() -> None:
         ("unfused", False, False),
         ("fused", True, False),
         ("push", True, True),
-        ("auto", "auto", "auto"),
+        ("defaults", "auto", None),
     ):
+        tp: dict = {"tp_size": 2} if push is None else {"tp_size": 2, "gemv_push": push}
         engine = init_inference(
             model,
             dtype=torch.bfloat16,
             replace_with_kernel_inject=True,
             max_out_tokens=64,
             decode_fusion=fusion,
-            tensor_parallel={"tp_size": 2, "gemv_push": push},
+            tensor_parallel=tp,
         )
         fused = engine.fused
         assert fused is not None
-        if name in ("push", "auto"):
+        if name != "unfused":
             assert fused.decode_fusion == PARTS
-            assert fused.tp_push is not None, engine.gemv_push_why
-        else:
-            assert fused.tp_push is None
+        assert (fused.tp_push is not None) == (name == "push"), engine.gemv_push_why
         runs[name] = _push_steps(engine, ids, feed)
         if fused.tp_push is not None:
             assert int(fused.tp_push.error.item()) == 0, name
-    assert torch.equal(runs["push"], runs["auto"])  # the same path
+    assert torch.equal(runs["fused"], runs["defaults"])  # the same path
     for name in ("unfused", "fused"):  # other GEMVs and sums: a few bf16 steps apart
         torch.testing.assert_close(runs["push"].float(), runs[name].float(), rtol=0.05, atol=0.1)
 

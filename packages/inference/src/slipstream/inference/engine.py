@@ -78,7 +78,7 @@ class InferenceEngine(nn.Module):
         self.module = model
         self.device = _default_device(model)
         self.fused: FusedDecoder | None = None
-        self.gemv_push_why = ""  # why tensor_parallel.gemv_push is off, where it was tried
+        self.gemv_push_why = ""  # why tensor_parallel.gemv_push could not be set up
         self._runner: StaticCacheRunner | None = None
         dtype = config.torch_dtype
         if not config.replace_with_kernel_inject:
@@ -160,19 +160,15 @@ class InferenceEngine(nn.Module):
         """``tensor_parallel.gemv_push``: the fused TP decode step's sums ride on its GEMVs."""
         from slipstream.inference.tp_decode import setup_gemv_push
 
-        setting = self.config.tensor_parallel.gemv_push
-        reducer = getattr(fused.blocks[0], "reducer", None)
-        if setting is False or (
-            setting == "auto" and (reducer is None or reducer.kind != "symm_mem")
-        ):
+        if not self.config.tensor_parallel.gemv_push:
             return
         why = self.gemv_push_why = setup_gemv_push(fused, _tp_group(self.config), self.device)
-        if why and setting is True:
+        if why:
             raise ValueError(
-                f'tensor_parallel.gemv_push = true cannot run here: {why}. Use "auto" (where '
-                "it can run) or false (one sum kernel per sum)"
+                f"tensor_parallel.gemv_push = true cannot run here: {why}. Set it to false "
+                "(the default: one sum kernel per sum)"
             )
-        logger.info("tensor_parallel.gemv_push: %s", why or "on (the sums ride on the GEMVs)")
+        logger.info("tensor_parallel.gemv_push: on (the sums ride on the GEMVs)")
 
     def _check_unfused(self) -> None:
         config = self.config
