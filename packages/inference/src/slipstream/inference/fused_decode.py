@@ -85,7 +85,8 @@ def enable_decode_fusion(
     parts fused (empty: off). ``"auto"``: :data:`AUTO_PARTS` on a CUDA/ROCm ``device`` for a
     model whose projections are all dense bf16/fp16, tensor-parallel or not (what was
     measured); else off. ``True``: every part the model can run (:func:`eligible_parts`:
-    quantized projections keep their kernels; tensor-parallel blocks reduce as unfused), on
+    quantized projections keep their kernels; tensor-parallel blocks sum their partials with
+    one kernel per sum, or in the GEMVs with ``tensor_parallel.gemv_push``), on
     any device (on the CPU the ops run their torch references, the same math as the unfused
     step), with a warning naming what blocks the rest."""
     model.decode_fusion = frozenset()
