@@ -189,6 +189,16 @@ def parse_args() -> argparse.Namespace:
         help="tensor_parallel.allreduce (':torch': with tensor_parallel.symm_mem_kernel "
         "'torch' instead of 'slipstream'); with --tp-compare, one TP=N run per value",
     )
+    parser.add_argument(
+        "--tp-decode",
+        nargs="+",
+        choices=["auto", "unfused", "fused", "push"],
+        default=["auto"],
+        help="the TP=N decode step: the config's defaults (auto), decode_fusion off (unfused), "
+        "decode_fusion on with one sum kernel per sum (fused: tensor_parallel.gemv_push false) "
+        "or with the sums pushed by the GEMVs (push: gemv_push true); with --tp-compare, one "
+        "TP=N run per value (and per --tp-allreduce value)",
+    )
     return parser.parse_args()
 
 
@@ -379,7 +389,7 @@ def tp_compare(args: argparse.Namespace) -> None:
     import sys
 
     argv = sys.argv[1:]
-    for flag in ("--tp-compare", "--tp-allreduce"):  # each run gets its own
+    for flag in ("--tp-compare", "--tp-allreduce", "--tp-decode"):  # each run gets its own
         index = next((i for i, a in enumerate(argv) if a.startswith(flag)), None)
         if index is None:
             continue
@@ -390,8 +400,13 @@ def tp_compare(args: argparse.Namespace) -> None:
     argv += ["--skip-hf-eager", "--skip-hf-compiled"]
     script = os.path.abspath(__file__)
     runs: dict[str, list[str]] = {"tp1": [sys.executable, script, *argv]}
-    for mode in args.tp_allreduce:
-        runs[mode] = [
+    variants = [
+        (mode, decode, mode if len(args.tp_decode) == 1 else f"{mode}/{decode}")
+        for mode in args.tp_allreduce
+        for decode in args.tp_decode
+    ]
+    for mode, decode, name in variants:
+        runs[name] = [
             sys.executable,
             "-m",
             "torch.distributed.run",
@@ -401,6 +416,8 @@ def tp_compare(args: argparse.Namespace) -> None:
             *argv,
             "--tp-allreduce",
             mode,
+            "--tp-decode",
+            decode,
         ]
     rates: dict[int, dict[str, float]] = {}
     failed = []
@@ -416,16 +433,17 @@ def tp_compare(args: argparse.Namespace) -> None:
             print(done.stderr[-4000:], file=sys.stderr, flush=True)
             failed.append(name)
     for batch, by_run in sorted(rates.items()):
-        for mode in args.tp_allreduce:
-            if "tp1" in by_run and mode in by_run:
+        for mode, decode, name in variants:
+            if "tp1" in by_run and name in by_run:
                 emit(
                     result="tp_speedup",
                     batch=batch,
                     tp=args.tp_compare,
                     allreduce=mode,
+                    tp_decode=decode,
                     tp1_decode_tokens_per_s=by_run["tp1"],
-                    tpn_decode_tokens_per_s=by_run[mode],
-                    speedup=round(by_run[mode] / by_run["tp1"], 3),
+                    tpn_decode_tokens_per_s=by_run[name],
+                    speedup=round(by_run[name] / by_run["tp1"], 3),
                 )
     if failed:
         raise SystemExit(f"--tp-compare: these runs failed: {failed}")
@@ -490,6 +508,11 @@ def main() -> None:
         "decode_fusion": {"auto": "auto", "off": False}.get(args.decode_fusion, True),
         "decode_gemv_table": args.decode_gemv_table,
     }
+    if world > 1 and args.tp_decode[0] != "auto":  # --tp-decode: the TP=N step's variant
+        decode = args.tp_decode[0]
+        config["decode_fusion"] = decode != "unfused"
+        if decode != "unfused":
+            config["tensor_parallel"]["gemv_push"] = decode == "push"
     if args.offload:
         offload: dict[str, Any] = {"device": args.offload, "pin_memory": True}
         if args.offload == "nvme":
@@ -542,6 +565,8 @@ def main() -> None:
     spec = fused.spec
     reducer = getattr(fused.blocks[0], "reducer", None)
     common["allreduce"] = reducer.kind if reducer is not None else None
+    if world > 1:
+        common["gemv_push"] = fused.tp_push is not None
     if reducer is not None and reducer.kind == "symm_mem":
         common["allreduce"] += ":slipstream" if reducer.norm_state is not None else ":torch"
         if reducer.norm_why:

@@ -122,8 +122,9 @@ def _tp_world(model: Any, ids: torch.Tensor) -> None:
     assert sharded.head_group is not None
     from slipstream.inference.fused_decode import enable_decode_fusion
 
-    # "auto" leaves tensor-parallel models on their measured path; true fuses them.
-    assert enable_decode_fusion(sharded, "auto", torch.device("cuda")) == frozenset()
+    # "auto" fuses tensor-parallel models on GPUs too; true anywhere.
+    assert enable_decode_fusion(sharded, "auto", torch.device("cuda")) == PARTS
+    assert enable_decode_fusion(sharded, "auto", torch.device("cpu")) == frozenset()
     assert enable_decode_fusion(sharded, True, torch.device("cpu")) == PARTS
     steps = []
     for parts in (frozenset(), PARTS):
