@@ -70,6 +70,7 @@ def train_variants(stages: tuple[int, ...], device: str = "cpu", dtype: str = "f
             if lazy:
                 assert zero.publish_during_forward(model)
             losses = []
+            landed: list[bool] = []
             for step in range(STEPS):
                 for m in range(GAS):
                     ids, labels = batch_for(step, m, MICRO * world)
@@ -80,6 +81,7 @@ def train_variants(stages: tuple[int, ...], device: str = "cpu", dtype: str = "f
                     (loss / GAS).backward()
                     zero.finish_backward(boundary)
                     losses.append(float(loss.detach()))
+                landed.append(_landed_squares_exact(zero))
                 zero.optimizer.step(max_grad_norm=0.5)
                 zero.zero_grad()
             zero.complete_step()
@@ -91,9 +93,52 @@ def train_variants(stages: tuple[int, ...], device: str = "cpu", dtype: str = "f
                 "ctas_fallback": zero.reduce_ctas_fallback,
                 "avg_fallback": zero.reducer.average_fallback,
                 "buckets": zero.reducer.num_buckets,
+                "landed_exact": landed,
             }
             zero.remove_hooks()
     return out
+
+
+def _landed_squares_exact(zero: ShardedOptimizerStates) -> bool:
+    """Whether the reducer took the step's sum of squares as the buckets landed, equal bit
+    for bit to the one the step would take itself, and the step will use it."""
+    from slipstream.zero.norms import local_squares
+
+    landed = zero.masters.landed_squares
+    grads = zero.masters.grads()
+    if landed is None or not landed.covers(grads):
+        return False
+    return torch.equal(landed.total, local_squares(grads, grads[0].device))
+
+
+def test_the_step_retakes_the_squares_of_gradients_changed_after_backward() -> None:
+    torch.manual_seed(0)
+    model = TinyTransformer()
+    optimizer = torch.optim.AdamW(model.parameters(), lr=0.01)
+    zero = ShardedOptimizerStates(
+        list(model.parameters()), optimizer, ZeroSettings(stage=2, reduce_bucket_numel=700)
+    )
+    ids, labels = batch_for(0, 0, MICRO)
+    model(ids, labels).backward()
+    zero.finish_backward(True)
+    assert _landed_squares_exact(zero)
+    grads = zero.masters.grads()
+    grads[0].mul_(3.0)  # e.g. a caller's own scaling between backward and step
+    landed = zero.masters.landed_squares
+    assert landed is not None and not landed.covers(grads)
+    from slipstream.zero.norms import global_grad_norm
+
+    expected = global_grad_norm(grads, zero.group, grads[0].device)
+    outcome = zero.optimizer.step(max_grad_norm=0.0)
+    assert outcome.grad_norm is not None and torch.equal(outcome.grad_norm, expected)
+    assert zero.masters.landed_squares is None
+    # A backward that does not end the accumulation takes no squares.
+    zero.zero_grad()
+    zero.prepare_backward(False)
+    model(ids, labels).backward()
+    zero.finish_backward(False)
+    assert zero.masters.landed_squares is None
+    zero.remove_hooks()
 
 
 def _check_equal(result: dict, stages: tuple[int, ...], exact_tail: bool = True) -> None:
@@ -105,6 +150,7 @@ def _check_equal(result: dict, stages: tuple[int, ...], exact_tail: bool = True)
         plain = result[(stage, "plain")]
         for name, (overrides, _) in VARIANTS.items():
             got = result[(stage, name)]
+            assert got["landed_exact"] == [True] * STEPS, (stage, name)
             if exact_tail or "reduce_bucket_tail_numel" not in overrides:
                 assert got["losses"] == plain["losses"], (stage, name)
                 for p, q in zip(got["params"], plain["params"], strict=True):

@@ -99,6 +99,7 @@ def take_sharded_step(
     nonfinite_check: torch.Tensor | None = None,
     defer_skip: bool = False,
     grad_squares: torch.Tensor | None = None,
+    local_total: torch.Tensor | None = None,
 ) -> StepOutcome:
     """The update every on-device gradient path takes: vote, unscale, norm, clip, step.
 
@@ -128,6 +129,10 @@ def take_sharded_step(
     nan on any of those ranks makes it non-finite everywhere; a ``nonfinite_check`` must be
     folded into it before its all-reduce, and then only asks for the vote) and gives the
     norm. The step then takes no collective.
+
+    ``local_total``: this rank's sum of squares of ``grads``, already taken (equal to
+    :func:`~slipstream.zero.norms.local_squares` of them; the stage-1/2 reducer takes it while
+    the last reduce-scatter travels): used in its place, not changed.
     """
     vote = loss_scale is not None or nonfinite_check is not None
     on_device = vote and defer_skip and supports_device_skip(optimizer)
@@ -136,7 +141,7 @@ def take_sharded_step(
     if grad_squares is not None:
         total = grad_squares.detach().float().to(device)
     elif grad_norm is None or vote:
-        total = local_squares(grads, device)
+        total = local_total.clone() if local_total is not None else local_squares(grads, device)
         if nonfinite_check is not None:
             total = total + nonfinite_check.detach().float().to(device) * 0.0
         group.sum_(total)
@@ -252,6 +257,13 @@ class ZeroOptimizer:
             self._complete()  # the last step still ran (two steps without a forward between)
         grads = self.masters.grads()
         if self.offload is None:
+            landed = self.masters.landed_squares
+            self.masters.landed_squares = None
+            local_total = (
+                landed.total
+                if landed is not None and grad_squares is None and landed.covers(grads)
+                else None
+            )
             outcome = take_sharded_step(
                 self.optimizer,
                 grads,
@@ -263,6 +275,7 @@ class ZeroOptimizer:
                 nonfinite_check=nonfinite_check,
                 defer_skip=defer_skip,
                 grad_squares=grad_squares,
+                local_total=local_total,
             )
             if not outcome.overflow:
                 # After a skip decided on the device the masters are unchanged: publishing

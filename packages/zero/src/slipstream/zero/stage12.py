@@ -246,6 +246,10 @@ class ShardedOptimizerStates(GradientPathMixin):
             )
         if step is not None and self.group.rank == 0:
             self._say_gradient_dtype()
+        # The step's sum of squares taken as the last reduction lands (grad_reduce.py,
+        # [Note: squares while the last bucket travels]): masters on the device, and this
+        # instance's own optimizer step (ZeroOptimizer.step) that reads it.
+        self._squares_at_landing = step is None and strict_optimizer
         # The buckets that stepped during backward were published in finish().
         self._eager_published = False
         self._reducing = settings.stage == 2
@@ -402,7 +406,7 @@ class ShardedOptimizerStates(GradientPathMixin):
         """Complete the gradient reduction after ``loss.backward()`` (waits for the buckets)."""
         self.complete_step()  # a backward without prepare_backward (overlap_forward)
         if self.settings.stage == 2 or is_boundary:
-            self.reducer.finish()
+            self.reducer.finish(take_squares=is_boundary and self._squares_at_landing)
         self._reducing = self.settings.stage == 2
 
     def publish(self) -> None:
