@@ -161,3 +161,46 @@ def test_stage0_masters_load_from_the_model_or_the_state() -> None:
     path.load_state_dict(saved)
     for param, master, value in zip(trainable, path.masters.masters, saved["masters"]):
         assert master.equal(value) and param.equal(value.to(torch.bfloat16))
+
+
+@pytest.mark.parametrize("vote", [False, True])
+def test_a_fused_optimizer_clips_inside_its_step(
+    vote: bool, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """[Note: clipping inside the fused step]: with a fused optimizer the clip factor goes in
+    as ``grad_scale`` (no pass over the gradients before the step); the update and the
+    clipped gradients match torch's clip_grad_norm_ + step to fp32 rounding."""
+    from slipstream.zero import optimizer as zero_optimizer
+    from slipstream.zero.group import DataParallelGroup
+
+    torch.manual_seed(0)
+    params = [nn.Parameter(torch.randn(n)) for n in (37, 100, 5)]
+    reference = [nn.Parameter(p.detach().clone()) for p in params]
+    for p, q in zip(params, reference):
+        p.grad = torch.randn_like(p) * 3.0
+        q.grad = p.grad.clone()
+    fused = torch.optim.AdamW(params, lr=0.1, weight_decay=0.01, fused=True)
+    plain = torch.optim.AdamW(reference, lr=0.1, weight_decay=0.01, fused=True)
+
+    def no_pass(*args: object, **kwargs: object) -> None:
+        raise AssertionError("the gradients were scaled by a pass before the fused step")
+
+    monkeypatch.setattr(zero_optimizer, "clip_grads_", no_pass)
+    outcome = zero_optimizer.take_sharded_step(
+        fused,
+        [p.grad for p in params],  # type: ignore[misc]
+        DataParallelGroup.of(),
+        torch.device("cpu"),
+        max_grad_norm=0.5,
+        nonfinite_check=torch.zeros(()) if vote else None,
+        defer_skip=vote,
+    )
+    norm = torch.nn.utils.clip_grad_norm_(reference, 0.5)
+    plain.step()
+    assert outcome.grad_norm is not None
+    torch.testing.assert_close(outcome.grad_norm, norm, rtol=1e-6, atol=0)
+    assert (outcome.skipped is not None) == vote
+    for p, q in zip(params, reference):
+        torch.testing.assert_close(p.grad, q.grad, rtol=2e-6, atol=1e-7)
+        torch.testing.assert_close(p.detach(), q.detach(), rtol=1e-6, atol=1e-7)
+    assert not hasattr(fused, "grad_scale") and not hasattr(fused, "found_inf")

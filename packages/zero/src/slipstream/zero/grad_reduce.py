@@ -363,11 +363,17 @@ class GradientReduceScatter:
             pieces = [(target[:rows], flat[: rows * n].view(rows, n))] if rows else []
         if rows < spec.world_size and spec.numel > rows * n:
             pieces.append((target[rows, : spec.numel - rows * n], flat[rows * n :]))
-        for into, piece in pieces:
-            if accumulate:
+        if accumulate:
+            for into, piece in pieces:
                 into.add_(piece)
-            else:
-                into.copy_(piece)
+        elif pieces:
+            # [Note: cast copies] One multi-tensor copy for the pieces: on CUDA a copy that
+            # casts (bf16 gradient -> fp32 bucket) through copy_ runs TensorIterator's
+            # unrolled, non-vectorized casting kernel: at 1.3B on 2 H200s these copies took
+            # 5.7 ms per step (1.4 TB/s; torch vectorizes the bf16->fp32 copy on ROCm only).
+            # _foreach_copy_ casts in its multi-tensor kernel with vectorized loads and
+            # stores. The values are the same (bf16 -> fp32 is exact).
+            torch._foreach_copy_([into for into, _ in pieces], [piece for _, piece in pieces])
         bucket.filled.add(index)
         self.release(index)  # the full-size gradient is no longer needed
 

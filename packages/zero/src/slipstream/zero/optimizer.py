@@ -62,8 +62,15 @@ def supports_device_skip(optimizer: Any) -> bool:
     return bool(getattr(optimizer, "_step_supports_amp_scaling", False))
 
 
-def step_unless_nonfinite(optimizer: Any, found_inf: torch.Tensor) -> None:
+def step_unless_nonfinite(
+    optimizer: Any, found_inf: torch.Tensor | None, grad_scale: torch.Tensor | None = None
+) -> None:
     """``optimizer.step()``, a no-op on the device when ``found_inf`` (0-d float) is 1.
+
+    ``grad_scale`` (0-d fp32 on the device): the optimizer divides every gradient by it in
+    its kernel and stores the result back as the gradient, as under ``torch.amp.GradScaler``
+    (the contract of ``_step_supports_amp_scaling``); None: the gradients as they are.
+    ``found_inf`` None: no skip flag.
 
     [Note: the skip decided on the device] The non-finite vote leaves a flag on the
     device; reading it before stepping would stall the host until the device has finished
@@ -78,8 +85,8 @@ def step_unless_nonfinite(optimizer: Any, found_inf: torch.Tensor) -> None:
             f"{type(optimizer).__name__} cannot skip its step on a device flag; check "
             "supports_device_skip(optimizer) and read the flag on the host instead"
         )
-    optimizer.found_inf = found_inf.to(torch.float32)
-    optimizer.grad_scale = None
+    optimizer.found_inf = found_inf.to(torch.float32) if found_inf is not None else None
+    optimizer.grad_scale = grad_scale
     try:
         optimizer.step()
     finally:
@@ -158,9 +165,20 @@ def take_sharded_step(
     else:
         assert total is not None
         norm = norm_of_squares(total, loss_scale)
-    clip_grads_(grads, norm, max_grad_norm)
-    if found_inf is not None:
-        step_unless_nonfinite(optimizer, found_inf)
+    clipping = bool(grads) and max_grad_norm > 0 and not math.isinf(max_grad_norm)
+    grad_scale = None
+    if clipping and supports_device_skip(optimizer):
+        # [Note: clipping inside the fused step] A fused optimizer divides the gradients by
+        # ``grad_scale`` as it reads them (GradScaler's unscale) and stores them back: the
+        # clip factor goes in as its inverse, and the pass that scaled every gradient shard
+        # before the step (a read and a write of each, ~1.3 ms per step at 1.3B on 2 ranks)
+        # is gone. The gradients end as clipped as before (to within fp32 rounding: g / (1/c)
+        # for g * c).
+        grad_scale = (1.0 / clip_coefficient(norm, max_grad_norm)).to(torch.float32)
+    elif clipping:
+        clip_grads_(grads, norm, max_grad_norm)
+    if found_inf is not None or grad_scale is not None:
+        step_unless_nonfinite(optimizer, found_inf, grad_scale)
         return StepOutcome(overflow=False, grad_norm=norm, skipped=found_inf)
     optimizer.step()
     return StepOutcome(overflow=False, grad_norm=norm)
