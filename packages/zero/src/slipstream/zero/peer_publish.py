@@ -146,11 +146,13 @@ class PeerPublish:
         pg = _process_group(group)
         _enable_group(symm_mem, pg)
         self.buffer = symm_mem.empty(max(total, 1), dtype=dtype, device=self.device)
+        self._views: list[torch.Tensor] = []
         with torch.no_grad():
             for p, offset in zip(self.params, self.offsets):
                 view = self.buffer[offset : offset + p.numel()].view(p.shape)
                 view.copy_(p.data)
                 p.data = view
+                self._views.append(view)
         self.handle = symm_mem.rendezvous(self.buffer, pg)
         peers = [(self.rank + k) % self.world for k in range(1, self.world)]
         # Per parameter: (destination in this buffer, source in a peer's buffer) for each peer.
@@ -211,6 +213,7 @@ class PeerPublish:
         are read here while the current stream goes on; it writes them again only in the
         next step, after :meth:`land_all`."""
         self.land_all()  # the last publish, if no forward needed it
+        self._rehome()
         compute = torch.cuda.current_stream(self.device)
         side = self._side
         side.wait_stream(compute)  # the step's writes to the masters
@@ -236,6 +239,24 @@ class PeerPublish:
             done = torch.cuda.Event()
             done.record(side)
         self._events, self._done, self._landed = events, done, 0
+
+    def _rehome(self) -> None:
+        """Point a parameter whose ``.data`` was replaced since (``p.data = ...``,
+        ``load_state_dict(assign=True)``) back into the buffer: this publish writes every
+        element of it, as the all-gathers would write into the new tensor."""
+        for index, (p, view) in enumerate(zip(self.params, self._views)):
+            if p.data_ptr() == view.data_ptr():
+                continue
+            if p.shape != view.shape or p.dtype != view.dtype or p.device != view.device:
+                raise RuntimeError(
+                    f"parameter {index} of this ZeRO stage-1/2 group changed to shape "
+                    f"{tuple(p.shape)}, {p.dtype} on {p.device} (was {tuple(view.shape)}, "
+                    f"{view.dtype} on {view.device}) after it was sharded; the copy-engine "
+                    "publish (zero_optimization.publish_transport) cannot follow it. Change "
+                    "the model before slipstream.initialize, or set publish_transport "
+                    '"collective"'
+                )
+            p.data = view
 
     def land(self, index: int) -> None:
         """The current stream waits until parameter ``index`` (and all before it) arrived."""

@@ -152,15 +152,29 @@ class ShardedOptimizerStates(GradientPathMixin):
         # publish_transport "copy_engine": the parameters move into a symmetric-memory buffer
         # and each publish pulls the other ranks' shards with peer copies (peer_publish.py);
         # anywhere that cannot (CPU, gloo, several hosts, offload) keeps the all-gathers.
+        # "auto" (the default): the copy engines where they work, for an instance that
+        # publishes on its own (not one of several over a shared optimizer, not offload).
         self._peer: PeerPublish | None = None
-        self.publish_fallback = ""  # why "copy_engine" fell back ("" when it did not)
-        if settings.publish_transport == "copy_engine":
+        self.publish_fallback = ""  # why "copy_engine"/"auto" fell back ("" when it did not)
+        transport = settings.publish_transport
+        if transport == "auto" and (offload is not None or not strict_optimizer):
+            transport = "collective"
+            self.publish_fallback = (
+                "optimizer offload publishes from host memory (offload_optimizer)"
+                if offload is not None
+                else "several ZeRO instances share one optimizer (expert parallelism)"
+            )
+        if transport in ("copy_engine", "auto"):
             why = peer_publish_unavailable(self.params, self.group, offload=offload is not None)
             if why:
                 self.publish_fallback = why
                 if self.group.rank == 0:
-                    logger.info(
-                        'publish_transport "copy_engine" falls back to all-gathers: %s', why
+                    # Asked for by name: say why not at info; "auto" only at debug.
+                    logger.log(
+                        logging.INFO if transport == "copy_engine" else logging.DEBUG,
+                        'publish_transport "%s" publishes with all-gathers: %s',
+                        transport,
+                        why,
                     )
             else:
                 self._peer = PeerPublish(self.params, self.specs, self.group)
@@ -232,7 +246,7 @@ class ShardedOptimizerStates(GradientPathMixin):
             gradient_predivide_factor=settings.gradient_predivide_factor,
             prescale=settings.prescale_gradients,
             divisor=gradient_divisor,
-            tail_numel=settings.reduce_bucket_tail_numel,
+            tail_numel=settings.tail_numel(offloaded=offload is not None),
             reduce_group=reduce_group,
             average_in_collective=settings.average_in_reduce_scatter,
             eager=eager,
