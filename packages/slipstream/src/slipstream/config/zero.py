@@ -196,7 +196,9 @@ class ZeroConfig(ConfigBlock):
     # Slipstream's own: stages 1-2 publish updated shards by all-gathers ("collective") or by
     # peer copies out of a symmetric-memory parameter buffer ("copy_engine", one NVLink node);
     # "auto": the copy engines where they work, the all-gathers elsewhere.
-    publish_transport: Literal["auto", "collective", "copy_engine"] = "auto"
+    publish_transport: Literal["auto", "collective", "copy_engine"] = dataclasses.field(
+        default="auto", metadata={"allow_auto": True}
+    )
     # Slipstream's own: stages 1-2 run the gradient reduce-scatters on a communicator of their
     # own limited to this many CTAs (NCCL's maxCTAs); 0: NCCL's choice.
     reduce_scatter_max_ctas: int = _ge0(0)

@@ -4,8 +4,8 @@ from __future__ import annotations
 
 import logging
 import math
-from collections.abc import Callable
-from contextlib import nullcontext
+from collections.abc import Callable, Iterator, Sequence
+from contextlib import contextmanager, nullcontext
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
@@ -27,6 +27,7 @@ if TYPE_CHECKING:
     from slipstream.zero.offload import OffloadedStep
 
 __all__ = [
+    "PhasedPublish",
     "StepOutcome",
     "ZeroOptimizer",
     "step_unless_nonfinite",
@@ -107,6 +108,8 @@ def take_sharded_step(
     defer_skip: bool = False,
     grad_squares: torch.Tensor | None = None,
     local_total: torch.Tensor | None = None,
+    phased: PhasedPublish | None = None,
+    masters: Sequence[torch.Tensor] = (),
 ) -> StepOutcome:
     """The update every on-device gradient path takes: vote, unscale, norm, clip, step.
 
@@ -140,6 +143,11 @@ def take_sharded_step(
     ``local_total``: this rank's sum of squares of ``grads``, already taken (equal to
     :func:`~slipstream.zero.norms.local_squares` of them; the stage-1/2 reducer takes it while
     the last reduce-scatter travels): used in its place, not changed.
+
+    ``phased`` (with ``masters``, the optimizer's parameters indexed as its phases are): the
+    optimizer steps one publish phase's masters at a time and publishes each as soon as it
+    is stepped (:class:`PhasedPublish`), so the publish of one phase overlaps the step of the
+    next. The update is the same (an elementwise optimizer, one step per parameter).
     """
     vote = loss_scale is not None or nonfinite_check is not None
     on_device = vote and defer_skip and supports_device_skip(optimizer)
@@ -177,11 +185,50 @@ def take_sharded_step(
         grad_scale = (1.0 / clip_coefficient(norm, max_grad_norm)).to(torch.float32)
     elif clipping:
         clip_grads_(grads, norm, max_grad_norm)
-    if found_inf is not None or grad_scale is not None:
-        step_unless_nonfinite(optimizer, found_inf, grad_scale)
-        return StepOutcome(overflow=False, grad_norm=norm, skipped=found_inf)
-    optimizer.step()
-    return StepOutcome(overflow=False, grad_norm=norm)
+
+    def update() -> None:
+        if found_inf is not None or grad_scale is not None:
+            step_unless_nonfinite(optimizer, found_inf, grad_scale)
+        else:
+            optimizer.step()
+
+    if phased is None:
+        update()
+    else:
+        phased.begin()
+        for phase, indices in enumerate(phased.phases):
+            with _stepping_only(optimizer, {id(masters[i]) for i in indices}):
+                update()
+            phased.publish(phase)
+        phased.end()
+    return StepOutcome(overflow=False, grad_norm=norm, skipped=found_inf)
+
+
+@contextmanager
+def _stepping_only(optimizer: torch.optim.Optimizer, members: set[int]) -> Iterator[None]:
+    """Within: every parameter group of ``optimizer`` holds only the parameters whose ids
+    are in ``members`` (the others are left out of its step), in their order."""
+    saved = [group["params"] for group in optimizer.param_groups]
+    try:
+        for group, params in zip(optimizer.param_groups, saved):
+            group["params"] = [p for p in params if id(p) in members]
+        yield
+    finally:
+        for group, params in zip(optimizer.param_groups, saved):
+            group["params"] = params
+
+
+@dataclass(frozen=True, slots=True)
+class PhasedPublish:
+    """A publish that goes phase by phase behind a step taken phase by phase
+    (:func:`take_sharded_step`): ``begin()``, then for each phase (master indices, in
+    order) the step of its masters and ``publish(phase)``, then ``end()``. Only when the
+    step is taken: a skip decided on the host publishes nothing."""
+
+    phases: list[list[int]]
+    begin: Callable[[], None]
+    publish: Callable[[int], None]
+    end: Callable[[], None]
 
 
 class ZeroOptimizer:
@@ -231,6 +278,10 @@ class ZeroOptimizer:
         # Offload with overlap_forward: finishes a step whose last buckets still run on the
         # CPU (publishes them, commits); a no-op otherwise.
         self._complete = complete or (lambda: None)
+        # Stages 1-2 with the copy-engine publish: the step goes phase by phase and each
+        # phase is published as soon as it is stepped (set by the stage; None: one step,
+        # then ``publish``).
+        self.phased: PhasedPublish | None = None
 
     @property
     def param_groups(self) -> list[dict]:
@@ -294,10 +345,12 @@ class ZeroOptimizer:
                 defer_skip=defer_skip,
                 grad_squares=grad_squares,
                 local_total=local_total,
+                phased=self.phased,
+                masters=self.masters.masters,
             )
-            if not outcome.overflow:
+            if not outcome.overflow and self.phased is None:
                 # After a skip decided on the device the masters are unchanged: publishing
-                # them again rewrites the same values.
+                # them again rewrites the same values. (A phased step published already.)
                 self._publish()
             return outcome
         if grad_squares is not None:

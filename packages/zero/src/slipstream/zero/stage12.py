@@ -16,7 +16,7 @@ from slipstream.zero.group import DataParallelGroup
 from slipstream.zero.layout import ShardSpec
 from slipstream.zero.masters import ShardedMasterWeights
 from slipstream.zero.norms import clip_coefficient, norm_of_squares
-from slipstream.zero.optimizer import ZeroOptimizer
+from slipstream.zero.optimizer import PhasedPublish, ZeroOptimizer
 from slipstream.zero.param_gather import (
     PendingPublish,
     gather_bucket,
@@ -195,6 +195,16 @@ class ShardedOptimizerStates(GradientPathMixin):
             publish_all=self.publish,
             complete=self.complete_step,
         )
+        if self._peer is not None and step is None and strict_optimizer:
+            # The step goes phase by phase, and each phase's pulls run while the next one
+            # steps: the publish that follows the step shrinks to the last phase's pulls.
+            peer = self._peer
+            self.optimizer.phased = PhasedPublish(
+                phases=[list(phase) for phase in peer.phases],
+                begin=peer.begin,
+                publish=lambda phase: peer.start_phase(phase, self._publish_sources),
+                end=self._end_phased_publish,
+            )
 
         # Stage 1 under fp16/bf16: fp32 full-size accumulators, so GAS sums in fp32.
         self._accumulate_fp32 = settings.stage == 1 and any(
@@ -456,6 +466,15 @@ class ShardedOptimizerStates(GradientPathMixin):
                     gather_bucket(shards, self.params, self.specs, self.group, indices)
             return
         self._publish_all()
+
+    def _end_phased_publish(self) -> None:
+        """After a phased step: the publish is complete; land it now unless the next
+        forward does (publish_during_forward)."""
+        assert self._peer is not None
+        self._eager_published = False
+        self._peer.end()
+        if self._in_flight is None:
+            self._peer.land_all()
 
     @property
     def publish_transport(self) -> str:
