@@ -33,6 +33,16 @@ __all__ = ["ShardedOptimizerStates"]
 logger = logging.getLogger(__name__)
 
 
+def _steps_each_parameter_alone(optimizer: torch.optim.Optimizer) -> bool:
+    """Whether stepping ``optimizer`` over a part of its parameters at a time gives the one
+    update: torch's Adam/AdamW/SGD and slipstream's FusedAdam keep every count per parameter.
+    Others may count steps per group or per call (apex's and DeepSpeed's FusedAdam keep
+    ``group["step"]``): those step whole."""
+    from slipstream.kernels.optim import FusedAdam
+
+    return type(optimizer) in (torch.optim.Adam, torch.optim.AdamW, torch.optim.SGD, FusedAdam)
+
+
 class ShardedOptimizerStates(GradientPathMixin):
     """ZeRO stage 1 or 2 for ``params`` (the module keeps full, replicated parameters).
 
@@ -195,7 +205,12 @@ class ShardedOptimizerStates(GradientPathMixin):
             publish_all=self.publish,
             complete=self.complete_step,
         )
-        if self._peer is not None and step is None and strict_optimizer:
+        if (
+            self._peer is not None
+            and step is None
+            and strict_optimizer
+            and _steps_each_parameter_alone(optimizer)
+        ):
             # The step goes phase by phase, and each phase's pulls run while the next one
             # steps: the publish that follows the step shrinks to the last phase's pulls.
             peer = self._peer
