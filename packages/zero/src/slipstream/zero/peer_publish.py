@@ -20,8 +20,10 @@ logger = logging.getLogger(__name__)
 
 # Where the publish phases end, as shares of the elements (in parameter order): the first
 # holds the first eighth (the next forward's first layers wait only for it); the others let
-# a step taken phase by phase (ZeroOptimizer) publish one phase while it steps the next.
-_PHASE_ENDS = (1 / 8, 3 / 8, 5 / 8, 1.0)
+# a step taken phase by phase (ZeroOptimizer) publish one phase while it steps the next, and
+# shrink towards the end, since the pulls of the last phase are what the step leaves exposed
+# (a phase's pulls take about as long as the step of as many elements).
+_PHASE_ENDS = (1 / 8, 1 / 2, 13 / 16, 15 / 16, 1.0)
 
 # Parameters start on 128-byte boundaries inside the symmetric buffer (full cache lines for
 # the peer copies).
