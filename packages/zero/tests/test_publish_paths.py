@@ -90,6 +90,12 @@ def train_variants(stages: tuple[int, ...], device: str = "cpu", dtype: str = "f
             losses = []
             landed: list[bool] = []
             for step in range(STEPS):
+                if step == 1:
+                    # A parameter's .data replaced between steps (same shape and dtype): the
+                    # copy-engine publish points it back into its buffer (PeerPublish._rehome).
+                    zero.complete_step()
+                    first = next(model.parameters())
+                    first.data = first.data.clone()
                 for m in range(GAS):
                     ids, labels = batch_for(step, m, MICRO * world)
                     mine = slice(rank * MICRO, (rank + 1) * MICRO)
