@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import logging
+import os
 import socket
 import warnings
 from collections.abc import Sequence
@@ -98,7 +99,14 @@ def _process_group(group: DataParallelGroup) -> dist.ProcessGroup:
 
 
 def _enable_group(symm_mem: Any, pg: dist.ProcessGroup) -> None:
-    """Register ``pg`` with symmetric memory (older torch needs it; newer: a no-op)."""
+    """Register ``pg`` with symmetric memory (older torch needs it; newer: a no-op).
+
+    The peer publish uses peer copies and barriers, never NVLink multicast (``multimem``):
+    unless the user chose otherwise, torch's symmetric-memory allocator is told not to create
+    multicast objects for these buffers (``TORCH_SYMM_MEM_DISABLE_MULTICAST``, which torch
+    reads when it allocates), so the default publish never depends on NVLS support."""
+    if os.environ.setdefault("TORCH_SYMM_MEM_DISABLE_MULTICAST", "1") != "1":
+        logger.debug("TORCH_SYMM_MEM_DISABLE_MULTICAST is set by the user: left as it is")
     enable = getattr(symm_mem, "enable_symm_mem_for_group", None)
     if enable is not None:
         with warnings.catch_warnings():
