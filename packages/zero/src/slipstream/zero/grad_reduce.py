@@ -247,6 +247,9 @@ class GradientReduceScatter:
         # reduced, and stays so (ShardedMasterWeights.landed); any other lands in fp32.
         self.land_low_precision = land_low_precision
         self.boundary = True
+        # Whether the next finish() takes the step's sum of squares as the buckets land (set
+        # by the stage before it; reset by finish).
+        self.take_squares = False
 
     def _why_not_average(self, group: DataParallelGroup) -> str:
         world = group.world_size
@@ -497,12 +500,13 @@ class GradientReduceScatter:
         assert self.step_indices is not None, "an eager offload step needs step_indices"
         self.step_indices(indices)
 
-    def finish(self, *, take_squares: bool = False) -> None:
+    def finish(self) -> None:
         """Reduce what is left, wait for every bucket, add the results into the master grads.
 
-        ``take_squares`` (the last reduction before a step, masters on the device): also take
-        the master grads' sum of squares for the step's norm (``masters.landed_squares``,
-        see [Note: squares while the last bucket travels])."""
+        With :attr:`take_squares` (set by the stage for the last reduction before a step,
+        masters on the device) also take the master grads' sum of squares for the step's
+        norm (``masters.landed_squares``, see [Note: squares while the last bucket travels])."""
+        take_squares, self.take_squares = self.take_squares, False
         self.masters.landed_squares = None  # whatever it covered is being added to now
         for bucket in self._buckets[self._next :]:
             for index in bucket.indices:

@@ -445,7 +445,8 @@ class ShardedOptimizerStates(GradientPathMixin):
         """Complete the gradient reduction after ``loss.backward()`` (waits for the buckets)."""
         self.complete_step()  # a backward without prepare_backward (overlap_forward)
         if self.settings.stage == 2 or is_boundary:
-            self.reducer.finish(take_squares=is_boundary and self._squares_at_landing)
+            self.reducer.take_squares = is_boundary and self._squares_at_landing
+            self.reducer.finish()
         self._reducing = self.settings.stage == 2
 
     def publish(self) -> None:
