@@ -1009,3 +1009,29 @@ def test_leaf_module_reaches_zero_settings_and_bad_keys_name_their_path() -> Non
         load({"zero_optimization": {"stage": 3, "leaf_module": {"class": ["Block"]}}})
     with pytest.raises(ConfigError, match=r"zero_optimization\.leaf_module\.names = 'x'"):
         load({"zero_optimization": {"stage": 3, "leaf_module": {"names": "x"}}})
+
+
+def test_stage12_speed_keys_default_to_the_fast_path() -> None:
+    """reduce_bucket_tail_size unset (5e7, none with offload), publish_transport "auto" (not
+    an unfilled placeholder here) and average_in_reduce_scatter on reach ZeroSettings; set
+    values win."""
+    from slipstream.runtime.zero_setup import zero_settings
+
+    settings = zero_settings(load({"zero_optimization": {"stage": 2}}))
+    assert settings.reduce_bucket_tail_numel is None
+    assert settings.tail_numel(offloaded=False) == 50_000_000
+    assert settings.tail_numel(offloaded=True) == 0
+    assert settings.publish_transport == "auto" and settings.average_in_reduce_scatter
+    written = {
+        "stage": 1,
+        "publish_transport": "auto",
+        "reduce_bucket_tail_size": 0,
+        "average_in_reduce_scatter": False,
+    }
+    settings = zero_settings(load({"zero_optimization": written}))
+    assert settings.tail_numel(offloaded=False) == 0
+    assert settings.publish_transport == "auto" and not settings.average_in_reduce_scatter
+    with pytest.raises(ConfigError, match=r"zero_optimization\.publish_transport"):
+        load({"zero_optimization": {"stage": 2, "publish_transport": "nvlink"}})
+    with pytest.raises(ConfigError, match=r"zero_optimization\.reduce_bucket_tail_size"):
+        load({"zero_optimization": {"stage": 2, "reduce_bucket_tail_size": -1}})

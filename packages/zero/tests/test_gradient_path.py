@@ -161,3 +161,109 @@ def test_stage0_masters_load_from_the_model_or_the_state() -> None:
     path.load_state_dict(saved)
     for param, master, value in zip(trainable, path.masters.masters, saved["masters"]):
         assert master.equal(value) and param.equal(value.to(torch.bfloat16))
+
+
+@pytest.mark.parametrize("vote", [False, True])
+def test_a_fused_optimizer_clips_inside_its_step(
+    vote: bool, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """[Note: clipping inside the fused step]: with a fused optimizer the clip factor goes in
+    as ``grad_scale`` (no pass over the gradients before the step); the update and the
+    clipped gradients match torch's clip_grad_norm_ + step to fp32 rounding."""
+    from slipstream.zero import optimizer as zero_optimizer
+    from slipstream.zero.group import DataParallelGroup
+
+    torch.manual_seed(0)
+    params = [nn.Parameter(torch.randn(n)) for n in (37, 100, 5)]
+    reference = [nn.Parameter(p.detach().clone()) for p in params]
+    for p, q in zip(params, reference):
+        p.grad = torch.randn_like(p) * 3.0
+        q.grad = p.grad.clone()
+    fused = torch.optim.AdamW(params, lr=0.1, weight_decay=0.01, fused=True)
+    plain = torch.optim.AdamW(reference, lr=0.1, weight_decay=0.01, fused=True)
+
+    def no_pass(*args: object, **kwargs: object) -> None:
+        raise AssertionError("the gradients were scaled by a pass before the fused step")
+
+    monkeypatch.setattr(zero_optimizer, "clip_grads_", no_pass)
+    outcome = zero_optimizer.take_sharded_step(
+        fused,
+        [p.grad for p in params],  # type: ignore[misc]
+        DataParallelGroup.of(),
+        torch.device("cpu"),
+        max_grad_norm=0.5,
+        nonfinite_check=torch.zeros(()) if vote else None,
+        defer_skip=vote,
+    )
+    norm = torch.nn.utils.clip_grad_norm_(reference, 0.5)
+    plain.step()
+    assert outcome.grad_norm is not None
+    torch.testing.assert_close(outcome.grad_norm, norm, rtol=1e-6, atol=0)
+    assert (outcome.skipped is not None) == vote
+    for p, q in zip(params, reference):
+        torch.testing.assert_close(p.grad, q.grad, rtol=2e-6, atol=1e-7)
+        torch.testing.assert_close(p.detach(), q.detach(), rtol=1e-6, atol=1e-7)
+    assert not hasattr(fused, "grad_scale") and not hasattr(fused, "found_inf")
+
+
+@pytest.mark.parametrize("fused", [False, True])
+def test_a_phased_step_equals_one_step_and_publishes_each_phase_after_it(fused: bool) -> None:
+    """PhasedPublish: the optimizer steps one phase's parameters at a time (two parameter
+    groups, one phase holding none of the second group's) and each phase is published right
+    after its step; the result is the single step's bit for bit."""
+    from slipstream.zero.group import DataParallelGroup
+    from slipstream.zero.optimizer import PhasedPublish, take_sharded_step
+
+    torch.manual_seed(0)
+    sizes = (37, 100, 5, 64)
+    params = [nn.Parameter(torch.randn(n)) for n in sizes]
+    twins = [nn.Parameter(p.detach().clone()) for p in params]
+    for p, q in zip(params, twins):
+        p.grad = torch.randn_like(p)
+        q.grad = p.grad.clone()
+
+    def build(ps: list[nn.Parameter]) -> torch.optim.Optimizer:
+        groups = [{"params": ps[:3], "weight_decay": 0.1}, {"params": ps[3:], "lr": 0.02}]
+        return torch.optim.AdamW(groups, lr=0.01, fused=fused)
+
+    phased_opt, plain_opt = build(params), build(twins)
+    initial = [p.detach().clone() for p in params]
+    events: list[str] = []
+    seen: list[list[torch.Tensor]] = []
+
+    def publish(phase: int) -> None:
+        events.append(f"publish {phase}")
+        seen.append([p.detach().clone() for p in params])
+
+    phased = PhasedPublish(
+        phases=[[0], [1, 2], [3]],
+        begin=lambda: events.append("begin"),
+        publish=publish,
+        end=lambda: events.append("end"),
+    )
+    group = DataParallelGroup.of()
+    for _ in range(2):
+        common = dict(max_grad_norm=0.5, nonfinite_check=torch.zeros(()), defer_skip=True)
+        take_sharded_step(
+            phased_opt,
+            [p.grad for p in params],  # type: ignore[misc]
+            group,
+            torch.device("cpu"),
+            phased=phased,
+            masters=params,
+            **common,  # type: ignore[arg-type]
+        )
+        take_sharded_step(
+            plain_opt,
+            [q.grad for q in twins],  # type: ignore[misc]
+            group,
+            torch.device("cpu"),
+            **common,  # type: ignore[arg-type]
+        )
+        for p, q in zip(params, twins):
+            assert torch.equal(p.detach(), q.detach())
+    assert events == ["begin", "publish 0", "publish 1", "publish 2", "end"] * 2
+    # When phase 0 was published, parameter 0 had stepped and parameter 1 not yet.
+    assert not torch.equal(seen[0][0], initial[0]) and torch.equal(seen[0][1], initial[1])
+    assert [len(g["params"]) for g in phased_opt.param_groups] == [3, 1]
+    assert torch.equal(seen[1][0], seen[2][0])  # parameter 0 did not move after its phase

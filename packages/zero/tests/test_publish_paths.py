@@ -15,9 +15,19 @@ from slipstream.zero.testing import TinyTransformer, batch_for
 
 STEPS, GAS, MICRO = 3, 2, 2
 
-# name -> (ZeroSettings overrides, publish_during_forward)
+# Every variant but "default" starts from these (the keys' old defaults, all off).
+OFF = {
+    "reduce_bucket_tail_numel": 0,
+    "publish_transport": "collective",
+    "average_in_reduce_scatter": False,
+}
+
+# name -> (ZeroSettings overrides, publish_during_forward); "default": ZeroSettings' defaults
+# (the tail split, publish_transport "auto", average_in_reduce_scatter on).
 VARIANTS: dict[str, tuple[dict, bool]] = {
     "plain": ({}, False),
+    # The automatic tail (5e7) splits nothing in this model: a small one stands in for it.
+    "default": ({"reduce_bucket_tail_numel": 300}, False),
     "tail": ({"reduce_bucket_tail_numel": 300}, False),
     "copy_engine": ({"publish_transport": "copy_engine"}, False),
     "copy_engine+pf": ({"publish_transport": "copy_engine", "allgather_bucket_numel": 500}, True),
@@ -42,6 +52,13 @@ def test_the_last_bucket_is_split_into_tail_buckets() -> None:
     # Only the last bucket is split; one parameter over the tail still travels alone.
     assert plan_buckets(specs, 100, tail_numel=25) == [[4], [3], [2, 1], [0]]
     assert plan_buckets(specs, 100, tail_numel=0) == [[4, 3, 2, 1, 0]]
+    # The defaults: a 5e7 tail with the masters on the device, none with optimizer offload;
+    # the copy engines where they work; the average inside the reduce-scatter.
+    defaults = ZeroSettings(stage=2)
+    assert defaults.tail_numel(offloaded=False) == 50_000_000
+    assert defaults.tail_numel(offloaded=True) == 0
+    assert ZeroSettings(stage=2, reduce_bucket_tail_numel=0).tail_numel(offloaded=False) == 0
+    assert defaults.publish_transport == "auto" and defaults.average_in_reduce_scatter
     with pytest.raises(ValueError, match="reduce_bucket_tail_numel"):
         ZeroSettings(stage=2, reduce_bucket_tail_numel=-1)
     with pytest.raises(ValueError, match="publish_transport"):
@@ -65,12 +82,20 @@ def train_variants(stages: tuple[int, ...], device: str = "cpu", dtype: str = "f
             if dtype == "bf16":
                 model.to(torch.bfloat16)
             optimizer = torch.optim.AdamW(model.parameters(), lr=0.01, weight_decay=0.1)
-            settings = ZeroSettings(stage=stage, reduce_bucket_numel=700, **overrides)
+            keys = overrides if name == "default" else {**OFF, **overrides}
+            settings = ZeroSettings(stage=stage, reduce_bucket_numel=700, **keys)
             zero = ShardedOptimizerStates(list(model.parameters()), optimizer, settings)
             if lazy:
                 assert zero.publish_during_forward(model)
             losses = []
+            landed: list[bool] = []
             for step in range(STEPS):
+                if step == 1:
+                    # A parameter's .data replaced between steps (same shape and dtype): the
+                    # copy-engine publish points it back into its buffer (PeerPublish._rehome).
+                    zero.complete_step()
+                    first = next(model.parameters())
+                    first.data = first.data.clone()
                 for m in range(GAS):
                     ids, labels = batch_for(step, m, MICRO * world)
                     mine = slice(rank * MICRO, (rank + 1) * MICRO)
@@ -80,6 +105,7 @@ def train_variants(stages: tuple[int, ...], device: str = "cpu", dtype: str = "f
                     (loss / GAS).backward()
                     zero.finish_backward(boundary)
                     losses.append(float(loss.detach()))
+                landed.append(_landed_squares_exact(zero))
                 zero.optimizer.step(max_grad_norm=0.5)
                 zero.zero_grad()
             zero.complete_step()
@@ -91,9 +117,52 @@ def train_variants(stages: tuple[int, ...], device: str = "cpu", dtype: str = "f
                 "ctas_fallback": zero.reduce_ctas_fallback,
                 "avg_fallback": zero.reducer.average_fallback,
                 "buckets": zero.reducer.num_buckets,
+                "landed_exact": landed,
             }
             zero.remove_hooks()
     return out
+
+
+def _landed_squares_exact(zero: ShardedOptimizerStates) -> bool:
+    """Whether the reducer took the step's sum of squares as the buckets landed, equal bit
+    for bit to the one the step would take itself, and the step will use it."""
+    from slipstream.zero.norms import local_squares
+
+    landed = zero.masters.landed_squares
+    grads = zero.masters.grads()
+    if landed is None or not landed.covers(grads):
+        return False
+    return torch.equal(landed.total, local_squares(grads, grads[0].device))
+
+
+def test_the_step_retakes_the_squares_of_gradients_changed_after_backward() -> None:
+    torch.manual_seed(0)
+    model = TinyTransformer()
+    optimizer = torch.optim.AdamW(model.parameters(), lr=0.01)
+    zero = ShardedOptimizerStates(
+        list(model.parameters()), optimizer, ZeroSettings(stage=2, reduce_bucket_numel=700)
+    )
+    ids, labels = batch_for(0, 0, MICRO)
+    model(ids, labels).backward()
+    zero.finish_backward(True)
+    assert _landed_squares_exact(zero)
+    grads = zero.masters.grads()
+    grads[0].mul_(3.0)  # e.g. a caller's own scaling between backward and step
+    landed = zero.masters.landed_squares
+    assert landed is not None and not landed.covers(grads)
+    from slipstream.zero.norms import global_grad_norm
+
+    expected = global_grad_norm(grads, zero.group, grads[0].device)
+    outcome = zero.optimizer.step(max_grad_norm=0.0)
+    assert outcome.grad_norm is not None and torch.equal(outcome.grad_norm, expected)
+    assert zero.masters.landed_squares is None
+    # A backward that does not end the accumulation takes no squares.
+    zero.zero_grad()
+    zero.prepare_backward(False)
+    model(ids, labels).backward()
+    zero.finish_backward(False)
+    assert zero.masters.landed_squares is None
+    zero.remove_hooks()
 
 
 def _check_equal(result: dict, stages: tuple[int, ...], exact_tail: bool = True) -> None:
@@ -105,7 +174,9 @@ def _check_equal(result: dict, stages: tuple[int, ...], exact_tail: bool = True)
         plain = result[(stage, "plain")]
         for name, (overrides, _) in VARIANTS.items():
             got = result[(stage, name)]
-            if exact_tail or "reduce_bucket_tail_numel" not in overrides:
+            assert got["landed_exact"] == [True] * STEPS, (stage, name)
+            tail = "reduce_bucket_tail_numel" in overrides or name == "default"
+            if exact_tail or not tail:
                 assert got["losses"] == plain["losses"], (stage, name)
                 for p, q in zip(got["params"], plain["params"], strict=True):
                     assert torch.equal(p, q), (stage, name)
@@ -120,11 +191,11 @@ def test_variants_match_the_plain_path_bit_for_bit_on_one_process() -> None:
     _check_equal(result, (1, 2))
     for (_stage, name), got in result.items():
         assert got["transport"] == "collective"
-        if "copy_engine" in name or name == "all":
+        if "copy_engine" in name or name in ("all", "default"):
             assert got["publish_fallback"] == "a group of one rank has nothing to publish"
         if name in ("ctas", "all"):
             assert got["ctas_fallback"] == "a group of one rank has no collectives"
-        if name in ("avg", "all"):
+        if name in ("avg", "all", "default"):
             assert got["avg_fallback"] == "a group of one rank does not reduce"
 
 
@@ -150,11 +221,11 @@ def test_variants_match_the_plain_path_bit_for_bit_on_gloo(
         _check_equal(result, stages, exact_tail=world_size == 2)
         for (_stage, name), got in result.items():
             assert got["transport"] == "collective"  # gloo, CPU: the all-gathers
-            if "copy_engine" in name or name == "all":
+            if "copy_engine" in name or name in ("all", "default"):
                 assert got["publish_fallback"] == "the parameters are not all on one CUDA device"
             if name in ("ctas", "all"):
                 assert got["ctas_fallback"] == "the process group's backend is 'gloo', not 'nccl'"
-            if name in ("avg", "all"):
+            if name in ("avg", "all", "default"):
                 assert got["avg_fallback"] == (
                     "the process group's backend is 'gloo', not 'nccl'"
                     if world_size == 2
@@ -178,7 +249,7 @@ def test_copy_engine_publish_equals_nccl_on_two_gpus(dtype: str) -> None:
     for result in run_distributed(_on_gpus, 2, dtype, backend="nccl", timeout=100):
         _check_equal(result, (1, 2))
         for (_stage, name), got in result.items():
-            peer = "copy_engine" in name or name == "all"
+            peer = "copy_engine" in name or name in ("all", "default")
             assert got["transport"] == ("copy_engine" if peer else "collective"), name
             assert got["publish_fallback"] == "", got["publish_fallback"]
             assert got["ctas_fallback"] == "", got["ctas_fallback"]

@@ -190,17 +190,21 @@ class ZeroConfig(ConfigBlock):
     # after the step and land each bucket as the next forward reaches its parameters.
     publish_during_forward: bool = False
     # Slipstream's own: stages 1-2 split the last reduce-scatter bucket of a backward into
-    # buckets of at most this many elements (0: no split).
-    reduce_bucket_tail_size: int = _ge0(0)
+    # buckets of at most this many elements (0: no split; unset: 5e7, none with optimizer
+    # offload).
+    reduce_bucket_tail_size: int | None = _ge0(None)
     # Slipstream's own: stages 1-2 publish updated shards by all-gathers ("collective") or by
-    # peer copies out of a symmetric-memory parameter buffer ("copy_engine", one NVLink node).
-    publish_transport: Literal["collective", "copy_engine"] = "collective"
+    # peer copies out of a symmetric-memory parameter buffer ("copy_engine", one NVLink node);
+    # "auto": the copy engines where they work, the all-gathers elsewhere.
+    publish_transport: Literal["auto", "collective", "copy_engine"] = dataclasses.field(
+        default="auto", metadata={"allow_auto": True}
+    )
     # Slipstream's own: stages 1-2 run the gradient reduce-scatters on a communicator of their
     # own limited to this many CTAs (NCCL's maxCTAs); 0: NCCL's choice.
     reduce_scatter_max_ctas: int = _ge0(0)
     # Slipstream's own: stages 1-2 average inside the NCCL reduce-scatter (ReduceOp.AVG) where
     # that is exact (a power-of-two group), instead of a pass over each bucket after it.
-    average_in_reduce_scatter: bool = False
+    average_in_reduce_scatter: bool = True
     stage3_prefetch_bucket_size: int = _ge0(50_000_000, "prefetch_bucket_size")
     stage3_param_persistence_threshold: int = _ge0(100_000, "param_persistence_threshold")
     stage3_model_persistence_threshold: int = _ge0(sys.maxsize, "model_persistence_threshold")

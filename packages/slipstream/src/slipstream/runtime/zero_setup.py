@@ -53,7 +53,9 @@ def zero_settings(config: SlipstreamConfig) -> ZeroSettings:
         reduce_bucket_numel=max(1, int(zero.reduce_bucket_size)),
         stage3_reduce_bucket_parts=int(zero.stage3_reduce_bucket_parts),
         allgather_bucket_numel=max(1, int(zero.allgather_bucket_size)),
-        reduce_bucket_tail_numel=int(zero.reduce_bucket_tail_size),
+        reduce_bucket_tail_numel=(
+            int(zero.reduce_bucket_tail_size) if zero.reduce_bucket_tail_size is not None else None
+        ),
         publish_transport=zero.publish_transport,
         reduce_scatter_max_ctas=int(zero.reduce_scatter_max_ctas),
         average_in_reduce_scatter=zero.average_in_reduce_scatter,

@@ -8,6 +8,7 @@ import torch
 
 from slipstream.zero.host_memory import HostArena
 from slipstream.zero.layout import ShardSpec
+from slipstream.zero.norms import LandedSquares
 
 __all__ = ["ShardedMasterWeights"]
 
@@ -90,6 +91,9 @@ class ShardedMasterWeights:
         # The same summed over the data-parallel group, when something already reduced it
         # (the speculative step's check at the end of backward); the step then reuses it.
         self.global_squares: torch.Tensor | None = None
+        # This rank's sum of squares of the grads, taken by the reducer as the last reduction
+        # before a step landed (None: the step takes it); see LandedSquares.
+        self.landed_squares: LandedSquares | None = None
         # Offload with a bf16 reduction: a reduced gradient that landed on the host in bf16
         # and is the whole gradient of the step (a single reduction since zero_grad) stays
         # bf16 here instead of becoming an fp32 ``.grad`` (the C++ CPU step reads bf16
@@ -204,3 +208,4 @@ class ShardedMasterWeights:
         self.landed.clear()
         self.device_squares = None
         self.global_squares = None
+        self.landed_squares = None

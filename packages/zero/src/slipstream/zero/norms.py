@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import math
 from collections.abc import Sequence
+from dataclasses import dataclass
 
 import torch
 
@@ -11,6 +12,7 @@ from slipstream.kernels.loss_scaler import inf_or_nan_flag
 from slipstream.zero.group import DataParallelGroup
 
 __all__ = [
+    "LandedSquares",
     "clip_coefficient",
     "clip_grads_",
     "global_grad_norm",
@@ -34,9 +36,43 @@ def local_squares(shard_grads: Sequence[torch.Tensor], device: torch.device) -> 
     for grads in by_device.values():
         # One multi-tensor pass per device, accumulating in fp32 (a square, a sum and their
         # temporaries per tensor before: three passes and hundreds of small kernels per step).
-        norms = torch._foreach_norm(grads, 2.0, dtype=torch.float32)
-        squares = squares + torch.stack(norms).square().sum().to(device)
+        squares = squares + squares_of_norms(tensor_norms(grads), device)
     return squares
+
+
+def tensor_norms(grads: Sequence[torch.Tensor]) -> list[torch.Tensor]:
+    """Each tensor's L2 norm in fp32, in one multi-tensor pass (what :func:`local_squares`
+    takes; a tensor's norm does not depend on the others in the list)."""
+    return list(torch._foreach_norm(list(grads), 2.0, dtype=torch.float32))
+
+
+def squares_of_norms(norms: Sequence[torch.Tensor], device: torch.device) -> torch.Tensor:
+    """The sum of squares from per-tensor norms, exactly as :func:`local_squares` adds them."""
+    return torch.stack(list(norms)).square().sum().to(device)
+
+
+@dataclass(frozen=True, slots=True)
+class LandedSquares:
+    """This rank's sum of squares of its master gradients, taken by the reducer as the last
+    reduction before a step landed (while the last reduce-scatter was still in flight), so
+    that the step does not take it after backward. ``total`` equals :func:`local_squares` of
+    ``grads`` bit for bit (the same per-tensor norms, added in the same order); it is valid
+    only while the gradients are these tensors, unchanged (:meth:`covers`)."""
+
+    total: torch.Tensor
+    grads: tuple[torch.Tensor, ...]
+    versions: tuple[int, ...]
+
+    @classmethod
+    def of(cls, total: torch.Tensor, grads: Sequence[torch.Tensor]) -> LandedSquares:
+        """Record ``total`` for ``grads`` as they are now."""
+        return cls(total, tuple(grads), tuple(g._version for g in grads))
+
+    def covers(self, grads: Sequence[torch.Tensor]) -> bool:
+        """Whether ``grads`` are the recorded tensors, not changed in place since."""
+        return len(grads) == len(self.grads) and all(
+            g is r and g._version == v for g, r, v in zip(grads, self.grads, self.versions)
+        )
 
 
 def global_grad_norm(

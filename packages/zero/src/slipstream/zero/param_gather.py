@@ -71,12 +71,19 @@ def pack_bucket(
     device = params[indices[0]].device
     send = torch.empty(sum(shards[i].numel() for i in indices), dtype=dtype, device=device)
     offset = 0
+    into: list[torch.Tensor] = []
+    sources: list[torch.Tensor] = []
     for i in indices:
         shard = shards[i].detach().reshape(-1)
         if shard.device != device:
             shard = shard.to(device, non_blocking=True)
-        send[offset : offset + shard.numel()].copy_(shard)
+        into.append(send[offset : offset + shard.numel()])
+        sources.append(shard)
         offset += shard.numel()
+    if into:
+        # One multi-tensor copy (cast) for the bucket instead of one kernel per parameter
+        # ([Note: cast copies] in grad_reduce.py).
+        torch._foreach_copy_(into, sources)
     return send
 
 

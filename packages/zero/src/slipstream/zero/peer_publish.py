@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import logging
+import os
 import socket
 import warnings
 from collections.abc import Sequence
@@ -18,8 +19,12 @@ __all__ = ["PeerPublish", "peer_publish_unavailable"]
 
 logger = logging.getLogger(__name__)
 
-# The first publish phase holds the parameters of the first 1/parts of the elements.
-_FIRST_PHASE_PARTS = 8
+# Where the publish phases end, as shares of the elements (in parameter order): the first
+# holds the first eighth (the next forward's first layers wait only for it); the others let
+# a step taken phase by phase (ZeroOptimizer) publish one phase while it steps the next, and
+# shrink towards the end, since the pulls of the last phase are what the step leaves exposed
+# (a phase's pulls take about as long as the step of as many elements).
+_PHASE_ENDS = (1 / 8, 1 / 2, 13 / 16, 15 / 16, 1.0)
 
 # Parameters start on 128-byte boundaries inside the symmetric buffer (full cache lines for
 # the peer copies).
@@ -94,7 +99,14 @@ def _process_group(group: DataParallelGroup) -> dist.ProcessGroup:
 
 
 def _enable_group(symm_mem: Any, pg: dist.ProcessGroup) -> None:
-    """Register ``pg`` with symmetric memory (older torch needs it; newer: a no-op)."""
+    """Register ``pg`` with symmetric memory (older torch needs it; newer: a no-op).
+
+    The peer publish uses peer copies and barriers, never NVLink multicast (``multimem``):
+    unless the user chose otherwise, torch's symmetric-memory allocator is told not to create
+    multicast objects for these buffers (``TORCH_SYMM_MEM_DISABLE_MULTICAST``, which torch
+    reads when it allocates), so the default publish never depends on NVLS support."""
+    if os.environ.setdefault("TORCH_SYMM_MEM_DISABLE_MULTICAST", "1") != "1":
+        logger.debug("TORCH_SYMM_MEM_DISABLE_MULTICAST is set by the user: left as it is")
     enable = getattr(symm_mem, "enable_symm_mem_for_group", None)
     if enable is not None:
         with warnings.catch_warnings():
@@ -146,11 +158,13 @@ class PeerPublish:
         pg = _process_group(group)
         _enable_group(symm_mem, pg)
         self.buffer = symm_mem.empty(max(total, 1), dtype=dtype, device=self.device)
+        self._views: list[torch.Tensor] = []
         with torch.no_grad():
             for p, offset in zip(self.params, self.offsets):
                 view = self.buffer[offset : offset + p.numel()].view(p.shape)
                 view.copy_(p.data)
                 p.data = view
+                self._views.append(view)
         self.handle = symm_mem.rendezvous(self.buffer, pg)
         peers = [(self.rank + k) % self.world for k in range(1, self.world)]
         # Per parameter: (destination in this buffer, source in a peer's buffer) for each peer.
@@ -172,16 +186,18 @@ class PeerPublish:
             own_dst.append(self.buffer[offset + start : offset + start + length])
             self._own_len.append(length)
         self._own_dst = own_dst
-        # Two phases (see start()): the parameters holding the first eighth of the elements
-        # (the first layers the next forward needs), then the rest.
+        # The phases (see start()): consecutive parameters, ending where the elements seen
+        # reach each share of _PHASE_ENDS (a phase may be empty).
         total_numel = sum(p.numel() for p in self.params)
-        first, seen = len(self.params), 0
+        ends, seen, share = [], 0, 0
         for i, p in enumerate(self.params):
             seen += p.numel()
-            if seen * _FIRST_PHASE_PARTS >= total_numel:
-                first = i + 1
-                break
-        self._phases = [range(0, first), range(first, len(self.params))]
+            while share < len(_PHASE_ENDS) and seen >= _PHASE_ENDS[share] * total_numel:
+                ends.append(i + 1)
+                share += 1
+        ends += [len(self.params)] * (len(_PHASE_ENDS) - len(ends))
+        starts = [0, *ends[:-1]]
+        self.phases: list[range] = [range(a, b) for a, b in zip(starts, ends)]
         self._side = torch.cuda.Stream(self.device)
         self._events: list[torch.cuda.Event] = []
         self._done: torch.cuda.Event | None = None
@@ -204,38 +220,84 @@ class PeerPublish:
         """On the side stream: write this rank's updated ``shards`` (the fp32 masters) into
         its parameters, cast, and pull every other rank's pieces; returns at once.
 
-        In two phases, each a cast of this rank's pieces, a barrier (every rank's pieces of
-        the phase are written) and the pulls: the first phase holds the first eighth of the
-        elements, so the next forward's first layers wait for a small cast and a small pull,
-        and the rest of the cast runs beside that forward instead of before it. The masters
-        are read here while the current stream goes on; it writes them again only in the
-        next step, after :meth:`land_all`."""
-        self.land_all()  # the last publish, if no forward needed it
-        compute = torch.cuda.current_stream(self.device)
+        Phase by phase (:attr:`phases`), each a cast of this rank's pieces, a barrier (every
+        rank's pieces of the phase are written) and the pulls: the first phase holds the
+        first eighth of the elements, so the next forward's first layers wait for a small
+        cast and a small pull, and the rest runs beside that forward instead of before it.
+        The masters are read here while the current stream goes on; it writes them again
+        only in the next step, after :meth:`land_all`."""
+        self.begin()
+        for phase in range(len(self.phases)):
+            self.start_phase(phase, shards)
+        self.end()
+
+    def begin(self) -> None:
+        """Before the first :meth:`start_phase` of a publish: land the last one (if no
+        forward needed it) and follow any parameter whose ``.data`` was replaced."""
+        self.land_all()
+        self._rehome()
+        self._events, self._done, self._landed = [], None, 0
+
+    @torch.no_grad()
+    def start_phase(self, phase: int, shards: Sequence[torch.Tensor]) -> None:
+        """On the side stream, once the current stream has reached this point (the step
+        wrote these masters): cast this rank's pieces of ``phase``, a barrier, the pulls.
+        Phases start in order, each once per publish, the same on every rank."""
+        indices = self.phases[phase]
+        if len(self._events) != indices.start:
+            raise RuntimeError(
+                f"peer publish phase {phase} started out of order (after "
+                f"{len(self._events)} parameters, expected {indices.start})"
+            )
         side = self._side
-        side.wait_stream(compute)  # the step's writes to the masters
-        events = []
+        side.wait_stream(torch.cuda.current_stream(self.device))
         with torch.cuda.stream(side):
-            for phase in self._phases:
-                own = [i for i in phase if self._own_len[i]]
-                if own:
-                    torch._foreach_copy_(
-                        [self._own_dst[i] for i in own],
-                        [shards[i].detach().reshape(-1)[: self._own_len[i]] for i in own],
-                    )
-                if not phase:
-                    continue
-                self.handle.barrier(channel=0)
-                for i in phase:
-                    for into, source in self._pulls[i]:
-                        into.copy_(source)
-                    event = torch.cuda.Event()
-                    event.record(side)
-                    events.append(event)
+            own = [i for i in indices if self._own_len[i]]
+            if own:
+                torch._foreach_copy_(
+                    [self._own_dst[i] for i in own],
+                    [shards[i].detach().reshape(-1)[: self._own_len[i]] for i in own],
+                )
+            if not indices:
+                return
+            self.handle.barrier(channel=0)
+            for i in indices:
+                for into, source in self._pulls[i]:
+                    into.copy_(source)
+                event = torch.cuda.Event()
+                event.record(side)
+                self._events.append(event)
+
+    def end(self) -> None:
+        """After the last :meth:`start_phase`: the barrier that marks every rank's pulls
+        done (see [Note: peer publish ordering])."""
+        if len(self._events) != len(self.params):
+            raise RuntimeError(
+                f"peer publish ended after {len(self._events)} of {len(self.params)} parameters"
+            )
+        with torch.cuda.stream(self._side):
             self.handle.barrier(channel=0)
             done = torch.cuda.Event()
-            done.record(side)
-        self._events, self._done, self._landed = events, done, 0
+            done.record(self._side)
+        self._done, self._landed = done, 0
+
+    def _rehome(self) -> None:
+        """Point a parameter whose ``.data`` was replaced since (``p.data = ...``,
+        ``load_state_dict(assign=True)``) back into the buffer: this publish writes every
+        element of it, as the all-gathers would write into the new tensor."""
+        for index, (p, view) in enumerate(zip(self.params, self._views)):
+            if p.data_ptr() == view.data_ptr():
+                continue
+            if p.shape != view.shape or p.dtype != view.dtype or p.device != view.device:
+                raise RuntimeError(
+                    f"parameter {index} of this ZeRO stage-1/2 group changed to shape "
+                    f"{tuple(p.shape)}, {p.dtype} on {p.device} (was {tuple(view.shape)}, "
+                    f"{view.dtype} on {view.device}) after it was sharded; the copy-engine "
+                    "publish (zero_optimization.publish_transport) cannot follow it. Change "
+                    "the model before slipstream.initialize, or set publish_transport "
+                    '"collective"'
+                )
+            p.data = view
 
     def land(self, index: int) -> None:
         """The current stream waits until parameter ``index`` (and all before it) arrived."""

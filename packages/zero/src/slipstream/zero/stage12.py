@@ -16,7 +16,7 @@ from slipstream.zero.group import DataParallelGroup
 from slipstream.zero.layout import ShardSpec
 from slipstream.zero.masters import ShardedMasterWeights
 from slipstream.zero.norms import clip_coefficient, norm_of_squares
-from slipstream.zero.optimizer import ZeroOptimizer
+from slipstream.zero.optimizer import PhasedPublish, ZeroOptimizer
 from slipstream.zero.param_gather import (
     PendingPublish,
     gather_bucket,
@@ -31,6 +31,16 @@ from slipstream.zero.settings import ZeroSettings
 __all__ = ["ShardedOptimizerStates"]
 
 logger = logging.getLogger(__name__)
+
+
+def _steps_each_parameter_alone(optimizer: torch.optim.Optimizer) -> bool:
+    """Whether stepping ``optimizer`` over a part of its parameters at a time gives the one
+    update: torch's Adam/AdamW/SGD and slipstream's FusedAdam keep every count per parameter.
+    Others may count steps per group or per call (apex's and DeepSpeed's FusedAdam keep
+    ``group["step"]``): those step whole."""
+    from slipstream.kernels.optim import FusedAdam
+
+    return type(optimizer) in (torch.optim.Adam, torch.optim.AdamW, torch.optim.SGD, FusedAdam)
 
 
 class ShardedOptimizerStates(GradientPathMixin):
@@ -152,15 +162,29 @@ class ShardedOptimizerStates(GradientPathMixin):
         # publish_transport "copy_engine": the parameters move into a symmetric-memory buffer
         # and each publish pulls the other ranks' shards with peer copies (peer_publish.py);
         # anywhere that cannot (CPU, gloo, several hosts, offload) keeps the all-gathers.
+        # "auto" (the default): the copy engines where they work, for an instance that
+        # publishes on its own (not one of several over a shared optimizer, not offload).
         self._peer: PeerPublish | None = None
-        self.publish_fallback = ""  # why "copy_engine" fell back ("" when it did not)
-        if settings.publish_transport == "copy_engine":
+        self.publish_fallback = ""  # why "copy_engine"/"auto" fell back ("" when it did not)
+        transport = settings.publish_transport
+        if transport == "auto" and (offload is not None or not strict_optimizer):
+            transport = "collective"
+            self.publish_fallback = (
+                "optimizer offload publishes from host memory (offload_optimizer)"
+                if offload is not None
+                else "several ZeRO instances share one optimizer (expert parallelism)"
+            )
+        if transport in ("copy_engine", "auto"):
             why = peer_publish_unavailable(self.params, self.group, offload=offload is not None)
             if why:
                 self.publish_fallback = why
                 if self.group.rank == 0:
-                    logger.info(
-                        'publish_transport "copy_engine" falls back to all-gathers: %s', why
+                    # Asked for by name: say why not at info; "auto" only at debug.
+                    logger.log(
+                        logging.INFO if transport == "copy_engine" else logging.DEBUG,
+                        'publish_transport "%s" publishes with all-gathers: %s',
+                        transport,
+                        why,
                     )
             else:
                 self._peer = PeerPublish(self.params, self.specs, self.group)
@@ -181,6 +205,21 @@ class ShardedOptimizerStates(GradientPathMixin):
             publish_all=self.publish,
             complete=self.complete_step,
         )
+        if (
+            self._peer is not None
+            and step is None
+            and strict_optimizer
+            and _steps_each_parameter_alone(optimizer)
+        ):
+            # The step goes phase by phase, and each phase's pulls run while the next one
+            # steps: the publish that follows the step shrinks to the last phase's pulls.
+            peer = self._peer
+            self.optimizer.phased = PhasedPublish(
+                phases=[list(phase) for phase in peer.phases],
+                begin=peer.begin,
+                publish=lambda phase: peer.start_phase(phase, self._publish_sources),
+                end=self._end_phased_publish,
+            )
 
         # Stage 1 under fp16/bf16: fp32 full-size accumulators, so GAS sums in fp32.
         self._accumulate_fp32 = settings.stage == 1 and any(
@@ -232,7 +271,7 @@ class ShardedOptimizerStates(GradientPathMixin):
             gradient_predivide_factor=settings.gradient_predivide_factor,
             prescale=settings.prescale_gradients,
             divisor=gradient_divisor,
-            tail_numel=settings.reduce_bucket_tail_numel,
+            tail_numel=settings.tail_numel(offloaded=offload is not None),
             reduce_group=reduce_group,
             average_in_collective=settings.average_in_reduce_scatter,
             eager=eager,
@@ -246,6 +285,10 @@ class ShardedOptimizerStates(GradientPathMixin):
             )
         if step is not None and self.group.rank == 0:
             self._say_gradient_dtype()
+        # The step's sum of squares taken as the last reduction lands (grad_reduce.py,
+        # [Note: squares while the last bucket travels]): masters on the device, and this
+        # instance's own optimizer step (ZeroOptimizer.step) that reads it.
+        self._squares_at_landing = step is None and strict_optimizer
         # The buckets that stepped during backward were published in finish().
         self._eager_published = False
         self._reducing = settings.stage == 2
@@ -402,6 +445,7 @@ class ShardedOptimizerStates(GradientPathMixin):
         """Complete the gradient reduction after ``loss.backward()`` (waits for the buckets)."""
         self.complete_step()  # a backward without prepare_backward (overlap_forward)
         if self.settings.stage == 2 or is_boundary:
+            self.reducer.take_squares = is_boundary and self._squares_at_landing
             self.reducer.finish()
         self._reducing = self.settings.stage == 2
 
@@ -445,6 +489,15 @@ class ShardedOptimizerStates(GradientPathMixin):
                     gather_bucket(shards, self.params, self.specs, self.group, indices)
             return
         self._publish_all()
+
+    def _end_phased_publish(self) -> None:
+        """After a phased step: the publish is complete; land it now unless the next
+        forward does (publish_during_forward)."""
+        assert self._peer is not None
+        self._eager_published = False
+        self._peer.end()
+        if self._in_flight is None:
+            self._peer.land_all()
 
     @property
     def publish_transport(self) -> str:
