@@ -564,9 +564,14 @@ class GradientReduceScatter:
         if self._to_host:
             # The device-side sum of squares is the master grads' only while they hold a
             # single reduction (no accumulation on the host since zero_grad).
-            self.masters.device_squares = (
-                torch.stack(squares).sum() if first_reduction and squares else None
-            )
+            total = torch.stack(squares).sum() if squares else None
+            self.masters.device_squares = total if first_reduction else None
+            # Every reduction's squares, added up for the non-finite vote (masters.py).
+            earlier = self.masters.vote_squares
+            if total is None or not (first_reduction or earlier is not None):
+                self.masters.vote_squares = None
+            else:
+                self.masters.vote_squares = total if first_reduction else earlier + total
 
     def _stepped(self, indices: list[int], job: Any) -> None:
         """A bucket's eager step: left running (``defer_job``) or waited for and published."""

@@ -90,6 +90,13 @@ class ShardedMasterWeights:
         # The same summed over the data-parallel group, when something already reduced it
         # (the speculative step's check at the end of backward); the step then reuses it.
         self.global_squares: torch.Tensor | None = None
+        # Offload: the device sums of squares of every reduction since zero_grad, added up
+        # (gradient accumulation at stage 2: several reductions accumulate on the host). It is
+        # not the norm of the accumulated grads, but it is non-finite whenever they are (an
+        # fp32 sum a + b overflows only when |a| or |b| is past 1.7e38, whose square is inf),
+        # so the non-finite vote rides on it instead of a pass over the host grads. None: not
+        # every reduction since zero_grad left one.
+        self.vote_squares: torch.Tensor | None = None
         # Offload with a bf16 reduction: a reduced gradient that landed on the host in bf16
         # and is the whole gradient of the step (a single reduction since zero_grad) stays
         # bf16 here instead of becoming an fp32 ``.grad`` (the C++ CPU step reads bf16
@@ -204,3 +211,4 @@ class ShardedMasterWeights:
         self.landed.clear()
         self.device_squares = None
         self.global_squares = None
+        self.vote_squares = None
