@@ -83,15 +83,20 @@ class StreamedAdam:
         hyper: AdamHyper,
         out: tuple[Sequence[torch.Tensor], Sequence[torch.Tensor], Sequence[torch.Tensor]]
         | None = None,
+        keep: Sequence[torch.Tensor | None] | None = None,
     ) -> None:
         """Queue the step of every (1-D, contiguous, host) tensor of the lists; with ``out``,
-        the new values go there and the inputs stay as they were. On a GPU this returns as soon
-        as the work is queued: :meth:`wait` before reading the results or touching the inputs."""
+        the new values go there and the inputs stay as they were. A gradient may also be on
+        ``device`` already (it is then read there, not from host memory). ``keep[i]`` (a tensor
+        on ``device``, or None) also receives the new value of tensor ``i``, cast to its dtype,
+        where it was computed (a publish then uploads nothing for those elements). On a GPU
+        this returns as soon as the work is queued: :meth:`wait` before reading the results or
+        touching the inputs."""
         if self.cuda:
             with torch.cuda.device(self.device):
-                self._enqueue(params, grads, exp_avgs, exp_avg_sqs, hyper, out)
+                self._enqueue(params, grads, exp_avgs, exp_avg_sqs, hyper, out, keep)
         else:
-            self._enqueue(params, grads, exp_avgs, exp_avg_sqs, hyper, out)
+            self._enqueue(params, grads, exp_avgs, exp_avg_sqs, hyper, out, keep)
 
     def _enqueue(
         self,
@@ -101,6 +106,7 @@ class StreamedAdam:
         exp_avg_sqs: Sequence[torch.Tensor],
         hyper: AdamHyper,
         out: tuple[Sequence[torch.Tensor], Sequence[torch.Tensor], Sequence[torch.Tensor]] | None,
+        keep: Sequence[torch.Tensor | None] | None = None,
     ) -> None:
         if self.cuda and not self._streams:
             self._streams = [torch.cuda.Stream(self.device) for _ in range(3)]
@@ -114,18 +120,30 @@ class StreamedAdam:
             sources = (param, exp_avgs[index], exp_avg_sqs[index])
             targets = (outs[0][index], outs[1][index], outs[2][index])
             grad = grads[index]
+            kept = keep[index] if keep is not None else None
             for start in range(0, param.numel(), self.chunk_numel):
                 n = min(self.chunk_numel, param.numel() - start)
                 slot = self._next
                 self._next = (self._next + 1) % len(self._slots)
                 p, m, v, g = (self._buffer(slot, k, torch.float32)[:n] for k in "pmvg")
-                landed = self._buffer(slot, "landed", grad.dtype)[:n]
+                # A gradient already on the device is read where it is (it is complete:
+                # the caller waited for it on the host); a host one is copied in first.
+                on_device = grad.device.type == self.device.type and (
+                    self.device.index is None or grad.device.index == self.device.index
+                )
+                landed = (
+                    grad[start : start + n]
+                    if on_device
+                    else self._buffer(slot, "landed", grad.dtype)[:n]
+                )
                 h2d, calc, d2h = self._streams or (None, None, None)
                 with torch.cuda.stream(h2d) if h2d is not None else nullcontext():
                     if h2d is not None and self._free[slot] is not None:
                         h2d.wait_event(self._free[slot])
-                    for dst, src in zip((p, m, v, landed), (*sources, grad)):
+                    for dst, src in zip((p, m, v), sources):
                         dst.copy_(src[start : start + n], non_blocking=True)
+                    if not on_device:
+                        landed.copy_(grad[start : start + n], non_blocking=True)
                     loaded = _record(h2d)
                 with torch.cuda.stream(calc) if calc is not None else nullcontext():
                     if calc is not None:
@@ -139,6 +157,8 @@ class StreamedAdam:
                         beta2=hyper.beta2, weight_decay=hyper.weight_decay, eps=hyper.eps,
                         amsgrad=False, maximize=False,
                     )  # fmt: skip
+                    if kept is not None:
+                        kept[start : start + n].copy_(p)  # cast as a publish would
                     stepped = _record(calc)
                 with torch.cuda.stream(d2h) if d2h is not None else nullcontext():
                     if d2h is not None:

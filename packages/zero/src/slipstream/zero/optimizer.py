@@ -288,11 +288,11 @@ class ZeroOptimizer:
             # (masters.py): the vote rides on it, with no pass over the host gradients (one
             # costs about as much as a CPU step). The norm, if clipping asks for it, still
             # reads them.
-            total = self.masters.vote_squares.detach().clone()
+            voted = self.masters.vote_squares.detach().clone()
             if nonfinite_check is not None:
-                total = total + nonfinite_check.detach().float().to(total.device) * 0.0
-            self.group.sum_(total)
-            if not bool(torch.isfinite(total)):
+                voted = voted + nonfinite_check.detach().float().to(voted.device) * 0.0
+            self.group.sum_(voted)
+            if not bool(torch.isfinite(voted)):
                 return self._overflow()
             return self._offloaded_step(grads, loss_scale, max_grad_norm, grad_norm)
         if (
