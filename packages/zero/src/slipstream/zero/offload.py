@@ -431,7 +431,10 @@ class OffloadedStep:
         and nothing overflowed (nothing, once the speculative step has been called off)."""
         if not self.cancelled:
             chosen = [self.masters.masters[i] for i in indices if self.masters.offloaded[i]]
-            self.host.speculate_params(chosen, self.speculation_scale, keep=self.streams)
+            if self.streams:
+                self.host.speculate_params(chosen, self.speculation_scale, keep=True)
+            else:
+                self.host.speculate_params(chosen, self.speculation_scale)
 
     # ------------------------------------------------------------------ gpu_share in training
     @property
@@ -459,7 +462,8 @@ class OffloadedStep:
             if reduced is None:
                 lent.pop(id(master), None)
             else:
-                lent[id(master)] = reduced[offset : offset + master.numel()]
+                n = self.masters.specs[index].shard_numel
+                lent[id(master)] = reduced[offset : offset + n]
 
     def take_kept(self, index: int) -> tuple[int, torch.Tensor] | None:
         """Master ``index``'s new values kept on the device by its step during backward (the
@@ -471,8 +475,11 @@ class OffloadedStep:
     def eager_indices(self, indices: list[int]) -> None:
         """``overlap_step``: step the offloaded masters at ``indices`` now, during backward
         (the streamed share's values kept for the publish)."""
+        if not self.streams:
+            self.step_indices(indices)
+            return
         chosen = [self.masters.masters[i] for i in indices if self.masters.offloaded[i]]
-        self.host.step_params(chosen, 1.0, keep=self.streams)
+        self.host.step_params(chosen, 1.0, keep=True)
 
     def cancel_speculation(self) -> None:
         """Call off the current speculative step (the norm needs clipping): buckets not yet

@@ -79,6 +79,8 @@ def pack_bucket(
         pieces.append([part.detach().reshape(-1) for part in parts])
     send = torch.empty(sum(p.numel() for ps in pieces for p in ps), dtype=dtype, device=device)
     offset = 0
+    into: list[torch.Tensor] = []
+    sources: list[torch.Tensor] = []
     for shard_pieces in pieces:
         for piece in shard_pieces:
             if piece.device != device:
@@ -86,8 +88,12 @@ def pack_bucket(
             elif piece.is_cuda and len(shard_pieces) > 1:
                 # Made on another stream (gpu_share's): not reused before this copy is done.
                 piece.record_stream(torch.cuda.current_stream(device))
-            send[offset : offset + piece.numel()].copy_(piece)
+            into.append(send[offset : offset + piece.numel()])
+            sources.append(piece)
             offset += piece.numel()
+    if into:
+        # One multi-tensor copy (cast) for the bucket instead of one kernel per piece.
+        torch._foreach_copy_(into, sources)
     return send
 
 
