@@ -70,8 +70,16 @@ class StreamedAdam:
         key = (name, dtype)
         buffers = self._slots[slot]
         if key not in buffers:
-            buffers[key] = torch.empty(self.chunk_numel, dtype=dtype, device=self.device)
+            # Allocated on this class's own stream: an allocation on the caller's stream (the
+            # training's compute stream, from the worker thread) may get memory that kernels
+            # still queued there use, and these buffers are written on other streams at once.
+            with self._own_stream(0):
+                buffers[key] = torch.empty(self.chunk_numel, dtype=dtype, device=self.device)
         return buffers[key]
+
+    def _own_stream(self, which: int) -> Any:
+        """A context making stream ``which`` (0 copies in, 1 steps, 2 copies back) current."""
+        return torch.cuda.stream(self._streams[which]) if self._streams else nullcontext()
 
     @torch.no_grad()
     def enqueue(
@@ -83,20 +91,20 @@ class StreamedAdam:
         hyper: AdamHyper,
         out: tuple[Sequence[torch.Tensor], Sequence[torch.Tensor], Sequence[torch.Tensor]]
         | None = None,
-        keep: Sequence[torch.Tensor | None] | None = None,
-    ) -> None:
+        keep_dtype: torch.dtype | None = None,
+    ) -> list[torch.Tensor]:
         """Queue the step of every (1-D, contiguous, host) tensor of the lists; with ``out``,
         the new values go there and the inputs stay as they were. A gradient may also be on
-        ``device`` already (it is then read there, not from host memory). ``keep[i]`` (a tensor
-        on ``device``, or None) also receives the new value of tensor ``i``, cast to its dtype,
-        where it was computed (a publish then uploads nothing for those elements). On a GPU
-        this returns as soon as the work is queued: :meth:`wait` before reading the results or
-        touching the inputs."""
+        ``device`` already (it is then read there, not from host memory). With ``keep_dtype``,
+        returns for each tensor its new values cast to that dtype on ``device``, where they
+        were computed (a publish then uploads nothing for those elements; allocated on this
+        class's step stream: a consumer on another stream must ``record_stream`` them); else
+        an empty list. On a GPU this returns as soon as the work is queued: :meth:`wait`
+        before reading the results or touching the inputs."""
         if self.cuda:
             with torch.cuda.device(self.device):
-                self._enqueue(params, grads, exp_avgs, exp_avg_sqs, hyper, out, keep)
-        else:
-            self._enqueue(params, grads, exp_avgs, exp_avg_sqs, hyper, out, keep)
+                return self._enqueue(params, grads, exp_avgs, exp_avg_sqs, hyper, out, keep_dtype)
+        return self._enqueue(params, grads, exp_avgs, exp_avg_sqs, hyper, out, keep_dtype)
 
     def _enqueue(
         self,
@@ -106,21 +114,26 @@ class StreamedAdam:
         exp_avg_sqs: Sequence[torch.Tensor],
         hyper: AdamHyper,
         out: tuple[Sequence[torch.Tensor], Sequence[torch.Tensor], Sequence[torch.Tensor]] | None,
-        keep: Sequence[torch.Tensor | None] | None = None,
-    ) -> None:
+        keep_dtype: torch.dtype | None = None,
+    ) -> list[torch.Tensor]:
         if self.cuda and not self._streams:
             self._streams = [torch.cuda.Stream(self.device) for _ in range(3)]
         if self._step is None:
-            # Written only on the step's stream (fill_ below): no kernel on this stream that
-            # could land after it.
-            self._step = torch.empty((), dtype=torch.float32, device=self.device)
+            # Written only on the step's stream (fill_ below), and allocated there.
+            with self._own_stream(1):
+                self._step = torch.empty((), dtype=torch.float32, device=self.device)
+        kept_all: list[torch.Tensor] = []
         outs = out if out is not None else (params, exp_avgs, exp_avg_sqs)
         fused = torch._fused_adamw_ if hyper.adam_w_mode else torch._fused_adam_
         for index, param in enumerate(params):
             sources = (param, exp_avgs[index], exp_avg_sqs[index])
             targets = (outs[0][index], outs[1][index], outs[2][index])
             grad = grads[index]
-            kept = keep[index] if keep is not None else None
+            kept = None
+            if keep_dtype is not None:
+                with self._own_stream(1):  # written there; see _buffer
+                    kept = torch.empty(param.numel(), dtype=keep_dtype, device=self.device)
+                kept_all.append(kept)
             for start in range(0, param.numel(), self.chunk_numel):
                 n = min(self.chunk_numel, param.numel() - start)
                 slot = self._next
@@ -166,6 +179,7 @@ class StreamedAdam:
                     for dst, src in zip(targets, (p, m, v)):
                         dst[start : start + n].copy_(src, non_blocking=True)
                     self._free[slot] = _record(d2h)
+        return kept_all
 
     def wait(self) -> None:
         """Block until every queued chunk is back in host memory."""

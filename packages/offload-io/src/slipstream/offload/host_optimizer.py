@@ -401,7 +401,7 @@ class HostOptimizer:
             lists += list(out)
         cpu: list[list[torch.Tensor]] = [[] for _ in lists]
         gpu: list[list[torch.Tensor]] = [[] for _ in lists]
-        kept: list[torch.Tensor | None] = []
+        streamed_ids: list[tuple[int, int]] = []  # (id(param), first streamed element)
         keep_dtype = self.keep_dtype if keep else None
         for index, param in enumerate(params):
             numel = param.numel()
@@ -416,19 +416,15 @@ class HostOptimizer:
                 lent = self.device_grads.get(id(param))
                 if lent is not None:
                     gpu[1][-1] = lent.view(-1)[split:]
-                target = None
-                if keep_dtype is not None:
-                    target = torch.empty(numel - split, dtype=keep_dtype, device=streamed.device)
-                    with self._keeping:
-                        self._kept[id(param)] = (split, target)
-                kept.append(target)
+                streamed_ids.append((id(param), split))
         gpu_out = (gpu[4], gpu[5], gpu[6]) if out is not None else None
         cpu_out = (cpu[4], cpu[5], cpu[6]) if out is not None else None
         with self._streaming:  # one call at a time uses the streamer's buffers and streams
             if gpu[0]:
-                streamed.enqueue(
-                    gpu[0], gpu[1], gpu[2], gpu[3], hyper, gpu_out, kept if keep_dtype else None
-                )
+                kept = streamed.enqueue(gpu[0], gpu[1], gpu[2], gpu[3], hyper, gpu_out, keep_dtype)
+                with self._keeping:
+                    for (key, split), values in zip(streamed_ids, kept):
+                        self._kept[key] = (split, values)
             try:
                 if cpu[0]:
                     self._cpp_adam(cpu[0], cpu[1], cpu[2], cpu[3], hyper, None, cpu_out)

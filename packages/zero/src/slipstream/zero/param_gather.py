@@ -88,6 +88,9 @@ def pack_bucket(
             elif piece.is_cuda and len(shard_pieces) > 1:
                 # Made on another stream (gpu_share's): not reused before this copy is done.
                 piece.record_stream(torch.cuda.current_stream(device))
+                send[offset : offset + piece.numel()].copy_(piece)
+                offset += piece.numel()
+                continue
             into.append(send[offset : offset + piece.numel()])
             sources.append(piece)
             offset += piece.numel()
