@@ -122,18 +122,12 @@ class EagerBucketStep:
     ``before_stepped(squares)``, if given, is called in ``finish`` once every bucket's sum of
     squares exists and before it waits for the steps (a speculative step may be called off
     there); only for a first reduction since zero_grad.
-    ``lend_grads(indices, offsets, reduced)``, if given, is called on the worker before a
-    bucket steps, when its landed gradients are the whole master grads (a first reduction):
-    ``reduced`` is the bucket's reduced output on the device, equal to what landed on the
-    host, which the step may read instead (gpu_share); ``lend_grads(indices, offsets, None)``
-    after the step takes them back (the device buffer is freed once no one holds it).
     """
 
     submit: Callable[..., Any]
     step_indices: Callable[[list[int]], None]
     on_stepped: Callable[[list[int]], None]
     before_stepped: Callable[[list[torch.Tensor]], None] | None = None
-    lend_grads: Callable[[list[int], list[int], torch.Tensor | None], None] | None = None
 
 
 class GradientReduceScatter:
@@ -240,7 +234,6 @@ class GradientReduceScatter:
         self.before_stepped: Callable[[list[torch.Tensor]], None] | None = (
             eager.before_stepped if eager else None
         )
-        self.lend_grads = eager.lend_grads if eager else None
         # ``defer_job(indices, job)`` (overlap_forward, switched on by the stage's
         # overlap_forward()): finish() leaves each eager bucket's step running and hands it
         # over (in bucket order) instead of waiting for it and calling on_bucket_stepped; the
@@ -485,35 +478,13 @@ class GradientReduceScatter:
         if self.on_final_bucket is not None and self.final:
             indices, offsets = list(bucket.indices), list(bucket.offsets)
             owned = self._owned(bucket, target)
-            # A first reduction's device output equals what lands (gpu_share reads it there);
-            # held by this job until its step is done.
-            lend = self.lend_grads if owned and bucket.first else None
-            reduced = [output] if lend is not None else []
 
             def run() -> None:
                 event.synchronize()
                 self._hand_over_slices(indices, offsets, target, owned)
-                self._step_lending(indices, offsets, reduced, lend)
+                self._step_now(indices)
 
             bucket.job = self.on_final_bucket(run, event.query)
-
-    def _step_lending(
-        self,
-        indices: list[int],
-        offsets: list[int],
-        reduced: list[torch.Tensor],
-        lend: Callable[[list[int], list[int], torch.Tensor | None], None] | None,
-    ) -> None:
-        """Step a bucket, its device output (``reduced``: [output] or []) lent for the step
-        and let go after it (the list is emptied: the job no longer holds the buffer)."""
-        if lend is None or not reduced:
-            self._step_now(indices)
-            return
-        lend(indices, offsets, reduced.pop())
-        try:
-            self._step_now(indices)
-        finally:
-            lend(indices, offsets, None)
 
     def _step_now(self, indices: list[int]) -> None:
         assert self.step_indices is not None, "an eager offload step needs step_indices"
@@ -546,8 +517,7 @@ class GradientReduceScatter:
             # below: later work on the current stream must not reuse them before the side
             # stream has read them (post-scale, squares, copy to the host).
             torch.cuda.current_stream(self._side.device).wait_stream(self._side)
-        # Eager steps of buckets reduced here (no GPU): indices, offsets, lent output, lend.
-        deferred: list[tuple[list[int], list[int], list[torch.Tensor], Any]] = []
+        deferred: list[list[int]] = []  # eager steps of buckets reduced here (no GPU)
         for bucket in self._buckets:
             if bucket.job is not None:  # offload, eager: handed over and stepping already
                 self._stepped(list(bucket.indices), bucket.job)
@@ -575,10 +545,7 @@ class GradientReduceScatter:
                 target.copy_(output)
                 self._hand_over(bucket, target)
                 if self.on_final_bucket is not None and self.final:
-                    lend = self.lend_grads if self._owned(bucket, target) and bucket.first else None
-                    deferred.append(
-                        (list(bucket.indices), list(bucket.offsets), [output] if lend else [], lend)
-                    )
+                    deferred.append(list(bucket.indices))
             bucket.buffer = bucket.output = bucket.work = None
             bucket.target = bucket.copied = bucket.squares = bucket.job = None
             bucket.scaled = False
@@ -592,9 +559,8 @@ class GradientReduceScatter:
             if self.before_stepped is not None and first_reduction:
                 self.before_stepped(squares)
             assert self.on_final_bucket is not None
-            for indices, offsets, reduced, lend in deferred:
-                run = partial(self._step_lending, indices, offsets, reduced, lend)
-                self._stepped(indices, self.on_final_bucket(run))
+            for indices in deferred:
+                self._stepped(indices, self.on_final_bucket(partial(self._step_now, indices)))
         if self._to_host:
             # The device-side sum of squares is the master grads' only while they hold a
             # single reduction (no accumulation on the host since zero_grad).

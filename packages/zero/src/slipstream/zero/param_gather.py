@@ -62,41 +62,21 @@ def gather_bucket(
 
 @torch.no_grad()
 def pack_bucket(
-    shards: Sequence[torch.Tensor | Sequence[torch.Tensor]],
-    params: Sequence[torch.Tensor],
-    indices: Sequence[int],
+    shards: Sequence[torch.Tensor], params: Sequence[torch.Tensor], indices: Sequence[int]
 ) -> torch.Tensor:
     """The send buffer of :func:`gather_bucket`: ``shards[i]`` for ``i`` in ``indices``,
     concatenated on the parameters' device in their dtype (host shards uploaded on the
-    current stream, then cast there). A shard may also be given as a sequence of 1-D
-    pieces, in order (part of it in host memory, part already on the device)."""
+    current stream, then cast there)."""
     dtype = params[indices[0]].dtype
     device = params[indices[0]].device
-    pieces: list[list[torch.Tensor]] = []
-    for i in indices:
-        shard = shards[i]
-        parts = [shard] if isinstance(shard, torch.Tensor) else list(shard)
-        pieces.append([part.detach().reshape(-1) for part in parts])
-    send = torch.empty(sum(p.numel() for ps in pieces for p in ps), dtype=dtype, device=device)
+    send = torch.empty(sum(shards[i].numel() for i in indices), dtype=dtype, device=device)
     offset = 0
-    into: list[torch.Tensor] = []
-    sources: list[torch.Tensor] = []
-    for shard_pieces in pieces:
-        for piece in shard_pieces:
-            if piece.device != device:
-                piece = piece.to(device, non_blocking=True)
-            elif piece.is_cuda and len(shard_pieces) > 1:
-                # Made on another stream (gpu_share's): not reused before this copy is done.
-                piece.record_stream(torch.cuda.current_stream(device))
-                send[offset : offset + piece.numel()].copy_(piece)
-                offset += piece.numel()
-                continue
-            into.append(send[offset : offset + piece.numel()])
-            sources.append(piece)
-            offset += piece.numel()
-    if into:
-        # One multi-tensor copy (cast) for the bucket instead of one kernel per piece.
-        torch._foreach_copy_(into, sources)
+    for i in indices:
+        shard = shards[i].detach().reshape(-1)
+        if shard.device != device:
+            shard = shard.to(device, non_blocking=True)
+        send[offset : offset + shard.numel()].copy_(shard)
+        offset += shard.numel()
     return send
 
 
