@@ -482,3 +482,92 @@ def test_a_kept_speculative_step_reads_no_host_gradients_in_step() -> None:
     (result,) = run_distributed(_step_reads_no_host_gradients, 1, timeout=300)
     assert result["check"] and result["kept"] == 3
     assert result["host_vote"] == 0 and result["host_step"] == 0, result
+
+
+def _accumulated_vote(poison_at: int) -> dict:
+    """Stage 2, gradient accumulation 2, bf16 with its non-finite check, CPU offload: the vote
+    of each step rides on the device sums of squares of its two reductions (no pass over the
+    host gradients), and an inf gradient in one micro-step (``poison_at``, on the last rank
+    only) skips that step on every rank, leaving weights and Adam states as they were."""
+    import slipstream
+    import slipstream.zero.optimizer as zero_optimizer
+    from slipstream import comm
+    from slipstream.zero.testing import TinyTransformer, batch_for
+
+    calls = {"host_vote": 0}
+    original_vote = zero_optimizer.overflow_on_any_rank
+
+    def counting_vote(*args: object, **kwargs: object) -> bool:
+        calls["host_vote"] += 1
+        return original_vote(*args, **kwargs)
+
+    zero_optimizer.overflow_on_any_rank = counting_vote
+    world, rank = comm.get_world_size(), comm.get_rank()
+    torch.manual_seed(0)
+    model = TinyTransformer()
+    config = {
+        "train_micro_batch_size_per_gpu": MICRO,
+        "gradient_accumulation_steps": 2,
+        "gradient_clipping": KEEP,
+        "bf16": {"enabled": True},
+        "zero_optimization": {
+            "stage": 2,
+            "reduce_bucket_size": 600,
+            "offload_optimizer": {"device": "cpu"},
+        },
+    }
+    engine, *_ = slipstream.initialize(
+        model=model, optimizer=torch.optim.AdamW(model.parameters(), lr=0.01), config=config
+    )
+    unchanged = []
+    for micro in range(6):
+        if micro == poison_at - poison_at % 2:  # the first micro-step of the poisoned step
+            engine.wait_for_step()
+            weights = [p.detach().clone() for p in engine.module.parameters()]
+            states = [
+                v.clone()
+                for s in engine.optimizer.state.values()
+                for v in s.values()
+                if isinstance(v, torch.Tensor)
+            ]
+        ids, labels = batch_for(micro, rank, MICRO)
+        loss = engine(ids, labels)
+        if micro == poison_at and rank == world - 1:
+            weight = engine.module.block.qkv.weight
+            loss = loss + torch.sqrt(weight.float().sum() * 0.0)  # a nan gradient
+        engine.backward(loss)
+        engine.step()
+        if micro == poison_at + (1 - poison_at % 2):  # the poisoned step's boundary
+            engine.wait_for_step()
+            after = [
+                v
+                for s in engine.optimizer.state.values()
+                for v in s.values()
+                if isinstance(v, torch.Tensor)
+            ]
+            unchanged.append(
+                all(torch.equal(w, p) for w, p in zip(weights, engine.module.parameters()))
+                and len(states) == len(after)
+                and all(torch.equal(b, a) for b, a in zip(states, after))
+            )
+    finite = all(bool(torch.isfinite(p).all()) for p in engine.module.parameters())
+    return {
+        **calls,
+        "skipped": engine.nonfinite_skipped_steps,
+        "unchanged": unchanged,
+        "finite": finite,
+        "steps": engine.global_steps,
+    }
+
+
+def _accumulated_votes() -> list[dict]:
+    # The first and the second micro-step of the second step poisoned, in one world.
+    return [_accumulated_vote(2), _accumulated_vote(3)]
+
+
+def test_accumulated_offload_votes_on_device_squares() -> None:
+    for results in run_distributed(_accumulated_votes, 2, timeout=300):
+        for result in results:
+            assert result["host_vote"] == 0, result
+            assert result["skipped"] == 1 and result["unchanged"] == [True], result
+            assert result["finite"] and result["steps"] == 3, result

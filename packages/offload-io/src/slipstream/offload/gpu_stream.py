@@ -70,8 +70,17 @@ class StreamedAdam:
         key = (name, dtype)
         buffers = self._slots[slot]
         if key not in buffers:
-            buffers[key] = torch.empty(self.chunk_numel, dtype=dtype, device=self.device)
+            # Allocated on this class's own stream: an allocation on the caller's stream (the
+            # training's compute stream, from the CPU step's worker thread) may get memory
+            # that kernels still queued there use, and these buffers are written on the
+            # copy-in stream at once.
+            with self._own_stream(0):
+                buffers[key] = torch.empty(self.chunk_numel, dtype=dtype, device=self.device)
         return buffers[key]
+
+    def _own_stream(self, which: int) -> Any:
+        """A context making stream ``which`` (0 copies in, 1 steps, 2 copies back) current."""
+        return torch.cuda.stream(self._streams[which]) if self._streams else nullcontext()
 
     @torch.no_grad()
     def enqueue(
@@ -105,9 +114,10 @@ class StreamedAdam:
         if self.cuda and not self._streams:
             self._streams = [torch.cuda.Stream(self.device) for _ in range(3)]
         if self._step is None:
-            # Written only on the step's stream (fill_ below): no kernel on this stream that
-            # could land after it.
-            self._step = torch.empty((), dtype=torch.float32, device=self.device)
+            # Written only on the step's stream (fill_ below), and allocated there (see
+            # _buffer).
+            with self._own_stream(1):
+                self._step = torch.empty((), dtype=torch.float32, device=self.device)
         outs = out if out is not None else (params, exp_avgs, exp_avg_sqs)
         fused = torch._fused_adamw_ if hyper.adam_w_mode else torch._fused_adam_
         for index, param in enumerate(params):

@@ -597,9 +597,16 @@ class GradientReduceScatter:
         if self._to_host:
             # The device-side sum of squares is the master grads' only while they hold a
             # single reduction (no accumulation on the host since zero_grad).
-            self.masters.device_squares = (
-                torch.stack(squares).sum() if first_reduction and squares else None
-            )
+            total = torch.stack(squares).sum() if squares else None
+            self.masters.device_squares = total if first_reduction else None
+            # Every reduction's squares, added up for the non-finite vote (masters.py).
+            earlier = self.masters.vote_squares
+            if total is not None and first_reduction:
+                self.masters.vote_squares = total
+            elif total is not None and earlier is not None:
+                self.masters.vote_squares = earlier + total
+            else:
+                self.masters.vote_squares = None
 
     def _take_norms(self, bucket: _Bucket, norms: dict[int, torch.Tensor]) -> None:
         """Queue the norms of a landed bucket's master grads (one multi-tensor pass)."""

@@ -94,6 +94,13 @@ class ShardedMasterWeights:
         # This rank's sum of squares of the grads, taken by the reducer as the last reduction
         # before a step landed (None: the step takes it); see LandedSquares.
         self.landed_squares: LandedSquares | None = None
+        # Offload: the device sums of squares of every reduction since zero_grad, added up
+        # (gradient accumulation at stage 2: several reductions accumulate on the host). It is
+        # not the norm of the accumulated grads, but it is non-finite whenever they are (an
+        # fp32 sum a + b overflows only when |a| or |b| is past 1.7e38, whose square is inf),
+        # so the non-finite vote rides on it instead of a pass over the host grads. None: not
+        # every reduction since zero_grad left one.
+        self.vote_squares: torch.Tensor | None = None
         # Offload with a bf16 reduction: a reduced gradient that landed on the host in bf16
         # and is the whole gradient of the step (a single reduction since zero_grad) stays
         # bf16 here instead of becoming an fp32 ``.grad`` (the C++ CPU step reads bf16
@@ -209,3 +216,4 @@ class ShardedMasterWeights:
         self.device_squares = None
         self.global_squares = None
         self.landed_squares = None
+        self.vote_squares = None

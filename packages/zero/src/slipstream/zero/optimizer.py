@@ -365,15 +365,28 @@ class ZeroOptimizer:
             )
             return self._offloaded_step(grads, loss_scale, max_grad_norm, given)
         squares = self.masters.device_squares
+        votes = loss_scale is not None or nonfinite_check is not None
+        if squares is None and votes and self.masters.vote_squares is not None:
+            # Gradient accumulation at stage 2: no device sum of squares of the accumulated
+            # grads, but every reduction's, added up, is non-finite whenever they are
+            # (masters.py): the vote rides on it, with no pass over the host gradients (one
+            # costs about as much as a CPU step). The norm, if clipping asks for it, still
+            # reads them.
+            voted = self.masters.vote_squares.detach().clone()
+            if nonfinite_check is not None:
+                voted = voted + nonfinite_check.detach().float().to(voted.device) * 0.0
+            self.group.sum_(voted)
+            if not bool(torch.isfinite(voted)):
+                return self._overflow()
+            return self._offloaded_step(grads, loss_scale, max_grad_norm, grad_norm)
         if (
             squares is None
             and loss_scale is None
             and nonfinite_check is not None
             and overflow_on_any_rank([*grads, nonfinite_check.detach()], self.group, self.device)
         ):
-            # No sum of squares from the device (gradient accumulation at stage 2): the vote
-            # reads the host gradients. With one, the vote rides on it (below): a pass over
-            # the host gradients here costs as much as a CPU step.
+            # No sum of squares from the device (a gradient that reached the masters some
+            # other way): the vote reads the host gradients.
             return self._overflow()
         if self.offload is not None and squares is not None:
             # Offload: the reducer took the sum of squares on the device; an inf or nan in
