@@ -166,14 +166,39 @@ def take_sharded_step(
             found_inf = (~torch.isfinite(total)).to(torch.float32)
         elif not bool(torch.isfinite(total)):  # the step's one host sync
             return StepOutcome(overflow=True, grad_norm=None)
-    if loss_scale is not None and loss_scale != 1.0 and grads:
-        torch._foreach_mul_(grads, 1.0 / loss_scale)
+    unscale_grads_(grads, loss_scale)
     if grad_norm is not None:
         norm = grad_norm
     else:
         assert total is not None
         norm = norm_of_squares(total, loss_scale)
-    clipping = bool(grads) and max_grad_norm > 0 and not math.isinf(max_grad_norm)
+    clip_and_step(optimizer, grads, norm, max_grad_norm, found_inf, phased=phased, masters=masters)
+    return StepOutcome(overflow=False, grad_norm=norm, skipped=found_inf)
+
+
+def unscale_grads_(grads: list[torch.Tensor], loss_scale: float | None) -> None:
+    """Undo an fp16 loss scale on the gradients in place (nothing without one)."""
+    if loss_scale is not None and loss_scale != 1.0 and grads:
+        torch._foreach_mul_(grads, 1.0 / loss_scale)
+
+
+def clip_and_step(
+    optimizer: torch.optim.Optimizer,
+    grads: list[torch.Tensor],
+    norm: torch.Tensor | None,
+    max_grad_norm: float,
+    found_inf: torch.Tensor | None,
+    *,
+    phased: PhasedPublish | None = None,
+    masters: Sequence[torch.Tensor] = (),
+) -> None:
+    """The tail every on-device gradient path shares (:func:`take_sharded_step`, the
+    replicated stage-0 path): clip the unscaled ``grads`` to ``max_grad_norm`` by the global
+    ``norm`` (None: no clipping), then step, skipping on the device flag ``found_inf`` when
+    given (only for an optimizer that :func:`supports_device_skip`), phase by phase with
+    ``phased`` (see :func:`take_sharded_step`)."""
+    clipping = bool(grads) and norm is not None and max_grad_norm > 0
+    clipping = clipping and not math.isinf(max_grad_norm)
     grad_scale = None
     if clipping and supports_device_skip(optimizer):
         # [Note: clipping inside the fused step] A fused optimizer divides the gradients by
@@ -182,8 +207,10 @@ def take_sharded_step(
         # before the step (a read and a write of each, ~1.3 ms per step at 1.3B on 2 ranks)
         # is gone. The gradients end as clipped as before (to within fp32 rounding: g / (1/c)
         # for g * c).
+        assert norm is not None
         grad_scale = (1.0 / clip_coefficient(norm, max_grad_norm)).to(torch.float32)
     elif clipping:
+        assert norm is not None
         clip_grads_(grads, norm, max_grad_norm)
 
     def update() -> None:
@@ -201,7 +228,6 @@ def take_sharded_step(
                 update()
             phased.publish(phase)
         phased.end()
-    return StepOutcome(overflow=False, grad_norm=norm, skipped=found_inf)
 
 
 @contextmanager

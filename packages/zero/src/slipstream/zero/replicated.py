@@ -23,12 +23,12 @@ from slipstream.kernels.loss_scaler import inf_or_nan_flag
 from slipstream.zero.allreduce import GradientReducer, ReduceSettings, register_ready_hooks
 from slipstream.zero.gradient_path import _load_masters, _masters_state, masters_memory
 from slipstream.zero.group import DataParallelGroup
-from slipstream.zero.norms import clip_grads_
 from slipstream.zero.optimizer import (
     StepOutcome,
-    step_unless_nonfinite,
+    clip_and_step,
     supports_device_skip,
     take_sharded_step,
+    unscale_grads_,
 )
 
 __all__ = ["ExpertGroup", "MasterWeights", "ReplicatedGradientPath"]
@@ -279,15 +279,9 @@ class ReplicatedGradientPath:
                 if bool(found_inf.item()):  # host sync: the step must know now whether to skip
                     return StepOutcome(overflow=True, grad_norm=None)
                 found_inf = None
-        if loss_scale is not None and loss_scale != 1.0 and grads:
-            torch._foreach_mul_(grads, 1.0 / loss_scale)
+        unscale_grads_(grads, loss_scale)
         norm = grad_norm if grad_norm is not None else self._global_norm()
-        if norm is not None:
-            clip_grads_(grads, norm, max_grad_norm)
-        if found_inf is not None:
-            step_unless_nonfinite(optimizer, found_inf)
-        else:
-            optimizer.step()
+        clip_and_step(optimizer, grads, norm, max_grad_norm, found_inf)
         if self.masters is not None:
             self.masters.copy_to_model()  # after a skip: the unchanged values again
         return StepOutcome(overflow=False, grad_norm=norm, skipped=found_inf)
