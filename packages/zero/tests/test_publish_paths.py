@@ -165,6 +165,31 @@ def test_the_step_retakes_the_squares_of_gradients_changed_after_backward() -> N
     zero.remove_hooks()
 
 
+def test_no_squares_at_landing_when_the_caller_sums_them() -> None:
+    """A caller that passes ``grad_squares`` to every step (a pipeline) has the reducer take
+    no squares of its own, and the step still uses the caller's."""
+    torch.manual_seed(0)
+    model = TinyTransformer()
+    optimizer = torch.optim.AdamW(model.parameters(), lr=0.01)
+    zero = ShardedOptimizerStates(
+        list(model.parameters()),
+        optimizer,
+        ZeroSettings(stage=2, reduce_bucket_numel=700),
+        caller_sums_squares=True,
+    )
+    ids, labels = batch_for(0, 0, MICRO)
+    model(ids, labels).backward()
+    zero.finish_backward(True)
+    assert zero.masters.landed_squares is None
+    from slipstream.zero.norms import local_squares
+
+    grads = zero.masters.grads()
+    squares = local_squares(grads, grads[0].device)
+    outcome = zero.optimizer.step(max_grad_norm=0.0, grad_squares=squares)
+    assert outcome.grad_norm is not None and torch.equal(outcome.grad_norm, squares.sqrt())
+    zero.remove_hooks()
+
+
 def _check_equal(result: dict, stages: tuple[int, ...], exact_tail: bool = True) -> None:
     """Every variant equals the plain path bit for bit. ``exact_tail=False`` (3+ ranks):
     the split tail regroups gradients into other collectives, and a ring reduction over 3+

@@ -278,7 +278,11 @@ class PipelineEngine:
         # several parts, so a bucket must not launch before the instruction has finished.
         settings = dataclasses.replace(zero_setup.zero_settings(config), overlap_comm=False)
         params = [p for p in self.module.parameters() if p.requires_grad]
-        return ShardedOptimizerStates(params, self.optimizer, settings, group)
+        # Every step passes the squares summed across the stages (_step): the reducer's own,
+        # taken as the last bucket lands, would go unread.
+        return ShardedOptimizerStates(
+            params, self.optimizer, settings, group, caller_sums_squares=True
+        )
 
     # ------------------------------------------------------------------ DeepSpeed accessors
     @property

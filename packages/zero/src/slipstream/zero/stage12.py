@@ -64,6 +64,8 @@ class ShardedOptimizerStates(GradientPathMixin):
     group's size (expert parameters: their expert-data-parallel group sums, the whole
     data-parallel world divides). The caller then steps them together (one norm, one
     optimizer step, every instance's ``_publish``), as slipstream's engine does for MoE.
+    ``caller_sums_squares``: every step gets the caller's ``grad_squares`` (a pipeline sums
+    them across its stages), so the reducer does not take its own as the last bucket lands.
 
     >>> zero = ShardedOptimizerStates(list(model.parameters()), optimizer, ZeroSettings(stage=2))
     >>> loss.backward(); zero.finish_backward(is_boundary=True)
@@ -79,6 +81,7 @@ class ShardedOptimizerStates(GradientPathMixin):
         *,
         gradient_divisor: int | None = None,
         strict_optimizer: bool = True,
+        caller_sums_squares: bool = False,
     ) -> None:
         if settings.stage not in (1, 2):
             raise ValueError(
@@ -288,7 +291,9 @@ class ShardedOptimizerStates(GradientPathMixin):
         # The step's sum of squares taken as the last reduction lands (grad_reduce.py,
         # [Note: squares while the last bucket travels]): masters on the device, and this
         # instance's own optimizer step (ZeroOptimizer.step) that reads it.
-        self._squares_at_landing = step is None and strict_optimizer
+        # Not when the caller passes its own ``grad_squares`` to every step (a pipeline's,
+        # summed across the stages): the step would never read them.
+        self._squares_at_landing = step is None and strict_optimizer and not caller_sums_squares
         # The buckets that stepped during backward were published in finish().
         self._eager_published = False
         self._reducing = settings.stage == 2
