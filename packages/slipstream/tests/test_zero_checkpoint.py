@@ -171,3 +171,72 @@ def test_stage0_checkpoint_loads_into_zero(tmp_path: Path) -> None:
         assert abs(ours - ref) <= 1e-5 * max(1.0, abs(ref))
     assert "ZeRO stage-3 checkpoint" in result["refused"]
     assert "get_fp32_state_dict_from_zero_checkpoint" in result["refused"]
+
+
+def _precision_change(root: str) -> dict:
+    """A bf16 ZeRO-2 checkpoint loaded into an fp32 ZeRO-2 engine and into a bf16 ZeRO-3
+    engine whose parameters and optimizer live on the host (the CPU step writes their
+    shards): the loaded weights must be the checkpoint's fp32 masters (cast to the model's
+    dtype), restored through the gradient path's ``load_state_dict``."""
+    import slipstream
+    from slipstream.runtime.zero_checkpoint import get_fp32_state_dict_from_zero_checkpoint
+    from slipstream.zero import GatheredParameters
+    from slipstream.zero.testing import TinyTransformer
+
+    def build(stage: int, bf16: bool, seed: int, offload: bool = False):
+        torch.manual_seed(seed)
+        model = TinyTransformer()
+        zero: dict = {"stage": stage, "reduce_bucket_size": 2000}
+        if offload:
+            zero["stage3_param_persistence_threshold"] = 0
+            zero["offload_param"] = {"device": "cpu"}
+            zero["offload_optimizer"] = {"device": "cpu"}
+        config = {
+            "train_batch_size": GLOBAL_BATCH,
+            "steps_per_print": 1000,
+            "bf16": {"enabled": bf16},
+            "zero_optimization": zero,
+        }
+        optimizer = torch.optim.AdamW(model.parameters(), lr=0.01)
+        return slipstream.initialize(model=model, optimizer=optimizer, config=config)[0]
+
+    saved = build(2, bf16=True, seed=0)
+    _train(saved, 0, 2)
+    saved.save_checkpoint(root, tag="bf16")
+    masters = get_fp32_state_dict_from_zero_checkpoint(root, tag="bf16")
+    result: dict = {}
+    for name, (stage, bf16, offload) in {
+        "fp32 stage 2": (2, False, False),
+        "bf16 stage 3 offloaded": (3, True, True),
+    }.items():
+        engine = build(stage, bf16, seed=1, offload=offload)
+        _train(engine, 0, 1)  # its weights and copies differ from the checkpoint's
+        calls: list[int] = []
+        load = engine.gradient_path.load_state_dict
+
+        def counted(state: dict, load=load, calls=calls) -> None:
+            calls.append(len(state["masters"]))
+            load(state)
+
+        engine.gradient_path.load_state_dict = counted
+        engine.load_checkpoint(root, tag="bf16")
+        params = [p for _, p in engine.module.named_parameters() if p.requires_grad]
+        with GatheredParameters(params):
+            wrong = [
+                n
+                for n, p in engine.module.named_parameters()
+                if p.requires_grad and not torch.equal(p.detach(), masters[n].to(p.dtype))
+            ]
+        result[name] = {"calls": calls, "masters": len(engine.zero.masters.masters), "wrong": wrong}
+        _train(engine, 2, 3)  # and it trains on from there
+    return result
+
+
+def test_loaded_weights_are_the_masters_through_the_gradient_path(tmp_path: Path) -> None:
+    """Fails on a load that copies the model-dtype weights and writes the masters beside the
+    path: a bf16 checkpoint's weights are not an fp32 run's, and the CPU step's host shards
+    keep their old values."""
+    for result in run_distributed(_precision_change, 2, str(tmp_path), timeout=300):
+        for name, case in result.items():
+            assert case["wrong"] == [], (name, case)
+            assert case["calls"] == [case["masters"]], (name, case)
