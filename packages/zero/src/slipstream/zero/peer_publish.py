@@ -15,7 +15,7 @@ import torch.distributed as dist
 from slipstream.zero.group import DataParallelGroup
 from slipstream.zero.layout import ShardSpec
 
-__all__ = ["PeerPublish", "peer_publish_unavailable"]
+__all__ = ["PeerPublish", "peer_publish_unavailable", "symmetric_buffer_layout"]
 
 logger = logging.getLogger(__name__)
 
@@ -29,6 +29,23 @@ _PHASE_ENDS = (1 / 8, 1 / 2, 13 / 16, 15 / 16, 1.0)
 # Parameters start on 128-byte boundaries inside the symmetric buffer (full cache lines for
 # the peer copies).
 _ALIGN_BYTES = 128
+
+
+def symmetric_buffer_layout(numels: Sequence[int], element_size: int) -> tuple[list[int], int]:
+    """Where each parameter of ``numels`` elements starts in the symmetric buffer (in
+    elements, each on a 128-byte boundary) and the buffer's length (at least one element).
+
+    The buffer holds the parameters themselves, outside the caching allocator: its bytes
+    (``length * element_size``) are not in ``torch.cuda.max_memory_allocated``, so
+    :meth:`ShardedOptimizerStates.memory_report` lists them (``publish_buffer_<device>``).
+    """
+    align = max(1, _ALIGN_BYTES // element_size)
+    offsets: list[int] = []
+    total = 0
+    for numel in numels:
+        offsets.append(total)
+        total += -(-numel // align) * align
+    return offsets, max(total, 1)
 
 
 def _symm_mem() -> Any:
@@ -149,15 +166,12 @@ class PeerPublish:
         self.rank, self.world = group.rank, group.world_size
         self.device = self.params[0].device
         dtype = self.params[0].dtype
-        align = max(1, _ALIGN_BYTES // torch.empty((), dtype=dtype).element_size())
-        self.offsets: list[int] = []
-        total = 0
-        for p in self.params:
-            self.offsets.append(total)
-            total += -(-p.numel() // align) * align
+        self.offsets, total = symmetric_buffer_layout(
+            [p.numel() for p in self.params], torch.empty((), dtype=dtype).element_size()
+        )
         pg = _process_group(group)
         _enable_group(symm_mem, pg)
-        self.buffer = symm_mem.empty(max(total, 1), dtype=dtype, device=self.device)
+        self.buffer = symm_mem.empty(total, dtype=dtype, device=self.device)
         self._views: list[torch.Tensor] = []
         with torch.no_grad():
             for p, offset in zip(self.params, self.offsets):
