@@ -4,6 +4,8 @@ checked); send buffers zero what no gradient covers."""
 
 from __future__ import annotations
 
+import os
+
 import pytest
 import torch
 
@@ -81,6 +83,23 @@ def test_the_symmetric_buffer_is_counted_by_the_memory_report() -> None:
     result = train_variants((2,))
     for (_, name), got in result.items():
         assert not any(k.startswith("publish_buffer_") for k in got["report"]), name
+
+
+def test_multicast_is_turned_off_once_unless_the_user_chose(monkeypatch, caplog) -> None:
+    from slipstream.zero import peer_publish
+
+    for preset, expected in ((None, "1"), ("0", "0")):
+        monkeypatch.setattr(peer_publish, "_multicast_decided", False)
+        if preset is None:
+            monkeypatch.delenv(peer_publish.MULTICAST_ENV, raising=False)
+        else:
+            monkeypatch.setenv(peer_publish.MULTICAST_ENV, preset)
+        caplog.clear()
+        with caplog.at_level("INFO", logger=peer_publish.__name__):
+            peer_publish._no_multicast()
+            peer_publish._no_multicast()  # once per process: no second message
+        assert os.environ[peer_publish.MULTICAST_ENV] == expected
+        assert len(caplog.records) == 1 and peer_publish.MULTICAST_ENV in caplog.text
 
 
 def train_variants(stages: tuple[int, ...], device: str = "cpu", dtype: str = "fp32") -> dict:

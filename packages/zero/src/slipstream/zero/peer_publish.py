@@ -115,15 +115,40 @@ def _process_group(group: DataParallelGroup) -> dist.ProcessGroup:
     return pg
 
 
-def _enable_group(symm_mem: Any, pg: dist.ProcessGroup) -> None:
-    """Register ``pg`` with symmetric memory (older torch needs it; newer: a no-op).
+MULTICAST_ENV = "TORCH_SYMM_MEM_DISABLE_MULTICAST"
+_multicast_decided = False
 
-    The peer publish uses peer copies and barriers, never NVLink multicast (``multimem``):
-    unless the user chose otherwise, torch's symmetric-memory allocator is told not to create
-    multicast objects for these buffers (``TORCH_SYMM_MEM_DISABLE_MULTICAST``, which torch
-    reads when it allocates), so the default publish never depends on NVLS support."""
-    if os.environ.setdefault("TORCH_SYMM_MEM_DISABLE_MULTICAST", "1") != "1":
-        logger.debug("TORCH_SYMM_MEM_DISABLE_MULTICAST is set by the user: left as it is")
+
+def _no_multicast() -> None:
+    """Once per process, before the first symmetric buffer: tell torch's symmetric-memory
+    allocator not to create NVLink multicast objects, unless the user set
+    ``TORCH_SYMM_MEM_DISABLE_MULTICAST`` already (then it is left as it is).
+
+    The peer publish uses peer copies and barriers, never multicast (``multimem``), so the
+    default publish never depends on NVLS support. Torch reads the variable when it
+    allocates, for every symmetric buffer of the process: logged (rank 0, info), so that
+    code of the user's own that wants multicast knows to set it to 0 first (docs/zero.md)."""
+    global _multicast_decided
+    if _multicast_decided:
+        return
+    _multicast_decided = True
+    if MULTICAST_ENV in os.environ:
+        logger.info(
+            "%s=%s (set by the user): left as it is", MULTICAST_ENV, os.environ[MULTICAST_ENV]
+        )
+        return
+    os.environ[MULTICAST_ENV] = "1"
+    logger.info(
+        "symmetric memory (publish_transport copy_engine): %s=1 set for this process (no NVLink "
+        "multicast objects are created); set it to 0 before slipstream.initialize to keep them",
+        MULTICAST_ENV,
+    )
+
+
+def _enable_group(symm_mem: Any, pg: dist.ProcessGroup) -> None:
+    """Register ``pg`` with symmetric memory (older torch needs it; newer: a no-op), after
+    :func:`_no_multicast`."""
+    _no_multicast()
     enable = getattr(symm_mem, "enable_symm_mem_for_group", None)
     if enable is not None:
         with warnings.catch_warnings():
