@@ -175,10 +175,11 @@ def test_stage0_checkpoint_loads_into_zero(tmp_path: Path) -> None:
 
 
 def _precision_change(root: str) -> dict:
-    """A bf16 ZeRO-2 checkpoint loaded into an fp32 ZeRO-2 engine and into a bf16 ZeRO-3
-    engine whose parameters and optimizer live on the host (the CPU step writes their
-    shards): the loaded weights must be the checkpoint's fp32 masters (cast to the model's
-    dtype), restored through the gradient path's ``load_state_dict``. On 2 GPUs the fp32
+    """A bf16 ZeRO-2 checkpoint loaded into an fp32 ZeRO-2 engine and into bf16 ZeRO-3
+    engines whose optimizer step writes the parameter shards or copies of them (parameters
+    and optimizer on the host; the optimizer on NVMe): the loaded weights must be the
+    checkpoint's fp32 masters (cast to the model's dtype), restored through the gradient
+    path's ``load_state_dict``. On 2 GPUs the fp32
     ZeRO-2 engine publishes through the copy engines (``publish_transport`` "auto")."""
     import slipstream
     from slipstream import comm
@@ -186,14 +187,16 @@ def _precision_change(root: str) -> dict:
     from slipstream.zero import GatheredParameters
     from slipstream.zero.testing import TinyTransformer, batch_for
 
-    def build(stage: int, bf16: bool, seed: int, offload: bool = False):
+    def build(stage: int, bf16: bool, seed: int, offload: str = ""):
         torch.manual_seed(seed)
         model = TinyTransformer()
         zero: dict = {"stage": stage, "reduce_bucket_size": 2000}
-        if offload:
+        if offload == "cpu":  # the CPU step writes the (host) parameter shards
             zero["stage3_param_persistence_threshold"] = 0
             zero["offload_param"] = {"device": "cpu"}
             zero["offload_optimizer"] = {"device": "cpu"}
+        elif offload == "nvme":  # on a GPU: the step writes host staging copies of the shards
+            zero["offload_optimizer"] = {"device": "nvme", "nvme_path": f"{root}/swap"}
         config = {
             "train_batch_size": GLOBAL_BATCH,
             "steps_per_print": 1000,
@@ -218,9 +221,11 @@ def _precision_change(root: str) -> dict:
     saved.save_checkpoint(root, tag="bf16")
     masters = get_fp32_state_dict_from_zero_checkpoint(root, tag="bf16")
     result: dict = {}
+    Path(f"{root}/swap").mkdir(exist_ok=True)
     for name, (stage, bf16, offload) in {
-        "fp32 stage 2": (2, False, False),
-        "bf16 stage 3 offloaded": (3, True, True),
+        "fp32 stage 2": (2, False, ""),
+        "bf16 stage 3 offloaded": (3, True, "cpu"),
+        "bf16 stage 3 nvme optimizer": (3, True, "nvme"),
     }.items():
         engine = build(stage, bf16, seed=1, offload=offload)
         train(engine, range(1))  # its weights and copies differ from the checkpoint's
