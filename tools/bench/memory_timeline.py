@@ -121,6 +121,11 @@ def state_bytes(engine_or_model: Any, optimizer: Any = None) -> dict[str, float]
         reducer = getattr(path, "reducer", None)
         if reducer is not None and hasattr(reducer, "live_bytes"):
             result["reduce_buffers"] = round(reducer.live_bytes() / GIB, 2)
+        # The copy-engine publish's symmetric buffer (counted in "params" above): outside the
+        # caching allocator, so the phases' allocated and peak figures leave it out.
+        report = path.memory_report() if hasattr(path, "memory_report") else {}
+        if report.get("publish_buffer_cuda"):
+            result["params_outside_allocator"] = round(report["publish_buffer_cuda"] / GIB, 2)
         return result
     params = list(engine_or_model.parameters())
     return _storages(
@@ -142,7 +147,9 @@ def main(argv: list[str] | None = None) -> int:
         memory = r.get("memory_phases")
         if not memory:
             continue
-        print(f"{r['impl']} {r['model']}/{r['micro']}: peak {r['peak_alloc_gib']} GiB")
+        symmetric = r.get("symmetric_gib") or 0.0
+        beside = f" (+ {symmetric} GiB symmetric buffer, not in the allocator)" if symmetric else ""
+        print(f"{r['impl']} {r['model']}/{r['micro']}: peak {r['peak_alloc_gib']} GiB{beside}")
         print(f"  between steps {memory['start_gib']} GiB: {r.get('memory_states', {})}")
         for p in memory["phases"]:
             mark = " <- peak" if p["phase"] == memory["peak_phase"] else ""

@@ -353,6 +353,15 @@ def _offload_of(engine: Any) -> Any:
     return getattr(optimizer, "offload", None)
 
 
+def _outside_allocator_gib(engine: Any) -> float:
+    """GiB of device memory this rank's gradient path holds outside the caching allocator
+    (``publish_buffer_cuda`` of its memory report: the copy-engine publish's symmetric
+    parameter buffer); 0 for engines without a slipstream gradient path."""
+    path = getattr(engine, "gradient_path", None)
+    report = path.memory_report() if hasattr(path, "memory_report") else {}
+    return float(report.get("publish_buffer_cuda", 0)) / 2**30
+
+
 def _speculation_of(engine: Any) -> Any:
     """CPU offload under clipping: the speculative step's counters, else None."""
     offload = _offload_of(engine)
@@ -715,6 +724,10 @@ def main(argv: list[str] | None = None) -> int:
         device=device,
     )
     dist.all_reduce(peak, op=dist.ReduceOp.MAX)
+    # Memory the caching allocator does not count: the copy-engine publish's symmetric
+    # buffer, where ZeRO-1/2's parameters live (max_memory_allocated leaves it out).
+    outside = torch.tensor([_outside_allocator_gib(engine)], device=device)
+    dist.all_reduce(outside, op=dist.ReduceOp.MAX)
     if args.profile is not None:
         summaries = _profile(args, step, input_ids, labels, sync, wait_for_step, rank)
         keys = ("wall_ms", "busy_ms", "idle_ms", "compute_ms", "comm_ms", "exposed_comm_ms")
@@ -764,6 +777,10 @@ def main(argv: list[str] | None = None) -> int:
         "tflops_per_gpu": round(tokens_per_s / world * flops / 1e12, 1),
         "peak_alloc_gib": round(float(peak[0]), 2),
         "peak_reserved_gib": round(float(peak[1]), 2),
+        # peak_alloc_gib is the caching allocator's peak; symmetric_gib the buffer beside it
+        # (copy-engine publish); peak_with_symmetric_gib their sum, comparable to FSDP2's.
+        "symmetric_gib": round(float(outside[0]), 2),
+        "peak_with_symmetric_gib": round(float(peak[0] + outside[0]), 2),
         "loss": round(final_loss, 4),
         "host_peak_gib": round(host_peak, 1),
         "pinned_arena_gib": round(arena.reserved_bytes / 2**30, 1) if arena is not None else None,

@@ -8,6 +8,8 @@ One spawned run on 4 gloo ranks.
   at EP=4 stage 0 (expert-DP 1), which saves again for EP=2 ZeRO-2 to resume; EP=2 ZeRO-3
   resumes the first checkpoint and saves one of its own, which EP=4 ZeRO-3 and EP=1 ZeRO-2
   resume. Every resumed step's loss on every rank must equal the uninterrupted run's (fp32).
+  A bf16 EP=2 ZeRO-1 checkpoint resumed by an fp32 EP=2 ZeRO-2 engine holds the fp32 masters
+  in its weights (the gradient path's load_state_dict publishes them).
 - Tensor parallelism: a hand-sharded TP=2 MLP (``tp_partition_dim`` 0 and 1, as
   slipstream.comm's column/row-parallel layers mark them) under ZeRO-1 over its DP=2 group is
   saved; loading at TP=1 (ZeRO-2, DP=4) and at TP=4 (stage 0) gives exactly the slices of the
@@ -66,18 +68,33 @@ def _config(stage):
     }
 
 
-def _expert_engine(ep_size, stage, seed):
+def _expert_engine(ep_size, stage, seed, bf16=False):
     import slipstream
 
     torch.manual_seed(seed)  # another start per layout: only the checkpoint aligns them
-    engine, *_ = slipstream.initialize(model=ExpertNet(ep_size), config=_config(stage))
+    config = {**_config(stage), "bf16": {"enabled": bf16}}
+    engine, *_ = slipstream.initialize(model=ExpertNet(ep_size), config=config)
     return engine
+
+
+def _weights_unlike_masters(engine) -> list[str]:
+    """Stages 1-2: the parameters whose elements in this rank's shard differ from its fp32
+    master shard (every part: the dense one and each expert group's)."""
+    names = {id(p): n for n, p in engine.module.named_parameters()}
+    unlike = []
+    for part in getattr(engine.zero, "parts", [engine.zero]):
+        for param, master, spec in zip(part.params, part.masters.masters, part.specs):
+            start, end = spec.valid_range(part.group.rank)
+            mine = param.detach().reshape(-1)[start:end].float()
+            if not torch.equal(mine, master.detach()[: end - start]):
+                unlike.append(names[id(param)])
+    return unlike
 
 
 def _expert_step(engine, step):
     gen = torch.Generator().manual_seed(100 * step + dist.get_rank())
     x, y = torch.randn(4, 6, generator=gen), torch.randint(0, 3, (4,), generator=gen)
-    loss = engine(x, y)
+    loss = engine(x.to(engine.module.embed.weight.dtype), y)
     engine.backward(loss)
     engine.step()
     return loss.item()
@@ -186,6 +203,15 @@ def _run(root):
     out["ep2_zero2"] = [_expert_step(engine, 3)]
     # ZeRO-3 with expert parallelism: EP=2 stage 3 resumes the EP=2 ZeRO-1 checkpoint, saves
     # its own after step 2, and EP=4 stage 3 and EP=1 ZeRO-2 resume that one.
+    # A bf16 run's checkpoint resumed in fp32 (EP=2, ZeRO-1 -> ZeRO-2): the weights are the
+    # fp32 masters, which the gradient path's load_state_dict publishes, not the bf16
+    # weights of the model files.
+    engine = _expert_engine(2, 1, seed=8, bf16=True)
+    _expert_step(engine, 0)
+    engine.save_checkpoint(root / "ep_bf16")
+    engine = _expert_engine(2, 2, seed=9)
+    engine.load_checkpoint(root / "ep_bf16")
+    out["bf16_to_fp32_unlike"] = _weights_unlike_masters(engine)
     engine = _expert_engine(2, 3, seed=7)
     engine.load_checkpoint(root / "ep")
     out["ep2_zero3"] = [_expert_step(engine, 2)]
@@ -266,6 +292,7 @@ def test_expert_and_tensor_parallel_checkpoints_change_layout(tmp_path):
                     reference[step],
                 )
         assert report["ep_convert_diff"] == 0.0, rank
+        assert report["bf16_to_fp32_unlike"] == [], (rank, report["bf16_to_fp32_unlike"])
         assert set(report["tp_diff"].values()) == {0.0}, (rank, report["tp_diff"])
         assert report["tp4_moment_diff"] == 0.0 and report["tp1_moment_nonzero"], rank
         assert report["convert_diff"] == 0.0, rank

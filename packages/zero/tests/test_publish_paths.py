@@ -4,6 +4,8 @@ checked); send buffers zero what no gradient covers."""
 
 from __future__ import annotations
 
+import os
+
 import pytest
 import torch
 
@@ -11,6 +13,7 @@ from slipstream.comm.testing import run_distributed
 from slipstream.zero import ShardedOptimizerStates, ZeroSettings
 from slipstream.zero.grad_reduce import plan_buckets
 from slipstream.zero.layout import ShardSpec
+from slipstream.zero.peer_publish import symmetric_buffer_layout
 from slipstream.zero.testing import TinyTransformer, batch_for
 
 STEPS, GAS, MICRO = 3, 2, 2
@@ -67,6 +70,38 @@ def test_the_last_bucket_is_split_into_tail_buckets() -> None:
         ZeroSettings(stage=2, reduce_scatter_max_ctas=-2)
 
 
+def test_the_symmetric_buffer_is_counted_by_the_memory_report() -> None:
+    # Each parameter starts on a 128-byte boundary: 64 bf16 elements, 32 fp32 ones.
+    assert symmetric_buffer_layout([10, 64, 65, 1], 2) == ([0, 64, 128, 256], 320)
+    assert symmetric_buffer_layout([10, 64, 65, 1], 4) == ([0, 32, 96, 192], 224)
+    assert symmetric_buffer_layout([], 2) == ([], 1)
+    # 1.3B-class parameters in bf16: about their own size (the alignment adds little).
+    numels = [32000 * 2048] + [2048 * 2048, 2048 * 5504] * 96
+    _, total = symmetric_buffer_layout(numels, 2)
+    assert 0 <= total - sum(numels) < 64 * len(numels)
+    # On the CPU the copy-engine publish falls back, and nothing is outside the allocator.
+    result = train_variants((2,))
+    for (_, name), got in result.items():
+        assert not any(k.startswith("publish_buffer_") for k in got["report"]), name
+
+
+def test_multicast_is_turned_off_once_unless_the_user_chose(monkeypatch, caplog) -> None:
+    from slipstream.zero import peer_publish
+
+    for preset, expected in ((None, "1"), ("0", "0")):
+        monkeypatch.setattr(peer_publish, "_multicast_decided", False)
+        if preset is None:
+            monkeypatch.delenv(peer_publish.MULTICAST_ENV, raising=False)
+        else:
+            monkeypatch.setenv(peer_publish.MULTICAST_ENV, preset)
+        caplog.clear()
+        with caplog.at_level("INFO", logger=peer_publish.__name__):
+            peer_publish._no_multicast()
+            peer_publish._no_multicast()  # once per process: no second message
+        assert os.environ[peer_publish.MULTICAST_ENV] == expected
+        assert len(caplog.records) == 1 and peer_publish.MULTICAST_ENV in caplog.text
+
+
 def train_variants(stages: tuple[int, ...], device: str = "cpu", dtype: str = "fp32") -> dict:
     """Every variant at each stage on the same data: the final parameters, the losses and
     why the copy-engine path and the CTA cap fell back (per variant)."""
@@ -118,6 +153,8 @@ def train_variants(stages: tuple[int, ...], device: str = "cpu", dtype: str = "f
                 "avg_fallback": zero.reducer.average_fallback,
                 "buckets": zero.reducer.num_buckets,
                 "landed_exact": landed,
+                "report": zero.memory_report(),
+                "numels": [p.numel() for p in model.parameters() if p.requires_grad],
             }
             zero.remove_hooks()
     return out
@@ -279,6 +316,10 @@ def test_copy_engine_publish_equals_nccl_on_two_gpus(dtype: str) -> None:
             assert got["publish_fallback"] == "", got["publish_fallback"]
             assert got["ctas_fallback"] == "", got["ctas_fallback"]
             assert got["avg_fallback"] == "", got["avg_fallback"]
+            # The parameters' symmetric buffer, which max_memory_allocated leaves out.
+            size = 2 if dtype == "bf16" else 4
+            expected = symmetric_buffer_layout(got["numels"], size)[1] * size if peer else None
+            assert got["report"].get("publish_buffer_cuda") == expected, name
 
 
 def _padded_and_unused_vs_reference() -> list[float]:

@@ -964,7 +964,9 @@ class SlipstreamEngine(torch.nn.Module):
 
         self.wait_for_step()
         if self._tp_size > 1:
-            return save_tensor_parallel_16bit_model(self, save_dir, save_filename)
+            return save_tensor_parallel_16bit_model(
+                self.module, self._tp_group, save_dir, save_filename
+            )
         return save_16bit_model(self, save_dir, save_filename)
 
     @property

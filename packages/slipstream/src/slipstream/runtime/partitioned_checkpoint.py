@@ -347,11 +347,19 @@ def apply(
     plan: dict[str, Any],
     options: dict[str, bool],
 ) -> None:
-    """Assemble each local parameter's slice (and shard) from the saved pieces."""
+    """Assemble each local parameter's slice (and shard) from the saved pieces.
+
+    The weights and buffers go into the module; the stepped tensors (fp32 masters, this
+    rank's shards of them) and the optimizer state go back through the gradient path's
+    ``load_state_dict`` ([Note: one gradient-path adapter] in checkpoint_manager.py), which
+    publishes the masters into the weights.
+    """
     state = gradient_path_state(engine)
     optimizer = state.optimizer
     assert optimizer is not None
     placements = _placements(engine.module)
+    values: dict[int, torch.Tensor] = {}  # id(stepped tensor) -> its loaded value
+    optimizer_state: dict[str, Any] = {}  # empty: the optimizer keeps its state
     with ShardReader(path, manifest) as reader, torch.no_grad():
         for local, param in engine.module.named_parameters():
             place = placements[local]
@@ -360,8 +368,8 @@ def apply(
             if sharded is None:
                 param.copy_(_local_slice(full, place))
             else:  # stage 3: this rank's flat shard of its slice
-                values = _cut(full, place, sharded.group, param.shape)
-                sharded.shard.copy_(values.to(sharded.shard.dtype))
+                cut = _cut(full, place, sharded.group, param.shape)
+                sharded.shard.copy_(cut.to(sharded.shard.dtype))
         buffers = dict(engine.module.named_buffers())
         for name, value in reader.buffers():
             if name in buffers:
@@ -375,7 +383,7 @@ def apply(
 
             if stepped is not param:
                 full = reader.read_full(kind, place.name).float()
-                stepped.copy_(_cut(full, place, group, stepped.shape))
+                values[id(stepped)] = _cut(full, place, group, stepped.shape)
             if not options["load_optimizer_states"]:
                 continue
             entry: dict[str, Any] = dict(scalars.get(place.name, {}))
@@ -391,6 +399,29 @@ def apply(
         if options["load_optimizer_states"]:
             current = optimizer.state_dict()["param_groups"]
             groups = ckpt.saved_param_groups(manifest["optimizer"]["param_groups"], current)
-            optimizer.load_state_dict({"state": entries, "param_groups": groups})
-    if state.stage3 is not None:
-        state.stage3.release_all()  # gathered copies (persistent ones) hold old values
+            optimizer_state = {"state": entries, "param_groups": groups}
+    state.path.load_state_dict(_path_state(state.path, values, optimizer_state))
+
+
+def _path_state(
+    path: Any, values: dict[int, torch.Tensor], optimizer_state: dict[str, Any]
+) -> dict[str, Any]:
+    """``values`` (loaded stepped tensors, by id) laid out as ``path.state_dict()`` lays them
+    out. A master the optimizer does not step (so the checkpoint has none for it) keeps its
+    value; stage 0's takes the loaded weight's."""
+    from slipstream.zero import MultiGroupPath, ReplicatedGradientPath
+
+    def loaded(masters: list[torch.Tensor]) -> list[torch.Tensor]:
+        return [values.get(id(m), m.detach()) for m in masters]
+
+    if isinstance(path, MultiGroupPath):
+        parts = [{"masters": loaded(part.masters.masters)} for part in path.parts]
+        return {"parts": parts, "optimizer": optimizer_state}
+    if isinstance(path, ReplicatedGradientPath):
+        if path.masters is None:  # the weights are the stepped tensors: loaded above
+            return {"masters": None, "optimizer": optimizer_state}
+        masters = [
+            values.get(id(m), p.detach().float()) for m, p in zip(path.masters.masters, path.params)
+        ]
+        return {"masters": masters, "optimizer": optimizer_state}
+    return {"masters": loaded(path.masters.masters), "optimizer": optimizer_state}

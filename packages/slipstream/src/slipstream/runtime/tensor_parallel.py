@@ -225,13 +225,15 @@ def clip_by_norm_(grads: Sequence[torch.Tensor], total: torch.Tensor, max_norm: 
     torch._foreach_mul_(list(grads), coefficient.to(grads[0].device))
 
 
-def save_tensor_parallel_16bit_model(engine: Any, save_dir: Any, save_filename: str) -> bool:
-    """Gather the shards over the tensor group; global rank 0 writes one safetensors file."""
+def save_tensor_parallel_16bit_model(
+    module: torch.nn.Module, tp_group: Any, save_dir: Any, save_filename: str
+) -> bool:
+    """Gather ``module``'s shards over ``tp_group``; global rank 0 writes one safetensors file."""
     from pathlib import Path
 
     from safetensors.torch import save_file
 
-    state = gather_tensor_parallel_state_dict(engine.module, engine._tp_group)
+    state = gather_tensor_parallel_state_dict(module, tp_group)
     if comm.get_rank() == 0:
         path = Path(save_dir)
         path.mkdir(parents=True, exist_ok=True)

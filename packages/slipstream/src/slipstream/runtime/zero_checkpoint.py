@@ -487,44 +487,59 @@ def apply(
     plan: dict[str, Any],
     options: dict[str, bool],
 ) -> None:
-    """Copy a validated checkpoint into a ZeRO engine (each rank reads its new shards)."""
-    assert engine.zero is not None and engine.optimizer is not None
-    world, rank = gradient_path_state(engine).dp_world, gradient_path_state(engine).dp_rank
-    named = _named_params(engine.module)
+    """Copy a validated checkpoint into a ZeRO engine (each rank reads its new shards).
+
+    The parameters the gradient path does not step (frozen ones) and the buffers go into the
+    module; this rank's fp32 master shards and optimizer state go back through the gradient
+    path's ``load_state_dict``, as every layout's do ([Note: one gradient-path adapter] in
+    checkpoint_manager.py), which restores them in its own way (NVMe-swapped states inside
+    its ``resident()``, a step still running on the CPU finished first) and publishes the
+    masters into the trainable parameters (stages 1-2: all-gathered; stage 3: each shard,
+    gathered copies dropped).
+    """
+    state = gradient_path_state(engine)
+    assert state.zero is not None and state.optimizer is not None
+    world, rank = state.dp_world, state.dp_rank
+    stepped = {id(p) for p in state.zero.params}
+    frozen = [(n, p) for n, p in _named_params(engine.module) if id(p) not in stepped]
+    kind = "model" if options["load_module_only"] else "master"
+    optimizer_state: dict[str, Any] = {}  # empty: the optimizer keeps its state
     with ShardReader(path, manifest) as reader, torch.no_grad():
         with _shards_resident(engine, dirty=True):
-            _load_model_shards(reader, named, world, rank)
+            _load_model_shards(reader, frozen, world, rank)
+        buffers = dict(engine.module.named_buffers())
         for buffer_name, value in reader.buffers():
-            buffer = dict(engine.module.named_buffers()).get(buffer_name)
-            if buffer is not None:
-                buffer.copy_(value)
+            if buffer_name in buffers:
+                buffers[buffer_name].copy_(value)
         names = _master_names(engine)
-        for param, master in zip(engine.zero.params, engine.zero.masters.masters):
+        masters = []
+        for param, master in zip(state.zero.params, state.zero.masters.masters):
             spec = ShardSpec(param.shape, world)
             start, end = spec.valid_range(rank)
-            kind = "master" if not options["load_module_only"] else "model"
-            master.copy_(
-                _padded(reader.read(kind, names[id(master)], start, end).float(), spec.shard_numel)
-            )
+            values = reader.read(kind, names[id(master)], start, end).float()
+            masters.append(_padded(values, spec.shard_numel))
         if options["load_optimizer_states"]:
-            _load_optimizer(engine, reader, manifest)
-    stage3 = gradient_path_state(engine).stage3
-    if stage3 is not None:
-        stage3.release_all()  # gathered copies (persistent ones) hold old values
+            optimizer_state = _saved_optimizer_state(engine, reader, manifest)
+    state.path.load_state_dict({"masters": masters, "optimizer": optimizer_state})
 
 
-def _load_optimizer(
+def _saved_optimizer_state(
     engine: SlipstreamEngine, reader: ShardReader, manifest: dict[str, Any]
-) -> None:
-    assert engine.zero is not None and engine.optimizer is not None
+) -> dict[str, Any]:
+    """The torch ``state_dict`` of the optimizer that the checkpoint holds for this rank's
+    shards (sharded states cut to this rank's ranges, scalars and ``step`` whole)."""
+    state_of_path = gradient_path_state(engine)
+    optimizer = state_of_path.optimizer
+    assert state_of_path.zero is not None and optimizer is not None
     saved = manifest["optimizer"]
     names = _master_names(engine)
-    order = [names[id(p)] for g in engine.optimizer.param_groups for p in g["params"]]
+    order = [names[id(p)] for g in optimizer.param_groups for p in g["params"]]
     scalars = ckpt._from_json(saved["scalars"])
-    world, rank = gradient_path_state(engine).dp_world, gradient_path_state(engine).dp_rank
+    world, rank = state_of_path.dp_world, state_of_path.dp_rank
     state: dict[int, dict[str, Any]] = {}
-    params = [p for g in engine.optimizer.param_groups for p in g["params"]]
-    model_param = {id(m): p for p, m in zip(engine.zero.params, engine.zero.masters.masters)}
+    params = [p for g in optimizer.param_groups for p in g["params"]]
+    zero = state_of_path.zero
+    model_param = {id(m): p for p, m in zip(zero.params, zero.masters.masters)}
     for index, (name, master) in enumerate(zip(order, params)):
         entry: dict[str, Any] = dict(scalars.get(name, {}))
         spec = ShardSpec(model_param[id(master)].shape, world)
@@ -541,9 +556,9 @@ def _load_optimizer(
                 entry[key] = value
         if entry:
             state[index] = entry
-    current = engine.optimizer.state_dict()["param_groups"]
+    current = optimizer.state_dict()["param_groups"]
     groups = ckpt.saved_param_groups(saved["param_groups"], current)
-    engine.optimizer.load_state_dict({"state": state, "param_groups": groups})
+    return {"state": state, "param_groups": groups}
 
 
 # ---------------------------------------------------------------------------- consolidation

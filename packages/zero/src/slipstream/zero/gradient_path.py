@@ -77,7 +77,8 @@ class GradientPath(Protocol):
         ...
 
     def memory_report(self) -> dict[str, int]:
-        """Bytes this rank holds, by kind (masters, gradients, optimizer states, buckets)."""
+        """Bytes this rank holds, by kind (masters, gradients, optimizer states, buckets;
+        ``publish_buffer_<device>``: memory outside the caching allocator's statistics)."""
         ...
 
     def resident(self) -> Any:
@@ -320,14 +321,11 @@ class MultiGroupPath:
             part.publish()
 
     def memory_report(self) -> dict[str, int]:
-        """The parts' reports, summed."""
+        """The parts' reports, summed (each counts its own masters' optimizer state)."""
         total: dict[str, int] = {}
         for part in self.parts:
-            for key, value in masters_memory(part.masters, self.torch_optimizer).items():
+            for key, value in part.memory_report().items():
                 total[key] = total.get(key, 0) + value
-            total["reduce_buckets_live"] = total.get("reduce_buckets_live", 0) + int(
-                part.reducer.live_bytes()
-            )
         return total
 
     @contextmanager

@@ -15,7 +15,7 @@ import torch.distributed as dist
 from slipstream.zero.group import DataParallelGroup
 from slipstream.zero.layout import ShardSpec
 
-__all__ = ["PeerPublish", "peer_publish_unavailable"]
+__all__ = ["PeerPublish", "peer_publish_unavailable", "symmetric_buffer_layout"]
 
 logger = logging.getLogger(__name__)
 
@@ -29,6 +29,23 @@ _PHASE_ENDS = (1 / 8, 1 / 2, 13 / 16, 15 / 16, 1.0)
 # Parameters start on 128-byte boundaries inside the symmetric buffer (full cache lines for
 # the peer copies).
 _ALIGN_BYTES = 128
+
+
+def symmetric_buffer_layout(numels: Sequence[int], element_size: int) -> tuple[list[int], int]:
+    """Where each parameter of ``numels`` elements starts in the symmetric buffer (in
+    elements, each on a 128-byte boundary) and the buffer's length (at least one element).
+
+    The buffer holds the parameters themselves, outside the caching allocator: its bytes
+    (``length * element_size``) are not in ``torch.cuda.max_memory_allocated``, so
+    :meth:`ShardedOptimizerStates.memory_report` lists them (``publish_buffer_<device>``).
+    """
+    align = max(1, _ALIGN_BYTES // element_size)
+    offsets: list[int] = []
+    total = 0
+    for numel in numels:
+        offsets.append(total)
+        total += -(-numel // align) * align
+    return offsets, max(total, 1)
 
 
 def _symm_mem() -> Any:
@@ -98,15 +115,40 @@ def _process_group(group: DataParallelGroup) -> dist.ProcessGroup:
     return pg
 
 
-def _enable_group(symm_mem: Any, pg: dist.ProcessGroup) -> None:
-    """Register ``pg`` with symmetric memory (older torch needs it; newer: a no-op).
+MULTICAST_ENV = "TORCH_SYMM_MEM_DISABLE_MULTICAST"
+_multicast_decided = False
 
-    The peer publish uses peer copies and barriers, never NVLink multicast (``multimem``):
-    unless the user chose otherwise, torch's symmetric-memory allocator is told not to create
-    multicast objects for these buffers (``TORCH_SYMM_MEM_DISABLE_MULTICAST``, which torch
-    reads when it allocates), so the default publish never depends on NVLS support."""
-    if os.environ.setdefault("TORCH_SYMM_MEM_DISABLE_MULTICAST", "1") != "1":
-        logger.debug("TORCH_SYMM_MEM_DISABLE_MULTICAST is set by the user: left as it is")
+
+def _no_multicast() -> None:
+    """Once per process, before the first symmetric buffer: tell torch's symmetric-memory
+    allocator not to create NVLink multicast objects, unless the user set
+    ``TORCH_SYMM_MEM_DISABLE_MULTICAST`` already (then it is left as it is).
+
+    The peer publish uses peer copies and barriers, never multicast (``multimem``), so the
+    default publish never depends on NVLS support. Torch reads the variable when it
+    allocates, for every symmetric buffer of the process: logged (rank 0, info), so that
+    code of the user's own that wants multicast knows to set it to 0 first (docs/zero.md)."""
+    global _multicast_decided
+    if _multicast_decided:
+        return
+    _multicast_decided = True
+    if MULTICAST_ENV in os.environ:
+        logger.info(
+            "%s=%s (set by the user): left as it is", MULTICAST_ENV, os.environ[MULTICAST_ENV]
+        )
+        return
+    os.environ[MULTICAST_ENV] = "1"
+    logger.info(
+        "symmetric memory (publish_transport copy_engine): %s=1 set for this process (no NVLink "
+        "multicast objects are created); set it to 0 before slipstream.initialize to keep them",
+        MULTICAST_ENV,
+    )
+
+
+def _enable_group(symm_mem: Any, pg: dist.ProcessGroup) -> None:
+    """Register ``pg`` with symmetric memory (older torch needs it; newer: a no-op), after
+    :func:`_no_multicast`."""
+    _no_multicast()
     enable = getattr(symm_mem, "enable_symm_mem_for_group", None)
     if enable is not None:
         with warnings.catch_warnings():
@@ -149,15 +191,12 @@ class PeerPublish:
         self.rank, self.world = group.rank, group.world_size
         self.device = self.params[0].device
         dtype = self.params[0].dtype
-        align = max(1, _ALIGN_BYTES // torch.empty((), dtype=dtype).element_size())
-        self.offsets: list[int] = []
-        total = 0
-        for p in self.params:
-            self.offsets.append(total)
-            total += -(-p.numel() // align) * align
+        self.offsets, total = symmetric_buffer_layout(
+            [p.numel() for p in self.params], torch.empty((), dtype=dtype).element_size()
+        )
         pg = _process_group(group)
         _enable_group(symm_mem, pg)
-        self.buffer = symm_mem.empty(max(total, 1), dtype=dtype, device=self.device)
+        self.buffer = symm_mem.empty(total, dtype=dtype, device=self.device)
         self._views: list[torch.Tensor] = []
         with torch.no_grad():
             for p, offset in zip(self.params, self.offsets):

@@ -509,6 +509,16 @@ class ShardedOptimizerStates(GradientPathMixin):
         """How updated shards reach the other ranks: "copy_engine" or "collective"."""
         return "copy_engine" if self._peer is not None else "collective"
 
+    def memory_report(self) -> dict[str, int]:
+        """:meth:`GradientPathMixin.memory_report`, plus ``publish_buffer_<device>``: with the
+        copy-engine publish the parameters live in a symmetric-memory buffer, which the
+        caching allocator does not count (``torch.cuda.max_memory_allocated`` leaves it out:
+        add this to it for the device's use)."""
+        report = super().memory_report()
+        if self._peer is not None:
+            report[f"publish_buffer_{self._peer.device.type}"] = self._peer.buffer_bytes
+        return report
+
     def _publish_all(self) -> None:
         shards = self._publish_sources
         if self._peer is not None:

@@ -468,22 +468,29 @@ class Stage3GradientPath(GradientPathMixin):
             unit.end_backward()
 
     def publish(self) -> None:
-        """Refresh the parameter shards from the masters (after a step or a load)."""
-        self._publish()
+        """Refresh every parameter shard from its master (after a load: the masters were
+        written, not stepped, so the host shards the CPU step writes are refreshed too)."""
+        self._publish(after_step=False)
 
-    def _publish(self) -> None:
+    def _publish(self, after_step: bool = True) -> None:
         with torch.no_grad():
             offloaded = self.optimizer.offload is not None
             flags = self.masters.offloaded
             for sharded, source, on_host in zip(self.sharded, self._sources, flags):
-                if offloaded and on_host:
-                    if source is not None:  # else the step wrote the host shard itself
+                master = sharded.master
+                if offloaded and on_host and after_step:
+                    # The CPU step wrote the host shard itself (source None), or the source
+                    # this device shard takes: the fp32 master (cast there) or NVMe staging.
+                    if source is not None:
                         source = source.detach()
                         if source.dtype != sharded.shard.dtype:  # the fp32 master: cast there
                             source = source.to(sharded.shard.device, non_blocking=True)
                         sharded.shard.copy_(source, non_blocking=True)
                     continue
-                master = sharded.master
+                if offloaded and on_host and source is not None and source is not master:
+                    # After a load: the NVMe staging copy holds the value from before it.
+                    assert master is not None
+                    source.copy_(master)
                 if master is not None and master.data_ptr() != sharded.shard.data_ptr():
                     ensure_shards([sharded])  # NVMe parameters: read, update, write back
                     sharded.shard.copy_(master)
