@@ -663,7 +663,8 @@ class SlipstreamEngine(torch.nn.Module):
         a taken step, the fp16 scale grows or backs off, a skip is logged.
 
         A skip decided on the device ([Note: the skip decided on the device] in
-        slipstream.zero) is read here, lazily: before the next backward, the next step, a
+        slipstream.zero) is read here, lazily: before the next backward (fp16; otherwise only
+        once its copy has landed), the next step, a
         log line, a checkpoint, or a read of the counters or the learning rate.
         """
         unsettled = self._unsettled
