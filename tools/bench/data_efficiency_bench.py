@@ -79,6 +79,14 @@ run trains for about ``--baseline-seconds``.
     # CPU smoke run of the whole harness (truncation, DeepSpeed's clock, every control)
     python tools/bench/data_efficiency_bench.py --preset smoke
 
+``--data-sampling voc`` adds DeepSpeed's other curriculum, over a difficulty metric of the data:
+slipstream.data's DataAnalyzer indexes every training window's vocabulary rarity (sum of -log
+unigram frequency, before any clock) and the engine's difficulty loader
+(``data_efficiency.data_sampling``, built by ``slipstream.initialize(training_data=...)``)
+draws the arm's batches from the easiest percentiles first (1 -> 100, ``fixed_root`` 2, over the
+seqlen curriculum's steps): the "CL + random-LTD" composition of Megatron-DeepSpeed's GPT-3
+data-efficiency runs (their ``voc`` metric beside ``seqlen_truncate``).
+
 ``--curriculum-mode reshape`` cuts the batch as DeepSpeed's ``seqlen_reshape`` does (rows of
 c+1 tokens, about a full step's tokens at every length); ``--de-extra NAME:KEY=VALUE,...@F``
 runs further arms in the same call; ``--eval-late-every`` validates more often near the end of
