@@ -9,6 +9,9 @@ two models that differ only in their number of parameter tensors: the difference
 engine's per-parameter work. Only operators that may launch a kernel count (views and
 ``detach`` are metadata). A structural count, not a timing: it fails when a per-parameter
 loop comes back.
+
+Also: under bf16 the host does not wait at ``engine.backward`` for the device to finish the
+last step (to read its skip flag) when that flag has not landed yet; the run stays the same.
 """
 
 from __future__ import annotations
@@ -141,3 +144,58 @@ def test_engine_host_dispatches_do_not_grow_with_parameters(stage: int, bf16: bo
     assert large_step - small_step <= step_each * more, summary
     assert large_backward - small_backward <= backward_each * more, summary
     assert large_step <= STEP_BOUND, summary
+
+
+def _train_with_a_bad_step(ready: bool, monkeypatch: pytest.MonkeyPatch) -> tuple[Any, ...]:
+    """bf16, fused AdamW, a WarmupLR schedule, the non-finite check; step 1's gradient is
+    non-finite. ``ready``: whether the last step's flag copy counts as landed at backward."""
+    import slipstream
+    from slipstream.comm.testing import count_host_reads
+    from slipstream.runtime.step_flag import FlagCopy
+
+    monkeypatch.setattr(FlagCopy, "ready", lambda self: ready)
+    torch.manual_seed(0)
+    config = {
+        "train_micro_batch_size_per_gpu": 4,
+        "gradient_clipping": 1.0,
+        "steps_per_print": 10**9,
+        "optimizer": {"type": "AdamW", "params": {"lr": 1e-2, "fused": True}},
+        "scheduler": {"type": "WarmupLR", "params": {"warmup_num_steps": 4}},
+        "bf16": {"enabled": True},
+    }
+    engine, *_ = slipstream.initialize(model=_Stack(2), config=config)
+    reads, deferred, lrs = [0], 0, []
+    # The LR each optimizer step runs with (the schedule moves when the last step settles).
+    engine.optimizer.register_step_pre_hook(
+        lambda optimizer, *_: lrs.append(optimizer.param_groups[0]["lr"])
+    )
+    try:
+        for step in range(5):
+            g = torch.Generator().manual_seed(step)
+            x, y = torch.randn(4, 8, generator=g, dtype=torch.bfloat16), torch.randn(4, 1)
+            loss = engine(x, y)
+            if step == 1:
+                loss = loss + torch.sqrt(next(engine.module.parameters()).sum() * 0.0)
+            with count_host_reads(reads):
+                engine.backward(loss)
+            deferred += engine._unsettled is not None
+            engine.step()
+        weights = [p.detach().float().clone() for p in engine.module.parameters()]
+        return weights, engine.skipped_steps, lrs, reads[0], deferred
+    finally:
+        engine.destroy()
+
+
+def test_bf16_backward_does_not_wait_for_the_last_steps_flag(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """Without a loss scale, a skip flag still on its way to the host is read at the next
+    step() instead of at backward (which would wait for the device to finish the last step);
+    the run is the same: the bad step skipped, the LR schedule held back by it, same weights."""
+    waited = _train_with_a_bad_step(True, monkeypatch)
+    ahead = _train_with_a_bad_step(False, monkeypatch)
+    assert waited[1] == ahead[1] == 1  # the non-finite step was skipped
+    assert waited[2] == ahead[2]  # the LR each step used
+    assert all(torch.equal(a, b) for a, b in zip(waited[0], ahead[0]))
+    assert waited[3] == 4 and waited[4] == 0  # read at each backward after the first step
+    assert ahead[3] == 0 and ahead[4] == 4  # never at backward: every step's is left for step()
