@@ -79,6 +79,14 @@ run trains for about ``--baseline-seconds``.
     # CPU smoke run of the whole harness (truncation, DeepSpeed's clock, every control)
     python tools/bench/data_efficiency_bench.py --preset smoke
 
+``--data-sampling voc`` adds DeepSpeed's other curriculum, over a difficulty metric of the data:
+slipstream.data's DataAnalyzer indexes every training window's vocabulary rarity (sum of -log
+unigram frequency, before any clock) and the engine's difficulty loader
+(``data_efficiency.data_sampling``, built by ``slipstream.initialize(training_data=...)``)
+draws the arm's batches from the easiest percentiles first (1 -> 100, ``fixed_root`` 2, over the
+seqlen curriculum's steps): the "CL + random-LTD" composition of Megatron-DeepSpeed's GPT-3
+data-efficiency runs (their ``voc`` metric beside ``seqlen_truncate``).
+
 ``--curriculum-mode reshape`` cuts the batch as DeepSpeed's ``seqlen_reshape`` does (rows of
 c+1 tokens, about a full step's tokens at every length); ``--de-extra NAME:KEY=VALUE,...@F``
 runs further arms in the same call; ``--eval-late-every`` validates more often near the end of
@@ -273,11 +281,25 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument(
         "--check-grad-overflow",
         choices=["on", "off"],
-        default="off",
+        default="on",
         help="bf16.check_grad_overflow for every run (Slipstream's default is on, DeepSpeed's "
-        "off): on adds an isfinite/all pass per gradient tensor to each step, host work that a "
-        "run of many small steps pays more often (the 2026-11-26 calls before 06:00 ran on)",
+        "off). Since the stage-0 vote rides on the gradient norm it costs a few dispatches a "
+        "step; before, an isfinite/all pass per gradient tensor (host work that a run of many "
+        "small steps paid more often)",
     )
+    parser.add_argument(
+        "--data-sampling",
+        choices=["off", "voc"],
+        default="off",
+        help="voc: the data-efficiency arm also draws its batches through slipstream.data's "
+        "difficulty sampler (data_efficiency.data_sampling) over DeepSpeed's vocabulary-rarity "
+        "metric (the sum of -log unigram frequency of a window's tokens, computed by "
+        "DataAnalyzer before any clock), percentile-based from --ds-min to 100 with a "
+        "fixed_root schedule over the seqlen curriculum's steps: the 'CL+random-LTD' "
+        "composition of DeepSpeed's GPT-3 data-efficiency runs (voc + seqlen_truncate)",
+    )
+    parser.add_argument("--ds-min", type=int, default=1, help="voc: starting percentile")
+    parser.add_argument("--ds-root", type=int, default=2, help="voc: fixed_root root_degree")
     parser.add_argument("--corpus", choices=["stdlib", "grammar", "file"], default="stdlib")
     parser.add_argument(
         "--corpus-file",
@@ -365,6 +387,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     if parser.parse_known_args(argv)[0].preset == "smoke":
         parser.set_defaults(**SMOKE)  # options given on the command line still win
     args = parser.parse_args(argv)
+    args.voc_index = None  # --data-sampling voc: the DataAnalyzer's index prefix (main sets it)
     return args
 
 
@@ -559,7 +582,73 @@ def _config(
                 "random_ltd": _random_ltd_block(args, steps),
             },
         }
+    if args.data_sampling != "off" and args.voc_index is not None:
+        block = config.setdefault("data_efficiency", {"enabled": True, "seed": args.seed})
+        block["data_sampling"] = {
+            "enabled": True,
+            "curriculum_learning": {
+                "enabled": True,
+                "curriculum_metrics": {
+                    "vocabularyrarity": {
+                        "index_to_sample_path": f"{args.voc_index}_index_to_sample",
+                        "index_to_metric_path": f"{args.voc_index}_index_to_metric",
+                        "difficulty_type": "percentile",
+                        "clustering_type": "schedule_based",
+                        "min_difficulty": args.ds_min,
+                        "max_difficulty": 100,
+                        "schedule_type": "fixed_root",
+                        "schedule_config": {
+                            # DeepSpeed's GPT-3 runs: as many steps as the seqlen curriculum's
+                            "total_curriculum_step": max(int(steps * args.curriculum_fraction), 1),
+                            "difficulty_step": 1,
+                            "root_degree": args.ds_root,
+                        },
+                    }
+                },
+            },
+        }
     return config
+
+
+class _WindowIndices(torch.utils.data.Dataset):
+    """The training windows as their indices (the batch itself is gathered on the device)."""
+
+    def __init__(self, count: int) -> None:
+        self.count = count
+
+    def __len__(self) -> int:
+        return self.count
+
+    def __getitem__(self, index: int) -> int:
+        return index
+
+
+def _vocabulary_rarity_index(args: argparse.Namespace, train: torch.Tensor) -> str:
+    """DeepSpeed's ``vocab_rarity`` metric of every training window, indexed by
+    slipstream.data.DataAnalyzer (untimed, as DeepSpeed's offline analysis is); returns the
+    index files' prefix."""
+    import tempfile
+
+    from slipstream.data import DataAnalyzer
+
+    windows = train.cpu()
+    counts = torch.bincount(windows[:, :-1].reshape(-1), minlength=256).double()
+    neg_log = -(counts.clamp(min=1) / counts.sum()).log()
+
+    def rarity(batch: torch.Tensor) -> Any:
+        # Scaled to integers (the index files hold integers); only the order matters here.
+        return (neg_log[batch[:, :-1]].sum(dim=1) * 100).round().long().numpy()
+
+    directory = Path(tempfile.mkdtemp(prefix="de_voc_"))
+    DataAnalyzer(
+        windows,  # type: ignore[arg-type]
+        metric_names=["vocabularyrarity"],
+        metric_functions=[rarity],
+        metric_types=["single_value_per_sample"],
+        save_path=directory,
+        batch_size=256,
+    ).run_map_reduce()
+    return str(directory / "vocabularyrarity" / "vocabularyrarity")
 
 
 def _lr_at(args: argparse.Namespace, lr: float, tokens: int, budget: int) -> float:
@@ -700,8 +789,12 @@ def run(
     torch.manual_seed(args.seed)
     with torch.device(train.device):  # built in place: a 300M model's CPU init takes seconds
         model = _model(args, efficient)
-    engine, *_ = slipstream.initialize(
-        model=model, config=_config(args, steps_planned, efficient, lr)
+    sampling = efficient and args.data_sampling != "off"
+    engine, _, loader, _ = slipstream.initialize(
+        model=model,
+        config=_config(args, steps_planned, efficient, lr),
+        training_data=_WindowIndices(train.shape[0]) if sampling else None,
+        collate_fn=torch.tensor if sampling else None,
     )
     if efficient and args.ltd == "on" and args.token_backend != "auto":
         runtime = engine.data_efficiency
@@ -713,6 +806,18 @@ def run(
         )
     warmup_seconds, warmed = _warm_up(args, engine, efficient, steps_planned)
     order = torch.randperm(train.shape[0], generator=torch.Generator().manual_seed(args.seed))
+    if sampling:
+        # The difficulty sampler's micro-batches, drawn ahead (host work like a prefetching
+        # loader's; the baseline's permutation is made ahead too): enough for the most steps
+        # a run of this budget can take (every step at the shortest curriculum length).
+        most = budget // (args.micro_batch * max(min(args.cl_min, args.seq), 1)) + 1
+        drawn, batches = 0, []
+        for indices in loader:
+            batches.append(indices)
+            drawn += 1
+            if drawn >= min(most, 4 * steps_planned):
+                break
+        order = torch.cat(batches)
     order = order.to(train.device)
     tokens, step, train_seconds = 0, 0, 0.0
     # DeepSpeed's layer-token LR clock (data-efficiency arm, --de-lr-clock layer-tokens).
@@ -731,7 +836,7 @@ def run(
     _sync()
     began = time.perf_counter()
     while clock < budget:
-        start = (step * args.micro_batch) % (train.shape[0] - args.micro_batch)
+        start = (step * args.micro_batch) % (order.shape[0] - args.micro_batch)
         batch = train[order[start : start + args.micro_batch]]
         if plan is None:
             step_lr = _lr_at(args, lr, clock, budget)
@@ -992,7 +1097,13 @@ def _describe(args: argparse.Namespace, budget: int, description: str) -> str:
         f"{args.curriculum_fraction:.0%} of budget/(micro-batch x seq) steps), random-LTD "
         f"{args.ltd} (kept tokens from {args.ltd_min}, seq_per_step {args.ltd_seq_per_step}, "
         f"over {args.ltd_fraction:.0%} of those steps, token ops {args.token_backend}), LR "
-        f"clock {args.de_lr_clock}; warm-up shapes "
+        f"clock {args.de_lr_clock}; data sampling {args.data_sampling}"
+        + (
+            f" (vocabulary rarity, percentile from {args.ds_min}, fixed_root {args.ds_root})"
+            if args.data_sampling != "off"
+            else ""
+        )
+        + "; warm-up shapes "
         f"{args.warm_shapes if args.warm_shapes else 'all'}"
         + "".join(f"; extra arm {spec}" for spec in args.de_extra)
     )
@@ -1044,6 +1155,13 @@ def main(argv: list[str] | None = None) -> int:
         raise SystemExit(
             f"the held-out set has only {valid.shape[0]} windows; lower --eval-batches"
         )
+    if args.data_sampling != "off" or any(
+        o.get("data_sampling", "off") != "off" for _, o, _ in extras
+    ):
+        began = time.perf_counter()
+        args.voc_index = _vocabulary_rarity_index(args, train)
+        print(f"vocabulary-rarity index of {train.shape[0]:,} windows in "
+              f"{time.perf_counter() - began:.1f} s (untimed)", flush=True)  # fmt: skip
     profile = _profile_shapes(args, train) if args.profile_shapes else []
     probe_rate = None
     budget = args.token_budget

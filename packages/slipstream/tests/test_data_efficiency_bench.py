@@ -34,10 +34,10 @@ def test_consumed_tokens_follow_megatron_deepspeed() -> None:
     assert bench._consumed_tokens(args, 80, 32) == 4 * 56
     assert bench._consumed_tokens(args, 80, 128) == 4 * 80  # keeps all: the plain length
     assert bench._consumed_tokens(args, 128, None) == 4 * 128
-    # Every run's bf16 block: DeepSpeed's default (no per-tensor non-finite pass) unless asked.
-    assert bench._config(args, 10, False)["bf16"]["check_grad_overflow"] is False
-    on = bench.parse_args(["--preset", "smoke", "--check-grad-overflow", "on"])
-    assert bench._config(on, 10, True)["bf16"]["check_grad_overflow"] is True
+    # Every run's bf16 block: Slipstream's default (the vote rides on the norm) unless asked.
+    assert bench._config(args, 10, False)["bf16"]["check_grad_overflow"] is True
+    off = bench.parse_args(["--preset", "smoke", "--check-grad-overflow", "off"])
+    assert bench._config(off, 10, True)["bf16"]["check_grad_overflow"] is False
     args.ltd = "off"
     assert bench._consumed_tokens(args, 80, 32) == 4 * 80
     args.ltd, args.curriculum_mode = "on", "fold"  # folded rows: 128 // 40 = 3 rows per row
@@ -86,6 +86,41 @@ def test_reshape_mode_gives_the_model_megatron_deepspeeds_rows() -> None:
         plain = bench.Llama.forward(model, rows[:, :-1], rows[:, 1:])
     assert torch.equal(reshaped, plain)
     engine.destroy()
+
+
+def test_vocabulary_rarity_sampling_draws_common_windows_first(tmp_path) -> None:
+    """--data-sampling voc: DataAnalyzer indexes DeepSpeed's vocabulary rarity of every window
+    and the engine's difficulty loader (data_efficiency.data_sampling, percentile from 1)
+    draws the first batches from the windows of the most common bytes only, every window
+    once the schedule reaches 100."""
+    import torch
+
+    import slipstream
+
+    bench = _load("data_efficiency_bench")
+    args = bench.parse_args(["--preset", "smoke", "--data-sampling", "voc", "--ds-min", "10"])
+    windows = torch.randint(0, 8, (200, args.seq + 1))  # common bytes
+    rare = torch.arange(0, 200, 5)
+    windows[rare, : args.seq // 2] = torch.randint(200, 256, (rare.numel(), args.seq // 2))
+    args.voc_index = bench._vocabulary_rarity_index(args, windows)
+    config = bench._config(args, 40, True)
+    metric = config["data_efficiency"]["data_sampling"]["curriculum_learning"]
+    assert metric["curriculum_metrics"]["vocabularyrarity"]["difficulty_type"] == "percentile"
+    torch.manual_seed(0)
+    engine, _, loader, _ = slipstream.initialize(
+        model=bench._model(args, True),
+        config=config,
+        training_data=bench._WindowIndices(windows.shape[0]),
+        collate_fn=torch.tensor,
+    )
+    try:
+        batches = list(itertools.islice(iter(loader), 60))
+    finally:
+        engine.destroy()
+    first = torch.cat(batches[:2])
+    assert not set(first.tolist()) & set(rare.tolist())  # percentile 10: 20 common windows
+    later = torch.cat(batches[-20:])
+    assert set(later.tolist()) & set(rare.tolist())  # past the schedule: every window
 
 
 def test_troff_to_text() -> None:

@@ -516,9 +516,15 @@ class SlipstreamEngine(torch.nn.Module):
         scaled = loss / self._gas if scale_wrt_gas else loss
         if self.monitor.enabled:
             self._monitor_train_loss(scaled)
-        if self._unsettled is not None:
+        unsettled = self._unsettled
+        if unsettled is not None and (
+            self.loss_scaler is not None or unsettled.flag is None or unsettled.flag.ready()
+        ):
             # The last step's skip flag (decided on the device) is read here, long after the
-            # device computed it: the fp16 scale of this backward depends on it.
+            # device computed it: the fp16 scale of this backward depends on it. Without a
+            # loss scale nothing before the next step does, so a flag still on its way is
+            # left for the next step() (the host need not wait for the device to finish the
+            # last step before it queues this backward: it may run a step ahead).
             self._settle_step()
         to_backprop = scaled * self.loss_scaler.loss_scale if self.loss_scaler else scaled
         self._path_backward(to_backprop, retain_graph)
@@ -657,7 +663,8 @@ class SlipstreamEngine(torch.nn.Module):
         a taken step, the fp16 scale grows or backs off, a skip is logged.
 
         A skip decided on the device ([Note: the skip decided on the device] in
-        slipstream.zero) is read here, lazily: before the next backward, the next step, a
+        slipstream.zero) is read here, lazily: before the next backward (fp16; otherwise only
+        once its copy has landed), the next step, a
         log line, a checkpoint, or a read of the counters or the learning rate.
         """
         unsettled = self._unsettled

@@ -38,6 +38,10 @@ class FlagCopy:
         event.record()
         return cls(flag, host, event)
 
+    def ready(self) -> bool:
+        """Whether :meth:`read` would return without waiting (the copy has landed)."""
+        return self.host is None or bool(self.event.query())
+
     def read(self) -> bool:
         """Whether the flag is set (waits for the copy, at most)."""
         if self.host is None:

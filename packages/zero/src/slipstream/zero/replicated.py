@@ -273,6 +273,25 @@ class ReplicatedGradientPath:
                 self.masters.copy_to_model()
             return outcome
         found_inf: torch.Tensor | None = None
+        if (
+            (loss_scale is not None or nonfinite_check is not None)
+            and grad_norm is None
+            and not self.vote_over_world
+        ):
+            # [Note: the stage-0 vote rides on the norm] The norm's one multi-tensor pass
+            # decides the vote too: no per-gradient isfinite/all (five dispatches a tensor,
+            # the host's largest share of a small model's step).
+            unscale_grads_(grads, loss_scale)
+            norm = self._global_norm()
+            found_inf = self._vote_on_norm(norm, nonfinite_check)
+            if not (defer_skip and supports_device_skip(optimizer)):
+                if bool(found_inf.item()):  # host sync: the step must know now whether to skip
+                    return StepOutcome(overflow=True, grad_norm=None)
+                found_inf = None
+            clip_and_step(optimizer, grads, norm, max_grad_norm, found_inf)
+            if self.masters is not None:
+                self.masters.copy_to_model()  # after a skip: the unchanged values again
+            return StepOutcome(overflow=False, grad_norm=norm, skipped=found_inf)
         if loss_scale is not None or nonfinite_check is not None:
             found_inf = self._vote(grads, nonfinite_check)
             if not (defer_skip and supports_device_skip(optimizer)):
@@ -285,6 +304,33 @@ class ReplicatedGradientPath:
         if self.masters is not None:
             self.masters.copy_to_model()  # after a skip: the unchanged values again
         return StepOutcome(overflow=False, grad_norm=norm, skipped=found_inf)
+
+    def _vote_on_norm(
+        self, norm: torch.Tensor | None, nonfinite_check: torch.Tensor | None
+    ) -> torch.Tensor:
+        """1.0 on every rank when the (unscaled) global norm or any rank's
+        ``nonfinite_check`` is inf or nan, as a 0-d float on the device; nothing waits.
+
+        [Note: the stage-0 vote rides on the norm] Without tensor parallelism or experts
+        (``vote_over_world``) the reduced gradients, hence the norm, are equal on every rank,
+        and an inf or nan in any gradient makes the norm non-finite, so it carries the
+        gradients' vote (as the ZeRO stages' summed squares do, [Note: one collective per
+        step]). A finite gradient whose squares overflow fp32
+        (an element beyond ~1.8e19) counts as non-finite too, as it does there. Only the
+        per-rank ``nonfinite_check`` needs a collective: ``check * 0`` is 0 or nan, summed
+        over the world.
+        """
+        bad = (
+            norm.detach().float().reshape(())
+            if norm is not None
+            else torch.zeros((), dtype=torch.float32, device=self.device)
+        )
+        if nonfinite_check is not None:
+            check = nonfinite_check.detach().float().reshape(()).to(bad.device) * 0.0
+            if comm.is_initialized() and comm.get_world_size() > 1:
+                comm.all_reduce(check)
+            bad = bad + check
+        return (~torch.isfinite(bad)).to(torch.float32)
 
     def _vote(
         self, grads: list[torch.Tensor], nonfinite_check: torch.Tensor | None
