@@ -216,6 +216,8 @@ class HostOptimizer:
         # Group settings as freeze_hyperparameters() saw them (None: read the live groups).
         self._frozen: list[dict[str, Any]] | None = None
         self._reading = threading.Lock()
+        # The C++ Adam's own clock, summed over its calls (benchmarks; kernel_s).
+        self._kernel = [0.0, 0.0, 0.0]
         # gpu_share: that share of each Adam call's elements steps on ``device``, streamed.
         self.gpu_share = 0.0
         self._streamed: StreamedAdam | None = None
@@ -433,6 +435,19 @@ class HostOptimizer:
             out=out,
             schedule=self.settings.cpu_schedule,
         )
+        stats = self._ops.last_step_stats()
+        if stats is not None:
+            self._kernel[0] += stats["wall_s"]
+            self._kernel[1] += stats["end_max_s"]
+            self._kernel[2] += stats["end_mean_s"]
+
+    @property
+    def kernel_s(self) -> tuple[float, float, float]:
+        """The C++ Adam's own clock, summed over its calls so far (benchmarks): seconds inside
+        its OpenMP regions, and the sums of the latest and of the mean thread's end in each
+        (their ratio is 1 when the threads finish together; see
+        :func:`slipstream.kernels.ops.cpu_optim.last_step_stats`)."""
+        return (self._kernel[0], self._kernel[1], self._kernel[2])
 
     def _decoupled(self, group: dict[str, Any]) -> bool:
         """AdamW's decoupled weight decay (AdamW, or Adam with ``decoupled_weight_decay``)."""
