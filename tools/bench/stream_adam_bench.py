@@ -343,6 +343,8 @@ def _measure(rank: int, args: argparse.Namespace, barrier: Any, results: Any) ->
             return event
 
         def body() -> None:
+            if dma:
+                torch.cuda.set_device(dev)  # a new thread starts on device 0
             landed = land(0) if dma else None
             for k in range(jobs):
                 following = land(k + 1) if dma and k + 1 < jobs else None
