@@ -183,15 +183,18 @@ def _offload_blocks(args: argparse.Namespace) -> dict[str, Any]:
             args.offload_threads,
             args.cpu_schedule,
             args.gil_switch_us is not None,
+            args.overlap_bucket_size,
         )
         if args.impl == "deepspeed" and any(ours):
             raise SystemExit(
                 "--offload-ratio / --offload-gpu-share / --overlap-forward / --offload-threads "
-                "/ --cpu-schedule / --gil-switch-us: "
+                "/ --cpu-schedule / --gil-switch-us / --overlap-bucket-size: "
                 "slipstream only"
             )
         if args.gil_switch_us is not None:
             blocks["offload_optimizer"]["gil_switch_interval_us"] = args.gil_switch_us
+        if args.overlap_bucket_size:
+            blocks["offload_optimizer"]["overlap_bucket_size"] = int(args.overlap_bucket_size)
         if args.offload_threads:
             blocks["offload_optimizer"]["threads"] = args.offload_threads
         if args.cpu_schedule:
@@ -483,6 +486,12 @@ def main(argv: list[str] | None = None) -> int:
         help="--offload cpu: offload_optimizer.gil_switch_interval_us (Python's switch interval "
         "while the CPU step's worker runs; 0: Python's own; unset: the config default)",
     )
+    parser.add_argument(
+        "--overlap-bucket-size",
+        type=float,
+        default=0,
+        help="--offload cpu: offload_optimizer.overlap_bucket_size (0: the config default, 1e8)",
+    )
     parser.add_argument("--nvme-path", type=Path, default=Path("/tmp/slipstream-nvme"))
     parser.add_argument("--clip", type=float, default=1.0, help="gradient_clipping (0: off)")
     parser.add_argument(
@@ -762,6 +771,7 @@ def main(argv: list[str] | None = None) -> int:
         + (f"+t{args.offload_threads}" if args.offload_threads else "")
         + ("+dyn" if args.cpu_schedule == "dynamic" else "")
         + (f"+si{args.gil_switch_us:g}" if args.gil_switch_us is not None else "")
+        + (f"+ob{args.overlap_bucket_size:g}" if args.overlap_bucket_size else "")
         + (f"+rb{args.reduce_bucket_size:g}" if args.reduce_bucket_size != 5e8 else "")
         + (f"+ab{args.allgather_bucket_size:g}" if args.allgather_bucket_size != 5e8 else "")
         + ("+pf" if args.publish_during_forward else "")
