@@ -111,6 +111,13 @@ def _frozen_value(value: Any) -> Any:
     return value
 
 
+def _flat(tensor: torch.Tensor) -> torch.Tensor:
+    """``tensor`` as one dimension. The masters and their spares are flat shards already, and
+    skipping ``view`` there matters on the CPU step's worker thread: every torch op gives the
+    GIL up and takes it back, and each take can wait for the thread running the forward."""
+    return tensor if tensor.dim() == 1 else tensor.view(-1)
+
+
 def _chunks(params: Sequence[torch.Tensor], limit: int) -> list[list[torch.Tensor]]:
     chunks: list[list[torch.Tensor]] = []
     current: list[torch.Tensor] = []
@@ -503,9 +510,9 @@ class HostOptimizer:
                     AdamHyper(lr, beta1, beta2, eps, weight_decay, decoupled, step, scale),
                     copies,
                     out=(
-                        [t.value.view(-1) for t in taken],
-                        [t.exp_avg.view(-1) for t in taken],
-                        [t.exp_avg_sq.view(-1) for t in taken],
+                        [_flat(t.value) for t in taken],
+                        [_flat(t.exp_avg) for t in taken],
+                        [_flat(t.exp_avg_sq) for t in taken],
                     ),
                 )
 
