@@ -85,8 +85,8 @@ class OptimizerOffload:
             step's worker thread runs, Python's switch interval (``sys.setswitchinterval``)
             in microseconds: how long the worker, which needs the GIL around every bucket's
             C++ step, waits before the thread running the forward or backward is asked to
-            let it have it (Python's default is 5000). 0 leaves the interpreter's setting;
-            the default is 100.
+            let it have it (Python's default is 5000). 0 (the default) leaves the
+            interpreter's setting.
     """
 
     device: Device = "cpu"
@@ -107,7 +107,7 @@ class OptimizerOffload:
     early_upload: bool = True
     overlap_bucket_numel: int = 100_000_000
     gpu_share: float = 0.0
-    gil_switch_interval_us: float = 100.0
+    gil_switch_interval_us: float = 0.0
 
     def __post_init__(self) -> None:
         if not self.gil_switch_interval_us >= 0.0:

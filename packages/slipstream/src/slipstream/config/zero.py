@@ -88,7 +88,7 @@ class OffloadOptimizerConfig(ConfigBlock):
     gpu_share: float = dataclasses.field(default=0.0, metadata={"ge": 0.0, "le": 1.0})
     # A Slipstream addition (docs/offload.md, "The worker and the GIL"): Python's switch
     # interval while the CPU step's worker runs, in microseconds (0: Python's own).
-    gil_switch_interval_us: float = dataclasses.field(default=100.0, metadata={"ge": 0.0})
+    gil_switch_interval_us: float = dataclasses.field(default=0.0, metadata={"ge": 0.0})
 
 
 @dataclasses.dataclass(kw_only=True)
