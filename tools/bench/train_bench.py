@@ -730,6 +730,9 @@ def main(argv: list[str] | None = None) -> int:
             kernel = [b - a for a, b in zip(kernel_before, offload.kernel_s, strict=True)]
             cpu_step["cpu_kernel_ms"] = round(1e3 * kernel[0] / args.steps, 1)
             cpu_step["cpu_straggle"] = round(kernel[1] / kernel[2], 3) if kernel[2] > 0 else None
+            # Per step, summed over the calls: how long each region waited for its last thread to
+            # start (a descheduled or sleeping OpenMP thread starts late).
+            cpu_step["cpu_late_start_ms"] = round(1e3 * kernel[3] / args.steps, 1)
     final_loss = float(loss)  # host sync once, after timing
     timed_phases = args.impl in ("slipstream", "deepspeed") and args.phases
     phases = _phase_times(engine, input_ids, labels, sync) if timed_phases else {}

@@ -224,7 +224,7 @@ class HostOptimizer:
         self._frozen: list[dict[str, Any]] | None = None
         self._reading = threading.Lock()
         # The C++ Adam's own clock, summed over its calls (benchmarks; kernel_s).
-        self._kernel = [0.0, 0.0, 0.0]
+        self._kernel = [0.0, 0.0, 0.0, 0.0]
         # gpu_share: that share of each Adam call's elements steps on ``device``, streamed.
         self.gpu_share = 0.0
         self._streamed: StreamedAdam | None = None
@@ -447,14 +447,16 @@ class HostOptimizer:
             self._kernel[0] += stats["wall_s"]
             self._kernel[1] += stats["end_max_s"]
             self._kernel[2] += stats["end_mean_s"]
+            self._kernel[3] += stats["start_max_s"]
 
     @property
-    def kernel_s(self) -> tuple[float, float, float]:
+    def kernel_s(self) -> tuple[float, float, float, float]:
         """The C++ Adam's own clock, summed over its calls so far (benchmarks): seconds inside
-        its OpenMP regions, and the sums of the latest and of the mean thread's end in each
-        (their ratio is 1 when the threads finish together; see
+        its OpenMP regions; the sums of the latest and of the mean thread's end in each (their
+        ratio is 1 when the threads finish together); and the sum of the latest thread's start
+        (how long the region waited for its last thread to begin; see
         :func:`slipstream.kernels.ops.cpu_optim.last_step_stats`)."""
-        return (self._kernel[0], self._kernel[1], self._kernel[2])
+        return (self._kernel[0], self._kernel[1], self._kernel[2], self._kernel[3])
 
     def _decoupled(self, group: dict[str, Any]) -> bool:
         """AdamW's decoupled weight decay (AdamW, or Adam with ``decoupled_weight_decay``)."""

@@ -612,9 +612,10 @@ class OffloadedStep:
         self._step_subset(self.host.optimizer, list(grads))
 
     @property
-    def kernel_s(self) -> tuple[float, float, float]:
+    def kernel_s(self) -> tuple[float, float, float, float]:
         """The C++ step's own clock, summed over its calls (benchmarks): seconds inside its
-        parallel regions, and the sums of the latest and of the mean thread's end in each."""
+        parallel regions, the sums of the latest and of the mean thread's end in each, and the
+        sum of the latest thread's start (:attr:`HostOptimizer.kernel_s`)."""
         return self.host.kernel_s
 
     @property
