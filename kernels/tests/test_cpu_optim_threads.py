@@ -122,3 +122,30 @@ def test_schedule_errors_name_the_setting(cpu_optim) -> None:
     ext = cpu_optim._extension()
     with pytest.raises(RuntimeError, match="schedule must be 'static' or 'dynamic'"):
         ext.lion_step(*args, [], 0.1, 0.9, 0.99, 0.0, 1.0, "auto", "guided")
+
+
+def test_last_step_stats_time_the_calling_threads_last_adam(cpu_optim) -> None:
+    # Benchmarks read the C++ step's own clock (CPU offload's cpu_kernel_ms): per calling thread,
+    # the last Adam's region and each OpenMP thread's share, ends not before starts.
+    import threading
+
+    import torch
+
+    seen: dict[str, object] = {}
+
+    def work() -> None:
+        seen["before"] = cpu_optim.last_step_stats()
+        p = torch.zeros(1 << 16)
+        cpu_optim.adam([p], [torch.ones_like(p)], [torch.zeros_like(p)], [torch.zeros_like(p)],
+                       lr=0.1, beta1=0.9, beta2=0.999, eps=1e-8, weight_decay=0.0,
+                       adam_w_mode=True, bias_correction=True, step=1)  # fmt: skip
+        seen["after"] = cpu_optim.last_step_stats()
+
+    thread = threading.Thread(target=work)
+    thread.start()
+    thread.join()
+    assert seen["before"] is None  # a fresh thread has not stepped
+    stats = seen["after"]
+    assert isinstance(stats, dict) and stats["threads"] >= 1
+    assert 0 <= stats["start_mean_s"] <= stats["start_max_s"] <= stats["wall_s"]
+    assert stats["start_mean_s"] <= stats["end_mean_s"] <= stats["end_max_s"] <= stats["wall_s"]

@@ -1,6 +1,6 @@
 """Run several training benchmarks side by side and print a markdown table of the results.
 
-Each spec is ``IMPL[:STAGE[+cpu|+nvme][+param|+nvmeparam][+noclip][+bf16comm][+ratioR][+rbN][+abN][+leaf][+bpN][+pf][+tN][+dyn][+ovf][+gsX]]@MODEL/MICRO`` (e.g.
+Each spec is ``IMPL[:STAGE[+cpu|+nvme][+param|+nvmeparam][+noclip][+bf16comm][+ratioR][+rbN][+abN][+leaf][+bpN][+pf][+tN][+dyn][+ovf][+gsX][+siUS][+obN]]@MODEL/MICRO`` (e.g.
 ``fsdp2@1.3b/4``, ``slipstream:3@7b/2``, ``slipstream:2+cpu@1.3b/4`` for CPU optimizer
 offload, ``slipstream:3+cpu+nvmeparam@1.3b/2`` with the parameter shards on NVMe,
 ``+bf16comm`` for ``communication_data_type`` bf16, DeepSpeed's default under bf16;
@@ -12,7 +12,9 @@ stage-3 cap; default 64); ``+pf`` for ``publish_during_forward`` (stages 1-2); `
 (stages 1-2); ``+ctas8`` for ``reduce_scatter_max_ctas`` 8 (stages 1-2); ``+avg`` for
 ``average_in_reduce_scatter`` (stages 1-2); ``+t16`` for ``offload_optimizer.threads`` 16
 (formerly ``SLIPSTREAM_OFFLOAD_THREADS=16``), ``+dyn`` for ``cpu_schedule`` dynamic; ``+ovf`` for
-``offload_optimizer.overlap_forward``; ``+gs0.3`` for ``offload_optimizer.gpu_share`` 0.3; ``deepspeed:2+cpu@7b/2`` runs DeepSpeed, when
+``offload_optimizer.overlap_forward``; ``+gs0.3`` for ``offload_optimizer.gpu_share`` 0.3; ``+si200`` for
+``offload_optimizer.gil_switch_interval_us`` 200 (``+si0``: Python's own interval); ``+ob5e7`` for
+``offload_optimizer.overlap_bucket_size`` 5e7; ``deepspeed:2+cpu@7b/2`` runs DeepSpeed, when
 installed, on the same config); every
 run is a fresh ``torchrun`` of train_bench.py on ``--gpus`` processes, one after the other on
 the same machine, so the rows compare like with like.
@@ -57,6 +59,10 @@ def _parse(spec: str) -> list[str]:
             args += ["--overlap-forward"]
         elif extra == "dyn":
             args += ["--cpu-schedule", "dynamic"]
+        elif extra.startswith("ob"):
+            args += ["--overlap-bucket-size", extra.removeprefix("ob")]
+        elif extra.startswith("si"):
+            args += ["--gil-switch-us", extra.removeprefix("si")]
         elif extra[:1] == "t" and extra[1:].isdigit():
             args += ["--offload-threads", extra[1:]]
         elif extra == "leaf":

@@ -30,6 +30,26 @@ GPU, then times ``--steps`` steps of:
     PYTHONPATH=kernels/src python3 tools/bench/stream_adam_bench.py --processes 2 --params 5e8 \\
         --modes stream,cpu,hybrid --threads 16
 
+``cpu`` takes modifiers after slashes that add, one at a time, what training runs beside the
+C++ step, to tell apart why the step is slower there than here (``cpu/j16/dma/busy2``):
+
+- ``jN``: the step as N calls over consecutive slices (training steps one gradient bucket at a
+  time), from a worker thread (training's ``slipstream-cpu-step``);
+- ``dma`` (with ``jN``, on a GPU): training's copy-engine traffic beside it: slice k+1's bf16
+  gradient lands (device-to-host into the gradient the next call reads) while slice k steps,
+  and each stepped slice's fp32 master is uploaded (host-to-device) as its call returns;
+- ``busyK``: K processes per rank that spin on a core (the training process's other busy
+  threads: the Python thread driving the GPU, NCCL's proxy thread);
+- ``gil``: a Python thread that holds the GIL as a forward does (the worker needs it between
+  calls);
+- ``tN`` / ``dyn``: N OpenMP threads for this variant / the dynamic schedule;
+- ``siUS``: ``sys.setswitchinterval`` of US microseconds for this variant (Python's default is
+  5000): how long a thread that wants the GIL waits before the holder is asked to drop it.
+
+Each ``cpu`` row also reports, from the C++ step's own clock (``cpu_optim.last_step_stats``),
+the time inside its OpenMP regions per step and how late the last thread ended against the
+mean (``straggle``: 1.0 when the threads end together).
+
 ``--huge-pages`` allocates the host tensors in memory advised for transparent huge pages and
 registers it (``cudaHostRegister``) instead of using the pinned allocator, which maps 4 KiB
 pages: whether the TLB matters to the memory-bound step.
@@ -46,6 +66,8 @@ import argparse
 import json
 import multiprocessing as mp
 import statistics
+import subprocess
+import sys
 import threading
 import time
 from typing import Any
@@ -181,6 +203,39 @@ def _anon_huge_gib() -> float:
     return -1.0
 
 
+def _is_float(text: str) -> bool:
+    try:
+        return float(text) > 0
+    except ValueError:
+        return False
+
+
+def _cpu_modifiers(mode: str) -> dict[str, Any]:
+    """``cpu/j16/dma/busy2/gil/t15/dyn`` -> its settings (see the module docstring)."""
+    mods: dict[str, Any] = {"jobs": 1, "dma": False, "busy": 0, "gil": False, "threads": 0,
+                            "dyn": False, "switch": 0.0}  # fmt: skip
+    for part in mode.split("/")[1:]:
+        if part == "dma":
+            mods["dma"] = True
+        elif part == "gil":
+            mods["gil"] = True
+        elif part == "dyn":
+            mods["dyn"] = True
+        elif part.startswith("si") and _is_float(part[2:]):
+            mods["switch"] = float(part[2:]) * 1e-6
+        elif part.startswith("busy") and part[4:].isdigit():
+            mods["busy"] = int(part[4:])
+        elif part.startswith("j") and part[1:].isdigit() and int(part[1:]) > 0:
+            mods["jobs"] = int(part[1:])
+        elif part.startswith("t") and part[1:].isdigit() and int(part[1:]) > 0:
+            mods["threads"] = int(part[1:])
+        else:
+            raise SystemExit(
+                f"unknown cpu modifier {part!r} in {mode!r}: expected jN, dma, busyK, gil, tN, dyn, siUS"
+            )
+    return mods
+
+
 class _null:
     def __enter__(self) -> None:
         return None
@@ -222,7 +277,7 @@ def _measure(rank: int, args: argparse.Namespace, barrier: Any, results: Any) ->
     dev = device if cuda else torch.device("cpu")
     modes = args.modes.split(",")
     need_stream = any(m in ("stream", "hybrid") for m in modes)
-    need_cpu = any(m in ("cpu", "hybrid", "stream-hostgrad") for m in modes)
+    need_cpu = any(m.split("/")[0] in ("cpu", "hybrid", "stream-hostgrad") for m in modes)
     grad = torch.full((numel,), 0.1, dtype=torch.bfloat16, device=dev) if need_stream else None
     bufs = [
         [torch.empty(args.chunk, device=dev) for _ in range(4)]
@@ -242,6 +297,8 @@ def _measure(rank: int, args: argparse.Namespace, barrier: Any, results: Any) ->
             streams, dev,
         )  # fmt: skip
 
+    schedule_of = ["static"]
+
     def run_cpu(step: int, lo: int, hi: int) -> None:
         p, m, v = cut(states, lo, hi)
         extra: dict[str, Any] = {}
@@ -249,8 +306,62 @@ def _measure(rank: int, args: argparse.Namespace, barrier: Any, results: Any) ->
             extra = {"out": tuple([t] for t in cut(spare, lo, hi))}
         cpu_optim.adam(
             [p], [host_grads[lo:hi]], [m], [v], lr=1e-3, beta1=0.9, beta2=0.95, eps=1e-8,
-            weight_decay=0.1, adam_w_mode=True, bias_correction=True, step=step, **extra,
+            weight_decay=0.1, adam_w_mode=True, bias_correction=True, step=step,
+            schedule=schedule_of[0], **extra,
         )  # fmt: skip
+
+    kernel: list[float] = [0.0, 0.0, 0.0]  # this step: region wall, sum of max end, of mean end
+
+    def run_cpu_stats(step: int, lo: int, hi: int) -> None:
+        run_cpu(step, lo, hi)
+        stats = cpu_optim.last_step_stats()
+        if stats is not None:
+            kernel[0] += stats["wall_s"]
+            kernel[1] += stats["end_max_s"]
+            kernel[2] += stats["end_mean_s"]
+
+    dma_bufs: dict[str, Any] = {}
+
+    def run_cpu_variant(step: int, mods: dict[str, Any]) -> None:
+        # The step as ``jobs`` calls on a worker thread; with ``dma``, slice k+1's gradient
+        # lands while slice k steps and each stepped slice's master is uploaded.
+        jobs = mods["jobs"]
+        bounds = [numel * k // jobs for k in range(jobs + 1)]
+        dma = mods["dma"] and cuda
+        if dma and not dma_bufs:
+            dma_bufs["grad"] = torch.full((numel,), 0.1, dtype=torch.bfloat16, device=dev)
+            dma_bufs["master"] = torch.empty(numel, device=dev)
+            dma_bufs["land"], dma_bufs["up"] = torch.cuda.Stream(), torch.cuda.Stream()
+        written = spare if spare is not None else states
+
+        def land(k: int) -> Any:
+            lo, hi = bounds[k], bounds[k + 1]
+            with torch.cuda.stream(dma_bufs["land"]):
+                host_grads[lo:hi].copy_(dma_bufs["grad"][lo:hi], non_blocking=True)
+                event = torch.cuda.Event()
+                event.record()
+            return event
+
+        def body() -> None:
+            if dma:
+                torch.cuda.set_device(dev)  # a new thread starts on device 0
+            landed = land(0) if dma else None
+            for k in range(jobs):
+                following = land(k + 1) if dma and k + 1 < jobs else None
+                if landed is not None:
+                    landed.synchronize()
+                lo, hi = bounds[k], bounds[k + 1]
+                run_cpu_stats(step, lo, hi)
+                if dma:
+                    with torch.cuda.stream(dma_bufs["up"]):
+                        dma_bufs["master"][lo:hi].copy_(written[0][lo:hi], non_blocking=True)
+                landed = following
+            if dma:
+                dma_bufs["up"].synchronize()
+
+        worker = threading.Thread(target=body, name="slipstream-cpu-step")
+        worker.start()
+        worker.join()
 
     def run_hybrid(step: int) -> None:
         # The C++ step releases the GIL: it runs on a thread while this one issues the copies.
@@ -262,6 +373,52 @@ def _measure(rank: int, args: argparse.Namespace, barrier: Any, results: Any) ->
 
     out: dict[str, list[float]] = {}
     for mode in modes:
+        if mode.startswith("cpu/"):
+            mods = _cpu_modifiers(mode)
+            cpu_optim.set_num_threads(mods["threads"] or args.threads)
+            schedule_of[0] = "dynamic" if mods["dyn"] else "static"
+            hogs = [
+                subprocess.Popen([sys.executable, "-c", "while True: pass"])
+                for _ in range(mods["busy"])
+            ]
+            stop = threading.Event()
+            holder = None
+            if mods["switch"]:
+                sys.setswitchinterval(mods["switch"])
+            if mods["gil"]:
+
+                def hold_gil(stop: threading.Event = stop) -> None:
+                    count = 0
+                    while not stop.is_set():
+                        for _ in range(1000):
+                            count += 1
+
+                holder = threading.Thread(target=hold_gil, daemon=True)
+                holder.start()
+            times, walls, straggle = [], [], []
+            try:
+                for step in range(1, args.steps + 2):
+                    barrier.wait()
+                    kernel[:] = [0.0, 0.0, 0.0]
+                    start = time.perf_counter()
+                    run_cpu_variant(step, mods)
+                    times.append(time.perf_counter() - start)
+                    walls.append(kernel[0])
+                    straggle.append(kernel[1] / max(kernel[2], 1e-9))
+            finally:
+                stop.set()
+                for hog in hogs:
+                    hog.kill()
+                    hog.wait()
+                if holder is not None:
+                    holder.join()
+                cpu_optim.set_num_threads(args.threads)
+                schedule_of[0] = "static"
+                sys.setswitchinterval(0.005)  # Python's default
+            out[mode] = times[1:]
+            out[mode + ":kernel"] = walls[1:]
+            out[mode + ":straggle"] = straggle[1:]
+            continue
         if mode not in ("stream", "stream-hostgrad", "cpu", "hybrid", "stream+gemm"):
             raise SystemExit(
                 f"unknown mode {mode!r}: expected stream, stream-hostgrad, cpu, hybrid or "
@@ -286,10 +443,14 @@ def _measure(rank: int, args: argparse.Namespace, barrier: Any, results: Any) ->
             elif mode == "stream-hostgrad":
                 run_stream(step, 0, numel, host_grads)
             elif mode == "cpu":
-                run_cpu(step, 0, numel)
+                kernel[:] = [0.0, 0.0, 0.0]
+                run_cpu_stats(step, 0, numel)
             else:
                 run_hybrid(step)
             times.append(time.perf_counter() - start)
+            if mode == "cpu":
+                out.setdefault("cpu:kernel", []).append(kernel[0])
+                out.setdefault("cpu:straggle", []).append(kernel[1] / max(kernel[2], 1e-9))
         out[mode] = times[1:]
     results.put((rank, out, _anon_huge_gib()))
 
@@ -346,6 +507,23 @@ def main() -> None:
         "hybrid": 32 * share + 24 * (1 - share),
     }
     for mode in args.modes.split(","):
+        if mode.startswith("cpu/"):
+            medians = [statistics.median(gathered[r][mode]) for r in sorted(gathered)]
+            median = statistics.median(medians)
+            kernel = statistics.median(
+                statistics.median(gathered[r][mode + ":kernel"]) for r in sorted(gathered)
+            )
+            straggle = statistics.median(
+                statistics.median(gathered[r][mode + ":straggle"]) for r in sorted(gathered)
+            )
+            print(json.dumps({
+                "mode": mode, "params": numel, "out_of_place": args.out_of_place,
+                "median_step_ms": round(median * 1e3, 1),
+                "rank_medians_ms": [round(t * 1e3, 1) for t in medians],
+                "in_kernel_ms": round(kernel * 1e3, 1), "straggle": round(straggle, 3),
+                "cores_gb_per_s": round(args.processes * numel * 26 / median / 1e9, 1),
+            }), flush=True)  # fmt: skip
+            continue
         if mode == "stream+gemm":
             alone = statistics.median(
                 statistics.median(gathered[r]["gemm-alone"]) for r in sorted(gathered)
@@ -378,6 +556,12 @@ def main() -> None:
             row["chunk"] = args.chunk
         else:
             row["threads"] = args.threads
+            kernel = [statistics.median(gathered[r]["cpu:kernel"][1:]) for r in sorted(gathered)]
+            straggle = [
+                statistics.median(gathered[r]["cpu:straggle"][1:]) for r in sorted(gathered)
+            ]
+            row["in_kernel_ms"] = round(statistics.median(kernel) * 1e3, 1)
+            row["straggle"] = round(statistics.median(straggle), 3)
         print(json.dumps(row), flush=True)
 
 

@@ -182,13 +182,19 @@ def _offload_blocks(args: argparse.Namespace) -> dict[str, Any]:
             args.overlap_forward,
             args.offload_threads,
             args.cpu_schedule,
+            args.gil_switch_us is not None,
+            args.overlap_bucket_size,
         )
         if args.impl == "deepspeed" and any(ours):
             raise SystemExit(
                 "--offload-ratio / --offload-gpu-share / --overlap-forward / --offload-threads "
-                "/ --cpu-schedule: "
+                "/ --cpu-schedule / --gil-switch-us / --overlap-bucket-size: "
                 "slipstream only"
             )
+        if args.gil_switch_us is not None:
+            blocks["offload_optimizer"]["gil_switch_interval_us"] = args.gil_switch_us
+        if args.overlap_bucket_size:
+            blocks["offload_optimizer"]["overlap_bucket_size"] = int(args.overlap_bucket_size)
         if args.offload_threads:
             blocks["offload_optimizer"]["threads"] = args.offload_threads
         if args.cpu_schedule:
@@ -482,6 +488,19 @@ def main(argv: list[str] | None = None) -> int:
         default=None,
         help="--offload cpu: offload_optimizer.cpu_schedule",
     )
+    parser.add_argument(
+        "--gil-switch-us",
+        type=float,
+        default=None,
+        help="--offload cpu: offload_optimizer.gil_switch_interval_us (Python's switch interval "
+        "while the CPU step's worker runs; 0: Python's own; unset: the config default)",
+    )
+    parser.add_argument(
+        "--overlap-bucket-size",
+        type=float,
+        default=0,
+        help="--offload cpu: offload_optimizer.overlap_bucket_size (0: the config default, 1e8)",
+    )
     parser.add_argument("--nvme-path", type=Path, default=Path("/tmp/slipstream-nvme"))
     parser.add_argument("--clip", type=float, default=1.0, help="gradient_clipping (0: off)")
     parser.add_argument(
@@ -671,6 +690,7 @@ def main(argv: list[str] | None = None) -> int:
     dist.barrier()
     offload = _offload_of(engine)
     busy = (offload.worker_busy_s, offload.tail_wait_s) if offload is not None else None
+    kernel_before = offload.kernel_s if offload is not None else None
     timeline = None
     if args.timeline is not None and offload is not None:
         from offload_timeline import Timeline
@@ -712,6 +732,16 @@ def main(argv: list[str] | None = None) -> int:
             "cpu_worker_busy_ms": round(1e3 * (offload.worker_busy_s - busy[0]) / args.steps, 1),
             "forward_wait_ms": round(1e3 * (offload.tail_wait_s - busy[1]) / args.steps, 1),
         }
+        if kernel_before is not None:
+            # The C++ Adam's own clock: time inside its parallel regions per step (the rest of
+            # cpu_worker_busy_ms is Python, the GIL and waits for landing buckets), and how late
+            # the last OpenMP thread ended against the mean (1.0: together).
+            kernel = [b - a for a, b in zip(kernel_before, offload.kernel_s, strict=True)]
+            cpu_step["cpu_kernel_ms"] = round(1e3 * kernel[0] / args.steps, 1)
+            cpu_step["cpu_straggle"] = round(kernel[1] / kernel[2], 3) if kernel[2] > 0 else None
+            # Per step, summed over the calls: how long each region waited for its last thread to
+            # start (a descheduled or sleeping OpenMP thread starts late).
+            cpu_step["cpu_late_start_ms"] = round(1e3 * kernel[3] / args.steps, 1)
     final_loss = float(loss)  # host sync once, after timing
     timed_phases = args.impl in ("slipstream", "deepspeed") and args.phases
     phases = _phase_times(engine, input_ids, labels, sync) if timed_phases else {}
@@ -754,6 +784,10 @@ def main(argv: list[str] | None = None) -> int:
         + (f"+ratio{args.offload_ratio:g}" if args.offload_ratio != 1.0 else "")
         + (f"+gs{args.offload_gpu_share:g}" if args.offload_gpu_share else "")
         + ("+ovf" if args.overlap_forward else "")
+        + (f"+t{args.offload_threads}" if args.offload_threads else "")
+        + ("+dyn" if args.cpu_schedule == "dynamic" else "")
+        + (f"+si{args.gil_switch_us:g}" if args.gil_switch_us is not None else "")
+        + (f"+ob{args.overlap_bucket_size:g}" if args.overlap_bucket_size else "")
         + (f"+rb{args.reduce_bucket_size:g}" if args.reduce_bucket_size != 5e8 else "")
         + (f"+ab{args.allgather_bucket_size:g}" if args.allgather_bucket_size != 5e8 else "")
         + ("+pf" if args.publish_during_forward else "")

@@ -373,6 +373,35 @@ def test_overlap_forward_says_when_it_has_no_effect() -> None:
     assert result["warned"]
 
 
+def _switch_interval_while_the_worker_runs() -> dict:
+    """offload_optimizer.gil_switch_interval_us reaches the CPU step's worker: Python's switch
+    interval is the key's while the worker runs and the previous one after destroy()."""
+    import sys
+
+    import slipstream
+    from slipstream.zero.testing import TinyTransformer, batch_for
+
+    before = sys.getswitchinterval()
+    torch.manual_seed(0)
+    model = TinyTransformer()
+    optimizer = torch.optim.AdamW(model.parameters(), lr=0.01)
+    config = _config(2, "fp32", 1, 1.0, 1.0, True)
+    config["zero_optimization"]["offload_optimizer"]["gil_switch_interval_us"] = 250
+    engine, *_ = slipstream.initialize(model=model, optimizer=optimizer, config=config)
+    ids, labels = batch_for(0, 0, MICRO)
+    engine.backward(engine(ids, labels))
+    engine.step()
+    during = sys.getswitchinterval()
+    engine.destroy()
+    return {"before": before, "during": during, "after": sys.getswitchinterval()}
+
+
+def test_the_worker_runs_with_the_configured_switch_interval() -> None:
+    (result,) = run_distributed(_switch_interval_while_the_worker_runs, 1, timeout=300)
+    assert result["during"] == pytest.approx(250e-6)
+    assert result["after"] == pytest.approx(result["before"])
+
+
 @pytest.mark.gpu
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA/ROCm device")
 @pytest.mark.parametrize(

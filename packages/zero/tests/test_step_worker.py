@@ -77,3 +77,22 @@ def test_newest_first_takes_the_newest_landed_job() -> None:
     # the oldest left).
     assert ran == [0, 2, 4, 1, 3]
     worker.shutdown()
+
+
+def test_switch_interval_holds_while_the_worker_runs_and_is_restored() -> None:
+    # offload_optimizer.gil_switch_interval_us: the worker's GIL waits are bounded by Python's
+    # switch interval; the engine sets it while the worker runs and puts it back at shutdown.
+    import sys
+
+    before = sys.getswitchinterval()
+    worker = StepWorker(switch_interval_s=2e-4)
+    assert sys.getswitchinterval() == before  # nothing changes until a job starts the thread
+    seen: list[float] = []
+    worker.submit(lambda: seen.append(sys.getswitchinterval())).result(timeout=10)
+    assert seen == [pytest.approx(2e-4)]
+    worker.shutdown()
+    assert sys.getswitchinterval() == pytest.approx(before)
+    untouched = StepWorker()  # 0: Python's interval is left alone
+    untouched.submit(lambda: seen.append(sys.getswitchinterval())).result(timeout=10)
+    untouched.shutdown()
+    assert seen[-1] == pytest.approx(before)

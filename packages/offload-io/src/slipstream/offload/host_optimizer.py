@@ -111,6 +111,13 @@ def _frozen_value(value: Any) -> Any:
     return value
 
 
+def _flat(tensor: torch.Tensor) -> torch.Tensor:
+    """``tensor`` as one dimension. The masters and their spares are flat shards already, and
+    skipping ``view`` there matters on the CPU step's worker thread: every torch op gives the
+    GIL up and takes it back, and each take can wait for the thread running the forward."""
+    return tensor if tensor.dim() == 1 else tensor.view(-1)
+
+
 def _chunks(params: Sequence[torch.Tensor], limit: int) -> list[list[torch.Tensor]]:
     chunks: list[list[torch.Tensor]] = []
     current: list[torch.Tensor] = []
@@ -216,6 +223,8 @@ class HostOptimizer:
         # Group settings as freeze_hyperparameters() saw them (None: read the live groups).
         self._frozen: list[dict[str, Any]] | None = None
         self._reading = threading.Lock()
+        # The C++ Adam's own clock, summed over its calls (benchmarks; kernel_s).
+        self._kernel = [0.0, 0.0, 0.0, 0.0]
         # gpu_share: that share of each Adam call's elements steps on ``device``, streamed.
         self.gpu_share = 0.0
         self._streamed: StreamedAdam | None = None
@@ -433,6 +442,21 @@ class HostOptimizer:
             out=out,
             schedule=self.settings.cpu_schedule,
         )
+        stats = self._ops.last_step_stats()
+        if stats is not None:
+            self._kernel[0] += stats["wall_s"]
+            self._kernel[1] += stats["end_max_s"]
+            self._kernel[2] += stats["end_mean_s"]
+            self._kernel[3] += stats["start_max_s"]
+
+    @property
+    def kernel_s(self) -> tuple[float, float, float, float]:
+        """The C++ Adam's own clock, summed over its calls so far (benchmarks): seconds inside
+        its OpenMP regions; the sums of the latest and of the mean thread's end in each (their
+        ratio is 1 when the threads finish together); and the sum of the latest thread's start
+        (how long the region waited for its last thread to begin; see
+        :func:`slipstream.kernels.ops.cpu_optim.last_step_stats`)."""
+        return (self._kernel[0], self._kernel[1], self._kernel[2], self._kernel[3])
 
     def _decoupled(self, group: dict[str, Any]) -> bool:
         """AdamW's decoupled weight decay (AdamW, or Adam with ``decoupled_weight_decay``)."""
@@ -488,9 +512,9 @@ class HostOptimizer:
                     AdamHyper(lr, beta1, beta2, eps, weight_decay, decoupled, step, scale),
                     copies,
                     out=(
-                        [t.value.view(-1) for t in taken],
-                        [t.exp_avg.view(-1) for t in taken],
-                        [t.exp_avg_sq.view(-1) for t in taken],
+                        [_flat(t.value) for t in taken],
+                        [_flat(t.exp_avg) for t in taken],
+                        [_flat(t.exp_avg_sq) for t in taken],
                     ),
                 )
 

@@ -81,6 +81,12 @@ class OptimizerOffload:
             copied to the GPU and back chunk by chunk by its copy engines
             (:class:`slipstream.offload.gpu_stream.StreamedAdam`). 0.0 (the default): the
             CPU steps everything. The states are then allocated like the masters (pinned).
+        gil_switch_interval_us: CPU, ZeRO 1-2 stepping during backward: while the CPU
+            step's worker thread runs, Python's switch interval (``sys.setswitchinterval``)
+            in microseconds: how long the worker, which needs the GIL around every bucket's
+            C++ step, waits before the thread running the forward or backward is asked to
+            let it have it (Python's default is 5000). 0 (the default) leaves the
+            interpreter's setting.
     """
 
     device: Device = "cpu"
@@ -101,8 +107,14 @@ class OptimizerOffload:
     early_upload: bool = True
     overlap_bucket_numel: int = 100_000_000
     gpu_share: float = 0.0
+    gil_switch_interval_us: float = 0.0
 
     def __post_init__(self) -> None:
+        if not self.gil_switch_interval_us >= 0.0:
+            raise ValueError(
+                f"offload_optimizer.gil_switch_interval_us={self.gil_switch_interval_us} must "
+                "be >= 0 (0: leave Python's switch interval as it is)"
+            )
         _check_device("offload_optimizer", self.device, self.nvme_path)
         if not 0.0 <= self.gpu_share <= 1.0:
             raise ValueError(f"offload_optimizer.gpu_share={self.gpu_share} must be in [0, 1]")

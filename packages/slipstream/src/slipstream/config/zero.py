@@ -86,6 +86,9 @@ class OffloadOptimizerConfig(ConfigBlock):
     # A Slipstream addition (docs/offload.md, "gpu_share"): the share of each CPU step's
     # elements stepped on the GPU instead, their states streamed from and back to host memory.
     gpu_share: float = dataclasses.field(default=0.0, metadata={"ge": 0.0, "le": 1.0})
+    # A Slipstream addition (docs/offload.md, "The worker and the GIL"): Python's switch
+    # interval while the CPU step's worker runs, in microseconds (0: Python's own).
+    gil_switch_interval_us: float = dataclasses.field(default=0.0, metadata={"ge": 0.0})
 
 
 @dataclasses.dataclass(kw_only=True)

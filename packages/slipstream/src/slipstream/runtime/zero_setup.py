@@ -155,6 +155,7 @@ def offload_settings(config: SlipstreamConfig) -> tuple[Any, Any]:
             early_upload=optimizer.early_upload,
             overlap_bucket_numel=max(1, int(optimizer.overlap_bucket_size)),
             gpu_share=optimizer.gpu_share,
+            gil_switch_interval_us=optimizer.gil_switch_interval_us,
         )
     param_settings = None
     if param is not None:

@@ -490,7 +490,11 @@ class GradientReduceScatter:
             owned = self._owned(bucket, target)
 
             def run() -> None:
-                event.synchronize()
+                # synchronize() gives the GIL up and takes it back, which costs up to Python's
+                # switch interval while another thread runs Python; a landed bucket needs
+                # neither (query() keeps the GIL).
+                if not event.query():
+                    event.synchronize()
                 self._hand_over_slices(indices, offsets, target, owned)
                 self._step_now(indices)
 

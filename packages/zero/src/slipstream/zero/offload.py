@@ -15,6 +15,7 @@ from __future__ import annotations
 import atexit
 import logging
 import os
+import sys
 import threading
 import time
 import weakref
@@ -137,8 +138,12 @@ class StepWorker:
     waits for one bucket while another has arrived.
     """
 
-    def __init__(self, lifo: bool = False) -> None:
+    def __init__(self, lifo: bool = False, switch_interval_s: float = 0.0) -> None:
         self.lifo = lifo
+        # offload_optimizer.gil_switch_interval_us: Python's switch interval while the thread
+        # runs (0: left alone), and the one it replaced (restored at shutdown).
+        self.switch_interval_s = switch_interval_s
+        self._previous_switch: float | None = None
         self._jobs: deque[tuple[Callable[[], None], Future[None], Callable[[], bool] | None]] = (
             deque()
         )
@@ -160,6 +165,9 @@ class StepWorker:
                 raise RuntimeError("the CPU optimizer step's worker was shut down")
             self._jobs.append((run, future, ready))
             if self._thread is None:
+                if self.switch_interval_s > 0:
+                    self._previous_switch = sys.getswitchinterval()
+                    sys.setswitchinterval(self.switch_interval_s)
                 self._thread = threading.Thread(
                     target=self._loop, name="slipstream-cpu-step", daemon=True
                 )
@@ -205,6 +213,10 @@ class StepWorker:
             self._wake.notify()
         if self._thread is not None:
             self._thread.join()
+        previous, self._previous_switch = self._previous_switch, None
+        # Put Python's interval back unless someone else changed it since.
+        if previous is not None and abs(sys.getswitchinterval() - self.switch_interval_s) < 1e-6:
+            sys.setswitchinterval(previous)
 
 
 def _shutdown_if_alive(worker: weakref.ref[StepWorker]) -> None:
@@ -478,7 +490,7 @@ class OffloadedStep:
         """Queue ``run`` (a bucket's hand-over and step) on the CPU step's worker; ``ready``:
         whether the bucket has landed on the host (:class:`StepWorker`)."""
         if self._pool is None:
-            self._pool = StepWorker()
+            self._pool = StepWorker(switch_interval_s=self.offload.gil_switch_interval_us * 1e-6)
         self._eager_steps += 1
         return self._pool.submit(run, ready)
 
@@ -598,6 +610,13 @@ class OffloadedStep:
         if grad_scale != 1.0:
             torch._foreach_mul_(list(grads.values()), grad_scale)
         self._step_subset(self.host.optimizer, list(grads))
+
+    @property
+    def kernel_s(self) -> tuple[float, float, float, float]:
+        """The C++ step's own clock, summed over its calls (benchmarks): seconds inside its
+        parallel regions, the sums of the latest and of the mean thread's end in each, and the
+        sum of the latest thread's start (:attr:`HostOptimizer.kernel_s`)."""
+        return self.host.kernel_s
 
     @property
     def worker_busy_s(self) -> float:

@@ -71,6 +71,27 @@ def set_num_threads(threads: int) -> None:
     _extension().set_num_threads(int(threads))
 
 
+def last_step_stats() -> dict[str, float] | None:
+    """How the last :func:`adam` called from this thread spent its time (benchmarks), or None
+    before the first: ``wall_s`` (its OpenMP region), ``threads``, and over the threads the
+    mean and latest ``start_s``/``end_s`` of each one's share, counted from the region's
+    start. With the static schedule the shares are equal, so ``end_max_s`` far above
+    ``end_mean_s`` means a thread was descheduled or starved of memory bandwidth."""
+    raw = list(_extension().last_step_stats())
+    if not raw:
+        return None
+    starts, ends = raw[1::2], raw[2::2]
+    count = max(1, len(starts))
+    return {
+        "wall_s": raw[0],
+        "threads": float(len(starts)),
+        "start_mean_s": sum(starts) / count,
+        "start_max_s": max(starts, default=0.0),
+        "end_mean_s": sum(ends) / count,
+        "end_max_s": max(ends, default=0.0),
+    }
+
+
 def adam(
     params: Sequence[torch.Tensor],
     grads: Sequence[torch.Tensor],

@@ -32,6 +32,7 @@
 #endif
 
 #include <atomic>
+#include <chrono>
 
 #if defined(__x86_64__) || defined(__SSE2__)
 #include <emmintrin.h>
@@ -49,6 +50,30 @@ inline int step_threads() {
   return chosen > 0 ? chosen : omp_get_max_threads();
 #else
   return 1;
+#endif
+}
+
+// How the last Adam step called from this thread spent its time (benchmarks read it through
+// last_step_stats()): the parallel region's wall time and, per thread, when it started and
+// ended its share, counted from the region's start. With the static schedule every thread has
+// the same work, so a thread that ends far later than the mean was descheduled or starved;
+// one that starts late was not running when the region forked.
+struct StepStats {
+  double wall = 0.0;
+  std::vector<double> starts;
+  std::vector<double> ends;
+};
+thread_local StepStats g_stats;
+
+inline double seconds_since(std::chrono::steady_clock::time_point origin) {
+  return std::chrono::duration<double>(std::chrono::steady_clock::now() - origin).count();
+}
+
+inline int thread_index() {
+#ifdef _OPENMP
+  return omp_get_thread_num();
+#else
+  return 0;
 #endif
 }
 
@@ -332,15 +357,26 @@ SLIPSTREAM_INLINE void lion_span(const Span& s, const LionArgs& a) {
 
 // The parallel loop over every span, compiled once per ISA by the macro below.
 #define SLIPSTREAM_DEFINE_RUNNERS(SUFFIX, ATTRIBUTE)                                          \
-  ATTRIBUTE void adam_run_##SUFFIX(const std::vector<Span>& spans, const AdamArgs& a) {       \
+  ATTRIBUTE void adam_run_##SUFFIX(const std::vector<Span>& spans, const AdamArgs& a,         \
+                                   StepStats& stats) {                                        \
     const int64_t count = static_cast<int64_t>(spans.size());                                 \
-    _Pragma("omp parallel for schedule(runtime) num_threads(step_threads())") for (int64_t k = 0; k < count; ++k) {        \
-      if (spans[k].param_out != nullptr) {                                                    \
-        SLIPSTREAM_DISPATCH(adam_span_out, spans[k], a);                                      \
-      } else {                                                                                \
-        SLIPSTREAM_DISPATCH(adam_span, spans[k], a);                                          \
+    const auto origin = std::chrono::steady_clock::now();                                     \
+    _Pragma("omp parallel num_threads(step_threads())") {                                     \
+      const double begin = seconds_since(origin);                                             \
+      _Pragma("omp for schedule(runtime) nowait") for (int64_t k = 0; k < count; ++k) {       \
+        if (spans[k].param_out != nullptr) {                                                  \
+          SLIPSTREAM_DISPATCH(adam_span_out, spans[k], a);                                    \
+        } else {                                                                              \
+          SLIPSTREAM_DISPATCH(adam_span, spans[k], a);                                        \
+        }                                                                                     \
+      }                                                                                       \
+      const size_t me = static_cast<size_t>(thread_index());                                  \
+      if (me < stats.starts.size()) {                                                         \
+        stats.starts[me] = begin;                                                             \
+        stats.ends[me] = seconds_since(origin);                                               \
       }                                                                                       \
     }                                                                                         \
+    stats.wall = seconds_since(origin);                                                       \
   }                                                                                           \
   ATTRIBUTE void adagrad_run_##SUFFIX(const std::vector<Span>& spans, const AdagradArgs& a) { \
     const int64_t count = static_cast<int64_t>(spans.size());                                 \
@@ -542,19 +578,37 @@ std::string adam_step(const std::vector<at::Tensor>& params, const std::vector<a
              static_cast<float>(grad_scale),  static_cast<float>(1.0 - beta1),
              static_cast<float>(1.0 - beta2)};
   apply_schedule(schedule);
+  StepStats& stats = g_stats;
+  const size_t team = static_cast<size_t>(std::max(1, step_threads()));
+  stats.starts.assign(team, -1.0);  // -1: the thread was not in the team
+  stats.ends.assign(team, -1.0);
   pybind11::gil_scoped_release no_gil;
 #ifdef SLIPSTREAM_HAS_X86_CLONES
   if (chosen == "avx512") {
-    adam_run_avx512(spans, a);
+    adam_run_avx512(spans, a, stats);
     return chosen;
   }
   if (chosen == "avx2") {
-    adam_run_avx2(spans, a);
+    adam_run_avx2(spans, a, stats);
     return chosen;
   }
 #endif
-  adam_run_generic(spans, a);
+  adam_run_generic(spans, a, stats);
   return chosen;
+}
+
+// The last Adam step called from this thread: {wall seconds of its parallel region, then each
+// thread's start and end (seconds from the region's start), interleaved}; empty before any.
+std::vector<double> last_step_stats() {
+  std::vector<double> out;
+  if (g_stats.starts.empty()) return out;
+  out.push_back(g_stats.wall);
+  for (size_t i = 0; i < g_stats.starts.size(); ++i) {
+    if (g_stats.starts[i] < 0.0) continue;
+    out.push_back(g_stats.starts[i]);
+    out.push_back(g_stats.ends[i]);
+  }
+  return out;
 }
 
 std::string adagrad_step(const std::vector<at::Tensor>& params,
@@ -639,5 +693,7 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("lion_step", &lion_step, "Lion step over lists of CPU tensors");
   m.def("supported_isas", &supported_isas, "ISAs usable on this CPU, best first");
   m.def("max_threads", &max_threads, "OpenMP threads a step called from this thread uses");
+  m.def("last_step_stats", &last_step_stats,
+        "The last Adam step called from this thread: [wall s, (start s, end s) per thread]");
   m.def("set_num_threads", &set_num_threads, "Set the OpenMP threads later steps use (any thread)");
 }
