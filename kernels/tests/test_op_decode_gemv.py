@@ -250,6 +250,8 @@ def test_any_table_entry_stays_exact(
         {"block_n": 1, "block_k": 32, "num_warps": 4, "pdl": True, "programs_per_sm": 1},
         {"block_n": 1, "block_k": 16, "num_warps": 2, "prefetch": True, "pdl": True}
         | {"programs_per_sm": 1, "split_k": 2},
+        # pdl with the first block's rows prefetched into L2 before the wait (sm_90+)
+        {"block_n": 2, "block_k": 32, "num_warps": 4, "pdl": True, "l2_prefetch": True},
     ]
     inputs = [rand(2, k), rand(2, k), rand(k), rand(n, k) / k**0.5, rand(n), rand(2, 2 * k)]
     # CPU: fp32, and fp16 (the split-K parts add into an fp32 output there: the normalised row

@@ -24,14 +24,20 @@ for _name in _OPS:
 
 
 def decode_gemv(
-    x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None
+    x: torch.Tensor,
+    weight: torch.Tensor,
+    bias: torch.Tensor | None = None,
+    *,
+    pdl: bool | None = None,
 ) -> torch.Tensor:
-    """``F.linear(x, weight, bias)`` for a few rows (decode) with the best backend.
+    """``F.linear(x, weight, bias)`` for a few rows (decode) with the best backend. ``pdl``:
+    the GPU kernel launches with programmatic dependent launch (sm_90+; None: as its launch
+    table says; no effect on the result).
 
     >>> y = decode_gemv(torch.randn(1, 8), torch.randn(4, 8))  # (1, 4)
     """
     fn = get_op("decode_gemv", x.device.type, x.dtype)
-    return fn(x, weight, bias)  # type: ignore[no-any-return]
+    return fn(x, weight, bias, pdl=pdl)  # type: ignore[no-any-return]
 
 
 def norm_gemv(
@@ -41,24 +47,31 @@ def norm_gemv(
     eps: float,
     weight: torch.Tensor,
     bias: torch.Tensor | None = None,
+    *,
+    pdl: bool | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """``(x + residual, F.linear(rms_norm(x + residual, norm_weight, eps), weight, bias))``
-    with the best backend (``residual`` None: ``x`` itself is normalised and returned).
+    with the best backend (``residual`` None: ``x`` itself is normalised and returned;
+    ``pdl`` as for :func:`decode_gemv`).
 
     >>> total, y = norm_gemv(torch.randn(1, 8), torch.randn(1, 8), torch.ones(8), 1e-6,
     ...                      torch.randn(4, 8))
     """
     fn = get_op("norm_gemv", x.device.type, x.dtype)
-    return fn(x, residual, norm_weight, eps, weight, bias)  # type: ignore[no-any-return]
+    return fn(x, residual, norm_weight, eps, weight, bias, pdl=pdl)  # type: ignore[no-any-return]
 
 
 def gated_gemv(
-    gate_up: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None
+    gate_up: torch.Tensor,
+    weight: torch.Tensor,
+    bias: torch.Tensor | None = None,
+    *,
+    pdl: bool | None = None,
 ) -> torch.Tensor:
     """``F.linear(silu(gate) * up, weight, bias)`` for ``gate_up = [gate, up]`` (SwiGLU, then
-    the down projection) with the best backend.
+    the down projection) with the best backend (``pdl`` as for :func:`decode_gemv`).
 
     >>> y = gated_gemv(torch.randn(1, 16), torch.randn(4, 8))  # (1, 4)
     """
     fn = get_op("gated_gemv", gate_up.device.type, gate_up.dtype)
-    return fn(gate_up, weight, bias)  # type: ignore[no-any-return]
+    return fn(gate_up, weight, bias, pdl=pdl)  # type: ignore[no-any-return]

@@ -11,9 +11,12 @@ from slipstream.kernels.ops.rms_norm.reference import rms_norm
 
 
 def decode_gemv(
-    x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None
+    x: torch.Tensor,
+    weight: torch.Tensor,
+    bias: torch.Tensor | None = None,
+    pdl: bool | None = None,
 ) -> torch.Tensor:
-    """``F.linear(x, weight, bias)``."""
+    """``F.linear(x, weight, bias)`` (``pdl``, a GPU launch option, changes nothing here)."""
     return F.linear(x, weight, bias)
 
 
@@ -24,6 +27,7 @@ def norm_gemv(
     eps: float,
     weight: torch.Tensor,
     bias: torch.Tensor | None = None,
+    pdl: bool | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """``(total, F.linear(rms_norm(total, norm_weight, eps), weight, bias))`` where ``total`` is
     ``x + residual`` (``x`` when ``residual`` is None): a pre-norm block's residual add, its
@@ -36,7 +40,10 @@ def norm_gemv(
 
 
 def gated_gemv(
-    gate_up: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None
+    gate_up: torch.Tensor,
+    weight: torch.Tensor,
+    bias: torch.Tensor | None = None,
+    pdl: bool | None = None,
 ) -> torch.Tensor:
     """``F.linear(silu(gate) * up, weight, bias)`` for ``gate_up = [gate, up]`` along the last
     dimension (:func:`gated_activation`'s SwiGLU, then the down projection)."""

@@ -72,6 +72,11 @@ class DecodeGemvConfig:
     # Load the first weight tile before the prologue (norm_gemv: while the row's RMS is
     # computed). Implied by pdl.
     early: bool = False
+    # With pdl on sm_90: each program prefetches the whole rows of its first block into L2
+    # before it waits for the previous kernel (the whole weight unless the grid is persistent),
+    # so that a small weight after a latency-bound kernel (the output projection after
+    # attention) streams while that kernel runs.
+    l2_prefetch: bool = False
 
 
 class LaunchTableError(ValueError):
@@ -243,7 +248,7 @@ def _parse_entry(raw: object, where: str) -> LaunchEntry:
     for name, minimum in (("num_stages", 1), ("programs_per_sm", 0), ("split_k", 1)):
         if name in launch:
             _check_int(where, name, launch[name], minimum)
-    for name in ("prefetch", "pdl", "early"):
+    for name in ("prefetch", "pdl", "early", "l2_prefetch"):
         if not isinstance(launch.get(name, False), bool):
             raise LaunchTableError(f"{where}: {name!r} must be true or false")
     return LaunchEntry(device.strip(), sms, raw["fusion"], n, k, DecodeGemvConfig(**launch))
@@ -253,8 +258,8 @@ def parse_launch_table(data: object, source: str = "launch table") -> list[Launc
     """The entries of a launch table's JSON value ``{"version": 1, "entries": [...]}``, each
     ``{"device": "H200", "sms": 132, "fusion": "norm", "n": 6144, "k": 4096, "block_n": 8,
     "block_k": 512, "num_warps": 4}`` plus optional ``num_stages``, ``programs_per_sm``,
-    ``prefetch``, ``split_k``, ``pdl``, ``early`` (:class:`DecodeGemvConfig`'s defaults otherwise; ``sms`` null or
-    absent: any count). Raises :class:`LaunchTableError` naming ``source`` and the entry."""
+    ``prefetch``, ``split_k``, ``pdl``, ``early``, ``l2_prefetch`` (:class:`DecodeGemvConfig`'s
+    defaults otherwise; ``sms`` null or absent: any count). Raises :class:`LaunchTableError` naming ``source`` and the entry."""
     if not isinstance(data, dict) or not isinstance(data.get("entries"), list):
         raise LaunchTableError(
             f"{source}: expected a JSON object with an 'entries' list "

@@ -22,7 +22,7 @@ in launches than in bytes (``PROLOGUE``):
 
 from __future__ import annotations
 
-import functools
+import dataclasses
 
 import torch
 import triton
@@ -33,7 +33,7 @@ from slipstream.kernels.ops.decode_gemv.reference import gated_gemv as reference
 from slipstream.kernels.ops.decode_gemv.reference import norm_gemv as reference_norm
 from slipstream.kernels.ops.decode_gemv.table import DecodeGemvConfig, default_rule, lookup_launch
 from slipstream.kernels.ops.quant_matmul.gemv import _fixup_scratch
-from slipstream.kernels.triton_support import AotSpec, check_kernel_device
+from slipstream.kernels.triton_support import AotSpec, check_kernel_device, pdl_supported
 
 __all__ = [
     "MAX_ROWS",
@@ -55,6 +55,25 @@ try:  # grid-dependency control (programmatic dependent launch), Triton >= 3.3 o
     _HAS_GDC = True
 except ImportError:
     _HAS_GDC = False
+
+
+@triton.jit
+def _l2_prefetch_rows(rows, nbytes):
+    """``cp.async.bulk.prefetch.L2`` of ``nbytes`` (a multiple of 16; 0: nothing) from each
+    pointer of ``rows`` (NVIDIA sm_90)."""
+    return tl.inline_asm_elementwise(
+        """{
+        .reg .pred p;
+        setp.ne.u32 p, $2, 0;
+        @p cp.async.bulk.prefetch.L2.global [$1], $2;
+        mov.u32 $0, 0;
+        }""",
+        "=r,l,r",
+        [rows, nbytes],
+        dtype=tl.int32,
+        is_pure=False,
+        pack=1,
+    )
 
 
 @triton.jit
@@ -87,6 +106,7 @@ def decode_gemv_kernel(
     EARLY: tl.constexpr = False,
     USE_GDC: tl.constexpr = False,
     NORM_BLOCK: tl.constexpr = 1024,
+    L2_PREFETCH: tl.constexpr = False,
 ):
     """``y[row, n] = sum_k W[n, k] * h[row, k] (+ b[n])`` with ``h`` the prologue's input.
     ``PREFETCH``: each step loads the next step's weight tile before its own math (two tiles in
@@ -105,7 +125,10 @@ def decode_gemv_kernel(
     never written by the kernels before this one). ``USE_GDC`` (launched with programmatic
     dependent launch, sm_90+): then the program waits for the previous kernel of the stream to
     finish (every read of activations and every store comes after), and lets the next kernel's
-    programs start, so a GEMV following this one loads its first tile while this one runs."""
+    programs start, so a GEMV following this one loads its first tile while this one runs.
+    ``L2_PREFETCH`` (with ``USE_GDC``): before the wait, the whole rows of the program's first
+    block of outputs (contiguous in the weight) are prefetched into L2 in one bulk request, so
+    that a small weight streams from memory while the kernels before it (attention) run."""
     pid_n = tl.program_id(0)
     programs = tl.num_programs(0)
     row = tl.program_id(1).to(tl.int64)
@@ -124,6 +147,12 @@ def decode_gemv_kernel(
             eviction_policy="evict_first",
         )
     if USE_GDC:
+        if L2_PREFETCH:
+            first_rows = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
+            _l2_prefetch_rows(
+                w_ptr + first_rows.to(tl.int64) * K,
+                tl.where(first_rows < N, K * w_ptr.dtype.element_ty.primitive_bitwidth // 8, 0),
+            )
         tl.extra.cuda.gdc_wait()
         tl.extra.cuda.gdc_launch_dependents()
     rstd = 0.0
@@ -249,17 +278,10 @@ def _multiprocessors(device: torch.device) -> int:
     return int(torch.cuda.get_device_properties(device).multi_processor_count)
 
 
-@functools.cache
-def _pdl_capable(index: int) -> bool:
-    return torch.cuda.get_device_capability(index) >= (9, 0)
-
-
 def _pdl_supported(device: torch.device) -> bool:
     """Programmatic dependent launch: NVIDIA sm_90+ and a Triton with grid-dependency control;
     elsewhere a ``pdl`` launch runs as a plain one (same results)."""
-    if device.type != "cuda" or torch.version.hip is not None or not _HAS_GDC:
-        return False
-    return _pdl_capable(device.index if device.index is not None else torch.cuda.current_device())
+    return _HAS_GDC and pdl_supported(device)
 
 
 def default_config(out_features: int, in_features: int, device: torch.device) -> DecodeGemvConfig:
@@ -301,10 +323,13 @@ def _launch(
     bias: torch.Tensor | None,
     eps: float,
     config: DecodeGemvConfig | None,
+    pdl: bool | None = None,
 ) -> torch.Tensor:
     out_features, in_features = weight.shape
     rows = rows_view.shape[0]
     config = config or launch_config(prologue, out_features, in_features, weight.device)
+    if pdl is not None and pdl != config.pdl:
+        config = dataclasses.replace(config, pdl=pdl)
     blocks = triton.cdiv(out_features, config.block_n)
     split = max(1, min(config.split_k, triton.cdiv(in_features, config.block_k)))
     scratch = None
@@ -318,6 +343,12 @@ def _launch(
         blocks = min(blocks, config.programs_per_sm * _multiprocessors(weight.device))
     grid = (blocks, rows, split)
     pdl = config.pdl and _pdl_supported(weight.device)
+    prefetch_l2 = (
+        pdl
+        and config.l2_prefetch
+        and (in_features * weight.element_size()) % 16 == 0
+        and weight.data_ptr() % 16 == 0
+    )
     decode_gemv_kernel[grid](
         rows_view,
         residual if residual is not None else rows_view,
@@ -347,6 +378,7 @@ def _launch(
         EARLY=config.pdl or config.early,
         USE_GDC=pdl,
         NORM_BLOCK=min(triton.next_power_of_2(in_features), 1024 * config.num_warps),
+        L2_PREFETCH=prefetch_l2,
         num_warps=config.num_warps,
         num_stages=config.num_stages,
         **({"launch_pdl": True} if pdl else {}),
@@ -364,14 +396,16 @@ def decode_gemv(
     weight: torch.Tensor,
     bias: torch.Tensor | None = None,
     config: DecodeGemvConfig | None = None,
+    pdl: bool | None = None,
 ) -> torch.Tensor:
     """See :func:`slipstream.kernels.ops.decode_gemv.reference.decode_gemv`; more than
-    :data:`MAX_ROWS` rows or mixed dtypes run the reference (``F.linear``)."""
+    :data:`MAX_ROWS` rows or mixed dtypes run the reference (``F.linear``). ``pdl``: launch
+    with programmatic dependent launch or not (None: as the launch table says)."""
     check_kernel_device("decode_gemv", x, weight, bias)
     rows = x.numel() // max(x.shape[-1], 1)
     if not _supported(rows, weight, x, x.shape[-1]) or _needs_grad(x, weight, bias):
         return reference_gemv(x, weight, bias)
-    out = _launch(PLAIN, _rows(x), None, None, None, weight, bias, 0.0, config)
+    out = _launch(PLAIN, _rows(x), None, None, None, weight, bias, 0.0, config, pdl)
     return out.reshape(*x.shape[:-1], weight.shape[0])
 
 
@@ -383,8 +417,10 @@ def norm_gemv(
     weight: torch.Tensor,
     bias: torch.Tensor | None = None,
     config: DecodeGemvConfig | None = None,
+    pdl: bool | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    """See :func:`slipstream.kernels.ops.decode_gemv.reference.norm_gemv`."""
+    """See :func:`slipstream.kernels.ops.decode_gemv.reference.norm_gemv` (``pdl``: as for
+    :func:`decode_gemv`)."""
     check_kernel_device("norm_gemv", x, residual, norm_weight, weight, bias)
     rows = x.numel() // max(x.shape[-1], 1)
     if (
@@ -397,7 +433,7 @@ def norm_gemv(
     flat = x.reshape(-1, x.shape[-1]).contiguous()
     res = None if residual is None else residual.reshape(flat.shape).contiguous()
     total = torch.empty_like(flat) if res is not None else None
-    out = _launch(NORM, flat, res, norm_weight, total, weight, bias, eps, config)
+    out = _launch(NORM, flat, res, norm_weight, total, weight, bias, eps, config, pdl)
     return (
         x if total is None else total.view(x.shape),
         out.reshape(*x.shape[:-1], weight.shape[0]),
@@ -409,8 +445,10 @@ def gated_gemv(
     weight: torch.Tensor,
     bias: torch.Tensor | None = None,
     config: DecodeGemvConfig | None = None,
+    pdl: bool | None = None,
 ) -> torch.Tensor:
-    """See :func:`slipstream.kernels.ops.decode_gemv.reference.gated_gemv`."""
+    """See :func:`slipstream.kernels.ops.decode_gemv.reference.gated_gemv` (``pdl``: as for
+    :func:`decode_gemv`)."""
     check_kernel_device("gated_gemv", gate_up, weight, bias)
     half = gate_up.shape[-1] // 2
     rows = gate_up.numel() // max(gate_up.shape[-1], 1)
@@ -420,7 +458,7 @@ def gated_gemv(
         or _needs_grad(gate_up, weight, bias)
     ):
         return reference_gated(gate_up, weight, bias)
-    out = _launch(GATED, _rows(gate_up), None, None, None, weight, bias, 0.0, config)
+    out = _launch(GATED, _rows(gate_up), None, None, None, weight, bias, 0.0, config, pdl)
     return out.reshape(*gate_up.shape[:-1], weight.shape[0])
 
 
@@ -462,6 +500,7 @@ def aot_specs() -> list[AotSpec]:
                         "EARLY": "constexpr",
                         "USE_GDC": "constexpr",
                         "NORM_BLOCK": "constexpr",
+                        "L2_PREFETCH": "constexpr",
                     },
                     {
                         "PROLOGUE": prologue,
@@ -478,6 +517,7 @@ def aot_specs() -> list[AotSpec]:
                         "EARLY": False,
                         "USE_GDC": False,
                         "NORM_BLOCK": 4096,
+                        "L2_PREFETCH": False,
                     },
                 )
             )
