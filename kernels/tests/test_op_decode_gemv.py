@@ -62,6 +62,9 @@ def test_triton_matches_reference(triton_device: torch.device, shape: tuple[int,
     configs = [
         kernel.DecodeGemvConfig(block_n=8, block_k=block_k),
         kernel.DecodeGemvConfig(block_n=4, block_k=block_k, programs_per_sm=1, prefetch=True),
+        # norm_gemv's 1 / rms applied to the sum (no pass over the row first)
+        kernel.DecodeGemvConfig(block_n=8, block_k=block_k, defer_norm=True),
+        kernel.DecodeGemvConfig(block_n=4, block_k=block_k, programs_per_sm=1, defer_norm=True),
     ]
     with torch.no_grad():
         for dtype, config in [(d, c) for d in dtypes for c in configs]:
@@ -250,8 +253,12 @@ def test_any_table_entry_stays_exact(
         {"block_n": 1, "block_k": 32, "num_warps": 4, "pdl": True, "programs_per_sm": 1},
         {"block_n": 1, "block_k": 16, "num_warps": 2, "prefetch": True, "pdl": True}
         | {"programs_per_sm": 1, "split_k": 2},
-        # pdl with the first block's rows prefetched into L2 before the wait (sm_90+)
+        # pdl with the program's rows prefetched into L2 before the wait (sm_90+), persistent
+        # grids too; norm_gemv's 1 / rms applied to the sum (ignored with split-K)
         {"block_n": 2, "block_k": 32, "num_warps": 4, "pdl": True, "l2_prefetch": True},
+        {"block_n": 1, "block_k": 32, "pdl": True, "l2_prefetch": True, "programs_per_sm": 1}
+        | {"num_warps": 4, "defer_norm": True},
+        {"block_n": 4, "block_k": 16, "num_warps": 2, "defer_norm": True, "split_k": 2},
     ]
     inputs = [rand(2, k), rand(2, k), rand(k), rand(n, k) / k**0.5, rand(n), rand(2, 2 * k)]
     # CPU: fp32, and fp16 (the split-K parts add into an fp32 output there: the normalised row

@@ -77,6 +77,10 @@ class DecodeGemvConfig:
     # so that a small weight after a latency-bound kernel (the output projection after
     # attention) streams while that kernel runs.
     l2_prefetch: bool = False
+    # norm_gemv without split-K: no pass over the input row before the weights stream; the
+    # row's sum of squares is taken in the K loop and 1 / rms scales the sum at the end (the
+    # normalised input is then not rounded to the activation dtype first).
+    defer_norm: bool = False
 
 
 class LaunchTableError(ValueError):
@@ -248,7 +252,7 @@ def _parse_entry(raw: object, where: str) -> LaunchEntry:
     for name, minimum in (("num_stages", 1), ("programs_per_sm", 0), ("split_k", 1)):
         if name in launch:
             _check_int(where, name, launch[name], minimum)
-    for name in ("prefetch", "pdl", "early", "l2_prefetch"):
+    for name in ("prefetch", "pdl", "early", "l2_prefetch", "defer_norm"):
         if not isinstance(launch.get(name, False), bool):
             raise LaunchTableError(f"{where}: {name!r} must be true or false")
     return LaunchEntry(device.strip(), sms, raw["fusion"], n, k, DecodeGemvConfig(**launch))
@@ -258,8 +262,9 @@ def parse_launch_table(data: object, source: str = "launch table") -> list[Launc
     """The entries of a launch table's JSON value ``{"version": 1, "entries": [...]}``, each
     ``{"device": "H200", "sms": 132, "fusion": "norm", "n": 6144, "k": 4096, "block_n": 8,
     "block_k": 512, "num_warps": 4}`` plus optional ``num_stages``, ``programs_per_sm``,
-    ``prefetch``, ``split_k``, ``pdl``, ``early``, ``l2_prefetch`` (:class:`DecodeGemvConfig`'s
-    defaults otherwise; ``sms`` null or absent: any count). Raises :class:`LaunchTableError` naming ``source`` and the entry."""
+    ``prefetch``, ``split_k``, ``pdl``, ``early``, ``l2_prefetch``, ``defer_norm``
+    (:class:`DecodeGemvConfig`'s defaults otherwise; ``sms`` null or absent: any count).
+    Raises :class:`LaunchTableError` naming ``source`` and the entry."""
     if not isinstance(data, dict) or not isinstance(data.get("entries"), list):
         raise LaunchTableError(
             f"{source}: expected a JSON object with an 'entries' list "

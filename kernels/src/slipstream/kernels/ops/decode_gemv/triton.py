@@ -107,6 +107,7 @@ def decode_gemv_kernel(
     USE_GDC: tl.constexpr = False,
     NORM_BLOCK: tl.constexpr = 1024,
     L2_PREFETCH: tl.constexpr = False,
+    DEFER_NORM: tl.constexpr = False,
 ):
     """``y[row, n] = sum_k W[n, k] * h[row, k] (+ b[n])`` with ``h`` the prologue's input.
     ``PREFETCH``: each step loads the next step's weight tile before its own math (two tiles in
@@ -126,9 +127,15 @@ def decode_gemv_kernel(
     dependent launch, sm_90+): then the program waits for the previous kernel of the stream to
     finish (every read of activations and every store comes after), and lets the next kernel's
     programs start, so a GEMV following this one loads its first tile while this one runs.
-    ``L2_PREFETCH`` (with ``USE_GDC``): before the wait, the whole rows of the program's first
-    block of outputs (contiguous in the weight) are prefetched into L2 in one bulk request, so
-    that a small weight streams from memory while the kernels before it (attention) run."""
+    ``L2_PREFETCH`` (with ``USE_GDC``): before the wait, the whole rows of every block of
+    outputs the program will compute (contiguous in the weight) are prefetched into L2, one
+    bulk request per row, so that a small weight streams from memory while the kernels before
+    it (attention) run.
+
+    ``DEFER_NORM`` (``PROLOGUE`` 1, no split-K): no pass over the row before the weights stream;
+    the K loop sums ``W @ (total * norm_weight)`` and ``total**2`` together and the sum is
+    scaled by ``1 / rms`` at the end (the normalised input is not rounded to the activation
+    dtype, as ``add_rms_norm`` rounds it: a difference of that rounding's order)."""
     pid_n = tl.program_id(0)
     programs = tl.num_programs(0)
     row = tl.program_id(1).to(tl.int64)
@@ -148,15 +155,16 @@ def decode_gemv_kernel(
         )
     if USE_GDC:
         if L2_PREFETCH:
-            first_rows = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
-            _l2_prefetch_rows(
-                w_ptr + first_rows.to(tl.int64) * K,
-                tl.where(first_rows < N, K * w_ptr.dtype.element_ty.primitive_bitwidth // 8, 0),
-            )
+            row_bytes = K * (w_ptr.dtype.element_ty.primitive_bitwidth // 8)
+            for ahead in range(pid_n, tl.cdiv(N, BLOCK_N), programs):
+                ahead_rows = ahead * BLOCK_N + tl.arange(0, BLOCK_N)
+                _l2_prefetch_rows(
+                    w_ptr + ahead_rows.to(tl.int64) * K, tl.where(ahead_rows < N, row_bytes, 0)
+                )
         tl.extra.cuda.gdc_wait()
         tl.extra.cuda.gdc_launch_dependents()
     rstd = 0.0
-    if PROLOGUE == 1:
+    if PROLOGUE == 1 and not DEFER_NORM:
         # only program (0, row, 0) writes the residual sum
         store_end = tl.where((pid_n == 0) & (pid_k == 0), K, 0)
         # The row's inverse RMS: every program computes it (K elements from L2, a few percent of
@@ -180,6 +188,10 @@ def decode_gemv_kernel(
         cols = block * BLOCK_N + tl.arange(0, BLOCK_N)
         col_ok = cols < N
         acc = tl.zeros((BLOCK_N, BLOCK_K), dtype=tl.float32)
+        if DEFER_NORM:
+            block_squares = tl.zeros((BLOCK_K,), dtype=tl.float32)
+            # only the first block of program 0 writes the residual sum
+            store_end = tl.where((pid_n == 0) & (block == pid_n), K, 0)
         w_rows = w_ptr + cols[:, None].to(tl.int64) * K
         if PREFETCH:  # the first step's tile; each step then loads the next before its math
             if EARLY:
@@ -235,6 +247,16 @@ def decode_gemv_kernel(
                 up = tl.load(x_row + K + kk, mask=k_ok, other=0.0)
                 act = (gate / (1.0 + tl.exp(-gate))).to(up.dtype).to(tl.float32)
                 h = (act * up.to(tl.float32)).to(up.dtype).to(tl.float32)
+            elif PROLOGUE == 1 and DEFER_NORM:
+                t = tl.load(x_row + kk, mask=k_ok, other=0.0)
+                if HAS_RESIDUAL:
+                    r = tl.load(r_ptr + row * K + kk, mask=k_ok, other=0.0)
+                    t = (t.to(tl.float32) + r.to(tl.float32)).to(total_ptr.dtype.element_ty)
+                    tl.store(total_ptr + row * K + kk, t, mask=kk < store_end)
+                h = t.to(tl.float32)
+                block_squares += h * h
+                if HAS_NORM_WEIGHT:
+                    h = h * tl.load(nw_ptr + kk, mask=k_ok, other=0.0).to(tl.float32)
             elif PROLOGUE == 1:
                 t = tl.load(x_row + kk, mask=k_ok, other=0.0)
                 if HAS_RESIDUAL:
@@ -248,6 +270,8 @@ def decode_gemv_kernel(
                 h = tl.load(x_row + kk, mask=k_ok, other=0.0).to(tl.float32)
             acc += w.to(tl.float32) * h[None, :]
         y = tl.sum(acc, axis=1)
+        if DEFER_NORM:
+            y = y / tl.sqrt(tl.sum(block_squares, axis=0) / K + eps)
         y_ptrs = y_ptr + row * y_stride + cols
         if SPLIT_K == 1:
             if HAS_BIAS:
@@ -379,6 +403,7 @@ def _launch(
         USE_GDC=pdl,
         NORM_BLOCK=min(triton.next_power_of_2(in_features), 1024 * config.num_warps),
         L2_PREFETCH=prefetch_l2,
+        DEFER_NORM=prologue == NORM and config.defer_norm and split == 1,
         num_warps=config.num_warps,
         num_stages=config.num_stages,
         **({"launch_pdl": True} if pdl else {}),
@@ -501,6 +526,7 @@ def aot_specs() -> list[AotSpec]:
                         "USE_GDC": "constexpr",
                         "NORM_BLOCK": "constexpr",
                         "L2_PREFETCH": "constexpr",
+                        "DEFER_NORM": "constexpr",
                     },
                     {
                         "PROLOGUE": prologue,
@@ -518,6 +544,7 @@ def aot_specs() -> list[AotSpec]:
                         "USE_GDC": False,
                         "NORM_BLOCK": 4096,
                         "L2_PREFETCH": False,
+                        "DEFER_NORM": False,
                     },
                 )
             )
