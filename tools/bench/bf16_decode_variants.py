@@ -129,6 +129,12 @@ def main() -> None:
     ids = torch.randint(3, 500, (1, args.prompt), device=device)
     mask = torch.ones_like(ids)
     times: dict[str, list[float]] = {v.name: [] for v in variants}
+
+    def generate(engine: Any, new: int) -> torch.Tensor:
+        return engine.generate(  # type: ignore[no-any-return]
+            ids, attention_mask=mask, max_new_tokens=new, do_sample=False, eos_token_id=None
+        )
+
     weight_bytes = kv_bytes = 0
     reference: torch.Tensor | None = None
     for round_index in range(args.rounds):
@@ -155,17 +161,12 @@ def main() -> None:
                 kv_bytes = 2 * spec.num_layers * fused.blocks[0].kv_heads * spec.head_dim * 2
                 kv_bytes *= args.prompt + args.new_tokens
 
-            def generate(new: int, engine: Any = engine) -> torch.Tensor:
-                return engine.generate(  # type: ignore[no-any-return]
-                    ids, attention_mask=mask, max_new_tokens=new, do_sample=False, eos_token_id=None
-                )
-
-            tokens = generate(args.new_tokens)
+            tokens = generate(engine, args.new_tokens)
             if reference is None:
                 reference = tokens
             same = bool(torch.equal(tokens, reference))
-            full = best_time(lambda: generate(args.new_tokens), device, args.repeats)
-            first = best_time(lambda: generate(1), device, args.repeats)
+            full = best_time(lambda e=engine: generate(e, args.new_tokens), device, args.repeats)
+            first = best_time(lambda e=engine: generate(e, 1), device, args.repeats)
             step = (full - first) / (args.new_tokens - 1)
             times[variant.name].append(step)
             print(
@@ -183,7 +184,7 @@ def main() -> None:
                 ),
                 flush=True,
             )
-            del engine, fused, generate
+            del engine, fused
             gc.collect()  # the engine's graphs and fused weights (QKV, gate/up: copies) go
             if cuda:
                 torch.cuda.empty_cache()
