@@ -8,6 +8,8 @@ are compared on the same GPU minutes apart at most. A variant is ``NAME=SETTINGS
 
 - ``pdl`` / ``nopdl``: the ``decode_pdl`` config key on / off (default off);
 - ``bs32``, ``bs64``, ``bs128``: decode_attention's slots per chunk (default: its own rule);
+- ``rotlate``: with PDL, rotary_kv_write lets attention start only after its wait (default:
+  before, ``rotary_kv_write.triton.TRIGGER_BEFORE_WAIT``);
 - ``PART:FIELD=VALUE``: that decode-GEMV launch field changed for PART (qkv, out, gate_up, down,
   head, or ``norm`` for the three norm GEMVs), on top of today's launch for this GPU (the
   built-in table's, else the default rule's), installed as the user launch table.
@@ -40,6 +42,7 @@ from infer_bench import best_time, build_model, copy_bandwidth
 from slipstream.inference import init_inference
 from slipstream.kernels.ops.decode_attention import triton as attention_triton
 from slipstream.kernels.ops.decode_gemv import table as gemv_table
+from slipstream.kernels.ops.rotary_kv_write import triton as rotary_triton
 
 # 8B Llama decode shapes: projection -> (fusion, out features, in features)
 SHAPES = {
@@ -59,6 +62,7 @@ class Variant:
     name: str
     pdl: bool = False
     block_s: int = 0
+    rotary_trigger_first: bool = True
     changes: dict[str, dict[str, Any]] = dataclasses.field(default_factory=dict)
 
 
@@ -70,6 +74,8 @@ def parse_variant(text: str) -> Variant:
     for setting in filter(None, settings.split(",")):
         if setting in ("pdl", "nopdl"):
             variant.pdl = setting == "pdl"
+        elif setting == "rotlate":
+            variant.rotary_trigger_first = False
         elif setting.startswith("bs") and setting[2:].isdigit():
             variant.block_s = int(setting[2:])
         else:
@@ -94,6 +100,7 @@ def install(variant: Variant, device: torch.device) -> None:
     attention_triton.default_block_s = (  # type: ignore[assignment]
         (lambda *_: variant.block_s) if variant.block_s else original
     )
+    rotary_triton.TRIGGER_BEFORE_WAIT = variant.rotary_trigger_first
     gemv_table.use_launch_table(None)
     if not variant.changes:
         return
@@ -197,6 +204,7 @@ def main() -> None:
             "variant": variant.name,
             "pdl": variant.pdl,
             "block_s": variant.block_s or "default",
+            "rotary_trigger_first": variant.rotary_trigger_first,
             "changes": variant.changes,
             "best_ms": round(best * 1e3, 4),
             "median_ms": round(statistics.median(times[variant.name]) * 1e3, 4),

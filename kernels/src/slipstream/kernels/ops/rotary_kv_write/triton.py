@@ -19,6 +19,11 @@ from slipstream.kernels.triton_support import (
     pdl_supported,
 )
 
+# With PDL: the next kernel (decode_attention, which lets the output projection start at once)
+# may be scheduled before this one's wait, i.e. while the QKV projection still streams, so the
+# output projection's L2 prefetch overlaps QKV's tail too; False: only after QKV has finished.
+TRIGGER_BEFORE_WAIT = True
+
 try:  # grid-dependency control (programmatic dependent launch), Triton >= 3.3 on CUDA
     from triton.language.extra.cuda import gdc_launch_dependents, gdc_wait
 except ImportError:  # an older Triton: never traced with GDC=True
@@ -55,13 +60,18 @@ def rotary_kv_write_kernel(
     HALF: tl.constexpr,  # rotary_dim // 2; 0: no rotary
     BLOCK: tl.constexpr,
     GDC: tl.constexpr = False,
+    TRIGGER_FIRST: tl.constexpr = False,
 ):
     """Program (token, head): rotate (queries, keys) and store to q / the key or value cache.
     ``GDC`` (launched with programmatic dependent launch): wait for the previous kernel (the
-    QKV projection) before reading, and let the next one (attention) be scheduled at once."""
+    QKV projection) before reading, and let the next one (attention) be scheduled, before the
+    wait with ``TRIGGER_FIRST`` (see :data:`TRIGGER_BEFORE_WAIT`), else after it."""
     if GDC:
+        if TRIGGER_FIRST:
+            gdc_launch_dependents()
         gdc_wait()
-        gdc_launch_dependents()
+        if not TRIGGER_FIRST:
+            gdc_launch_dependents()
     token = tl.program_id(0)
     head = tl.program_id(1)
     b = token // length
@@ -146,6 +156,7 @@ def rotary_kv_write(
         HALF=half,
         BLOCK=max(16, next_power_of_2(head_dim)),
         GDC=gdc,
+        TRIGGER_FIRST=TRIGGER_BEFORE_WAIT,
         **({"launch_pdl": True} if gdc else {}),
     )
     return q
@@ -182,6 +193,7 @@ def aot_specs() -> list[AotSpec]:
                         "HALF": "constexpr",
                         "BLOCK": "constexpr",
                         "GDC": "constexpr",
+                        "TRIGGER_FIRST": "constexpr",
                     },
                     {
                         "HEADS": 32,
@@ -190,6 +202,7 @@ def aot_specs() -> list[AotSpec]:
                         "HALF": half,
                         "BLOCK": 128,
                         "GDC": False,
+                        "TRIGGER_FIRST": False,
                     },
                 )
             )
