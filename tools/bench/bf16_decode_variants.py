@@ -202,15 +202,15 @@ def main() -> None:
         summary = {
             "result": "variant",
             "variant": variant.name,
-            "pdl": variant.pdl,
-            "block_s": variant.block_s or "default",
-            "rotary_trigger_first": variant.rotary_trigger_first,
-            "changes": variant.changes,
             "best_ms": round(best * 1e3, 4),
             "median_ms": round(statistics.median(times[variant.name]) * 1e3, 4),
             "tokens_per_s": round(1 / best, 1),
             "bandwidth_fraction": round((weight_bytes + kv_bytes) / best / bandwidth, 4),
             "vs_first": round(base / best, 4),
+            "pdl": variant.pdl,
+            "block_s": variant.block_s or "default",
+            "rotary_trigger_first": variant.rotary_trigger_first,
+            "changes": variant.changes,
             "device": name,
         }
         print(json.dumps(summary), flush=True)
