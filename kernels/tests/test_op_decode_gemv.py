@@ -294,3 +294,63 @@ def test_any_table_entry_stays_exact(
                 )
             # Each op launched the table's entry.
             assert used and set(used) == {(table.DecodeGemvConfig(**launch), "user")}
+
+
+def test_norm_gemv_rotary_matches_reference(
+    triton_device: torch.device, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """QKV with rotary_kv_write in its epilogue: the queries, keys and values written into the
+    caches and the residual sum as norm_gemv then rotary_kv_write give them (one launch where
+    block_n divides head_dim, persistent grids and defer_norm too; else the two ops)."""
+    from slipstream.kernels.ops.decode_gemv import triton as kernel
+    from slipstream.kernels.ops.decode_gemv.reference import norm_gemv_rotary as reference
+
+    heads, kv_heads, head_dim, hidden, slots = 4, 2, 16, 64, 8
+    fused: list[bool] = []
+    launch = kernel._launch
+
+    def spy(*args: Any) -> Any:
+        fused.append(len(args) > 10 and args[10] is not None)
+        return launch(*args)
+
+    monkeypatch.setattr(kernel, "_launch", spy)
+    n = (heads + 2 * kv_heads) * head_dim
+    generator = torch.Generator().manual_seed(3)
+    dtypes = [torch.float32] if triton_device.type == "cpu" else [torch.bfloat16]
+    fold = {"fold_rotary": True}
+    configs = [
+        kernel.DecodeGemvConfig(block_n=8, block_k=32, **fold),
+        kernel.DecodeGemvConfig(block_n=16, block_k=64, programs_per_sm=1, defer_norm=True, **fold),
+        kernel.DecodeGemvConfig(block_n=4, block_k=16, prefetch=True, split_k=2, pdl=True, **fold),
+        kernel.DecodeGemvConfig(block_n=32, block_k=32, **fold),  # wider than a head: two ops
+        kernel.DecodeGemvConfig(block_n=8, block_k=32),  # not folded: two ops
+    ]
+
+    def rand(*size: int) -> torch.Tensor:
+        return torch.randn(*size, generator=generator).to(triton_device)
+
+    with torch.no_grad():
+        for dtype, config in [(d, c) for d in dtypes for c in configs]:
+            tol = 1e-4 if dtype == torch.float32 else 2e-2
+            for batch, residual in ((1, True), (2, False)):
+                x, res = rand(batch, 1, hidden).to(dtype), rand(batch, 1, hidden).to(dtype)
+                nw, w = rand(hidden).to(dtype), (rand(n, hidden) / hidden**0.5).to(dtype)
+                b = rand(n).to(dtype)
+                angle = rand(batch, 1, head_dim // 2)
+                cos, sin = angle.cos(), angle.sin()
+                caches = [rand(batch, kv_heads, slots, head_dim).to(dtype) for _ in range(2)]
+                caches += [cache.clone() for cache in caches]
+                where = torch.tensor([5], device=triton_device)
+                args = (x, res if residual else None, nw, 1e-6, w, b, cos, sin)
+                total, q = kernel.norm_gemv_rotary(
+                    *args, caches[0], caches[1], where, heads, kv_heads, config
+                )
+                want_total, want_q = reference(*args, caches[2], caches[3], where, heads, kv_heads)
+                torch.testing.assert_close(total, want_total, rtol=0, atol=0)
+                assert q.shape == (batch, heads, 1, head_dim)
+                torch.testing.assert_close(q, want_q, rtol=tol, atol=tol)
+                torch.testing.assert_close(caches[0], caches[2], rtol=tol, atol=tol)
+                torch.testing.assert_close(caches[1], caches[3], rtol=tol, atol=tol)
+                # one launch, rotary in its epilogue, unless block_n is wider than a head
+                assert fused == [config.fold_rotary and config.block_n <= head_dim]
+                fused.clear()

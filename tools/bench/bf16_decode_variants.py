@@ -157,7 +157,7 @@ def main() -> None:
                 "decode_pdl": variant.pdl,
             }
             engine = init_inference(model, config)
-            fused = engine.fused
+            fused: Any = engine.fused
             if not weight_bytes:
                 weight_bytes = sum(
                     t.numel() * t.element_size()

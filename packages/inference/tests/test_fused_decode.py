@@ -21,13 +21,17 @@ def test_fused_decode_step_equals_unfused(monkeypatch: pytest.MonkeyPatch) -> No
     import slipstream.inference.fused_decode as fused_module
 
     calls = {"norm_gemv": 0}
-    original = fused_module.norm_gemv
 
-    def counting(*args: Any, **kwargs: Any) -> Any:
-        calls["norm_gemv"] += 1
-        return original(*args, **kwargs)
+    def counting(original: Any) -> Any:
+        def count(*args: Any, **kwargs: Any) -> Any:
+            calls["norm_gemv"] += 1
+            return original(*args, **kwargs)
 
-    monkeypatch.setattr(fused_module, "norm_gemv", counting)
+        return count
+
+    # QKV (with rotary_kv_write: norm_gemv_rotary), gate/up and the head
+    for name in ("norm_gemv", "norm_gemv_rotary"):
+        monkeypatch.setattr(fused_module, name, counting(getattr(fused_module, name)))
     model = tiny_hf_model("llama")
     ids = torch.randint(3, 96, (1, 7), generator=torch.Generator().manual_seed(0))
     settings = {"dtype": torch.bfloat16, "replace_with_kernel_inject": True, "max_out_tokens": 32}

@@ -121,9 +121,10 @@ def test_decode_fusion_on_gpu() -> None:
 
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
 def test_decode_pdl_changes_no_result(tmp_path) -> None:
-    """decode_pdl (programmatic dependent launch of the fused step's kernels, the output
-    projection's weight prefetched into L2 during attention) gives the same tokens and the same
-    logits, bit for bit, as plain launches, eager and captured in a CUDA graph."""
+    """decode_pdl (programmatic dependent launch of the fused step's kernels) gives the same
+    tokens and logits, bit for bit, as plain launches, eager and captured in a CUDA graph; with
+    a table whose output projection prefetches its weight into L2 and whose QKV folds
+    rotary_kv_write into its epilogue, the same logits within bf16 rounding."""
     import json
 
     model = tiny_hf_model("llama").cuda()
@@ -141,12 +142,14 @@ def test_decode_pdl_changes_no_result(tmp_path) -> None:
         "pdl": True,
     }
     entries = [{"fusion": "plain", "n": hidden, "k": heads * head_dim, "l2_prefetch": True}]
-    entries.append({"fusion": "norm", "n": (heads + 2 * kv_heads) * head_dim, "k": hidden})
+    qkv = {"fusion": "norm", "n": (heads + 2 * kv_heads) * head_dim, "k": hidden}
+    entries.append(qkv | {"fold_rotary": True})
     table = tmp_path / "table.json"
     table.write_text(json.dumps({"entries": [launch | entry for entry in entries]}))
     kwargs = {"max_new_tokens": 12, "do_sample": False, "eos_token_id": None, "pad_token_id": 0}
     outputs, steps = [], []
-    for pdl, graph, gemv_table in ((False, True, None), (True, False, None), (True, True, table)):
+    runs = ((False, True, None), (True, False, None), (True, True, str(table)))
+    for pdl, graph, gemv_table in runs:
         engine = init_inference(
             model,
             {**config, "decode_pdl": pdl, "decode_gemv_table": gemv_table},
@@ -161,8 +164,9 @@ def test_decode_pdl_changes_no_result(tmp_path) -> None:
     from slipstream.kernels.ops.decode_gemv.table import use_launch_table
 
     use_launch_table(None)
-    assert all(torch.equal(outputs[0], out) for out in outputs[1:])
-    assert all(torch.equal(steps[0], step) for step in steps[1:])
+    assert torch.equal(outputs[0], outputs[1]) and torch.equal(steps[0], steps[1])
+    error = (steps[2].float() - steps[0].float()).abs().max() / steps[0].float().abs().max()
+    assert error.item() < 1e-2
 
 
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")

@@ -8,6 +8,8 @@ input RMSNorm + QKV), ``rotary_kv_write``, ``decode_attention`` (split-K over th
 cuDNN's SDPA took 8.8 us a call on an H200), ``decode_gemv`` (output projection), ``norm_gemv``
 (residual add + post RMSNorm + gate/up) and ``gated_gemv`` (SiLU * up + down), then
 ``norm_gemv`` (final norm + LM head). Prefill and steps of more than one token are unchanged.
+QKV and ``rotary_kv_write`` go through ``norm_gemv_rotary``: one kernel where the QKV launch
+folds the rotary and cache write into its epilogue (``fold_rotary``), else the two.
 """
 
 from __future__ import annotations
@@ -19,7 +21,14 @@ import torch
 from torch import nn
 
 from slipstream.inference.model import FusedBlock, FusedDecoder, KVCache
-from slipstream.kernels.ops import decode_gemv, gated_activation, gated_gemv, norm_gemv
+from slipstream.kernels.ops import (
+    decode_attention,
+    decode_gemv,
+    gated_activation,
+    gated_gemv,
+    norm_gemv,
+    norm_gemv_rotary,
+)
 
 __all__ = [
     "AUTO_PARTS",
@@ -175,14 +184,35 @@ def decode_block(
     norm, post = block.input_norm, block.post_norm
     # PDL launches: None leaves each GEMV's launch to its table; True for all (sm_90+).
     gdc = True if pdl else None
-    if "qkv" in parts:
-        x, qkv = norm_gemv(
-            x, pending, norm.weight, norm.eps, block.qkv.weight, block.qkv.bias, pdl=gdc
+    if "qkv" in parts and "attention" in parts and cache is not None:
+        # QKV, then rotary_kv_write in its epilogue where its launch folds it (one kernel)
+        cos, sin = (None, None) if rotary is None else (rotary[0][:, :, 0], rotary[1][:, :, 0])
+        x, q = norm_gemv_rotary(
+            x,
+            pending,
+            norm.weight,
+            norm.eps,
+            block.qkv.weight,
+            block.qkv.bias,
+            cos,
+            sin,
+            cache[0],
+            cache[1],
+            slots,
+            block.heads,
+            block.kv_heads,
+            pdl=gdc,
         )
+        attn = _cached_attention(block, q, cache, mask, pdl)
     else:
-        x, h = (x, norm(x)) if pending is None else norm.add_forward(pending, x)
-        qkv = block.qkv(h)
-    attn = block._attend(qkv, rotary, cache, slots, mask, "attention" in parts, pdl)
+        if "qkv" in parts:
+            x, qkv = norm_gemv(
+                x, pending, norm.weight, norm.eps, block.qkv.weight, block.qkv.bias, pdl=gdc
+            )
+        else:
+            x, h = (x, norm(x)) if pending is None else norm.add_forward(pending, x)
+            qkv = block.qkv(h)
+        attn = block._attend(qkv, rotary, cache, slots, mask, "attention" in parts, pdl)
     if "out" in parts:
         attn = decode_gemv(attn, block.out.weight, block.out.bias, pdl=gdc)
     else:
@@ -198,6 +228,23 @@ def decode_block(
     else:
         down = block.down(gated_activation(up, "silu"))
     return x, block._reduce(down)
+
+
+def _cached_attention(
+    block: FusedBlock,
+    q: torch.Tensor,
+    cache: tuple[torch.Tensor, torch.Tensor],
+    mask: torch.Tensor,
+    pdl: bool,
+) -> torch.Tensor:
+    """``FusedBlock._attend``'s split-K attention over the cache from the rotated queries
+    ``(batch, heads, 1, head_dim)``; returns ``(batch, 1, heads * head_dim)``."""
+    batch, heads, length, head_dim = q.shape
+    keys, values = cache[0][:, :, : mask.shape[-1]], cache[1][:, :, : mask.shape[-1]]
+    if heads > block.kv_heads:  # the GQA group's query heads as rows of their KV head
+        q = q.reshape(batch, block.kv_heads, (heads // block.kv_heads) * length, head_dim)
+    out = decode_attention(q, keys, values, mask, block.spec.scale, pdl=pdl)
+    return out.reshape(batch, heads, length, head_dim).transpose(1, 2).reshape(batch, length, -1)
 
 
 def decode_forward(

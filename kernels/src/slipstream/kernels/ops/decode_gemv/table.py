@@ -81,6 +81,9 @@ class DecodeGemvConfig:
     # row's sum of squares is taken in the K loop and 1 / rms scales the sum at the end (the
     # normalised input is then not rounded to the activation dtype first).
     defer_norm: bool = False
+    # norm_gemv_rotary (the QKV projection at decode): rotary_kv_write's work in this launch's
+    # epilogue (one kernel; needs block_n <= head_dim); else a second kernel does it.
+    fold_rotary: bool = False
 
 
 class LaunchTableError(ValueError):
@@ -252,7 +255,7 @@ def _parse_entry(raw: object, where: str) -> LaunchEntry:
     for name, minimum in (("num_stages", 1), ("programs_per_sm", 0), ("split_k", 1)):
         if name in launch:
             _check_int(where, name, launch[name], minimum)
-    for name in ("prefetch", "pdl", "early", "l2_prefetch", "defer_norm"):
+    for name in ("prefetch", "pdl", "early", "l2_prefetch", "defer_norm", "fold_rotary"):
         if not isinstance(launch.get(name, False), bool):
             raise LaunchTableError(f"{where}: {name!r} must be true or false")
     return LaunchEntry(device.strip(), sms, raw["fusion"], n, k, DecodeGemvConfig(**launch))
@@ -262,8 +265,9 @@ def parse_launch_table(data: object, source: str = "launch table") -> list[Launc
     """The entries of a launch table's JSON value ``{"version": 1, "entries": [...]}``, each
     ``{"device": "H200", "sms": 132, "fusion": "norm", "n": 6144, "k": 4096, "block_n": 8,
     "block_k": 512, "num_warps": 4}`` plus optional ``num_stages``, ``programs_per_sm``,
-    ``prefetch``, ``split_k``, ``pdl``, ``early``, ``l2_prefetch``, ``defer_norm``
-    (:class:`DecodeGemvConfig`'s defaults otherwise; ``sms`` null or absent: any count).
+    ``prefetch``, ``split_k``, ``pdl``, ``early``, ``l2_prefetch``, ``defer_norm``,
+    ``fold_rotary`` (:class:`DecodeGemvConfig`'s defaults otherwise; ``sms`` null or absent:
+    any count).
     Raises :class:`LaunchTableError` naming ``source`` and the entry."""
     if not isinstance(data, dict) or not isinstance(data.get("entries"), list):
         raise LaunchTableError(

@@ -23,6 +23,7 @@ in launches than in bytes (``PROLOGUE``):
 from __future__ import annotations
 
 import dataclasses
+from typing import Any
 
 import torch
 import triton
@@ -43,6 +44,7 @@ __all__ = [
     "gated_gemv",
     "launch_config",
     "norm_gemv",
+    "norm_gemv_rotary",
 ]
 
 MAX_ROWS = 4  # above this many rows the weight is better read once by a matmul: the reference
@@ -77,6 +79,65 @@ def _l2_prefetch_rows(rows, nbytes):
 
 
 @triton.jit
+def _block_cols(block, BLOCK_N: tl.constexpr, ROPE: tl.constexpr, HEAD_DIM: tl.constexpr):
+    """The output features of ``block``: ``BLOCK_N`` consecutive ones, or with ``ROPE`` the
+    rotary pairs of one head (``BLOCK_N / 2`` features from its first half and the same ones
+    ``HEAD_DIM / 2`` later), so that the epilogue can rotate them."""
+    i = tl.arange(0, BLOCK_N)
+    if ROPE:
+        per_head = HEAD_DIM // BLOCK_N
+        first = (block % per_head) * (BLOCK_N // 2)
+        cols = (block // per_head) * HEAD_DIM + first + i % (BLOCK_N // 2)
+        return cols + (i // (BLOCK_N // 2)) * (HEAD_DIM // 2)
+    return block * BLOCK_N + i
+
+
+@triton.jit
+def _rope_store(
+    y,
+    block,
+    row,
+    q_ptr,
+    cos_ptr,
+    sin_ptr,
+    kc_ptr,
+    vc_ptr,
+    slots_ptr,
+    trig_stride,
+    cache_sb,
+    cache_sh,
+    cache_ss,
+    BLOCK_N: tl.constexpr,
+    HEADS: tl.constexpr,
+    KV_HEADS: tl.constexpr,
+    HEAD_DIM: tl.constexpr,
+):
+    """``rotary_kv_write`` of one ROPE block (``y``: its outputs, fp32 values of the QKV
+    dtype): rotate a query or key head's pairs, store to the queries or a cache."""
+    HALF_N: tl.constexpr = BLOCK_N // 2
+    per_head = HEAD_DIM // BLOCK_N
+    head = block // per_head
+    first = (block % per_head) * HALF_N + tl.arange(0, HALF_N)
+    lo, hi = tl.split(tl.permute(tl.reshape(y, (2, HALF_N)), (1, 0)))
+    if head < HEADS + KV_HEADS:
+        c = tl.load(cos_ptr + row * trig_stride + first).to(tl.float32)
+        s = tl.load(sin_ptr + row * trig_stride + first).to(tl.float32)
+        lo, hi = lo * c - hi * s, hi * c + lo * s
+    if head < HEADS:
+        dest = q_ptr + (row * HEADS + head) * HEAD_DIM
+    else:
+        kv = head - HEADS
+        cache = kc_ptr
+        if kv >= KV_HEADS:
+            kv -= KV_HEADS
+            cache = vc_ptr
+        slot = tl.load(slots_ptr)
+        dest = cache + row * cache_sb + kv * cache_sh + slot * cache_ss
+    tl.store(dest + first, lo.to(q_ptr.dtype.element_ty))
+    tl.store(dest + first + HEAD_DIM // 2, hi.to(q_ptr.dtype.element_ty))
+
+
+@triton.jit
 def decode_gemv_kernel(
     x_ptr,
     r_ptr,
@@ -92,6 +153,15 @@ def decode_gemv_kernel(
     x_stride,
     y_stride,
     eps,
+    cos_ptr,  # ROPE: (rows, HEAD_DIM / 2) rotary tables of the token, row stride trig_stride
+    sin_ptr,
+    kc_ptr,  # ROPE: key / value caches (rows, KV_HEADS, slots, HEAD_DIM), slot at slots_ptr
+    vc_ptr,
+    slots_ptr,
+    trig_stride,
+    cache_sb,
+    cache_sh,
+    cache_ss,
     PROLOGUE: tl.constexpr,
     HAS_RESIDUAL: tl.constexpr,
     HAS_NORM_WEIGHT: tl.constexpr,
@@ -108,6 +178,10 @@ def decode_gemv_kernel(
     NORM_BLOCK: tl.constexpr = 1024,
     L2_PREFETCH: tl.constexpr = False,
     DEFER_NORM: tl.constexpr = False,
+    ROPE: tl.constexpr = False,
+    HEADS: tl.constexpr = 1,
+    KV_HEADS: tl.constexpr = 1,
+    HEAD_DIM: tl.constexpr = 128,
 ):
     """``y[row, n] = sum_k W[n, k] * h[row, k] (+ b[n])`` with ``h`` the prologue's input.
     ``PREFETCH``: each step loads the next step's weight tile before its own math (two tiles in
@@ -135,7 +209,13 @@ def decode_gemv_kernel(
     ``DEFER_NORM`` (``PROLOGUE`` 1, no split-K): no pass over the row before the weights stream;
     the K loop sums ``W @ (total * norm_weight)`` and ``total**2`` together and the sum is
     scaled by ``1 / rms`` at the end (the normalised input is not rounded to the activation
-    dtype, as ``add_rms_norm`` rounds it: a difference of that rounding's order)."""
+    dtype, as ``add_rms_norm`` rounds it: a difference of that rounding's order).
+
+    ``ROPE`` (the QKV projection of one token per row, no split-K; ``rotary_kv_write``'s work
+    in the epilogue): each block holds rotary pairs of one head (:func:`_block_cols`); the
+    outputs are rounded as the QKV output would be, the query and key heads rotated in fp32,
+    the queries stored to ``y`` as ``(rows, HEADS, HEAD_DIM)`` and the keys and values into the
+    caches at the slot."""
     pid_n = tl.program_id(0)
     programs = tl.num_programs(0)
     row = tl.program_id(1).to(tl.int64)
@@ -146,7 +226,7 @@ def decode_gemv_kernel(
     k_begin = pid_k * per_split
     k_end = tl.minimum(k_begin + per_split, K)
     if EARLY:
-        first_cols = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
+        first_cols = _block_cols(pid_n, BLOCK_N, ROPE, HEAD_DIM)
         w_first = tl.load(
             w_ptr + first_cols[:, None].to(tl.int64) * K + (k_begin + k)[None, :],
             mask=(first_cols < N)[:, None] & (k_begin + k < k_end)[None, :],
@@ -157,7 +237,7 @@ def decode_gemv_kernel(
         if L2_PREFETCH:
             row_bytes = K * (w_ptr.dtype.element_ty.primitive_bitwidth // 8)
             for ahead in range(pid_n, tl.cdiv(N, BLOCK_N), programs):
-                ahead_rows = ahead * BLOCK_N + tl.arange(0, BLOCK_N)
+                ahead_rows = _block_cols(ahead, BLOCK_N, ROPE, HEAD_DIM)
                 _l2_prefetch_rows(
                     w_ptr + ahead_rows.to(tl.int64) * K, tl.where(ahead_rows < N, row_bytes, 0)
                 )
@@ -185,7 +265,7 @@ def decode_gemv_kernel(
             squares += tl.sum(t * t, axis=0)
         rstd = 1.0 / tl.sqrt(squares / K + eps)
     for block in range(pid_n, tl.cdiv(N, BLOCK_N), programs):
-        cols = block * BLOCK_N + tl.arange(0, BLOCK_N)
+        cols = _block_cols(block, BLOCK_N, ROPE, HEAD_DIM)
         col_ok = cols < N
         acc = tl.zeros((BLOCK_N, BLOCK_K), dtype=tl.float32)
         if DEFER_NORM:
@@ -273,7 +353,29 @@ def decode_gemv_kernel(
         if DEFER_NORM:
             y = y / tl.sqrt(tl.sum(block_squares, axis=0) / K + eps)
         y_ptrs = y_ptr + row * y_stride + cols
-        if SPLIT_K == 1:
+        if ROPE:
+            if HAS_BIAS:
+                y += tl.load(b_ptr + cols, mask=col_ok, other=0.0).to(tl.float32)
+            _rope_store(
+                y.to(y_ptr.dtype.element_ty).to(tl.float32),
+                block,
+                row,
+                y_ptr,
+                cos_ptr,
+                sin_ptr,
+                kc_ptr,
+                vc_ptr,
+                slots_ptr,
+                trig_stride,
+                cache_sb,
+                cache_sh,
+                cache_ss,
+                BLOCK_N,
+                HEADS,
+                KV_HEADS,
+                HEAD_DIM,
+            )
+        elif SPLIT_K == 1:
             if HAS_BIAS:
                 y += tl.load(b_ptr + cols, mask=col_ok, other=0.0).to(tl.float32)
             tl.store(y_ptrs, y.to(y_ptr.dtype.element_ty), mask=col_ok)
@@ -348,6 +450,7 @@ def _launch(
     eps: float,
     config: DecodeGemvConfig | None,
     pdl: bool | None = None,
+    rope: _Rope | None = None,
 ) -> torch.Tensor:
     out_features, in_features = weight.shape
     rows = rows_view.shape[0]
@@ -356,10 +459,16 @@ def _launch(
         config = dataclasses.replace(config, pdl=pdl)
     blocks = triton.cdiv(out_features, config.block_n)
     split = max(1, min(config.split_k, triton.cdiv(in_features, config.block_k)))
+    if rope is not None:  # the epilogue needs a program's whole sums: no split-K
+        split = 1
     scratch = None
     if split > 1:
         scratch = _fixup_scratch(weight.device, rows * out_features, rows * blocks)
-    if split == 1 or scratch is not None:
+    if rope is not None:  # the rotated queries (the keys and values go to the caches)
+        out = torch.empty(
+            rows, rope.heads * rope.head_dim, device=weight.device, dtype=rows_view.dtype
+        )
+    elif split == 1 or scratch is not None:
         out = torch.empty(rows, out_features, device=weight.device, dtype=rows_view.dtype)
     else:  # the splits add into a zeroed fp32 output, cast below
         out = torch.zeros(rows, out_features, device=weight.device, dtype=torch.float32)
@@ -388,6 +497,7 @@ def _launch(
         rows_view.stride(0),
         out.stride(0),
         eps,
+        *(rope.arguments() if rope is not None else (out, out, out, out, out, 0, 0, 0, 0)),
         PROLOGUE=prologue,
         HAS_RESIDUAL=residual is not None,
         HAS_NORM_WEIGHT=norm_weight is not None,
@@ -404,11 +514,44 @@ def _launch(
         NORM_BLOCK=min(triton.next_power_of_2(in_features), 1024 * config.num_warps),
         L2_PREFETCH=prefetch_l2,
         DEFER_NORM=prologue == NORM and config.defer_norm and split == 1,
+        ROPE=rope is not None,
+        HEADS=rope.heads if rope is not None else 1,
+        KV_HEADS=rope.kv_heads if rope is not None else 1,
+        HEAD_DIM=rope.head_dim if rope is not None else 128,
         num_warps=config.num_warps,
         num_stages=config.num_stages,
         **({"launch_pdl": True} if pdl else {}),
     )
     return out if out.dtype == rows_view.dtype else out.to(rows_view.dtype)
+
+
+@dataclasses.dataclass
+class _Rope:
+    """What the ``ROPE`` epilogue needs: the token's rotary tables (one row per activation
+    row), the caches, the slot and the head layout."""
+
+    cos: torch.Tensor
+    sin: torch.Tensor
+    key_cache: torch.Tensor
+    value_cache: torch.Tensor
+    slots: torch.Tensor
+    heads: int
+    kv_heads: int
+    head_dim: int
+
+    def arguments(self) -> tuple[Any, ...]:
+        cache = self.key_cache
+        return (
+            self.cos,
+            self.sin,
+            cache,
+            self.value_cache,
+            self.slots,
+            self.cos.stride(0),
+            cache.stride(0),
+            cache.stride(1),
+            cache.stride(2),
+        )
 
 
 def _rows(x: torch.Tensor) -> torch.Tensor:
@@ -465,6 +608,80 @@ def norm_gemv(
     )
 
 
+def norm_gemv_rotary(
+    x: torch.Tensor,
+    residual: torch.Tensor | None,
+    norm_weight: torch.Tensor | None,
+    eps: float,
+    weight: torch.Tensor,
+    bias: torch.Tensor | None,
+    cos: torch.Tensor | None,
+    sin: torch.Tensor | None,
+    key_cache: torch.Tensor,
+    value_cache: torch.Tensor,
+    slots: torch.Tensor,
+    num_heads: int,
+    num_kv_heads: int,
+    config: DecodeGemvConfig | None = None,
+    pdl: bool | None = None,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """See :func:`slipstream.kernels.ops.decode_gemv.reference.norm_gemv_rotary`: one launch
+    where the launch says so (``fold_rotary``) and it can (one token per row, full-width
+    rotary, ``block_n`` dividing ``head_dim``); else :func:`norm_gemv` then
+    ``rotary_kv_write``."""
+    check_kernel_device("norm_gemv_rotary", x, residual, norm_weight, weight, bias, cos, sin)
+    check_kernel_device("norm_gemv_rotary", key_cache, value_cache, slots)
+    batch, length, hidden = x.shape
+    head_dim = key_cache.shape[-1]
+    launch = config or launch_config(NORM, weight.shape[0], hidden, weight.device)
+    if (
+        not launch.fold_rotary
+        or length != 1
+        or cos is None
+        or sin is None
+        or cos.shape[-1] * 2 != head_dim
+        or cos.dtype != sin.dtype
+        or cos.shape[:2] != (batch, 1)
+        or head_dim % launch.block_n
+        or launch.block_n < 2
+        or weight.shape[0] != (num_heads + 2 * num_kv_heads) * head_dim
+        or key_cache.stride() != value_cache.stride()
+        or key_cache.stride(-1) != 1
+        or tuple(key_cache.shape) != (batch, num_kv_heads, key_cache.shape[2], head_dim)
+        or not _supported(batch, weight, x, hidden)
+        or key_cache.dtype != x.dtype
+        or _needs_grad(x, residual, norm_weight, weight, bias)
+        or (residual is not None and (residual.shape != x.shape or residual.dtype != x.dtype))
+        or (norm_weight is not None and norm_weight.shape != x.shape[-1:])
+    ):
+        from slipstream.kernels.ops.rotary_kv_write import rotary_kv_write
+
+        summed, qkv = norm_gemv(x, residual, norm_weight, eps, weight, bias, config, pdl)
+        q = rotary_kv_write(
+            qkv, cos, sin, key_cache, value_cache, slots, num_heads, num_kv_heads, pdl=bool(pdl)
+        )
+        return summed, q
+    flat = x.reshape(batch, hidden).contiguous()
+    res = None if residual is None else residual.reshape(flat.shape).contiguous()
+    total = torch.empty_like(flat) if res is not None else None
+    trig = cos.reshape(batch, -1), sin.reshape(batch, -1)
+    rope = _Rope(
+        trig[0] if trig[0].stride(-1) == 1 else trig[0].contiguous(),
+        trig[1] if trig[1].stride(-1) == 1 else trig[1].contiguous(),
+        key_cache,
+        value_cache,
+        slots,
+        num_heads,
+        num_kv_heads,
+        head_dim,
+    )
+    q = _launch(NORM, flat, res, norm_weight, total, weight, bias, eps, launch, pdl, rope)
+    return (
+        x if total is None else total.view(x.shape),
+        q.view(batch, num_heads, 1, head_dim),
+    )
+
+
 def gated_gemv(
     gate_up: torch.Tensor,
     weight: torch.Tensor,
@@ -511,6 +728,15 @@ def aot_specs() -> list[AotSpec]:
                         "x_stride": "i32",
                         "y_stride": "i32",
                         "eps": "fp32",
+                        "cos_ptr": "*fp32",
+                        "sin_ptr": "*fp32",
+                        "kc_ptr": f"*{dtype}",
+                        "vc_ptr": f"*{dtype}",
+                        "slots_ptr": "*i64",
+                        "trig_stride": "i32",
+                        "cache_sb": "i32",
+                        "cache_sh": "i32",
+                        "cache_ss": "i32",
                         "PROLOGUE": "constexpr",
                         "HAS_RESIDUAL": "constexpr",
                         "HAS_NORM_WEIGHT": "constexpr",
@@ -527,6 +753,10 @@ def aot_specs() -> list[AotSpec]:
                         "NORM_BLOCK": "constexpr",
                         "L2_PREFETCH": "constexpr",
                         "DEFER_NORM": "constexpr",
+                        "ROPE": "constexpr",
+                        "HEADS": "constexpr",
+                        "KV_HEADS": "constexpr",
+                        "HEAD_DIM": "constexpr",
                     },
                     {
                         "PROLOGUE": prologue,
@@ -545,6 +775,11 @@ def aot_specs() -> list[AotSpec]:
                         "NORM_BLOCK": 4096,
                         "L2_PREFETCH": False,
                         "DEFER_NORM": False,
+                        # QKV with rotary_kv_write in the epilogue (8B Llama heads)
+                        "ROPE": prologue == NORM,
+                        "HEADS": 32,
+                        "KV_HEADS": 8,
+                        "HEAD_DIM": 128,
                     },
                 )
             )
