@@ -60,18 +60,24 @@ except ImportError:
 
 
 @triton.jit
-def _l2_prefetch_rows(rows, nbytes):
-    """``cp.async.bulk.prefetch.L2`` of ``nbytes`` (a multiple of 16; 0: nothing) from each
-    pointer of ``rows`` (NVIDIA sm_90)."""
+def _l2_prefetch_run(first_row, row_bytes, rows):
+    """``cp.async.bulk.prefetch.L2`` of ``rows`` consecutive weight rows of ``row_bytes`` (a
+    multiple of 16) from ``first_row`` on (NVIDIA sm_90): thread ``t < rows`` of the program
+    requests row ``t``, so each row is asked for once whatever the tensor layouts."""
     return tl.inline_asm_elementwise(
         """{
         .reg .pred p;
-        setp.ne.u32 p, $2, 0;
-        @p cp.async.bulk.prefetch.L2.global [$1], $2;
+        .reg .u32 t;
+        .reg .u64 a, off;
+        mov.u32 t, %tid.x;
+        setp.lt.u32 p, t, $3;
+        mul.wide.u32 off, t, $2;
+        add.u64 a, $1, off;
+        @p cp.async.bulk.prefetch.L2.global [a], $2;
         mov.u32 $0, 0;
         }""",
-        "=r,l,r",
-        [rows, nbytes],
+        "=r,l,r,r",
+        [first_row, row_bytes, rows],
         dtype=tl.int32,
         is_pure=False,
         pack=1,
@@ -236,11 +242,18 @@ def decode_gemv_kernel(
     if USE_GDC:
         if L2_PREFETCH:
             row_bytes = K * (w_ptr.dtype.element_ty.primitive_bitwidth // 8)
+            # each thread asks for one row: BLOCK_N <= 32 * num_warps (checked at launch)
             for ahead in range(pid_n, tl.cdiv(N, BLOCK_N), programs):
-                ahead_rows = _block_cols(ahead, BLOCK_N, ROPE, HEAD_DIM)
-                _l2_prefetch_rows(
-                    w_ptr + ahead_rows.to(tl.int64) * K, tl.where(ahead_rows < N, row_bytes, 0)
-                )
+                if ROPE:  # the block's two runs of BLOCK_N / 2 rows, HEAD_DIM / 2 apart
+                    per_head = HEAD_DIM // BLOCK_N
+                    start = (ahead // per_head) * HEAD_DIM + (ahead % per_head) * (BLOCK_N // 2)
+                    run = w_ptr + start.to(tl.int64) * K
+                    _l2_prefetch_run(run, row_bytes, BLOCK_N // 2)
+                    _l2_prefetch_run(run + (HEAD_DIM // 2) * K, row_bytes, BLOCK_N // 2)
+                else:
+                    start = ahead * BLOCK_N
+                    rows_left = tl.minimum(N - start, BLOCK_N)
+                    _l2_prefetch_run(w_ptr + start.to(tl.int64) * K, row_bytes, rows_left)
         tl.extra.cuda.gdc_wait()
         tl.extra.cuda.gdc_launch_dependents()
     rstd = 0.0
@@ -479,6 +492,7 @@ def _launch(
     prefetch_l2 = (
         pdl
         and config.l2_prefetch
+        and config.block_n <= 32 * config.num_warps
         and (in_features * weight.element_size()) % 16 == 0
         and weight.data_ptr() % 16 == 0
     )
