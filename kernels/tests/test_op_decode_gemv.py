@@ -257,7 +257,7 @@ def test_any_table_entry_stays_exact(
         # grids too; norm_gemv's 1 / rms applied to the sum (ignored with split-K)
         {"block_n": 2, "block_k": 32, "num_warps": 4, "pdl": True, "l2_prefetch": True},
         {"block_n": 1, "block_k": 32, "pdl": True, "l2_prefetch": True, "programs_per_sm": 1}
-        | {"num_warps": 4, "defer_norm": True},
+        | {"num_warps": 4, "defer_norm": True, "l2_prefetch_blocks": 1},
         {"block_n": 4, "block_k": 16, "num_warps": 2, "defer_norm": True, "split_k": 2},
     ]
     inputs = [rand(2, k), rand(2, k), rand(k), rand(n, k) / k**0.5, rand(n), rand(2, 2 * k)]

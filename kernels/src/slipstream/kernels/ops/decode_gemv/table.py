@@ -77,6 +77,9 @@ class DecodeGemvConfig:
     # so that a small weight after a latency-bound kernel (the output projection after
     # attention) streams while that kernel runs.
     l2_prefetch: bool = False
+    # With l2_prefetch: at most this many of each program's blocks prefetched (0: all of them;
+    # 1 on a persistent grid: the first block of every program, part of a large weight).
+    l2_prefetch_blocks: int = 0
     # norm_gemv without split-K: no pass over the input row before the weights stream; the
     # row's sum of squares is taken in the K loop and 1 / rms scales the sum at the end (the
     # normalised input is then not rounded to the activation dtype first).
@@ -252,7 +255,12 @@ def _parse_entry(raw: object, where: str) -> LaunchEntry:
         value = _check_int(where, name, launch[name], 1)
         if value & (value - 1):
             raise LaunchTableError(f"{where}: {name!r} must be a power of two, got {value}")
-    for name, minimum in (("num_stages", 1), ("programs_per_sm", 0), ("split_k", 1)):
+    for name, minimum in (
+        ("num_stages", 1),
+        ("programs_per_sm", 0),
+        ("split_k", 1),
+        ("l2_prefetch_blocks", 0),
+    ):
         if name in launch:
             _check_int(where, name, launch[name], minimum)
     for name in ("prefetch", "pdl", "early", "l2_prefetch", "defer_norm", "fold_rotary"):
@@ -265,8 +273,8 @@ def parse_launch_table(data: object, source: str = "launch table") -> list[Launc
     """The entries of a launch table's JSON value ``{"version": 1, "entries": [...]}``, each
     ``{"device": "H200", "sms": 132, "fusion": "norm", "n": 6144, "k": 4096, "block_n": 8,
     "block_k": 512, "num_warps": 4}`` plus optional ``num_stages``, ``programs_per_sm``,
-    ``prefetch``, ``split_k``, ``pdl``, ``early``, ``l2_prefetch``, ``defer_norm``,
-    ``fold_rotary`` (:class:`DecodeGemvConfig`'s defaults otherwise; ``sms`` null or absent:
+    ``prefetch``, ``split_k``, ``pdl``, ``early``, ``l2_prefetch``, ``l2_prefetch_blocks``,
+    ``defer_norm``, ``fold_rotary`` (:class:`DecodeGemvConfig`'s defaults otherwise; ``sms`` null or absent:
     any count).
     Raises :class:`LaunchTableError` naming ``source`` and the entry."""
     if not isinstance(data, dict) or not isinstance(data.get("entries"), list):

@@ -183,6 +183,7 @@ def decode_gemv_kernel(
     USE_GDC: tl.constexpr = False,
     NORM_BLOCK: tl.constexpr = 1024,
     L2_PREFETCH: tl.constexpr = False,
+    L2_BLOCKS: tl.constexpr = 0,
     DEFER_NORM: tl.constexpr = False,
     ROPE: tl.constexpr = False,
     HEADS: tl.constexpr = 1,
@@ -208,9 +209,9 @@ def decode_gemv_kernel(
     finish (every read of activations and every store comes after), and lets the next kernel's
     programs start, so a GEMV following this one loads its first tile while this one runs.
     ``L2_PREFETCH`` (with ``USE_GDC``): before the wait, the whole rows of every block of
-    outputs the program will compute (contiguous in the weight) are prefetched into L2, one
-    bulk request per row, so that a small weight streams from memory while the kernels before
-    it (attention) run.
+    outputs the program will compute (of its first ``L2_BLOCKS``, when > 0) are prefetched
+    into L2, one bulk request per row, so that a small weight streams from memory while the
+    kernels before it (attention) run.
 
     ``DEFER_NORM`` (``PROLOGUE`` 1, no split-K): no pass over the row before the weights stream;
     the K loop sums ``W @ (total * norm_weight)`` and ``total**2`` together and the sum is
@@ -243,7 +244,10 @@ def decode_gemv_kernel(
         if L2_PREFETCH:
             row_bytes = K * (w_ptr.dtype.element_ty.primitive_bitwidth // 8)
             # each thread asks for one row: BLOCK_N <= 32 * num_warps (checked at launch)
-            for ahead in range(pid_n, tl.cdiv(N, BLOCK_N), programs):
+            last = tl.cdiv(N, BLOCK_N)
+            if L2_BLOCKS > 0:
+                last = tl.minimum(last, pid_n + L2_BLOCKS * programs)
+            for ahead in range(pid_n, last, programs):
                 if ROPE:  # the block's two runs of BLOCK_N / 2 rows, HEAD_DIM / 2 apart
                     per_head = HEAD_DIM // BLOCK_N
                     start = (ahead // per_head) * HEAD_DIM + (ahead % per_head) * (BLOCK_N // 2)
@@ -527,6 +531,7 @@ def _launch(
         USE_GDC=pdl,
         NORM_BLOCK=min(triton.next_power_of_2(in_features), 1024 * config.num_warps),
         L2_PREFETCH=prefetch_l2,
+        L2_BLOCKS=config.l2_prefetch_blocks,
         DEFER_NORM=prologue == NORM and config.defer_norm and split == 1,
         ROPE=rope is not None,
         HEADS=rope.heads if rope is not None else 1,
@@ -766,6 +771,7 @@ def aot_specs() -> list[AotSpec]:
                         "USE_GDC": "constexpr",
                         "NORM_BLOCK": "constexpr",
                         "L2_PREFETCH": "constexpr",
+                        "L2_BLOCKS": "constexpr",
                         "DEFER_NORM": "constexpr",
                         "ROPE": "constexpr",
                         "HEADS": "constexpr",
@@ -788,6 +794,7 @@ def aot_specs() -> list[AotSpec]:
                         "USE_GDC": False,
                         "NORM_BLOCK": 4096,
                         "L2_PREFETCH": False,
+                        "L2_BLOCKS": 0,
                         "DEFER_NORM": False,
                         # QKV with rotary_kv_write in the epilogue (8B Llama heads)
                         "ROPE": prologue == NORM,
