@@ -3,6 +3,7 @@ Triton kernel against the references (every prologue, ragged and even tiles, bia
 
 from __future__ import annotations
 
+import dataclasses
 import json
 from typing import Any
 
@@ -126,13 +127,19 @@ def no_user_table() -> Any:
 def test_launch_table_lookup(no_user_table: Any, tmp_path: Any) -> None:
     table = no_user_table
     h100 = table.DeviceKey("NVIDIA H100 80GB HBM3", 132)
-    # The H100's entries are the launches it ran before the table existed (85.2% of the limit).
+    # The H100's entries are the launches it ran before the table existed (85.2% of the limit),
+    # QKV's with the rotary folded in.
     expected_block_n = [8, 4, 16, 4, 16]
     for (fusion, n, k), block_n in zip(_8B, expected_block_n, strict=True):
         config, source = table.lookup_launch(fusion, n, k, h100)
         assert source == "builtin"
-        assert config == table.DecodeGemvConfig(block_n=block_n, block_k=512, num_warps=4)
-        assert config == table.default_rule(n, k, 132)
+        fold = (fusion, n) == ("norm", 6144)
+        launch = table.DecodeGemvConfig(block_n=block_n, block_k=512, num_warps=4)
+        assert config == dataclasses.replace(launch, fold_rotary=fold)
+        assert dataclasses.replace(config, fold_rotary=False) == table.default_rule(n, k, 132)
+    # TP=2 shards on the H100: the sweep's tiles
+    assert table.lookup_launch("norm", 3072, 4096, h100)[0].prefetch
+    assert table.lookup_launch("plain", 4096, 2048, h100)[0].block_n == 8
     # The H200's, from the sweep on it: wider tiles for QKV and the head, a persistent
     # prefetching grid for gate/up, the default launch kept for the output and down.
     h200 = table.DeviceKey("NVIDIA H200", 132)

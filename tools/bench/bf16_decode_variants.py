@@ -8,8 +8,9 @@ are compared on the same GPU minutes apart at most. A variant is ``NAME=SETTINGS
 
 - ``pdl`` / ``nopdl``: the ``decode_pdl`` config key on / off (default off);
 - ``bs32``, ``bs64``, ``bs128``: decode_attention's slots per chunk (default: its own rule);
-- ``attnloop``: decode_attention's loop form (one program per KV head walking the cache, no
-  merge) at every cache size; ``lbsN``: its slots per chunk (default 64);
+- ``attnloop`` / ``noloop``: decode_attention's loop form (one program per KV head walking the
+  cache, no merge) at every cache size / never (default: the library's rule); ``lbsN``: its
+  slots per chunk (default: the library's);
 - ``rotlate``: with PDL, rotary_kv_write lets attention start only after its wait (default:
   before, ``rotary_kv_write.triton.TRIGGER_BEFORE_WAIT``);
 - ``PART:FIELD=VALUE``: that decode-GEMV launch field changed for PART (qkv, out, gate_up, down,
@@ -65,8 +66,8 @@ class Variant:
     pdl: bool = False
     block_s: int = 0
     rotary_trigger_first: bool = True
-    attention_loop: bool = False
-    loop_block_s: int = 64
+    attention_loop: bool | None = None
+    loop_block_s: int = 0
     changes: dict[str, dict[str, Any]] = dataclasses.field(default_factory=dict)
 
 
@@ -78,8 +79,8 @@ def parse_variant(text: str) -> Variant:
     for setting in filter(None, settings.split(",")):
         if setting in ("pdl", "nopdl"):
             variant.pdl = setting == "pdl"
-        elif setting == "attnloop":
-            variant.attention_loop = True
+        elif setting in ("attnloop", "noloop"):
+            variant.attention_loop = setting == "attnloop"
         elif setting.startswith("lbs") and setting[3:].isdigit():
             variant.loop_block_s = int(setting[3:])
         elif setting == "rotlate":
@@ -109,8 +110,12 @@ def install(variant: Variant, device: torch.device) -> None:
         (lambda *_: variant.block_s) if variant.block_s else original
     )
     rotary_triton.TRIGGER_BEFORE_WAIT = variant.rotary_trigger_first
-    attention_triton.LOOP_MAX_SLOTS = 1 << 30 if variant.attention_loop else 0
-    attention_triton.LOOP_BLOCK_S = variant.loop_block_s
+    attention_triton.LOOP_MAX_SLOTS = (
+        _ORIGINAL_LOOP[0]
+        if variant.attention_loop is None
+        else (1 << 30 if variant.attention_loop else 0)
+    )
+    attention_triton.LOOP_BLOCK_S = variant.loop_block_s or _ORIGINAL_LOOP[1]
     gemv_table.use_launch_table(None)
     if not variant.changes:
         return
@@ -124,6 +129,7 @@ def install(variant: Variant, device: torch.device) -> None:
 
 
 _ORIGINAL_BLOCK_S = attention_triton.default_block_s
+_ORIGINAL_LOOP = attention_triton.LOOP_MAX_SLOTS, attention_triton.LOOP_BLOCK_S
 
 
 def main() -> None:
@@ -220,7 +226,7 @@ def main() -> None:
             "pdl": variant.pdl,
             "block_s": variant.block_s or "default",
             "rotary_trigger_first": variant.rotary_trigger_first,
-            "attention_loop": variant.attention_loop and variant.loop_block_s,
+            "attention_loop": variant.attention_loop,
             "changes": variant.changes,
             "device": name,
         }

@@ -136,7 +136,9 @@ def _entries(device: str, sms: int, launches: Mapping[tuple[str, int, int], dict
 # H100 SXM (132 SMs): the launches default_rule gives, with which decode_fusion measured 85.2%
 # of the bandwidth limit on the 8B model (5.932 ms a step, tools/bench/infer_bench.py).
 _H100 = {
-    ("norm", 6144, 4096): {"block_n": 8},
+    # fold_rotary: rotary_kv_write in QKV's epilogue, 32 kernels fewer a step: 5.782 against
+    # 5.808 ms a step (GPU call B1, tools/bench/bf16_decode_variants.py)
+    ("norm", 6144, 4096): {"block_n": 8, "fold_rotary": True},
     ("plain", 4096, 4096): {"block_n": 4},
     ("norm", 28672, 4096): {"block_n": 16},
     ("gated", 4096, 14336): {"block_n": 4},
@@ -147,15 +149,30 @@ _H100 = {
 # output and down projections nothing beat the default launch by more than 0.2% (kept). The
 # whole 8B step went from 206.6 to 219.4 tokens/s (76.8% -> 79.8% of the bandwidth limit).
 _H200: dict[tuple[str, int, int], dict[str, Any]] = {
-    ("norm", 6144, 4096): {"block_n": 32, "block_k": 512, "num_warps": 4},
+    # fold_rotary as on the H100 (one kernel fewer per block; same math)
+    ("norm", 6144, 4096): {"block_n": 32, "block_k": 512, "num_warps": 4, "fold_rotary": True},
     ("plain", 4096, 4096): {"block_n": 4, "block_k": 512, "num_warps": 4},
     ("norm", 28672, 4096): {"block_n": 8, "programs_per_sm": 4, "prefetch": True},
     ("gated", 4096, 14336): {"block_n": 4, "block_k": 512, "num_warps": 4},
     ("norm", 128256, 4096): {"block_n": 32, "block_k": 256, "num_warps": 4},
 }
 
+# Tensor-parallel shards of the 8B model at TP=2 (per rank: QKV 3072x4096, output 4096x2048,
+# gate/up 14336x4096, down 4096x7168, head 64128x4096). H100: bf16_gemv_bench.py's sweep
+# (GPU call B1, copy bandwidth 3.0 TB/s): the fastest tiles, in us against the default rule's
+# QKV 10.8 (12.04), output 6.51 (7.73), gate/up 42.02 (45.05), down 21.41 (22.34), head 172.6
+# (178.89). The sweep's best four were pdl launches, timed back to back with themselves; pdl
+# is left to decode_pdl here (the whole TP=1 step was 9% slower with it on an H100).
+_H100_TP2: dict[tuple[str, int, int], dict[str, Any]] = {
+    ("norm", 3072, 4096): {"block_n": 8, "block_k": 512, "prefetch": True},
+    ("plain", 4096, 2048): {"block_n": 8, "block_k": 512, "num_stages": 4, "prefetch": True},
+    ("norm", 14336, 4096): {"block_n": 4, "block_k": 1024},
+    ("gated", 4096, 7168): {"block_n": 8, "block_k": 512, "prefetch": True},
+    ("norm", 64128, 4096): {"block_n": 4, "block_k": 1024, "num_stages": 4},
+}
+
 BUILTIN_TABLE: tuple[LaunchEntry, ...] = tuple(
-    _entries("H100", 132, _H100) + _entries("H200", 132, _H200)
+    _entries("H100", 132, {**_H100, **_H100_TP2}) + _entries("H200", 132, _H200)
 )
 
 _user_table: tuple[LaunchEntry, ...] = ()
