@@ -49,8 +49,10 @@ PARTS = frozenset({"qkv", "attention", "out", "gate_up", "down", "head"})
 AUTO_PARTS = PARTS
 # What decode_pdl "auto" does: launch the dense single-rank fused step's kernels with
 # programmatic dependent launch (NVIDIA sm_90+): each GEMV's first weight tile loads while the
-# kernel before it finishes, and the output projection prefetches its weight into L2 while the
-# cache write and attention run. Not yet measured on a GPU: off until it is.
+# kernel before it finishes, and the output projection can prefetch its weight into L2 while
+# the cache write and attention run. Off: on an H100 (8B, batch 1) the step took 6.44 ms with
+# it against 5.84 without, 6.27-6.37 with the L2 prefetch and other variants (GPU call B1,
+# tools/bench/bf16_decode_variants.py); true turns it on.
 AUTO_PDL = False
 
 logger = logging.getLogger(__name__)
