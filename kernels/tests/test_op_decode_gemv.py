@@ -261,7 +261,8 @@ def test_any_table_entry_stays_exact(
         | {"programs_per_sm": 1, "split_k": 2},
         # pdl with the program's rows prefetched into L2 before the wait (sm_90+), persistent
         # grids too; norm_gemv's 1 / rms applied to the sum (ignored with split-K)
-        {"block_n": 2, "block_k": 32, "num_warps": 4, "pdl": True, "l2_prefetch": True},
+        {"block_n": 2, "block_k": 32, "num_warps": 4, "pdl": True, "l2_prefetch": True}
+        | {"late_trigger": True},
         {"block_n": 1, "block_k": 32, "pdl": True, "l2_prefetch": True, "programs_per_sm": 1}
         | {"num_warps": 4, "defer_norm": True, "l2_prefetch_blocks": 1},
         {"block_n": 4, "block_k": 16, "num_warps": 2, "defer_norm": True, "split_k": 2},

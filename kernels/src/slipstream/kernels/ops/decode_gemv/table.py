@@ -69,6 +69,9 @@ class DecodeGemvConfig:
     # Programmatic dependent launch (NVIDIA sm_90+; elsewhere a plain launch): the first weight
     # tile loads before waiting for the previous kernel, and the next kernel may start early.
     pdl: bool = False
+    # With pdl: let the next kernel launch only when the program has streamed its weights
+    # (else right after the wait, so its programs may hold SM slots while this one streams).
+    late_trigger: bool = False
     # Load the first weight tile before the prologue (norm_gemv: while the row's RMS is
     # computed). Implied by pdl.
     early: bool = False
@@ -280,7 +283,8 @@ def _parse_entry(raw: object, where: str) -> LaunchEntry:
     ):
         if name in launch:
             _check_int(where, name, launch[name], minimum)
-    for name in ("prefetch", "pdl", "early", "l2_prefetch", "defer_norm", "fold_rotary"):
+    flags = ("prefetch", "pdl", "late_trigger", "early", "l2_prefetch", "defer_norm")
+    for name in (*flags, "fold_rotary"):
         if not isinstance(launch.get(name, False), bool):
             raise LaunchTableError(f"{where}: {name!r} must be true or false")
     return LaunchEntry(device.strip(), sms, raw["fusion"], n, k, DecodeGemvConfig(**launch))
@@ -290,7 +294,8 @@ def parse_launch_table(data: object, source: str = "launch table") -> list[Launc
     """The entries of a launch table's JSON value ``{"version": 1, "entries": [...]}``, each
     ``{"device": "H200", "sms": 132, "fusion": "norm", "n": 6144, "k": 4096, "block_n": 8,
     "block_k": 512, "num_warps": 4}`` plus optional ``num_stages``, ``programs_per_sm``,
-    ``prefetch``, ``split_k``, ``pdl``, ``early``, ``l2_prefetch``, ``l2_prefetch_blocks``,
+    ``prefetch``, ``split_k``, ``pdl``, ``late_trigger``, ``early``, ``l2_prefetch``,
+    ``l2_prefetch_blocks``,
     ``defer_norm``, ``fold_rotary`` (:class:`DecodeGemvConfig`'s defaults otherwise; ``sms`` null or absent:
     any count).
     Raises :class:`LaunchTableError` naming ``source`` and the entry."""

@@ -185,6 +185,7 @@ def decode_gemv_kernel(
     L2_PREFETCH: tl.constexpr = False,
     L2_BLOCKS: tl.constexpr = 0,
     DEFER_NORM: tl.constexpr = False,
+    LATE_TRIGGER: tl.constexpr = False,
     ROPE: tl.constexpr = False,
     HEADS: tl.constexpr = 1,
     KV_HEADS: tl.constexpr = 1,
@@ -207,7 +208,9 @@ def decode_gemv_kernel(
     never written by the kernels before this one). ``USE_GDC`` (launched with programmatic
     dependent launch, sm_90+): then the program waits for the previous kernel of the stream to
     finish (every read of activations and every store comes after), and lets the next kernel's
-    programs start, so a GEMV following this one loads its first tile while this one runs.
+    programs start, so a GEMV following this one loads its first tile while this one runs
+    (``LATE_TRIGGER``: only once the program has streamed its last block's weights, so that
+    the next kernel's programs do not hold SM slots while this one streams).
     ``L2_PREFETCH`` (with ``USE_GDC``): before the wait, the whole rows of every block of
     outputs the program will compute (of its first ``L2_BLOCKS``, when > 0) are prefetched
     into L2, one bulk request per row, so that a small weight streams from memory while the
@@ -259,7 +262,8 @@ def decode_gemv_kernel(
                     rows_left = tl.minimum(N - start, BLOCK_N)
                     _l2_prefetch_run(w_ptr + start.to(tl.int64) * K, row_bytes, rows_left)
         tl.extra.cuda.gdc_wait()
-        tl.extra.cuda.gdc_launch_dependents()
+        if not LATE_TRIGGER:
+            tl.extra.cuda.gdc_launch_dependents()
     rstd = 0.0
     if PROLOGUE == 1 and not DEFER_NORM:
         # only program (0, row, 0) writes the residual sum
@@ -367,6 +371,9 @@ def decode_gemv_kernel(
                 h = tl.load(x_row + kk, mask=k_ok, other=0.0).to(tl.float32)
             acc += w.to(tl.float32) * h[None, :]
         y = tl.sum(acc, axis=1)
+        if USE_GDC and LATE_TRIGGER:
+            if block + programs >= tl.cdiv(N, BLOCK_N):  # the program's last block: streamed
+                tl.extra.cuda.gdc_launch_dependents()
         if DEFER_NORM:
             y = y / tl.sqrt(tl.sum(block_squares, axis=0) / K + eps)
         y_ptrs = y_ptr + row * y_stride + cols
@@ -533,6 +540,7 @@ def _launch(
         L2_PREFETCH=prefetch_l2,
         L2_BLOCKS=config.l2_prefetch_blocks,
         DEFER_NORM=prologue == NORM and config.defer_norm and split == 1,
+        LATE_TRIGGER=config.late_trigger,
         ROPE=rope is not None,
         HEADS=rope.heads if rope is not None else 1,
         KV_HEADS=rope.kv_heads if rope is not None else 1,
@@ -773,6 +781,7 @@ def aot_specs() -> list[AotSpec]:
                         "L2_PREFETCH": "constexpr",
                         "L2_BLOCKS": "constexpr",
                         "DEFER_NORM": "constexpr",
+                        "LATE_TRIGGER": "constexpr",
                         "ROPE": "constexpr",
                         "HEADS": "constexpr",
                         "KV_HEADS": "constexpr",
@@ -796,6 +805,7 @@ def aot_specs() -> list[AotSpec]:
                         "L2_PREFETCH": False,
                         "L2_BLOCKS": 0,
                         "DEFER_NORM": False,
+                        "LATE_TRIGGER": False,
                         # QKV with rotary_kv_write in the epilogue (8B Llama heads)
                         "ROPE": prologue == NORM,
                         "HEADS": 32,
