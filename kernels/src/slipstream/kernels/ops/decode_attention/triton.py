@@ -602,8 +602,8 @@ def aot_specs() -> list[AotSpec]:
         loop_signature["out_ptr"] = f"*{dtype}"
         loop_signature.update({name: "i32" for name in ("ROWS", "SLOTS", "KV_HEADS")})
         loop_signature["scale"] = "fp32"
-        strides = ("q_sb", "q_sh", "q_sr", "k_sb", "k_sh", "k_ss", "v_sb", "v_sh", "v_ss")
-        strides += ("mask_sb", "mask_sh", "mask_sr", "mask_ss", "o_sb", "o_sh", "o_sr")
+        strides = ["q_sb", "q_sh", "q_sr", "k_sb", "k_sh", "k_ss", "v_sb", "v_sh", "v_ss"]
+        strides += ["mask_sb", "mask_sh", "mask_sr", "mask_ss", "o_sb", "o_sh", "o_sr"]
         loop_signature.update({name: "i32" for name in strides})
         for name in ("ROWS_PAD", "BLOCK_S", "HEAD_DIM", "IEEE", "STAGES", "GDC"):
             loop_signature[name] = "constexpr"
