@@ -167,7 +167,8 @@ _H200: dict[tuple[str, int, int], dict[str, Any]] = {
 # (178.89). The sweep's best four were pdl launches, timed back to back with themselves; pdl
 # is left to decode_pdl here (the whole TP=1 step was 9% slower with it on an H100).
 _H100_TP2: dict[tuple[str, int, int], dict[str, Any]] = {
-    ("norm", 3072, 4096): {"block_n": 8, "block_k": 512, "prefetch": True},
+    # (QKV also folds the rotary, as at TP=1: one kernel fewer per block)
+    ("norm", 3072, 4096): {"block_n": 8, "block_k": 512, "prefetch": True, "fold_rotary": True},
     ("plain", 4096, 2048): {"block_n": 8, "block_k": 512, "num_stages": 4, "prefetch": True},
     ("norm", 14336, 4096): {"block_n": 4, "block_k": 1024},
     ("gated", 4096, 7168): {"block_n": 8, "block_k": 512, "prefetch": True},
