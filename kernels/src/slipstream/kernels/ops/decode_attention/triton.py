@@ -341,7 +341,8 @@ def decode_attention_loop_kernel(
 # longer ones the split form (0: always). At 192 slots (8B Llama, batch 1, 8 KV heads x 4
 # rows) the whole decode step of an H100 took 5.755 ms with the loop form against 5.808 with
 # the split form's 64-slot chunks and 5.845 with its 32-slot ones (GPU call B1,
-# tools/bench/bf16_decode_variants.py); longer caches were not measured: the split form.
+# tools/bench/bf16_decode_variants.py; with 32-slot loop chunks 5.701 against 5.716 at 64 in
+# call B2, medians the other way: kept at 64); longer caches were not measured: the split form.
 LOOP_MAX_SLOTS = 256
 LOOP_BLOCK_S = 64  # slots per chunk of the loop form
 
