@@ -275,13 +275,16 @@ def decode_attention_loop_kernel(
     IEEE: tl.constexpr,
     STAGES: tl.constexpr = 3,
     GDC: tl.constexpr = False,
+    TRIGGER: tl.constexpr = False,  # LAUNCH_DEPENDENTS_EARLY, as in the split form
 ):
     """One program per (batch, KV head) walks the cache in ``BLOCK_S`` chunks with the online
     softmax (the chunks' loads pipelined ``STAGES`` deep) and stores the output rows: no
     partials, no merge. For short caches, where the split form's partial stores, arrival
-    counter and merge cost more latency than the serial chunks. ``GDC`` as in the split form."""
-    if GDC:
+    counter and merge cost more latency than the serial chunks. ``GDC`` and ``TRIGGER`` as in
+    the split form."""
+    if TRIGGER or GDC:
         gdc_launch_dependents()
+    if GDC:
         gdc_wait()
     bh = tl.program_id(0)
     b = (bh // KV_HEADS).to(tl.int64)
@@ -430,6 +433,7 @@ def decode_attention(
             HEAD_DIM=head_dim,
             IEEE=query.dtype == torch.float32,
             GDC=gdc,
+            TRIGGER=_trigger(query.device),
             num_warps=4,
             **({"launch_pdl": True} if gdc else {}),
         )
@@ -606,7 +610,7 @@ def aot_specs() -> list[AotSpec]:
         strides = ["q_sb", "q_sh", "q_sr", "k_sb", "k_sh", "k_ss", "v_sb", "v_sh", "v_ss"]
         strides += ["mask_sb", "mask_sh", "mask_sr", "mask_ss", "o_sb", "o_sh", "o_sr"]
         loop_signature.update({name: "i32" for name in strides})
-        for name in ("ROWS_PAD", "BLOCK_S", "HEAD_DIM", "IEEE", "STAGES", "GDC"):
+        for name in ("ROWS_PAD", "BLOCK_S", "HEAD_DIM", "IEEE", "STAGES", "GDC", "TRIGGER"):
             loop_signature[name] = "constexpr"
         specs.append(
             AotSpec(
@@ -620,6 +624,7 @@ def aot_specs() -> list[AotSpec]:
                     "IEEE": False,
                     "STAGES": 3,
                     "GDC": False,
+                    "TRIGGER": False,
                 },
             )
         )
