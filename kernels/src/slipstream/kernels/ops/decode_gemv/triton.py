@@ -18,6 +18,9 @@ in launches than in bytes (``PROLOGUE``):
   is rounded to the activation dtype exactly where ``add_rms_norm`` rounds it;
 - ``2``: SwiGLU first (``gated_gemv``): the input row is ``[gate, up]`` and each step computes
   ``silu(gate) * up`` with ``gated_activation``'s two roundings.
+
+and, for the QKV projection at decode (``norm_gemv_rotary``, launch field ``fold_rotary``), the
+kernel after it: ``rotary_kv_write``'s rotation and cache write in the epilogue (``ROPE``).
 """
 
 from __future__ import annotations
