@@ -42,9 +42,15 @@ def test_triton_matches_reference(triton_device: torch.device) -> None:
             expected = reference(query.float(), key.float(), value.float(), mask.float(), 0.2)
             # fp32: IEEE dots, summation order only; half: p rounded to the dtype before P @ V.
             tol = 1e-5 if dtype == torch.float32 else 2e-2
-            for block_s, merge in ((16, True), (32, False), (None, True)):
+            cases = [(16, True, False, None), (32, False, False, None), (None, True, True, None)]
+            # the loop form (one program per KV head walks the chunks), ragged last chunk too
+            cases += [(None, True, False, True), (16, True, True, True), (32, True, False, True)]
+            for block_s, merge, pdl, loop in cases:
                 # merge: one launch, the last chunk program merges (and resets its counter, so
-                # the next call, here the next loop, starts from zero again).
-                got = kernel(query, key, value, mask, 0.2, block_s=block_s, merge=merge)
+                # the next call, here the next loop, starts from zero again). pdl: launched with
+                # programmatic dependent launch on sm_90+ (a plain launch elsewhere).
+                got = kernel(
+                    query, key, value, mask, 0.2, block_s=block_s, merge=merge, pdl=pdl, loop=loop
+                )
                 assert got.dtype == dtype
                 torch.testing.assert_close(got.float(), expected, rtol=tol, atol=tol)

@@ -3,6 +3,7 @@ Triton kernel against the references (every prologue, ragged and even tiles, bia
 
 from __future__ import annotations
 
+import dataclasses
 import json
 from typing import Any
 
@@ -62,6 +63,8 @@ def test_triton_matches_reference(triton_device: torch.device, shape: tuple[int,
     configs = [
         kernel.DecodeGemvConfig(block_n=8, block_k=block_k),
         kernel.DecodeGemvConfig(block_n=4, block_k=block_k, programs_per_sm=1, prefetch=True),
+        # norm_gemv's 1 / rms applied to the sum (no pass over the row first), persistent
+        kernel.DecodeGemvConfig(block_n=4, block_k=block_k, programs_per_sm=1, defer_norm=True),
     ]
     with torch.no_grad():
         for dtype, config in [(d, c) for d in dtypes for c in configs]:
@@ -124,13 +127,19 @@ def no_user_table() -> Any:
 def test_launch_table_lookup(no_user_table: Any, tmp_path: Any) -> None:
     table = no_user_table
     h100 = table.DeviceKey("NVIDIA H100 80GB HBM3", 132)
-    # The H100's entries are the launches it ran before the table existed (85.2% of the limit).
+    # The H100's entries are the launches it ran before the table existed (85.2% of the limit),
+    # QKV's with the rotary folded in.
     expected_block_n = [8, 4, 16, 4, 16]
     for (fusion, n, k), block_n in zip(_8B, expected_block_n, strict=True):
         config, source = table.lookup_launch(fusion, n, k, h100)
         assert source == "builtin"
-        assert config == table.DecodeGemvConfig(block_n=block_n, block_k=512, num_warps=4)
-        assert config == table.default_rule(n, k, 132)
+        fold = (fusion, n) == ("norm", 6144)
+        launch = table.DecodeGemvConfig(block_n=block_n, block_k=512, num_warps=4)
+        assert config == dataclasses.replace(launch, fold_rotary=fold)
+        assert dataclasses.replace(config, fold_rotary=False) == table.default_rule(n, k, 132)
+    # TP=2 shards on the H100: the sweep's tiles
+    assert table.lookup_launch("norm", 3072, 4096, h100)[0].prefetch
+    assert table.lookup_launch("plain", 4096, 2048, h100)[0].block_n == 8
     # The H200's, from the sweep on it: wider tiles for QKV and the head, a persistent
     # prefetching grid for gate/up, the default launch kept for the output and down.
     h200 = table.DeviceKey("NVIDIA H200", 132)
@@ -250,6 +259,13 @@ def test_any_table_entry_stays_exact(
         {"block_n": 1, "block_k": 32, "num_warps": 4, "pdl": True, "programs_per_sm": 1},
         {"block_n": 1, "block_k": 16, "num_warps": 2, "prefetch": True, "pdl": True}
         | {"programs_per_sm": 1, "split_k": 2},
+        # pdl with the program's rows prefetched into L2 before the wait (sm_90+), persistent
+        # grids too; norm_gemv's 1 / rms applied to the sum (ignored with split-K)
+        {"block_n": 2, "block_k": 32, "num_warps": 4, "pdl": True, "l2_prefetch": True}
+        | {"late_trigger": True},
+        {"block_n": 1, "block_k": 32, "pdl": True, "l2_prefetch": True, "programs_per_sm": 1}
+        | {"num_warps": 4, "defer_norm": True, "l2_prefetch_blocks": 1},
+        {"block_n": 4, "block_k": 16, "num_warps": 2, "defer_norm": True, "split_k": 2},
     ]
     inputs = [rand(2, k), rand(2, k), rand(k), rand(n, k) / k**0.5, rand(n), rand(2, 2 * k)]
     # CPU: fp32, and fp16 (the split-K parts add into an fp32 output there: the normalised row
@@ -285,3 +301,62 @@ def test_any_table_entry_stays_exact(
                 )
             # Each op launched the table's entry.
             assert used and set(used) == {(table.DecodeGemvConfig(**launch), "user")}
+
+
+def test_norm_gemv_rotary_matches_reference(
+    triton_device: torch.device, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """QKV with rotary_kv_write in its epilogue: the queries, keys and values written into the
+    caches and the residual sum as norm_gemv then rotary_kv_write give them (one launch where
+    block_n divides head_dim, persistent grids and defer_norm too; else the two ops)."""
+    from slipstream.kernels.ops.decode_gemv import triton as kernel
+    from slipstream.kernels.ops.decode_gemv.reference import norm_gemv_rotary as reference
+
+    heads, kv_heads, head_dim, hidden, slots = 4, 2, 16, 64, 8
+    fused: list[bool] = []
+    launch = kernel._launch
+
+    def spy(*args: Any) -> Any:
+        fused.append(len(args) > 10 and args[10] is not None)
+        return launch(*args)
+
+    monkeypatch.setattr(kernel, "_launch", spy)
+    n = (heads + 2 * kv_heads) * head_dim
+    generator = torch.Generator().manual_seed(3)
+    dtypes = [torch.float32] if triton_device.type == "cpu" else [torch.bfloat16]
+    fold = {"fold_rotary": True}
+    configs = [
+        kernel.DecodeGemvConfig(block_n=8, block_k=32, **fold),
+        kernel.DecodeGemvConfig(block_n=16, block_k=64, programs_per_sm=1, defer_norm=True, **fold),
+        kernel.DecodeGemvConfig(block_n=4, block_k=16, prefetch=True, split_k=2, pdl=True, **fold),
+        kernel.DecodeGemvConfig(block_n=32, block_k=32, **fold),  # wider than a head: two ops
+    ]
+
+    def rand(*size: int) -> torch.Tensor:
+        return torch.randn(*size, generator=generator).to(triton_device)
+
+    with torch.no_grad():
+        for dtype, config in [(d, c) for d in dtypes for c in configs]:
+            tol = 1e-4 if dtype == torch.float32 else 2e-2
+            for batch, residual in ((1, True), (2, False)):
+                x, res = rand(batch, 1, hidden).to(dtype), rand(batch, 1, hidden).to(dtype)
+                nw, w = rand(hidden).to(dtype), (rand(n, hidden) / hidden**0.5).to(dtype)
+                b = rand(n).to(dtype)
+                angle = rand(batch, 1, head_dim // 2)
+                cos, sin = angle.cos(), angle.sin()
+                caches = [rand(batch, kv_heads, slots, head_dim).to(dtype) for _ in range(2)]
+                caches += [cache.clone() for cache in caches]
+                where = torch.tensor([5], device=triton_device)
+                args = (x, res if residual else None, nw, 1e-6, w, b, cos, sin)
+                total, q = kernel.norm_gemv_rotary(
+                    *args, caches[0], caches[1], where, heads, kv_heads, config
+                )
+                want_total, want_q = reference(*args, caches[2], caches[3], where, heads, kv_heads)
+                torch.testing.assert_close(total, want_total, rtol=0, atol=0)
+                assert q.shape == (batch, heads, 1, head_dim)
+                torch.testing.assert_close(q, want_q, rtol=tol, atol=tol)
+                torch.testing.assert_close(caches[0], caches[2], rtol=tol, atol=tol)
+                torch.testing.assert_close(caches[1], caches[3], rtol=tol, atol=tol)
+                # one launch, rotary in its epilogue, unless block_n is wider than a head
+                assert fused == [config.fold_rotary and config.block_n <= head_dim]
+                fused.clear()

@@ -27,6 +27,7 @@ TRITON_OPS = {
     "lion",
     "moe_gemv",
     "norm_gemv",
+    "norm_gemv_rotary",
     "paged_attention",
     "quant_decode_gemv",
     "quant_decode_qkv",

@@ -64,14 +64,17 @@ def candidates(fusion: str, smoke: bool = False) -> list[Any]:
     """The launches tried for ``fusion``: a grid of output features per block x K step x
     warps (accumulator at most 16K fp32), then next-tile prefetch, 4 stages, persistent grids,
     for the tall-skinny ``plain``/``gated`` shapes (output, down) split-K, and programmatic
-    dependent launch (``pdl``) on the likeliest tiles. (The best few then also run with ``pdl``
-    and with 4 stages: :func:`bench_shape`.)"""
+    dependent launch (``pdl``) on the likeliest tiles, for the ``norm`` shapes ``defer_norm``
+    (1 / rms applied to the sum). (The best few then also run with ``pdl`` and with 4 stages:
+    :func:`bench_shape`.)"""
     from slipstream.kernels.ops.decode_gemv.table import DecodeGemvConfig as C
 
     if smoke:
         found = [C(4, 32), C(8, 64, prefetch=True), C(4, 32, programs_per_sm=1)]
         if fusion != "norm":
             found.append(C(4, 32, split_k=2))
+        else:
+            found.append(C(4, 32, defer_norm=True))
         return [*found, C(4, 32, pdl=True)]
     found = []
     for block_n in (4, 8, 16, 32):
@@ -93,6 +96,10 @@ def candidates(fusion: str, smoke: bool = False) -> list[Any]:
     if fusion == "norm":  # the first weight tile in flight while the row's RMS is computed
         found += [dataclasses.replace(c, early=True) for c in likely]
         found += [C(32, 512, 4, early=True), C(32, 256, 4, early=True), C(64, 256, 8)]
+        # no pass over the row first: 1 / rms applied to the sum (defer_norm)
+        deferred = [*likely, C(32, 512, 4), C(32, 256, 4), C(8, 512, 4, programs_per_sm=4)]
+        found += [dataclasses.replace(c, defer_norm=True) for c in deferred]
+        found += [C(8, 512, 4, programs_per_sm=4, prefetch=True, defer_norm=True)]
     return found
 
 

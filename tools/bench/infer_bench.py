@@ -111,6 +111,13 @@ def parse_args() -> argparse.Namespace:
         "and shape, from bf16_gemv_bench.py --table-out, ahead of the built-in table",
     )
     parser.add_argument(
+        "--decode-pdl",
+        choices=["auto", "on", "off"],
+        default="auto",
+        help="decode_pdl: the dense fused decode step's kernels launched with programmatic "
+        "dependent launch (sm_90+); auto: the library's default",
+    )
+    parser.add_argument(
         "--attention-block-s",
         type=int,
         default=0,
@@ -352,6 +359,7 @@ def bench_batch(
         lm_head_quantized=args.lm_head,
         gemv_table=args.gemv_table,
         decode_gemv_table=args.decode_gemv_table,
+        decode_pdl=getattr(engine.fused, "decode_pdl", None),
         quant_pdl=args.quant_pdl,
         **run,
     )
@@ -507,6 +515,7 @@ def main() -> None:
         "use_triton": args.use_triton,
         "decode_fusion": {"auto": "auto", "off": False}.get(args.decode_fusion, True),
         "decode_gemv_table": args.decode_gemv_table,
+        "decode_pdl": {"auto": "auto", "on": True, "off": False}[args.decode_pdl],
     }
     if world > 1 and args.tp_decode[0] != "auto":  # --tp-decode: the TP=N step's variant
         decode = args.tp_decode[0]

@@ -21,13 +21,17 @@ def test_fused_decode_step_equals_unfused(monkeypatch: pytest.MonkeyPatch) -> No
     import slipstream.inference.fused_decode as fused_module
 
     calls = {"norm_gemv": 0}
-    original = fused_module.norm_gemv
 
-    def counting(*args: Any) -> Any:
-        calls["norm_gemv"] += 1
-        return original(*args)
+    def counting(original: Any) -> Any:
+        def count(*args: Any, **kwargs: Any) -> Any:
+            calls["norm_gemv"] += 1
+            return original(*args, **kwargs)
 
-    monkeypatch.setattr(fused_module, "norm_gemv", counting)
+        return count
+
+    # QKV (with rotary_kv_write: norm_gemv_rotary), gate/up and the head
+    for name in ("norm_gemv", "norm_gemv_rotary"):
+        monkeypatch.setattr(fused_module, name, counting(getattr(fused_module, name)))
     model = tiny_hf_model("llama")
     ids = torch.randint(3, 96, (1, 7), generator=torch.Generator().manual_seed(0))
     settings = {"dtype": torch.bfloat16, "replace_with_kernel_inject": True, "max_out_tokens": 32}
@@ -97,6 +101,30 @@ def test_decode_fusion_turns_off_where_it_cannot_run() -> None:
     assert any("norm is 'layer'" in reason for reason in decode_fusion_blockers(gpt2_engine.fused))
     with pytest.raises(ValueError, match="decode_fusion"):
         init_inference(llama, decode_fusion="sometimes", **common)
+
+
+def test_decode_pdl_key() -> None:
+    """decode_pdl: a typed key; "auto" follows fused_decode.AUTO_PDL on one CUDA rank; on, the
+    step passes pdl to every decode kernel (the CPU references ignore it: same tokens)."""
+    from slipstream.inference import fused_decode
+
+    llama = tiny_hf_model("llama")
+    common = {"replace_with_kernel_inject": True, "dtype": torch.bfloat16}
+    ids = torch.randint(3, 96, (1, 5), generator=torch.Generator().manual_seed(2))
+    outputs = []
+    for pdl in (False, True):
+        engine = init_inference(llama, decode_fusion=True, decode_pdl=pdl, **common)
+        assert engine.fused is not None and engine.fused.decode_pdl is pdl
+        outputs.append(engine.generate(ids, **KWARGS))
+    assert torch.equal(outputs[0], outputs[1])
+    assert engine.fused is not None
+    cuda = torch.device("cuda")
+    fused_decode.enable_decode_fusion(engine.fused, "auto", cuda, "auto")
+    assert engine.fused.decode_pdl is fused_decode.AUTO_PDL
+    fused_decode.enable_decode_fusion(engine.fused, "auto", torch.device("cpu"), "auto")
+    assert engine.fused.decode_pdl is False
+    with pytest.raises(ValueError, match="decode_pdl"):
+        init_inference(llama, decode_pdl="sometimes", **common)
 
 
 def test_chunked_argmax_equals_argmax() -> None:

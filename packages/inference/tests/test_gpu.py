@@ -120,6 +120,56 @@ def test_decode_fusion_on_gpu() -> None:
 
 
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
+def test_decode_pdl_changes_no_result(tmp_path) -> None:
+    """decode_pdl (programmatic dependent launch of the fused step's kernels) gives the same
+    tokens and logits, bit for bit, as plain launches, eager and captured in a CUDA graph; with
+    a table whose output projection prefetches its weight into L2 and whose QKV folds
+    rotary_kv_write into its epilogue, the same logits within bf16 rounding."""
+    import json
+
+    model = tiny_hf_model("llama").cuda()
+    ids = torch.randint(3, 96, (1, 9), device="cuda")
+    config: dict = {"dtype": torch.bfloat16, "replace_with_kernel_inject": True}
+    config.update(decode_fusion=True, max_out_tokens=32)
+    hidden = model.config.hidden_size
+    heads, kv_heads = model.config.num_attention_heads, model.config.num_key_value_heads
+    head_dim = hidden // heads
+    launch = {
+        "device": torch.cuda.get_device_name(),
+        "block_n": 2,
+        "block_k": 32,
+        "num_warps": 4,
+        "pdl": True,
+    }
+    entries = [{"fusion": "plain", "n": hidden, "k": heads * head_dim, "l2_prefetch": True}]
+    qkv = {"fusion": "norm", "n": (heads + 2 * kv_heads) * head_dim, "k": hidden}
+    entries.append(qkv | {"fold_rotary": True})
+    table = tmp_path / "table.json"
+    table.write_text(json.dumps({"entries": [launch | entry for entry in entries]}))
+    kwargs = {"max_new_tokens": 12, "do_sample": False, "eos_token_id": None, "pad_token_id": 0}
+    outputs, steps = [], []
+    runs = ((False, True, None), (True, False, None), (True, True, str(table)))
+    for pdl, graph, gemv_table in runs:
+        engine = init_inference(
+            model,
+            {**config, "decode_pdl": pdl, "decode_gemv_table": gemv_table},
+            enable_cuda_graph=graph,
+        )
+        assert engine.fused is not None and engine.fused.decode_pdl == pdl
+        outputs.append(engine.generate(ids, **kwargs))
+        assert engine._runner is not None
+        with torch.no_grad():
+            engine._runner.prefill(ids, torch.arange(9, device="cuda")[None], ids > 0)
+            steps.append(engine._runner.decode(ids[:, -1], torch.tensor([9], device="cuda"), 9))
+    from slipstream.kernels.ops.decode_gemv.table import use_launch_table
+
+    use_launch_table(None)
+    assert torch.equal(outputs[0], outputs[1]) and torch.equal(steps[0], steps[1])
+    error = (steps[2].float() - steps[0].float()).abs().max() / steps[0].float().abs().max()
+    assert error.item() < 1e-2
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
 def test_mixtral_decode_is_captured_and_equals_eager() -> None:
     model = tiny_hf_model("mixtral").cuda()
     ids = torch.randint(3, 96, (2, 9), device="cuda")

@@ -8,6 +8,7 @@ missing, the registry's lazy load fails and the op falls back to its reference w
 
 from __future__ import annotations
 
+import functools
 import os
 from dataclasses import dataclass, field
 from typing import Any
@@ -64,6 +65,31 @@ def check_kernel_device(op: str, *tensors: torch.Tensor | None) -> None:
             f"GPUs (or on the CPU with {INTERPRET_ENV}=1); use the op's reference backend "
             "for this device"
         )
+
+
+@functools.cache
+def _gdc_available() -> bool:
+    try:
+        from triton.language.extra.cuda import gdc_launch_dependents, gdc_wait  # noqa: F401
+    except ImportError:
+        return False
+    return True
+
+
+@functools.cache
+def _sm90(index: int) -> bool:
+    return torch.cuda.get_device_capability(index) >= (9, 0)
+
+
+def pdl_supported(device: torch.device) -> bool:
+    """Whether a Triton kernel on ``device`` can launch with programmatic dependent launch
+    (``launch_pdl``, grid-dependency control): NVIDIA sm_90+ with a Triton that has it, not
+    under the interpreter. Elsewhere a kernel asked for PDL launches plainly (same results)."""
+    if device.type != "cuda" or torch.version.hip is not None or interpreting():
+        return False
+    if not _gdc_available():
+        return False
+    return _sm90(device.index if device.index is not None else torch.cuda.current_device())
 
 
 def next_power_of_2(value: int) -> int:

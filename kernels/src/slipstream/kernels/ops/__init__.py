@@ -14,7 +14,12 @@ from slipstream.kernels.ops.adam import adam
 from slipstream.kernels.ops.add_rms_norm import add_rms_norm
 from slipstream.kernels.ops.cross_entropy import cross_entropy
 from slipstream.kernels.ops.decode_attention import decode_attention
-from slipstream.kernels.ops.decode_gemv import decode_gemv, gated_gemv, norm_gemv
+from slipstream.kernels.ops.decode_gemv import (
+    decode_gemv,
+    gated_gemv,
+    norm_gemv,
+    norm_gemv_rotary,
+)
 from slipstream.kernels.ops.gated_activation import gated_activation
 from slipstream.kernels.ops.lamb import lamb
 from slipstream.kernels.ops.layer_norm import layer_norm
@@ -45,6 +50,7 @@ __all__ = [
     "lion",
     "moe_gemv",
     "norm_gemv",
+    "norm_gemv_rotary",
     "paged_attention",
     "quant_matmul",
     "quantize",

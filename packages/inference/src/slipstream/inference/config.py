@@ -311,6 +311,14 @@ class InferenceConfig(ConfigBlock):
     # its entries for this GPU and shape come before the built-in ones
     # (slipstream.kernels.ops.decode_gemv.table). None: the built-in table, then the default rule.
     decode_gemv_table: str | None = None
+    # With decode_fusion, the dense (bf16/fp16) single-token step launches its kernels with
+    # programmatic dependent launch (NVIDIA sm_90+; elsewhere plain launches): each GEMV loads
+    # its first weight tile while the kernel before it finishes, the output projection can
+    # prefetch its weight into L2 during attention (slipstream.inference.fused_decode).
+    # "auto": fused_decode.AUTO_PDL on one rank; true/false: on/off.
+    decode_pdl: bool | Literal["auto"] = dataclasses.field(
+        default="auto", metadata={"allow_auto": True}
+    )
     triton_autotune: bool = False
     zero: InferenceZeroConfig = dataclasses.field(default_factory=InferenceZeroConfig)
     triangular_masking: bool = dataclasses.field(default=True, metadata={"aliases": ("tm",)})

@@ -169,7 +169,7 @@ class InferenceEngine(nn.Module):
             _install_gemv_table(config.decode_gemv_table)
         from slipstream.inference.fused_decode import enable_decode_fusion
 
-        enable_decode_fusion(fused, config.decode_fusion, self.device)
+        enable_decode_fusion(fused, config.decode_fusion, self.device, config.decode_pdl)
         if config.tp_size > 1:
             self._setup_gemv_push(fused)
         if config.injection_policy is not None:

@@ -8,6 +8,8 @@ input RMSNorm + QKV), ``rotary_kv_write``, ``decode_attention`` (split-K over th
 cuDNN's SDPA took 8.8 us a call on an H200), ``decode_gemv`` (output projection), ``norm_gemv``
 (residual add + post RMSNorm + gate/up) and ``gated_gemv`` (SiLU * up + down), then
 ``norm_gemv`` (final norm + LM head). Prefill and steps of more than one token are unchanged.
+QKV and ``rotary_kv_write`` go through ``norm_gemv_rotary``: one kernel where the QKV launch
+folds the rotary and cache write into its epilogue (``fold_rotary``), else the two.
 """
 
 from __future__ import annotations
@@ -19,7 +21,14 @@ import torch
 from torch import nn
 
 from slipstream.inference.model import FusedBlock, FusedDecoder, KVCache
-from slipstream.kernels.ops import decode_gemv, gated_activation, gated_gemv, norm_gemv
+from slipstream.kernels.ops import (
+    decode_attention,
+    decode_gemv,
+    gated_activation,
+    gated_gemv,
+    norm_gemv,
+    norm_gemv_rotary,
+)
 
 __all__ = [
     "AUTO_PARTS",
@@ -38,6 +47,13 @@ PARTS = frozenset({"qkv", "attention", "out", "gate_up", "down", "head"})
 # CUDA graph) the fused step ran at 85.2% of the bandwidth limit (5.932 ms) against 80.4%
 # (6.295 ms) unfused, in one call (tools/bench/infer_bench.py --decode-fusion on/off).
 AUTO_PARTS = PARTS
+# What decode_pdl "auto" does: launch the dense single-rank fused step's kernels with
+# programmatic dependent launch (NVIDIA sm_90+): each GEMV's first weight tile loads while the
+# kernel before it finishes, and the output projection can prefetch its weight into L2 while
+# the cache write and attention run. Off: on an H100 (8B, batch 1) the step took 6.44 ms with
+# it against 5.84 without, 6.27-6.37 with the L2 prefetch and other variants (GPU call B1,
+# tools/bench/bf16_decode_variants.py); true turns it on.
+AUTO_PDL = False
 
 logger = logging.getLogger(__name__)
 
@@ -87,7 +103,10 @@ def eligible_parts(model: FusedDecoder) -> frozenset[str]:
 
 
 def enable_decode_fusion(
-    model: FusedDecoder, setting: bool | Literal["auto"], device: torch.device
+    model: FusedDecoder,
+    setting: bool | Literal["auto"],
+    device: torch.device,
+    pdl: bool | Literal["auto"] = "auto",
 ) -> frozenset[str]:
     """Turn decode fusion on for ``model`` per the ``decode_fusion`` config key; returns the
     parts fused (empty: off). ``"auto"``: :data:`AUTO_PARTS` on a CUDA/ROCm ``device`` for a
@@ -97,8 +116,16 @@ def enable_decode_fusion(
     fuse, other quantized ones keep their kernels; tensor-parallel blocks sum their partials
     with one kernel per sum, or in the GEMVs with ``tensor_parallel.gemv_push``), on
     any device (on the CPU the ops run their torch references, the same math as the unfused
-    step), with a warning naming what blocks the rest."""
+    step), with a warning naming what blocks the rest.
+
+    ``pdl`` (the ``decode_pdl`` key): the dense fused step's kernels launch with programmatic
+    dependent launch (where it runs: NVIDIA sm_90+; elsewhere plain launches, same results);
+    ``"auto"``: :data:`AUTO_PDL` for a single-rank model. The quantized step has its own
+    (``quant_matmul.fused_gemv.PDL``)."""
     model.decode_fusion = frozenset()
+    model.decode_pdl = pdl is True or (
+        pdl == "auto" and AUTO_PDL and model.head_group is None and device.type == "cuda"
+    )
     if setting is False or (setting == "auto" and device.type != "cuda"):
         return model.decode_fusion
     blockers = decode_fusion_blockers(model)
@@ -147,35 +174,79 @@ def decode_block(
     slots: torch.Tensor,
     mask: torch.Tensor,
     parts: frozenset[str],
+    pdl: bool = False,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """One block of a single-token decode step, the ``parts`` through the decode kernels:
     ``"qkv"`` and ``"gate_up"`` with the residual add and RMSNorm before them, ``"down"`` with
     SiLU * up, ``"out"`` plain, ``"attention"`` split-K over the cache; the others as the
     unfused step runs them. Takes the previous block's ``(base, pending)`` (``pending`` None
-    for the first block; summed over the tensor-parallel group) and returns this block's."""
+    for the first block; summed over the tensor-parallel group) and returns this block's.
+    ``pdl``: the decode kernels launch with programmatic dependent launch (``decode_pdl``)."""
     assert block.post_norm is not None
     norm, post = block.input_norm, block.post_norm
-    if "qkv" in parts:
-        x, qkv = norm_gemv(x, pending, norm.weight, norm.eps, block.qkv.weight, block.qkv.bias)
+    # PDL launches: None leaves each GEMV's launch to its table; True for all (sm_90+).
+    gdc = True if pdl else None
+    if "qkv" in parts and "attention" in parts and cache is not None:
+        # QKV, then rotary_kv_write in its epilogue where its launch folds it (one kernel)
+        cos, sin = (None, None) if rotary is None else (rotary[0][:, :, 0], rotary[1][:, :, 0])
+        x, q = norm_gemv_rotary(
+            x,
+            pending,
+            norm.weight,
+            norm.eps,
+            block.qkv.weight,
+            block.qkv.bias,
+            cos,
+            sin,
+            cache[0],
+            cache[1],
+            slots,
+            block.heads,
+            block.kv_heads,
+            pdl=gdc,
+        )
+        attn = _cached_attention(block, q, cache, mask, pdl)
     else:
-        x, h = (x, norm(x)) if pending is None else norm.add_forward(pending, x)
-        qkv = block.qkv(h)
-    attn = block._attend(qkv, rotary, cache, slots, mask, "attention" in parts)
+        if "qkv" in parts:
+            x, qkv = norm_gemv(
+                x, pending, norm.weight, norm.eps, block.qkv.weight, block.qkv.bias, pdl=gdc
+            )
+        else:
+            x, h = (x, norm(x)) if pending is None else norm.add_forward(pending, x)
+            qkv = block.qkv(h)
+        attn = block._attend(qkv, rotary, cache, slots, mask, "attention" in parts, pdl)
     if "out" in parts:
-        attn = decode_gemv(attn, block.out.weight, block.out.bias)
+        attn = decode_gemv(attn, block.out.weight, block.out.bias, pdl=gdc)
     else:
         attn = block.out(attn)
     attn = block._reduce(attn)
     if "gate_up" in parts:
-        x, up = norm_gemv(x, attn, post.weight, post.eps, block.up.weight, block.up.bias)
+        x, up = norm_gemv(x, attn, post.weight, post.eps, block.up.weight, block.up.bias, pdl=gdc)
     else:
         x, h = post.add_forward(attn, x)
         up = block.up(h)
     if "down" in parts:
-        down = gated_gemv(up, block.down.weight, block.down.bias)
+        down = gated_gemv(up, block.down.weight, block.down.bias, pdl=gdc)
     else:
         down = block.down(gated_activation(up, "silu"))
     return x, block._reduce(down)
+
+
+def _cached_attention(
+    block: FusedBlock,
+    q: torch.Tensor,
+    cache: tuple[torch.Tensor, torch.Tensor],
+    mask: torch.Tensor,
+    pdl: bool,
+) -> torch.Tensor:
+    """``FusedBlock._attend``'s split-K attention over the cache from the rotated queries
+    ``(batch, heads, 1, head_dim)``; returns ``(batch, 1, heads * head_dim)``."""
+    batch, heads, length, head_dim = q.shape
+    keys, values = cache[0][:, :, : mask.shape[-1]], cache[1][:, :, : mask.shape[-1]]
+    if heads > block.kv_heads:  # the GQA group's query heads as rows of their KV head
+        q = q.reshape(batch, block.kv_heads, (heads // block.kv_heads) * length, head_dim)
+    out = decode_attention(q, keys, values, mask, block.spec.scale, pdl=pdl)
+    return out.reshape(batch, heads, length, head_dim).transpose(1, 2).reshape(batch, length, -1)
 
 
 def decode_forward(
@@ -201,10 +272,13 @@ def decode_forward(
     for index, block in enumerate(model.blocks):
         assert isinstance(block, FusedBlock)
         layer_cache = None if cache is None else (cache.keys[index], cache.values[index])
-        x, pending = decode_block(block, x, pending, rotary, layer_cache, slots, mask, parts)
+        x, pending = decode_block(
+            block, x, pending, rotary, layer_cache, slots, mask, parts, model.decode_pdl
+        )
     norm, head = model.final_norm, model.head
     if "head" in parts:
-        logits = norm_gemv(x, pending, norm.weight, norm.eps, head.weight, head.bias)[1]
+        gdc = True if model.decode_pdl else None
+        logits = norm_gemv(x, pending, norm.weight, norm.eps, head.weight, head.bias, pdl=gdc)[1]
     else:
         logits = head(norm(x) if pending is None else norm.add_forward(pending, x)[1])
     return logits if model.head_group is None else model.gather_vocab(logits)

@@ -279,10 +279,12 @@ class FusedBlock(nn.Module):
         slots: torch.Tensor,
         mask: torch.Tensor,
         split_attention: bool = False,
+        pdl: bool = False,
     ) -> torch.Tensor:
         """Attention from the QKV projection's output; returns ``(batch, tokens, heads * hd)``
         before the output projection. ``split_attention``: over the cache through
-        ``decode_attention`` (split-K over the slots) instead of SDPA."""
+        ``decode_attention`` (split-K over the slots) instead of SDPA. ``pdl``: the cache write
+        and ``decode_attention`` launch with programmatic dependent launch (``decode_pdl``)."""
         batch, length, _ = qkv.shape
         hd, heads, kv_heads = self.spec.head_dim, self.heads, self.kv_heads
         if cache is not None:
@@ -290,7 +292,7 @@ class FusedBlock(nn.Module):
             # out contiguous: four launches fewer per layer than rotary + two index_copy_ +
             # the query copy, and still capturable in a CUDA graph.
             cos, sin = (None, None) if rotary is None else (rotary[0][:, :, 0], rotary[1][:, :, 0])
-            q = rotary_kv_write(qkv, cos, sin, cache[0], cache[1], slots, heads, kv_heads)
+            q = rotary_kv_write(qkv, cos, sin, cache[0], cache[1], slots, heads, kv_heads, pdl=pdl)
             k = cache[0][:, :, : mask.shape[-1]]
             v = cache[1][:, :, : mask.shape[-1]]
         else:
@@ -306,7 +308,7 @@ class FusedBlock(nn.Module):
             # does), so decode reads each cached key once; `mask` comes grouped to match.
             q = q.reshape(batch, kv_heads, (heads // kv_heads) * length, hd)
         if split_attention and cache is not None:
-            out = decode_attention(q, k, v, mask, self.spec.scale)
+            out = decode_attention(q, k, v, mask, self.spec.scale, pdl=pdl)
         else:
             out = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, scale=self.spec.scale)
         out = out.reshape(batch, heads, length, hd).transpose(1, 2)
@@ -400,6 +402,9 @@ class FusedDecoder(nn.Module):
         # The parts that single-token decode steps run through the decode kernels
         # (fused_decode.decode_forward; set by fused_decode.enable_decode_fusion); empty: none.
         self.decode_fusion: frozenset[str] = frozenset()
+        # Whether the fused dense decode step launches its kernels with programmatic dependent
+        # launch (the ``decode_pdl`` config key; set by fused_decode.enable_decode_fusion).
+        self.decode_pdl = False
         # Under TP with tensor_parallel.gemv_push (experimental, off by default): the fused
         # step's sums ride on its GEMVs (tp_decode.PushState, set by setup_gemv_push).
         self.tp_push: Any = None

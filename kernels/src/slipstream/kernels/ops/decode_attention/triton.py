@@ -8,6 +8,11 @@ it scores the chunk's keys against all the group's rows with one tensor-core dot
 ``p @ V`` in fp32. The second kernel, one program per (batch x KV head), merges the chunks with
 the online-softmax rescaling and writes the output in the query's dtype. A chunk whose keys are
 all masked contributes nothing (its maximum is ``-inf``, its weight 0).
+
+For short caches a third form, one program per (batch x KV head) walking the chunks with the
+online softmax (``decode_attention_loop_kernel``), stores the output itself: no partials and no
+merge, whose stores, arrival counter and loads cost more latency than a few serial chunks whose
+loads are pipelined.
 """
 
 from __future__ import annotations
@@ -18,9 +23,14 @@ import triton.language as tl
 
 from slipstream.kernels.ops.decode_attention.reference import check_shapes
 from slipstream.kernels.ops.decode_attention.reference import decode_attention as reference
-from slipstream.kernels.triton_support import AotSpec, check_kernel_device, next_power_of_2
+from slipstream.kernels.triton_support import (
+    AotSpec,
+    check_kernel_device,
+    next_power_of_2,
+    pdl_supported,
+)
 
-__all__ = ["decode_attention", "default_block_s"]
+__all__ = ["LOOP_MAX_SLOTS", "decode_attention", "default_block_s"]
 
 MAX_ROWS = 64  # query rows per KV head (GQA group x tokens) the kernel takes
 MERGE_IN_SPLIT = True  # one launch: the last chunk program of each head merges the chunks
@@ -31,11 +41,15 @@ MERGE_IN_SPLIT = True  # one launch: the last chunk program of each head merges 
 LAUNCH_DEPENDENTS_EARLY = False
 
 try:
-    from triton.language.extra.cuda import gdc_launch_dependents
-except ImportError:  # an older Triton: never traced with TRIGGER=True
+    from triton.language.extra.cuda import gdc_launch_dependents, gdc_wait
+except ImportError:  # an older Triton: never traced with TRIGGER=True or GDC=True
 
     @triton.jit
     def gdc_launch_dependents():  # type: ignore[no-redef]
+        """Placeholder (this Triton has no grid dependency control)."""
+
+    @triton.jit
+    def gdc_wait():  # type: ignore[no-redef]
         """Placeholder (this Triton has no grid dependency control)."""
 
 
@@ -77,12 +91,18 @@ def decode_attention_split_kernel(
     IEEE: tl.constexpr,
     MERGE: tl.constexpr,
     TRIGGER: tl.constexpr = False,  # LAUNCH_DEPENDENTS_EARLY
+    GDC: tl.constexpr = False,
 ):
     """One chunk of ``BLOCK_S`` slots of one (batch, KV head): partial softmax statistics.
     ``MERGE``: the last chunk program of each (batch, KV head) to finish (an arrival counter,
-    reset to 0 by that program for the next call) merges them, so one launch does it all."""
-    if TRIGGER:
+    reset to 0 by that program for the next call) merges them, so one launch does it all.
+    ``GDC`` (launched with programmatic dependent launch): the next kernel may be scheduled at
+    once (the output projection prefetches its weight while attention runs), and every program
+    waits for the previous kernel (which wrote the queries and the cache) before reading."""
+    if TRIGGER or GDC:
         gdc_launch_dependents()
+    if GDC:
+        gdc_wait()
     split = tl.program_id(0)
     bh = tl.program_id(1)
     b = (bh // KV_HEADS).to(tl.int64)
@@ -222,10 +242,119 @@ def decode_attention_combine_kernel(
     )
 
 
+@triton.jit
+def decode_attention_loop_kernel(
+    q_ptr,
+    k_ptr,
+    v_ptr,
+    mask_ptr,
+    out_ptr,
+    ROWS,
+    SLOTS,
+    KV_HEADS,
+    scale,
+    q_sb,
+    q_sh,
+    q_sr,
+    k_sb,
+    k_sh,
+    k_ss,
+    v_sb,
+    v_sh,
+    v_ss,
+    mask_sb,
+    mask_sh,
+    mask_sr,
+    mask_ss,
+    o_sb,
+    o_sh,
+    o_sr,
+    ROWS_PAD: tl.constexpr,
+    BLOCK_S: tl.constexpr,
+    HEAD_DIM: tl.constexpr,
+    IEEE: tl.constexpr,
+    STAGES: tl.constexpr = 3,
+    GDC: tl.constexpr = False,
+    TRIGGER: tl.constexpr = False,  # LAUNCH_DEPENDENTS_EARLY, as in the split form
+):
+    """One program per (batch, KV head) walks the cache in ``BLOCK_S`` chunks with the online
+    softmax (the chunks' loads pipelined ``STAGES`` deep) and stores the output rows: no
+    partials, no merge. For short caches, where the split form's partial stores, arrival
+    counter and merge cost more latency than the serial chunks. ``GDC`` and ``TRIGGER`` as in
+    the split form."""
+    if TRIGGER or GDC:
+        gdc_launch_dependents()
+    if GDC:
+        gdc_wait()
+    bh = tl.program_id(0)
+    b = (bh // KV_HEADS).to(tl.int64)
+    h = (bh % KV_HEADS).to(tl.int64)
+    r = tl.arange(0, ROWS_PAD)
+    d = tl.arange(0, HEAD_DIM)
+    r_ok = r < ROWS
+    q = tl.load(
+        q_ptr + b * q_sb + h * q_sh + r[:, None] * q_sr + d[None, :], mask=r_ok[:, None], other=0.0
+    )
+    best = tl.full((ROWS_PAD,), float("-inf"), dtype=tl.float32)
+    total = tl.zeros((ROWS_PAD,), dtype=tl.float32)
+    acc = tl.zeros((ROWS_PAD, HEAD_DIM), dtype=tl.float32)
+    for start in tl.range(0, SLOTS, BLOCK_S, num_stages=STAGES):
+        s = start + tl.arange(0, BLOCK_S)
+        s_ok = s < SLOTS
+        k = tl.load(
+            k_ptr + b * k_sb + h * k_sh + s[:, None] * k_ss + d[None, :],
+            mask=s_ok[:, None],
+            other=0.0,
+        )
+        v = tl.load(
+            v_ptr + b * v_sb + h * v_sh + s[:, None] * v_ss + d[None, :],
+            mask=s_ok[:, None],
+            other=0.0,
+        )
+        if IEEE:
+            scores = tl.dot(q, tl.trans(k), input_precision="ieee") * scale
+        else:
+            scores = tl.dot(q, tl.trans(k)) * scale
+        bias = tl.load(
+            mask_ptr + b * mask_sb + h * mask_sh + r[:, None] * mask_sr + s[None, :] * mask_ss,
+            mask=r_ok[:, None] & s_ok[None, :],
+            other=float("-inf"),
+        )
+        scores = scores + bias.to(tl.float32)
+        new = tl.maximum(best, tl.max(scores, axis=1))
+        new_safe = tl.where(new == float("-inf"), 0.0, new)
+        alpha = tl.exp(best - new_safe)
+        p = tl.exp(scores - new_safe[:, None])
+        total = total * alpha + tl.sum(p, axis=1)
+        if IEEE:
+            part = tl.dot(p.to(v.dtype), v, input_precision="ieee")
+        else:
+            part = tl.dot(p.to(v.dtype), v)
+        acc = acc * alpha[:, None] + part
+        best = new
+    acc = acc / tl.where(total == 0.0, 1.0, total)[:, None]
+    tl.store(
+        out_ptr + b * o_sb + h * o_sh + r[:, None] * o_sr + d[None, :],
+        acc.to(out_ptr.dtype.element_ty),
+        mask=r_ok[:, None],
+    )
+
+
+# Caches of at most this many slots take the loop form (one program per KV head, no merge);
+# longer ones the split form (0: always). At 192 slots (8B Llama, batch 1, 8 KV heads x 4
+# rows) the whole decode step of an H100 took 5.755 ms with the loop form against 5.808 with
+# the split form's 64-slot chunks and 5.845 with its 32-slot ones (GPU call B1,
+# tools/bench/bf16_decode_variants.py; with 32-slot loop chunks 5.701 against 5.716 at 64 in
+# call B2, medians the other way: kept at 64); longer caches were not measured: the split form.
+LOOP_MAX_SLOTS = 256
+LOOP_BLOCK_S = 64  # slots per chunk of the loop form
+
+
 def default_block_s(slots: int, programs_per_chunk: int, device: torch.device) -> int:
-    """Slots per chunk: 32 while that keeps the chunk count moderate, else 64 or 128 (the
-    merge walks the chunks serially)."""
-    block = 32
+    """Slots per chunk: 64 while that keeps the chunk count moderate, else 128 (the merge
+    walks the chunks serially). At batch-1 decode of an 8B Llama (8 KV heads, 192 slots) one
+    H200 call took 5.96 us at 64 against 7.0 at 32 (tools/bench/bf16_gemv_bench.py)."""
+    block = 64
     while block < 128 and triton.cdiv(slots, block) > 64:
         block *= 2
     return block
@@ -239,9 +368,15 @@ def decode_attention(
     scale: float,
     block_s: int | None = None,
     merge: bool = MERGE_IN_SPLIT,
+    pdl: bool = False,
+    loop: bool | None = None,
 ) -> torch.Tensor:
     """See :func:`slipstream.kernels.ops.decode_attention.reference.decode_attention`.
-    ``merge``: one launch (the last chunk program of each head merges) instead of two. Head
+    ``loop``: one program per KV head walking the chunks (None: for caches of at most
+    :data:`LOOP_MAX_SLOTS` slots when ``block_s`` is not given); else the split form.
+    ``merge``: one launch (the last chunk program of each head merges) instead of two.
+    ``pdl`` (with ``merge``; sm_90+): launched with programmatic dependent launch, letting the
+    next kernel start at once. Head
     sizes that are not a power of two in [16, 256], more than ``MAX_ROWS`` rows per KV head, a
     mask that does not broadcast as ``(batch, 1 or kv_heads, rows, slots)`` or autograd: the
     reference."""
@@ -262,17 +397,55 @@ def decode_attention(
         or (torch.is_grad_enabled() and (query.requires_grad or key.requires_grad))
     ):
         return reference(query, key, value, mask, scale)
+    rows_pad = max(16, next_power_of_2(rows))
+    mask_strides = [0 if mask.shape[i] == 1 else mask.stride(i) for i in range(4)]
+    mask_strides[2:] = [mask.stride(2), mask.stride(3)]
+    out = torch.empty(batch, kv_heads, rows, head_dim, device=query.device, dtype=query.dtype)
+    if loop is None:
+        loop = block_s is None and slots <= LOOP_MAX_SLOTS
+    if loop:
+        gdc = pdl and pdl_supported(query.device)
+        decode_attention_loop_kernel[(batch * kv_heads,)](
+            query,
+            key,
+            value,
+            mask,
+            out,
+            rows,
+            slots,
+            kv_heads,
+            scale,
+            query.stride(0),
+            query.stride(1),
+            query.stride(2),
+            key.stride(0),
+            key.stride(1),
+            key.stride(2),
+            value.stride(0),
+            value.stride(1),
+            value.stride(2),
+            *mask_strides,
+            out.stride(0),
+            out.stride(1),
+            out.stride(2),
+            ROWS_PAD=rows_pad,
+            BLOCK_S=block_s or LOOP_BLOCK_S,
+            HEAD_DIM=head_dim,
+            IEEE=query.dtype == torch.float32,
+            GDC=gdc,
+            TRIGGER=_trigger(query.device),
+            num_warps=4,
+            **({"launch_pdl": True} if gdc else {}),
+        )
+        return out
     block_s = block_s or default_block_s(slots, batch * kv_heads, query.device)
     splits = triton.cdiv(slots, block_s)
-    rows_pad = max(16, next_power_of_2(rows))
     partial = batch * kv_heads * splits * rows_pad
     m = torch.empty(partial, device=query.device, dtype=torch.float32)
     l_sum = torch.empty_like(m)
     acc = torch.empty(partial, head_dim, device=query.device, dtype=torch.float32)
-    mask_strides = [0 if mask.shape[i] == 1 else mask.stride(i) for i in range(4)]
-    mask_strides[2:] = [mask.stride(2), mask.stride(3)]
-    out = torch.empty(batch, kv_heads, rows, head_dim, device=query.device, dtype=query.dtype)
     counter = _counters(query.device, batch * kv_heads) if merge else m
+    gdc = pdl and merge and pdl_supported(query.device)
     decode_attention_split_kernel[(splits, batch * kv_heads)](
         query,
         key,
@@ -307,7 +480,9 @@ def decode_attention(
         IEEE=query.dtype == torch.float32,
         MERGE=merge,
         TRIGGER=_trigger(query.device),
+        GDC=gdc,
         num_warps=4,
+        **({"launch_pdl": True} if gdc else {}),
     )
     if not merge:
         decode_attention_combine_kernel[(batch * kv_heads,)](
@@ -409,6 +584,7 @@ def aot_specs() -> list[AotSpec]:
                 "IEEE": "constexpr",
                 "MERGE": "constexpr",
                 "TRIGGER": "constexpr",
+                "GDC": "constexpr",
             }
         )
         specs.append(
@@ -422,6 +598,32 @@ def aot_specs() -> list[AotSpec]:
                     "HEAD_DIM": 128,
                     "IEEE": False,
                     "MERGE": True,
+                    "TRIGGER": False,
+                    "GDC": False,
+                },
+            )
+        )
+        loop_signature = {name: signature[name] for name in ("q_ptr", "k_ptr", "v_ptr", "mask_ptr")}
+        loop_signature["out_ptr"] = f"*{dtype}"
+        loop_signature.update({name: "i32" for name in ("ROWS", "SLOTS", "KV_HEADS")})
+        loop_signature["scale"] = "fp32"
+        strides = ["q_sb", "q_sh", "q_sr", "k_sb", "k_sh", "k_ss", "v_sb", "v_sh", "v_ss"]
+        strides += ["mask_sb", "mask_sh", "mask_sr", "mask_ss", "o_sb", "o_sh", "o_sr"]
+        loop_signature.update({name: "i32" for name in strides})
+        for name in ("ROWS_PAD", "BLOCK_S", "HEAD_DIM", "IEEE", "STAGES", "GDC", "TRIGGER"):
+            loop_signature[name] = "constexpr"
+        specs.append(
+            AotSpec(
+                f"decode_attention.loop[{dtype}]",
+                decode_attention_loop_kernel,
+                loop_signature,
+                {
+                    "ROWS_PAD": 16,
+                    "BLOCK_S": 64,
+                    "HEAD_DIM": 128,
+                    "IEEE": False,
+                    "STAGES": 3,
+                    "GDC": False,
                     "TRIGGER": False,
                 },
             )

@@ -69,9 +69,27 @@ class DecodeGemvConfig:
     # Programmatic dependent launch (NVIDIA sm_90+; elsewhere a plain launch): the first weight
     # tile loads before waiting for the previous kernel, and the next kernel may start early.
     pdl: bool = False
+    # With pdl: let the next kernel launch only when the program has streamed its weights
+    # (else right after the wait, so its programs may hold SM slots while this one streams).
+    late_trigger: bool = False
     # Load the first weight tile before the prologue (norm_gemv: while the row's RMS is
     # computed). Implied by pdl.
     early: bool = False
+    # With pdl on sm_90: each program prefetches the whole rows of its first block into L2
+    # before it waits for the previous kernel (the whole weight unless the grid is persistent),
+    # so that a small weight after a latency-bound kernel (the output projection after
+    # attention) streams while that kernel runs.
+    l2_prefetch: bool = False
+    # With l2_prefetch: at most this many of each program's blocks prefetched (0: all of them;
+    # 1 on a persistent grid: the first block of every program, part of a large weight).
+    l2_prefetch_blocks: int = 0
+    # norm_gemv without split-K: no pass over the input row before the weights stream; the
+    # row's sum of squares is taken in the K loop and 1 / rms scales the sum at the end (the
+    # normalised input is then not rounded to the activation dtype first).
+    defer_norm: bool = False
+    # norm_gemv_rotary (the QKV projection at decode): rotary_kv_write's work in this launch's
+    # epilogue (one kernel; needs block_n <= head_dim); else a second kernel does it.
+    fold_rotary: bool = False
 
 
 class LaunchTableError(ValueError):
@@ -121,7 +139,9 @@ def _entries(device: str, sms: int, launches: Mapping[tuple[str, int, int], dict
 # H100 SXM (132 SMs): the launches default_rule gives, with which decode_fusion measured 85.2%
 # of the bandwidth limit on the 8B model (5.932 ms a step, tools/bench/infer_bench.py).
 _H100 = {
-    ("norm", 6144, 4096): {"block_n": 8},
+    # fold_rotary: rotary_kv_write in QKV's epilogue, 32 kernels fewer a step: 5.782 against
+    # 5.808 ms a step (GPU call B1, tools/bench/bf16_decode_variants.py)
+    ("norm", 6144, 4096): {"block_n": 8, "fold_rotary": True},
     ("plain", 4096, 4096): {"block_n": 4},
     ("norm", 28672, 4096): {"block_n": 16},
     ("gated", 4096, 14336): {"block_n": 4},
@@ -132,15 +152,31 @@ _H100 = {
 # output and down projections nothing beat the default launch by more than 0.2% (kept). The
 # whole 8B step went from 206.6 to 219.4 tokens/s (76.8% -> 79.8% of the bandwidth limit).
 _H200: dict[tuple[str, int, int], dict[str, Any]] = {
-    ("norm", 6144, 4096): {"block_n": 32, "block_k": 512, "num_warps": 4},
+    # fold_rotary as on the H100 (one kernel fewer per block; same math)
+    ("norm", 6144, 4096): {"block_n": 32, "block_k": 512, "num_warps": 4, "fold_rotary": True},
     ("plain", 4096, 4096): {"block_n": 4, "block_k": 512, "num_warps": 4},
     ("norm", 28672, 4096): {"block_n": 8, "programs_per_sm": 4, "prefetch": True},
     ("gated", 4096, 14336): {"block_n": 4, "block_k": 512, "num_warps": 4},
     ("norm", 128256, 4096): {"block_n": 32, "block_k": 256, "num_warps": 4},
 }
 
+# Tensor-parallel shards of the 8B model at TP=2 (per rank: QKV 3072x4096, output 4096x2048,
+# gate/up 14336x4096, down 4096x7168, head 64128x4096). H100: bf16_gemv_bench.py's sweep
+# (GPU call B1, copy bandwidth 3.0 TB/s): the fastest tiles, in us against the default rule's
+# QKV 10.8 (12.04), output 6.51 (7.73), gate/up 42.02 (45.05), down 21.41 (22.34), head 172.6
+# (178.89). The sweep's best four were pdl launches, timed back to back with themselves; pdl
+# is left to decode_pdl here (the whole TP=1 step was 9% slower with it on an H100).
+_H100_TP2: dict[tuple[str, int, int], dict[str, Any]] = {
+    # (QKV also folds the rotary, as at TP=1: one kernel fewer per block)
+    ("norm", 3072, 4096): {"block_n": 8, "block_k": 512, "prefetch": True, "fold_rotary": True},
+    ("plain", 4096, 2048): {"block_n": 8, "block_k": 512, "num_stages": 4, "prefetch": True},
+    ("norm", 14336, 4096): {"block_n": 4, "block_k": 1024},
+    ("gated", 4096, 7168): {"block_n": 8, "block_k": 512, "prefetch": True},
+    ("norm", 64128, 4096): {"block_n": 4, "block_k": 1024, "num_stages": 4},
+}
+
 BUILTIN_TABLE: tuple[LaunchEntry, ...] = tuple(
-    _entries("H100", 132, _H100) + _entries("H200", 132, _H200)
+    _entries("H100", 132, {**_H100, **_H100_TP2}) + _entries("H200", 132, _H200)
 )
 
 _user_table: tuple[LaunchEntry, ...] = ()
@@ -240,10 +276,16 @@ def _parse_entry(raw: object, where: str) -> LaunchEntry:
         value = _check_int(where, name, launch[name], 1)
         if value & (value - 1):
             raise LaunchTableError(f"{where}: {name!r} must be a power of two, got {value}")
-    for name, minimum in (("num_stages", 1), ("programs_per_sm", 0), ("split_k", 1)):
+    for name, minimum in (
+        ("num_stages", 1),
+        ("programs_per_sm", 0),
+        ("split_k", 1),
+        ("l2_prefetch_blocks", 0),
+    ):
         if name in launch:
             _check_int(where, name, launch[name], minimum)
-    for name in ("prefetch", "pdl", "early"):
+    flags = ("prefetch", "pdl", "late_trigger", "early", "l2_prefetch", "defer_norm")
+    for name in (*flags, "fold_rotary"):
         if not isinstance(launch.get(name, False), bool):
             raise LaunchTableError(f"{where}: {name!r} must be true or false")
     return LaunchEntry(device.strip(), sms, raw["fusion"], n, k, DecodeGemvConfig(**launch))
@@ -253,8 +295,11 @@ def parse_launch_table(data: object, source: str = "launch table") -> list[Launc
     """The entries of a launch table's JSON value ``{"version": 1, "entries": [...]}``, each
     ``{"device": "H200", "sms": 132, "fusion": "norm", "n": 6144, "k": 4096, "block_n": 8,
     "block_k": 512, "num_warps": 4}`` plus optional ``num_stages``, ``programs_per_sm``,
-    ``prefetch``, ``split_k``, ``pdl``, ``early`` (:class:`DecodeGemvConfig`'s defaults otherwise; ``sms`` null or
-    absent: any count). Raises :class:`LaunchTableError` naming ``source`` and the entry."""
+    ``prefetch``, ``split_k``, ``pdl``, ``late_trigger``, ``early``, ``l2_prefetch``,
+    ``l2_prefetch_blocks``,
+    ``defer_norm``, ``fold_rotary`` (:class:`DecodeGemvConfig`'s defaults otherwise; ``sms`` null or absent:
+    any count).
+    Raises :class:`LaunchTableError` naming ``source`` and the entry."""
     if not isinstance(data, dict) or not isinstance(data.get("entries"), list):
         raise LaunchTableError(
             f"{source}: expected a JSON object with an 'entries' list "

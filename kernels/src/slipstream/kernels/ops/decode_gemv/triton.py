@@ -18,11 +18,15 @@ in launches than in bytes (``PROLOGUE``):
   is rounded to the activation dtype exactly where ``add_rms_norm`` rounds it;
 - ``2``: SwiGLU first (``gated_gemv``): the input row is ``[gate, up]`` and each step computes
   ``silu(gate) * up`` with ``gated_activation``'s two roundings.
+
+and, for the QKV projection at decode (``norm_gemv_rotary``, launch field ``fold_rotary``), the
+kernel after it: ``rotary_kv_write``'s rotation and cache write in the epilogue (``ROPE``).
 """
 
 from __future__ import annotations
 
-import functools
+import dataclasses
+from typing import Any
 
 import torch
 import triton
@@ -33,7 +37,7 @@ from slipstream.kernels.ops.decode_gemv.reference import gated_gemv as reference
 from slipstream.kernels.ops.decode_gemv.reference import norm_gemv as reference_norm
 from slipstream.kernels.ops.decode_gemv.table import DecodeGemvConfig, default_rule, lookup_launch
 from slipstream.kernels.ops.quant_matmul.gemv import _fixup_scratch
-from slipstream.kernels.triton_support import AotSpec, check_kernel_device
+from slipstream.kernels.triton_support import AotSpec, check_kernel_device, pdl_supported
 
 __all__ = [
     "MAX_ROWS",
@@ -43,6 +47,7 @@ __all__ = [
     "gated_gemv",
     "launch_config",
     "norm_gemv",
+    "norm_gemv_rotary",
 ]
 
 MAX_ROWS = 4  # above this many rows the weight is better read once by a matmul: the reference
@@ -55,6 +60,90 @@ try:  # grid-dependency control (programmatic dependent launch), Triton >= 3.3 o
     _HAS_GDC = True
 except ImportError:
     _HAS_GDC = False
+
+
+@triton.jit
+def _l2_prefetch_run(first_row, row_bytes, rows):
+    """``cp.async.bulk.prefetch.L2`` of ``rows`` consecutive weight rows of ``row_bytes`` (a
+    multiple of 16) from ``first_row`` on (NVIDIA sm_90): thread ``t < rows`` of the program
+    requests row ``t``, so each row is asked for once whatever the tensor layouts."""
+    return tl.inline_asm_elementwise(
+        """{
+        .reg .pred p;
+        .reg .u32 t;
+        .reg .u64 a, off;
+        mov.u32 t, %tid.x;
+        setp.lt.u32 p, t, $3;
+        mul.wide.u32 off, t, $2;
+        add.u64 a, $1, off;
+        @p cp.async.bulk.prefetch.L2.global [a], $2;
+        mov.u32 $0, 0;
+        }""",
+        "=r,l,r,r",
+        [first_row, row_bytes, rows],
+        dtype=tl.int32,
+        is_pure=False,
+        pack=1,
+    )
+
+
+@triton.jit
+def _block_cols(block, BLOCK_N: tl.constexpr, ROPE: tl.constexpr, HEAD_DIM: tl.constexpr):
+    """The output features of ``block``: ``BLOCK_N`` consecutive ones, or with ``ROPE`` the
+    rotary pairs of one head (``BLOCK_N / 2`` features from its first half and the same ones
+    ``HEAD_DIM / 2`` later), so that the epilogue can rotate them."""
+    i = tl.arange(0, BLOCK_N)
+    if ROPE:
+        per_head = HEAD_DIM // BLOCK_N
+        first = (block % per_head) * (BLOCK_N // 2)
+        cols = (block // per_head) * HEAD_DIM + first + i % (BLOCK_N // 2)
+        return cols + (i // (BLOCK_N // 2)) * (HEAD_DIM // 2)
+    return block * BLOCK_N + i
+
+
+@triton.jit
+def _rope_store(
+    y,
+    block,
+    row,
+    q_ptr,
+    cos_ptr,
+    sin_ptr,
+    kc_ptr,
+    vc_ptr,
+    slots_ptr,
+    trig_stride,
+    cache_sb,
+    cache_sh,
+    cache_ss,
+    BLOCK_N: tl.constexpr,
+    HEADS: tl.constexpr,
+    KV_HEADS: tl.constexpr,
+    HEAD_DIM: tl.constexpr,
+):
+    """``rotary_kv_write`` of one ROPE block (``y``: its outputs, fp32 values of the QKV
+    dtype): rotate a query or key head's pairs, store to the queries or a cache."""
+    HALF_N: tl.constexpr = BLOCK_N // 2
+    per_head = HEAD_DIM // BLOCK_N
+    head = block // per_head
+    first = (block % per_head) * HALF_N + tl.arange(0, HALF_N)
+    lo, hi = tl.split(tl.permute(tl.reshape(y, (2, HALF_N)), (1, 0)))
+    if head < HEADS + KV_HEADS:
+        c = tl.load(cos_ptr + row * trig_stride + first).to(tl.float32)
+        s = tl.load(sin_ptr + row * trig_stride + first).to(tl.float32)
+        lo, hi = lo * c - hi * s, hi * c + lo * s
+    if head < HEADS:
+        dest = q_ptr + (row * HEADS + head) * HEAD_DIM
+    else:
+        kv = head - HEADS
+        cache = kc_ptr
+        if kv >= KV_HEADS:
+            kv -= KV_HEADS
+            cache = vc_ptr
+        slot = tl.load(slots_ptr)
+        dest = cache + row * cache_sb + kv * cache_sh + slot * cache_ss
+    tl.store(dest + first, lo.to(q_ptr.dtype.element_ty))
+    tl.store(dest + first + HEAD_DIM // 2, hi.to(q_ptr.dtype.element_ty))
 
 
 @triton.jit
@@ -73,6 +162,15 @@ def decode_gemv_kernel(
     x_stride,
     y_stride,
     eps,
+    cos_ptr,  # ROPE: (rows, HEAD_DIM / 2) rotary tables of the token, row stride trig_stride
+    sin_ptr,
+    kc_ptr,  # ROPE: key / value caches (rows, KV_HEADS, slots, HEAD_DIM), slot at slots_ptr
+    vc_ptr,
+    slots_ptr,
+    trig_stride,
+    cache_sb,
+    cache_sh,
+    cache_ss,
     PROLOGUE: tl.constexpr,
     HAS_RESIDUAL: tl.constexpr,
     HAS_NORM_WEIGHT: tl.constexpr,
@@ -87,6 +185,14 @@ def decode_gemv_kernel(
     EARLY: tl.constexpr = False,
     USE_GDC: tl.constexpr = False,
     NORM_BLOCK: tl.constexpr = 1024,
+    L2_PREFETCH: tl.constexpr = False,
+    L2_BLOCKS: tl.constexpr = 0,
+    DEFER_NORM: tl.constexpr = False,
+    LATE_TRIGGER: tl.constexpr = False,
+    ROPE: tl.constexpr = False,
+    HEADS: tl.constexpr = 1,
+    KV_HEADS: tl.constexpr = 1,
+    HEAD_DIM: tl.constexpr = 128,
 ):
     """``y[row, n] = sum_k W[n, k] * h[row, k] (+ b[n])`` with ``h`` the prologue's input.
     ``PREFETCH``: each step loads the next step's weight tile before its own math (two tiles in
@@ -105,7 +211,24 @@ def decode_gemv_kernel(
     never written by the kernels before this one). ``USE_GDC`` (launched with programmatic
     dependent launch, sm_90+): then the program waits for the previous kernel of the stream to
     finish (every read of activations and every store comes after), and lets the next kernel's
-    programs start, so a GEMV following this one loads its first tile while this one runs."""
+    programs start, so a GEMV following this one loads its first tile while this one runs
+    (``LATE_TRIGGER``: only once the program has streamed its last block's weights, so that
+    the next kernel's programs do not hold SM slots while this one streams).
+    ``L2_PREFETCH`` (with ``USE_GDC``): before the wait, the whole rows of every block of
+    outputs the program will compute (of its first ``L2_BLOCKS``, when > 0) are prefetched
+    into L2, one bulk request per row, so that a small weight streams from memory while the
+    kernels before it (attention) run.
+
+    ``DEFER_NORM`` (``PROLOGUE`` 1, no split-K): no pass over the row before the weights stream;
+    the K loop sums ``W @ (total * norm_weight)`` and ``total**2`` together and the sum is
+    scaled by ``1 / rms`` at the end (the normalised input is not rounded to the activation
+    dtype, as ``add_rms_norm`` rounds it: a difference of that rounding's order).
+
+    ``ROPE`` (the QKV projection of one token per row, no split-K; ``rotary_kv_write``'s work
+    in the epilogue): each block holds rotary pairs of one head (:func:`_block_cols`); the
+    outputs are rounded as the QKV output would be, the query and key heads rotated in fp32,
+    the queries stored to ``y`` as ``(rows, HEADS, HEAD_DIM)`` and the keys and values into the
+    caches at the slot."""
     pid_n = tl.program_id(0)
     programs = tl.num_programs(0)
     row = tl.program_id(1).to(tl.int64)
@@ -116,7 +239,7 @@ def decode_gemv_kernel(
     k_begin = pid_k * per_split
     k_end = tl.minimum(k_begin + per_split, K)
     if EARLY:
-        first_cols = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
+        first_cols = _block_cols(pid_n, BLOCK_N, ROPE, HEAD_DIM)
         w_first = tl.load(
             w_ptr + first_cols[:, None].to(tl.int64) * K + (k_begin + k)[None, :],
             mask=(first_cols < N)[:, None] & (k_begin + k < k_end)[None, :],
@@ -124,10 +247,28 @@ def decode_gemv_kernel(
             eviction_policy="evict_first",
         )
     if USE_GDC:
+        if L2_PREFETCH:
+            row_bytes = K * (w_ptr.dtype.element_ty.primitive_bitwidth // 8)
+            # each thread asks for one row: BLOCK_N <= 32 * num_warps (checked at launch)
+            last = tl.cdiv(N, BLOCK_N)
+            if L2_BLOCKS > 0:
+                last = tl.minimum(last, pid_n + L2_BLOCKS * programs)
+            for ahead in range(pid_n, last, programs):
+                if ROPE:  # the block's two runs of BLOCK_N / 2 rows, HEAD_DIM / 2 apart
+                    per_head = HEAD_DIM // BLOCK_N
+                    start = (ahead // per_head) * HEAD_DIM + (ahead % per_head) * (BLOCK_N // 2)
+                    run = w_ptr + start.to(tl.int64) * K
+                    _l2_prefetch_run(run, row_bytes, BLOCK_N // 2)
+                    _l2_prefetch_run(run + (HEAD_DIM // 2) * K, row_bytes, BLOCK_N // 2)
+                else:
+                    start = ahead * BLOCK_N
+                    rows_left = tl.minimum(N - start, BLOCK_N)
+                    _l2_prefetch_run(w_ptr + start.to(tl.int64) * K, row_bytes, rows_left)
         tl.extra.cuda.gdc_wait()
-        tl.extra.cuda.gdc_launch_dependents()
+        if not LATE_TRIGGER:
+            tl.extra.cuda.gdc_launch_dependents()
     rstd = 0.0
-    if PROLOGUE == 1:
+    if PROLOGUE == 1 and not DEFER_NORM:
         # only program (0, row, 0) writes the residual sum
         store_end = tl.where((pid_n == 0) & (pid_k == 0), K, 0)
         # The row's inverse RMS: every program computes it (K elements from L2, a few percent of
@@ -148,9 +289,13 @@ def decode_gemv_kernel(
             squares += tl.sum(t * t, axis=0)
         rstd = 1.0 / tl.sqrt(squares / K + eps)
     for block in range(pid_n, tl.cdiv(N, BLOCK_N), programs):
-        cols = block * BLOCK_N + tl.arange(0, BLOCK_N)
+        cols = _block_cols(block, BLOCK_N, ROPE, HEAD_DIM)
         col_ok = cols < N
         acc = tl.zeros((BLOCK_N, BLOCK_K), dtype=tl.float32)
+        if DEFER_NORM:
+            block_squares = tl.zeros((BLOCK_K,), dtype=tl.float32)
+            # only the first block of program 0 writes the residual sum
+            store_end = tl.where((pid_n == 0) & (block == pid_n), K, 0)
         w_rows = w_ptr + cols[:, None].to(tl.int64) * K
         if PREFETCH:  # the first step's tile; each step then loads the next before its math
             if EARLY:
@@ -206,6 +351,16 @@ def decode_gemv_kernel(
                 up = tl.load(x_row + K + kk, mask=k_ok, other=0.0)
                 act = (gate / (1.0 + tl.exp(-gate))).to(up.dtype).to(tl.float32)
                 h = (act * up.to(tl.float32)).to(up.dtype).to(tl.float32)
+            elif PROLOGUE == 1 and DEFER_NORM:
+                t = tl.load(x_row + kk, mask=k_ok, other=0.0)
+                if HAS_RESIDUAL:
+                    r = tl.load(r_ptr + row * K + kk, mask=k_ok, other=0.0)
+                    t = (t.to(tl.float32) + r.to(tl.float32)).to(total_ptr.dtype.element_ty)
+                    tl.store(total_ptr + row * K + kk, t, mask=kk < store_end)
+                h = t.to(tl.float32)
+                block_squares += h * h
+                if HAS_NORM_WEIGHT:
+                    h = h * tl.load(nw_ptr + kk, mask=k_ok, other=0.0).to(tl.float32)
             elif PROLOGUE == 1:
                 t = tl.load(x_row + kk, mask=k_ok, other=0.0)
                 if HAS_RESIDUAL:
@@ -219,8 +374,35 @@ def decode_gemv_kernel(
                 h = tl.load(x_row + kk, mask=k_ok, other=0.0).to(tl.float32)
             acc += w.to(tl.float32) * h[None, :]
         y = tl.sum(acc, axis=1)
+        if USE_GDC and LATE_TRIGGER:
+            if block + programs >= tl.cdiv(N, BLOCK_N):  # the program's last block: streamed
+                tl.extra.cuda.gdc_launch_dependents()
+        if DEFER_NORM:
+            y = y / tl.sqrt(tl.sum(block_squares, axis=0) / K + eps)
         y_ptrs = y_ptr + row * y_stride + cols
-        if SPLIT_K == 1:
+        if ROPE:
+            if HAS_BIAS:
+                y += tl.load(b_ptr + cols, mask=col_ok, other=0.0).to(tl.float32)
+            _rope_store(
+                y.to(y_ptr.dtype.element_ty).to(tl.float32),
+                block,
+                row,
+                y_ptr,
+                cos_ptr,
+                sin_ptr,
+                kc_ptr,
+                vc_ptr,
+                slots_ptr,
+                trig_stride,
+                cache_sb,
+                cache_sh,
+                cache_ss,
+                BLOCK_N,
+                HEADS,
+                KV_HEADS,
+                HEAD_DIM,
+            )
+        elif SPLIT_K == 1:
             if HAS_BIAS:
                 y += tl.load(b_ptr + cols, mask=col_ok, other=0.0).to(tl.float32)
             tl.store(y_ptrs, y.to(y_ptr.dtype.element_ty), mask=col_ok)
@@ -249,17 +431,10 @@ def _multiprocessors(device: torch.device) -> int:
     return int(torch.cuda.get_device_properties(device).multi_processor_count)
 
 
-@functools.cache
-def _pdl_capable(index: int) -> bool:
-    return torch.cuda.get_device_capability(index) >= (9, 0)
-
-
 def _pdl_supported(device: torch.device) -> bool:
     """Programmatic dependent launch: NVIDIA sm_90+ and a Triton with grid-dependency control;
     elsewhere a ``pdl`` launch runs as a plain one (same results)."""
-    if device.type != "cuda" or torch.version.hip is not None or not _HAS_GDC:
-        return False
-    return _pdl_capable(device.index if device.index is not None else torch.cuda.current_device())
+    return _HAS_GDC and pdl_supported(device)
 
 
 def default_config(out_features: int, in_features: int, device: torch.device) -> DecodeGemvConfig:
@@ -301,16 +476,26 @@ def _launch(
     bias: torch.Tensor | None,
     eps: float,
     config: DecodeGemvConfig | None,
+    pdl: bool | None = None,
+    rope: _Rope | None = None,
 ) -> torch.Tensor:
     out_features, in_features = weight.shape
     rows = rows_view.shape[0]
     config = config or launch_config(prologue, out_features, in_features, weight.device)
+    if pdl is not None and pdl != config.pdl:
+        config = dataclasses.replace(config, pdl=pdl)
     blocks = triton.cdiv(out_features, config.block_n)
     split = max(1, min(config.split_k, triton.cdiv(in_features, config.block_k)))
+    if rope is not None:  # the epilogue needs a program's whole sums: no split-K
+        split = 1
     scratch = None
     if split > 1:
         scratch = _fixup_scratch(weight.device, rows * out_features, rows * blocks)
-    if split == 1 or scratch is not None:
+    if rope is not None:  # the rotated queries (the keys and values go to the caches)
+        out = torch.empty(
+            rows, rope.heads * rope.head_dim, device=weight.device, dtype=rows_view.dtype
+        )
+    elif split == 1 or scratch is not None:
         out = torch.empty(rows, out_features, device=weight.device, dtype=rows_view.dtype)
     else:  # the splits add into a zeroed fp32 output, cast below
         out = torch.zeros(rows, out_features, device=weight.device, dtype=torch.float32)
@@ -318,6 +503,13 @@ def _launch(
         blocks = min(blocks, config.programs_per_sm * _multiprocessors(weight.device))
     grid = (blocks, rows, split)
     pdl = config.pdl and _pdl_supported(weight.device)
+    prefetch_l2 = (
+        pdl
+        and config.l2_prefetch
+        and config.block_n <= 32 * config.num_warps
+        and (in_features * weight.element_size()) % 16 == 0
+        and weight.data_ptr() % 16 == 0
+    )
     decode_gemv_kernel[grid](
         rows_view,
         residual if residual is not None else rows_view,
@@ -333,6 +525,7 @@ def _launch(
         rows_view.stride(0),
         out.stride(0),
         eps,
+        *(rope.arguments() if rope is not None else (out, out, out, out, out, 0, 0, 0, 0)),
         PROLOGUE=prologue,
         HAS_RESIDUAL=residual is not None,
         HAS_NORM_WEIGHT=norm_weight is not None,
@@ -347,11 +540,48 @@ def _launch(
         EARLY=config.pdl or config.early,
         USE_GDC=pdl,
         NORM_BLOCK=min(triton.next_power_of_2(in_features), 1024 * config.num_warps),
+        L2_PREFETCH=prefetch_l2,
+        L2_BLOCKS=config.l2_prefetch_blocks,
+        DEFER_NORM=prologue == NORM and config.defer_norm and split == 1,
+        LATE_TRIGGER=config.late_trigger,
+        ROPE=rope is not None,
+        HEADS=rope.heads if rope is not None else 1,
+        KV_HEADS=rope.kv_heads if rope is not None else 1,
+        HEAD_DIM=rope.head_dim if rope is not None else 128,
         num_warps=config.num_warps,
         num_stages=config.num_stages,
         **({"launch_pdl": True} if pdl else {}),
     )
     return out if out.dtype == rows_view.dtype else out.to(rows_view.dtype)
+
+
+@dataclasses.dataclass
+class _Rope:
+    """What the ``ROPE`` epilogue needs: the token's rotary tables (one row per activation
+    row), the caches, the slot and the head layout."""
+
+    cos: torch.Tensor
+    sin: torch.Tensor
+    key_cache: torch.Tensor
+    value_cache: torch.Tensor
+    slots: torch.Tensor
+    heads: int
+    kv_heads: int
+    head_dim: int
+
+    def arguments(self) -> tuple[Any, ...]:
+        cache = self.key_cache
+        return (
+            self.cos,
+            self.sin,
+            cache,
+            self.value_cache,
+            self.slots,
+            self.cos.stride(0),
+            cache.stride(0),
+            cache.stride(1),
+            cache.stride(2),
+        )
 
 
 def _rows(x: torch.Tensor) -> torch.Tensor:
@@ -364,14 +594,16 @@ def decode_gemv(
     weight: torch.Tensor,
     bias: torch.Tensor | None = None,
     config: DecodeGemvConfig | None = None,
+    pdl: bool | None = None,
 ) -> torch.Tensor:
     """See :func:`slipstream.kernels.ops.decode_gemv.reference.decode_gemv`; more than
-    :data:`MAX_ROWS` rows or mixed dtypes run the reference (``F.linear``)."""
+    :data:`MAX_ROWS` rows or mixed dtypes run the reference (``F.linear``). ``pdl``: launch
+    with programmatic dependent launch or not (None: as the launch table says)."""
     check_kernel_device("decode_gemv", x, weight, bias)
     rows = x.numel() // max(x.shape[-1], 1)
     if not _supported(rows, weight, x, x.shape[-1]) or _needs_grad(x, weight, bias):
         return reference_gemv(x, weight, bias)
-    out = _launch(PLAIN, _rows(x), None, None, None, weight, bias, 0.0, config)
+    out = _launch(PLAIN, _rows(x), None, None, None, weight, bias, 0.0, config, pdl)
     return out.reshape(*x.shape[:-1], weight.shape[0])
 
 
@@ -383,8 +615,10 @@ def norm_gemv(
     weight: torch.Tensor,
     bias: torch.Tensor | None = None,
     config: DecodeGemvConfig | None = None,
+    pdl: bool | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    """See :func:`slipstream.kernels.ops.decode_gemv.reference.norm_gemv`."""
+    """See :func:`slipstream.kernels.ops.decode_gemv.reference.norm_gemv` (``pdl``: as for
+    :func:`decode_gemv`)."""
     check_kernel_device("norm_gemv", x, residual, norm_weight, weight, bias)
     rows = x.numel() // max(x.shape[-1], 1)
     if (
@@ -397,10 +631,84 @@ def norm_gemv(
     flat = x.reshape(-1, x.shape[-1]).contiguous()
     res = None if residual is None else residual.reshape(flat.shape).contiguous()
     total = torch.empty_like(flat) if res is not None else None
-    out = _launch(NORM, flat, res, norm_weight, total, weight, bias, eps, config)
+    out = _launch(NORM, flat, res, norm_weight, total, weight, bias, eps, config, pdl)
     return (
         x if total is None else total.view(x.shape),
         out.reshape(*x.shape[:-1], weight.shape[0]),
+    )
+
+
+def norm_gemv_rotary(
+    x: torch.Tensor,
+    residual: torch.Tensor | None,
+    norm_weight: torch.Tensor | None,
+    eps: float,
+    weight: torch.Tensor,
+    bias: torch.Tensor | None,
+    cos: torch.Tensor | None,
+    sin: torch.Tensor | None,
+    key_cache: torch.Tensor,
+    value_cache: torch.Tensor,
+    slots: torch.Tensor,
+    num_heads: int,
+    num_kv_heads: int,
+    config: DecodeGemvConfig | None = None,
+    pdl: bool | None = None,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """See :func:`slipstream.kernels.ops.decode_gemv.reference.norm_gemv_rotary`: one launch
+    where the launch says so (``fold_rotary``) and it can (one token per row, full-width
+    rotary, ``block_n`` dividing ``head_dim``); else :func:`norm_gemv` then
+    ``rotary_kv_write``."""
+    check_kernel_device("norm_gemv_rotary", x, residual, norm_weight, weight, bias, cos, sin)
+    check_kernel_device("norm_gemv_rotary", key_cache, value_cache, slots)
+    batch, length, hidden = x.shape
+    head_dim = key_cache.shape[-1]
+    launch = config or launch_config(NORM, weight.shape[0], hidden, weight.device)
+    if (
+        not launch.fold_rotary
+        or length != 1
+        or cos is None
+        or sin is None
+        or cos.shape[-1] * 2 != head_dim
+        or cos.dtype != sin.dtype
+        or cos.shape[:2] != (batch, 1)
+        or head_dim % launch.block_n
+        or launch.block_n < 2
+        or weight.shape[0] != (num_heads + 2 * num_kv_heads) * head_dim
+        or key_cache.stride() != value_cache.stride()
+        or key_cache.stride(-1) != 1
+        or tuple(key_cache.shape) != (batch, num_kv_heads, key_cache.shape[2], head_dim)
+        or not _supported(batch, weight, x, hidden)
+        or key_cache.dtype != x.dtype
+        or _needs_grad(x, residual, norm_weight, weight, bias)
+        or (residual is not None and (residual.shape != x.shape or residual.dtype != x.dtype))
+        or (norm_weight is not None and norm_weight.shape != x.shape[-1:])
+    ):
+        from slipstream.kernels.ops.rotary_kv_write import rotary_kv_write
+
+        summed, qkv = norm_gemv(x, residual, norm_weight, eps, weight, bias, config, pdl)
+        q = rotary_kv_write(
+            qkv, cos, sin, key_cache, value_cache, slots, num_heads, num_kv_heads, pdl=bool(pdl)
+        )
+        return summed, q
+    flat = x.reshape(batch, hidden).contiguous()
+    res = None if residual is None else residual.reshape(flat.shape).contiguous()
+    total = torch.empty_like(flat) if res is not None else None
+    trig = cos.reshape(batch, -1), sin.reshape(batch, -1)
+    rope = _Rope(
+        trig[0] if trig[0].stride(-1) == 1 else trig[0].contiguous(),
+        trig[1] if trig[1].stride(-1) == 1 else trig[1].contiguous(),
+        key_cache,
+        value_cache,
+        slots,
+        num_heads,
+        num_kv_heads,
+        head_dim,
+    )
+    q = _launch(NORM, flat, res, norm_weight, total, weight, bias, eps, launch, pdl, rope)
+    return (
+        x if total is None else total.view(x.shape),
+        q.view(batch, num_heads, 1, head_dim),
     )
 
 
@@ -409,8 +717,10 @@ def gated_gemv(
     weight: torch.Tensor,
     bias: torch.Tensor | None = None,
     config: DecodeGemvConfig | None = None,
+    pdl: bool | None = None,
 ) -> torch.Tensor:
-    """See :func:`slipstream.kernels.ops.decode_gemv.reference.gated_gemv`."""
+    """See :func:`slipstream.kernels.ops.decode_gemv.reference.gated_gemv` (``pdl``: as for
+    :func:`decode_gemv`)."""
     check_kernel_device("gated_gemv", gate_up, weight, bias)
     half = gate_up.shape[-1] // 2
     rows = gate_up.numel() // max(gate_up.shape[-1], 1)
@@ -420,7 +730,7 @@ def gated_gemv(
         or _needs_grad(gate_up, weight, bias)
     ):
         return reference_gated(gate_up, weight, bias)
-    out = _launch(GATED, _rows(gate_up), None, None, None, weight, bias, 0.0, config)
+    out = _launch(GATED, _rows(gate_up), None, None, None, weight, bias, 0.0, config, pdl)
     return out.reshape(*gate_up.shape[:-1], weight.shape[0])
 
 
@@ -448,6 +758,15 @@ def aot_specs() -> list[AotSpec]:
                         "x_stride": "i32",
                         "y_stride": "i32",
                         "eps": "fp32",
+                        "cos_ptr": "*fp32",
+                        "sin_ptr": "*fp32",
+                        "kc_ptr": f"*{dtype}",
+                        "vc_ptr": f"*{dtype}",
+                        "slots_ptr": "*i64",
+                        "trig_stride": "i32",
+                        "cache_sb": "i32",
+                        "cache_sh": "i32",
+                        "cache_ss": "i32",
                         "PROLOGUE": "constexpr",
                         "HAS_RESIDUAL": "constexpr",
                         "HAS_NORM_WEIGHT": "constexpr",
@@ -462,6 +781,14 @@ def aot_specs() -> list[AotSpec]:
                         "EARLY": "constexpr",
                         "USE_GDC": "constexpr",
                         "NORM_BLOCK": "constexpr",
+                        "L2_PREFETCH": "constexpr",
+                        "L2_BLOCKS": "constexpr",
+                        "DEFER_NORM": "constexpr",
+                        "LATE_TRIGGER": "constexpr",
+                        "ROPE": "constexpr",
+                        "HEADS": "constexpr",
+                        "KV_HEADS": "constexpr",
+                        "HEAD_DIM": "constexpr",
                     },
                     {
                         "PROLOGUE": prologue,
@@ -478,6 +805,15 @@ def aot_specs() -> list[AotSpec]:
                         "EARLY": False,
                         "USE_GDC": False,
                         "NORM_BLOCK": 4096,
+                        "L2_PREFETCH": False,
+                        "L2_BLOCKS": 0,
+                        "DEFER_NORM": False,
+                        "LATE_TRIGGER": False,
+                        # QKV with rotary_kv_write in the epilogue (8B Llama heads)
+                        "ROPE": prologue == NORM,
+                        "HEADS": 32,
+                        "KV_HEADS": 8,
+                        "HEAD_DIM": 128,
                     },
                 )
             )

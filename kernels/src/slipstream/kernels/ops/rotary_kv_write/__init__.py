@@ -30,8 +30,11 @@ def rotary_kv_write(
     slots: torch.Tensor,
     num_heads: int,
     num_kv_heads: int,
+    *,
+    pdl: bool = False,
 ) -> torch.Tensor:
-    """Run the best ``rotary_kv_write`` backend; returns queries ``(batch, heads, tokens, dim)``.
+    """Run the best ``rotary_kv_write`` backend; returns queries ``(batch, heads, tokens, dim)``
+    (``pdl``: the GPU kernel launches with programmatic dependent launch, sm_90+).
 
     See :func:`slipstream.kernels.ops.rotary_kv_write.reference.rotary_kv_write`.
 
@@ -42,5 +45,5 @@ def rotary_kv_write(
     """
     fn = get_op(OP_NAME, qkv.device.type, qkv.dtype)
     return fn(  # type: ignore[no-any-return]
-        qkv, cos, sin, key_cache, value_cache, slots, num_heads, num_kv_heads
+        qkv, cos, sin, key_cache, value_cache, slots, num_heads, num_kv_heads, pdl=pdl
     )

@@ -56,8 +56,10 @@ def rotary_kv_write(
     slots: torch.Tensor,
     num_heads: int,
     num_kv_heads: int,
+    pdl: bool = False,
 ) -> torch.Tensor:
     """Split a fused QKV projection, rotate queries and keys, store keys and values in the cache.
+    (``pdl``, a GPU launch option, changes nothing here.)
 
     Args:
         qkv: ``(batch, tokens, (num_heads + 2 * num_kv_heads) * head_dim)``: queries, keys,

@@ -12,7 +12,29 @@ import triton
 import triton.language as tl
 
 from slipstream.kernels.ops.rotary_kv_write.reference import check_shapes
-from slipstream.kernels.triton_support import AotSpec, check_kernel_device, next_power_of_2
+from slipstream.kernels.triton_support import (
+    AotSpec,
+    check_kernel_device,
+    next_power_of_2,
+    pdl_supported,
+)
+
+# With PDL: the next kernel (decode_attention, which lets the output projection start at once)
+# may be scheduled before this one's wait, i.e. while the QKV projection still streams, so the
+# output projection's L2 prefetch overlaps QKV's tail too; False: only after QKV has finished.
+TRIGGER_BEFORE_WAIT = True
+
+try:  # grid-dependency control (programmatic dependent launch), Triton >= 3.3 on CUDA
+    from triton.language.extra.cuda import gdc_launch_dependents, gdc_wait
+except ImportError:  # an older Triton: never traced with GDC=True
+
+    @triton.jit
+    def gdc_wait():  # type: ignore[no-redef]
+        """Placeholder (this Triton has no grid dependency control)."""
+
+    @triton.jit
+    def gdc_launch_dependents():  # type: ignore[no-redef]
+        """Placeholder (this Triton has no grid dependency control)."""
 
 
 @triton.jit
@@ -37,8 +59,19 @@ def rotary_kv_write_kernel(
     HEAD_DIM: tl.constexpr,
     HALF: tl.constexpr,  # rotary_dim // 2; 0: no rotary
     BLOCK: tl.constexpr,
+    GDC: tl.constexpr = False,
+    TRIGGER_FIRST: tl.constexpr = False,
 ):
-    """Program (token, head): rotate (queries, keys) and store to q / the key or value cache."""
+    """Program (token, head): rotate (queries, keys) and store to q / the key or value cache.
+    ``GDC`` (launched with programmatic dependent launch): wait for the previous kernel (the
+    QKV projection) before reading, and let the next one (attention) be scheduled, before the
+    wait with ``TRIGGER_FIRST`` (see :data:`TRIGGER_BEFORE_WAIT`), else after it."""
+    if GDC:
+        if TRIGGER_FIRST:
+            gdc_launch_dependents()
+        gdc_wait()
+        if not TRIGGER_FIRST:
+            gdc_launch_dependents()
     token = tl.program_id(0)
     head = tl.program_id(1)
     b = token // length
@@ -83,8 +116,10 @@ def rotary_kv_write(
     slots: torch.Tensor,
     num_heads: int,
     num_kv_heads: int,
+    pdl: bool = False,
 ) -> torch.Tensor:
-    """See :func:`slipstream.kernels.ops.rotary_kv_write.reference.rotary_kv_write`."""
+    """See :func:`slipstream.kernels.ops.rotary_kv_write.reference.rotary_kv_write`. ``pdl``:
+    launch with programmatic dependent launch where it can run (sm_90+)."""
     check_kernel_device("rotary_kv_write", qkv, cos, sin, key_cache, value_cache, slots)
     head_dim = check_shapes(qkv, cos, sin, key_cache, value_cache, slots, num_heads, num_kv_heads)
     if qkv.stride(-1) != 1:
@@ -98,6 +133,7 @@ def rotary_kv_write(
         cos, sin = cos.contiguous(), sin.contiguous()  # no copies for the model's fresh tables
     trig = cos if cos is not None else q
     grid = (batch * length, num_heads + 2 * num_kv_heads)
+    gdc = pdl and pdl_supported(qkv.device)
     rotary_kv_write_kernel[grid](
         qkv,
         trig,
@@ -119,6 +155,9 @@ def rotary_kv_write(
         HEAD_DIM=head_dim,
         HALF=half,
         BLOCK=max(16, next_power_of_2(head_dim)),
+        GDC=gdc,
+        TRIGGER_FIRST=TRIGGER_BEFORE_WAIT,
+        **({"launch_pdl": True} if gdc else {}),
     )
     return q
 
@@ -153,8 +192,18 @@ def aot_specs() -> list[AotSpec]:
                         "HEAD_DIM": "constexpr",
                         "HALF": "constexpr",
                         "BLOCK": "constexpr",
+                        "GDC": "constexpr",
+                        "TRIGGER_FIRST": "constexpr",
                     },
-                    {"HEADS": 32, "KV_HEADS": 8, "HEAD_DIM": 128, "HALF": half, "BLOCK": 128},
+                    {
+                        "HEADS": 32,
+                        "KV_HEADS": 8,
+                        "HEAD_DIM": 128,
+                        "HALF": half,
+                        "BLOCK": 128,
+                        "GDC": False,
+                        "TRIGGER_FIRST": False,
+                    },
                 )
             )
     return specs
