@@ -106,6 +106,10 @@ class SymmNormState:
         self.epochs = torch.zeros(blocks, dtype=torch.int32, device=recv.device)
         self.error = torch.zeros(1, dtype=torch.int32, device=recv.device)
         self.spin = MAX_SPIN  # polls before a wait gives up (tests shorten it)
+        # tensor_parallel.sum_prefetch_bytes and sum_pdl where they can run (NVIDIA sm_90+,
+        # set by the reducer's setup; see the kernel's [Note: the sum's L2 prefetch]).
+        self.prefetch_bytes = 0
+        self.pdl = False
 
     def reset(self) -> None:
         """The start state: no call made, no word received. Every rank must do it, and
@@ -134,12 +138,31 @@ def _words(x: torch.Tensor) -> torch.Tensor:
     return x.contiguous().view(torch.int32)
 
 
+def _prefetched(state: SymmNormState, prefetch: torch.Tensor | None) -> tuple[Any, int]:
+    """``(bytes of prefetch's storage, how many to prefetch)``; ``(None, 0)``: none."""
+    if prefetch is None or not state.prefetch_bytes:
+        return None, 0
+    from slipstream.inference.allreduce_norm_triton import PREFETCH_CHUNK_BYTES
+
+    size = prefetch.numel() * prefetch.element_size()
+    count = min(state.prefetch_bytes, size) // PREFETCH_CHUNK_BYTES * PREFETCH_CHUNK_BYTES
+    if (
+        not count
+        or prefetch.device != state.recv.device
+        or not prefetch.is_contiguous()
+        or prefetch.data_ptr() % 16
+    ):
+        return None, 0
+    return prefetch.detach().reshape(-1).view(torch.uint8), count
+
+
 def _launch(
     state: SymmNormState,
     partial: torch.Tensor,
     residual: torch.Tensor | None,
     weight: torch.Tensor | None,
     eps: float,
+    prefetch: torch.Tensor | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     from slipstream.kernels.triton_support import next_power_of_2
 
@@ -150,6 +173,7 @@ def _launch(
     total = torch.empty_like(partial) if residual is not None else out
     if weight is not None and weight.dtype != partial.dtype:
         weight = weight.to(partial.dtype)
+    prefetch_bytes, prefetch_count = _prefetched(state, prefetch)
     _kernel()[(state.blocks,)](
         words,
         _words(residual) if residual is not None else words,
@@ -159,6 +183,8 @@ def _launch(
         state.recv_ptrs,
         state.epochs,
         state.error,
+        prefetch_bytes if prefetch_bytes is not None else words,
+        prefetch_count,
         words.numel() // n_words,
         n_words,
         state.slot_words,
@@ -170,7 +196,10 @@ def _launch(
         HAS_WEIGHT=weight is not None,
         BLOCK=max(16, next_power_of_2(n_words)),
         SPIN=state.spin,
+        PREFETCH=prefetch_count > 0,
+        GDC=state.pdl,
         num_warps=8 if n_words >= 2048 else 4,
+        **({"launch_pdl": True} if state.pdl else {}),
     )
     return total, out
 
@@ -181,15 +210,21 @@ def reduce_add_rms_norm(
     residual: torch.Tensor,
     weight: torch.Tensor | None,
     eps: float,
+    prefetch: torch.Tensor | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """``(total, rms_norm(total) * weight)`` with ``total = residual + sum of every rank's
     partial``, in one kernel (see the note above); every rank of the group must call it (or
     :func:`all_reduce_sum`) with tensors of the same shape, in the same order. Check
-    :meth:`SymmNormState.fits` first."""
-    return _launch(state, partial, residual, weight, eps)
+    :meth:`SymmNormState.fits` first. ``prefetch``: the weight the next kernel streams, whose
+    first ``state.prefetch_bytes`` go into L2 while this one waits (a hint: no effect on the
+    results)."""
+    return _launch(state, partial, residual, weight, eps, prefetch)
 
 
-def all_reduce_sum(state: SymmNormState, partial: torch.Tensor) -> torch.Tensor:
+def all_reduce_sum(
+    state: SymmNormState, partial: torch.Tensor, prefetch: torch.Tensor | None = None
+) -> torch.Tensor:
     """Every rank's ``partial`` summed (fp32, in rank order, rounded once), in one kernel with
-    one one-way crossing between the GPUs. Check :meth:`SymmNormState.fits` first."""
-    return _launch(state, partial, None, None, 0.0)[1]
+    one one-way crossing between the GPUs. Check :meth:`SymmNormState.fits` first.
+    ``prefetch``: as for :func:`reduce_add_rms_norm`."""
+    return _launch(state, partial, None, None, 0.0, prefetch)[1]

@@ -5,6 +5,26 @@ from __future__ import annotations
 import triton
 import triton.language as tl
 
+try:  # grid-dependency control (programmatic dependent launch), Triton >= 3.3 on CUDA
+    from triton.language.extra.cuda import gdc_launch_dependents, gdc_wait
+
+    HAS_GDC = True
+except ImportError:  # never launched with GDC=True
+    HAS_GDC = False
+
+    @triton.jit
+    def gdc_wait():  # type: ignore[no-redef]
+        """Placeholder (this Triton has no grid dependency control)."""
+
+    @triton.jit
+    def gdc_launch_dependents():  # type: ignore[no-redef]
+        """Placeholder (this Triton has no grid dependency control)."""
+
+
+PREFETCH_CHUNK_BYTES = 4096  # bytes per L2 prefetch instruction (the host rounds to these)
+_CHUNK = tl.constexpr(PREFETCH_CHUNK_BYTES)
+_LANES = tl.constexpr(128)  # prefetch instructions per program and pass
+
 
 @triton.jit
 def _halves(w):
@@ -21,6 +41,23 @@ def _bf16_bits(x):
 
 
 @triton.jit
+def _l2_prefetch(addresses, nbytes):
+    """``cp.async.bulk.prefetch.L2`` of ``nbytes`` at each address (NVIDIA sm_90+): a hint
+    that returns at once; the bytes stream into L2 behind it."""
+    return tl.inline_asm_elementwise(
+        """{
+        cp.async.bulk.prefetch.L2.global [$1], $2;
+        mov.u32 $0, 0;
+        }""",
+        "=r,l,r",
+        [addresses, nbytes],
+        dtype=tl.int32,
+        is_pure=False,
+        pack=1,
+    )
+
+
+@triton.jit
 def reduce_add_rms_norm_kernel(
     local_ptr,  # int32 words of this rank's partial rows (rows, n_words)
     residual_ptr,  # int32 words (NORM)
@@ -30,6 +67,8 @@ def reduce_add_rms_norm_kernel(
     recv_ptrs,  # int64 (world,): every rank's receive buffer (int64 slots)
     epoch_ptr,  # int32 (programs,): this rank's call count per program
     err_ptr,  # int32 (1,): set when a wait gave up
+    prefetch_ptr,  # PREFETCH: bytes of the next kernel's weight (uint8)
+    prefetch_bytes,  # PREFETCH: how many, a multiple of _CHUNK
     rows,
     n_words,
     slot_words,  # int64 slots per (parity, sender) region of a receive buffer
@@ -41,9 +80,25 @@ def reduce_add_rms_norm_kernel(
     HAS_WEIGHT: tl.constexpr,
     BLOCK: tl.constexpr,
     SPIN: tl.constexpr,
+    PREFETCH: tl.constexpr = False,  # the next weight's first bytes into L2 (NVIDIA sm_90+)
+    GDC: tl.constexpr = False,  # launched as a programmatic dependent launch (sm_90+)
 ):
     b = tl.program_id(0)
     nb = tl.num_programs(0)
+    if PREFETCH:
+        # [Note: the sum's L2 prefetch] While this kernel waits for its peers (and, launched
+        # early, for the GEMV before it) the memory bus would idle: every program asks for its
+        # share of the next projection's first bytes (weights are never written), which the
+        # next GEMV then reads from L2 instead of memory.
+        chunks = prefetch_bytes // _CHUNK
+        lanes = tl.arange(0, _LANES)
+        for first in range(b * _LANES, chunks, nb * _LANES):
+            chunk = tl.minimum(first + lanes, chunks - 1).to(tl.int64)  # past the end: again
+            size = tl.full([_LANES], _CHUNK, tl.int32)
+            _l2_prefetch(prefetch_ptr + chunk * _CHUNK, size)
+    if GDC:
+        gdc_wait()  # the GEMV before has finished: its partial (and the epochs) are visible
+        gdc_launch_dependents()  # the next GEMV may load its first weight tile meanwhile
     e = tl.load(epoch_ptr + b) + 1  # this call's number, the same on every rank
     parity = e % 2
     flag = e.to(tl.int64) << 32

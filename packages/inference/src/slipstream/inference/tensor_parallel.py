@@ -28,7 +28,9 @@ class VocabParallelEmbedding(nn.Module):
         self.weight = nn.Parameter(weight, requires_grad=False)
         self.start, self.group = start, group
         # The group's sum (tensor_parallel.allreduce); None: dist.all_reduce on the group.
-        self.reducer: Callable[[torch.Tensor], torch.Tensor] | None = None
+        self.reducer: Callable[..., torch.Tensor] | None = None
+        # The weight the first block's QKV GEMV streams next (the sum's L2 prefetch).
+        self.sum_prefetch: torch.Tensor | None = None
 
     def forward(self, ids: torch.Tensor) -> torch.Tensor:
         local = ids - self.start
@@ -36,6 +38,8 @@ class VocabParallelEmbedding(nn.Module):
         out = F.embedding(local.masked_fill(outside, 0), self.weight)
         out = out.masked_fill(outside[..., None], 0)
         if self.reducer is not None:
+            if self.sum_prefetch is not None:
+                return self.reducer(out, self.sum_prefetch)
             return self.reducer(out)
         dist.all_reduce(out, group=self.group)
         return out
