@@ -192,11 +192,10 @@ def parse_args() -> argparse.Namespace:
     parser.add_argument(
         "--tp-decode",
         nargs="+",
-        choices=["auto", "unfused", "fused", "push"],
+        choices=["auto", "unfused", "fused"],
         default=["auto"],
         help="the TP=N decode step: the config's defaults (auto), decode_fusion off (unfused), "
-        "decode_fusion on with one sum kernel per sum (fused: tensor_parallel.gemv_push false) "
-        "or with the sums pushed by the GEMVs (push: gemv_push true); with --tp-compare, one "
+        "decode_fusion on (fused: one sum kernel per sum); with --tp-compare, one "
         "TP=N run per value (and per --tp-allreduce value)",
     )
     parser.add_argument(
@@ -528,8 +527,6 @@ def main() -> None:
     if world > 1 and args.tp_decode[0] != "auto":  # --tp-decode: the TP=N step's variant
         decode = args.tp_decode[0]
         config["decode_fusion"] = decode != "unfused"
-        if decode != "unfused":
-            config["tensor_parallel"]["gemv_push"] = decode == "push"
     if world > 1 and args.tp_sum[0] != "default":  # --tp-sum: the sum kernel's settings
         mib, _, pdl = args.tp_sum[0].partition(":")
         config["tensor_parallel"]["sum_prefetch_bytes"] = int(float(mib) * 2**20)
@@ -587,7 +584,6 @@ def main() -> None:
     reducer = getattr(fused.blocks[0], "reducer", None)
     common["allreduce"] = reducer.kind if reducer is not None else None
     if world > 1:
-        common["gemv_push"] = fused.tp_push is not None
         state = getattr(reducer, "norm_state", None)
         common["sum_prefetch_bytes"] = state.prefetch_bytes if state is not None else 0
         common["sum_pdl"] = state.pdl if state is not None else False

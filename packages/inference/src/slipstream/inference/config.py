@@ -89,12 +89,6 @@ class TensorParallelConfig(ConfigBlock):
     # while the GEMV before it finishes, and letting the GEMV after it (when that GEMV's
     # launch has pdl, see decode_gemv_table) load its first weight tile while the sum waits.
     sum_pdl: bool = False
-    # With decode_fusion under TP: the row-parallel decode GEMVs push their partial sums into
-    # the peers' symmetric memory and the next norm GEMV adds them (no kernel per sum), see
-    # slipstream.inference.tp_decode. Experimental, off by default: measured slower than one
-    # sum kernel per sum (2x H200, 8B, TP=2: 238.8 against 333.8 tokens/s). true: on (an
-    # error says why where it cannot run).
-    gemv_push: bool = False
 
 
 @dataclasses.dataclass(kw_only=True)

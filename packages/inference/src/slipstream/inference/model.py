@@ -403,9 +403,6 @@ class FusedDecoder(nn.Module):
         # The parts that single-token decode steps run through the decode kernels
         # (fused_decode.decode_forward; set by fused_decode.enable_decode_fusion); empty: none.
         self.decode_fusion: frozenset[str] = frozenset()
-        # Under TP with tensor_parallel.gemv_push (experimental, off by default): the fused
-        # step's sums ride on its GEMVs (tp_decode.PushState, set by setup_gemv_push).
-        self.tp_push: Any = None
 
     def _rotary(self, positions: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor] | None:
         if self.spec.position != "rotary":
