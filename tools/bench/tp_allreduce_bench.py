@@ -13,11 +13,21 @@ beside ``add_rms_norm`` alone (no communication) as the floor::
 
     PYTHONPATH=$(ls -d kernels/src packages/*/src | tr '\\n' ':') \\
         torchrun --nproc_per_node 2 tools/bench/tp_allreduce_bench.py --rows 1 32
+
+``--layers N``: instead, the batch-1 decode GEMVs of N blocks of an 8B Llama split over the
+ranks (QKV norm GEMV, output GEMV, sum, gate/up norm GEMV, gated down GEMV, sum; every block
+its own weights, no attention) in one CUDA graph, per variant of the sums: none (the GEMVs
+alone: the floor), Slipstream's sum kernel, with ``tensor_parallel.sum_prefetch_bytes``
+(``--prefetch-mib``), with ``sum_pdl`` and pdl GEMV launches; microseconds per block each, and
+what each sum costs over the floor (``tp_layer_us``)::
+
+    torchrun --nproc_per_node 2 tools/bench/tp_allreduce_bench.py --layers 32
 """
 
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
 import os
 from collections.abc import Callable
@@ -85,12 +95,95 @@ def measure(
     return out
 
 
+LLAMA_8B = {"hidden": 4096, "heads": 32, "kv_heads": 8, "head_dim": 128, "ffn": 14336}
+
+
+def measure_layers(
+    layers: int, reducer: TPReducer, prefetch_mib: list[float], replays: int
+) -> list[tuple[str, float]]:
+    """``(variant, microseconds per block)`` of ``layers`` decode blocks' GEMVs and sums."""
+    from slipstream.kernels.ops.decode_gemv.triton import (
+        GATED,
+        NORM,
+        PLAIN,
+        decode_gemv,
+        gated_gemv,
+        launch_config,
+        norm_gemv,
+    )
+
+    state = reducer.norm_state
+    assert state is not None
+    world = dist.get_world_size()
+    device = torch.device("cuda", torch.cuda.current_device())
+    shape = LLAMA_8B
+    hidden, hd = shape["hidden"], shape["head_dim"]
+    q_out = shape["heads"] * hd // world
+    qkv_out = q_out + 2 * max(shape["kv_heads"] // world, 1) * hd
+    ffn = shape["ffn"] // world
+    generator = torch.Generator(device=device).manual_seed(dist.get_rank())
+
+    def weight(n: int, k: int) -> torch.Tensor:
+        w = torch.randn(n, k, device=device, generator=generator, dtype=torch.bfloat16)
+        return w / 64
+
+    blocks = [
+        (weight(qkv_out, hidden), weight(hidden, q_out), weight(2 * ffn, hidden), weight(hidden, ffn))
+        for _ in range(layers)
+    ]  # fmt: skip
+    norm_weight = torch.ones(hidden, device=device, dtype=torch.bfloat16)
+    x0 = torch.randn(1, hidden, device=device, dtype=torch.bfloat16)
+    launches = {
+        "qkv": launch_config(NORM, qkv_out, hidden, device),
+        "out": launch_config(PLAIN, hidden, q_out, device),
+        "up": launch_config(NORM, 2 * ffn, hidden, device),
+        "down": launch_config(GATED, hidden, ffn, device),
+    }
+
+    def step(sums: bool, gemv_pdl: bool) -> None:
+        cfg = {k: dataclasses.replace(c, pdl=gemv_pdl) for k, c in launches.items()}
+        x, pending = x0, None
+        for index, (w_qkv, w_out, w_up, w_down) in enumerate(blocks):
+            following = blocks[index + 1][0] if index + 1 < layers else blocks[0][0]
+            x, qkv = norm_gemv(x, pending, norm_weight, 1e-5, w_qkv, config=cfg["qkv"])
+            part = decode_gemv(qkv[:, :q_out], w_out, config=cfg["out"])
+            total = reducer(part, w_up) if sums else part
+            x, up = norm_gemv(x, total, norm_weight, 1e-5, w_up, config=cfg["up"])
+            part = gated_gemv(up, w_down, config=cfg["down"])
+            pending = reducer(part, following) if sums else part
+
+    variants: list[tuple[str, bool, bool, int, bool]] = [
+        ("gemvs_only", False, False, 0, False),
+        ("gemvs_only+gemv_pdl", False, True, 0, False),
+        ("sum", True, False, 0, False),
+        ("sum+pdl", True, False, 0, True),
+        ("sum+pdl+gemv_pdl", True, True, 0, True),
+    ]
+    for mib in prefetch_mib:
+        nbytes = int(mib * 2**20)
+        variants += [
+            (f"sum+prefetch{mib:g}", True, False, nbytes, False),
+            (f"sum+prefetch{mib:g}+pdl+gemv_pdl", True, True, nbytes, True),
+        ]
+    out = []
+    for name, sums, gemv_pdl, nbytes, sum_pdl in variants:
+        state.prefetch_bytes, state.pdl = nbytes, sum_pdl
+        us = graph_time_us(lambda s=sums, g=gemv_pdl: step(s, g), 1, replays)
+        out.append((name, us / layers))
+    state.prefetch_bytes, state.pdl = 0, False
+    return out
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--hidden", type=int, default=4096)
     parser.add_argument("--rows", type=int, nargs="+", default=[1, 32])
     parser.add_argument("--calls", type=int, default=64)
     parser.add_argument("--replays", type=int, default=20)
+    parser.add_argument(
+        "--layers", type=int, default=0, help="time N decode blocks' GEMVs and sums (see above)"
+    )
+    parser.add_argument("--prefetch-mib", type=float, nargs="+", default=[8, 16, 32])
     args = parser.parse_args()
     comm.init_distributed("nccl")
     rank, world = dist.get_rank(), dist.get_world_size()
@@ -105,6 +198,23 @@ def main() -> None:
             print(json.dumps({"result": "skipped", "rank": rank, "kernel": kernel, "why": why}))
             continue
         reducers[kernel] = reducer
+    if args.layers:
+        slipstream = reducers.get("slipstream")
+        if slipstream is None:
+            raise SystemExit("--layers needs Slipstream's sum kernel (see the skipped line)")
+        results = measure_layers(args.layers, slipstream, args.prefetch_mib, args.replays)
+        floor = dict(results)["gemvs_only"]
+        for name, us in results:
+            if rank == 0:
+                row = {"result": "tp_layer_us", "variant": name, "us_per_block": round(us, 2)}
+                if name.startswith("sum"):
+                    row["us_per_sum_over_floor"] = round((us - floor) / 2, 2)
+                row.update(world=world, device=torch.cuda.get_device_name(device))
+                print(json.dumps(row), flush=True)
+        errors = int(slipstream.norm_state.error.item()) if slipstream.norm_state else 0
+        if errors:
+            print(json.dumps({"result": "error", "rank": rank, "wait_gave_up": errors}))
+        args.rows = []
     for rows in args.rows:
         rows_out = measure(rows, args.hidden, reducers, args.calls, args.replays)
         if rank == 0:
