@@ -144,10 +144,10 @@ def measure_layers(
         cfg = {k: dataclasses.replace(c, pdl=gemv_pdl) for k, c in launches.items()}
         x, pending = x0, None
         for index, (w_qkv, w_out, w_up, w_down) in enumerate(blocks):
-            following = blocks[index + 1][0] if index + 1 < layers else blocks[0][0]
+            following = blocks[(index + 1) % layers][:2]  # the next QKV and output weights
             x, qkv = norm_gemv(x, pending, norm_weight, 1e-5, w_qkv, config=cfg["qkv"])
             part = decode_gemv(qkv[:, :q_out], w_out, config=cfg["out"])
-            total = reducer(part, w_up) if sums else part
+            total = reducer(part, (w_up,)) if sums else part
             x, up = norm_gemv(x, total, norm_weight, 1e-5, w_up, config=cfg["up"])
             part = gated_gemv(up, w_down, config=cfg["down"])
             pending = reducer(part, following) if sums else part
@@ -183,7 +183,7 @@ def main() -> None:
     parser.add_argument(
         "--layers", type=int, default=0, help="time N decode blocks' GEMVs and sums (see above)"
     )
-    parser.add_argument("--prefetch-mib", type=float, nargs="+", default=[8, 16, 32])
+    parser.add_argument("--prefetch-mib", type=float, nargs="+", default=[16, 32, 48])
     args = parser.parse_args()
     comm.init_distributed("nccl")
     rank, world = dist.get_rank(), dist.get_world_size()

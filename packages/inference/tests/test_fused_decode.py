@@ -134,10 +134,15 @@ def _tp_world(model: Any, ids: torch.Tensor) -> None:
         sharded, None, "nccl", 1 << 21, torch.device("cpu"), "slipstream", 1 << 20, True
     )
     blocks = sharded.blocks
-    assert sharded.embed.sum_prefetch is blocks[0].qkv.weight
+    assert sharded.embed.sum_prefetch == (blocks[0].qkv.weight, blocks[0].out.weight)
     for index, block in enumerate(blocks):
-        after = blocks[index + 1].qkv if index + 1 < len(blocks) else sharded.head
-        assert block.sum_prefetch[0] is block.up.weight and block.sum_prefetch[1] is after.weight
+        after = (
+            (blocks[index + 1].qkv.weight, blocks[index + 1].out.weight)
+            if index + 1 < len(blocks)
+            else (sharded.head.weight,)
+        )
+        assert block.sum_prefetch[0] == (block.up.weight,)
+        assert all(a is b for a, b in zip(block.sum_prefetch[1], after, strict=True))
     steps = []
     for parts in (frozenset(), PARTS):
         sharded.decode_fusion = parts

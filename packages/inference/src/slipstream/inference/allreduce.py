@@ -27,6 +27,7 @@ All of them are captured in the CUDA graph of the decode step.
 from __future__ import annotations
 
 import logging
+from collections.abc import Sequence
 from typing import Any
 
 import torch
@@ -89,9 +90,12 @@ class TPReducer:
         self.rank = dist.get_rank(group)
         self.world = dist.get_world_size(group)
 
-    def __call__(self, x: torch.Tensor, prefetch: torch.Tensor | None = None) -> torch.Tensor:
-        """The sum of every rank's ``x``. ``prefetch``: the weight the next kernel streams
-        (Slipstream's kernel prefetches its first bytes into L2 while it waits; a hint)."""
+    def __call__(
+        self, x: torch.Tensor, prefetch: torch.Tensor | Sequence[torch.Tensor] | None = None
+    ) -> torch.Tensor:
+        """The sum of every rank's ``x``. ``prefetch``: the weights the next kernels stream,
+        in order (Slipstream's kernel prefetches their first bytes into L2 while it waits;
+        a hint)."""
         state = self.norm_state
         if state is not None and state.fits(x):
             return all_reduce_sum(state, x, prefetch)
@@ -122,7 +126,7 @@ class TPReducer:
         residual: torch.Tensor,
         weight: torch.Tensor | None,
         eps: float,
-        prefetch: torch.Tensor | None = None,
+        prefetch: torch.Tensor | Sequence[torch.Tensor] | None = None,
     ) -> tuple[torch.Tensor, torch.Tensor]:
         """``(total, rms_norm(total) * weight)`` with ``total = residual + partial`` summed over
         the group: one kernel with Slipstream's symmetric-memory sum, else the sum and then
@@ -327,11 +331,15 @@ def _check_norm_kernel(state: SymmNormState, device: torch.device, dtype: torch.
     return ""
 
 
-def _weight(linear: Any) -> torch.Tensor | None:
-    """A dense linear's weight (what the next decode GEMV streams), else None."""
-    if not isinstance(linear, torch.nn.Linear) or not linear.weight.is_floating_point():
-        return None
-    return linear.weight
+def _weights(*linears: Any) -> tuple[torch.Tensor, ...]:
+    """The weights the next decode GEMVs stream, in order, up to the first linear that is not
+    dense (quantized: its own kernels)."""
+    found = []
+    for linear in linears:
+        if not isinstance(linear, torch.nn.Linear) or not linear.weight.is_floating_point():
+            break
+        found.append(linear.weight)
+    return tuple(found)
 
 
 def install_reducer(
@@ -350,9 +358,9 @@ def install_reducer(
     ``tensor_parallel.allreduce``; ``"symm_mem"`` that cannot run raises ValueError.
     ``kernel`` is ``tensor_parallel.symm_mem_kernel``, ``prefetch_bytes`` and ``pdl`` are
     ``tensor_parallel.sum_prefetch_bytes`` and ``sum_pdl``. Each sum of the decode step is
-    told the weight the kernel after it streams (``sum_prefetch`` of the embedding and of
-    each block: the first block's QKV; the block's gate/up, then the next block's QKV or the
-    LM head), for the L2 prefetch.
+    told the weights the GEMVs after it stream (``sum_prefetch`` of the embedding and of each
+    block: the first block's QKV and output projection; the block's gate/up; the next block's
+    QKV and output projection, or the LM head), for the L2 prefetch.
     """
     if mode not in ALLREDUCE_MODES:
         raise ValueError(f"tensor_parallel.allreduce = {mode!r}: choose one of {ALLREDUCE_MODES}")
@@ -374,11 +382,15 @@ def install_reducer(
     blocks = list(model.blocks)
     for index, block in enumerate(blocks):
         block.reducer = reducer
-        after = blocks[index + 1].qkv if index + 1 < len(blocks) else model.head
-        block.sum_prefetch = (_weight(getattr(block, "up", None)), _weight(after))
+        after = (
+            (blocks[index + 1].qkv, blocks[index + 1].out)
+            if index + 1 < len(blocks)
+            else (model.head,)
+        )
+        block.sum_prefetch = (_weights(getattr(block, "up", None)), _weights(*after))
     if hasattr(model.embed, "reducer"):
         model.embed.reducer = reducer
-        model.embed.sum_prefetch = _weight(blocks[0].qkv) if blocks else None
+        model.embed.sum_prefetch = _weights(blocks[0].qkv, blocks[0].out) if blocks else ()
     model.head_reducer = reducer
     logger.info(
         "tensor-parallel sums: %s%s",

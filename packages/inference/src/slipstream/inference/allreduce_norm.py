@@ -138,22 +138,30 @@ def _words(x: torch.Tensor) -> torch.Tensor:
     return x.contiguous().view(torch.int32)
 
 
-def _prefetched(state: SymmNormState, prefetch: torch.Tensor | None) -> tuple[Any, int]:
-    """``(bytes of prefetch's storage, how many to prefetch)``; ``(None, 0)``: none."""
+def _prefetched(
+    state: SymmNormState, prefetch: torch.Tensor | Sequence[torch.Tensor] | None
+) -> list[tuple[torch.Tensor, int]]:
+    """The (at most two) regions to prefetch: ``(bytes of a weight's storage, how many)``,
+    the weights in order until ``state.prefetch_bytes`` are spent; empty: none."""
     if prefetch is None or not state.prefetch_bytes:
-        return None, 0
+        return []
     from slipstream.inference.allreduce_norm_triton import PREFETCH_CHUNK_BYTES
 
-    size = prefetch.numel() * prefetch.element_size()
-    count = min(state.prefetch_bytes, size) // PREFETCH_CHUNK_BYTES * PREFETCH_CHUNK_BYTES
-    if (
-        not count
-        or prefetch.device != state.recv.device
-        or not prefetch.is_contiguous()
-        or prefetch.data_ptr() % 16
-    ):
-        return None, 0
-    return prefetch.detach().reshape(-1).view(torch.uint8), count
+    weights = [prefetch] if isinstance(prefetch, torch.Tensor) else list(prefetch)
+    budget, regions = state.prefetch_bytes, []
+    for weight in weights[:2]:
+        size = weight.numel() * weight.element_size()
+        count = min(budget, size) // PREFETCH_CHUNK_BYTES * PREFETCH_CHUNK_BYTES
+        if (
+            not count
+            or weight.device != state.recv.device
+            or not weight.is_contiguous()
+            or weight.data_ptr() % 16
+        ):
+            break
+        regions.append((weight.detach().reshape(-1).view(torch.uint8), count))
+        budget -= count
+    return regions
 
 
 def _launch(
@@ -162,7 +170,7 @@ def _launch(
     residual: torch.Tensor | None,
     weight: torch.Tensor | None,
     eps: float,
-    prefetch: torch.Tensor | None = None,
+    prefetch: torch.Tensor | Sequence[torch.Tensor] | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     from slipstream.kernels.triton_support import next_power_of_2
 
@@ -173,7 +181,8 @@ def _launch(
     total = torch.empty_like(partial) if residual is not None else out
     if weight is not None and weight.dtype != partial.dtype:
         weight = weight.to(partial.dtype)
-    prefetch_bytes, prefetch_count = _prefetched(state, prefetch)
+    regions = _prefetched(state, prefetch)
+    first, second = [*regions, (words, 0), (words, 0)][:2]
     _kernel()[(state.blocks,)](
         words,
         _words(residual) if residual is not None else words,
@@ -183,8 +192,8 @@ def _launch(
         state.recv_ptrs,
         state.epochs,
         state.error,
-        prefetch_bytes if prefetch_bytes is not None else words,
-        prefetch_count,
+        *first,
+        *second,
         words.numel() // n_words,
         n_words,
         state.slot_words,
@@ -196,7 +205,7 @@ def _launch(
         HAS_WEIGHT=weight is not None,
         BLOCK=max(16, next_power_of_2(n_words)),
         SPIN=state.spin,
-        PREFETCH=prefetch_count > 0,
+        PREFETCH=len(regions),
         GDC=state.pdl,
         num_warps=8 if n_words >= 2048 else 4,
         **({"launch_pdl": True} if state.pdl else {}),
@@ -210,19 +219,21 @@ def reduce_add_rms_norm(
     residual: torch.Tensor,
     weight: torch.Tensor | None,
     eps: float,
-    prefetch: torch.Tensor | None = None,
+    prefetch: torch.Tensor | Sequence[torch.Tensor] | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """``(total, rms_norm(total) * weight)`` with ``total = residual + sum of every rank's
     partial``, in one kernel (see the note above); every rank of the group must call it (or
     :func:`all_reduce_sum`) with tensors of the same shape, in the same order. Check
-    :meth:`SymmNormState.fits` first. ``prefetch``: the weight the next kernel streams, whose
-    first ``state.prefetch_bytes`` go into L2 while this one waits (a hint: no effect on the
-    results)."""
+    :meth:`SymmNormState.fits` first. ``prefetch``: the weights the next kernels stream (one,
+    or up to two in order), whose first ``state.prefetch_bytes`` in all go into L2 while this
+    one waits (a hint: no effect on the results)."""
     return _launch(state, partial, residual, weight, eps, prefetch)
 
 
 def all_reduce_sum(
-    state: SymmNormState, partial: torch.Tensor, prefetch: torch.Tensor | None = None
+    state: SymmNormState,
+    partial: torch.Tensor,
+    prefetch: torch.Tensor | Sequence[torch.Tensor] | None = None,
 ) -> torch.Tensor:
     """Every rank's ``partial`` summed (fp32, in rank order, rounded once), in one kernel with
     one one-way crossing between the GPUs. Check :meth:`SymmNormState.fits` first.

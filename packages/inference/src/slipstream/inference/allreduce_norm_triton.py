@@ -58,6 +58,18 @@ def _l2_prefetch(addresses, nbytes):
 
 
 @triton.jit
+def _prefetch_region(ptr, nbytes, b, nb):
+    """Program ``b`` of ``nb``'s share of an L2 prefetch of ``nbytes`` (a multiple of
+    ``_CHUNK``, at least one) from ``ptr``: one ``_CHUNK`` per lane and pass."""
+    chunks = nbytes // _CHUNK
+    lanes = tl.arange(0, _LANES)
+    for first in range(b * _LANES, chunks, nb * _LANES):
+        chunk = tl.minimum(first + lanes, chunks - 1).to(tl.int64)  # past the end: again
+        size = tl.full([_LANES], _CHUNK, tl.int32)
+        _l2_prefetch(ptr + chunk * _CHUNK, size)
+
+
+@triton.jit
 def reduce_add_rms_norm_kernel(
     local_ptr,  # int32 words of this rank's partial rows (rows, n_words)
     residual_ptr,  # int32 words (NORM)
@@ -67,8 +79,10 @@ def reduce_add_rms_norm_kernel(
     recv_ptrs,  # int64 (world,): every rank's receive buffer (int64 slots)
     epoch_ptr,  # int32 (programs,): this rank's call count per program
     err_ptr,  # int32 (1,): set when a wait gave up
-    prefetch_ptr,  # PREFETCH: bytes of the next kernel's weight (uint8)
-    prefetch_bytes,  # PREFETCH: how many, a multiple of _CHUNK
+    prefetch_ptr,  # PREFETCH >= 1: bytes of the next kernel's weight (uint8)
+    prefetch_bytes,  # PREFETCH >= 1: how many, a multiple of _CHUNK
+    prefetch2_ptr,  # PREFETCH == 2: a second weight's bytes
+    prefetch2_bytes,
     rows,
     n_words,
     slot_words,  # int64 slots per (parity, sender) region of a receive buffer
@@ -80,22 +94,21 @@ def reduce_add_rms_norm_kernel(
     HAS_WEIGHT: tl.constexpr,
     BLOCK: tl.constexpr,
     SPIN: tl.constexpr,
-    PREFETCH: tl.constexpr = False,  # the next weight's first bytes into L2 (NVIDIA sm_90+)
+    PREFETCH: tl.constexpr = 0,  # weights whose first bytes go into L2 (NVIDIA sm_90+): 0-2
     GDC: tl.constexpr = False,  # launched as a programmatic dependent launch (sm_90+)
 ):
     b = tl.program_id(0)
     nb = tl.num_programs(0)
-    if PREFETCH:
+    if PREFETCH >= 1:
         # [Note: the sum's L2 prefetch] While this kernel waits for its peers (and, launched
         # early, for the GEMV before it) the memory bus would idle: every program asks for its
-        # share of the next projection's first bytes (weights are never written), which the
-        # next GEMV then reads from L2 instead of memory.
-        chunks = prefetch_bytes // _CHUNK
-        lanes = tl.arange(0, _LANES)
-        for first in range(b * _LANES, chunks, nb * _LANES):
-            chunk = tl.minimum(first + lanes, chunks - 1).to(tl.int64)  # past the end: again
-            size = tl.full([_LANES], _CHUNK, tl.int32)
-            _l2_prefetch(prefetch_ptr + chunk * _CHUNK, size)
+        # share of the first bytes of the weights the next kernels stream (weights are never
+        # written), which they then read from L2 instead of memory. The first region is the
+        # next GEMV's weight; a second one (after the MLP's sum: the next block's output
+        # projection, streamed after attention) keeps the bus busy into the attention.
+        _prefetch_region(prefetch_ptr, prefetch_bytes, b, nb)
+    if PREFETCH >= 2:
+        _prefetch_region(prefetch2_ptr, prefetch2_bytes, b, nb)
     if GDC:
         gdc_wait()  # the GEMV before has finished: its partial (and the epochs) are visible
         gdc_launch_dependents()  # the next GEMV may load its first weight tile meanwhile

@@ -165,7 +165,7 @@ def decode_block(
         attn = decode_gemv(attn, block.out.weight, block.out.bias)
     else:
         attn = block.out(attn)
-    attn = block._reduce(attn, block.sum_prefetch[0])  # (its L2 prefetch: the next weight)
+    attn = block._reduce(attn, block.sum_prefetch[0])  # (its L2 prefetch: the next weights)
     if "gate_up" in parts:
         x, up = norm_gemv(x, attn, post.weight, post.eps, block.up.weight, block.up.bias)
     else:
