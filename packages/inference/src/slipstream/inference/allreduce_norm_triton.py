@@ -70,6 +70,15 @@ def _prefetch_region(ptr, nbytes, b, nb):
 
 
 @triton.jit
+def _prefetch(ptr, nbytes, ptr2, nbytes2, b, nb, REGIONS: tl.constexpr):
+    """Program ``b``'s share of the L2 prefetch of the first (``REGIONS`` 2: and second)
+    region."""
+    _prefetch_region(ptr, nbytes, b, nb)
+    if REGIONS >= 2:
+        _prefetch_region(ptr2, nbytes2, b, nb)
+
+
+@triton.jit
 def reduce_add_rms_norm_kernel(
     local_ptr,  # int32 words of this rank's partial rows (rows, n_words)
     residual_ptr,  # int32 words (NORM)
@@ -99,16 +108,17 @@ def reduce_add_rms_norm_kernel(
 ):
     b = tl.program_id(0)
     nb = tl.num_programs(0)
+    # [Note: the sum's L2 prefetch] While this kernel waits for its peers (and, launched
+    # early, for the GEMV before it) the memory bus would idle: every program asks for its
+    # share of the first bytes of the weights the next kernels stream (weights are never
+    # written), which they then read from L2 instead of memory. The first region is the next
+    # GEMV's weight; a second one (after the MLP's sum: the next block's output projection,
+    # streamed after attention) keeps the bus busy into the attention. Programs without a row
+    # ask at once (before waiting for the GEMV before, under PDL); programs with one after
+    # pushing it, so that the peers' wait does not grow.
     if PREFETCH >= 1:
-        # [Note: the sum's L2 prefetch] While this kernel waits for its peers (and, launched
-        # early, for the GEMV before it) the memory bus would idle: every program asks for its
-        # share of the first bytes of the weights the next kernels stream (weights are never
-        # written), which they then read from L2 instead of memory. The first region is the
-        # next GEMV's weight; a second one (after the MLP's sum: the next block's output
-        # projection, streamed after attention) keeps the bus busy into the attention.
-        _prefetch_region(prefetch_ptr, prefetch_bytes, b, nb)
-    if PREFETCH >= 2:
-        _prefetch_region(prefetch2_ptr, prefetch2_bytes, b, nb)
+        if b >= rows:
+            _prefetch(prefetch_ptr, prefetch_bytes, prefetch2_ptr, prefetch2_bytes, b, nb, PREFETCH)
     if GDC:
         gdc_wait()  # the GEMV before has finished: its partial (and the epochs) are visible
         gdc_launch_dependents()  # the next GEMV may load its first weight tile meanwhile
@@ -128,6 +138,9 @@ def reduce_add_rms_norm_kernel(
                 dst = tl.multiple_of(tl.load(recv_ptrs + p).to(tl.pointer_type(tl.int64)), 16)
                 region = (parity * WORLD + RANK) * slot_words
                 tl.store(dst + region + row * n_words + cols, packed, mask=keep)
+    if PREFETCH >= 1:
+        if b < rows:
+            _prefetch(prefetch_ptr, prefetch_bytes, prefetch2_ptr, prefetch2_bytes, b, nb, PREFETCH)
     # (2) Per row: wait until every peer's words carry this call's number (polling this rank's
     # own memory), sum in rank order in fp32 (the same bits on every rank), add, normalize.
     mine = tl.multiple_of(tl.load(recv_ptrs + RANK).to(tl.pointer_type(tl.int64)), 16)
