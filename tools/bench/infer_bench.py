@@ -198,15 +198,6 @@ def parse_args() -> argparse.Namespace:
         "decode_fusion on (fused: one sum kernel per sum); with --tp-compare, one "
         "TP=N run per value (and per --tp-allreduce value)",
     )
-    parser.add_argument(
-        "--tp-sum",
-        nargs="+",
-        default=["default"],
-        metavar="MIB[:pdl]",
-        help="the TP=N sum kernel's tensor_parallel.sum_prefetch_bytes (in MiB; 0: off) and, "
-        "with ':pdl', sum_pdl true (default: the config's defaults); with --tp-compare, one "
-        "TP=N run per value (and per --tp-allreduce and --tp-decode value)",
-    )
     return parser.parse_args()
 
 
@@ -397,7 +388,7 @@ def tp_compare(args: argparse.Namespace) -> None:
     import sys
 
     argv = sys.argv[1:]
-    for flag in ("--tp-compare", "--tp-allreduce", "--tp-decode", "--tp-sum"):  # per run
+    for flag in ("--tp-compare", "--tp-allreduce", "--tp-decode"):  # each run gets its own
         index = next((i for i, a in enumerate(argv) if a.startswith(flag)), None)
         if index is None:
             continue
@@ -409,16 +400,11 @@ def tp_compare(args: argparse.Namespace) -> None:
     script = os.path.abspath(__file__)
     runs: dict[str, list[str]] = {"tp1": [sys.executable, script, *argv]}
     variants = [
-        (mode, decode, tp_sum, "/".join(
-            [mode]
-            + ([decode] if len(args.tp_decode) > 1 else [])
-            + ([f"sum={tp_sum}"] if len(args.tp_sum) > 1 else [])
-        ))
+        (mode, decode, mode if len(args.tp_decode) == 1 else f"{mode}/{decode}")
         for mode in args.tp_allreduce
         for decode in args.tp_decode
-        for tp_sum in args.tp_sum
-    ]  # fmt: skip
-    for mode, decode, tp_sum, name in variants:
+    ]
+    for mode, decode, name in variants:
         runs[name] = [
             sys.executable,
             "-m",
@@ -431,8 +417,6 @@ def tp_compare(args: argparse.Namespace) -> None:
             mode,
             "--tp-decode",
             decode,
-            "--tp-sum",
-            tp_sum,
         ]
     rates: dict[int, dict[str, float]] = {}
     failed = []
@@ -448,7 +432,7 @@ def tp_compare(args: argparse.Namespace) -> None:
             print(done.stderr[-4000:], file=sys.stderr, flush=True)
             failed.append(name)
     for batch, by_run in sorted(rates.items()):
-        for mode, decode, tp_sum, name in variants:
+        for mode, decode, name in variants:
             if "tp1" in by_run and name in by_run:
                 emit(
                     result="tp_speedup",
@@ -456,7 +440,6 @@ def tp_compare(args: argparse.Namespace) -> None:
                     tp=args.tp_compare,
                     allreduce=mode,
                     tp_decode=decode,
-                    tp_sum=tp_sum,
                     tp1_decode_tokens_per_s=by_run["tp1"],
                     tpn_decode_tokens_per_s=by_run[name],
                     speedup=round(by_run[name] / by_run["tp1"], 3),
@@ -527,10 +510,6 @@ def main() -> None:
     if world > 1 and args.tp_decode[0] != "auto":  # --tp-decode: the TP=N step's variant
         decode = args.tp_decode[0]
         config["decode_fusion"] = decode != "unfused"
-    if world > 1 and args.tp_sum[0] != "default":  # --tp-sum: the sum kernel's settings
-        mib, _, pdl = args.tp_sum[0].partition(":")
-        config["tensor_parallel"]["sum_prefetch_bytes"] = int(float(mib) * 2**20)
-        config["tensor_parallel"]["sum_pdl"] = pdl == "pdl"
     if args.offload:
         offload: dict[str, Any] = {"device": args.offload, "pin_memory": True}
         if args.offload == "nvme":
@@ -583,10 +562,6 @@ def main() -> None:
     spec = fused.spec
     reducer = getattr(fused.blocks[0], "reducer", None)
     common["allreduce"] = reducer.kind if reducer is not None else None
-    if world > 1:
-        state = getattr(reducer, "norm_state", None)
-        common["sum_prefetch_bytes"] = state.prefetch_bytes if state is not None else 0
-        common["sum_pdl"] = state.pdl if state is not None else False
     if reducer is not None and reducer.kind == "symm_mem":
         common["allreduce"] += ":slipstream" if reducer.norm_state is not None else ":torch"
         if reducer.norm_why:

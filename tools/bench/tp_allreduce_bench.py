@@ -16,10 +16,9 @@ beside ``add_rms_norm`` alone (no communication) as the floor::
 
 ``--layers N``: instead, the batch-1 decode GEMVs of N blocks of an 8B Llama split over the
 ranks (QKV norm GEMV, output GEMV, sum, gate/up norm GEMV, gated down GEMV, sum; every block
-its own weights, no attention) in one CUDA graph, per variant of the sums: none (the GEMVs
-alone: the floor), Slipstream's sum kernel, with ``tensor_parallel.sum_prefetch_bytes``
-(``--prefetch-mib``), with ``sum_pdl`` and pdl GEMV launches; microseconds per block each, and
-what each sum costs over the floor (``tp_layer_us``)::
+its own weights, no attention) in one CUDA graph, without the sums (the GEMVs alone: the
+floor) and with Slipstream's sum kernel; microseconds per block each, and what each sum costs
+over the floor (``tp_layer_us``)::
 
     torchrun --nproc_per_node 2 tools/bench/tp_allreduce_bench.py --layers 32
 """
@@ -27,7 +26,6 @@ what each sum costs over the floor (``tp_layer_us``)::
 from __future__ import annotations
 
 import argparse
-import dataclasses
 import json
 import os
 from collections.abc import Callable
@@ -98,9 +96,7 @@ def measure(
 LLAMA_8B = {"hidden": 4096, "heads": 32, "kv_heads": 8, "head_dim": 128, "ffn": 14336}
 
 
-def measure_layers(
-    layers: int, reducer: TPReducer, prefetch_mib: list[float], replays: int
-) -> list[tuple[str, float]]:
+def measure_layers(layers: int, reducer: TPReducer, replays: int) -> list[tuple[str, float]]:
     """``(variant, microseconds per block)`` of ``layers`` decode blocks' GEMVs and sums."""
     from slipstream.kernels.ops.decode_gemv.triton import (
         GATED,
@@ -112,8 +108,6 @@ def measure_layers(
         norm_gemv,
     )
 
-    state = reducer.norm_state
-    assert state is not None
     world = dist.get_world_size()
     device = torch.device("cuda", torch.cuda.current_device())
     shape = LLAMA_8B
@@ -140,37 +134,21 @@ def measure_layers(
         "down": launch_config(GATED, hidden, ffn, device),
     }
 
-    def step(sums: bool, gemv_pdl: bool) -> None:
-        cfg = {k: dataclasses.replace(c, pdl=gemv_pdl) for k, c in launches.items()}
+    def step(sums: bool) -> None:
+        cfg = launches
         x, pending = x0, None
-        for index, (w_qkv, w_out, w_up, w_down) in enumerate(blocks):
-            following = blocks[(index + 1) % layers][:2]  # the next QKV and output weights
+        for w_qkv, w_out, w_up, w_down in blocks:
             x, qkv = norm_gemv(x, pending, norm_weight, 1e-5, w_qkv, config=cfg["qkv"])
             part = decode_gemv(qkv[:, :q_out], w_out, config=cfg["out"])
-            total = reducer(part, (w_up,)) if sums else part
+            total = reducer(part) if sums else part
             x, up = norm_gemv(x, total, norm_weight, 1e-5, w_up, config=cfg["up"])
             part = gated_gemv(up, w_down, config=cfg["down"])
-            pending = reducer(part, following) if sums else part
+            pending = reducer(part) if sums else part
 
-    variants: list[tuple[str, bool, bool, int, bool]] = [
-        ("gemvs_only", False, False, 0, False),
-        ("gemvs_only+gemv_pdl", False, True, 0, False),
-        ("sum", True, False, 0, False),
-        ("sum+pdl", True, False, 0, True),
-        ("sum+pdl+gemv_pdl", True, True, 0, True),
-    ]
-    for mib in prefetch_mib:
-        nbytes = int(mib * 2**20)
-        variants += [
-            (f"sum+prefetch{mib:g}", True, False, nbytes, False),
-            (f"sum+prefetch{mib:g}+pdl+gemv_pdl", True, True, nbytes, True),
-        ]
     out = []
-    for name, sums, gemv_pdl, nbytes, sum_pdl in variants:
-        state.prefetch_bytes, state.pdl = nbytes, sum_pdl
-        us = graph_time_us(lambda s=sums, g=gemv_pdl: step(s, g), 1, replays)
+    for name, sums in (("gemvs_only", False), ("sum", True)):
+        us = graph_time_us(lambda s=sums: step(s), 1, replays)
         out.append((name, us / layers))
-    state.prefetch_bytes, state.pdl = 0, False
     return out
 
 
@@ -183,7 +161,6 @@ def main() -> None:
     parser.add_argument(
         "--layers", type=int, default=0, help="time N decode blocks' GEMVs and sums (see above)"
     )
-    parser.add_argument("--prefetch-mib", type=float, nargs="+", default=[16, 32, 48])
     args = parser.parse_args()
     comm.init_distributed("nccl")
     rank, world = dist.get_rank(), dist.get_world_size()
@@ -202,7 +179,7 @@ def main() -> None:
         slipstream = reducers.get("slipstream")
         if slipstream is None:
             raise SystemExit("--layers needs Slipstream's sum kernel (see the skipped line)")
-        results = measure_layers(args.layers, slipstream, args.prefetch_mib, args.replays)
+        results = measure_layers(args.layers, slipstream, args.replays)
         floor = dict(results)["gemvs_only"]
         for name, us in results:
             if rank == 0:

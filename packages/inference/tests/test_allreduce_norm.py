@@ -33,31 +33,10 @@ def test_reference_is_the_unfused_math() -> None:
     )
 
 
-def test_prefetch_regions_follow_the_budget() -> None:
-    """tensor_parallel.sum_prefetch_bytes: the next weights' first bytes, in order, whole 4 KiB
-    chunks, at most two weights, none when off."""
-    from slipstream.inference.allreduce_norm import _prefetched
-
-    state = SymmNormState(torch.zeros(8, dtype=torch.int64), torch.zeros(2), 0, 2, 1)
-    first, second = torch.zeros(64, 64), torch.zeros(256, 64)  # 16 KiB, 64 KiB of fp32
-    assert _prefetched(state, (first, second)) == []  # off by default
-    state.prefetch_bytes = 40 << 10
-    regions = _prefetched(state, (first, second))
-    assert [(r.data_ptr(), r.numel(), n) for r, n in regions] == [
-        (first.data_ptr(), 16 << 10, 16 << 10),
-        (second.data_ptr(), 64 << 10, 24 << 10),
-    ]
-    assert [n for _, n in _prefetched(state, second)] == [40 << 10]
-    state.prefetch_bytes = 5000  # rounded down to whole chunks
-    assert [n for _, n in _prefetched(state, (first, second))] == [4096]
-    assert _prefetched(state, (torch.zeros(4, 4),)) == []  # under a chunk: nothing
-
-
-@pytest.mark.parametrize(
-    ("target", "prefetch", "pdl"), [("sm_90", 2, True), ("sm_90", 0, False), ("gfx942", 0, False)]
-)
-def test_kernel_builds_for_gpus(target: str, prefetch: int, pdl: bool) -> None:
-    """The kernel compiles ahead of time for Hopper (with the L2 prefetch and PDL) and MI300."""
+@pytest.mark.parametrize("target", ["sm_90", "gfx942"])
+def test_kernel_builds_for_gpus(target: str) -> None:
+    """The kernel (sum + add + RMSNorm of bf16 words) compiles ahead of time for Hopper and
+    MI300."""
     pytest.importorskip("triton")
     from slipstream.inference.allreduce_norm_triton import reduce_add_rms_norm_kernel
     from slipstream.kernels.aot import compile_spec
@@ -66,8 +45,6 @@ def test_kernel_builds_for_gpus(target: str, prefetch: int, pdl: bool) -> None:
     pointers = ["local", "residual", "weight", "total", "out"]
     signature = {f"{name}_ptr": "*i32" for name in pointers}
     signature.update(recv_ptrs="*i64", epoch_ptr="*i32", err_ptr="*i32")
-    signature.update(prefetch_ptr="*u8", prefetch_bytes="i32")
-    signature.update(prefetch2_ptr="*u8", prefetch2_bytes="i32")
     signature.update(rows="i32", n_words="i32", slot_words="i64", eps="fp32")
     constants = {
         "RANK": 0,
@@ -77,8 +54,6 @@ def test_kernel_builds_for_gpus(target: str, prefetch: int, pdl: bool) -> None:
         "HAS_WEIGHT": True,
         "BLOCK": 2048,
         "SPIN": 1 << 26,
-        "PREFETCH": prefetch,
-        "GDC": pdl,
     }
     signature.update(dict.fromkeys(constants, "constexpr"))
     spec = AotSpec("reduce_add_rms_norm", reduce_add_rms_norm_kernel, signature, constants)

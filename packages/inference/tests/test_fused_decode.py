@@ -126,23 +126,6 @@ def _tp_world(model: Any, ids: torch.Tensor) -> None:
     assert enable_decode_fusion(sharded, "auto", torch.device("cuda")) == PARTS
     assert enable_decode_fusion(sharded, "auto", torch.device("cpu")) == frozenset()
     assert enable_decode_fusion(sharded, True, torch.device("cpu")) == PARTS
-    # The group's reducer (gloo here), with the sum kernel's settings (which only Slipstream's
-    # symmetric-memory kernel uses): each sum is told the weight the GEMV after it streams.
-    from slipstream.inference.allreduce import install_reducer
-
-    install_reducer(
-        sharded, None, "nccl", 1 << 21, torch.device("cpu"), "slipstream", 1 << 20, True
-    )
-    blocks = sharded.blocks
-    assert sharded.embed.sum_prefetch == (blocks[0].qkv.weight, blocks[0].out.weight)
-    for index, block in enumerate(blocks):
-        after = (
-            (blocks[index + 1].qkv.weight, blocks[index + 1].out.weight)
-            if index + 1 < len(blocks)
-            else (sharded.head.weight,)
-        )
-        assert block.sum_prefetch[0] == (block.up.weight,)
-        assert all(a is b for a, b in zip(block.sum_prefetch[1], after, strict=True))
     steps = []
     for parts in (frozenset(), PARTS):
         sharded.decode_fusion = parts

@@ -27,7 +27,6 @@ All of them are captured in the CUDA graph of the decode step.
 from __future__ import annotations
 
 import logging
-from collections.abc import Sequence
 from typing import Any
 
 import torch
@@ -90,15 +89,10 @@ class TPReducer:
         self.rank = dist.get_rank(group)
         self.world = dist.get_world_size(group)
 
-    def __call__(
-        self, x: torch.Tensor, prefetch: torch.Tensor | Sequence[torch.Tensor] | None = None
-    ) -> torch.Tensor:
-        """The sum of every rank's ``x``. ``prefetch``: the weights the next kernels stream,
-        in order (Slipstream's kernel prefetches their first bytes into L2 while it waits;
-        a hint)."""
+    def __call__(self, x: torch.Tensor) -> torch.Tensor:
         state = self.norm_state
         if state is not None and state.fits(x):
-            return all_reduce_sum(state, x, prefetch)
+            return all_reduce_sum(state, x)
         buffer = self.buffer
         if (
             buffer is not None
@@ -126,15 +120,13 @@ class TPReducer:
         residual: torch.Tensor,
         weight: torch.Tensor | None,
         eps: float,
-        prefetch: torch.Tensor | Sequence[torch.Tensor] | None = None,
     ) -> tuple[torch.Tensor, torch.Tensor]:
         """``(total, rms_norm(total) * weight)`` with ``total = residual + partial`` summed over
         the group: one kernel with Slipstream's symmetric-memory sum, else the sum and then
-        ``add_rms_norm`` (the same math; the fused kernel rounds the sum once less).
-        ``prefetch``: as for ``__call__``."""
+        ``add_rms_norm`` (the same math; the fused kernel rounds the sum once less)."""
         state = self.norm_state
         if state is not None and state.fits(partial, residual):
-            return reduce_add_rms_norm(state, partial, residual, weight, eps, prefetch)
+            return reduce_add_rms_norm(state, partial, residual, weight, eps)
         return add_rms_norm(self(partial), residual, weight, eps)  # type: ignore[no-any-return]
 
     def gather(self, x: torch.Tensor) -> torch.Tensor:
@@ -172,13 +164,10 @@ class TPReducer:
         dtype: torch.dtype,
         max_bytes: int,
         kernel: str = "slipstream",
-        prefetch_bytes: int = 0,
-        pdl: bool = False,
     ) -> str:
         """Map a ``max_bytes`` symmetric buffer on every rank and check one sum with it; with
         ``kernel = "slipstream"`` also set up and check Slipstream's kernel (torch's is kept
-        if that fails), with ``tensor_parallel.sum_prefetch_bytes`` and ``sum_pdl`` where
-        the GPU has them (NVIDIA sm_90+).
+        if that fails).
 
         Returns "" on success, else why not (the same answer on every rank: the check's
         outcome is agreed by an all-reduce).
@@ -236,9 +225,7 @@ class TPReducer:
             return why or "another rank's symmetric-memory setup failed"
         self.kind = "symm_mem"
         if kernel == "slipstream":
-            why = self.norm_why = self._setup_norm_kernel(
-                device, dtype, max_bytes, prefetch_bytes, pdl
-            )
+            why = self.norm_why = self._setup_norm_kernel(device, dtype, max_bytes)
             if why:
                 logger.info(
                     "tensor_parallel.symm_mem_kernel slipstream unavailable (%s): torch's "
@@ -253,17 +240,9 @@ class TPReducer:
         dist.all_reduce(flag, op=dist.ReduceOp.MIN, group=self.group)
         return bool(flag.item())
 
-    def _setup_norm_kernel(
-        self,
-        device: torch.device,
-        dtype: torch.dtype,
-        max_bytes: int,
-        prefetch_bytes: int = 0,
-        pdl: bool = False,
-    ) -> str:
+    def _setup_norm_kernel(self, device: torch.device, dtype: torch.dtype, max_bytes: int) -> str:
         """Map Slipstream's kernel's receive buffer, and check it (see
-        :mod:`slipstream.inference.allreduce_norm`) with the L2 prefetch and PDL settings it
-        will run with; returns "" or why not, agreed."""
+        :mod:`slipstream.inference.allreduce_norm`); returns "" or why not, agreed."""
         import torch.distributed._symmetric_memory as symm_mem
 
         group = self.group if self.group is not None else dist.group.WORLD
@@ -283,8 +262,6 @@ class TPReducer:
         if not self._agree(not why, device):
             return why or "another rank's setup failed"
         assert state is not None
-        if _hopper_or_later(device):
-            state.prefetch_bytes, state.pdl = prefetch_bytes, pdl
         try:
             state.spin = 1 << 24  # a rank that failed to launch costs seconds, not a minute
             why = _check_norm_kernel(state, device, dtype)
@@ -297,16 +274,6 @@ class TPReducer:
         return ""
 
 
-def _hopper_or_later(device: torch.device) -> bool:
-    """Whether the sum kernel's L2 prefetch and programmatic dependent launch run here
-    (NVIDIA sm_90+, a Triton with grid-dependency control)."""
-    if device.type != "cuda" or torch.version.hip is not None:
-        return False
-    from slipstream.inference.allreduce_norm_triton import HAS_GDC
-
-    return HAS_GDC and torch.cuda.get_device_capability(device) >= (9, 0)
-
-
 def _check_norm_kernel(state: SymmNormState, device: torch.device, dtype: torch.dtype) -> str:
     """Slipstream's kernel against its torch reference on every rank's known inputs: one row,
     a few, and more rows than programs, sums alone and with the add + RMSNorm; "" if right."""
@@ -316,8 +283,7 @@ def _check_norm_kernel(state: SymmNormState, device: torch.device, dtype: torch.
         parts = [((index * (r + 3)) % 17 - 8).to(dtype) / 8 for r in range(state.world)]
         residual = ((index % 13) - 6).to(dtype) / 4
         weight = (1 + (torch.arange(width, device=device) % 5) / 8).to(dtype)
-        # (Prefetching a tensor's bytes, as the decode step prefetches the next weight's.)
-        got = all_reduce_sum(state, parts[state.rank], residual)
+        got = all_reduce_sum(state, parts[state.rank])
         if not torch.equal(got, reference_sum(parts)):
             return f"the test sum of {rows} rows was wrong"
         total, normed = reduce_add_rms_norm(state, parts[state.rank], residual, weight, 1e-5)
@@ -331,17 +297,6 @@ def _check_norm_kernel(state: SymmNormState, device: torch.device, dtype: torch.
     return ""
 
 
-def _weights(*linears: Any) -> tuple[torch.Tensor, ...]:
-    """The weights the next decode GEMVs stream, in order, up to the first linear that is not
-    dense (quantized: its own kernels)."""
-    found = []
-    for linear in linears:
-        if not isinstance(linear, torch.nn.Linear) or not linear.weight.is_floating_point():
-            break
-        found.append(linear.weight)
-    return tuple(found)
-
-
 def install_reducer(
     model: Any,
     group: dist.ProcessGroup | None,
@@ -349,18 +304,12 @@ def install_reducer(
     max_bytes: int,
     device: torch.device,
     kernel: str = "slipstream",
-    prefetch_bytes: int = 0,
-    pdl: bool = False,
 ) -> TPReducer:
     """Give every block of a sharded ``model`` (and its vocab-parallel embedding) one reducer.
 
     A collective: every rank of ``group`` calls it. ``mode`` is
     ``tensor_parallel.allreduce``; ``"symm_mem"`` that cannot run raises ValueError.
-    ``kernel`` is ``tensor_parallel.symm_mem_kernel``, ``prefetch_bytes`` and ``pdl`` are
-    ``tensor_parallel.sum_prefetch_bytes`` and ``sum_pdl``. Each sum of the decode step is
-    told the weights the GEMVs after it stream (``sum_prefetch`` of the embedding and of each
-    block: the first block's QKV and output projection; the block's gate/up; the next block's
-    QKV and output projection, or the LM head), for the L2 prefetch.
+    ``kernel`` is ``tensor_parallel.symm_mem_kernel``.
     """
     if mode not in ALLREDUCE_MODES:
         raise ValueError(f"tensor_parallel.allreduce = {mode!r}: choose one of {ALLREDUCE_MODES}")
@@ -371,7 +320,7 @@ def install_reducer(
     reducer = TPReducer(group)
     if mode != "nccl":
         dtype = model.embed.weight.dtype
-        why = reducer.setup_symm_mem(device, dtype, max_bytes, kernel, prefetch_bytes, pdl)
+        why = reducer.setup_symm_mem(device, dtype, max_bytes, kernel)
         if why and mode == "symm_mem":
             raise ValueError(
                 f'tensor_parallel.allreduce = "symm_mem" cannot run here: {why}. Use "symm_mem_or_nccl" '
@@ -379,18 +328,10 @@ def install_reducer(
             )
         if why:
             logger.info("tensor_parallel.allreduce auto: NCCL/gloo sums (%s)", why)
-    blocks = list(model.blocks)
-    for index, block in enumerate(blocks):
+    for block in model.blocks:
         block.reducer = reducer
-        after = (
-            (blocks[index + 1].qkv, blocks[index + 1].out)
-            if index + 1 < len(blocks)
-            else (model.head,)
-        )
-        block.sum_prefetch = (_weights(getattr(block, "up", None)), _weights(*after))
     if hasattr(model.embed, "reducer"):
         model.embed.reducer = reducer
-        model.embed.sum_prefetch = _weights(blocks[0].qkv, blocks[0].out) if blocks else ()
     model.head_reducer = reducer
     logger.info(
         "tensor-parallel sums: %s%s",

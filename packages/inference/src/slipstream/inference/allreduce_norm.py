@@ -106,10 +106,6 @@ class SymmNormState:
         self.epochs = torch.zeros(blocks, dtype=torch.int32, device=recv.device)
         self.error = torch.zeros(1, dtype=torch.int32, device=recv.device)
         self.spin = MAX_SPIN  # polls before a wait gives up (tests shorten it)
-        # tensor_parallel.sum_prefetch_bytes and sum_pdl where they can run (NVIDIA sm_90+,
-        # set by the reducer's setup; see the kernel's [Note: the sum's L2 prefetch]).
-        self.prefetch_bytes = 0
-        self.pdl = False
 
     def reset(self) -> None:
         """The start state: no call made, no word received. Every rank must do it, and
@@ -138,39 +134,12 @@ def _words(x: torch.Tensor) -> torch.Tensor:
     return x.contiguous().view(torch.int32)
 
 
-def _prefetched(
-    state: SymmNormState, prefetch: torch.Tensor | Sequence[torch.Tensor] | None
-) -> list[tuple[torch.Tensor, int]]:
-    """The (at most two) regions to prefetch: ``(bytes of a weight's storage, how many)``,
-    the weights in order until ``state.prefetch_bytes`` are spent; empty: none."""
-    if prefetch is None or not state.prefetch_bytes:
-        return []
-    from slipstream.inference.allreduce_norm_triton import PREFETCH_CHUNK_BYTES
-
-    weights = [prefetch] if isinstance(prefetch, torch.Tensor) else list(prefetch)
-    budget, regions = state.prefetch_bytes, []
-    for weight in weights[:2]:
-        size = weight.numel() * weight.element_size()
-        count = min(budget, size) // PREFETCH_CHUNK_BYTES * PREFETCH_CHUNK_BYTES
-        if (
-            not count
-            or weight.device != state.recv.device
-            or not weight.is_contiguous()
-            or weight.data_ptr() % 16
-        ):
-            break
-        regions.append((weight.detach().reshape(-1).view(torch.uint8), count))
-        budget -= count
-    return regions
-
-
 def _launch(
     state: SymmNormState,
     partial: torch.Tensor,
     residual: torch.Tensor | None,
     weight: torch.Tensor | None,
     eps: float,
-    prefetch: torch.Tensor | Sequence[torch.Tensor] | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     from slipstream.kernels.triton_support import next_power_of_2
 
@@ -181,8 +150,6 @@ def _launch(
     total = torch.empty_like(partial) if residual is not None else out
     if weight is not None and weight.dtype != partial.dtype:
         weight = weight.to(partial.dtype)
-    regions = _prefetched(state, prefetch)
-    first, second = [*regions, (words, 0), (words, 0)][:2]
     _kernel()[(state.blocks,)](
         words,
         _words(residual) if residual is not None else words,
@@ -192,8 +159,6 @@ def _launch(
         state.recv_ptrs,
         state.epochs,
         state.error,
-        *first,
-        *second,
         words.numel() // n_words,
         n_words,
         state.slot_words,
@@ -205,10 +170,7 @@ def _launch(
         HAS_WEIGHT=weight is not None,
         BLOCK=max(16, next_power_of_2(n_words)),
         SPIN=state.spin,
-        PREFETCH=len(regions),
-        GDC=state.pdl,
         num_warps=8 if n_words >= 2048 else 4,
-        **({"launch_pdl": True} if state.pdl else {}),
     )
     return total, out
 
@@ -219,23 +181,15 @@ def reduce_add_rms_norm(
     residual: torch.Tensor,
     weight: torch.Tensor | None,
     eps: float,
-    prefetch: torch.Tensor | Sequence[torch.Tensor] | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """``(total, rms_norm(total) * weight)`` with ``total = residual + sum of every rank's
     partial``, in one kernel (see the note above); every rank of the group must call it (or
     :func:`all_reduce_sum`) with tensors of the same shape, in the same order. Check
-    :meth:`SymmNormState.fits` first. ``prefetch``: the weights the next kernels stream (one,
-    or up to two in order), whose first ``state.prefetch_bytes`` in all go into L2 while this
-    one waits (a hint: no effect on the results)."""
-    return _launch(state, partial, residual, weight, eps, prefetch)
+    :meth:`SymmNormState.fits` first."""
+    return _launch(state, partial, residual, weight, eps)
 
 
-def all_reduce_sum(
-    state: SymmNormState,
-    partial: torch.Tensor,
-    prefetch: torch.Tensor | Sequence[torch.Tensor] | None = None,
-) -> torch.Tensor:
+def all_reduce_sum(state: SymmNormState, partial: torch.Tensor) -> torch.Tensor:
     """Every rank's ``partial`` summed (fp32, in rank order, rounded once), in one kernel with
-    one one-way crossing between the GPUs. Check :meth:`SymmNormState.fits` first.
-    ``prefetch``: as for :func:`reduce_add_rms_norm`."""
-    return _launch(state, partial, None, None, 0.0, prefetch)[1]
+    one one-way crossing between the GPUs. Check :meth:`SymmNormState.fits` first."""
+    return _launch(state, partial, None, None, 0.0)[1]

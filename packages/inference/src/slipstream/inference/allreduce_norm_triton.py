@@ -5,26 +5,6 @@ from __future__ import annotations
 import triton
 import triton.language as tl
 
-try:  # grid-dependency control (programmatic dependent launch), Triton >= 3.3 on CUDA
-    from triton.language.extra.cuda import gdc_launch_dependents, gdc_wait
-
-    HAS_GDC = True
-except ImportError:  # never launched with GDC=True
-    HAS_GDC = False
-
-    @triton.jit
-    def gdc_wait():  # type: ignore[no-redef]
-        """Placeholder (this Triton has no grid dependency control)."""
-
-    @triton.jit
-    def gdc_launch_dependents():  # type: ignore[no-redef]
-        """Placeholder (this Triton has no grid dependency control)."""
-
-
-PREFETCH_CHUNK_BYTES = 4096  # bytes per L2 prefetch instruction (the host rounds to these)
-_CHUNK = tl.constexpr(PREFETCH_CHUNK_BYTES)
-_LANES = tl.constexpr(128)  # prefetch instructions per program and pass
-
 
 @triton.jit
 def _halves(w):
@@ -41,44 +21,6 @@ def _bf16_bits(x):
 
 
 @triton.jit
-def _l2_prefetch(addresses, nbytes):
-    """``cp.async.bulk.prefetch.L2`` of ``nbytes`` at each address (NVIDIA sm_90+): a hint
-    that returns at once; the bytes stream into L2 behind it."""
-    return tl.inline_asm_elementwise(
-        """{
-        cp.async.bulk.prefetch.L2.global [$1], $2;
-        mov.u32 $0, 0;
-        }""",
-        "=r,l,r",
-        [addresses, nbytes],
-        dtype=tl.int32,
-        is_pure=False,
-        pack=1,
-    )
-
-
-@triton.jit
-def _prefetch_region(ptr, nbytes, b, nb):
-    """Program ``b`` of ``nb``'s share of an L2 prefetch of ``nbytes`` (a multiple of
-    ``_CHUNK``, at least one) from ``ptr``: one ``_CHUNK`` per lane and pass."""
-    chunks = nbytes // _CHUNK
-    lanes = tl.arange(0, _LANES)
-    for first in range(b * _LANES, chunks, nb * _LANES):
-        chunk = tl.minimum(first + lanes, chunks - 1).to(tl.int64)  # past the end: again
-        size = tl.full([_LANES], _CHUNK, tl.int32)
-        _l2_prefetch(ptr + chunk * _CHUNK, size)
-
-
-@triton.jit
-def _prefetch(ptr, nbytes, ptr2, nbytes2, b, nb, REGIONS: tl.constexpr):
-    """Program ``b``'s share of the L2 prefetch of the first (``REGIONS`` 2: and second)
-    region."""
-    _prefetch_region(ptr, nbytes, b, nb)
-    if REGIONS >= 2:
-        _prefetch_region(ptr2, nbytes2, b, nb)
-
-
-@triton.jit
 def reduce_add_rms_norm_kernel(
     local_ptr,  # int32 words of this rank's partial rows (rows, n_words)
     residual_ptr,  # int32 words (NORM)
@@ -88,10 +30,6 @@ def reduce_add_rms_norm_kernel(
     recv_ptrs,  # int64 (world,): every rank's receive buffer (int64 slots)
     epoch_ptr,  # int32 (programs,): this rank's call count per program
     err_ptr,  # int32 (1,): set when a wait gave up
-    prefetch_ptr,  # PREFETCH >= 1: bytes of the next kernel's weight (uint8)
-    prefetch_bytes,  # PREFETCH >= 1: how many, a multiple of _CHUNK
-    prefetch2_ptr,  # PREFETCH == 2: a second weight's bytes
-    prefetch2_bytes,
     rows,
     n_words,
     slot_words,  # int64 slots per (parity, sender) region of a receive buffer
@@ -103,25 +41,9 @@ def reduce_add_rms_norm_kernel(
     HAS_WEIGHT: tl.constexpr,
     BLOCK: tl.constexpr,
     SPIN: tl.constexpr,
-    PREFETCH: tl.constexpr = 0,  # weights whose first bytes go into L2 (NVIDIA sm_90+): 0-2
-    GDC: tl.constexpr = False,  # launched as a programmatic dependent launch (sm_90+)
 ):
     b = tl.program_id(0)
     nb = tl.num_programs(0)
-    # [Note: the sum's L2 prefetch] While this kernel waits for its peers (and, launched
-    # early, for the GEMV before it) the memory bus would idle: every program asks for its
-    # share of the first bytes of the weights the next kernels stream (weights are never
-    # written), which they then read from L2 instead of memory. The first region is the next
-    # GEMV's weight; a second one (after the MLP's sum: the next block's output projection,
-    # streamed after attention) keeps the bus busy into the attention. Programs without a row
-    # ask at once (before waiting for the GEMV before, under PDL); programs with one after
-    # pushing it, so that the peers' wait does not grow.
-    if PREFETCH >= 1:
-        if b >= rows:
-            _prefetch(prefetch_ptr, prefetch_bytes, prefetch2_ptr, prefetch2_bytes, b, nb, PREFETCH)
-    if GDC:
-        gdc_wait()  # the GEMV before has finished: its partial (and the epochs) are visible
-        gdc_launch_dependents()  # the next GEMV may load its first weight tile meanwhile
     e = tl.load(epoch_ptr + b) + 1  # this call's number, the same on every rank
     parity = e % 2
     flag = e.to(tl.int64) << 32
@@ -138,9 +60,6 @@ def reduce_add_rms_norm_kernel(
                 dst = tl.multiple_of(tl.load(recv_ptrs + p).to(tl.pointer_type(tl.int64)), 16)
                 region = (parity * WORLD + RANK) * slot_words
                 tl.store(dst + region + row * n_words + cols, packed, mask=keep)
-    if PREFETCH >= 1:
-        if b < rows:
-            _prefetch(prefetch_ptr, prefetch_bytes, prefetch2_ptr, prefetch2_bytes, b, nb, PREFETCH)
     # (2) Per row: wait until every peer's words carry this call's number (polling this rank's
     # own memory), sum in rank order in fp32 (the same bits on every rank), add, normalize.
     mine = tl.multiple_of(tl.load(recv_ptrs + RANK).to(tl.pointer_type(tl.int64)), 16)

@@ -81,14 +81,6 @@ class TensorParallelConfig(ConfigBlock):
     # (torch.ops.symm_mem's one-shot kernel, then add_rms_norm), see
     # slipstream.inference.allreduce_norm.
     symm_mem_kernel: Literal["slipstream", "torch"] = "slipstream"
-    # Slipstream's sum kernel, while it waits for the peers, prefetches the first
-    # sum_prefetch_bytes of the weight the next decode GEMV streams into L2 (NVIDIA sm_90+; a
-    # hint that changes no result), so that memory is not idle during the sum. 0: off.
-    sum_prefetch_bytes: int = dataclasses.field(default=0, metadata={"ge": 0})
-    # Slipstream's sum kernel as a programmatic dependent launch (NVIDIA sm_90+): scheduled
-    # while the GEMV before it finishes, and letting the GEMV after it (when that GEMV's
-    # launch has pdl, see decode_gemv_table) load its first weight tile while the sum waits.
-    sum_pdl: bool = False
 
 
 @dataclasses.dataclass(kw_only=True)

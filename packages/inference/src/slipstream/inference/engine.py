@@ -159,8 +159,6 @@ class InferenceEngine(nn.Module):
                 tp.symm_mem_bytes,
                 self.device,
                 tp.symm_mem_kernel,
-                tp.sum_prefetch_bytes,
-                tp.sum_pdl,
             )
         self.fused = fused
         self._runner = StaticCacheRunner(

@@ -165,7 +165,7 @@ def decode_block(
         attn = decode_gemv(attn, block.out.weight, block.out.bias)
     else:
         attn = block.out(attn)
-    attn = block._reduce(attn, block.sum_prefetch[0])  # (its L2 prefetch: the next weights)
+    attn = block._reduce(attn)
     if "gate_up" in parts:
         x, up = norm_gemv(x, attn, post.weight, post.eps, block.up.weight, block.up.bias)
     else:
@@ -175,7 +175,7 @@ def decode_block(
         down = gated_gemv(up, block.down.weight, block.down.bias)
     else:
         down = block.down(gated_activation(up, "silu"))
-    return x, block._reduce(down, block.sum_prefetch[1])
+    return x, block._reduce(down)
 
 
 def decode_forward(

@@ -231,14 +231,11 @@ class FusedBlock(nn.Module):
             self.down = nn.Linear(spec.intermediate_size, spec.hidden_size, bias=mlp_bias)
         self.tp_group: dist.ProcessGroup | None = None
         # The group's sum (tensor_parallel.allreduce); None: dist.all_reduce on tp_group.
-        self.reducer: Callable[..., torch.Tensor] | None = None
-        # The weights the GEMVs after each sum stream (after attention's, after the MLP's),
-        # which the reducer may prefetch while it waits (tensor_parallel.sum_prefetch_bytes).
-        self.sum_prefetch: tuple[tuple[torch.Tensor, ...], tuple[torch.Tensor, ...]] = ((), ())
+        self.reducer: Callable[[torch.Tensor], torch.Tensor] | None = None
 
-    def _reduce(self, x: torch.Tensor, prefetch: tuple[torch.Tensor, ...] = ()) -> torch.Tensor:
+    def _reduce(self, x: torch.Tensor) -> torch.Tensor:
         if self.reducer is not None:
-            return self.reducer(x, prefetch) if prefetch else self.reducer(x)
+            return self.reducer(x)
         if self.tp_group is not None:
             dist.all_reduce(x, group=self.tp_group)
         return x

@@ -28,9 +28,7 @@ class VocabParallelEmbedding(nn.Module):
         self.weight = nn.Parameter(weight, requires_grad=False)
         self.start, self.group = start, group
         # The group's sum (tensor_parallel.allreduce); None: dist.all_reduce on the group.
-        self.reducer: Callable[..., torch.Tensor] | None = None
-        # The weights the first block's GEMVs stream next (the sum's L2 prefetch).
-        self.sum_prefetch: tuple[torch.Tensor, ...] = ()
+        self.reducer: Callable[[torch.Tensor], torch.Tensor] | None = None
 
     def forward(self, ids: torch.Tensor) -> torch.Tensor:
         local = ids - self.start
@@ -38,8 +36,6 @@ class VocabParallelEmbedding(nn.Module):
         out = F.embedding(local.masked_fill(outside, 0), self.weight)
         out = out.masked_fill(outside[..., None], 0)
         if self.reducer is not None:
-            if self.sum_prefetch:
-                return self.reducer(out, self.sum_prefetch)
             return self.reducer(out)
         dist.all_reduce(out, group=self.group)
         return out
