@@ -199,11 +199,10 @@ def parse_args() -> argparse.Namespace:
     parser.add_argument(
         "--tp-decode",
         nargs="+",
-        choices=["auto", "unfused", "fused", "push"],
+        choices=["auto", "unfused", "fused"],
         default=["auto"],
         help="the TP=N decode step: the config's defaults (auto), decode_fusion off (unfused), "
-        "decode_fusion on with one sum kernel per sum (fused: tensor_parallel.gemv_push false) "
-        "or with the sums pushed by the GEMVs (push: gemv_push true); with --tp-compare, one "
+        "decode_fusion on (fused: one sum kernel per sum); with --tp-compare, one "
         "TP=N run per value (and per --tp-allreduce value)",
     )
     return parser.parse_args()
@@ -520,8 +519,6 @@ def main() -> None:
     if world > 1 and args.tp_decode[0] != "auto":  # --tp-decode: the TP=N step's variant
         decode = args.tp_decode[0]
         config["decode_fusion"] = decode != "unfused"
-        if decode != "unfused":
-            config["tensor_parallel"]["gemv_push"] = decode == "push"
     if args.offload:
         offload: dict[str, Any] = {"device": args.offload, "pin_memory": True}
         if args.offload == "nvme":
@@ -574,8 +571,6 @@ def main() -> None:
     spec = fused.spec
     reducer = getattr(fused.blocks[0], "reducer", None)
     common["allreduce"] = reducer.kind if reducer is not None else None
-    if world > 1:
-        common["gemv_push"] = fused.tp_push is not None
     if reducer is not None and reducer.kind == "symm_mem":
         common["allreduce"] += ":slipstream" if reducer.norm_state is not None else ":torch"
         if reducer.norm_why:

@@ -33,6 +33,34 @@ def test_reference_is_the_unfused_math() -> None:
     )
 
 
+@pytest.mark.parametrize("target", ["sm_90", "gfx942"])
+def test_kernel_builds_for_gpus(target: str) -> None:
+    """The kernel (sum + add + RMSNorm of bf16 words) compiles ahead of time for Hopper and
+    MI300."""
+    pytest.importorskip("triton")
+    from slipstream.inference.allreduce_norm_triton import reduce_add_rms_norm_kernel
+    from slipstream.kernels.aot import compile_spec
+    from slipstream.kernels.triton_support import AotSpec
+
+    pointers = ["local", "residual", "weight", "total", "out"]
+    signature = {f"{name}_ptr": "*i32" for name in pointers}
+    signature.update(recv_ptrs="*i64", epoch_ptr="*i32", err_ptr="*i32")
+    signature.update(rows="i32", n_words="i32", slot_words="i64", eps="fp32")
+    constants = {
+        "RANK": 0,
+        "WORLD": 2,
+        "PACKED": True,
+        "NORM": True,
+        "HAS_WEIGHT": True,
+        "BLOCK": 2048,
+        "SPIN": 1 << 26,
+    }
+    signature.update(dict.fromkeys(constants, "constexpr"))
+    spec = AotSpec("reduce_add_rms_norm", reduce_add_rms_norm_kernel, signature, constants)
+    result = compile_spec(spec, target)
+    assert result.ok, result.error
+
+
 def _deliver(state: SymmNormState, sender: int, call: int, rows: torch.Tensor) -> None:
     """Put ``rows`` into this rank's receive buffer as peer ``sender``'s push of call ``call``."""
     words = rows.contiguous().view(torch.int32).flatten().to(torch.int64) & 0xFFFFFFFF

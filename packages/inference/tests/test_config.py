@@ -45,7 +45,6 @@ def test_json_file(tmp_path) -> None:
         ({"tensor_parallel": {"tp_sise": 2}}, "tensor_parallel.tp_size"),
         ({"tensor_parallel": {"allreduce": "nvls"}}, "tensor_parallel.allreduce"),
         ({"tensor_parallel": {"symm_mem_kernel": "nccl"}}, "tensor_parallel.symm_mem_kernel"),
-        ({"tensor_parallel": {"gemv_push": "sometimes"}}, "tensor_parallel.gemv_push"),
         ({"dtype": "fp8"}, r"dtype = \"fp8\""),
         ({"max_out_tokens": 0}, "max_out_tokens = 0"),
         ({"max_out_tokens": 4, "min_out_tokens": 8}, "raise max_out_tokens"),

@@ -81,12 +81,6 @@ class TensorParallelConfig(ConfigBlock):
     # (torch.ops.symm_mem's one-shot kernel, then add_rms_norm), see
     # slipstream.inference.allreduce_norm.
     symm_mem_kernel: Literal["slipstream", "torch"] = "slipstream"
-    # With decode_fusion under TP: the row-parallel decode GEMVs push their partial sums into
-    # the peers' symmetric memory and the next norm GEMV adds them (no kernel per sum), see
-    # slipstream.inference.tp_decode. Experimental, off by default: measured slower than one
-    # sum kernel per sum (2x H200, 8B, TP=2: 238.8 against 333.8 tokens/s). true: on (an
-    # error says why where it cannot run).
-    gemv_push: bool = False
 
 
 @dataclasses.dataclass(kw_only=True)

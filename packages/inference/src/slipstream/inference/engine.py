@@ -98,7 +98,6 @@ class InferenceEngine(nn.Module):
         self.module = model
         self.device = _default_device(model)
         self.fused: FusedDecoder | None = None
-        self.gemv_push_why = ""  # why tensor_parallel.gemv_push could not be set up
         self._runner: StaticCacheRunner | None = None
         dtype = config.torch_dtype
         if not config.replace_with_kernel_inject:
@@ -170,27 +169,11 @@ class InferenceEngine(nn.Module):
         from slipstream.inference.fused_decode import enable_decode_fusion
 
         enable_decode_fusion(fused, config.decode_fusion, self.device, config.decode_pdl)
-        if config.tp_size > 1:
-            self._setup_gemv_push(fused)
         if config.injection_policy is not None:
             logger.info(
                 "injection_policy is not needed for %s: its fused adapter knows the layout",
                 fused.spec.family,
             )
-
-    def _setup_gemv_push(self, fused: FusedDecoder) -> None:
-        """``tensor_parallel.gemv_push``: the fused TP decode step's sums ride on its GEMVs."""
-        from slipstream.inference.tp_decode import setup_gemv_push
-
-        if not self.config.tensor_parallel.gemv_push:
-            return
-        why = self.gemv_push_why = setup_gemv_push(fused, _tp_group(self.config), self.device)
-        if why:
-            raise ValueError(
-                f"tensor_parallel.gemv_push = true cannot run here: {why}. Set it to false "
-                "(the default: one sum kernel per sum)"
-            )
-        logger.info("tensor_parallel.gemv_push: on (the sums ride on the GEMVs)")
 
     def _check_unfused(self) -> None:
         config = self.config

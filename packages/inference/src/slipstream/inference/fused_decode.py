@@ -114,7 +114,7 @@ def enable_decode_fusion(
     int8/int4 on one rank (:mod:`.fused_quant_decode`), what was measured; else off. ``True``:
     every part the model can run (:func:`eligible_parts`: packed int8/int4/fp8 projections
     fuse, other quantized ones keep their kernels; tensor-parallel blocks sum their partials
-    with one kernel per sum, or in the GEMVs with ``tensor_parallel.gemv_push``), on
+    with one kernel per sum), on
     any device (on the CPU the ops run their torch references, the same math as the unfused
     step), with a warning naming what blocks the rest.
 
@@ -259,10 +259,6 @@ def decode_forward(
 ) -> torch.Tensor:
     """The blocks, final norm and head of ``model``'s single-token decode step from the
     embedded token ``x`` (``FusedDecoder.forward`` calls this when decode fusion is on)."""
-    if model.tp_push is not None and model.decode_fusion == PARTS:  # sums on the GEMVs (TP)
-        from slipstream.inference.tp_decode import tp_decode_forward
-
-        return tp_decode_forward(model, x, rotary, cache, slots, mask)
     from slipstream.inference.fused_quant_decode import has_fused_quantized, quant_decode_forward
 
     if has_fused_quantized(model):  # packed int8/int4/fp8 projections: their fused kernels

@@ -405,9 +405,6 @@ class FusedDecoder(nn.Module):
         # Whether the fused dense decode step launches its kernels with programmatic dependent
         # launch (the ``decode_pdl`` config key; set by fused_decode.enable_decode_fusion).
         self.decode_pdl = False
-        # Under TP with tensor_parallel.gemv_push (experimental, off by default): the fused
-        # step's sums ride on its GEMVs (tp_decode.PushState, set by setup_gemv_push).
-        self.tp_push: Any = None
 
     def _rotary(self, positions: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor] | None:
         if self.spec.position != "rotary":
