@@ -493,7 +493,10 @@ def main() -> None:
         torch.cuda.reset_peak_memory_stats(
             device
         )  # the peak reported is the run's, not the build's
-    max_len = args.prompt + args.new_tokens
+    # --profile runs generate with 1 + STEPS new tokens: the cache holds the longer of the two
+    max_len = args.prompt + max(args.new_tokens, args.profile + 1 if args.profile else 0)
+    if max_len > args.prompt + args.new_tokens:
+        emit(result="kv_cache_sized_for_profile", max_out_tokens=max_len, profile=args.profile)
     config: dict[str, Any] = {
         "dtype": args.dtype if args.weights == "native" else "int8",
         "replace_with_kernel_inject": True,
@@ -667,19 +670,39 @@ def dequantized_difference(engine: Any, ids: torch.Tensor) -> float:
     return (got - want).abs().max().item()
 
 
-def _gemv_parts(engine: Any) -> list[tuple[str, int]]:
-    """The fused decode GEMVs of one decode step in launch order, with each one's weight bytes
-    (``decode_gemv_kernel`` runs them all: the profile tells them apart by position)."""
+# The decode-step GEMV kernels the profile labels by position: the bf16 fused GEMV, the fused
+# quantized GEMV (quant_decode_gemv / quant_decode_qkv), the plain packed quantized GEMV and the
+# unpacked quantized matmul (a quantized linear outside decode_fusion).
+GEMV_KERNELS = ("decode_gemv_kernel", "fused_gemv_kernel", "gemv_kernel", "quant_matmul_kernel")
+
+
+def _linear_info(linear: Any) -> tuple[int, str, str]:
+    """A linear's weight bytes read per call (quantized: codes and scales), its ``out x in``
+    shape and its weight format (``bf16``, ``int4``, ...)."""
+    if hasattr(linear, "codes"):  # WeightOnlyLinear (packed or not)
+        size = sum(t.numel() * t.element_size() for t in (linear.codes, linear.scales))
+        fmt = linear.format + ("/packed" if linear.packed else "")
+        return size, f"{linear.out_features}x{linear.in_features}", fmt
+    weight = linear.weight
+    dtype = str(weight.dtype).removeprefix("torch.").replace("bfloat16", "bf16")
+    return weight.numel() * weight.element_size(), "x".join(map(str, weight.shape)), dtype
+
+
+def _gemv_parts(engine: Any) -> list[tuple[str, int, str, str]]:
+    """The decode GEMVs of one decode step in launch order as ``(part, weight bytes, shape,
+    format)``: the parts in ``decode_fusion`` (one ``GEMV_KERNELS`` launch each) and every
+    quantized linear (its own kernel even when unfused; the profile tells them apart by
+    position)."""
     fused = engine.fused
     parts = fused.decode_fusion
     order = []
     for block in fused.blocks:
         for part, name in (("qkv", "qkv"), ("out", "out"), ("gate_up", "up"), ("down", "down")):
-            if part in parts:
-                weight = getattr(block, name).weight
-                order.append((part, weight.numel() * weight.element_size()))
-    if "head" in parts:
-        order.append(("head", fused.head.weight.numel() * fused.head.weight.element_size()))
+            linear = getattr(block, name)
+            if part in parts or hasattr(linear, "codes"):
+                order.append((part, *_linear_info(linear)))
+    if "head" in parts or hasattr(fused.head, "codes"):
+        order.append(("head", *_linear_info(fused.head)))
     return order
 
 
@@ -688,9 +711,10 @@ def profile_decode(
 ) -> None:
     """Per-kernel GPU time of a decode step: ``generate`` of 1 and of ``1 + steps`` new tokens
     are profiled, and the difference per kernel name, divided by ``steps``, is one decode step
-    (inside the CUDA graph the kernels are still reported one by one). With decode fusion on,
-    ``decode_gemv_kernel``'s calls are also told apart by their place in the step (QKV, output,
-    gate/up, down per block, then the head): time, GB/s and share of the copy bandwidth each."""
+    (inside the CUDA graph the kernels are still reported one by one). The GEMV kernels'
+    calls (``GEMV_KERNELS``: bf16 and quantized) are also told apart by their place in the step
+    (QKV, output, gate/up, down per block, then the head): time, shape, weight format, GB/s and
+    share of the copy bandwidth of each part, and of all GEMVs together."""
     from torch.profiler import ProfilerActivity, profile
 
     gemv_order = _gemv_parts(engine)
@@ -715,7 +739,7 @@ def profile_decode(
             if not ids.is_cuda and event.cpu_parent is not None:
                 continue  # CPU run: top-level ops only
             time_us = event.device_time if ids.is_cuda else event.cpu_time
-            if event.name == "decode_gemv_kernel":
+            if event.name in GEMV_KERNELS:
                 gemvs.append((event.time_range.start, time_us))
             calls, total = table.get(event.name, (0, 0.0))
             table[event.name] = (calls + 1, total + time_us)
@@ -747,10 +771,13 @@ def profile_decode(
             us_per_step=round(per_step_us, 2),
             share=round(per_step_us / max(step_us, 1e-9), 4),
         )
-    # The decode steps' GEMVs, each labelled by its place in the step (the prefill runs none).
-    in_prefill, in_steps = gemv_calls.get(1, []), gemv_calls.get(1 + steps, [])
+    # The decode steps' GEMVs, each labelled by its place in the step
+    # (a GEMV kernel the prefill runs too, e.g. the unpacked quantized matmul: the longer run's
+    # first ones are the prefill's)
+    in_prefill = gemv_calls.get(1, [])
+    in_steps = gemv_calls.get(1 + steps, [])[len(in_prefill) :]
     period = len(gemv_order)
-    if not ids.is_cuda or not period or in_prefill or len(in_steps) != period * steps:
+    if not ids.is_cuda or not period or len(in_steps) != period * steps:
         if ids.is_cuda and (in_steps or in_prefill):
             emit(
                 result="decode_profile_gemv_skipped",
@@ -761,15 +788,28 @@ def profile_decode(
         return
     by_part: dict[str, list[float]] = {}
     by_bytes: dict[str, int] = {}
+    labels: dict[str, tuple[str, str]] = {}
     for index, time_us in enumerate(in_steps):
-        part, size = gemv_order[index % period]
+        part, size, shape, fmt = gemv_order[index % period]
         by_part.setdefault(part, []).append(time_us)
         by_bytes[part] = by_bytes.get(part, 0) + size
+        labels[part] = (shape, fmt)
+    gemv_us = sum(in_steps) / steps
+    emit(
+        result="decode_profile_gemv_total",
+        us_per_step=round(gemv_us, 1),
+        share_of_step=round(gemv_us / max(step_us, 1e-9), 4),
+        other_us_per_step=round(step_us - gemv_us, 1),
+        gb_per_s=round(sum(by_bytes.values()) / (sum(in_steps) / 1e6) / 1e9, 1),
+        fraction_of_copy=round(sum(by_bytes.values()) / (sum(in_steps) / 1e6) / bandwidth, 3),
+    )
     for part, times in by_part.items():
         seconds = sum(times) / 1e6
         emit(
             result="decode_profile_gemv",
             part=part,
+            shape=labels[part][0],
+            format=labels[part][1],
             calls_per_step=len(times) // steps,
             us_per_step=round(sum(times) / steps, 2),
             us_per_call=round(sum(times) / len(times), 2),
