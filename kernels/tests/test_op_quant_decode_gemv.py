@@ -72,17 +72,39 @@ def test_kernel_matches_reference(
         monkeypatch.setattr(fused_gemv, "PDL", pdl)
         _kernel_matches_reference(triton_device, fmt)
     # a persistent grid (an LM head's): two programs walk the blocks
-    monkeypatch.setattr(fused_gemv, "_grid_programs", lambda blocks, device: min(blocks, 2))
+    monkeypatch.setattr(
+        fused_gemv, "_grid_programs", lambda blocks, device, per_sm=0: min(blocks, 2)
+    )
     _kernel_matches_reference(triton_device, fmt)
 
 
-def _kernel_matches_reference(triton_device: torch.device, fmt: str) -> None:
+def test_split_k_and_persistent_launches(triton_device: torch.device) -> None:
+    """Launch-table knobs: K cut in two ranges (the last to finish adds the sums and runs the
+    epilogue, leaving the workspace zero for the next launch), and a persistent grid of one
+    program per SM walking two blocks each, equal the reference (fp32 on the CPU)."""
+    from slipstream.kernels.ops.quant_matmul import fused_gemv
+    from slipstream.kernels.ops.quant_matmul.fused_table import FusedGemvConfig
+
+    split = FusedGemvConfig(block_n=4, split_k=2, half2=True, prefetch=True)
+    persistent = FusedGemvConfig(block_n=2, split_k=2, prefetch=False, programs_per_sm=1)
+    for config in (split, split, persistent):  # twice: the workspace was left zero
+        _kernel_matches_reference(triton_device, "int4", config, quick=True)
+    held = [t for key, t in fused_gemv._SCRATCH.items() if key[0] == triton_device]
+    assert held and all(t.count_nonzero() == 0 for pair in held for t in pair)
+    with pytest.raises(ValueError, match="split_k"):
+        _kernel_matches_reference(triton_device, "int4", FusedGemvConfig(split_k=64), quick=True)
+
+
+def _kernel_matches_reference(
+    triton_device: torch.device, fmt: str, config: object | None = None, quick: bool = False
+) -> None:
+    """``quick``: fp32 (and bf16 on a GPU) and three of the fusions only."""
     from slipstream.kernels.ops.quant_matmul.fused_gemv import fused_quant_gemv
 
     in_features, out_features = _IN[fmt], 24
     words, scales = _packed(fmt, out_features, in_features)
     words, scales = words.to(triton_device), scales.to(triton_device)
-    dtypes = [torch.float32, torch.float16]
+    dtypes = [torch.float32] if quick else [torch.float32, torch.float16]
     if triton_device.type == "cuda":
         dtypes.append(torch.bfloat16)  # and the f16x2 path (int4 / int8 on NVIDIA)
     for dtype in dtypes:
@@ -106,9 +128,9 @@ def _kernel_matches_reference(triton_device: torch.device, fmt: str) -> None:
             {"stats": stats, "eps": 1e-6, "gated": True, "bias": rand(out_features), "x": big},
             {"residual": rand(1, out_features), "norm_weight": rand(out_features)},
         ]
-        for kwargs in cases:
+        for kwargs in [cases[0], cases[4], cases[5]] if quick else cases:
             row = kwargs.pop("x", x)
-            got = fused_quant_gemv(row, words, scales, fmt, 128, **kwargs)
+            got = fused_quant_gemv(row, words, scales, fmt, 128, **kwargs, config=config)
             want = reference(row, words, scales, fmt, 128, **kwargs)
             for a, b in zip(got[:2], want[:2], strict=True):
                 assert (a is None) == (b is None)
@@ -157,7 +179,7 @@ def test_qkv_with_rotary_and_cache_write(
     for dtype in dtypes:
         if dtype == torch.float16:  # and a persistent grid: two programs walk the blocks
             fused_gemv = importlib.import_module("slipstream.kernels.ops.quant_matmul.fused_gemv")
-            monkeypatch.setattr(fused_gemv, "_grid_programs", lambda blocks, device: 2)
+            monkeypatch.setattr(fused_gemv, "_grid_programs", lambda blocks, device, per_sm=0: 2)
         x = (10 * torch.randn(1, 1, in_features, generator=gen)).to(triton_device, dtype)
         stats = torch.full((1, 3), 100.0 * in_features / 3, device=triton_device)
         angles = torch.rand(1, 1, head_dim // 2, generator=gen).to(triton_device) * 6

@@ -27,12 +27,11 @@ split 1 anyway) and one program per activation row, for a few rows.
 
 from __future__ import annotations
 
-import dataclasses
-
 import torch
 import triton
 import triton.language as tl
 
+from slipstream.kernels.ops.quant_matmul.fused_table import FusedGemvConfig, lookup_fused
 from slipstream.kernels.ops.quant_matmul.gemv import (
     GEMV_FORMAT_CODES,
     GemvConfig,
@@ -56,6 +55,9 @@ from slipstream.kernels.triton_support import AotSpec, check_kernel_device
 
 __all__ = [
     "PDL",
+    "FusedGemvConfig",
+    "fused_config",
+    "fused_config_supported",
     "fused_gemv_kernel",
     "fused_quant_gemv",
     "fused_quant_qkv",
@@ -198,6 +200,8 @@ def fused_gemv_kernel(
     cache_sb,
     cache_sh,
     cache_ss,
+    ws_ptr,  # SPLIT_K > 1: fp32 (rows, N) partial sums, zero at rest
+    count_ptr,  # SPLIT_K > 1: int32 arrival counters per (row, block), zero at rest
     FORMAT: tl.constexpr,  # 0 int8, 1 int4, 2 fp8 e4m3 (packed words)
     GROUP: tl.constexpr,
     HAS_BIAS: tl.constexpr,
@@ -214,6 +218,7 @@ def fused_gemv_kernel(
     HEAD_DIM: tl.constexpr = 128,
     GDC: tl.constexpr = False,  # launched with PDL: wait for the previous kernel (see PDL)
     L2_PREFETCH: tl.constexpr = False,  # GDC: the program's weight rows into L2 before the wait
+    SPLIT_K: tl.constexpr = 1,  # K ranges per block, one program each (program_id 2)
 ):
     """One activation row per program ``(row, p)``; see the module docstring for the pieces."""
     if GDC:
@@ -227,6 +232,10 @@ def fused_gemv_kernel(
     else:
         n_blocks = tl.cdiv(N, BLOCK_N)
     steps = K // BLOCK_K
+    # this program's K range (split-K: a contiguous share of the steps)
+    per_split = tl.cdiv(steps, SPLIT_K)
+    k_first = tl.program_id(2) * per_split
+    k_last = tl.minimum(k_first + per_split, steps)
     x_row = x_ptr + pid_m.to(tl.int64) * stride_xm
     x_type = x_ptr.dtype.element_ty
     out_type = out_ptr.dtype.element_ty
@@ -243,8 +252,13 @@ def fused_gemv_kernel(
     cols, col_ok = _block_rows(pid_n, r, N, ROPE, GATED, BLOCK_N, HEAD_DIM)
     if PREFETCH:  # the first block's first tile
         first_rows = cols.to(tl.int64)[:, None, None]
-        next_words = tl.load(codes_ptr + first_rows * stride_cn + word)
-        next_scale = tl.load(scales_ptr + first_rows * (K // GROUP) + (g * PACK) // GROUP + jj * 0)
+        next_words = tl.load(codes_ptr + first_rows * stride_cn + k_first * (BLOCK_K // PER) + word)
+        next_scale = tl.load(
+            scales_ptr
+            + first_rows * (K // GROUP)
+            + (k_first * BLOCK_K + g * PACK) // GROUP
+            + jj * 0
+        )
     if GDC:  # the weights are ours to read early; everything else waits for the producer
         if L2_PREFETCH:
             # the first prefetch_bytes of each of the program's code rows (contiguous) in one
@@ -275,14 +289,14 @@ def fused_gemv_kernel(
         scale_rows = scales_ptr + safe_rows * (K // GROUP) + jj * 0
         acc3 = tl.zeros((BLOCK_N, GPS, 16), dtype=tl.float32)
         acc_quads = tl.zeros((BLOCK_N, GPS, 4), dtype=tl.float32)
-        for step in range(0, steps):
+        for step in range(k_first, k_last):
             k0 = step * BLOCK_K
             if PREFETCH:
                 words = next_words
                 scale = next_scale
                 # the next step's tile, or after the last step the next block's first tile
-                more = step + 1 < steps
-                ahead = tl.where(more, step + 1, 0)
+                more = step + 1 < k_last
+                ahead = tl.where(more, step + 1, k_first)
                 ahead_rows = tl.where(more, cols, following).to(tl.int64)[:, None, None]
                 next_words = tl.load(
                     codes_ptr + ahead_rows * stride_cn + ahead * (BLOCK_K // PER) + word
@@ -358,56 +372,71 @@ def fused_gemv_kernel(
                 acc = acc * 256.0
         if NORM_IN:
             acc = acc * (rstd / xscale)
-        if HAS_BIAS:
-            acc += tl.load(bias_ptr + cols).to(tl.float32)
-        out_row = out_ptr + pid_m.to(tl.int64) * stride_om
-        if ROPE:
-            # the projection's outputs rounded as the unfused GEMV's, then rotary_kv_write's math
-            HALF: tl.constexpr = HEAD_DIM // 2
-            y = acc.to(out_type).to(tl.float32)
-            first, second = tl.split(tl.reshape(y, (BLOCK_N // 2, 2)))
-            pr = blk * (BLOCK_N // 2) + tl.arange(0, BLOCK_N // 2)
-            ok = pr < N // 2
-            head = pr // HALF
-            fi = pr % HALF
-            is_q = head < heads
-            is_v = head >= heads + kv_heads
-            turn = ok & (head < heads + kv_heads)
-            c = tl.load(cos_ptr + pid_m * HALF + fi, mask=turn, other=1.0).to(tl.float32)
-            sn = tl.load(sin_ptr + pid_m * HALF + fi, mask=turn, other=0.0).to(tl.float32)
-            lo = (first * c - second * sn).to(out_type)
-            hi = (second * c + first * sn).to(out_type)
-            q_at = out_row + head * HEAD_DIM + fi
-            tl.store(q_at, lo, mask=ok & is_q)
-            tl.store(q_at + HALF, hi, mask=ok & is_q)
-            slot = tl.load(slot_ptr).to(tl.int64)
-            kv = tl.where(is_v, head - heads - kv_heads, head - heads)
-            at = pid_m.to(tl.int64) * cache_sb + kv * cache_sh + slot * cache_ss + fi
-            k_ok = ok & (head >= heads) & ~is_v
-            v_ok = ok & is_v
-            tl.store(key_ptr + at, lo.to(key_ptr.dtype.element_ty), mask=k_ok)
-            tl.store(key_ptr + at + HALF, hi.to(key_ptr.dtype.element_ty), mask=k_ok)
-            tl.store(value_ptr + at, lo.to(value_ptr.dtype.element_ty), mask=v_ok)
-            tl.store(value_ptr + at + HALF, hi.to(value_ptr.dtype.element_ty), mask=v_ok)
-        elif GATED:
-            # the projection's outputs rounded as the unfused GEMV's, then gated_activation's math
-            y = acc.to(out_type).to(tl.float32)
-            gate, up = tl.split(tl.reshape(y, (BLOCK_N // 2, 2)))
-            act = (gate / (1.0 + tl.exp(-gate))).to(out_type).to(tl.float32)
-            j = blk * (BLOCK_N // 2) + tl.arange(0, BLOCK_N // 2)
-            tl.store(out_row + j, (act * up).to(out_type), mask=j < N // 2)
-        elif ADD_NORM:
-            y = acc.to(out_type).to(tl.float32)
-            row_n = pid_m.to(tl.int64) * N
-            res = tl.load(res_ptr + row_n + cols, mask=col_ok, other=0.0).to(tl.float32)
-            total = (y + res).to(total_ptr.dtype.element_ty)
-            tl.store(total_ptr + row_n + cols, total, mask=col_ok)
-            tf = tl.where(col_ok, total.to(tl.float32), 0.0)
-            tl.store(stats_out_ptr + pid_m * n_blocks + blk, tl.sum(tf * tf, axis=0))
-            nw = tl.load(nw_ptr + cols, mask=col_ok, other=0.0).to(tl.float32)
-            tl.store(out_row + cols, (tf * nw).to(out_type), mask=col_ok)
-        else:
-            tl.store(out_row + cols, acc.to(out_type), mask=col_ok)
+        done = True
+        if SPLIT_K > 1:
+            # every split adds its fp32 sums into the workspace; the last to arrive takes the
+            # total (leaving the workspace zero) and runs the epilogue for the block
+            ws = ws_ptr + pid_m.to(tl.int64) * N + cols
+            tl.atomic_add(ws, acc, mask=col_ok, sem="relaxed")
+            tl.debug_barrier()
+            counter = count_ptr + pid_m * n_blocks + blk
+            arrived = tl.atomic_add(counter, 1, sem="acq_rel")
+            done = arrived == SPLIT_K - 1
+            if done:  # (an atomic read: the other splits' sums are in L2, not in our L1)
+                acc = tl.atomic_add(ws, tl.zeros_like(acc), mask=col_ok, sem="relaxed")
+                tl.store(ws, tl.zeros_like(acc), mask=col_ok)
+                tl.store(counter, 0)
+        if done:
+            if HAS_BIAS:
+                acc += tl.load(bias_ptr + cols).to(tl.float32)
+            out_row = out_ptr + pid_m.to(tl.int64) * stride_om
+            if ROPE:
+                # the projection's outputs rounded as the unfused GEMV's, then rotary_kv_write's math
+                HALF: tl.constexpr = HEAD_DIM // 2
+                y = acc.to(out_type).to(tl.float32)
+                first, second = tl.split(tl.reshape(y, (BLOCK_N // 2, 2)))
+                pr = blk * (BLOCK_N // 2) + tl.arange(0, BLOCK_N // 2)
+                ok = pr < N // 2
+                head = pr // HALF
+                fi = pr % HALF
+                is_q = head < heads
+                is_v = head >= heads + kv_heads
+                turn = ok & (head < heads + kv_heads)
+                c = tl.load(cos_ptr + pid_m * HALF + fi, mask=turn, other=1.0).to(tl.float32)
+                sn = tl.load(sin_ptr + pid_m * HALF + fi, mask=turn, other=0.0).to(tl.float32)
+                lo = (first * c - second * sn).to(out_type)
+                hi = (second * c + first * sn).to(out_type)
+                q_at = out_row + head * HEAD_DIM + fi
+                tl.store(q_at, lo, mask=ok & is_q)
+                tl.store(q_at + HALF, hi, mask=ok & is_q)
+                slot = tl.load(slot_ptr).to(tl.int64)
+                kv = tl.where(is_v, head - heads - kv_heads, head - heads)
+                at = pid_m.to(tl.int64) * cache_sb + kv * cache_sh + slot * cache_ss + fi
+                k_ok = ok & (head >= heads) & ~is_v
+                v_ok = ok & is_v
+                tl.store(key_ptr + at, lo.to(key_ptr.dtype.element_ty), mask=k_ok)
+                tl.store(key_ptr + at + HALF, hi.to(key_ptr.dtype.element_ty), mask=k_ok)
+                tl.store(value_ptr + at, lo.to(value_ptr.dtype.element_ty), mask=v_ok)
+                tl.store(value_ptr + at + HALF, hi.to(value_ptr.dtype.element_ty), mask=v_ok)
+            elif GATED:
+                # the projection's outputs rounded as the unfused GEMV's, then gated_activation's math
+                y = acc.to(out_type).to(tl.float32)
+                gate, up = tl.split(tl.reshape(y, (BLOCK_N // 2, 2)))
+                act = (gate / (1.0 + tl.exp(-gate))).to(out_type).to(tl.float32)
+                j = blk * (BLOCK_N // 2) + tl.arange(0, BLOCK_N // 2)
+                tl.store(out_row + j, (act * up).to(out_type), mask=j < N // 2)
+            elif ADD_NORM:
+                y = acc.to(out_type).to(tl.float32)
+                row_n = pid_m.to(tl.int64) * N
+                res = tl.load(res_ptr + row_n + cols, mask=col_ok, other=0.0).to(tl.float32)
+                total = (y + res).to(total_ptr.dtype.element_ty)
+                tl.store(total_ptr + row_n + cols, total, mask=col_ok)
+                tf = tl.where(col_ok, total.to(tl.float32), 0.0)
+                tl.store(stats_out_ptr + pid_m * n_blocks + blk, tl.sum(tf * tf, axis=0))
+                nw = tl.load(nw_ptr + cols, mask=col_ok, other=0.0).to(tl.float32)
+                tl.store(out_row + cols, (tf * nw).to(out_type), mask=col_ok)
+            else:
+                tl.store(out_row + cols, acc.to(out_type), mask=col_ok)
 
 
 def _native_fp8(device: torch.device) -> bool:
@@ -453,27 +482,94 @@ def fused_quant_supported(format: str, group_size: int, in_features: int) -> boo
     return True
 
 
-def _config(
+def _default_config(
     format: str,
     out_features: int,
     in_features: int,
     group_size: int,
-    gated: bool,
-    x: torch.Tensor,
-    norm_in: bool = False,
-) -> GemvConfig | None:
-    """``gemv_default_config``'s launch (the sweep's table) without split-K, with f16x2 quads
-    where they run, two rows at least for the paired epilogues, and with the norm prologue the
-    first weight tile loaded before the statistics (its latency hidden behind theirs)."""
-    config = gemv_default_config(format, out_features, in_features, group_size, x.device)
+    device: torch.device,
+    fusion: str,
+) -> FusedGemvConfig | None:
+    """The rule: ``gemv_default_config``'s tile (the unfused sweep's table) in one K range,
+    f16x2 where it runs, two rows at least for the paired epilogues, and with the norm
+    prologue the first weight tile loaded before the statistics (its latency hidden)."""
+    config = gemv_default_config(format, out_features, in_features, group_size, device)
     if config is None:
         return None
-    block_n = max(config.block_n, 2) if gated else config.block_n
-    half2 = config.half2 and half2_supported(format, x)
-    prefetch = config.prefetch or norm_in
-    return dataclasses.replace(
-        config, split_k=1, block_n=block_n, half2=half2, quads=half2, prefetch=prefetch
+    paired = fusion in ("qkv", "gate_up")
+    return FusedGemvConfig(
+        block_n=max(config.block_n, 2) if paired else config.block_n,
+        num_warps=config.num_warps,
+        num_stages=config.num_stages,
+        half2=config.half2,
+        prefetch=config.prefetch or fusion in ("qkv", "gate_up", "norm"),
     )
+
+
+def fused_config_supported(
+    format: str, group_size: int, in_features: int, fusion: str, config: FusedGemvConfig
+) -> bool:
+    """Whether ``config`` can launch a packed ``format`` weight of ``in_features`` inputs for
+    ``fusion`` (a K step dividing the input, at least one step per K range, paired rows)."""
+    if not gemv_supports(format, group_size, in_features, _as_gemv(config)):
+        return False
+    steps = in_features // gemv_block_k(format, config.num_warps)
+    block_n = config.block_n
+    return (
+        block_n >= (2 if fusion in ("qkv", "gate_up") else 1)
+        and block_n & (block_n - 1) == 0
+        and 1 <= config.split_k <= steps
+        and config.programs_per_sm >= 0
+    )
+
+
+def _as_gemv(config: FusedGemvConfig) -> GemvConfig:
+    return GemvConfig(block_n=config.block_n, num_warps=config.num_warps)
+
+
+def fused_config(
+    format: str,
+    fusion: str,
+    out_features: int,
+    in_features: int,
+    group_size: int,
+    device: torch.device,
+) -> FusedGemvConfig | None:
+    """The launch of one fused GEMV (None: the kernel cannot run it): the launch table's entry
+    (user, then built-in; :mod:`.fused_table`) when it can run the shape, else the rule."""
+    found = lookup_fused(format, fusion, out_features, in_features, device)
+    if found is not None and fused_config_supported(
+        format, group_size, in_features, fusion, found[0]
+    ):
+        return found[0]
+    config = _default_config(format, out_features, in_features, group_size, device, fusion)
+    if config is None or not fused_config_supported(
+        format, group_size, in_features, fusion, config
+    ):
+        return None
+    return config
+
+
+def _fusion(gated: bool, add_norm: bool, norm_in: bool) -> str:
+    """The launch table's name (``fused_table.FUSIONS``) of what a launch folds in."""
+    if gated:
+        return "gate_up"
+    if add_norm:
+        return "add_norm"
+    return "norm" if norm_in else "plain"
+
+
+def _check_config(
+    format: str, group_size: int, in_features: int, fusion: str, config: FusedGemvConfig
+) -> None:
+    check_packable(format, group_size, in_features)
+    if not fused_config_supported(format, group_size, in_features, fusion, config):
+        raise ValueError(
+            f"fused quantized GEMV: {config} cannot run {format} ({fusion}) with "
+            f"in_features={in_features}: block_n a power of two (2+ for qkv / gate_up), "
+            f"in_features a multiple of {gemv_block_k(format, config.num_warps)}, split_k at "
+            f"most {in_features // gemv_block_k(format, config.num_warps)}"
+        )
 
 
 def fused_quant_gemv(
@@ -488,9 +584,12 @@ def fused_quant_gemv(
     gated: bool = False,
     residual: torch.Tensor | None = None,
     norm_weight: torch.Tensor | None = None,
+    config: FusedGemvConfig | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor | None, torch.Tensor | None]:
     """See :func:`slipstream.kernels.ops.quant_matmul.reference.quant_decode_gemv`: returns
-    ``(out, total, stats_out)`` (the last two None without ``residual``)."""
+    ``(out, total, stats_out)`` (the last two None without ``residual``). ``config``: this
+    launch instead of :func:`fused_config`'s (benchmarks sweep it; ValueError if it cannot run
+    the shape)."""
     check_kernel_device("quant_decode_gemv", x, words, scales, bias, stats, residual, norm_weight)
     in_features = x.shape[-1]
     check_packable(format, group_size, in_features)
@@ -501,13 +600,12 @@ def fused_quant_gemv(
         raise ValueError("fused_quant_gemv: gated needs an even [gate; up] weight, no residual")
     if add_norm and norm_weight is None:
         raise ValueError("fused_quant_gemv: residual needs norm_weight")
-    config = _config(format, out_features, in_features, group_size, gated, x, stats is not None)
-    if (
-        not 0 < rows <= MAX_ROWS
-        or (torch.is_grad_enabled() and x.requires_grad)
-        or config is None
-        or not gemv_supports(format, group_size, in_features, config)
-    ):
+    fusion = _fusion(gated, add_norm, stats is not None)
+    if config is not None:
+        _check_config(format, group_size, in_features, fusion, config)
+    else:
+        config = fused_config(format, fusion, out_features, in_features, group_size, x.device)
+    if not 0 < rows <= MAX_ROWS or (torch.is_grad_enabled() and x.requires_grad) or config is None:
         # more rows, autograd, or a shape the packed loop cannot step through: the reference
         return reference_decode_gemv(
             x, words, scales, format, group_size, bias, stats, eps, gated, residual, norm_weight
@@ -573,9 +671,11 @@ def fused_quant_qkv(
     slots: torch.Tensor,
     num_heads: int,
     num_kv_heads: int,
+    config: FusedGemvConfig | None = None,
 ) -> torch.Tensor:
     """See :func:`slipstream.kernels.ops.quant_matmul.reference.quant_decode_qkv`: the QKV
-    projection with ``rotary_kv_write`` in its epilogue (one token, full-width rotary)."""
+    projection with ``rotary_kv_write`` in its epilogue (one token, full-width rotary).
+    ``config``: this launch instead of :func:`fused_config`'s (ValueError if it cannot run)."""
     check_kernel_device(
         "quant_decode_qkv", x, words, scales, bias, stats, cos, sin, key_cache, value_cache, slots
     )
@@ -583,12 +683,12 @@ def fused_quant_qkv(
     rows = x.numel() // max(in_features, 1)
     head_dim = key_cache.shape[-1]
     out_features = words.numel() * PER_WORD[format] // max(in_features, 1)
-    config = None
-    if is_packable(format, group_size, in_features):
-        config = _config(format, out_features, in_features, group_size, True, x, stats is not None)
+    if config is not None:
+        _check_config(format, group_size, in_features, "qkv", config)
+    elif is_packable(format, group_size, in_features):
+        config = fused_config(format, "qkv", out_features, in_features, group_size, x.device)
     if (
         config is None
-        or not gemv_supports(format, group_size, in_features, config)
         or x.dim() != 3
         or x.shape[1] != 1
         or not 0 < rows <= MAX_ROWS
@@ -659,14 +759,42 @@ PERSISTENT_BLOCKS_PER_SM = 128
 PERSISTENT_PROGRAMS_PER_SM = 16
 
 
-def _grid_programs(blocks: int, device: torch.device) -> int:
+def _grid_programs(blocks: int, device: torch.device, programs_per_sm: int = 0) -> int:
     """Programs along the output blocks: one per block, or a persistent grid in which every
-    program walks the same number of blocks (the last one fewer)."""
+    program walks the same number of blocks (the last one fewer): ``programs_per_sm`` per SM,
+    or with 0 the rule above."""
     sms = _multiprocessors(device)
-    if blocks < PERSISTENT_BLOCKS_PER_SM * sms:
-        return blocks
-    per_program = triton.cdiv(blocks, PERSISTENT_PROGRAMS_PER_SM * sms)
+    if programs_per_sm == 0:
+        if blocks < PERSISTENT_BLOCKS_PER_SM * sms:
+            return blocks
+        programs_per_sm = PERSISTENT_PROGRAMS_PER_SM
+    per_program = triton.cdiv(blocks, programs_per_sm * sms)
     return triton.cdiv(blocks, per_program)
+
+
+# Split-K scratch per (device, stream): an fp32 workspace and arrival counters that the kernel
+# leaves zeroed (a CUDA graph captured on the stream of its warm-up replays them as they are).
+_SCRATCH: dict[tuple[torch.device, int], tuple[torch.Tensor, torch.Tensor]] = {}
+
+
+def _split_scratch(
+    device: torch.device, values: int, counters: int
+) -> tuple[torch.Tensor, torch.Tensor] | None:
+    """The zeroed workspace and counters of a split launch, grown outside CUDA-graph capture
+    only (None while capturing without a large enough one: the launch runs unsplit)."""
+    stream = torch.cuda.current_stream(device).stream_id if device.type == "cuda" else 0
+    key = (device, stream)
+    held = _SCRATCH.get(key)
+    if held is not None and held[0].numel() >= values and held[1].numel() >= counters:
+        return held
+    if device.type == "cuda" and torch.cuda.is_current_stream_capturing():
+        return None
+    held = (
+        torch.zeros(max(values, 1 << 16), device=device, dtype=torch.float32),
+        torch.zeros(max(counters, 1 << 12), device=device, dtype=torch.int32),
+    )
+    _SCRATCH[key] = held
+    return held
 
 
 def _launch(
@@ -684,7 +812,7 @@ def _launch(
     format: str,
     group_size: int,
     eps: float,
-    config: GemvConfig,
+    config: FusedGemvConfig,
     gated: bool = False,
     rope: tuple[torch.Tensor, ...] | None = None,
     rope_shape: tuple[int, int, int] = (0, 0, 128),
@@ -695,8 +823,17 @@ def _launch(
     prefetch = _prefetch_bytes(out_features, in_features * 4 // PER_WORD[format]) if pdl else 0
     cos, sin, slots, key_cache, value_cache = rope if rope is not None else (out,) * 5
     cache_strides = key_cache.stride()[:3] if rope is not None else (0, 0, 0)
-    grid = (grid[0], _grid_programs(grid[1], flat.device))
-    fused_gemv_kernel[grid](
+    blocks = grid[1]
+    split = config.split_k
+    scratch = None
+    if split > 1:
+        scratch = _split_scratch(flat.device, grid[0] * out_features, grid[0] * blocks)
+        if scratch is None:
+            split = 1
+        else:
+            prefetch = 0  # the L2 prefetch covers the start of each row: one K range's
+    programs = _grid_programs(blocks, flat.device, config.programs_per_sm)
+    fused_gemv_kernel[(grid[0], programs, split)](
         flat,
         words,
         scales,
@@ -723,13 +860,15 @@ def _launch(
         rope_shape[0],
         rope_shape[1],
         *cache_strides,
+        scratch[0] if scratch is not None else out,
+        scratch[1] if scratch is not None else out,
         FORMAT=GEMV_FORMAT_CODES[format],
         GROUP=group_size,
         HAS_BIAS=bias is not None,
         BLOCK_N=config.block_n,
         BLOCK_K=gemv_block_k(format, config.num_warps),
         NATIVE_FP8=format == "fp8_e4m3" and _native_fp8(flat.device),
-        HALF2=config.half2,
+        HALF2=config.half2 and half2_supported(format, flat),
         PREFETCH=config.prefetch,
         NORM_IN=stats is not None,
         GATED=gated,
@@ -738,6 +877,7 @@ def _launch(
         num_warps=config.num_warps,
         num_stages=config.num_stages,
         L2_PREFETCH=prefetch > 0,
+        SPLIT_K=split,
         ROPE=rope is not None,
         HEAD_DIM=rope_shape[2],
         **pdl,
@@ -777,6 +917,8 @@ def aot_specs(half2: bool = False) -> list[AotSpec]:
         "cache_sb": "i32",
         "cache_sh": "i32",
         "cache_ss": "i32",
+        "ws_ptr": "*fp32",
+        "count_ptr": "*i32",
         **{
             name: "constexpr"
             for name in (
@@ -796,6 +938,7 @@ def aot_specs(half2: bool = False) -> list[AotSpec]:
                 "HEAD_DIM",
                 "GDC",
                 "L2_PREFETCH",
+                "SPLIT_K",
             )
         },
     }
@@ -823,6 +966,7 @@ def aot_specs(half2: bool = False) -> list[AotSpec]:
                 "HEAD_DIM": 128,
                 "GDC": False,
                 "L2_PREFETCH": False,
+                "SPLIT_K": 1,
             }
             name = (
                 f"quant_matmul.fused_gemv[{format}xbf16,norm={norm_in},gated={gated},"
