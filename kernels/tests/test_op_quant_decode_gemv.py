@@ -68,9 +68,8 @@ def test_kernel_matches_reference(
 
     # On a GPU also with programmatic dependent launch (and the L2 prefetch: a small weight);
     # NVIDIA sm_90+ only, a no-op elsewhere.
-    for pdl in (False, True) if triton_device.type == "cuda" else (False,):
-        monkeypatch.setattr(fused_gemv, "PDL", pdl)
-        _kernel_matches_reference(triton_device, fmt)
+    for pdl in ("off", "on", "l2_partial") if triton_device.type == "cuda" else ("off",):
+        _kernel_matches_reference(triton_device, fmt, pdl=pdl)
     # a persistent grid (an LM head's): two programs walk the blocks
     monkeypatch.setattr(
         fused_gemv, "_grid_programs", lambda blocks, device, per_sm=0: min(blocks, 2)
@@ -96,7 +95,11 @@ def test_split_k_and_persistent_launches(triton_device: torch.device) -> None:
 
 
 def _kernel_matches_reference(
-    triton_device: torch.device, fmt: str, config: object | None = None, quick: bool = False
+    triton_device: torch.device,
+    fmt: str,
+    config: object | None = None,
+    quick: bool = False,
+    pdl: str = "on",
 ) -> None:
     """``quick``: fp32 (and bf16 on a GPU) and three of the fusions only."""
     from slipstream.kernels.ops.quant_matmul.fused_gemv import fused_quant_gemv
@@ -130,7 +133,7 @@ def _kernel_matches_reference(
         ]
         for kwargs in [cases[0], cases[4], cases[5]] if quick else cases:
             row = kwargs.pop("x", x)
-            got = fused_quant_gemv(row, words, scales, fmt, 128, **kwargs, config=config)
+            got = fused_quant_gemv(row, words, scales, fmt, 128, **kwargs, config=config, pdl=pdl)
             want = reference(row, words, scales, fmt, 128, **kwargs)
             for a, b in zip(got[:2], want[:2], strict=True):
                 assert (a is None) == (b is None)
@@ -157,6 +160,8 @@ def _kernel_matches_reference(
     )
     with pytest.raises(ValueError, match="norm_weight"):
         fused_quant_gemv(x, words, scales, fmt, 128, residual=x[:, :out_features])
+    with pytest.raises(ValueError, match="pdl = 'sometimes'"):
+        fused_quant_gemv(x, words, scales, fmt, 128, pdl="sometimes")
 
 
 @pytest.mark.parametrize("fmt", ["int4", "int8"])

@@ -124,11 +124,19 @@ def parse_args() -> argparse.Namespace:
         const="on",
         default=None,
         choices=["on", "off", "basic"],
-        help="the fused quantized decode GEMVs (decode_fusion on int8/int4) launched with "
-        "programmatic dependent launch (slipstream.kernels' fused_gemv.PDL; sm_90+): on (the "
-        "weights' L2 prefetch, whole or in part, and attention letting the output projection "
-        "start early), off, basic (only weights that fit the L2 budget whole are prefetched, "
-        "attention does not launch the output projection early); default: the library's",
+        help="quant.weight.decode_pdl, the fused quantized decode GEMVs' (decode_fusion on "
+        'int8/int4) programmatic dependent launch (sm_90+): on ("l2_partial": the weights\' '
+        "L2 prefetch, whole or in part, and attention letting the output projection start "
+        "early), off (false), basic (true: only weights that fit the L2 budget whole are "
+        "prefetched, attention does not launch the output projection early); default: the "
+        'config\'s ("auto")',
+    )
+    parser.add_argument(
+        "--quant-decode-table",
+        default=None,
+        metavar="JSON",
+        help="quant.weight.decode_gemv_table: launches of the fused quantized decode GEMVs per "
+        "GPU and shape, from quant_decode_bench.py --table-out, ahead of the built-in table",
     )
     parser.add_argument(
         "--lm-head",
@@ -352,7 +360,8 @@ def bench_batch(
         lm_head_quantized=args.lm_head,
         gemv_table=args.gemv_table,
         decode_gemv_table=args.decode_gemv_table,
-        quant_pdl=args.quant_pdl,
+        quant_pdl=engine.fused.quant_pdl if args.weights != "native" else None,
+        quant_decode_table=args.quant_decode_table,
         **run,
     )
     hf_kwargs = {
@@ -532,6 +541,7 @@ def main() -> None:
                 "format": "fp8_e4m3" if args.weights == "fp8" else "int",
                 "gemv_layout": {"auto": "auto", "on": True, "off": False}[args.gemv_layout],
                 "lm_head": args.lm_head,
+                "decode_gemv_table": args.quant_decode_table,
             }
         }
     if args.attention_block_s:
@@ -551,12 +561,12 @@ def main() -> None:
                 gemv_module.GemvConfig(**launch)
             )
         emit(result="gemv_table", path=args.gemv_table, entries=len(table))
-    if args.quant_pdl is not None:
+    if args.quant_pdl is not None and args.weights != "native":
         from slipstream.kernels.ops.decode_attention import triton as attention_triton
-        from slipstream.kernels.ops.quant_matmul import fused_gemv
 
-        fused_gemv.PDL = args.quant_pdl != "off"
-        fused_gemv.L2_PREFETCH_PARTIAL = args.quant_pdl == "on"
+        pdl = {"on": "l2_partial", "basic": True, "off": False}[args.quant_pdl]
+        config["quant"]["weight"]["decode_pdl"] = pdl
+        # (decode_attention's early trigger is still a module flag)
         attention_triton.LAUNCH_DEPENDENTS_EARLY = args.quant_pdl == "on"
     started = time.perf_counter()
     engine = init_inference(model, config)

@@ -92,7 +92,7 @@ class Inputs:
 
     def __init__(
         self, fmt: str, n: int, k: int, fusion: str, device: torch.device, span_mib: int,
-        heads: tuple[int, int, int],
+        heads: tuple[int, int, int], pdl: str = "on",
     ) -> None:  # fmt: skip
         from slipstream.kernels.ops.quant_matmul.packing import PER_WORD
 
@@ -123,6 +123,7 @@ class Inputs:
         self.residual = rand(1, n).to(dtype)
         self.norm_weight = (1 + 0.1 * rand(n)).to(dtype)
         self.heads = heads
+        self.pdl = pdl
         head_dim = heads[2]
         angles = rand(1, 1, head_dim // 2) * 3
         self.cos, self.sin = angles.cos(), angles.sin()
@@ -154,7 +155,7 @@ class Inputs:
         return functools.partial(fn, x, words, scales, self.fmt, 128, None, stats, 1e-5, gated)
 
     def triton(self, config: Any, weight: tuple[torch.Tensor, torch.Tensor]) -> Any:
-        return self._args(*weight, reference=False)(config=config)
+        return self._args(*weight, reference=False)(config=config, pdl=self.pdl)
 
     def check(self, config: Any) -> float:
         """Max |launch - reference| over max |reference| (the reference: dequantize, fp32
@@ -219,13 +220,6 @@ def copy_bandwidth() -> float:
     return 2 * src.numel() / best
 
 
-def _set_pdl(pdl: str) -> None:
-    from slipstream.kernels.ops.quant_matmul import fused_gemv
-
-    if pdl != "library":
-        fused_gemv.PDL = pdl == "on"
-
-
 def compile_worker(
     fmt: str, n: int, k: int, fusion: str, heads: tuple[int, int, int], pdl: str,
     launches: list[dict[str, Any]],
@@ -234,9 +228,8 @@ def compile_worker(
     failed. In a spawned process: the parent's later launches load the compiled kernels."""
     from slipstream.kernels.ops.quant_matmul.fused_table import FusedGemvConfig
 
-    _set_pdl(pdl)
     device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
-    inputs = Inputs(fmt, n, k, fusion, device, 0, heads)
+    inputs = Inputs(fmt, n, k, fusion, device, 0, heads, pdl)
     failed = 0
     with torch.no_grad():
         for launch in launches:
@@ -363,8 +356,9 @@ def main() -> None:
     parser.add_argument("--max-rel-error", type=float, default=0.02)
     parser.add_argument("--min-gain", type=float, default=1.02, help="table entries: speedup")
     parser.add_argument(
-        "--pdl", choices=["library", "on", "off"], default="library",
-        help="programmatic dependent launch of the timed calls (library: fused_gemv.PDL)",
+        "--pdl", choices=["on", "l2_partial", "off"], default="on",
+        help="programmatic dependent launch of the timed calls (quant.weight.decode_pdl's "
+        "launch option; on: the default's)",
     )  # fmt: skip
     parser.add_argument("--device-name", default=None, help="table entries' device (default: GPU)")
     parser.add_argument("--table-out", default=None, metavar="JSON")
@@ -373,7 +367,6 @@ def main() -> None:
     args = parser.parse_args()
     from slipstream.kernels.ops.quant_matmul.fused_table import FusedEntry, fused_table_json
 
-    _set_pdl(args.pdl)
     device = torch.device("cpu" if args.smoke else "cuda")
     shapes, heads = (SMOKE_SHAPES, SMOKE_HEADS) if args.smoke else (SHAPES, HEADS)
     if args.shapes:
@@ -394,7 +387,8 @@ def main() -> None:
     for index, (fmt, shape) in enumerate(jobs):
         n, k, fusion = shapes[shape]
         share = (args.budget_s - (time.perf_counter() - started)) / (len(jobs) - index)
-        inputs = Inputs(fmt, n, k, fusion, device, 1 if args.smoke else args.span_mib, heads)
+        span = 1 if args.smoke else args.span_mib
+        inputs = Inputs(fmt, n, k, fusion, device, span, heads, args.pdl)
         summary = bench_shape(shape, inputs, args, bandwidth, time.perf_counter() + share)
         best = summary.pop("_best", None)
         emit(**summary)

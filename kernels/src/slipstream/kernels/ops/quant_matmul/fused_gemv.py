@@ -54,7 +54,7 @@ from slipstream.kernels.ops.quant_matmul.reference import (
 from slipstream.kernels.triton_support import AotSpec, check_kernel_device
 
 __all__ = [
-    "PDL",
+    "PDL_MODES",
     "FusedGemvConfig",
     "fused_config",
     "fused_config_supported",
@@ -66,12 +66,14 @@ __all__ = [
 
 MAX_ROWS = 4
 STATS_BLOCK = 256
-# Programmatic dependent launch (NVIDIA sm_90+): each launch may start while the kernel before
-# it finishes, loading its first weight tile (weights are never written) and waiting
-# (``griddepcontrol.wait``) before it reads activations or writes anything. On: an H200 decoded
-# an 8B model 2.0% (int4) and 5.2% (int8) faster with it (tools/bench/infer_bench.py
-# --quant-pdl basic|off, the default L2 prefetch settings below).
-PDL = True
+# Programmatic dependent launch (NVIDIA sm_90+), the ``pdl`` argument (``init_inference``'s
+# ``quant.weight.decode_pdl`` key): each launch may start while the kernel before it finishes,
+# loading its first weight tile (weights are never written) and prefetching weight rows into
+# L2, and waits (``griddepcontrol.wait``) before it reads activations or writes anything.
+# "on": the L2 prefetch of weights that fit L2_PREFETCH_BYTES whole (an H200 decoded an 8B
+# model 2.0% (int4) and 5.2% (int8) faster than with "off"); "l2_partial": also the first part
+# of every row of larger weights (not measured yet); "off": plain launches.
+PDL_MODES = ("on", "l2_partial", "off")
 
 try:
     from triton.language.extra.cuda import gdc_launch_dependents, gdc_wait
@@ -216,7 +218,7 @@ def fused_gemv_kernel(
     STATS: tl.constexpr,
     ROPE: tl.constexpr = False,  # QKV: rotate q and k, write q to out and k, v to the cache
     HEAD_DIM: tl.constexpr = 128,
-    GDC: tl.constexpr = False,  # launched with PDL: wait for the previous kernel (see PDL)
+    GDC: tl.constexpr = False,  # launched with PDL: wait for the previous kernel (PDL_MODES)
     L2_PREFETCH: tl.constexpr = False,  # GDC: the program's weight rows into L2 before the wait
     SPLIT_K: tl.constexpr = 1,  # K ranges per block, one program each (program_id 2)
 ):
@@ -445,9 +447,12 @@ def _native_fp8(device: torch.device) -> bool:
     return torch.cuda.get_device_capability(device) >= (8, 9)
 
 
-def _pdl(device: torch.device) -> dict[str, bool]:
-    """The launch options for :data:`PDL` on this device (none where it cannot run)."""
-    if not (PDL and _HAS_GDC and device.type == "cuda" and torch.version.hip is None):
+def _pdl(device: torch.device, mode: str) -> dict[str, bool]:
+    """The launch options for ``mode`` (:data:`PDL_MODES`) on this device (none where it
+    cannot run: AMD, before sm_90, a Triton without grid dependency control)."""
+    if mode not in PDL_MODES:
+        raise ValueError(f"fused quantized GEMV: pdl = {mode!r}, expected one of {PDL_MODES}")
+    if mode == "off" or not (_HAS_GDC and device.type == "cuda" and torch.version.hip is None):
         return {}
     if torch.cuda.get_device_capability(device) < (9, 0):
         return {}
@@ -458,15 +463,13 @@ def _pdl(device: torch.device) -> dict[str, bool]:
 # quarter of an H100's L2): all of an 8B model's QKV and output projection, the first part of
 # every row of gate/up and down.
 L2_PREFETCH_BYTES = 12 << 20
-# True: every weight's rows are prefetched in part when the whole does not fit the budget
-# (not measured yet: --quant-pdl on); False: only weights that fit it whole.
-L2_PREFETCH_PARTIAL = False
 
 
-def _prefetch_bytes(out_features: int, row_bytes: int) -> int:
-    """Bytes of each code row to prefetch into L2 (0: none, too few to be worth it)."""
+def _prefetch_bytes(out_features: int, row_bytes: int, partial: bool) -> int:
+    """Bytes of each code row to prefetch into L2 (0: none, too few to be worth it);
+    ``partial``: also the first part of the rows of a weight larger than the budget."""
     share = min(row_bytes, L2_PREFETCH_BYTES // max(out_features, 1)) // 16 * 16
-    if share < row_bytes and not L2_PREFETCH_PARTIAL:
+    if share < row_bytes and not partial:
         return 0
     return share if share >= 256 else 0
 
@@ -585,11 +588,12 @@ def fused_quant_gemv(
     residual: torch.Tensor | None = None,
     norm_weight: torch.Tensor | None = None,
     config: FusedGemvConfig | None = None,
+    pdl: str = "on",
 ) -> tuple[torch.Tensor, torch.Tensor | None, torch.Tensor | None]:
     """See :func:`slipstream.kernels.ops.quant_matmul.reference.quant_decode_gemv`: returns
     ``(out, total, stats_out)`` (the last two None without ``residual``). ``config``: this
     launch instead of :func:`fused_config`'s (benchmarks sweep it; ValueError if it cannot run
-    the shape)."""
+    the shape). ``pdl``: programmatic dependent launch, one of :data:`PDL_MODES`."""
     check_kernel_device("quant_decode_gemv", x, words, scales, bias, stats, residual, norm_weight)
     in_features = x.shape[-1]
     check_packable(format, group_size, in_features)
@@ -646,6 +650,7 @@ def fused_quant_gemv(
         eps,
         config,
         gated=gated,
+        pdl_mode=pdl,
     )
     shape = x.shape[:-1]
     return (
@@ -672,10 +677,12 @@ def fused_quant_qkv(
     num_heads: int,
     num_kv_heads: int,
     config: FusedGemvConfig | None = None,
+    pdl: str = "on",
 ) -> torch.Tensor:
     """See :func:`slipstream.kernels.ops.quant_matmul.reference.quant_decode_qkv`: the QKV
     projection with ``rotary_kv_write`` in its epilogue (one token, full-width rotary).
-    ``config``: this launch instead of :func:`fused_config`'s (ValueError if it cannot run)."""
+    ``config``: this launch instead of :func:`fused_config`'s (ValueError if it cannot run);
+    ``pdl``: programmatic dependent launch, one of :data:`PDL_MODES`."""
     check_kernel_device(
         "quant_decode_qkv", x, words, scales, bias, stats, cos, sin, key_cache, value_cache, slots
     )
@@ -747,6 +754,7 @@ def fused_quant_qkv(
         config,
         rope=(*tables, slots, key_cache, value_cache),
         rope_shape=(num_heads, num_kv_heads, head_dim),
+        pdl_mode=pdl,
     )
     return out.view(rows, num_heads, 1, head_dim)
 
@@ -816,11 +824,13 @@ def _launch(
     gated: bool = False,
     rope: tuple[torch.Tensor, ...] | None = None,
     rope_shape: tuple[int, int, int] = (0, 0, 128),
+    pdl_mode: str = "on",
 ) -> None:
     in_features = flat.shape[-1]
     out_features = words.numel() * PER_WORD[format] // in_features
-    pdl = _pdl(flat.device)
-    prefetch = _prefetch_bytes(out_features, in_features * 4 // PER_WORD[format]) if pdl else 0
+    pdl = _pdl(flat.device, pdl_mode)
+    row_bytes = in_features * 4 // PER_WORD[format]
+    prefetch = _prefetch_bytes(out_features, row_bytes, pdl_mode == "l2_partial") if pdl else 0
     cos, sin, slots, key_cache, value_cache = rope if rope is not None else (out,) * 5
     cache_strides = key_cache.stride()[:3] if rope is not None else (0, 0, 0)
     blocks = grid[1]
