@@ -69,7 +69,13 @@ def parse_args() -> argparse.Namespace:
     parser.add_argument("--batch", type=int, nargs="+", default=[1, 32])
     parser.add_argument("--dtype", choices=sorted(DTYPES), default="bf16")
     parser.add_argument("--device", choices=["auto", "cpu"], default="auto")
-    parser.add_argument("--weights", choices=["native", "int8", "int4", "fp8"], default="native")
+    parser.add_argument(
+        "--weights",
+        choices=["native", "int8", "int4", "fp8"],
+        nargs="+",
+        default=["native"],
+        help="weights to serve; several: each in turn from the same model, in one process",
+    )
     parser.add_argument(
         "--group-size", type=int, default=128, help="int8/int4/fp8 weight groups (-1: per row)"
     )
@@ -502,6 +508,34 @@ def main() -> None:
         torch.cuda.reset_peak_memory_stats(
             device
         )  # the peak reported is the run's, not the build's
+    weight_modes = args.weights
+    for index, mode in enumerate(weight_modes):
+        # one model, each --weights mode served and timed in turn (same process and GPU)
+        args.weights = mode
+        if index:
+            _free(device)
+        serve(args, model, device, world, common, bandwidth)
+
+
+def _free(device: torch.device) -> None:
+    """Drop the previous mode's engine (its memory) before the next one is built."""
+    import gc
+
+    gc.collect()
+    if device.type == "cuda":
+        torch.cuda.empty_cache()
+
+
+def serve(
+    args: argparse.Namespace,
+    model: Any,
+    device: torch.device,
+    world: int,
+    common: dict[str, Any],
+    bandwidth: float,
+) -> None:
+    """``init_inference`` of ``model`` with ``args.weights`` (one mode), its checks, timings
+    and profile."""
     # --profile runs generate with 1 + STEPS new tokens: the cache holds the longer of the two
     max_len = args.prompt + max(args.new_tokens, args.profile + 1 if args.profile else 0)
     if max_len > args.prompt + args.new_tokens:

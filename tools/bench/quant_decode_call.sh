@@ -19,7 +19,8 @@ bench() {  # label, args...: one infer_bench run, its rows (decode_profile: the 
     shift
     echo "### $label: $*"
     $B "$@" 2>&1 | grep -E "$KEEP" | grep -v '"result": "model"' \
-        | awk '/"result": "decode_profile",/ { if (++n > 14) next } { print }' | cut -c1-600
+        | awk '/"result": "decode_profile_total"/ { n = 0 } /"result": "decode_profile",/ { if (++n > 14) next } { print }' \
+        | cut -c1-600
 }
 
 export B KEEP OUT
@@ -28,6 +29,10 @@ gpu0() { CUDA_VISIBLE_DEVICES=0 taskset -c 0-15 bash -c "$1" > "$OUT/q4_gpu0.txt
 gpu1() { CUDA_VISIBLE_DEVICES=1 taskset -c 16-31 bash -c "$1" > "$OUT/q4_gpu1.txt" 2>&1 & }
 
 case "${1:-}" in
+b1)  # one GPU, ~2 min: int4, int8 and bf16 from one model in one process, each profiled
+    bench int4+int8+bf16 --weights int4 int8 native --profile 16
+    exit 0
+    ;;
 profile)
     gpu0 'bench int4 --weights int4 --profile 24; bench bf16 --weights native --profile 24'
     gpu1 'bench int8 --weights int8 --profile 24; bench int4+head --weights int4 --lm-head'
@@ -35,7 +40,7 @@ profile)
 sweep)
     export S="python3 tools/bench/quant_decode_bench.py --budget-s 80 --compile-workers 14"
     gpu0 '$S --format int4 --table-out $OUT/quant_decode_table_int4.json 2>&1 | grep -E "$KEEP" | cut -c1-900'
-    gpu1 'python3 -m pytest -q -m gpu kernels/tests/test_op_quant_decode_gemv.py 2>&1 | tail -3
+    gpu1 'python3 -m pytest -q -m gpu kernels/tests/test_op_quant_decode_gemv.py -k split 2>&1 | tail -3
           $S --format int8 --table-out $OUT/quant_decode_table_int8.json 2>&1 | grep -E "$KEEP" | cut -c1-900' 
     ;;
 table)
