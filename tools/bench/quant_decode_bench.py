@@ -69,8 +69,9 @@ def emit(**row: Any) -> None:
 
 def candidates(fusion: str, k: int, fmt: str, smoke: bool = False) -> list[Any]:
     """The launches tried: rows per program x warps (f16x2, prefetch), then without prefetch,
-    the fp32 unpacking, 1 and 3 stages, split-K for the shapes with few blocks, persistent
-    grids of 2-16 programs per SM."""
+    the fp32 unpacking, 1 and 3 stages, Triton's pipelining instead of the prefetch (3-4
+    stages), split-K for the shapes with few blocks, persistent grids of 2-16 programs per
+    SM."""
     from slipstream.kernels.ops.quant_matmul.fused_gemv import fused_config_supported
     from slipstream.kernels.ops.quant_matmul.fused_table import FusedGemvConfig as C
 
@@ -80,6 +81,12 @@ def candidates(fusion: str, k: int, fmt: str, smoke: bool = False) -> list[Any]:
         found = [C(bn, w) for bn in (2, 4, 8, 16) for w in (1, 2, 4)]
         found += [C(4, 1, prefetch=False), C(8, 1, prefetch=False), C(4, 2, prefetch=False)]
         found += [C(4, 1, half2=False), C(4, 1, num_stages=1), C(4, 1, num_stages=3)]
+        # Triton's own software pipelining of the loads (deeper than the one-step prefetch)
+        found += [
+            C(bn, w, prefetch=False, num_stages=s) for bn in (4, 8) for w in (1, 2) for s in (3, 4)
+        ]
+        if fusion in ("gate_up", "norm"):  # many blocks: more rows per program too
+            found += [C(32, 1), C(32, 2)]
         if fusion != "gate_up" and fusion != "norm":  # few blocks: split the K range
             found += [C(bn, w, split_k=s) for bn in (4, 8) for w in (1, 2) for s in (2, 4)]
         found += [C(4, 1, programs_per_sm=p) for p in (4, 8, 16)]

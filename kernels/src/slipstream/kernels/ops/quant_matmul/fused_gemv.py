@@ -66,6 +66,9 @@ __all__ = [
 
 MAX_ROWS = 4
 STATS_BLOCK = 256
+# The norm prologue reads the producer's partial sums in one pass of up to this many (one L2
+# round trip before the first multiply-add, instead of one per 256).
+STATS_BLOCK_MAX = 2048
 # Programmatic dependent launch (NVIDIA sm_90+), the ``pdl`` argument (``init_inference``'s
 # ``quant.weight.decode_pdl`` key): each launch may start while the kernel before it finishes,
 # loading its first weight tile (weights are never written) and prefetching weight rows into
@@ -767,6 +770,11 @@ PERSISTENT_BLOCKS_PER_SM = 128
 PERSISTENT_PROGRAMS_PER_SM = 16
 
 
+def _stats_block(n_stats: int) -> int:
+    """Partial sums the norm prologue loads per pass: all of them, up to STATS_BLOCK_MAX."""
+    return max(STATS_BLOCK, min(triton.next_power_of_2(max(n_stats, 1)), STATS_BLOCK_MAX))
+
+
 def _grid_programs(blocks: int, device: torch.device, programs_per_sm: int = 0) -> int:
     """Programs along the output blocks: one per block, or a persistent grid in which every
     program walks the same number of blocks (the last one fewer): ``programs_per_sm`` per SM,
@@ -883,7 +891,7 @@ def _launch(
         NORM_IN=stats is not None,
         GATED=gated,
         ADD_NORM=residual is not None,
-        STATS=STATS_BLOCK,
+        STATS=_stats_block(stats.shape[1] if stats is not None else 0),
         num_warps=config.num_warps,
         num_stages=config.num_stages,
         L2_PREFETCH=prefetch > 0,
