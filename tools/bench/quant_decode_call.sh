@@ -5,6 +5,8 @@
 #             --profile per-kernel / per-GEMV-shape breakdowns (~3.5 min)
 #   sweep   : GPU0 quant_decode_bench int4, GPU1 the fused-kernel GPU tests then int8; tables
 #             in $OUT (or /tmp) as quant_decode_table_{int4,int8}.json (~3 min)
+#   sweepbench: GPU0 int4 / GPU1 int8: the sweep, then infer_bench (that format + bf16, one
+#             process) with the table it wrote, profiled (~4.5 min)
 #   table   : GPU0 int4 / GPU1 int8 with TABLE (quant.weight.decode_gemv_table) beside the
 #             same run without it, then bf16 on GPU0 (~4 min)
 set -u
@@ -42,6 +44,13 @@ sweep)
     gpu0 '$S --format int4 --table-out $OUT/quant_decode_table_int4.json 2>&1 | grep -E "$KEEP" | cut -c1-900'
     gpu1 'python3 -m pytest -q -m gpu kernels/tests/test_op_quant_decode_gemv.py -k split 2>&1 | tail -3
           $S --format int8 --table-out $OUT/quant_decode_table_int8.json 2>&1 | grep -E "$KEEP" | cut -c1-900' 
+    ;;
+sweepbench)  # per GPU: the sweep of one format, then the 8B step with its table beside bf16
+    export S="python3 tools/bench/quant_decode_bench.py --budget-s 70 --compile-workers 14"
+    gpu0 '$S --format int4 --table-out $OUT/quant_decode_table_int4.json 2>&1 | grep -E "$KEEP" | cut -c1-900
+          bench int4+table --weights int4 native --quant-decode-table $OUT/quant_decode_table_int4.json --profile 16'
+    gpu1 '$S --format int8 --table-out $OUT/quant_decode_table_int8.json 2>&1 | grep -E "$KEEP" | cut -c1-900
+          bench int8+table --weights int8 native --quant-decode-table $OUT/quant_decode_table_int8.json --profile 16'
     ;;
 table)
     export T=${2:?table JSON path}
