@@ -224,6 +224,7 @@ def fused_gemv_kernel(
     GDC: tl.constexpr = False,  # launched with PDL: wait for the previous kernel (PDL_MODES)
     L2_PREFETCH: tl.constexpr = False,  # GDC: the program's weight rows into L2 before the wait
     SPLIT_K: tl.constexpr = 1,  # K ranges per block, one program each (program_id 2)
+    PERSISTENT: tl.constexpr = True,  # programs may walk several blocks (False: one each)
 ):
     """One activation row per program ``(row, p)``; see the module docstring for the pieces."""
     if GDC:
@@ -292,11 +293,20 @@ def fused_gemv_kernel(
         safe_rows = cols.to(tl.int64)[:, None, None]
         code_rows = codes_ptr + safe_rows * stride_cn
         scale_rows = scales_ptr + safe_rows * (K // GROUP) + jj * 0
+        # (the block's tile pointers once: a step only adds its offset)
+        code_tile = code_rows + word
         acc3 = tl.zeros((BLOCK_N, GPS, 16), dtype=tl.float32)
         acc_quads = tl.zeros((BLOCK_N, GPS, 4), dtype=tl.float32)
         for step in range(k_first, k_last):
             k0 = step * BLOCK_K
-            if PREFETCH:
+            if PREFETCH and not PERSISTENT:
+                words = next_words
+                scale = next_scale
+                # the next step's tile (after the last step: the last one again, from cache)
+                ahead = tl.minimum(step + 1, k_last - 1)
+                next_words = tl.load(code_tile + ahead * (BLOCK_K // PER))
+                next_scale = tl.load(scale_rows + (ahead * BLOCK_K + g * PACK) // GROUP)
+            elif PREFETCH:
                 words = next_words
                 scale = next_scale
                 # the next step's tile, or after the last step the next block's first tile
@@ -313,7 +323,7 @@ def fused_gemv_kernel(
                     + jj * 0
                 )
             else:
-                words = tl.load(code_rows + step * (BLOCK_K // PER) + word)
+                words = tl.load(code_tile + step * (BLOCK_K // PER))
                 scale = tl.load(scale_rows + (k0 + g * PACK) // GROUP)
             if HALF2:
                 xpairs = pairs + k0 // 2 + g * (PACK // 2) + jj
@@ -851,6 +861,7 @@ def _launch(
         else:
             prefetch = 0  # the L2 prefetch covers the start of each row: one K range's
     programs = _grid_programs(blocks, flat.device, config.programs_per_sm)
+    persistent = programs < blocks
     fused_gemv_kernel[(grid[0], programs, split)](
         flat,
         words,
@@ -896,6 +907,7 @@ def _launch(
         num_stages=config.num_stages,
         L2_PREFETCH=prefetch > 0,
         SPLIT_K=split,
+        PERSISTENT=persistent,
         ROPE=rope is not None,
         HEAD_DIM=rope_shape[2],
         **pdl,
@@ -957,6 +969,7 @@ def aot_specs(half2: bool = False) -> list[AotSpec]:
                 "GDC",
                 "L2_PREFETCH",
                 "SPLIT_K",
+                "PERSISTENT",
             )
         },
     }
@@ -985,6 +998,7 @@ def aot_specs(half2: bool = False) -> list[AotSpec]:
                 "GDC": False,
                 "L2_PREFETCH": False,
                 "SPLIT_K": 1,
+                "PERSISTENT": False,
             }
             name = (
                 f"quant_matmul.fused_gemv[{format}xbf16,norm={norm_in},gated={gated},"
