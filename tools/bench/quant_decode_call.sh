@@ -20,7 +20,7 @@ bench() {  # label, args...: one infer_bench run, its rows (decode_profile: the 
     local label=$1
     shift
     echo "### $label: $*"
-    $B "$@" 2>&1 | grep -E "$KEEP" | grep -v '"result": "model"' \
+    $B "$@" 2>&1 | grep -E "$KEEP" \
         | awk '/"result": "decode_profile_total"/ { n = 0 } /"result": "decode_profile",/ { if (++n > 14) next } { print }' \
         | cut -c1-600
 }
