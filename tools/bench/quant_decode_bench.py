@@ -88,7 +88,7 @@ def candidates(fusion: str, k: int, fmt: str, smoke: bool = False) -> list[Any]:
         if fusion in ("gate_up", "norm"):  # many blocks: more rows per program too
             found += [C(32, 1), C(32, 2)]
         if fusion != "gate_up" and fusion != "norm":  # few blocks: split the K range
-            found += [C(bn, w, split_k=s) for bn in (4, 8) for w in (1, 2) for s in (2, 4)]
+            found += [C(bn, w, split_k=s) for bn in (4, 8, 16) for w in (1, 2) for s in (2, 4)]
         found += [C(4, 1, programs_per_sm=p) for p in (4, 8, 16)]
         found += [C(8, 1, programs_per_sm=8), C(8, 2, programs_per_sm=8)]
     return [c for c in found if fused_config_supported(fmt, 128, k, fusion, c)]
