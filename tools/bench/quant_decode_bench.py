@@ -67,16 +67,27 @@ def emit(**row: Any) -> None:
     print(json.dumps(row), flush=True)
 
 
-def candidates(fusion: str, k: int, fmt: str, smoke: bool = False) -> list[Any]:
+def candidates(
+    fusion: str, k: int, fmt: str, smoke: bool = False, quick: bool = False
+) -> list[Any]:
     """The launches tried: rows per program x warps (f16x2, prefetch), then without prefetch,
     the fp32 unpacking, 1 and 3 stages, Triton's pipelining instead of the prefetch (3-4
     stages), split-K for the shapes with few blocks, persistent grids of 2-16 programs per
-    SM."""
+    SM. ``quick``: about 14 of them (rows x warps, pipelining, split-K or persistent grids)."""
     from slipstream.kernels.ops.quant_matmul.fused_gemv import fused_config_supported
     from slipstream.kernels.ops.quant_matmul.fused_table import FusedGemvConfig as C
 
+    few_blocks = fusion not in ("gate_up", "norm")
     if smoke:
         found = [C(4, 1), C(2, 1, prefetch=False), C(4, 1, split_k=2), C(2, 1, programs_per_sm=1)]
+    elif quick:
+        found = [C(bn, w) for bn in (4, 8, 16) for w in (1, 2)]
+        found += [C(8, 1, prefetch=False, num_stages=3), C(4, 2, prefetch=False, num_stages=3)]
+        if few_blocks:
+            found += [C(bn, 1, split_k=s) for bn in (4, 8, 16) for s in (2, 4)]
+            found += [C(8, 2, split_k=2)]
+        else:
+            found += [C(32, 1), C(16, 1, programs_per_sm=8), C(8, 1, programs_per_sm=8)]
     else:
         found = [C(bn, w) for bn in (2, 4, 8, 16) for w in (1, 2, 4)]
         found += [C(4, 1, prefetch=False), C(8, 1, prefetch=False), C(4, 2, prefetch=False)]
@@ -87,7 +98,7 @@ def candidates(fusion: str, k: int, fmt: str, smoke: bool = False) -> list[Any]:
         ]
         if fusion in ("gate_up", "norm"):  # many blocks: more rows per program too
             found += [C(32, 1), C(32, 2)]
-        if fusion != "gate_up" and fusion != "norm":  # few blocks: split the K range
+        if few_blocks:  # split the K range
             found += [C(bn, w, split_k=s) for bn in (4, 8, 16) for w in (1, 2) for s in (2, 4)]
         found += [C(4, 1, programs_per_sm=p) for p in (4, 8, 16)]
         found += [C(8, 1, programs_per_sm=8), C(8, 2, programs_per_sm=8)]
@@ -258,7 +269,9 @@ def precompile(
     jobs = []
     workers = args.compile_workers
     for n, k, fusion in shapes.values():
-        launches = [dataclasses.asdict(c) for c in candidates(fusion, k, fmt, args.smoke)]
+        launches = [
+            dataclasses.asdict(c) for c in candidates(fusion, k, fmt, args.smoke, args.quick)
+        ]
         for part in range(workers):
             if launches[part::workers]:
                 jobs.append((fmt, n, k, fusion, heads, args.pdl, launches[part::workers]))
@@ -301,7 +314,10 @@ def bench_shape(
     skipped = 0
     with torch.no_grad():
         current_s = timed(current)
-        for config in [current, *candidates(inputs.fusion, inputs.k, inputs.fmt, args.smoke)]:
+        for config in [
+            current,
+            *candidates(inputs.fusion, inputs.k, inputs.fmt, args.smoke, args.quick),
+        ]:
             if any(config == seen for _, seen, _ in tried):
                 continue
             if time.perf_counter() > deadline:
@@ -371,6 +387,7 @@ def main() -> None:
     parser.add_argument("--table-out", default=None, metavar="JSON")
     parser.add_argument("--verbose", action="store_true", help="one line per launch timed")
     parser.add_argument("--smoke", action="store_true", help="tiny shapes on the CPU")
+    parser.add_argument("--quick", action="store_true", help="about 14 launches a shape")
     args = parser.parse_args()
     from slipstream.kernels.ops.quant_matmul.fused_table import FusedEntry, fused_table_json
 

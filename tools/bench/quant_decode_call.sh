@@ -35,6 +35,16 @@ b1)  # one GPU, ~2 min: int4, int8 and bf16 from one model in one process, each 
     bench int4+int8+bf16 --weights int4 int8 native --profile 16
     exit 0
     ;;
+b2)  # one GPU, ~3 min: a quick sweep of both formats (the block shapes), then the 8B step
+    # (int4, int8, bf16 in one process) with the table it wrote
+    Q=${Q:-"python3 tools/bench/quant_decode_bench.py --quick --format int4 int8 --shapes qkv out gate_up down --budget-s 60 --compile-workers 14"}
+    echo "### sweep: $Q"
+    $Q --table-out "$OUT/quant_decode_table.json" 2>&1 | grep -E "$KEEP" | cut -c1-900
+    python3 -c "import json, sys; [print(json.dumps(e)) for e in json.load(open(sys.argv[1]))['entries']]" \
+        "$OUT/quant_decode_table.json"
+    bench int4+int8+bf16+table --weights int4 int8 native --quant-decode-table "$OUT/quant_decode_table.json"
+    exit 0
+    ;;
 profile)
     gpu0 'bench int4 --weights int4 --profile 24; bench bf16 --weights native --profile 24'
     gpu1 'bench int8 --weights int8 --profile 24; bench int4+head --weights int4 --lm-head'
