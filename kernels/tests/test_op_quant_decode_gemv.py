@@ -88,6 +88,15 @@ def test_split_k_and_persistent_launches(triton_device: torch.device) -> None:
     persistent = FusedGemvConfig(block_n=2, split_k=2, prefetch=False, programs_per_sm=1)
     for config in (split, split, persistent):  # twice: the workspace was left zero
         _kernel_matches_reference(triton_device, "int4", config, quick=True)
+    # an odd number of K steps (three: the two-step loop's last half is skipped), alone and
+    # cut in two ranges (two steps and one)
+    words, scales = _packed("int4", 8, 3072)
+    words, scales = words.to(triton_device), scales.to(triton_device)
+    x = torch.randn(1, 3072, generator=_SEED(9)).to(triton_device)
+    want = reference(x, words, scales, "int4", 128)[0]
+    for config in (FusedGemvConfig(block_n=4), FusedGemvConfig(block_n=4, split_k=2)):
+        got = fused_gemv.fused_quant_gemv(x, words, scales, "int4", 128, config=config)[0]
+        torch.testing.assert_close(got, want, rtol=2e-5, atol=2e-5 * want.abs().max().item())
     held = [t for key, t in fused_gemv._SCRATCH.items() if key[0] == triton_device]
     assert held and all(t.count_nonzero() == 0 for pair in held for t in pair)
     with pytest.raises(ValueError, match="split_k"):

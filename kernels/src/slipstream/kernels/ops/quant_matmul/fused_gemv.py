@@ -176,6 +176,90 @@ def _block_rows(
 
 
 @triton.jit
+def _tile(
+    acc3,
+    acc_quads,
+    words,
+    scale,
+    k0,
+    x_row,
+    pairs,
+    g,
+    jj,
+    xscale,
+    FORMAT: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+    GPS: tl.constexpr,
+    NATIVE_FP8: tl.constexpr,
+    HALF2: tl.constexpr,
+    NORM_IN: tl.constexpr,
+):
+    """One K step's products of the weight tile ``words`` / ``scale`` with the activations at
+    ``k0``, added to the accumulators (f16x2 quads, or the fp32 path's per-word sums)."""
+    x_type = x_row.dtype.element_ty
+    PER: tl.constexpr = 8 if FORMAT == 1 else 4  # fields per word
+    PACK: tl.constexpr = 16 * PER
+    BITS: tl.constexpr = 32 // PER
+    LOW: tl.constexpr = 20 // BITS
+    OFFSET: tl.constexpr = 8 if FORMAT == 1 else 128
+    if HALF2:
+        xpairs = pairs + k0 // 2 + g * (PACK // 2) + jj
+        quad_scale, _s1, _s2, _s3 = _split4(scale)
+        if NORM_IN and x_type == tl.bfloat16:
+            if FORMAT == 1:
+                xa, xb = _x_half2_scaled(tl.load(xpairs), tl.load(xpairs + 32), xscale)
+                xc, xd = _x_half2_scaled(tl.load(xpairs + 16), tl.load(xpairs + 48), xscale)
+            else:
+                xa, xb = _x_half2_scaled(tl.load(xpairs), tl.load(xpairs + 16), xscale)
+                xc, xd = xa, xb
+            sums = _half2_quad_dot(words, xa, xb, xc, xd, FORMAT)
+        else:
+            sums = _half2_quad_sums(words, xpairs, FORMAT, x_type == tl.bfloat16)
+        acc_quads += sums * quad_scale
+    else:
+        if FORMAT == 1:
+            words = words ^ -2004318072  # 0x88888888: two's complement -> offset binary
+        elif FORMAT == 0:
+            words = words ^ -2139062144  # 0x80808080
+        high = words >> (BITS * (PER - LOW))
+        t = tl.zeros((BLOCK_N, GPS, 16), dtype=tl.float32)
+        for p in tl.static_range(PER // 2):
+            if x_type == tl.float32:
+                base = x_row + k0 + g * PACK + 32 * p + 2 * jj
+                x_lo = tl.load(base)
+                x_hi = tl.load(base + 1)
+            else:
+                xp = tl.load(pairs + k0 // 2 + g * (PACK // 2) + 16 * p + jj)
+                if x_type == tl.bfloat16:
+                    x_lo = (xp << 16).to(tl.float32, bitcast=True)
+                    x_hi = (xp & -65536).to(tl.float32, bitcast=True)
+                else:
+                    x_lo = xp.to(tl.int16).to(tl.float16, bitcast=True).to(tl.float32)
+                    x_hi = (xp >> 16).to(tl.int16).to(tl.float16, bitcast=True)
+                    x_hi = x_hi.to(tl.float32)
+            for b in tl.static_range(2):
+                f = 2 * p + b
+                if FORMAT == 2:
+                    byte = (words >> (8 * f)) & 255
+                    if NATIVE_FP8:
+                        fp8 = byte.to(tl.uint8).to(tl.float8e4nv, bitcast=True)
+                        value = fp8.to(tl.float32)
+                    else:
+                        half = ((byte & 0x7F) << 7) | ((byte & 0x80) << 8)
+                        value = half.to(tl.int16).to(tl.float16, bitcast=True)
+                        value = value.to(tl.float32)
+                else:
+                    at = BITS * f if f < LOW else BITS * (f - PER + LOW)
+                    src = words if f < LOW else high
+                    field = src & (((1 << BITS) - 1) << at)
+                    value = (field | ((150 - at) << 23)).to(tl.float32, bitcast=True)
+                    value = value - ((1 << (23 - at)) + OFFSET)
+                t += value * (x_lo if b == 0 else x_hi)
+        acc3 += t * scale
+    return acc3, acc_quads
+
+
+@triton.jit
 def fused_gemv_kernel(
     x_ptr,
     codes_ptr,
@@ -248,9 +332,6 @@ def fused_gemv_kernel(
     PER: tl.constexpr = 8 if FORMAT == 1 else 4  # fields per word
     PACK: tl.constexpr = 16 * PER  # input features per packed block
     GPS: tl.constexpr = BLOCK_K // PACK  # packed blocks per step
-    BITS: tl.constexpr = 32 // PER
-    LOW: tl.constexpr = 20 // BITS
-    OFFSET: tl.constexpr = 8 if FORMAT == 1 else 128
     g = tl.arange(0, GPS)[None, :, None]
     jj = tl.arange(0, 16)[None, None, :]
     word = g * 16 + jj
@@ -297,16 +378,30 @@ def fused_gemv_kernel(
         code_tile = code_rows + word
         acc3 = tl.zeros((BLOCK_N, GPS, 16), dtype=tl.float32)
         acc_quads = tl.zeros((BLOCK_N, GPS, 4), dtype=tl.float32)
-        for step in range(k_first, k_last):
-            k0 = step * BLOCK_K
-            if PREFETCH and not PERSISTENT:
-                words = next_words
-                scale = next_scale
-                # the next step's tile (after the last step: the last one again, from cache)
-                ahead = tl.minimum(step + 1, k_last - 1)
+        if PREFETCH and not PERSISTENT:
+            # Two steps an iteration, each tile loaded one step ahead of its use: the second
+            # step's tile while the first computes, the next iteration's first tile while the
+            # second computes (into the registers the first just freed: no copies between
+            # the prefetch buffer and the tile in use). Past the end the last tile is re-read.
+            for step in range(k_first, k_last, 2):
+                second = tl.minimum(step + 1, k_last - 1)
+                words = tl.load(code_tile + second * (BLOCK_K // PER))
+                scale = tl.load(scale_rows + (second * BLOCK_K + g * PACK) // GROUP)
+                acc3, acc_quads = _tile(
+                    acc3, acc_quads, next_words, next_scale, step * BLOCK_K, x_row, pairs,
+                    g, jj, xscale, FORMAT, BLOCK_N, GPS, NATIVE_FP8, HALF2, NORM_IN,
+                )  # fmt: skip
+                ahead = tl.minimum(step + 2, k_last - 1)
                 next_words = tl.load(code_tile + ahead * (BLOCK_K // PER))
                 next_scale = tl.load(scale_rows + (ahead * BLOCK_K + g * PACK) // GROUP)
-            elif PREFETCH:
+                if step + 1 < k_last:
+                    acc3, acc_quads = _tile(
+                        acc3, acc_quads, words, scale, second * BLOCK_K, x_row, pairs,
+                        g, jj, xscale, FORMAT, BLOCK_N, GPS, NATIVE_FP8, HALF2, NORM_IN,
+                    )  # fmt: skip
+        for step in range(k_first, k_last if not (PREFETCH and not PERSISTENT) else k_first):
+            k0 = step * BLOCK_K
+            if PREFETCH:
                 words = next_words
                 scale = next_scale
                 # the next step's tile, or after the last step the next block's first tile
@@ -325,60 +420,10 @@ def fused_gemv_kernel(
             else:
                 words = tl.load(code_tile + step * (BLOCK_K // PER))
                 scale = tl.load(scale_rows + (k0 + g * PACK) // GROUP)
-            if HALF2:
-                xpairs = pairs + k0 // 2 + g * (PACK // 2) + jj
-                quad_scale, _s1, _s2, _s3 = _split4(scale)
-                if NORM_IN and x_type == tl.bfloat16:
-                    if FORMAT == 1:
-                        xa, xb = _x_half2_scaled(tl.load(xpairs), tl.load(xpairs + 32), xscale)
-                        xc, xd = _x_half2_scaled(tl.load(xpairs + 16), tl.load(xpairs + 48), xscale)
-                    else:
-                        xa, xb = _x_half2_scaled(tl.load(xpairs), tl.load(xpairs + 16), xscale)
-                        xc, xd = xa, xb
-                    sums = _half2_quad_dot(words, xa, xb, xc, xd, FORMAT)
-                else:
-                    sums = _half2_quad_sums(words, xpairs, FORMAT, x_type == tl.bfloat16)
-                acc_quads += sums * quad_scale
-            else:
-                if FORMAT == 1:
-                    words = words ^ -2004318072  # 0x88888888: two's complement -> offset binary
-                elif FORMAT == 0:
-                    words = words ^ -2139062144  # 0x80808080
-                high = words >> (BITS * (PER - LOW))
-                t = tl.zeros((BLOCK_N, GPS, 16), dtype=tl.float32)
-                for p in tl.static_range(PER // 2):
-                    if x_type == tl.float32:
-                        base = x_row + k0 + g * PACK + 32 * p + 2 * jj
-                        x_lo = tl.load(base)
-                        x_hi = tl.load(base + 1)
-                    else:
-                        xp = tl.load(pairs + k0 // 2 + g * (PACK // 2) + 16 * p + jj)
-                        if x_type == tl.bfloat16:
-                            x_lo = (xp << 16).to(tl.float32, bitcast=True)
-                            x_hi = (xp & -65536).to(tl.float32, bitcast=True)
-                        else:
-                            x_lo = xp.to(tl.int16).to(tl.float16, bitcast=True).to(tl.float32)
-                            x_hi = (xp >> 16).to(tl.int16).to(tl.float16, bitcast=True)
-                            x_hi = x_hi.to(tl.float32)
-                    for b in tl.static_range(2):
-                        f = 2 * p + b
-                        if FORMAT == 2:
-                            byte = (words >> (8 * f)) & 255
-                            if NATIVE_FP8:
-                                fp8 = byte.to(tl.uint8).to(tl.float8e4nv, bitcast=True)
-                                value = fp8.to(tl.float32)
-                            else:
-                                half = ((byte & 0x7F) << 7) | ((byte & 0x80) << 8)
-                                value = half.to(tl.int16).to(tl.float16, bitcast=True)
-                                value = value.to(tl.float32)
-                        else:
-                            at = BITS * f if f < LOW else BITS * (f - PER + LOW)
-                            src = words if f < LOW else high
-                            field = src & (((1 << BITS) - 1) << at)
-                            value = (field | ((150 - at) << 23)).to(tl.float32, bitcast=True)
-                            value = value - ((1 << (23 - at)) + OFFSET)
-                        t += value * (x_lo if b == 0 else x_hi)
-                acc3 += t * scale
+            acc3, acc_quads = _tile(
+                acc3, acc_quads, words, scale, k0, x_row, pairs, g, jj, xscale,
+                FORMAT, BLOCK_N, GPS, NATIVE_FP8, HALF2, NORM_IN,
+            )  # fmt: skip
         if HALF2:
             acc = tl.sum(tl.sum(acc_quads, axis=2), axis=1) * (128.0 if FORMAT == 1 else 1024.0)
         else:
