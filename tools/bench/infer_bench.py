@@ -71,10 +71,11 @@ def parse_args() -> argparse.Namespace:
     parser.add_argument("--device", choices=["auto", "cpu"], default="auto")
     parser.add_argument(
         "--weights",
-        choices=["native", "int8", "int4", "fp8"],
+        choices=["native", "int8", "int4", "fp8", "int8-head", "int4-head", "fp8-head"],
         nargs="+",
         default=["native"],
-        help="weights to serve; several: each in turn from the same model, in one process",
+        help="weights to serve; several: each in turn from the same model, in one process "
+        "(-head: the LM head quantized too, as --lm-head)",
     )
     parser.add_argument(
         "--group-size", type=int, default=128, help="int8/int4/fp8 weight groups (-1: per row)"
@@ -508,10 +509,11 @@ def main() -> None:
         torch.cuda.reset_peak_memory_stats(
             device
         )  # the peak reported is the run's, not the build's
-    weight_modes = args.weights
+    weight_modes, lm_head = args.weights, args.lm_head
     for index, mode in enumerate(weight_modes):
         # one model, each --weights mode served and timed in turn (same process and GPU)
-        args.weights = mode
+        args.weights = mode.removesuffix("-head")
+        args.lm_head = lm_head or mode.endswith("-head")
         if index:
             _free(device)
         serve(args, model, device, world, common, bandwidth)
