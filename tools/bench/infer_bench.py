@@ -20,7 +20,9 @@ CPU smoke run of the harness (tiny model): ``--preset tiny --device cpu --skip-h
 Tensor parallelism (Slipstream only; per-GPU bandwidth fraction of each rank's slice):
 ``torchrun --nproc_per_node 2 tools/bench/infer_bench.py --batch 1``, or TP=1 and TP=2 side
 by side on one 2-GPU machine in one invocation: ``--tp-compare 2 --batch 1``.
-Per-kernel breakdown of a decode step: ``--profile 16``.
+Per-kernel breakdown of a decode step: ``--profile 16`` (the GEMVs also per part and shape).
+Quantized beside bf16 in one process (one model, each mode served in turn):
+``--weights native int4 int8 int4-head int8-head --batch 1`` (``-head``: LM head quantized too).
 """
 
 from __future__ import annotations
