@@ -378,7 +378,7 @@ def fused_gemv_kernel(
         code_tile = code_rows + word
         acc3 = tl.zeros((BLOCK_N, GPS, 16), dtype=tl.float32)
         acc_quads = tl.zeros((BLOCK_N, GPS, 4), dtype=tl.float32)
-        if PREFETCH and not PERSISTENT:
+        if PREFETCH:
             # Two steps an iteration, each tile loaded one step ahead of its use: the second
             # step's tile while the first computes, the next iteration's first tile while the
             # second computes (into the registers the first just freed: no copies between
@@ -399,31 +399,26 @@ def fused_gemv_kernel(
                         acc3, acc_quads, words, scale, second * BLOCK_K, x_row, pairs,
                         g, jj, xscale, FORMAT, BLOCK_N, GPS, NATIVE_FP8, HALF2, NORM_IN,
                     )  # fmt: skip
-        for step in range(k_first, k_last if not (PREFETCH and not PERSISTENT) else k_first):
-            k0 = step * BLOCK_K
-            if PREFETCH:
-                words = next_words
-                scale = next_scale
-                # the next step's tile, or after the last step the next block's first tile
-                more = step + 1 < k_last
-                ahead = tl.where(more, step + 1, k_first)
-                ahead_rows = tl.where(more, cols, following).to(tl.int64)[:, None, None]
+            if PERSISTENT:  # the next block's first tile, in flight during the epilogue
+                next_rows = following.to(tl.int64)[:, None, None]
                 next_words = tl.load(
-                    codes_ptr + ahead_rows * stride_cn + ahead * (BLOCK_K // PER) + word
+                    codes_ptr + next_rows * stride_cn + k_first * (BLOCK_K // PER) + word
                 )
                 next_scale = tl.load(
                     scales_ptr
-                    + ahead_rows * (K // GROUP)
-                    + (ahead * BLOCK_K + g * PACK) // GROUP
+                    + next_rows * (K // GROUP)
+                    + (k_first * BLOCK_K + g * PACK) // GROUP
                     + jj * 0
                 )
-            else:
+        else:
+            for step in range(k_first, k_last):
+                k0 = step * BLOCK_K
                 words = tl.load(code_tile + step * (BLOCK_K // PER))
                 scale = tl.load(scale_rows + (k0 + g * PACK) // GROUP)
-            acc3, acc_quads = _tile(
-                acc3, acc_quads, words, scale, k0, x_row, pairs, g, jj, xscale,
-                FORMAT, BLOCK_N, GPS, NATIVE_FP8, HALF2, NORM_IN,
-            )  # fmt: skip
+                acc3, acc_quads = _tile(
+                    acc3, acc_quads, words, scale, k0, x_row, pairs, g, jj, xscale,
+                    FORMAT, BLOCK_N, GPS, NATIVE_FP8, HALF2, NORM_IN,
+                )  # fmt: skip
         if HALF2:
             acc = tl.sum(tl.sum(acc_quads, axis=2), axis=1) * (128.0 if FORMAT == 1 else 1024.0)
         else:
