@@ -308,8 +308,12 @@ def bench_shape(
             "fraction_of_copy": round(inputs.weight_bytes / seconds / bandwidth, 3),
         }
 
+    from slipstream.kernels.ops.quant_matmul.fused_table import lookup_fused
+
     current = fused_config(inputs.fmt, inputs.fusion, inputs.n, inputs.k, 128, inputs.device)
     assert current is not None, (name, inputs.fmt)
+    found = lookup_fused(inputs.fmt, inputs.fusion, inputs.n, inputs.k, inputs.device)
+    source = found[1] if found is not None and found[0] == current else "rule"
     tried: list[tuple[float, Any, float]] = []
     skipped = 0
     with torch.no_grad():
@@ -350,7 +354,7 @@ def bench_shape(
         "n": inputs.n,
         "k": inputs.k,
         "weight_mb": round(inputs.weight_bytes / 1e6, 2),
-        "current": {**row(current_s), **dataclasses.asdict(current)},
+        "current": {**row(current_s), "source": source, **dataclasses.asdict(current)},
         "tried": len(tried),
         "skipped_for_budget": skipped,
         "wrong": len(bad),
