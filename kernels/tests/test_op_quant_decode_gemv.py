@@ -226,9 +226,11 @@ for target, half2 in (("sm_90", True), ("sm_80", True), ("gfx942", False)):
             spec = dataclasses.replace(spec, constexprs={**spec.constexprs, **extra})
         result = compile_spec(spec, target)
         print(target, spec.name, result.ok, result.error[-300:].replace(chr(10), " "))
-    # split-K (the workspace atomics and the last split's epilogue): the QKV and add-norm ones
+    # split-K (the workspace atomics and the last split's epilogue) in a persistent grid (the
+    # next block's first tile loaded during the epilogue): the QKV and add-norm ones
     for spec in aot_specs(half2)[1:3]:
-        spec = dataclasses.replace(spec, constexprs={**spec.constexprs, "SPLIT_K": 2})
+        extra = {"SPLIT_K": 2, "PERSISTENT": True}
+        spec = dataclasses.replace(spec, constexprs={**spec.constexprs, **extra})
         result = compile_spec(spec, target)
         print(target, spec.name, "split2", result.ok, result.error[-300:].replace(chr(10), " "))
 """
