@@ -37,12 +37,12 @@ b1)  # one GPU, ~2 min: int4, int8 and bf16 from one model in one process, each 
     ;;
 b2)  # one GPU, ~3 min: a quick sweep of both formats (the block shapes), then the 8B step
     # (int4, int8, bf16 in one process) with the table it wrote
-    Q=${Q:-"python3 tools/bench/quant_decode_bench.py --quick --format int4 int8 --shapes qkv out gate_up down --budget-s 60 --compile-workers 14"}
+    Q=${Q:-"python3 tools/bench/quant_decode_bench.py --quick --format int4 int8 --shapes qkv out gate_up down --budget-s 45 --compile-workers 14"}
     echo "### sweep: $Q"
     $Q --table-out "$OUT/quant_decode_table.json" 2>&1 | grep -E "$KEEP" | cut -c1-900
     python3 -c "import json, sys; [print(json.dumps(e)) for e in json.load(open(sys.argv[1]))['entries']]" \
         "$OUT/quant_decode_table.json"
-    bench int4+int8+bf16+table --weights int4 int8 native --quant-decode-table "$OUT/quant_decode_table.json"
+    bench int4+bf16+int8+table --weights int4 native int8 --quant-decode-table "$OUT/quant_decode_table.json"
     exit 0
     ;;
 profile)
