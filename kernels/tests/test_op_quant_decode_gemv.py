@@ -79,14 +79,16 @@ def test_kernel_matches_reference(
 
 def test_split_k_and_persistent_launches(triton_device: torch.device) -> None:
     """Launch-table knobs: K cut in two ranges (the last to finish adds the sums and runs the
-    epilogue, leaving the workspace zero for the next launch), and a persistent grid of one
-    program per SM walking two blocks each, equal the reference (fp32 on the CPU)."""
+    epilogue, leaving the workspace zero for the next launch), a persistent grid of one
+    program per SM walking two blocks each, and the two-step loop (one step too many or not)
+    equal the reference (fp32 on the CPU)."""
     from slipstream.kernels.ops.quant_matmul import fused_gemv
     from slipstream.kernels.ops.quant_matmul.fused_table import FusedGemvConfig
 
-    split = FusedGemvConfig(block_n=4, split_k=2, half2=True, prefetch=True)
+    split = FusedGemvConfig(block_n=4, split_k=2, half2=True, prefetch=True, two_step=True)
     persistent = FusedGemvConfig(block_n=2, split_k=2, prefetch=False, programs_per_sm=1)
-    for config in (split, split, persistent):  # twice: the workspace was left zero
+    two_step = FusedGemvConfig(block_n=2, programs_per_sm=1, two_step=True)
+    for config in (split, split, persistent, two_step):  # twice: the workspace was left zero
         _kernel_matches_reference(triton_device, "int4", config, quick=True)
     # an odd number of K steps (three: the two-step loop's last half is skipped), alone and
     # cut in two ranges (two steps and one)
@@ -94,7 +96,11 @@ def test_split_k_and_persistent_launches(triton_device: torch.device) -> None:
     words, scales = words.to(triton_device), scales.to(triton_device)
     x = torch.randn(1, 3072, generator=_SEED(9)).to(triton_device)
     want = reference(x, words, scales, "int4", 128)[0]
-    for config in (FusedGemvConfig(block_n=4), FusedGemvConfig(block_n=4, split_k=2)):
+    for config in (
+        FusedGemvConfig(block_n=4),
+        FusedGemvConfig(block_n=4, two_step=True),
+        FusedGemvConfig(block_n=4, split_k=2, two_step=True),
+    ):
         got = fused_gemv.fused_quant_gemv(x, words, scales, "int4", 128, config=config)[0]
         torch.testing.assert_close(got, want, rtol=2e-5, atol=2e-5 * want.abs().max().item())
     held = [t for key, t in fused_gemv._SCRATCH.items() if key[0] == triton_device]
@@ -227,9 +233,9 @@ for target, half2 in (("sm_90", True), ("sm_80", True), ("gfx942", False)):
         result = compile_spec(spec, target)
         print(target, spec.name, result.ok, result.error[-300:].replace(chr(10), " "))
     # split-K (the workspace atomics and the last split's epilogue) in a persistent grid (the
-    # next block's first tile loaded during the epilogue): the QKV and add-norm ones
+    # next block's first tile loaded during the epilogue) with the two-step loop: QKV, add-norm
     for spec in aot_specs(half2)[1:3]:
-        extra = {"SPLIT_K": 2, "PERSISTENT": True}
+        extra = {"SPLIT_K": 2, "PERSISTENT": True, "TWO_STEP": True}
         spec = dataclasses.replace(spec, constexprs={**spec.constexprs, **extra})
         result = compile_spec(spec, target)
         print(target, spec.name, "split2", result.ok, result.error[-300:].replace(chr(10), " "))

@@ -82,6 +82,7 @@ def candidates(
         found = [C(4, 1), C(2, 1, prefetch=False), C(4, 1, split_k=2), C(2, 1, programs_per_sm=1)]
     elif quick:
         found = [C(bn, w) for bn in (4, 8, 16) for w in (1, 2)]
+        found += [C(bn, w, two_step=True) for bn in (4, 8) for w in (1, 2)]
         found += [C(8, 1, prefetch=False, num_stages=3), C(4, 2, prefetch=False, num_stages=3)]
         if few_blocks:
             found += [C(bn, 1, split_k=s) for bn in (4, 8, 16) for s in (2, 4)]
@@ -90,6 +91,7 @@ def candidates(
             found += [C(32, 1), C(16, 1, programs_per_sm=8), C(8, 1, programs_per_sm=8)]
     else:
         found = [C(bn, w) for bn in (2, 4, 8, 16) for w in (1, 2, 4)]
+        found += [C(bn, w, two_step=True) for bn in (4, 8, 16) for w in (1, 2)]
         found += [C(4, 1, prefetch=False), C(8, 1, prefetch=False), C(4, 2, prefetch=False)]
         found += [C(4, 1, half2=False), C(4, 1, num_stages=1), C(4, 1, num_stages=3)]
         # Triton's own software pipelining of the loads (deeper than the one-step prefetch)

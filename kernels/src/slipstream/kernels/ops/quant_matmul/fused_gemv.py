@@ -309,6 +309,7 @@ def fused_gemv_kernel(
     L2_PREFETCH: tl.constexpr = False,  # GDC: the program's weight rows into L2 before the wait
     SPLIT_K: tl.constexpr = 1,  # K ranges per block, one program each (program_id 2)
     PERSISTENT: tl.constexpr = True,  # programs may walk several blocks (False: one each)
+    TWO_STEP: tl.constexpr = False,  # PREFETCH: the two-step loop (FusedGemvConfig.two_step)
 ):
     """One activation row per program ``(row, p)``; see the module docstring for the pieces."""
     if GDC:
@@ -378,7 +379,7 @@ def fused_gemv_kernel(
         code_tile = code_rows + word
         acc3 = tl.zeros((BLOCK_N, GPS, 16), dtype=tl.float32)
         acc_quads = tl.zeros((BLOCK_N, GPS, 4), dtype=tl.float32)
-        if PREFETCH:
+        if PREFETCH and TWO_STEP:
             # Two steps an iteration, each tile loaded one step ahead of its use: the second
             # step's tile while the first computes, the next iteration's first tile while the
             # second computes (into the registers the first just freed: no copies between
@@ -413,8 +414,27 @@ def fused_gemv_kernel(
         else:
             for step in range(k_first, k_last):
                 k0 = step * BLOCK_K
-                words = tl.load(code_tile + step * (BLOCK_K // PER))
-                scale = tl.load(scale_rows + (k0 + g * PACK) // GROUP)
+                if PREFETCH:
+                    words = next_words
+                    scale = next_scale
+                    # the next step's tile, or after the last step the next block's first tile
+                    # (its rows gathered again each step: fewer registers than TWO_STEP's
+                    # tile pointers, more instructions)
+                    more = step + 1 < k_last
+                    ahead = tl.where(more, step + 1, k_first)
+                    ahead_rows = tl.where(more, cols, following).to(tl.int64)[:, None, None]
+                    next_words = tl.load(
+                        codes_ptr + ahead_rows * stride_cn + ahead * (BLOCK_K // PER) + word
+                    )
+                    next_scale = tl.load(
+                        scales_ptr
+                        + ahead_rows * (K // GROUP)
+                        + (ahead * BLOCK_K + g * PACK) // GROUP
+                        + jj * 0
+                    )
+                else:
+                    words = tl.load(code_tile + step * (BLOCK_K // PER))
+                    scale = tl.load(scale_rows + (k0 + g * PACK) // GROUP)
                 acc3, acc_quads = _tile(
                     acc3, acc_quads, words, scale, k0, x_row, pairs, g, jj, xscale,
                     FORMAT, BLOCK_N, GPS, NATIVE_FP8, HALF2, NORM_IN,
@@ -820,8 +840,11 @@ PERSISTENT_BLOCKS_PER_SM = 128
 PERSISTENT_PROGRAMS_PER_SM = 16
 
 
-def _stats_block(n_stats: int) -> int:
-    """Partial sums the norm prologue loads per pass: all of them, up to STATS_BLOCK_MAX."""
+def _stats_block(n_stats: int, one_pass: bool) -> int:
+    """Partial sums the norm prologue loads per pass: STATS_BLOCK, or (``one_pass``) all of
+    them, up to STATS_BLOCK_MAX."""
+    if not one_pass:
+        return STATS_BLOCK
     return max(STATS_BLOCK, min(triton.next_power_of_2(max(n_stats, 1)), STATS_BLOCK_MAX))
 
 
@@ -942,12 +965,13 @@ def _launch(
         NORM_IN=stats is not None,
         GATED=gated,
         ADD_NORM=residual is not None,
-        STATS=_stats_block(stats.shape[1] if stats is not None else 0),
+        STATS=_stats_block(stats.shape[1] if stats is not None else 0, config.two_step),
         num_warps=config.num_warps,
         num_stages=config.num_stages,
         L2_PREFETCH=prefetch > 0,
         SPLIT_K=split,
         PERSISTENT=persistent,
+        TWO_STEP=config.two_step,
         ROPE=rope is not None,
         HEAD_DIM=rope_shape[2],
         **pdl,
@@ -1010,6 +1034,7 @@ def aot_specs(half2: bool = False) -> list[AotSpec]:
                 "L2_PREFETCH",
                 "SPLIT_K",
                 "PERSISTENT",
+                "TWO_STEP",
             )
         },
     }
@@ -1039,6 +1064,7 @@ def aot_specs(half2: bool = False) -> list[AotSpec]:
                 "L2_PREFETCH": False,
                 "SPLIT_K": 1,
                 "PERSISTENT": False,
+                "TWO_STEP": False,
             }
             name = (
                 f"quant_matmul.fused_gemv[{format}xbf16,norm={norm_in},gated={gated},"
