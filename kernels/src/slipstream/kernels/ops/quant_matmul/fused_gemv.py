@@ -466,7 +466,7 @@ def fused_gemv_kernel(
                 acc += tl.load(bias_ptr + cols).to(tl.float32)
             out_row = out_ptr + pid_m.to(tl.int64) * stride_om
             if ROPE:
-                # the projection's outputs rounded as the unfused GEMV's, then rotary_kv_write's math
+                # the outputs rounded as the unfused GEMV's, then rotary_kv_write's math
                 HALF: tl.constexpr = HEAD_DIM // 2
                 y = acc.to(out_type).to(tl.float32)
                 first, second = tl.split(tl.reshape(y, (BLOCK_N // 2, 2)))
@@ -494,7 +494,7 @@ def fused_gemv_kernel(
                 tl.store(value_ptr + at, lo.to(value_ptr.dtype.element_ty), mask=v_ok)
                 tl.store(value_ptr + at + HALF, hi.to(value_ptr.dtype.element_ty), mask=v_ok)
             elif GATED:
-                # the projection's outputs rounded as the unfused GEMV's, then gated_activation's math
+                # the outputs rounded as the unfused GEMV's, then gated_activation's math
                 y = acc.to(out_type).to(tl.float32)
                 gate, up = tl.split(tl.reshape(y, (BLOCK_N // 2, 2)))
                 act = (gate / (1.0 + tl.exp(-gate))).to(out_type).to(tl.float32)
