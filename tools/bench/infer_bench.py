@@ -367,10 +367,11 @@ def bench_batch(
         decode_fusion=",".join(sorted(engine.fused.decode_fusion)) or "off",
         gemv_layout=args.gemv_layout,
         lm_head_quantized=args.lm_head,
+        quant_decode_pdl=engine.fused.quant_pdl if args.weights != "native" else None,
+        quant_decode_table=args.quant_decode_table,
         gemv_table=args.gemv_table,
         decode_gemv_table=args.decode_gemv_table,
-        quant_pdl=engine.fused.quant_pdl if args.weights != "native" else None,
-        quant_decode_table=args.quant_decode_table,
+        quant_pdl=args.quant_pdl,
         **run,
     )
     hf_kwargs = {
