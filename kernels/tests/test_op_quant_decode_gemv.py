@@ -68,21 +68,61 @@ def test_kernel_matches_reference(
 
     # On a GPU also with programmatic dependent launch (and the L2 prefetch: a small weight);
     # NVIDIA sm_90+ only, a no-op elsewhere.
-    for pdl in (False, True) if triton_device.type == "cuda" else (False,):
-        monkeypatch.setattr(fused_gemv, "PDL", pdl)
-        _kernel_matches_reference(triton_device, fmt)
+    for pdl in ("off", "on", "l2_partial") if triton_device.type == "cuda" else ("off",):
+        _kernel_matches_reference(triton_device, fmt, pdl=pdl)
     # a persistent grid (an LM head's): two programs walk the blocks
-    monkeypatch.setattr(fused_gemv, "_grid_programs", lambda blocks, device: min(blocks, 2))
+    monkeypatch.setattr(
+        fused_gemv, "_grid_programs", lambda blocks, device, per_sm=0: min(blocks, 2)
+    )
     _kernel_matches_reference(triton_device, fmt)
 
 
-def _kernel_matches_reference(triton_device: torch.device, fmt: str) -> None:
+def test_split_k_and_persistent_launches(triton_device: torch.device) -> None:
+    """Launch-table knobs: K cut in two ranges (the last to finish adds the sums and runs the
+    epilogue, leaving the workspace zero for the next launch), a persistent grid of one
+    program per SM walking two blocks each, and the two-step loop (one step too many or not)
+    equal the reference (fp32 on the CPU)."""
+    from slipstream.kernels.ops.quant_matmul import fused_gemv
+    from slipstream.kernels.ops.quant_matmul.fused_table import FusedGemvConfig
+
+    split = FusedGemvConfig(block_n=4, split_k=2, half2=True, prefetch=True, two_step=True)
+    persistent = FusedGemvConfig(block_n=2, split_k=2, prefetch=False, programs_per_sm=1)
+    two_step = FusedGemvConfig(block_n=2, programs_per_sm=1, two_step=True)
+    for config in (split, split, persistent, two_step):  # twice: the workspace was left zero
+        _kernel_matches_reference(triton_device, "int4", config, quick=True)
+    # an odd number of K steps (three: the two-step loop's last half is skipped), alone and
+    # cut in two ranges (two steps and one)
+    words, scales = _packed("int4", 8, 3072)
+    words, scales = words.to(triton_device), scales.to(triton_device)
+    x = torch.randn(1, 3072, generator=_SEED(9)).to(triton_device)
+    want = reference(x, words, scales, "int4", 128)[0]
+    for config in (
+        FusedGemvConfig(block_n=4),
+        FusedGemvConfig(block_n=4, two_step=True),
+        FusedGemvConfig(block_n=4, split_k=2, two_step=True),
+    ):
+        got = fused_gemv.fused_quant_gemv(x, words, scales, "int4", 128, config=config)[0]
+        torch.testing.assert_close(got, want, rtol=2e-5, atol=2e-5 * want.abs().max().item())
+    held = [t for key, t in fused_gemv._SCRATCH.items() if key[0] == triton_device]
+    assert held and all(t.count_nonzero() == 0 for pair in held for t in pair)
+    with pytest.raises(ValueError, match="split_k"):
+        _kernel_matches_reference(triton_device, "int4", FusedGemvConfig(split_k=64), quick=True)
+
+
+def _kernel_matches_reference(
+    triton_device: torch.device,
+    fmt: str,
+    config: object | None = None,
+    quick: bool = False,
+    pdl: str = "on",
+) -> None:
+    """``quick``: fp32 (and bf16 on a GPU) and three of the fusions only."""
     from slipstream.kernels.ops.quant_matmul.fused_gemv import fused_quant_gemv
 
     in_features, out_features = _IN[fmt], 24
     words, scales = _packed(fmt, out_features, in_features)
     words, scales = words.to(triton_device), scales.to(triton_device)
-    dtypes = [torch.float32, torch.float16]
+    dtypes = [torch.float32] if quick else [torch.float32, torch.float16]
     if triton_device.type == "cuda":
         dtypes.append(torch.bfloat16)  # and the f16x2 path (int4 / int8 on NVIDIA)
     for dtype in dtypes:
@@ -106,9 +146,9 @@ def _kernel_matches_reference(triton_device: torch.device, fmt: str) -> None:
             {"stats": stats, "eps": 1e-6, "gated": True, "bias": rand(out_features), "x": big},
             {"residual": rand(1, out_features), "norm_weight": rand(out_features)},
         ]
-        for kwargs in cases:
+        for kwargs in [cases[0], cases[4], cases[5]] if quick else cases:
             row = kwargs.pop("x", x)
-            got = fused_quant_gemv(row, words, scales, fmt, 128, **kwargs)
+            got = fused_quant_gemv(row, words, scales, fmt, 128, **kwargs, config=config, pdl=pdl)
             want = reference(row, words, scales, fmt, 128, **kwargs)
             for a, b in zip(got[:2], want[:2], strict=True):
                 assert (a is None) == (b is None)
@@ -135,6 +175,8 @@ def _kernel_matches_reference(triton_device: torch.device, fmt: str) -> None:
     )
     with pytest.raises(ValueError, match="norm_weight"):
         fused_quant_gemv(x, words, scales, fmt, 128, residual=x[:, :out_features])
+    with pytest.raises(ValueError, match="pdl = 'sometimes'"):
+        fused_quant_gemv(x, words, scales, fmt, 128, pdl="sometimes")
 
 
 @pytest.mark.parametrize("fmt", ["int4", "int8"])
@@ -157,7 +199,7 @@ def test_qkv_with_rotary_and_cache_write(
     for dtype in dtypes:
         if dtype == torch.float16:  # and a persistent grid: two programs walk the blocks
             fused_gemv = importlib.import_module("slipstream.kernels.ops.quant_matmul.fused_gemv")
-            monkeypatch.setattr(fused_gemv, "_grid_programs", lambda blocks, device: 2)
+            monkeypatch.setattr(fused_gemv, "_grid_programs", lambda blocks, device, per_sm=0: 2)
         x = (10 * torch.randn(1, 1, in_features, generator=gen)).to(triton_device, dtype)
         stats = torch.full((1, 3), 100.0 * in_features / 3, device=triton_device)
         angles = torch.rand(1, 1, head_dim // 2, generator=gen).to(triton_device) * 6
@@ -190,13 +232,21 @@ for target, half2 in (("sm_90", True), ("sm_80", True), ("gfx942", False)):
             spec = dataclasses.replace(spec, constexprs={**spec.constexprs, **extra})
         result = compile_spec(spec, target)
         print(target, spec.name, result.ok, result.error[-300:].replace(chr(10), " "))
+    # split-K (the workspace atomics and the last split's epilogue) in a persistent grid (the
+    # next block's first tile loaded during the epilogue) with the two-step loop: QKV, add-norm
+    for spec in aot_specs(half2)[1:3]:
+        extra = {"SPLIT_K": 2, "PERSISTENT": True, "TWO_STEP": True}
+        spec = dataclasses.replace(spec, constexprs={**spec.constexprs, **extra})
+        result = compile_spec(spec, target)
+        print(target, spec.name, "split2", result.ok, result.error[-300:].replace(chr(10), " "))
 """
 
 
 @pytest.mark.aot
 def test_fused_gemv_builds_for_nvidia_and_amd(tmp_path) -> None:
     """The fused kernel's PTX (f16x2 with the scaled activations, grid dependency control, the
-    bulk L2 prefetch) assembles for sm_90 and sm_80; the portable path builds for gfx942."""
+    bulk L2 prefetch) assembles for sm_90 and sm_80; the portable path builds for gfx942; and
+    the split-K variants (workspace atomics, the last split's epilogue) for all three."""
     import os
     import subprocess
     import sys
@@ -218,4 +268,4 @@ def test_fused_gemv_builds_for_nvidia_and_amd(tmp_path) -> None:
     )
     assert done.returncode == 0, done.stderr[-3000:]
     lines = done.stdout.splitlines()
-    assert len(lines) == 18 and all(" True " in f"{line} " for line in lines), done.stdout
+    assert len(lines) == 24 and all(" True " in f"{line} " for line in lines), done.stdout

@@ -20,7 +20,9 @@ CPU smoke run of the harness (tiny model): ``--preset tiny --device cpu --skip-h
 Tensor parallelism (Slipstream only; per-GPU bandwidth fraction of each rank's slice):
 ``torchrun --nproc_per_node 2 tools/bench/infer_bench.py --batch 1``, or TP=1 and TP=2 side
 by side on one 2-GPU machine in one invocation: ``--tp-compare 2 --batch 1``.
-Per-kernel breakdown of a decode step: ``--profile 16``.
+Per-kernel breakdown of a decode step: ``--profile 16`` (the GEMVs also per part and shape).
+Quantized beside bf16 in one process (one model, each mode served in turn):
+``--weights native int4 int8 int4-head int8-head --batch 1`` (``-head``: LM head quantized too).
 """
 
 from __future__ import annotations
@@ -69,7 +71,14 @@ def parse_args() -> argparse.Namespace:
     parser.add_argument("--batch", type=int, nargs="+", default=[1, 32])
     parser.add_argument("--dtype", choices=sorted(DTYPES), default="bf16")
     parser.add_argument("--device", choices=["auto", "cpu"], default="auto")
-    parser.add_argument("--weights", choices=["native", "int8", "int4", "fp8"], default="native")
+    parser.add_argument(
+        "--weights",
+        choices=["native", "int8", "int4", "fp8", "int8-head", "int4-head", "fp8-head"],
+        nargs="+",
+        default=["native"],
+        help="weights to serve; several: each in turn from the same model, in one process "
+        "(-head: the LM head quantized too, as --lm-head)",
+    )
     parser.add_argument(
         "--group-size", type=int, default=128, help="int8/int4/fp8 weight groups (-1: per row)"
     )
@@ -131,11 +140,19 @@ def parse_args() -> argparse.Namespace:
         const="on",
         default=None,
         choices=["on", "off", "basic"],
-        help="the fused quantized decode GEMVs (decode_fusion on int8/int4) launched with "
-        "programmatic dependent launch (slipstream.kernels' fused_gemv.PDL; sm_90+): on (the "
-        "weights' L2 prefetch, whole or in part, and attention letting the output projection "
-        "start early), off, basic (only weights that fit the L2 budget whole are prefetched, "
-        "attention does not launch the output projection early); default: the library's",
+        help="quant.weight.decode_pdl, the fused quantized decode GEMVs' (decode_fusion on "
+        'int8/int4) programmatic dependent launch (sm_90+): on ("l2_partial": the weights\' '
+        "L2 prefetch, whole or in part, and attention letting the output projection start "
+        "early), off (false), basic (true: only weights that fit the L2 budget whole are "
+        "prefetched, attention does not launch the output projection early); default: the "
+        'config\'s ("auto")',
+    )
+    parser.add_argument(
+        "--quant-decode-table",
+        default=None,
+        metavar="JSON",
+        help="quant.weight.decode_gemv_table: launches of the fused quantized decode GEMVs per "
+        "GPU and shape, from quant_decode_bench.py --table-out, ahead of the built-in table",
     )
     parser.add_argument(
         "--lm-head",
@@ -356,6 +373,8 @@ def bench_batch(
         decode_fusion=",".join(sorted(engine.fused.decode_fusion)) or "off",
         gemv_layout=args.gemv_layout,
         lm_head_quantized=args.lm_head,
+        quant_decode_pdl=engine.fused.quant_pdl if args.weights != "native" else None,
+        quant_decode_table=args.quant_decode_table,
         gemv_table=args.gemv_table,
         decode_gemv_table=args.decode_gemv_table,
         decode_pdl=getattr(engine.fused, "decode_pdl", None),
@@ -500,7 +519,39 @@ def main() -> None:
         torch.cuda.reset_peak_memory_stats(
             device
         )  # the peak reported is the run's, not the build's
-    max_len = args.prompt + args.new_tokens
+    weight_modes, lm_head = args.weights, args.lm_head
+    for index, mode in enumerate(weight_modes):
+        # one model, each --weights mode served and timed in turn (same process and GPU)
+        args.weights = mode.removesuffix("-head")
+        args.lm_head = lm_head or mode.endswith("-head")
+        if index:
+            _free(device)
+        serve(args, model, device, world, common, bandwidth)
+
+
+def _free(device: torch.device) -> None:
+    """Drop the previous mode's engine (its memory) before the next one is built."""
+    import gc
+
+    gc.collect()
+    if device.type == "cuda":
+        torch.cuda.empty_cache()
+
+
+def serve(
+    args: argparse.Namespace,
+    model: Any,
+    device: torch.device,
+    world: int,
+    common: dict[str, Any],
+    bandwidth: float,
+) -> None:
+    """``init_inference`` of ``model`` with ``args.weights`` (one mode), its checks, timings
+    and profile."""
+    # --profile runs generate with 1 + STEPS new tokens: the cache holds the longer of the two
+    max_len = args.prompt + max(args.new_tokens, args.profile + 1 if args.profile else 0)
+    if max_len > args.prompt + args.new_tokens:
+        emit(result="kv_cache_sized_for_profile", max_out_tokens=max_len, profile=args.profile)
     config: dict[str, Any] = {
         "dtype": args.dtype if args.weights == "native" else "int8",
         "replace_with_kernel_inject": True,
@@ -535,6 +586,7 @@ def main() -> None:
                 "format": "fp8_e4m3" if args.weights == "fp8" else "int",
                 "gemv_layout": {"auto": "auto", "on": True, "off": False}[args.gemv_layout],
                 "lm_head": args.lm_head,
+                "decode_gemv_table": args.quant_decode_table,
             }
         }
     if args.attention_block_s:
@@ -554,12 +606,12 @@ def main() -> None:
                 gemv_module.GemvConfig(**launch)
             )
         emit(result="gemv_table", path=args.gemv_table, entries=len(table))
-    if args.quant_pdl is not None:
+    if args.quant_pdl is not None and args.weights != "native":
         from slipstream.kernels.ops.decode_attention import triton as attention_triton
-        from slipstream.kernels.ops.quant_matmul import fused_gemv
 
-        fused_gemv.PDL = args.quant_pdl != "off"
-        fused_gemv.L2_PREFETCH_PARTIAL = args.quant_pdl == "on"
+        pdl = {"on": "l2_partial", "basic": True, "off": False}[args.quant_pdl]
+        config["quant"]["weight"]["decode_pdl"] = pdl
+        # (decode_attention's early trigger is still a module flag)
         attention_triton.LAUNCH_DEPENDENTS_EARLY = args.quant_pdl == "on"
     started = time.perf_counter()
     engine = init_inference(model, config)
@@ -671,19 +723,39 @@ def dequantized_difference(engine: Any, ids: torch.Tensor) -> float:
     return (got - want).abs().max().item()
 
 
-def _gemv_parts(engine: Any) -> list[tuple[str, int]]:
-    """The fused decode GEMVs of one decode step in launch order, with each one's weight bytes
-    (``decode_gemv_kernel`` runs them all: the profile tells them apart by position)."""
+# The decode-step GEMV kernels the profile labels by position: the bf16 fused GEMV, the fused
+# quantized GEMV (quant_decode_gemv / quant_decode_qkv), the plain packed quantized GEMV and the
+# unpacked quantized matmul (a quantized linear outside decode_fusion).
+GEMV_KERNELS = ("decode_gemv_kernel", "fused_gemv_kernel", "gemv_kernel", "quant_matmul_kernel")
+
+
+def _linear_info(linear: Any) -> tuple[int, str, str]:
+    """A linear's weight bytes read per call (quantized: codes and scales), its ``out x in``
+    shape and its weight format (``bf16``, ``int4``, ...)."""
+    if hasattr(linear, "codes"):  # WeightOnlyLinear (packed or not)
+        size = sum(t.numel() * t.element_size() for t in (linear.codes, linear.scales))
+        fmt = linear.format + ("/packed" if linear.packed else "")
+        return size, f"{linear.out_features}x{linear.in_features}", fmt
+    weight = linear.weight
+    dtype = str(weight.dtype).removeprefix("torch.").replace("bfloat16", "bf16")
+    return weight.numel() * weight.element_size(), "x".join(map(str, weight.shape)), dtype
+
+
+def _gemv_parts(engine: Any) -> list[tuple[str, int, str, str]]:
+    """The decode GEMVs of one decode step in launch order as ``(part, weight bytes, shape,
+    format)``: the parts in ``decode_fusion`` (one ``GEMV_KERNELS`` launch each) and every
+    quantized linear (its own kernel even when unfused; the profile tells them apart by
+    position)."""
     fused = engine.fused
     parts = fused.decode_fusion
     order = []
     for block in fused.blocks:
         for part, name in (("qkv", "qkv"), ("out", "out"), ("gate_up", "up"), ("down", "down")):
-            if part in parts:
-                weight = getattr(block, name).weight
-                order.append((part, weight.numel() * weight.element_size()))
-    if "head" in parts:
-        order.append(("head", fused.head.weight.numel() * fused.head.weight.element_size()))
+            linear = getattr(block, name)
+            if part in parts or hasattr(linear, "codes"):
+                order.append((part, *_linear_info(linear)))
+    if "head" in parts or hasattr(fused.head, "codes"):
+        order.append(("head", *_linear_info(fused.head)))
     return order
 
 
@@ -692,9 +764,10 @@ def profile_decode(
 ) -> None:
     """Per-kernel GPU time of a decode step: ``generate`` of 1 and of ``1 + steps`` new tokens
     are profiled, and the difference per kernel name, divided by ``steps``, is one decode step
-    (inside the CUDA graph the kernels are still reported one by one). With decode fusion on,
-    ``decode_gemv_kernel``'s calls are also told apart by their place in the step (QKV, output,
-    gate/up, down per block, then the head): time, GB/s and share of the copy bandwidth each."""
+    (inside the CUDA graph the kernels are still reported one by one). The GEMV kernels'
+    calls (``GEMV_KERNELS``: bf16 and quantized) are also told apart by their place in the step
+    (QKV, output, gate/up, down per block, then the head): time, shape, weight format, GB/s and
+    share of the copy bandwidth of each part, and of all GEMVs together."""
     from torch.profiler import ProfilerActivity, profile
 
     gemv_order = _gemv_parts(engine)
@@ -719,7 +792,7 @@ def profile_decode(
             if not ids.is_cuda and event.cpu_parent is not None:
                 continue  # CPU run: top-level ops only
             time_us = event.device_time if ids.is_cuda else event.cpu_time
-            if event.name == "decode_gemv_kernel":
+            if event.name in GEMV_KERNELS:
                 gemvs.append((event.time_range.start, time_us))
             calls, total = table.get(event.name, (0, 0.0))
             table[event.name] = (calls + 1, total + time_us)
@@ -751,10 +824,13 @@ def profile_decode(
             us_per_step=round(per_step_us, 2),
             share=round(per_step_us / max(step_us, 1e-9), 4),
         )
-    # The decode steps' GEMVs, each labelled by its place in the step (the prefill runs none).
-    in_prefill, in_steps = gemv_calls.get(1, []), gemv_calls.get(1 + steps, [])
+    # The decode steps' GEMVs, each labelled by its place in the step
+    # (a GEMV kernel the prefill runs too, e.g. the unpacked quantized matmul: the longer run's
+    # first ones are the prefill's)
+    in_prefill = gemv_calls.get(1, [])
+    in_steps = gemv_calls.get(1 + steps, [])[len(in_prefill) :]
     period = len(gemv_order)
-    if not ids.is_cuda or not period or in_prefill or len(in_steps) != period * steps:
+    if not ids.is_cuda or not period or len(in_steps) != period * steps:
         if ids.is_cuda and (in_steps or in_prefill):
             emit(
                 result="decode_profile_gemv_skipped",
@@ -765,15 +841,28 @@ def profile_decode(
         return
     by_part: dict[str, list[float]] = {}
     by_bytes: dict[str, int] = {}
+    labels: dict[str, tuple[str, str]] = {}
     for index, time_us in enumerate(in_steps):
-        part, size = gemv_order[index % period]
+        part, size, shape, fmt = gemv_order[index % period]
         by_part.setdefault(part, []).append(time_us)
         by_bytes[part] = by_bytes.get(part, 0) + size
+        labels[part] = (shape, fmt)
+    gemv_us = sum(in_steps) / steps
+    emit(
+        result="decode_profile_gemv_total",
+        us_per_step=round(gemv_us, 1),
+        share_of_step=round(gemv_us / max(step_us, 1e-9), 4),
+        other_us_per_step=round(step_us - gemv_us, 1),
+        gb_per_s=round(sum(by_bytes.values()) / (sum(in_steps) / 1e6) / 1e9, 1),
+        fraction_of_copy=round(sum(by_bytes.values()) / (sum(in_steps) / 1e6) / bandwidth, 3),
+    )
     for part, times in by_part.items():
         seconds = sum(times) / 1e6
         emit(
             result="decode_profile_gemv",
             part=part,
+            shape=labels[part][0],
+            format=labels[part][1],
             calls_per_step=len(times) // steps,
             us_per_step=round(sum(times) / steps, 2),
             us_per_call=round(sum(times) / len(times), 2),

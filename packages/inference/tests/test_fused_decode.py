@@ -208,26 +208,35 @@ def test_fused_quantized_decode_equals_unfused(monkeypatch: pytest.MonkeyPatch) 
     from slipstream.inference.fused_decode import enable_decode_fusion
 
     calls = {"gated": 0, "norm_in": 0, "add_norm": 0, "qkv": 0}
+    launches: set[str] = set()  # the pdl launch options the kernels were given
     original, original_qkv = quant_module.quant_decode_gemv, quant_module.quant_decode_qkv
 
-    def counting(*args: Any) -> Any:
+    def counting(*args: Any, **kwargs: Any) -> Any:
         calls["gated"] += bool(args[8])
         calls["norm_in"] += args[6] is not None
         calls["add_norm"] += args[9] is not None
-        return original(*args)
+        launches.add(kwargs["pdl"])
+        return original(*args, **kwargs)
 
-    def counting_qkv(*args: Any) -> Any:
+    def counting_qkv(*args: Any, **kwargs: Any) -> Any:
         calls["qkv"] += 1
-        return original_qkv(*args)
+        launches.add(kwargs["pdl"])
+        return original_qkv(*args, **kwargs)
 
     monkeypatch.setattr(quant_module, "quant_decode_gemv", counting)
     monkeypatch.setattr(quant_module, "quant_decode_qkv", counting_qkv)
     model = _packable_llama()
     ids = torch.randint(3, 96, (1, 7), generator=torch.Generator().manual_seed(0))
     cuda = torch.device("cuda")  # "auto" reads only the device type
-    for bits, fmt, lm_head in ((4, "int", False), (8, "int", True), (8, "fp8_e4m3", True)):
+    # (quant.weight.decode_pdl: each case hands the kernels its launch option)
+    cases = (
+        (4, "int", False, False),
+        (8, "int", True, "l2_partial"),
+        (8, "fp8_e4m3", True, "auto"),
+    )
+    for bits, fmt, lm_head, pdl in cases:
         quant = {"weight": {"num_bits": bits, "group_size": 128, "compute_dtype": "bf16"}}
-        quant["weight"].update(format=fmt, lm_head=lm_head)
+        quant["weight"].update(format=fmt, lm_head=lm_head, decode_pdl=pdl)
         settings = {"dtype": "int8", "replace_with_kernel_inject": True, "max_out_tokens": 32}
         fused = init_inference(model, settings, quant=quant, decode_fusion=True)
         plain = init_inference(model, settings, quant=quant, decode_fusion=False)
@@ -237,7 +246,9 @@ def test_fused_quantized_decode_equals_unfused(monkeypatch: pytest.MonkeyPatch) 
         assert plain.fused is not None
         plain.fused.decode_fusion = frozenset()
         calls.update(gated=0, norm_in=0, add_norm=0, qkv=0)
+        launches.clear()
         tokens = fused.generate(ids, **KWARGS)
+        assert launches == {{False: "off", "auto": "on"}.get(pdl, pdl)}, (pdl, launches)
         layers = len(fused.fused.blocks)
         # 5 decode steps: per block QKV (1/rms, rotary and cache write), gate/up (gated,
         # 1/rms), out and down (add + norm epilogue), the quantized head's 1/rms; the last

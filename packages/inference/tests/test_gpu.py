@@ -228,7 +228,6 @@ def test_fused_quantized_decode_on_gpu(bits: int, monkeypatch: pytest.MonkeyPatc
     import transformers
 
     from slipstream.kernels.ops.decode_attention import triton as attention_triton
-    from slipstream.kernels.ops.quant_matmul import fused_gemv
 
     config_hf = transformers.LlamaConfig(
         vocab_size=96,
@@ -257,15 +256,17 @@ def test_fused_quantized_decode_on_gpu(bits: int, monkeypatch: pytest.MonkeyPatc
     }
     kwargs = {"max_new_tokens": 12, "do_sample": False, "eos_token_id": None, "pad_token_id": 0}
     outputs = []
-    for graph, pdl in ((False, False), (True, False), (True, True)):
-        monkeypatch.setattr(fused_gemv, "PDL", pdl)
-        monkeypatch.setattr(attention_triton, "LAUNCH_DEPENDENTS_EARLY", pdl)
-        engine = init_inference(model, config, enable_cuda_graph=graph, max_out_tokens=32)
+    for graph, pdl in ((False, False), (True, False), (True, True), (True, "l2_partial")):
+        # (attention's early trigger is still a module flag of decode_attention's)
+        monkeypatch.setattr(attention_triton, "LAUNCH_DEPENDENTS_EARLY", pdl is not False)
+        pdl_config = {**config, "quant": {"weight": {**weight, "decode_pdl": pdl}}}
+        engine = init_inference(model, pdl_config, enable_cuda_graph=graph, max_out_tokens=32)
         assert engine.fused is not None and len(engine.fused.decode_fusion) == 6  # auto: all
+        assert engine.fused.quant_pdl == {False: "off", True: "on"}.get(pdl, pdl)
         outputs.append(engine.generate(ids, **kwargs))
-    assert torch.equal(outputs[0], outputs[1]) and torch.equal(outputs[0], outputs[2])
-    monkeypatch.setattr(fused_gemv, "PDL", False)
+    assert all(torch.equal(outputs[0], other) for other in outputs[1:])
     monkeypatch.setattr(attention_triton, "LAUNCH_DEPENDENTS_EARLY", False)
+    config["quant"]["weight"]["decode_pdl"] = False
     steps = []
     for fusion in (True, False):
         engine = init_inference(model, {**config, "decode_fusion": fusion}, max_out_tokens=32)

@@ -145,6 +145,28 @@ class WeightQuantConfig(ConfigBlock):
     # dtype): at batch 1 the bf16 head of a Llama-3-8B is a quarter of an int4 step's bytes,
     # so this is a speed / accuracy trade the user opts into (docs/inference.md).
     lm_head: bool = False
+    # Programmatic dependent launch of the fused quantized decode GEMVs (decode_fusion on a
+    # packed int8 / int4 / fp8 model; NVIDIA sm_90+, elsewhere plain launches, same results):
+    # each may start while the kernel before it finishes, its weights streaming into L2 before
+    # it waits for its inputs. "auto" / true: on, with the L2 prefetch of weights that fit
+    # 12 MiB whole (measured on an H200: the 8B int4 step 2.0%, int8 5.2% faster than false);
+    # "l2_partial": also the first part of every row of larger weights; false: plain launches.
+    decode_pdl: bool | Literal["auto", "l2_partial"] = dataclasses.field(
+        default="auto", metadata={"allow_auto": True}
+    )
+    # JSON launch table of those fused quantized decode GEMVs (per GPU, format and shape:
+    # rows per program, warps, split-K, persistent grid, ...), written by
+    # tools/bench/quant_decode_bench.py --table-out; its entries for the running GPU come
+    # before the built-in ones (slipstream.kernels.ops.quant_matmul.fused_table). None: the
+    # built-in table, then the rule.
+    decode_gemv_table: str | None = None
+
+    @property
+    def pdl_mode(self) -> str:
+        """``decode_pdl`` as the kernels' launch option (``quant_matmul.fused_gemv.PDL_MODES``)."""
+        if self.decode_pdl is False:
+            return "off"
+        return "l2_partial" if self.decode_pdl == "l2_partial" else "on"
 
     @property
     def packed_gemv(self) -> bool:

@@ -60,6 +60,27 @@ def _install_gemv_table(path: str) -> None:
     logger.info("decode_gemv_table: %d launch(es) from %s", len(entries), path)
 
 
+def _install_quant_table(path: str) -> None:
+    """Read ``quant.weight.decode_gemv_table``'s file and make its launches the fused quantized
+    decode GEMVs' first choice."""
+    from slipstream.kernels.ops.quant_matmul.fused_table import (
+        FusedTableError,
+        load_fused_table,
+        use_fused_table,
+    )
+
+    try:
+        entries = load_fused_table(path)
+    except FusedTableError as error:
+        raise ValueError(
+            f"quant.weight.decode_gemv_table = {path!r}: {error}. Write the file with "
+            "tools/bench/quant_decode_bench.py --table-out, or leave the key unset (the "
+            "built-in table and the rule)"
+        ) from error
+    use_fused_table(entries)
+    logger.info("quant.weight.decode_gemv_table: %d launch(es) from %s", len(entries), path)
+
+
 def _cast_parameters(module: nn.Module, dtype: torch.dtype) -> None:
     """Cast floating parameters only (the rotary inverse frequencies stay fp32)."""
     for param in module.parameters():
@@ -131,6 +152,10 @@ class InferenceEngine(nn.Module):
                 gemv_layout=weight.packed_gemv,
                 lm_head=weight.lm_head,
             )
+            # the fused quantized decode step's launches (fused_quant_decode reads it)
+            fused.quant_pdl = weight.pdl_mode
+            if weight.decode_gemv_table is not None:
+                _install_quant_table(weight.decode_gemv_table)
         if config.use_triton:
             from slipstream.inference.gemv import use_triton_gemv
 

@@ -86,6 +86,7 @@ def _quantized(
     gated: bool = False,
     residual: torch.Tensor | None = None,
     norm_weight: torch.Tensor | None = None,
+    pdl: str = "on",
 ) -> tuple[torch.Tensor, torch.Tensor | None, torch.Tensor | None]:
     bias = None if linear.bias is None else linear.bias.to(x.dtype)
     return quant_decode_gemv(
@@ -100,6 +101,7 @@ def _quantized(
         gated,
         residual,
         norm_weight,
+        pdl=pdl,
     )
 
 
@@ -115,14 +117,19 @@ def _normed(state: _State, norm: Norm) -> tuple[torch.Tensor, torch.Tensor, torc
 
 
 def _consume(
-    state: _State, norm: Norm, linear: nn.Module, fused: bool, gated: bool = False
+    state: _State,
+    norm: Norm,
+    linear: nn.Module,
+    fused: bool,
+    gated: bool = False,
+    pdl: str = "on",
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """The residual stream and ``linear(norm(stream))`` (``gated``: SiLU * up of it, in the
     quantized GEMV's epilogue)."""
     if fused and fusable_quantized(linear):
         assert isinstance(linear, WeightOnlyLinear)
         total, u, stats = _normed(state, norm)
-        return total, _quantized(linear, u, stats=stats, eps=norm.eps, gated=gated)[0]
+        return total, _quantized(linear, u, stats=stats, eps=norm.eps, gated=gated, pdl=pdl)[0]
     assert not gated
     x, residual = (state[1], None) if state[0] == "normed" else (state[1], state[2])
     if fused and isinstance(linear, nn.Linear):
@@ -132,7 +139,12 @@ def _consume(
 
 
 def _produce(
-    x: torch.Tensor, act: torch.Tensor, linear: nn.Module, fused: bool, next_norm: Norm | None
+    x: torch.Tensor,
+    act: torch.Tensor,
+    linear: nn.Module,
+    fused: bool,
+    next_norm: Norm | None,
+    pdl: str = "on",
 ) -> _State:
     """The state after ``linear(act)`` is added to the residual stream ``x``; normalised for
     ``next_norm`` in the quantized projection's epilogue when it is given."""
@@ -140,9 +152,9 @@ def _produce(
         assert isinstance(linear, WeightOnlyLinear)
         if next_norm is not None:
             weight = next_norm.weight.to(x.dtype)
-            out, total, stats = _quantized(linear, act, residual=x, norm_weight=weight)
+            out, total, stats = _quantized(linear, act, residual=x, norm_weight=weight, pdl=pdl)
             return ("normed", total, out, stats)
-        return ("pending", x, _quantized(linear, act)[0])
+        return ("pending", x, _quantized(linear, act, pdl=pdl)[0])
     if fused and isinstance(linear, nn.Linear):
         return ("pending", x, decode_gemv(act, linear.weight, linear.bias))
     return ("pending", x, linear(act))
@@ -155,6 +167,7 @@ def _rotary_qkv(
     rotary: tuple[torch.Tensor, torch.Tensor],
     cache: tuple[torch.Tensor, torch.Tensor],
     slots: torch.Tensor,
+    pdl: str = "on",
 ) -> torch.Tensor:
     """The rotated queries ``(batch, heads, 1, head_dim)`` of the quantized QKV projection of
     ``u`` (normalised by ``stats``), its keys and values written into ``cache`` at ``slots``."""
@@ -177,6 +190,7 @@ def _rotary_qkv(
         slots,
         block.heads,
         block.kv_heads,
+        pdl=pdl,
     )
 
 
@@ -206,6 +220,7 @@ def quant_decode_forward(
     """The blocks, final norm and head of a single-token decode step of a model with packed
     quantized projections (``fused_decode.decode_forward`` hands over to this)."""
     parts = model.decode_fusion
+    pdl = model.quant_pdl
     blocks = list(model.blocks)
     state: _State = ("pending", x, None)
     for index, block in enumerate(blocks):
@@ -220,17 +235,17 @@ def quant_decode_forward(
         ):
             # rotary_kv_write in the QKV projection's epilogue, then decode_attention
             x, u, stats = _normed(state, block.input_norm)
-            q = _rotary_qkv(block, u, stats, rotary, layer_cache, slots)
+            q = _rotary_qkv(block, u, stats, rotary, layer_cache, slots, pdl)
             attn = _cached_attention(block, q, layer_cache, mask)
         else:
-            x, qkv = _consume(state, block.input_norm, block.qkv, "qkv" in parts)
+            x, qkv = _consume(state, block.input_norm, block.qkv, "qkv" in parts, pdl=pdl)
             attn = block._attend(qkv, rotary, layer_cache, slots, mask, "attention" in parts)
         up_normed = "gate_up" in parts and fusable_quantized(block.up)
         post = block.post_norm if up_normed else None
-        state = _produce(x, attn, block.out, "out" in parts, post)
+        state = _produce(x, attn, block.out, "out" in parts, post, pdl)
         # SiLU * up in gate/up's epilogue when both MLP projections are fused and quantized
         gated = up_normed and "down" in parts and fusable_quantized(block.down)
-        x, up = _consume(state, block.post_norm, block.up, "gate_up" in parts, gated)
+        x, up = _consume(state, block.post_norm, block.up, "gate_up" in parts, gated, pdl)
         if index + 1 < len(blocks):
             following = blocks[index + 1]
             assert isinstance(following, FusedBlock)
@@ -240,11 +255,11 @@ def quant_decode_forward(
             takes = "head" in parts and fusable_quantized(model.head)
             next_norm = model.final_norm if takes else None
         if gated:
-            state = _produce(x, up, block.down, True, next_norm)
+            state = _produce(x, up, block.down, True, next_norm, pdl)
         elif "down" in parts and isinstance(block.down, nn.Linear):
             state = ("pending", x, gated_gemv(up, block.down.weight, block.down.bias))
         else:
             act = gated_activation(up, "silu")
-            state = _produce(x, act, block.down, "down" in parts, next_norm)
-    logits = _consume(state, model.final_norm, model.head, "head" in parts)[1]
+            state = _produce(x, act, block.down, "down" in parts, next_norm, pdl)
+    logits = _consume(state, model.final_norm, model.head, "head" in parts, pdl=pdl)[1]
     return logits if model.head_group is None else model.gather_vocab(logits)

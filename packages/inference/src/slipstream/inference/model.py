@@ -399,6 +399,9 @@ class FusedDecoder(nn.Module):
         self.head_group: dist.ProcessGroup | None = None  # vocab-parallel head under TP
         self.head_reducer: Any = None  # slipstream.inference.allreduce.TPReducer, under TP
         self.layer_hook: LayerHook | None = None  # ZeRO-Inference streams weights through this
+        # The fused quantized decode GEMVs' programmatic dependent launch option (set by
+        # init_inference from quant.weight.decode_pdl; fused_quant_decode passes it on).
+        self.quant_pdl: str = "on"
         # The parts that single-token decode steps run through the decode kernels
         # (fused_decode.decode_forward; set by fused_decode.enable_decode_fusion); empty: none.
         self.decode_fusion: frozenset[str] = frozenset()

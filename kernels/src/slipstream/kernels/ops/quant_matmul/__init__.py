@@ -129,6 +129,8 @@ def quant_decode_gemv(
     gated: bool = False,
     residual: torch.Tensor | None = None,
     norm_weight: torch.Tensor | None = None,
+    *,
+    pdl: str = "on",
 ) -> tuple[torch.Tensor, torch.Tensor | None, torch.Tensor | None]:
     """:func:`quant_matmul_packed` for a few rows (decode) with a decoder block's small ops
     folded in, with the best backend: the RMSNorm's ``1 / rms`` from ``stats`` applied to the
@@ -136,7 +138,8 @@ def quant_decode_gemv(
     next RMSNorm's weight after it (``residual``, ``norm_weight``: also returns the residual
     sum and the partial sums of squares for the next call's ``stats``). Returns ``(out, total,
     stats_out)``; see :func:`.reference.quant_decode_gemv` for the exact math and
-    :mod:`.fused_gemv` for the kernel.
+    :mod:`.fused_gemv` for the kernel. ``pdl``: the GPU kernel's programmatic dependent
+    launch (``"on"``, ``"l2_partial"``, ``"off"``; :data:`.fused_gemv.PDL_MODES`).
 
     >>> from slipstream.kernels.ops import quantize
     >>> q = quantize(torch.randn(8, 128), "int4", group_size=128)
@@ -145,8 +148,9 @@ def quant_decode_gemv(
     """
     fn = get_op(DECODE_OP_NAME, x.device.type, x.dtype)
     return fn(  # type: ignore[no-any-return]
-        x, words, scales, format, group_size, bias, stats, eps, gated, residual, norm_weight
-    )
+        x, words, scales, format, group_size, bias, stats, eps, gated, residual, norm_weight,
+        pdl=pdl,
+    )  # fmt: skip
 
 
 def quant_decode_qkv(
@@ -165,12 +169,15 @@ def quant_decode_qkv(
     slots: torch.Tensor,
     num_heads: int,
     num_kv_heads: int,
+    *,
+    pdl: str = "on",
 ) -> torch.Tensor:
     """A decode step's fused QKV projection (:func:`quant_decode_gemv` with the norm's
     ``stats``) with ``rotary_kv_write`` folded into its epilogue: returns the rotated queries
     ``(batch, num_heads, 1, head_dim)`` and writes the rotated keys and the values into
     ``key_cache`` / ``value_cache`` ``(batch, kv_heads, slots, head_dim)`` at ``slots``, with
-    the best backend (see :func:`.reference.quant_decode_qkv`)."""
+    the best backend (see :func:`.reference.quant_decode_qkv`); ``pdl`` as for
+    :func:`quant_decode_gemv`."""
     fn = get_op(QKV_OP_NAME, x.device.type, x.dtype)
     return fn(  # type: ignore[no-any-return]
         x,
@@ -188,4 +195,5 @@ def quant_decode_qkv(
         slots,
         num_heads,
         num_kv_heads,
+        pdl=pdl,
     )

@@ -27,12 +27,11 @@ split 1 anyway) and one program per activation row, for a few rows.
 
 from __future__ import annotations
 
-import dataclasses
-
 import torch
 import triton
 import triton.language as tl
 
+from slipstream.kernels.ops.quant_matmul.fused_table import FusedGemvConfig, lookup_fused
 from slipstream.kernels.ops.quant_matmul.gemv import (
     GEMV_FORMAT_CODES,
     GemvConfig,
@@ -55,7 +54,10 @@ from slipstream.kernels.ops.quant_matmul.reference import (
 from slipstream.kernels.triton_support import AotSpec, check_kernel_device
 
 __all__ = [
-    "PDL",
+    "PDL_MODES",
+    "FusedGemvConfig",
+    "fused_config",
+    "fused_config_supported",
     "fused_gemv_kernel",
     "fused_quant_gemv",
     "fused_quant_qkv",
@@ -64,12 +66,17 @@ __all__ = [
 
 MAX_ROWS = 4
 STATS_BLOCK = 256
-# Programmatic dependent launch (NVIDIA sm_90+): each launch may start while the kernel before
-# it finishes, loading its first weight tile (weights are never written) and waiting
-# (``griddepcontrol.wait``) before it reads activations or writes anything. On: an H200 decoded
-# an 8B model 2.0% (int4) and 5.2% (int8) faster with it (tools/bench/infer_bench.py
-# --quant-pdl basic|off, the default L2 prefetch settings below).
-PDL = True
+# The norm prologue reads the producer's partial sums in one pass of up to this many (one L2
+# round trip before the first multiply-add, instead of one per 256).
+STATS_BLOCK_MAX = 2048
+# Programmatic dependent launch (NVIDIA sm_90+), the ``pdl`` argument (``init_inference``'s
+# ``quant.weight.decode_pdl`` key): each launch may start while the kernel before it finishes,
+# loading its first weight tile (weights are never written) and prefetching weight rows into
+# L2, and waits (``griddepcontrol.wait``) before it reads activations or writes anything.
+# "on": the L2 prefetch of weights that fit L2_PREFETCH_BYTES whole (an H200 decoded an 8B
+# model 2.0% (int4) and 5.2% (int8) faster than with "off"); "l2_partial": also the first part
+# of every row of larger weights (not measured yet); "off": plain launches.
+PDL_MODES = ("on", "l2_partial", "off")
 
 try:
     from triton.language.extra.cuda import gdc_launch_dependents, gdc_wait
@@ -169,6 +176,90 @@ def _block_rows(
 
 
 @triton.jit
+def _tile(
+    acc3,
+    acc_quads,
+    words,
+    scale,
+    k0,
+    x_row,
+    pairs,
+    g,
+    jj,
+    xscale,
+    FORMAT: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+    GPS: tl.constexpr,
+    NATIVE_FP8: tl.constexpr,
+    HALF2: tl.constexpr,
+    NORM_IN: tl.constexpr,
+):
+    """One K step's products of the weight tile ``words`` / ``scale`` with the activations at
+    ``k0``, added to the accumulators (f16x2 quads, or the fp32 path's per-word sums)."""
+    x_type = x_row.dtype.element_ty
+    PER: tl.constexpr = 8 if FORMAT == 1 else 4  # fields per word
+    PACK: tl.constexpr = 16 * PER
+    BITS: tl.constexpr = 32 // PER
+    LOW: tl.constexpr = 20 // BITS
+    OFFSET: tl.constexpr = 8 if FORMAT == 1 else 128
+    if HALF2:
+        xpairs = pairs + k0 // 2 + g * (PACK // 2) + jj
+        quad_scale, _s1, _s2, _s3 = _split4(scale)
+        if NORM_IN and x_type == tl.bfloat16:
+            if FORMAT == 1:
+                xa, xb = _x_half2_scaled(tl.load(xpairs), tl.load(xpairs + 32), xscale)
+                xc, xd = _x_half2_scaled(tl.load(xpairs + 16), tl.load(xpairs + 48), xscale)
+            else:
+                xa, xb = _x_half2_scaled(tl.load(xpairs), tl.load(xpairs + 16), xscale)
+                xc, xd = xa, xb
+            sums = _half2_quad_dot(words, xa, xb, xc, xd, FORMAT)
+        else:
+            sums = _half2_quad_sums(words, xpairs, FORMAT, x_type == tl.bfloat16)
+        acc_quads += sums * quad_scale
+    else:
+        if FORMAT == 1:
+            words = words ^ -2004318072  # 0x88888888: two's complement -> offset binary
+        elif FORMAT == 0:
+            words = words ^ -2139062144  # 0x80808080
+        high = words >> (BITS * (PER - LOW))
+        t = tl.zeros((BLOCK_N, GPS, 16), dtype=tl.float32)
+        for p in tl.static_range(PER // 2):
+            if x_type == tl.float32:
+                base = x_row + k0 + g * PACK + 32 * p + 2 * jj
+                x_lo = tl.load(base)
+                x_hi = tl.load(base + 1)
+            else:
+                xp = tl.load(pairs + k0 // 2 + g * (PACK // 2) + 16 * p + jj)
+                if x_type == tl.bfloat16:
+                    x_lo = (xp << 16).to(tl.float32, bitcast=True)
+                    x_hi = (xp & -65536).to(tl.float32, bitcast=True)
+                else:
+                    x_lo = xp.to(tl.int16).to(tl.float16, bitcast=True).to(tl.float32)
+                    x_hi = (xp >> 16).to(tl.int16).to(tl.float16, bitcast=True)
+                    x_hi = x_hi.to(tl.float32)
+            for b in tl.static_range(2):
+                f = 2 * p + b
+                if FORMAT == 2:
+                    byte = (words >> (8 * f)) & 255
+                    if NATIVE_FP8:
+                        fp8 = byte.to(tl.uint8).to(tl.float8e4nv, bitcast=True)
+                        value = fp8.to(tl.float32)
+                    else:
+                        half = ((byte & 0x7F) << 7) | ((byte & 0x80) << 8)
+                        value = half.to(tl.int16).to(tl.float16, bitcast=True)
+                        value = value.to(tl.float32)
+                else:
+                    at = BITS * f if f < LOW else BITS * (f - PER + LOW)
+                    src = words if f < LOW else high
+                    field = src & (((1 << BITS) - 1) << at)
+                    value = (field | ((150 - at) << 23)).to(tl.float32, bitcast=True)
+                    value = value - ((1 << (23 - at)) + OFFSET)
+                t += value * (x_lo if b == 0 else x_hi)
+        acc3 += t * scale
+    return acc3, acc_quads
+
+
+@triton.jit
 def fused_gemv_kernel(
     x_ptr,
     codes_ptr,
@@ -198,6 +289,8 @@ def fused_gemv_kernel(
     cache_sb,
     cache_sh,
     cache_ss,
+    ws_ptr,  # SPLIT_K > 1: fp32 (rows, N) partial sums, zero at rest
+    count_ptr,  # SPLIT_K > 1: int32 arrival counters per (row, block), zero at rest
     FORMAT: tl.constexpr,  # 0 int8, 1 int4, 2 fp8 e4m3 (packed words)
     GROUP: tl.constexpr,
     HAS_BIAS: tl.constexpr,
@@ -212,8 +305,11 @@ def fused_gemv_kernel(
     STATS: tl.constexpr,
     ROPE: tl.constexpr = False,  # QKV: rotate q and k, write q to out and k, v to the cache
     HEAD_DIM: tl.constexpr = 128,
-    GDC: tl.constexpr = False,  # launched with PDL: wait for the previous kernel (see PDL)
+    GDC: tl.constexpr = False,  # launched with PDL: wait for the previous kernel (PDL_MODES)
     L2_PREFETCH: tl.constexpr = False,  # GDC: the program's weight rows into L2 before the wait
+    SPLIT_K: tl.constexpr = 1,  # K ranges per block, one program each (program_id 2)
+    PERSISTENT: tl.constexpr = True,  # programs may walk several blocks (False: one each)
+    TWO_STEP: tl.constexpr = False,  # PREFETCH: the two-step loop (FusedGemvConfig.two_step)
 ):
     """One activation row per program ``(row, p)``; see the module docstring for the pieces."""
     if GDC:
@@ -227,15 +323,16 @@ def fused_gemv_kernel(
     else:
         n_blocks = tl.cdiv(N, BLOCK_N)
     steps = K // BLOCK_K
+    # this program's K range (split-K: a contiguous share of the steps)
+    per_split = tl.cdiv(steps, SPLIT_K)
+    k_first = tl.program_id(2) * per_split
+    k_last = tl.minimum(k_first + per_split, steps)
     x_row = x_ptr + pid_m.to(tl.int64) * stride_xm
     x_type = x_ptr.dtype.element_ty
     out_type = out_ptr.dtype.element_ty
     PER: tl.constexpr = 8 if FORMAT == 1 else 4  # fields per word
     PACK: tl.constexpr = 16 * PER  # input features per packed block
     GPS: tl.constexpr = BLOCK_K // PACK  # packed blocks per step
-    BITS: tl.constexpr = 32 // PER
-    LOW: tl.constexpr = 20 // BITS
-    OFFSET: tl.constexpr = 8 if FORMAT == 1 else 128
     g = tl.arange(0, GPS)[None, :, None]
     jj = tl.arange(0, 16)[None, None, :]
     word = g * 16 + jj
@@ -243,8 +340,13 @@ def fused_gemv_kernel(
     cols, col_ok = _block_rows(pid_n, r, N, ROPE, GATED, BLOCK_N, HEAD_DIM)
     if PREFETCH:  # the first block's first tile
         first_rows = cols.to(tl.int64)[:, None, None]
-        next_words = tl.load(codes_ptr + first_rows * stride_cn + word)
-        next_scale = tl.load(scales_ptr + first_rows * (K // GROUP) + (g * PACK) // GROUP + jj * 0)
+        next_words = tl.load(codes_ptr + first_rows * stride_cn + k_first * (BLOCK_K // PER) + word)
+        next_scale = tl.load(
+            scales_ptr
+            + first_rows * (K // GROUP)
+            + (k_first * BLOCK_K + g * PACK) // GROUP
+            + jj * 0
+        )
     if GDC:  # the weights are ours to read early; everything else waits for the producer
         if L2_PREFETCH:
             # the first prefetch_bytes of each of the program's code rows (contiguous) in one
@@ -273,83 +375,70 @@ def fused_gemv_kernel(
         safe_rows = cols.to(tl.int64)[:, None, None]
         code_rows = codes_ptr + safe_rows * stride_cn
         scale_rows = scales_ptr + safe_rows * (K // GROUP) + jj * 0
+        # (the block's tile pointers once: a step only adds its offset)
+        code_tile = code_rows + word
         acc3 = tl.zeros((BLOCK_N, GPS, 16), dtype=tl.float32)
         acc_quads = tl.zeros((BLOCK_N, GPS, 4), dtype=tl.float32)
-        for step in range(0, steps):
-            k0 = step * BLOCK_K
-            if PREFETCH:
-                words = next_words
-                scale = next_scale
-                # the next step's tile, or after the last step the next block's first tile
-                more = step + 1 < steps
-                ahead = tl.where(more, step + 1, 0)
-                ahead_rows = tl.where(more, cols, following).to(tl.int64)[:, None, None]
+        if PREFETCH and TWO_STEP:
+            # Two steps an iteration, each tile loaded one step ahead of its use: the second
+            # step's tile while the first computes, the next iteration's first tile while the
+            # second computes (into the registers the first just freed: no copies between
+            # the prefetch buffer and the tile in use). Past the end the last tile is re-read.
+            for step in range(k_first, k_last, 2):
+                second = tl.minimum(step + 1, k_last - 1)
+                words = tl.load(code_tile + second * (BLOCK_K // PER))
+                scale = tl.load(scale_rows + (second * BLOCK_K + g * PACK) // GROUP)
+                acc3, acc_quads = _tile(
+                    acc3, acc_quads, next_words, next_scale, step * BLOCK_K, x_row, pairs,
+                    g, jj, xscale, FORMAT, BLOCK_N, GPS, NATIVE_FP8, HALF2, NORM_IN,
+                )  # fmt: skip
+                ahead = tl.minimum(step + 2, k_last - 1)
+                next_words = tl.load(code_tile + ahead * (BLOCK_K // PER))
+                next_scale = tl.load(scale_rows + (ahead * BLOCK_K + g * PACK) // GROUP)
+                if step + 1 < k_last:
+                    acc3, acc_quads = _tile(
+                        acc3, acc_quads, words, scale, second * BLOCK_K, x_row, pairs,
+                        g, jj, xscale, FORMAT, BLOCK_N, GPS, NATIVE_FP8, HALF2, NORM_IN,
+                    )  # fmt: skip
+            if PERSISTENT:  # the next block's first tile, in flight during the epilogue
+                next_rows = following.to(tl.int64)[:, None, None]
                 next_words = tl.load(
-                    codes_ptr + ahead_rows * stride_cn + ahead * (BLOCK_K // PER) + word
+                    codes_ptr + next_rows * stride_cn + k_first * (BLOCK_K // PER) + word
                 )
                 next_scale = tl.load(
                     scales_ptr
-                    + ahead_rows * (K // GROUP)
-                    + (ahead * BLOCK_K + g * PACK) // GROUP
+                    + next_rows * (K // GROUP)
+                    + (k_first * BLOCK_K + g * PACK) // GROUP
                     + jj * 0
                 )
-            else:
-                words = tl.load(code_rows + step * (BLOCK_K // PER) + word)
-                scale = tl.load(scale_rows + (k0 + g * PACK) // GROUP)
-            if HALF2:
-                xpairs = pairs + k0 // 2 + g * (PACK // 2) + jj
-                quad_scale, _s1, _s2, _s3 = _split4(scale)
-                if NORM_IN and x_type == tl.bfloat16:
-                    if FORMAT == 1:
-                        xa, xb = _x_half2_scaled(tl.load(xpairs), tl.load(xpairs + 32), xscale)
-                        xc, xd = _x_half2_scaled(tl.load(xpairs + 16), tl.load(xpairs + 48), xscale)
-                    else:
-                        xa, xb = _x_half2_scaled(tl.load(xpairs), tl.load(xpairs + 16), xscale)
-                        xc, xd = xa, xb
-                    sums = _half2_quad_dot(words, xa, xb, xc, xd, FORMAT)
+        else:
+            for step in range(k_first, k_last):
+                k0 = step * BLOCK_K
+                if PREFETCH:
+                    words = next_words
+                    scale = next_scale
+                    # the next step's tile, or after the last step the next block's first tile
+                    # (its rows gathered again each step: fewer registers than TWO_STEP's
+                    # tile pointers, more instructions)
+                    more = step + 1 < k_last
+                    ahead = tl.where(more, step + 1, k_first)
+                    ahead_rows = tl.where(more, cols, following).to(tl.int64)[:, None, None]
+                    next_words = tl.load(
+                        codes_ptr + ahead_rows * stride_cn + ahead * (BLOCK_K // PER) + word
+                    )
+                    next_scale = tl.load(
+                        scales_ptr
+                        + ahead_rows * (K // GROUP)
+                        + (ahead * BLOCK_K + g * PACK) // GROUP
+                        + jj * 0
+                    )
                 else:
-                    sums = _half2_quad_sums(words, xpairs, FORMAT, x_type == tl.bfloat16)
-                acc_quads += sums * quad_scale
-            else:
-                if FORMAT == 1:
-                    words = words ^ -2004318072  # 0x88888888: two's complement -> offset binary
-                elif FORMAT == 0:
-                    words = words ^ -2139062144  # 0x80808080
-                high = words >> (BITS * (PER - LOW))
-                t = tl.zeros((BLOCK_N, GPS, 16), dtype=tl.float32)
-                for p in tl.static_range(PER // 2):
-                    if x_type == tl.float32:
-                        base = x_row + k0 + g * PACK + 32 * p + 2 * jj
-                        x_lo = tl.load(base)
-                        x_hi = tl.load(base + 1)
-                    else:
-                        xp = tl.load(pairs + k0 // 2 + g * (PACK // 2) + 16 * p + jj)
-                        if x_type == tl.bfloat16:
-                            x_lo = (xp << 16).to(tl.float32, bitcast=True)
-                            x_hi = (xp & -65536).to(tl.float32, bitcast=True)
-                        else:
-                            x_lo = xp.to(tl.int16).to(tl.float16, bitcast=True).to(tl.float32)
-                            x_hi = (xp >> 16).to(tl.int16).to(tl.float16, bitcast=True)
-                            x_hi = x_hi.to(tl.float32)
-                    for b in tl.static_range(2):
-                        f = 2 * p + b
-                        if FORMAT == 2:
-                            byte = (words >> (8 * f)) & 255
-                            if NATIVE_FP8:
-                                fp8 = byte.to(tl.uint8).to(tl.float8e4nv, bitcast=True)
-                                value = fp8.to(tl.float32)
-                            else:
-                                half = ((byte & 0x7F) << 7) | ((byte & 0x80) << 8)
-                                value = half.to(tl.int16).to(tl.float16, bitcast=True)
-                                value = value.to(tl.float32)
-                        else:
-                            at = BITS * f if f < LOW else BITS * (f - PER + LOW)
-                            src = words if f < LOW else high
-                            field = src & (((1 << BITS) - 1) << at)
-                            value = (field | ((150 - at) << 23)).to(tl.float32, bitcast=True)
-                            value = value - ((1 << (23 - at)) + OFFSET)
-                        t += value * (x_lo if b == 0 else x_hi)
-                acc3 += t * scale
+                    words = tl.load(code_tile + step * (BLOCK_K // PER))
+                    scale = tl.load(scale_rows + (k0 + g * PACK) // GROUP)
+                acc3, acc_quads = _tile(
+                    acc3, acc_quads, words, scale, k0, x_row, pairs, g, jj, xscale,
+                    FORMAT, BLOCK_N, GPS, NATIVE_FP8, HALF2, NORM_IN,
+                )  # fmt: skip
         if HALF2:
             acc = tl.sum(tl.sum(acc_quads, axis=2), axis=1) * (128.0 if FORMAT == 1 else 1024.0)
         else:
@@ -358,56 +447,71 @@ def fused_gemv_kernel(
                 acc = acc * 256.0
         if NORM_IN:
             acc = acc * (rstd / xscale)
-        if HAS_BIAS:
-            acc += tl.load(bias_ptr + cols).to(tl.float32)
-        out_row = out_ptr + pid_m.to(tl.int64) * stride_om
-        if ROPE:
-            # the projection's outputs rounded as the unfused GEMV's, then rotary_kv_write's math
-            HALF: tl.constexpr = HEAD_DIM // 2
-            y = acc.to(out_type).to(tl.float32)
-            first, second = tl.split(tl.reshape(y, (BLOCK_N // 2, 2)))
-            pr = blk * (BLOCK_N // 2) + tl.arange(0, BLOCK_N // 2)
-            ok = pr < N // 2
-            head = pr // HALF
-            fi = pr % HALF
-            is_q = head < heads
-            is_v = head >= heads + kv_heads
-            turn = ok & (head < heads + kv_heads)
-            c = tl.load(cos_ptr + pid_m * HALF + fi, mask=turn, other=1.0).to(tl.float32)
-            sn = tl.load(sin_ptr + pid_m * HALF + fi, mask=turn, other=0.0).to(tl.float32)
-            lo = (first * c - second * sn).to(out_type)
-            hi = (second * c + first * sn).to(out_type)
-            q_at = out_row + head * HEAD_DIM + fi
-            tl.store(q_at, lo, mask=ok & is_q)
-            tl.store(q_at + HALF, hi, mask=ok & is_q)
-            slot = tl.load(slot_ptr).to(tl.int64)
-            kv = tl.where(is_v, head - heads - kv_heads, head - heads)
-            at = pid_m.to(tl.int64) * cache_sb + kv * cache_sh + slot * cache_ss + fi
-            k_ok = ok & (head >= heads) & ~is_v
-            v_ok = ok & is_v
-            tl.store(key_ptr + at, lo.to(key_ptr.dtype.element_ty), mask=k_ok)
-            tl.store(key_ptr + at + HALF, hi.to(key_ptr.dtype.element_ty), mask=k_ok)
-            tl.store(value_ptr + at, lo.to(value_ptr.dtype.element_ty), mask=v_ok)
-            tl.store(value_ptr + at + HALF, hi.to(value_ptr.dtype.element_ty), mask=v_ok)
-        elif GATED:
-            # the projection's outputs rounded as the unfused GEMV's, then gated_activation's math
-            y = acc.to(out_type).to(tl.float32)
-            gate, up = tl.split(tl.reshape(y, (BLOCK_N // 2, 2)))
-            act = (gate / (1.0 + tl.exp(-gate))).to(out_type).to(tl.float32)
-            j = blk * (BLOCK_N // 2) + tl.arange(0, BLOCK_N // 2)
-            tl.store(out_row + j, (act * up).to(out_type), mask=j < N // 2)
-        elif ADD_NORM:
-            y = acc.to(out_type).to(tl.float32)
-            row_n = pid_m.to(tl.int64) * N
-            res = tl.load(res_ptr + row_n + cols, mask=col_ok, other=0.0).to(tl.float32)
-            total = (y + res).to(total_ptr.dtype.element_ty)
-            tl.store(total_ptr + row_n + cols, total, mask=col_ok)
-            tf = tl.where(col_ok, total.to(tl.float32), 0.0)
-            tl.store(stats_out_ptr + pid_m * n_blocks + blk, tl.sum(tf * tf, axis=0))
-            nw = tl.load(nw_ptr + cols, mask=col_ok, other=0.0).to(tl.float32)
-            tl.store(out_row + cols, (tf * nw).to(out_type), mask=col_ok)
-        else:
-            tl.store(out_row + cols, acc.to(out_type), mask=col_ok)
+        done = True
+        if SPLIT_K > 1:
+            # every split adds its fp32 sums into the workspace; the last to arrive takes the
+            # total (leaving the workspace zero) and runs the epilogue for the block
+            ws = ws_ptr + pid_m.to(tl.int64) * N + cols
+            tl.atomic_add(ws, acc, mask=col_ok, sem="relaxed")
+            tl.debug_barrier()
+            counter = count_ptr + pid_m * n_blocks + blk
+            arrived = tl.atomic_add(counter, 1, sem="acq_rel")
+            done = arrived == SPLIT_K - 1
+            if done:  # (an atomic read: the other splits' sums are in L2, not in our L1)
+                acc = tl.atomic_add(ws, tl.zeros_like(acc), mask=col_ok, sem="relaxed")
+                tl.store(ws, tl.zeros_like(acc), mask=col_ok)
+                tl.store(counter, 0)
+        if done:
+            if HAS_BIAS:
+                acc += tl.load(bias_ptr + cols).to(tl.float32)
+            out_row = out_ptr + pid_m.to(tl.int64) * stride_om
+            if ROPE:
+                # the outputs rounded as the unfused GEMV's, then rotary_kv_write's math
+                HALF: tl.constexpr = HEAD_DIM // 2
+                y = acc.to(out_type).to(tl.float32)
+                first, second = tl.split(tl.reshape(y, (BLOCK_N // 2, 2)))
+                pr = blk * (BLOCK_N // 2) + tl.arange(0, BLOCK_N // 2)
+                ok = pr < N // 2
+                head = pr // HALF
+                fi = pr % HALF
+                is_q = head < heads
+                is_v = head >= heads + kv_heads
+                turn = ok & (head < heads + kv_heads)
+                c = tl.load(cos_ptr + pid_m * HALF + fi, mask=turn, other=1.0).to(tl.float32)
+                sn = tl.load(sin_ptr + pid_m * HALF + fi, mask=turn, other=0.0).to(tl.float32)
+                lo = (first * c - second * sn).to(out_type)
+                hi = (second * c + first * sn).to(out_type)
+                q_at = out_row + head * HEAD_DIM + fi
+                tl.store(q_at, lo, mask=ok & is_q)
+                tl.store(q_at + HALF, hi, mask=ok & is_q)
+                slot = tl.load(slot_ptr).to(tl.int64)
+                kv = tl.where(is_v, head - heads - kv_heads, head - heads)
+                at = pid_m.to(tl.int64) * cache_sb + kv * cache_sh + slot * cache_ss + fi
+                k_ok = ok & (head >= heads) & ~is_v
+                v_ok = ok & is_v
+                tl.store(key_ptr + at, lo.to(key_ptr.dtype.element_ty), mask=k_ok)
+                tl.store(key_ptr + at + HALF, hi.to(key_ptr.dtype.element_ty), mask=k_ok)
+                tl.store(value_ptr + at, lo.to(value_ptr.dtype.element_ty), mask=v_ok)
+                tl.store(value_ptr + at + HALF, hi.to(value_ptr.dtype.element_ty), mask=v_ok)
+            elif GATED:
+                # the outputs rounded as the unfused GEMV's, then gated_activation's math
+                y = acc.to(out_type).to(tl.float32)
+                gate, up = tl.split(tl.reshape(y, (BLOCK_N // 2, 2)))
+                act = (gate / (1.0 + tl.exp(-gate))).to(out_type).to(tl.float32)
+                j = blk * (BLOCK_N // 2) + tl.arange(0, BLOCK_N // 2)
+                tl.store(out_row + j, (act * up).to(out_type), mask=j < N // 2)
+            elif ADD_NORM:
+                y = acc.to(out_type).to(tl.float32)
+                row_n = pid_m.to(tl.int64) * N
+                res = tl.load(res_ptr + row_n + cols, mask=col_ok, other=0.0).to(tl.float32)
+                total = (y + res).to(total_ptr.dtype.element_ty)
+                tl.store(total_ptr + row_n + cols, total, mask=col_ok)
+                tf = tl.where(col_ok, total.to(tl.float32), 0.0)
+                tl.store(stats_out_ptr + pid_m * n_blocks + blk, tl.sum(tf * tf, axis=0))
+                nw = tl.load(nw_ptr + cols, mask=col_ok, other=0.0).to(tl.float32)
+                tl.store(out_row + cols, (tf * nw).to(out_type), mask=col_ok)
+            else:
+                tl.store(out_row + cols, acc.to(out_type), mask=col_ok)
 
 
 def _native_fp8(device: torch.device) -> bool:
@@ -416,9 +520,12 @@ def _native_fp8(device: torch.device) -> bool:
     return torch.cuda.get_device_capability(device) >= (8, 9)
 
 
-def _pdl(device: torch.device) -> dict[str, bool]:
-    """The launch options for :data:`PDL` on this device (none where it cannot run)."""
-    if not (PDL and _HAS_GDC and device.type == "cuda" and torch.version.hip is None):
+def _pdl(device: torch.device, mode: str) -> dict[str, bool]:
+    """The launch options for ``mode`` (:data:`PDL_MODES`) on this device (none where it
+    cannot run: AMD, before sm_90, a Triton without grid dependency control)."""
+    if mode not in PDL_MODES:
+        raise ValueError(f"fused quantized GEMV: pdl = {mode!r}, expected one of {PDL_MODES}")
+    if mode == "off" or not (_HAS_GDC and device.type == "cuda" and torch.version.hip is None):
         return {}
     if torch.cuda.get_device_capability(device) < (9, 0):
         return {}
@@ -429,15 +536,13 @@ def _pdl(device: torch.device) -> dict[str, bool]:
 # quarter of an H100's L2): all of an 8B model's QKV and output projection, the first part of
 # every row of gate/up and down.
 L2_PREFETCH_BYTES = 12 << 20
-# True: every weight's rows are prefetched in part when the whole does not fit the budget
-# (not measured yet: --quant-pdl on); False: only weights that fit it whole.
-L2_PREFETCH_PARTIAL = False
 
 
-def _prefetch_bytes(out_features: int, row_bytes: int) -> int:
-    """Bytes of each code row to prefetch into L2 (0: none, too few to be worth it)."""
+def _prefetch_bytes(out_features: int, row_bytes: int, partial: bool) -> int:
+    """Bytes of each code row to prefetch into L2 (0: none, too few to be worth it);
+    ``partial``: also the first part of the rows of a weight larger than the budget."""
     share = min(row_bytes, L2_PREFETCH_BYTES // max(out_features, 1)) // 16 * 16
-    if share < row_bytes and not L2_PREFETCH_PARTIAL:
+    if share < row_bytes and not partial:
         return 0
     return share if share >= 256 else 0
 
@@ -453,27 +558,94 @@ def fused_quant_supported(format: str, group_size: int, in_features: int) -> boo
     return True
 
 
-def _config(
+def _default_config(
     format: str,
     out_features: int,
     in_features: int,
     group_size: int,
-    gated: bool,
-    x: torch.Tensor,
-    norm_in: bool = False,
-) -> GemvConfig | None:
-    """``gemv_default_config``'s launch (the sweep's table) without split-K, with f16x2 quads
-    where they run, two rows at least for the paired epilogues, and with the norm prologue the
-    first weight tile loaded before the statistics (its latency hidden behind theirs)."""
-    config = gemv_default_config(format, out_features, in_features, group_size, x.device)
+    device: torch.device,
+    fusion: str,
+) -> FusedGemvConfig | None:
+    """The rule: ``gemv_default_config``'s tile (the unfused sweep's table) in one K range,
+    f16x2 where it runs, two rows at least for the paired epilogues, and with the norm
+    prologue the first weight tile loaded before the statistics (its latency hidden)."""
+    config = gemv_default_config(format, out_features, in_features, group_size, device)
     if config is None:
         return None
-    block_n = max(config.block_n, 2) if gated else config.block_n
-    half2 = config.half2 and half2_supported(format, x)
-    prefetch = config.prefetch or norm_in
-    return dataclasses.replace(
-        config, split_k=1, block_n=block_n, half2=half2, quads=half2, prefetch=prefetch
+    paired = fusion in ("qkv", "gate_up")
+    return FusedGemvConfig(
+        block_n=max(config.block_n, 2) if paired else config.block_n,
+        num_warps=config.num_warps,
+        num_stages=config.num_stages,
+        half2=config.half2,
+        prefetch=config.prefetch or fusion in ("qkv", "gate_up", "norm"),
     )
+
+
+def fused_config_supported(
+    format: str, group_size: int, in_features: int, fusion: str, config: FusedGemvConfig
+) -> bool:
+    """Whether ``config`` can launch a packed ``format`` weight of ``in_features`` inputs for
+    ``fusion`` (a K step dividing the input, at least one step per K range, paired rows)."""
+    if not gemv_supports(format, group_size, in_features, _as_gemv(config)):
+        return False
+    steps = in_features // gemv_block_k(format, config.num_warps)
+    block_n = config.block_n
+    return (
+        block_n >= (2 if fusion in ("qkv", "gate_up") else 1)
+        and block_n & (block_n - 1) == 0
+        and 1 <= config.split_k <= steps
+        and config.programs_per_sm >= 0
+    )
+
+
+def _as_gemv(config: FusedGemvConfig) -> GemvConfig:
+    return GemvConfig(block_n=config.block_n, num_warps=config.num_warps)
+
+
+def fused_config(
+    format: str,
+    fusion: str,
+    out_features: int,
+    in_features: int,
+    group_size: int,
+    device: torch.device,
+) -> FusedGemvConfig | None:
+    """The launch of one fused GEMV (None: the kernel cannot run it): the launch table's entry
+    (user, then built-in; :mod:`.fused_table`) when it can run the shape, else the rule."""
+    found = lookup_fused(format, fusion, out_features, in_features, device)
+    if found is not None and fused_config_supported(
+        format, group_size, in_features, fusion, found[0]
+    ):
+        return found[0]
+    config = _default_config(format, out_features, in_features, group_size, device, fusion)
+    if config is None or not fused_config_supported(
+        format, group_size, in_features, fusion, config
+    ):
+        return None
+    return config
+
+
+def _fusion(gated: bool, add_norm: bool, norm_in: bool) -> str:
+    """The launch table's name (``fused_table.FUSIONS``) of what a launch folds in."""
+    if gated:
+        return "gate_up"
+    if add_norm:
+        return "add_norm"
+    return "norm" if norm_in else "plain"
+
+
+def _check_config(
+    format: str, group_size: int, in_features: int, fusion: str, config: FusedGemvConfig
+) -> None:
+    check_packable(format, group_size, in_features)
+    if not fused_config_supported(format, group_size, in_features, fusion, config):
+        raise ValueError(
+            f"fused quantized GEMV: {config} cannot run {format} ({fusion}) with "
+            f"in_features={in_features}: block_n a power of two (2+ for qkv / gate_up), "
+            f"in_features a multiple of {gemv_block_k(format, config.num_warps)}, split_k at "
+            f"most {in_features // gemv_block_k(format, config.num_warps)}"
+        )
 
 
 def fused_quant_gemv(
@@ -488,9 +660,13 @@ def fused_quant_gemv(
     gated: bool = False,
     residual: torch.Tensor | None = None,
     norm_weight: torch.Tensor | None = None,
+    config: FusedGemvConfig | None = None,
+    pdl: str = "on",
 ) -> tuple[torch.Tensor, torch.Tensor | None, torch.Tensor | None]:
     """See :func:`slipstream.kernels.ops.quant_matmul.reference.quant_decode_gemv`: returns
-    ``(out, total, stats_out)`` (the last two None without ``residual``)."""
+    ``(out, total, stats_out)`` (the last two None without ``residual``). ``config``: this
+    launch instead of :func:`fused_config`'s (benchmarks sweep it; ValueError if it cannot run
+    the shape). ``pdl``: programmatic dependent launch, one of :data:`PDL_MODES`."""
     check_kernel_device("quant_decode_gemv", x, words, scales, bias, stats, residual, norm_weight)
     in_features = x.shape[-1]
     check_packable(format, group_size, in_features)
@@ -501,13 +677,12 @@ def fused_quant_gemv(
         raise ValueError("fused_quant_gemv: gated needs an even [gate; up] weight, no residual")
     if add_norm and norm_weight is None:
         raise ValueError("fused_quant_gemv: residual needs norm_weight")
-    config = _config(format, out_features, in_features, group_size, gated, x, stats is not None)
-    if (
-        not 0 < rows <= MAX_ROWS
-        or (torch.is_grad_enabled() and x.requires_grad)
-        or config is None
-        or not gemv_supports(format, group_size, in_features, config)
-    ):
+    fusion = _fusion(gated, add_norm, stats is not None)
+    if config is not None:
+        _check_config(format, group_size, in_features, fusion, config)
+    else:
+        config = fused_config(format, fusion, out_features, in_features, group_size, x.device)
+    if not 0 < rows <= MAX_ROWS or (torch.is_grad_enabled() and x.requires_grad) or config is None:
         # more rows, autograd, or a shape the packed loop cannot step through: the reference
         return reference_decode_gemv(
             x, words, scales, format, group_size, bias, stats, eps, gated, residual, norm_weight
@@ -548,6 +723,7 @@ def fused_quant_gemv(
         eps,
         config,
         gated=gated,
+        pdl_mode=pdl,
     )
     shape = x.shape[:-1]
     return (
@@ -573,9 +749,13 @@ def fused_quant_qkv(
     slots: torch.Tensor,
     num_heads: int,
     num_kv_heads: int,
+    config: FusedGemvConfig | None = None,
+    pdl: str = "on",
 ) -> torch.Tensor:
     """See :func:`slipstream.kernels.ops.quant_matmul.reference.quant_decode_qkv`: the QKV
-    projection with ``rotary_kv_write`` in its epilogue (one token, full-width rotary)."""
+    projection with ``rotary_kv_write`` in its epilogue (one token, full-width rotary).
+    ``config``: this launch instead of :func:`fused_config`'s (ValueError if it cannot run);
+    ``pdl``: programmatic dependent launch, one of :data:`PDL_MODES`."""
     check_kernel_device(
         "quant_decode_qkv", x, words, scales, bias, stats, cos, sin, key_cache, value_cache, slots
     )
@@ -583,12 +763,12 @@ def fused_quant_qkv(
     rows = x.numel() // max(in_features, 1)
     head_dim = key_cache.shape[-1]
     out_features = words.numel() * PER_WORD[format] // max(in_features, 1)
-    config = None
-    if is_packable(format, group_size, in_features):
-        config = _config(format, out_features, in_features, group_size, True, x, stats is not None)
+    if config is not None:
+        _check_config(format, group_size, in_features, "qkv", config)
+    elif is_packable(format, group_size, in_features):
+        config = fused_config(format, "qkv", out_features, in_features, group_size, x.device)
     if (
         config is None
-        or not gemv_supports(format, group_size, in_features, config)
         or x.dim() != 3
         or x.shape[1] != 1
         or not 0 < rows <= MAX_ROWS
@@ -647,6 +827,7 @@ def fused_quant_qkv(
         config,
         rope=(*tables, slots, key_cache, value_cache),
         rope_shape=(num_heads, num_kv_heads, head_dim),
+        pdl_mode=pdl,
     )
     return out.view(rows, num_heads, 1, head_dim)
 
@@ -659,14 +840,50 @@ PERSISTENT_BLOCKS_PER_SM = 128
 PERSISTENT_PROGRAMS_PER_SM = 16
 
 
-def _grid_programs(blocks: int, device: torch.device) -> int:
+def _stats_block(n_stats: int, one_pass: bool) -> int:
+    """Partial sums the norm prologue loads per pass: STATS_BLOCK, or (``one_pass``) all of
+    them, up to STATS_BLOCK_MAX."""
+    if not one_pass:
+        return STATS_BLOCK
+    return max(STATS_BLOCK, min(triton.next_power_of_2(max(n_stats, 1)), STATS_BLOCK_MAX))
+
+
+def _grid_programs(blocks: int, device: torch.device, programs_per_sm: int = 0) -> int:
     """Programs along the output blocks: one per block, or a persistent grid in which every
-    program walks the same number of blocks (the last one fewer)."""
+    program walks the same number of blocks (the last one fewer): ``programs_per_sm`` per SM,
+    or with 0 the rule above."""
     sms = _multiprocessors(device)
-    if blocks < PERSISTENT_BLOCKS_PER_SM * sms:
-        return blocks
-    per_program = triton.cdiv(blocks, PERSISTENT_PROGRAMS_PER_SM * sms)
+    if programs_per_sm == 0:
+        if blocks < PERSISTENT_BLOCKS_PER_SM * sms:
+            return blocks
+        programs_per_sm = PERSISTENT_PROGRAMS_PER_SM
+    per_program = triton.cdiv(blocks, programs_per_sm * sms)
     return triton.cdiv(blocks, per_program)
+
+
+# Split-K scratch per (device, stream): an fp32 workspace and arrival counters that the kernel
+# leaves zeroed (a CUDA graph captured on the stream of its warm-up replays them as they are).
+_SCRATCH: dict[tuple[torch.device, int], tuple[torch.Tensor, torch.Tensor]] = {}
+
+
+def _split_scratch(
+    device: torch.device, values: int, counters: int
+) -> tuple[torch.Tensor, torch.Tensor] | None:
+    """The zeroed workspace and counters of a split launch, grown outside CUDA-graph capture
+    only (None while capturing without a large enough one: the launch runs unsplit)."""
+    stream = torch.cuda.current_stream(device).stream_id if device.type == "cuda" else 0
+    key = (device, stream)
+    held = _SCRATCH.get(key)
+    if held is not None and held[0].numel() >= values and held[1].numel() >= counters:
+        return held
+    if device.type == "cuda" and torch.cuda.is_current_stream_capturing():
+        return None
+    held = (
+        torch.zeros(max(values, 1 << 16), device=device, dtype=torch.float32),
+        torch.zeros(max(counters, 1 << 12), device=device, dtype=torch.int32),
+    )
+    _SCRATCH[key] = held
+    return held
 
 
 def _launch(
@@ -684,19 +901,31 @@ def _launch(
     format: str,
     group_size: int,
     eps: float,
-    config: GemvConfig,
+    config: FusedGemvConfig,
     gated: bool = False,
     rope: tuple[torch.Tensor, ...] | None = None,
     rope_shape: tuple[int, int, int] = (0, 0, 128),
+    pdl_mode: str = "on",
 ) -> None:
     in_features = flat.shape[-1]
     out_features = words.numel() * PER_WORD[format] // in_features
-    pdl = _pdl(flat.device)
-    prefetch = _prefetch_bytes(out_features, in_features * 4 // PER_WORD[format]) if pdl else 0
+    pdl = _pdl(flat.device, pdl_mode)
+    row_bytes = in_features * 4 // PER_WORD[format]
+    prefetch = _prefetch_bytes(out_features, row_bytes, pdl_mode == "l2_partial") if pdl else 0
     cos, sin, slots, key_cache, value_cache = rope if rope is not None else (out,) * 5
     cache_strides = key_cache.stride()[:3] if rope is not None else (0, 0, 0)
-    grid = (grid[0], _grid_programs(grid[1], flat.device))
-    fused_gemv_kernel[grid](
+    blocks = grid[1]
+    split = config.split_k
+    scratch = None
+    if split > 1:
+        scratch = _split_scratch(flat.device, grid[0] * out_features, grid[0] * blocks)
+        if scratch is None:
+            split = 1
+        else:
+            prefetch = 0  # the L2 prefetch covers the start of each row: one K range's
+    programs = _grid_programs(blocks, flat.device, config.programs_per_sm)
+    persistent = programs < blocks
+    fused_gemv_kernel[(grid[0], programs, split)](
         flat,
         words,
         scales,
@@ -723,21 +952,26 @@ def _launch(
         rope_shape[0],
         rope_shape[1],
         *cache_strides,
+        scratch[0] if scratch is not None else out,
+        scratch[1] if scratch is not None else out,
         FORMAT=GEMV_FORMAT_CODES[format],
         GROUP=group_size,
         HAS_BIAS=bias is not None,
         BLOCK_N=config.block_n,
         BLOCK_K=gemv_block_k(format, config.num_warps),
         NATIVE_FP8=format == "fp8_e4m3" and _native_fp8(flat.device),
-        HALF2=config.half2,
+        HALF2=config.half2 and half2_supported(format, flat),
         PREFETCH=config.prefetch,
         NORM_IN=stats is not None,
         GATED=gated,
         ADD_NORM=residual is not None,
-        STATS=STATS_BLOCK,
+        STATS=_stats_block(stats.shape[1] if stats is not None else 0, config.two_step),
         num_warps=config.num_warps,
         num_stages=config.num_stages,
         L2_PREFETCH=prefetch > 0,
+        SPLIT_K=split,
+        PERSISTENT=persistent,
+        TWO_STEP=config.two_step,
         ROPE=rope is not None,
         HEAD_DIM=rope_shape[2],
         **pdl,
@@ -777,6 +1011,8 @@ def aot_specs(half2: bool = False) -> list[AotSpec]:
         "cache_sb": "i32",
         "cache_sh": "i32",
         "cache_ss": "i32",
+        "ws_ptr": "*fp32",
+        "count_ptr": "*i32",
         **{
             name: "constexpr"
             for name in (
@@ -796,6 +1032,9 @@ def aot_specs(half2: bool = False) -> list[AotSpec]:
                 "HEAD_DIM",
                 "GDC",
                 "L2_PREFETCH",
+                "SPLIT_K",
+                "PERSISTENT",
+                "TWO_STEP",
             )
         },
     }
@@ -823,6 +1062,9 @@ def aot_specs(half2: bool = False) -> list[AotSpec]:
                 "HEAD_DIM": 128,
                 "GDC": False,
                 "L2_PREFETCH": False,
+                "SPLIT_K": 1,
+                "PERSISTENT": False,
+                "TWO_STEP": False,
             }
             name = (
                 f"quant_matmul.fused_gemv[{format}xbf16,norm={norm_in},gated={gated},"

@@ -106,9 +106,11 @@ def quant_decode_gemv(
     gated: bool = False,
     residual: torch.Tensor | None = None,
     norm_weight: torch.Tensor | None = None,
+    pdl: str = "on",
 ) -> tuple[torch.Tensor, torch.Tensor | None, torch.Tensor | None]:
     """A packed-weight decode GEMV with a decoder block's small ops around it (fp32 math, the
-    unfused ops' roundings); returns ``(out, total, stats_out)``.
+    unfused ops' roundings); returns ``(out, total, stats_out)``. (``pdl``: the GPU kernel's
+    launch option, nothing here.)
 
     ``y = (W @ x) * rstd + bias`` rounded to ``x.dtype``, where ``rstd = 1 / sqrt(sum(stats) /
     in_features + eps)`` per row when ``stats`` (partial sums of squares of the row ``x`` is the
@@ -162,11 +164,12 @@ def quant_decode_qkv(
     slots: torch.Tensor,
     num_heads: int,
     num_kv_heads: int,
+    pdl: str = "on",
 ) -> torch.Tensor:
     """:func:`quant_decode_gemv` of a fused QKV projection (``x`` ``(batch, 1, in)``, with the
     norm's ``stats``), then ``rotary_kv_write``: returns the rotated queries ``(batch,
     num_heads, 1, head_dim)`` and writes the rotated keys and the values into the caches at
-    ``slots``."""
+    ``slots``. (``pdl``: the GPU kernel's launch option, nothing here.)"""
     from slipstream.kernels.ops.rotary_kv_write.reference import rotary_kv_write
 
     y = quant_decode_gemv(x, words, scales, format, group_size, bias, stats, eps)[0]
