@@ -121,7 +121,7 @@ def enable_decode_fusion(
     ``pdl`` (the ``decode_pdl`` key): the dense fused step's kernels launch with programmatic
     dependent launch (where it runs: NVIDIA sm_90+; elsewhere plain launches, same results);
     ``"auto"``: :data:`AUTO_PDL` for a single-rank model. The quantized step has its own
-    (``quant_matmul.fused_gemv.PDL``)."""
+    (the ``quant.weight.decode_pdl`` key)."""
     model.decode_fusion = frozenset()
     model.decode_pdl = pdl is True or (
         pdl == "auto" and AUTO_PDL and model.head_group is None and device.type == "cuda"

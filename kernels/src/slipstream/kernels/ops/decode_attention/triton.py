@@ -36,7 +36,7 @@ MAX_ROWS = 64  # query rows per KV head (GQA group x tokens) the kernel takes
 MERGE_IN_SPLIT = True  # one launch: the last chunk program of each head merges the chunks
 # NVIDIA sm_90+: every program lets the next kernel launch early (griddepcontrol); only a kernel
 # launched with programmatic dependent launch (the fused quantized output projection, with
-# quant_matmul.fused_gemv.PDL) uses it, to prefetch its weights while attention runs. Off with
+# the quant.weight.decode_pdl key) uses it, to prefetch its weights while attention runs. Off with
 # it (infer_bench.py --quant-pdl sets both).
 LAUNCH_DEPENDENTS_EARLY = False
 
