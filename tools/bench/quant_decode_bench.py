@@ -40,10 +40,10 @@ import json
 import math
 import multiprocessing
 import time
-from collections.abc import Callable, Sequence
 from typing import Any
 
 import torch
+from bf16_gemv_bench import copy_bandwidth, emit, graph_time  # the bf16 sweep's harness
 
 # name: (out features, in features, fusion), as fused_quant_decode launches them
 SHAPES = {
@@ -61,10 +61,6 @@ SMOKE_SHAPES = {
 }
 SMOKE_HEADS = (2, 1, 16)
 STATS = 1024  # partial sums of squares the norm prologue reads (the producer's blocks)
-
-
-def emit(**row: Any) -> None:
-    print(json.dumps(row), flush=True)
 
 
 def candidates(
@@ -192,52 +188,6 @@ class Inputs:
             for mine, theirs in zip(got_cache, self.caches, strict=True):
                 error = max(error, (mine.float() - theirs.float()).abs().max().item())
         return float(error / scale)
-
-
-def graph_time(calls: Sequence[Callable[[], Any]], replays: int) -> float:
-    """Seconds per call: one CUDA graph of ``calls`` replayed ``replays`` times (on the CPU:
-    the calls run ``replays`` times, wall clock)."""
-    if not torch.cuda.is_available():
-        began = time.perf_counter()
-        for _ in range(replays):
-            for call in calls:
-                call()
-        return (time.perf_counter() - began) / replays / len(calls)
-    side = torch.cuda.Stream()
-    side.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(side):
-        for call in calls:  # warm-up (compiles, split-K scratch) outside capture
-            call()
-    torch.cuda.current_stream().wait_stream(side)
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph, stream=side):  # on the warm-up's stream: its scratch
-        for call in calls:
-            call()
-    graph.replay()
-    torch.cuda.synchronize()
-    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-    start.record()
-    for _ in range(replays):
-        graph.replay()
-    end.record()
-    torch.cuda.synchronize()
-    return start.elapsed_time(end) / 1e3 / replays / len(calls)
-
-
-def copy_bandwidth() -> float:
-    """Read + write bytes/s of a 1 GiB device copy (infer_bench.py's probe)."""
-    src = torch.empty(1 << 30, dtype=torch.uint8, device="cuda")
-    dst = torch.empty_like(src)
-    dst.copy_(src)
-    best = math.inf
-    for _ in range(5):
-        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        start.record()
-        dst.copy_(src)
-        end.record()
-        torch.cuda.synchronize()
-        best = min(best, start.elapsed_time(end) / 1e3)
-    return 2 * src.numel() / best
 
 
 def compile_worker(
