@@ -54,6 +54,32 @@ except ImportError:  # an older Triton: never traced with TRIGGER=True or GDC=Tr
 
 
 @triton.jit
+def _chunk_scores(
+    q, k, mask_ptr, b, h, r, s, r_ok, s_ok, mask_sb, mask_sh, mask_sr, mask_ss, scale,
+    IEEE: tl.constexpr,
+):  # fmt: skip
+    """``q @ k^T * scale`` plus the additive mask of rows ``r`` and slots ``s`` (fp32)."""
+    if IEEE:
+        scores = tl.dot(q, tl.trans(k), input_precision="ieee") * scale
+    else:
+        scores = tl.dot(q, tl.trans(k)) * scale
+    bias = tl.load(
+        mask_ptr + b * mask_sb + h * mask_sh + r[:, None] * mask_sr + s[None, :] * mask_ss,
+        mask=r_ok[:, None] & s_ok[None, :],
+        other=float("-inf"),
+    )
+    return scores + bias.to(tl.float32)
+
+
+@triton.jit
+def _weighted_values(p, v, IEEE: tl.constexpr):
+    """``p @ v`` in ``v``'s dtype with fp32 accumulation."""
+    if IEEE:
+        return tl.dot(p.to(v.dtype), v, input_precision="ieee")
+    return tl.dot(p.to(v.dtype), v)
+
+
+@triton.jit
 def decode_attention_split_kernel(
     q_ptr,
     k_ptr,
@@ -118,16 +144,9 @@ def decode_attention_split_kernel(
     k = tl.load(
         k_ptr + b * k_sb + h * k_sh + s[:, None] * k_ss + d[None, :], mask=s_ok[:, None], other=0.0
     )
-    if IEEE:
-        scores = tl.dot(q, tl.trans(k), input_precision="ieee") * scale
-    else:
-        scores = tl.dot(q, tl.trans(k)) * scale
-    bias = tl.load(
-        mask_ptr + b * mask_sb + h * mask_sh + r[:, None] * mask_sr + s[None, :] * mask_ss,
-        mask=r_ok[:, None] & s_ok[None, :],
-        other=float("-inf"),
+    scores = _chunk_scores(
+        q, k, mask_ptr, b, h, r, s, r_ok, s_ok, mask_sb, mask_sh, mask_sr, mask_ss, scale, IEEE
     )
-    scores = scores + bias.to(tl.float32)
     m = tl.max(scores, axis=1)
     m_safe = tl.where(m == float("-inf"), 0.0, m)
     p = tl.exp(scores - m_safe[:, None])
@@ -135,10 +154,7 @@ def decode_attention_split_kernel(
     v = tl.load(
         v_ptr + b * v_sb + h * v_sh + s[:, None] * v_ss + d[None, :], mask=s_ok[:, None], other=0.0
     )
-    if IEEE:
-        acc = tl.dot(p.to(v.dtype), v, input_precision="ieee")
-    else:
-        acc = tl.dot(p.to(v.dtype), v)
+    acc = _weighted_values(p, v, IEEE)
     row = (bh * SPLITS + split) * ROWS_PAD + r
     tl.store(m_ptr + row, m)
     tl.store(l_ptr + row, l_sum)
@@ -311,26 +327,15 @@ def decode_attention_loop_kernel(
             mask=s_ok[:, None],
             other=0.0,
         )
-        if IEEE:
-            scores = tl.dot(q, tl.trans(k), input_precision="ieee") * scale
-        else:
-            scores = tl.dot(q, tl.trans(k)) * scale
-        bias = tl.load(
-            mask_ptr + b * mask_sb + h * mask_sh + r[:, None] * mask_sr + s[None, :] * mask_ss,
-            mask=r_ok[:, None] & s_ok[None, :],
-            other=float("-inf"),
+        scores = _chunk_scores(
+            q, k, mask_ptr, b, h, r, s, r_ok, s_ok, mask_sb, mask_sh, mask_sr, mask_ss, scale, IEEE
         )
-        scores = scores + bias.to(tl.float32)
         new = tl.maximum(best, tl.max(scores, axis=1))
         new_safe = tl.where(new == float("-inf"), 0.0, new)
         alpha = tl.exp(best - new_safe)
         p = tl.exp(scores - new_safe[:, None])
         total = total * alpha + tl.sum(p, axis=1)
-        if IEEE:
-            part = tl.dot(p.to(v.dtype), v, input_precision="ieee")
-        else:
-            part = tl.dot(p.to(v.dtype), v)
-        acc = acc * alpha[:, None] + part
+        acc = acc * alpha[:, None] + _weighted_values(p, v, IEEE)
         best = new
     acc = acc / tl.where(total == 0.0, 1.0, total)[:, None]
     tl.store(
