@@ -9,6 +9,8 @@
 #             process) with the table it wrote, profiled (~4.5 min)
 #   table   : GPU0 int4 / GPU1 int8 with TABLE (quant.weight.decode_gemv_table) beside the
 #             same run without it, then bf16 on GPU0 (~4 min)
+#   variants: one GPU: int4 step timings, a quick int4 sweep, launch variants beside bf16
+#             (quant_decode_variants.py), ~3.5 min
 set -u
 cd "$(dirname "$0")/../.."
 export PYTHONPATH=$(ls -d kernels/src packages/*/src | tr '\n' ':')
@@ -43,6 +45,26 @@ b2)  # one GPU, ~3 min: a quick sweep of both formats (the block shapes), then t
     python3 -c "import json, sys; [print(json.dumps(e)) for e in json.load(open(sys.argv[1]))['entries']]" \
         "$OUT/quant_decode_table.json"
     bench int4+bf16+int8+table --weights int4 native int8 --quant-decode-table "$OUT/quant_decode_table.json"
+    exit 0
+    ;;
+variants)  # one GPU, ~3.5 min: (1) the int4 + bf16 step with per-call timings (device-clock
+    # decode steps beside the old difference measure), (2) a quick int4 sweep of the block
+    # shapes writing a table, (3) int4 launch variants (that table whole and per part, PDL
+    # modes) interleaved with bf16 in one process (quant_decode_variants.py)
+    echo "### timing: --weights int4 native --repeats 3"
+    $B --new-tokens 64 --repeats 3 --weights int4 native 2>&1 \
+        | grep -E '"result": "(copy_bandwidth|decode_timing|slipstream)"|Error' \
+        | sed -E 's/, "(preset|dtype|tp|allreduce|offload|use_triton|prompt|gemv_layout|gemv_table|decode_gemv_table|decode_pdl|quant_pdl|quant_decode_table|lm_head_quantized|end_to_end_tokens_per_s|cuda_graph|note)": [^,]*//g' \
+        | cut -c1-700
+    T=$OUT/quant_decode_table_int4.json
+    Q=${Q:-"python3 tools/bench/quant_decode_bench.py --quick --format int4 --shapes qkv out gate_up down --budget-s 40 --compile-workers 12"}
+    echo "### sweep: $Q"
+    $Q --table-out "$T" 2>&1 | grep -E "$KEEP" | cut -c1-900
+    echo "### variants"
+    python3 tools/bench/quant_decode_variants.py --rounds 3 --repeats 2 bf16=bf16 int4= \
+        table=table=$T l2early=pdl=l2_partial,early all=table=$T,pdl=l2_partial,early \
+        t_qkv=table=$T,parts=qkv t_out=table=$T,parts=out t_gate_up=table=$T,parts=gate_up \
+        t_down=table=$T,parts=down 2>&1 | grep -E '"result"|Error' | cut -c1-700
     exit 0
     ;;
 profile)
