@@ -60,11 +60,15 @@ variants)  # one GPU, ~3.5 min: (1) the int4 + bf16 step with per-call timings (
     Q=${Q:-"python3 tools/bench/quant_decode_bench.py --quick --format int4 --shapes qkv out gate_up down --budget-s 40 --compile-workers 12"}
     echo "### sweep: $Q"
     $Q --table-out "$T" 2>&1 | grep -E "$KEEP" | cut -c1-900
+    # the norm statistics in one load (QKV, gate/up) and the epilogue's loads before the K loop
+    EP=qkv:stats_one_pass=true,gate_up:stats_one_pass=true,qkv:early_epilogue=true
+    EP=$EP,out:early_epilogue=true,down:early_epilogue=true
     echo "### variants"
     python3 tools/bench/quant_decode_variants.py --rounds 3 --repeats 2 bf16=bf16 int4= \
         table=table=$T l2early=pdl=l2_partial,early all=table=$T,pdl=l2_partial,early \
         t_qkv=table=$T,parts=qkv t_out=table=$T,parts=out t_gate_up=table=$T,parts=gate_up \
-        t_down=table=$T,parts=down 2>&1 | grep -E '"result"|Error' | cut -c1-700
+        t_down=table=$T,parts=down "ep=$EP" "all_ep=table=$T,pdl=l2_partial,early,$EP" 2>&1 \
+        | grep -E '"result"|Error' | cut -c1-700
     exit 0
     ;;
 profile)

@@ -49,7 +49,8 @@ from slipstream.inference import init_inference
 from slipstream.kernels.ops.decode_attention import triton as attention_triton
 from slipstream.kernels.ops.quant_matmul import fused_gemv, fused_table
 
-# 8B Llama projections as fused_quant_decode launches them: part -> (fusion, out, in)
+# The projections as fused_quant_decode launches them: part -> (fusion, out, in), the shapes
+# of the model served (set by main; the 8B Llama's here)
 PARTS = {
     "qkv": ("qkv", 6144, 4096),
     "out": ("add_norm", 4096, 4096),
@@ -131,7 +132,8 @@ def install(variant: Variant, fmt: str, device: torch.device) -> list[dict[str, 
                 config = fused_gemv._default_config(fmt, n, k, 128, device, fusion)
             else:
                 config = fused_gemv.fused_config(fmt, fusion, n, k, 128, device)
-            assert config is not None, (part, fmt)
+            if config is None:  # the packed loop cannot step through this shape
+                continue
             config = dataclasses.replace(config, **variant.changes.get(part, {}))
             entries = [e for e in entries if (e.fusion, e.n, e.k) != (fusion, n, k)]
             entries.append(fused_table.FusedEntry(name, sms, fmt, fusion, n, k, config))
@@ -172,6 +174,18 @@ def main() -> None:
         quant = {"weight": {"num_bits": bits, "group_size": 128, "compute_dtype": "bf16"}}
         engines[False] = init_inference(model, {"dtype": "int8", "quant": quant, **common})
     default_pdl = engines[False].fused.quant_pdl if False in engines else None
+    if False in engines:  # the served model's shapes
+        block = engines[False].fused.blocks[0]
+        for part, attr in (("qkv", "qkv"), ("out", "out"), ("gate_up", "up"), ("down", "down")):
+            linear = getattr(block, attr)
+            PARTS[part] = (PARTS[part][0], linear.out_features, linear.in_features)
+    for variant in list(variants):
+        if variant.table:
+            try:
+                fused_table.load_fused_table(variant.table)
+            except fused_table.FusedTableError as error:
+                print(json.dumps({"result": "skipped", "variant": variant.name, "why": str(error)}))
+                variants.remove(variant)
     weight_bytes: dict[bool, int] = {}
     for is_bf16, engine in engines.items():
         weight_bytes[is_bf16] = sum(

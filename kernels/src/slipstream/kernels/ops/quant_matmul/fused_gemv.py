@@ -260,6 +260,31 @@ def _tile(
 
 
 @triton.jit
+def _rope_inputs(
+    cos_ptr, sin_ptr, slot_ptr, pid_m, blk, N, BLOCK_N: tl.constexpr, HEAD_DIM: tl.constexpr
+):
+    """The QKV epilogue's inputs for block ``blk``: cos and sin of its rotary pairs (1 and 0
+    past the end) and the cache slot."""
+    HALF: tl.constexpr = HEAD_DIM // 2
+    pr = blk * (BLOCK_N // 2) + tl.arange(0, BLOCK_N // 2)
+    ok = pr < N // 2
+    fi = pr % HALF
+    c = tl.load(cos_ptr + pid_m * HALF + fi, mask=ok, other=1.0).to(tl.float32)
+    sn = tl.load(sin_ptr + pid_m * HALF + fi, mask=ok, other=0.0).to(tl.float32)
+    return c, sn, tl.load(slot_ptr).to(tl.int64)
+
+
+@triton.jit
+def _add_norm_inputs(res_ptr, nw_ptr, pid_m, cols, col_ok, N):
+    """The add + norm epilogue's inputs for the rows ``cols``: the residual and the next
+    norm's weight, in fp32."""
+    row_n = pid_m.to(tl.int64) * N
+    res = tl.load(res_ptr + row_n + cols, mask=col_ok, other=0.0).to(tl.float32)
+    nw = tl.load(nw_ptr + cols, mask=col_ok, other=0.0).to(tl.float32)
+    return res, nw
+
+
+@triton.jit
 def fused_gemv_kernel(
     x_ptr,
     codes_ptr,
@@ -310,6 +335,7 @@ def fused_gemv_kernel(
     SPLIT_K: tl.constexpr = 1,  # K ranges per block, one program each (program_id 2)
     PERSISTENT: tl.constexpr = True,  # programs may walk several blocks (False: one each)
     TWO_STEP: tl.constexpr = False,  # PREFETCH: the two-step loop (FusedGemvConfig.two_step)
+    EARLY_EPILOGUE: tl.constexpr = False,  # the epilogue's inputs loaded before the K loop
 ):
     """One activation row per program ``(row, p)``; see the module docstring for the pieces."""
     if GDC:
@@ -379,6 +405,13 @@ def fused_gemv_kernel(
         code_tile = code_rows + word
         acc3 = tl.zeros((BLOCK_N, GPS, 16), dtype=tl.float32)
         acc_quads = tl.zeros((BLOCK_N, GPS, 4), dtype=tl.float32)
+        if EARLY_EPILOGUE:  # in flight during the K loop (they are read after the wait)
+            if ROPE:
+                rope_c, rope_s, slot = _rope_inputs(
+                    cos_ptr, sin_ptr, slot_ptr, pid_m, blk, N, BLOCK_N, HEAD_DIM
+                )
+            elif ADD_NORM:
+                res, nw = _add_norm_inputs(res_ptr, nw_ptr, pid_m, cols, col_ok, N)
         if PREFETCH and TWO_STEP:
             # Two steps an iteration, each tile loaded one step ahead of its use: the second
             # step's tile while the first computes, the next iteration's first tile while the
@@ -476,15 +509,18 @@ def fused_gemv_kernel(
                 fi = pr % HALF
                 is_q = head < heads
                 is_v = head >= heads + kv_heads
-                turn = ok & (head < heads + kv_heads)
-                c = tl.load(cos_ptr + pid_m * HALF + fi, mask=turn, other=1.0).to(tl.float32)
-                sn = tl.load(sin_ptr + pid_m * HALF + fi, mask=turn, other=0.0).to(tl.float32)
+                if not EARLY_EPILOGUE:
+                    rope_c, rope_s, slot = _rope_inputs(
+                        cos_ptr, sin_ptr, slot_ptr, pid_m, blk, N, BLOCK_N, HEAD_DIM
+                    )
+                # values (heads past the keys) pass through unrotated
+                c = tl.where(is_v, 1.0, rope_c)
+                sn = tl.where(is_v, 0.0, rope_s)
                 lo = (first * c - second * sn).to(out_type)
                 hi = (second * c + first * sn).to(out_type)
                 q_at = out_row + head * HEAD_DIM + fi
                 tl.store(q_at, lo, mask=ok & is_q)
                 tl.store(q_at + HALF, hi, mask=ok & is_q)
-                slot = tl.load(slot_ptr).to(tl.int64)
                 kv = tl.where(is_v, head - heads - kv_heads, head - heads)
                 at = pid_m.to(tl.int64) * cache_sb + kv * cache_sh + slot * cache_ss + fi
                 k_ok = ok & (head >= heads) & ~is_v
@@ -503,12 +539,12 @@ def fused_gemv_kernel(
             elif ADD_NORM:
                 y = acc.to(out_type).to(tl.float32)
                 row_n = pid_m.to(tl.int64) * N
-                res = tl.load(res_ptr + row_n + cols, mask=col_ok, other=0.0).to(tl.float32)
+                if not EARLY_EPILOGUE:
+                    res, nw = _add_norm_inputs(res_ptr, nw_ptr, pid_m, cols, col_ok, N)
                 total = (y + res).to(total_ptr.dtype.element_ty)
                 tl.store(total_ptr + row_n + cols, total, mask=col_ok)
                 tf = tl.where(col_ok, total.to(tl.float32), 0.0)
                 tl.store(stats_out_ptr + pid_m * n_blocks + blk, tl.sum(tf * tf, axis=0))
-                nw = tl.load(nw_ptr + cols, mask=col_ok, other=0.0).to(tl.float32)
                 tl.store(out_row + cols, (tf * nw).to(out_type), mask=col_ok)
             else:
                 tl.store(out_row + cols, acc.to(out_type), mask=col_ok)
@@ -965,13 +1001,16 @@ def _launch(
         NORM_IN=stats is not None,
         GATED=gated,
         ADD_NORM=residual is not None,
-        STATS=_stats_block(stats.shape[1] if stats is not None else 0, config.two_step),
+        STATS=_stats_block(
+            stats.shape[1] if stats is not None else 0, config.two_step or config.stats_one_pass
+        ),
         num_warps=config.num_warps,
         num_stages=config.num_stages,
         L2_PREFETCH=prefetch > 0,
         SPLIT_K=split,
         PERSISTENT=persistent,
         TWO_STEP=config.two_step,
+        EARLY_EPILOGUE=config.early_epilogue,
         ROPE=rope is not None,
         HEAD_DIM=rope_shape[2],
         **pdl,
@@ -1035,6 +1074,7 @@ def aot_specs(half2: bool = False) -> list[AotSpec]:
                 "SPLIT_K",
                 "PERSISTENT",
                 "TWO_STEP",
+                "EARLY_EPILOGUE",
             )
         },
     }
@@ -1065,6 +1105,7 @@ def aot_specs(half2: bool = False) -> list[AotSpec]:
                 "SPLIT_K": 1,
                 "PERSISTENT": False,
                 "TWO_STEP": False,
+                "EARLY_EPILOGUE": False,
             }
             name = (
                 f"quant_matmul.fused_gemv[{format}xbf16,norm={norm_in},gated={gated},"

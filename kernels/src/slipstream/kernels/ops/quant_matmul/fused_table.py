@@ -57,7 +57,8 @@ class FusedGemvConfig:
     the current one's math (``prefetch``), ``split_k`` K ranges per block (the last to finish
     adds the fp32 sums and runs the epilogue), ``programs_per_sm`` (0: one program per
     block, a persistent grid for an LM head's many blocks; N: a persistent grid of N per SM)
-    and ``two_step`` (the prefetching loop's variant, see below)."""
+    ``two_step`` (the prefetching loop's variant), ``stats_one_pass`` and ``early_epilogue``
+    (where the prologue's and epilogue's small loads are issued; see below)."""
 
     block_n: int = 4
     num_warps: int = 1
@@ -72,6 +73,15 @@ class FusedGemvConfig:
     # step with it and the table below ran 3.709 ms against 3.785 without (call B1); the int4
     # step with it and that sweep's int4 launches 2.780 against 2.577, so it is off by default.
     two_step: bool = False
+    # The norm prologue's partial sums (one per program of the producing GEMV: 1024 for an 8B
+    # model's output or down projection at 4 rows a program) read in one load, a single L2
+    # round trip after the wait for the producer, instead of passes of 256 one after another
+    # (four round trips on the first tile's critical path). two_step implies it.
+    stats_one_pass: bool = False
+    # The epilogue's inputs (QKV: the rotary tables and the cache slot; add_norm: the residual
+    # and the next norm's weight) loaded before the K loop, their latency hidden behind it,
+    # instead of after it on the way to the stores.
+    early_epilogue: bool = False
 
 
 class FusedTableError(ValueError):
