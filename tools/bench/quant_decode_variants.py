@@ -13,6 +13,8 @@ of ``--repeats`` calls a round after a warm-up; the older difference measure (``
 - ``pdl=on|l2_partial|off``: ``quant.weight.decode_pdl``'s launch mode (default: the config's);
 - ``early`` / ``noearly``: decode_attention lets the next kernel (the output projection)
   launch early (its ``LAUNCH_DEPENDENTS_EARLY`` flag; default: the library's);
+- ``attnpdl`` / ``noattnpdl``: decode_attention itself launched with programmatic dependent
+  launch (the fused decoder's ``quant_attention_pdl``; default: the library's);
 - ``table=PATH``: the launch table at PATH (``quant_decode_bench.py --table-out``) as the user
   table; ``parts=qkv+out``: only those parts' entries of it;
 - ``rule``: every part at the rule's launch (``fused_gemv._default_config``), ahead of the
@@ -67,6 +69,7 @@ class Variant:
     bf16: bool = False
     pdl: str | None = None
     early: bool | None = None
+    attention_pdl: bool | None = None
     table: str | None = None
     parts: tuple[str, ...] = tuple(PARTS)
     rule: bool = False
@@ -86,6 +89,8 @@ def parse_variant(text: str) -> Variant:
             variant.pdl = value
         elif setting in ("early", "noearly"):
             variant.early = setting == "early"
+        elif setting in ("attnpdl", "noattnpdl"):
+            variant.attention_pdl = setting == "attnpdl"
         elif key == "table" and value:
             variant.table = value
         elif key == "parts" and value and set(value.split("+")) <= set(PARTS):
@@ -174,6 +179,7 @@ def main() -> None:
         quant = {"weight": {"num_bits": bits, "group_size": 128, "compute_dtype": "bf16"}}
         engines[False] = init_inference(model, {"dtype": "int8", "quant": quant, **common})
     default_pdl = engines[False].fused.quant_pdl if False in engines else None
+    default_attention_pdl = engines[False].fused.quant_attention_pdl if False in engines else None
     if False in engines:  # the served model's shapes
         block = engines[False].fused.blocks[0]
         for part, attr in (("qkv", "qkv"), ("out", "out"), ("gate_up", "up"), ("down", "down")):
@@ -214,6 +220,11 @@ def main() -> None:
             table = [] if variant.bf16 else install(variant, args.weights, device)
             if not variant.bf16:
                 engine.fused.quant_pdl = variant.pdl or default_pdl
+                engine.fused.quant_attention_pdl = (
+                    default_attention_pdl
+                    if variant.attention_pdl is None
+                    else variant.attention_pdl
+                )
             engine._runner.buckets.clear()  # recaptured with this variant's launches
             gc.collect()
             tokens = generate(engine, args.new_tokens)  # capture, compiles: the warm-up

@@ -263,6 +263,7 @@ def test_fused_quantized_decode_on_gpu(bits: int, monkeypatch: pytest.MonkeyPatc
         engine = init_inference(model, pdl_config, enable_cuda_graph=graph, max_out_tokens=32)
         assert engine.fused is not None and len(engine.fused.decode_fusion) == 6  # auto: all
         assert engine.fused.quant_pdl == {False: "off", True: "on"}.get(pdl, pdl)
+        engine.fused.quant_attention_pdl = pdl == "l2_partial"  # attention launched with PDL
         outputs.append(engine.generate(ids, **kwargs))
     assert all(torch.equal(outputs[0], other) for other in outputs[1:])
     monkeypatch.setattr(attention_triton, "LAUNCH_DEPENDENTS_EARLY", False)

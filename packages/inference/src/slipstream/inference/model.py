@@ -402,6 +402,11 @@ class FusedDecoder(nn.Module):
         # The fused quantized decode GEMVs' programmatic dependent launch option (set by
         # init_inference from quant.weight.decode_pdl; fused_quant_decode passes it on).
         self.quant_pdl: str = "on"
+        # Whether the fused quantized step's decode_attention launches with programmatic
+        # dependent launch too (when quant_pdl is not "off"): it starts while the QKV GEMV
+        # finishes and lets the output projection start (and prefetch its weight) at once.
+        # Off: not measured yet (tools/bench/quant_decode_variants.py "attnpdl" sets it).
+        self.quant_attention_pdl = False
         # The parts that single-token decode steps run through the decode kernels
         # (fused_decode.decode_forward; set by fused_decode.enable_decode_fusion); empty: none.
         self.decode_fusion: frozenset[str] = frozenset()
