@@ -64,12 +64,15 @@ variants)  # one GPU, ~3.5 min: (1) the int4 + bf16 step with per-call timings (
     EP=qkv:stats_one_pass=true,gate_up:stats_one_pass=true,qkv:early_epilogue=true
     EP=$EP,out:early_epilogue=true,down:early_epilogue=true
     echo "### variants"
-    python3 tools/bench/quant_decode_variants.py --rounds 3 --repeats 2 bf16=bf16 int4= \
+    python3 tools/bench/quant_decode_variants.py --rounds 3 --repeats 2 bf16=bf16 int4= nopdl=pdl=off \
         table=table=$T l2early=pdl=l2_partial,early all=table=$T,pdl=l2_partial,early \
         t_qkv=table=$T,parts=qkv t_out=table=$T,parts=out t_gate_up=table=$T,parts=gate_up \
         t_down=table=$T,parts=down "ep=$EP" attnpdl=attnpdl "attnpdl_ep=attnpdl,$EP" \
         "all_ep=table=$T,pdl=l2_partial,early,$EP" "all_ep_attn=table=$T,pdl=l2_partial,attnpdl,$EP" 2>&1 \
         | grep -E '"result"|Error' | cut -c1-700
+    if [ -n "${PROFILE:-}" ]; then  # the int4 step's kernels without PDL (no overlap)
+        bench int4-nopdl-profile --weights int4 --quant-pdl off --profile 16 --new-tokens 32
+    fi
     exit 0
     ;;
 profile)
