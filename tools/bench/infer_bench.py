@@ -684,12 +684,8 @@ def serve(
             )
         emit(result="gemv_table", path=args.gemv_table, entries=len(table))
     if args.quant_pdl is not None and args.weights != "native":
-        from slipstream.kernels.ops.decode_attention import triton as attention_triton
-
         pdl = {"on": "l2_partial", "basic": True, "off": False}[args.quant_pdl]
         config["quant"]["weight"]["decode_pdl"] = pdl
-        # (decode_attention's early trigger is still a module flag)
-        attention_triton.LAUNCH_DEPENDENTS_EARLY = args.quant_pdl == "on"
     started = time.perf_counter()
     engine = init_inference(model, config)
     emit(result="phase", phase="init_inference", seconds=round(time.perf_counter() - started, 2))

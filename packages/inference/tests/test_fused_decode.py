@@ -223,11 +223,11 @@ def test_fused_quantized_decode_equals_unfused(monkeypatch: pytest.MonkeyPatch) 
         launches.add(kwargs["pdl"])
         return original_qkv(*args, **kwargs)
 
-    attention_pdl: set[bool] = set()  # decode_attention's pdl argument
+    attention_pdl: set[tuple[bool, bool]] = set()  # decode_attention's pdl, trigger
     original_attention = quant_module.decode_attention
 
     def attention(*args: Any, **kwargs: Any) -> Any:
-        attention_pdl.add(kwargs["pdl"])
+        attention_pdl.add((kwargs["pdl"], kwargs["trigger"]))
         return original_attention(*args, **kwargs)
 
     monkeypatch.setattr(quant_module, "quant_decode_gemv", counting)
@@ -256,11 +256,14 @@ def test_fused_quantized_decode_equals_unfused(monkeypatch: pytest.MonkeyPatch) 
         calls.update(gated=0, norm_in=0, add_norm=0, qkv=0)
         launches.clear()
         attention_pdl.clear()
-        # attention with programmatic dependent launch too: with the GEMVs' only
+        # attention with programmatic dependent launch too: with the GEMVs' only; its trigger
+        # for the output projection: the config's, with l2_partial
+        assert fused.fused.quant_attention_trigger == (pdl == "l2_partial")
         fused.fused.quant_attention_pdl = bits == 4 or pdl == "l2_partial"
         tokens = fused.generate(ids, **KWARGS)
         assert launches == {{False: "off", "auto": "on"}.get(pdl, pdl)}, (pdl, launches)
-        assert attention_pdl == {pdl == "l2_partial"}, (pdl, attention_pdl)
+        partial = pdl == "l2_partial"
+        assert attention_pdl == {(partial, partial)}, (pdl, attention_pdl)
         layers = len(fused.fused.blocks)
         # 5 decode steps: per block QKV (1/rms, rotary and cache write), gate/up (gated,
         # 1/rms), out and down (add + norm epilogue), the quantized head's 1/rms; the last

@@ -40,12 +40,27 @@ from slipstream.kernels.ops import (
 )
 from slipstream.kernels.ops.quant_matmul import quant_decode_gemv, quant_decode_qkv
 
-__all__ = ["FUSABLE_FORMATS", "fusable_quantized", "has_fused_quantized", "quant_decode_forward"]
+__all__ = [
+    "FUSABLE_FORMATS",
+    "attention_launch",
+    "fusable_quantized",
+    "has_fused_quantized",
+    "quant_decode_forward",
+]
 
 # The code formats the fused quantized step takes (packed layout); "auto" turns it on for
 # int8 and int4 only (the measured ones), ``decode_fusion: true`` for fp8 too.
 FUSABLE_FORMATS = ("int8", "int4", "fp8_e4m3")
 AUTO_FORMATS = ("int8", "int4")
+
+
+def attention_launch(pdl_mode: str) -> tuple[bool, bool]:
+    """``decode_attention``'s launch options ``(pdl, trigger)`` in the fused quantized step
+    for the GEMVs' ``quant.weight.decode_pdl`` mode (``fused_gemv.PDL_MODES``): plain
+    launches with "off" and "on"; with "l2_partial" attention lets the output projection
+    launch at once (``trigger``), so that its weight streams into L2 while attention runs."""
+    return False, pdl_mode == "l2_partial"
+
 
 # The state handed from one projection to the next RMSNorm:
 #   ("pending", x, pending): the residual stream is x + pending (pending None: x alone);
@@ -200,14 +215,15 @@ def _cached_attention(
     cache: tuple[torch.Tensor, torch.Tensor],
     mask: torch.Tensor,
     pdl: bool = False,
+    trigger: bool = False,
 ) -> torch.Tensor:
     """``FusedBlock._attend``'s split-K attention over the cache from rotated queries
-    (``pdl``: launched with programmatic dependent launch)."""
+    (``pdl``, ``trigger``: decode_attention's launch options)."""
     batch, heads, length, head_dim = q.shape
     keys, values = cache[0][:, :, : mask.shape[-1]], cache[1][:, :, : mask.shape[-1]]
     if heads > block.kv_heads:  # the GQA group's query heads as rows of their KV head
         q = q.reshape(batch, block.kv_heads, (heads // block.kv_heads) * length, head_dim)
-    out = decode_attention(q, keys, values, mask, block.spec.scale, pdl=pdl)
+    out = decode_attention(q, keys, values, mask, block.spec.scale, pdl=pdl, trigger=trigger)
     return out.reshape(batch, heads, length, head_dim).transpose(1, 2).reshape(batch, length, -1)
 
 
@@ -224,6 +240,7 @@ def quant_decode_forward(
     parts = model.decode_fusion
     pdl = model.quant_pdl
     attention_pdl = pdl != "off" and model.quant_attention_pdl
+    trigger = pdl != "off" and model.quant_attention_trigger
     blocks = list(model.blocks)
     state: _State = ("pending", x, None)
     for index, block in enumerate(blocks):
@@ -239,7 +256,7 @@ def quant_decode_forward(
             # rotary_kv_write in the QKV projection's epilogue, then decode_attention
             x, u, stats = _normed(state, block.input_norm)
             q = _rotary_qkv(block, u, stats, rotary, layer_cache, slots, pdl)
-            attn = _cached_attention(block, q, layer_cache, mask, attention_pdl)
+            attn = _cached_attention(block, q, layer_cache, mask, attention_pdl, trigger)
         else:
             x, qkv = _consume(state, block.input_norm, block.qkv, "qkv" in parts, pdl=pdl)
             attn = block._attend(qkv, rotary, layer_cache, slots, mask, "attention" in parts)

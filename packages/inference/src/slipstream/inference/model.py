@@ -402,11 +402,13 @@ class FusedDecoder(nn.Module):
         # The fused quantized decode GEMVs' programmatic dependent launch option (set by
         # init_inference from quant.weight.decode_pdl; fused_quant_decode passes it on).
         self.quant_pdl: str = "on"
-        # Whether the fused quantized step's decode_attention launches with programmatic
-        # dependent launch too (when quant_pdl is not "off"): it starts while the QKV GEMV
-        # finishes and lets the output projection start (and prefetch its weight) at once.
-        # Off: not measured yet (tools/bench/quant_decode_variants.py "attnpdl" sets it).
+        # How the fused quantized step launches decode_attention (when quant_pdl is not
+        # "off"; set by init_inference from quant.weight.decode_pdl through
+        # fused_quant_decode.attention_launch): with programmatic dependent launch itself (it
+        # starts while the QKV GEMV finishes), and/or letting the output projection launch at
+        # once (``trigger``: it prefetches its weight while attention runs).
         self.quant_attention_pdl = False
+        self.quant_attention_trigger = False
         # The parts that single-token decode steps run through the decode kernels
         # (fused_decode.decode_forward; set by fused_decode.enable_decode_fusion); empty: none.
         self.decode_fusion: frozenset[str] = frozenset()
