@@ -35,6 +35,7 @@ from slipstream.kernels.ops.quant_matmul.fused_table import FusedGemvConfig, loo
 from slipstream.kernels.ops.quant_matmul.gemv import (
     GEMV_FORMAT_CODES,
     GemvConfig,
+    _fp32_step_sums,
     _half2_quad_dot,
     _half2_quad_sums,
     _multiprocessors,
@@ -199,9 +200,6 @@ def _tile(
     x_type = x_row.dtype.element_ty
     PER: tl.constexpr = 8 if FORMAT == 1 else 4  # fields per word
     PACK: tl.constexpr = 16 * PER
-    BITS: tl.constexpr = 32 // PER
-    LOW: tl.constexpr = 20 // BITS
-    OFFSET: tl.constexpr = 8 if FORMAT == 1 else 128
     if HALF2:
         xpairs = pairs + k0 // 2 + g * (PACK // 2) + jj
         quad_scale, _s1, _s2, _s3 = _split4(scale)
@@ -217,44 +215,7 @@ def _tile(
             sums = _half2_quad_sums(words, xpairs, FORMAT, x_type == tl.bfloat16)
         acc_quads += sums * quad_scale
     else:
-        if FORMAT == 1:
-            words = words ^ -2004318072  # 0x88888888: two's complement -> offset binary
-        elif FORMAT == 0:
-            words = words ^ -2139062144  # 0x80808080
-        high = words >> (BITS * (PER - LOW))
-        t = tl.zeros((BLOCK_N, GPS, 16), dtype=tl.float32)
-        for p in tl.static_range(PER // 2):
-            if x_type == tl.float32:
-                base = x_row + k0 + g * PACK + 32 * p + 2 * jj
-                x_lo = tl.load(base)
-                x_hi = tl.load(base + 1)
-            else:
-                xp = tl.load(pairs + k0 // 2 + g * (PACK // 2) + 16 * p + jj)
-                if x_type == tl.bfloat16:
-                    x_lo = (xp << 16).to(tl.float32, bitcast=True)
-                    x_hi = (xp & -65536).to(tl.float32, bitcast=True)
-                else:
-                    x_lo = xp.to(tl.int16).to(tl.float16, bitcast=True).to(tl.float32)
-                    x_hi = (xp >> 16).to(tl.int16).to(tl.float16, bitcast=True)
-                    x_hi = x_hi.to(tl.float32)
-            for b in tl.static_range(2):
-                f = 2 * p + b
-                if FORMAT == 2:
-                    byte = (words >> (8 * f)) & 255
-                    if NATIVE_FP8:
-                        fp8 = byte.to(tl.uint8).to(tl.float8e4nv, bitcast=True)
-                        value = fp8.to(tl.float32)
-                    else:
-                        half = ((byte & 0x7F) << 7) | ((byte & 0x80) << 8)
-                        value = half.to(tl.int16).to(tl.float16, bitcast=True)
-                        value = value.to(tl.float32)
-                else:
-                    at = BITS * f if f < LOW else BITS * (f - PER + LOW)
-                    src = words if f < LOW else high
-                    field = src & (((1 << BITS) - 1) << at)
-                    value = (field | ((150 - at) << 23)).to(tl.float32, bitcast=True)
-                    value = value - ((1 << (23 - at)) + OFFSET)
-                t += value * (x_lo if b == 0 else x_hi)
+        t = _fp32_step_sums(words, x_row, pairs, k0, g, jj, FORMAT, BLOCK_N, GPS, NATIVE_FP8)
         acc3 += t * scale
     return acc3, acc_quads
 
