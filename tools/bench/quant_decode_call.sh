@@ -11,6 +11,8 @@
 #             same run without it, then bf16 on GPU0 (~4 min)
 #   variants: one GPU: int4 step timings, a quick int4 sweep, launch variants beside bf16
 #             (quant_decode_variants.py), ~3.5 min
+#   variants2: one GPU: a sweep with the prologue/epilogue fields, variants on top of the
+#             built-in H100 int4 launches, the final call's int4 + bf16 run, ~4 min
 set -u
 cd "$(dirname "$0")/../.."
 export PYTHONPATH=$(ls -d kernels/src packages/*/src | tr '\n' ':')
@@ -73,6 +75,32 @@ variants)  # one GPU, ~3.5 min: (1) the int4 + bf16 step with per-call timings (
     if [ -n "${PROFILE:-}" ]; then  # the int4 step's kernels without PDL (no overlap)
         bench int4-nopdl-profile --weights int4 --quant-pdl off --profile 16 --new-tokens 32
     fi
+    exit 0
+    ;;
+variants2)  # one GPU, ~4 min: (1) a sweep of the int4 block shapes with the prologue /
+    # epilogue fields on every candidate (Triton pipelining too), (2) variants on top of the
+    # built-in H100 int4 launches (now the default): those fields whole and per part, the new
+    # sweep's table whole and per part, the previous default (the rule), beside bf16, (3) the
+    # int4 + bf16 step as the final call runs it (--repeats 1)
+    T2=$OUT/quant_decode_table_int4_ep.json
+    Q=${Q:-"python3 tools/bench/quant_decode_bench.py --quick --pipelined --format int4 --shapes qkv out down --budget-s 50 --compile-workers 12 --min-gain 1.0"}
+    echo "### sweep: $Q --fields stats_one_pass=true,early_epilogue=true"
+    $Q --fields stats_one_pass=true,early_epilogue=true --table-out "$T2" 2>&1 \
+        | grep -E "$KEEP" | cut -c1-900
+    EPQ=qkv:stats_one_pass=true,qkv:early_epilogue=true
+    EPG=gate_up:stats_one_pass=true
+    EPO=out:early_epilogue=true,down:early_epilogue=true
+    echo "### variants"
+    python3 tools/bench/quant_decode_variants.py --rounds 3 --repeats 2 bf16=bf16 int4= \
+        old=rule "ep=$EPQ,$EPG,$EPO" "ep_qkv=$EPQ" "ep_gate_up=$EPG" "ep_out_down=$EPO" \
+        t2=table=$T2 t2_qkv=table=$T2,parts=qkv t2_out=table=$T2,parts=out \
+        t2_down=table=$T2,parts=down "t2_epg=table=$T2,$EPG" 2>&1 \
+        | grep -E '"result"|Error' | cut -c1-700
+    echo "### timing: --weights int4 native --repeats 1"
+    $B --new-tokens 64 --repeats 1 --weights int4 native 2>&1 \
+        | grep -E '"result": "(copy_bandwidth|decode_timing|slipstream)"|Error' \
+        | sed -E 's/, "(preset|dtype|tp|allreduce|offload|use_triton|prompt|gemv_layout|gemv_table|decode_gemv_table|decode_pdl|quant_pdl|quant_decode_table|lm_head_quantized|end_to_end_tokens_per_s|cuda_graph|note)": [^,]*//g' \
+        | cut -c1-700
     exit 0
     ;;
 profile)

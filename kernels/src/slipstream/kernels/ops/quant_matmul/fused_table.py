@@ -125,9 +125,7 @@ def _entries(
 # step with them: 3.709 ms a step against 3.785 with the rule in call B1, 1.58x bf16's 5.876 ms
 # in the same process). Stand-alone, against the rule with two_step: qkv 16.26 -> 12.41 us,
 # output 8.98 -> 8.53, gate/up 47.87 -> 46.42; down kept the rule's tile (26.68 us, 0.76 of the
-# copy bandwidth). The int4 launches that sweep found (split-K QKV, 8 x 2-warp output, pipelined
-# gate/up) were faster alone but the int4 step with them ran 2.780 ms against B1's 2.577 ms, so
-# int4 keeps the rule (B1's launches). No H200 entries: nothing was measured there.
+# copy bandwidth). No H200 entries: nothing was measured there.
 _H100_INT8: dict[tuple[str, str, int, int], dict[str, Any]] = {
     ("int8", "qkv", 6144, 4096): {"block_n": 8, "num_warps": 2, "two_step": True},
     ("int8", "add_norm", 4096, 4096): {"block_n": 8, "num_warps": 2, "two_step": True},
@@ -140,7 +138,21 @@ _H100_INT8: dict[tuple[str, str, int, int], dict[str, Any]] = {
     },
     ("int8", "add_norm", 4096, 14336): {"block_n": 4, "num_warps": 2, "two_step": True},
 }
-BUILTIN_TABLE: tuple[FusedEntry, ...] = tuple(_entries("H100", 132, _H100_INT8))
+# H100 SXM, int4: the launches of call B1 of 2026-11-26 11:29 (quant_decode_bench.py --quick,
+# then the 8B step with them in tools/bench/quant_decode_variants.py, 3 interleaved rounds in one
+# process beside bf16): 2.394 ms a step against 2.635 with the rule (bf16 5.712 ms: 2.39x
+# against 2.17x). Each alone on top of the rule: QKV 2.533, output 2.575, gate/up 2.610, down
+# 2.545 ms. (Call B2 of the evening before had measured an earlier sweep's int4 launches
+# slower, 2.780 against 2.577 ms, but by the difference of two generate calls in separate runs,
+# which moved by 0.3 ms from run to run; the interleaved device-clock timing above repeats to
+# 0.01 ms.)
+_H100_INT4: dict[tuple[str, str, int, int], dict[str, Any]] = {
+    ("int4", "qkv", 6144, 4096): {"block_n": 8, "num_warps": 2},
+    ("int4", "add_norm", 4096, 4096): {"block_n": 4, "num_warps": 2},
+    ("int4", "gate_up", 28672, 4096): {"block_n": 16, "num_warps": 1, "programs_per_sm": 8},
+    ("int4", "add_norm", 4096, 14336): {"block_n": 8, "num_warps": 1, "split_k": 4},
+}
+BUILTIN_TABLE: tuple[FusedEntry, ...] = tuple(_entries("H100", 132, {**_H100_INT8, **_H100_INT4}))
 
 _user_table: tuple[FusedEntry, ...] = ()
 
