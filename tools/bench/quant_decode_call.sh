@@ -94,7 +94,8 @@ variants2)  # one GPU, ~4 min: (1) a sweep of the int4 block shapes with the pro
     python3 tools/bench/quant_decode_variants.py --rounds 3 --repeats 2 bf16=bf16 int4= \
         old=rule "ep=$EPQ,$EPG,$EPO" "ep_qkv=$EPQ" "ep_gate_up=$EPG" "ep_out_down=$EPO" \
         t2=table=$T2 t2_qkv=table=$T2,parts=qkv t2_out=table=$T2,parts=out \
-        t2_down=table=$T2,parts=down "t2_epg=table=$T2,$EPG" 2>&1 \
+        t2_down=table=$T2,parts=down "t2_epg=table=$T2,$EPG" early=early \
+        l2p=pdl=l2_partial,noearly "ep_early=$EPQ,$EPG,$EPO,early" 2>&1 \
         | grep -E '"result"|Error' | cut -c1-700
     echo "### timing: --weights int4 native --repeats 1"
     $B --new-tokens 64 --repeats 1 --weights int4 native 2>&1 \
