@@ -83,18 +83,19 @@ variants2)  # one GPU, ~4 min: (1) a sweep of the int4 block shapes with the pro
     # sweep's table whole and per part, the previous default (the rule), beside bf16, (3) the
     # int4 + bf16 step as the final call runs it (--repeats 1)
     T2=$OUT/quant_decode_table_int4_ep.json
-    Q=${Q:-"python3 tools/bench/quant_decode_bench.py --quick --pipelined --format int4 --shapes qkv out down --budget-s 50 --compile-workers 12 --min-gain 1.0"}
+    Q=${Q:-"python3 tools/bench/quant_decode_bench.py --quick --pipelined --format int4 --shapes qkv out down gate_up --budget-s 60 --compile-workers 12 --min-gain 1.0"}
     echo "### sweep: $Q --fields stats_one_pass=true,early_epilogue=true"
     $Q --fields stats_one_pass=true,early_epilogue=true --table-out "$T2" 2>&1 \
         | grep -E "$KEEP" | cut -c1-900
+    python3 -c "import json, sys; [print(json.dumps(e)) for e in json.load(open(sys.argv[1]))['entries']]" "$T2"
     EPQ=qkv:stats_one_pass=true,qkv:early_epilogue=true
     EPG=gate_up:stats_one_pass=true
     EPO=out:early_epilogue=true,down:early_epilogue=true
     echo "### variants"
-    python3 tools/bench/quant_decode_variants.py --rounds 3 --repeats 2 bf16=bf16 int4= \
+    python3 tools/bench/quant_decode_variants.py --rounds 2 --repeats 2 bf16=bf16 int4= \
         old=rule "ep=$EPQ,$EPG,$EPO" "ep_qkv=$EPQ" "ep_gate_up=$EPG" "ep_out_down=$EPO" \
         t2=table=$T2 t2_qkv=table=$T2,parts=qkv t2_out=table=$T2,parts=out \
-        t2_down=table=$T2,parts=down "t2_epg=table=$T2,$EPG" early=early \
+        t2_down=table=$T2,parts=down t2_gate_up=table=$T2,parts=gate_up early=early \
         l2p=pdl=l2_partial,noearly "ep_early=$EPQ,$EPG,$EPO,early" 2>&1 \
         | grep -E '"result"|Error' | cut -c1-700
     echo "### timing: --weights int4 native --repeats 1"
