@@ -222,27 +222,27 @@ def _tile(
 
 @triton.jit
 def _rope_inputs(
-    cos_ptr, sin_ptr, slot_ptr, pid_m, blk, N, BLOCK_N: tl.constexpr, HEAD_DIM: tl.constexpr
+    cos_ptr,
+    sin_ptr,
+    slot_ptr,
+    pid_m,
+    blk,
+    N,
+    heads,
+    kv_heads,
+    BLOCK_N: tl.constexpr,
+    HEAD_DIM: tl.constexpr,
 ):
-    """The QKV epilogue's inputs for block ``blk``: cos and sin of its rotary pairs (1 and 0
-    past the end) and the cache slot."""
+    """The QKV epilogue's inputs for block ``blk`` (``early_epilogue``): cos and sin of its
+    rotary pairs (1 and 0 for values and past the end, which are not rotated) and the cache
+    slot."""
     HALF: tl.constexpr = HEAD_DIM // 2
     pr = blk * (BLOCK_N // 2) + tl.arange(0, BLOCK_N // 2)
-    ok = pr < N // 2
+    turn = (pr < N // 2) & (pr // HALF < heads + kv_heads)
     fi = pr % HALF
-    c = tl.load(cos_ptr + pid_m * HALF + fi, mask=ok, other=1.0).to(tl.float32)
-    sn = tl.load(sin_ptr + pid_m * HALF + fi, mask=ok, other=0.0).to(tl.float32)
+    c = tl.load(cos_ptr + pid_m * HALF + fi, mask=turn, other=1.0).to(tl.float32)
+    sn = tl.load(sin_ptr + pid_m * HALF + fi, mask=turn, other=0.0).to(tl.float32)
     return c, sn, tl.load(slot_ptr).to(tl.int64)
-
-
-@triton.jit
-def _add_norm_inputs(res_ptr, nw_ptr, pid_m, cols, col_ok, N):
-    """The add + norm epilogue's inputs for the rows ``cols``: the residual and the next
-    norm's weight, in fp32."""
-    row_n = pid_m.to(tl.int64) * N
-    res = tl.load(res_ptr + row_n + cols, mask=col_ok, other=0.0).to(tl.float32)
-    nw = tl.load(nw_ptr + cols, mask=col_ok, other=0.0).to(tl.float32)
-    return res, nw
 
 
 @triton.jit
@@ -368,11 +368,13 @@ def fused_gemv_kernel(
         acc_quads = tl.zeros((BLOCK_N, GPS, 4), dtype=tl.float32)
         if EARLY_EPILOGUE:  # in flight during the K loop (they are read after the wait)
             if ROPE:
-                rope_c, rope_s, slot = _rope_inputs(
-                    cos_ptr, sin_ptr, slot_ptr, pid_m, blk, N, BLOCK_N, HEAD_DIM
+                early_c, early_s, early_slot = _rope_inputs(
+                    cos_ptr, sin_ptr, slot_ptr, pid_m, blk, N, heads, kv_heads, BLOCK_N, HEAD_DIM
                 )
             elif ADD_NORM:
-                res, nw = _add_norm_inputs(res_ptr, nw_ptr, pid_m, cols, col_ok, N)
+                early_row = pid_m.to(tl.int64) * N
+                early_res = tl.load(res_ptr + early_row + cols, mask=col_ok, other=0.0)
+                early_nw = tl.load(nw_ptr + cols, mask=col_ok, other=0.0)
         if PREFETCH and TWO_STEP:
             # Two steps an iteration, each tile loaded one step ahead of its use: the second
             # step's tile while the first computes, the next iteration's first tile while the
@@ -470,18 +472,21 @@ def fused_gemv_kernel(
                 fi = pr % HALF
                 is_q = head < heads
                 is_v = head >= heads + kv_heads
-                if not EARLY_EPILOGUE:
-                    rope_c, rope_s, slot = _rope_inputs(
-                        cos_ptr, sin_ptr, slot_ptr, pid_m, blk, N, BLOCK_N, HEAD_DIM
-                    )
-                # values (heads past the keys) pass through unrotated
-                c = tl.where(is_v, 1.0, rope_c)
-                sn = tl.where(is_v, 0.0, rope_s)
+                if EARLY_EPILOGUE:
+                    c, sn = early_c, early_s
+                else:
+                    turn = ok & (head < heads + kv_heads)
+                    c = tl.load(cos_ptr + pid_m * HALF + fi, mask=turn, other=1.0).to(tl.float32)
+                    sn = tl.load(sin_ptr + pid_m * HALF + fi, mask=turn, other=0.0).to(tl.float32)
                 lo = (first * c - second * sn).to(out_type)
                 hi = (second * c + first * sn).to(out_type)
                 q_at = out_row + head * HEAD_DIM + fi
                 tl.store(q_at, lo, mask=ok & is_q)
                 tl.store(q_at + HALF, hi, mask=ok & is_q)
+                if EARLY_EPILOGUE:
+                    slot = early_slot
+                else:
+                    slot = tl.load(slot_ptr).to(tl.int64)
                 kv = tl.where(is_v, head - heads - kv_heads, head - heads)
                 at = pid_m.to(tl.int64) * cache_sb + kv * cache_sh + slot * cache_ss + fi
                 k_ok = ok & (head >= heads) & ~is_v
@@ -500,12 +505,18 @@ def fused_gemv_kernel(
             elif ADD_NORM:
                 y = acc.to(out_type).to(tl.float32)
                 row_n = pid_m.to(tl.int64) * N
-                if not EARLY_EPILOGUE:
-                    res, nw = _add_norm_inputs(res_ptr, nw_ptr, pid_m, cols, col_ok, N)
+                if EARLY_EPILOGUE:
+                    res = early_res.to(tl.float32)
+                else:
+                    res = tl.load(res_ptr + row_n + cols, mask=col_ok, other=0.0).to(tl.float32)
                 total = (y + res).to(total_ptr.dtype.element_ty)
                 tl.store(total_ptr + row_n + cols, total, mask=col_ok)
                 tf = tl.where(col_ok, total.to(tl.float32), 0.0)
                 tl.store(stats_out_ptr + pid_m * n_blocks + blk, tl.sum(tf * tf, axis=0))
+                if EARLY_EPILOGUE:
+                    nw = early_nw.to(tl.float32)
+                else:
+                    nw = tl.load(nw_ptr + cols, mask=col_ok, other=0.0).to(tl.float32)
                 tl.store(out_row + cols, (tf * nw).to(out_type), mask=col_ok)
             else:
                 tl.store(out_row + cols, acc.to(out_type), mask=col_ok)
