@@ -50,6 +50,9 @@ def test_table_key_installs_the_launches(tmp_path: Path) -> None:
     assert found is not None and found[1] == "builtin" and found[0].two_step
     found = fused_table.lookup_fused("int4", "add_norm", 4096, 14336, h100)
     assert found is not None and found[1] == "builtin" and found[0].split_k == 4
+    assert found[0].early_epilogue
+    found = fused_table.lookup_fused("int4", "qkv", 6144, 4096, h100)
+    assert found is not None and found[0].stats_one_pass and found[0].early_epilogue
     # other GPUs (an H100 with another SM count), formats and shapes: no entry (the rule)
     assert fused_table.lookup_fused("int4", "gate_up", 28672, 4096, ("NVIDIA H100", 114)) is None
     assert fused_table.lookup_fused("int8", "gate_up", 28672, 4096, H200) is None

@@ -139,18 +139,34 @@ _H100_INT8: dict[tuple[str, str, int, int], dict[str, Any]] = {
     ("int8", "add_norm", 4096, 14336): {"block_n": 4, "num_warps": 2, "two_step": True},
 }
 # H100 SXM, int4: the launches of call B1 of 2026-11-26 11:29 (quant_decode_bench.py --quick,
-# then the 8B step with them in tools/bench/quant_decode_variants.py, 3 interleaved rounds in one
-# process beside bf16): 2.394 ms a step against 2.635 with the rule (bf16 5.712 ms: 2.39x
-# against 2.17x). Each alone on top of the rule: QKV 2.533, output 2.575, gate/up 2.610, down
-# 2.545 ms. (Call B2 of the evening before had measured an earlier sweep's int4 launches
-# slower, 2.780 against 2.577 ms, but by the difference of two generate calls in separate runs,
-# which moved by 0.3 ms from run to run; the interleaved device-clock timing above repeats to
-# 0.01 ms.)
+# then the 8B step with them in tools/bench/quant_decode_variants.py, interleaved rounds in one
+# process beside bf16): 2.394 ms a step against 2.635 with the rule (bf16 5.712 ms); each alone
+# on top of the rule: QKV 2.533, output 2.575, gate/up 2.610, down 2.545 ms. With the prologue /
+# epilogue fields (call B2, 11:57): 2.356 ms against 2.414 without them (bf16 5.709 ms: 2.42x),
+# QKV's alone 2.384, output's and down's 2.399, gate/up's 2.414. (Call B2 of the evening before
+# had measured an earlier sweep's int4 launches slower, 2.780 against 2.577 ms, from the
+# difference of two generate calls in separate runs, which moves by 0.1-0.3 ms from run to run;
+# the device-clock timing above repeats to 0.01-0.03 ms.)
 _H100_INT4: dict[tuple[str, str, int, int], dict[str, Any]] = {
-    ("int4", "qkv", 6144, 4096): {"block_n": 8, "num_warps": 2},
-    ("int4", "add_norm", 4096, 4096): {"block_n": 4, "num_warps": 2},
-    ("int4", "gate_up", 28672, 4096): {"block_n": 16, "num_warps": 1, "programs_per_sm": 8},
-    ("int4", "add_norm", 4096, 14336): {"block_n": 8, "num_warps": 1, "split_k": 4},
+    ("int4", "qkv", 6144, 4096): {
+        "block_n": 8,
+        "num_warps": 2,
+        "stats_one_pass": True,
+        "early_epilogue": True,
+    },
+    ("int4", "add_norm", 4096, 4096): {"block_n": 4, "num_warps": 2, "early_epilogue": True},
+    ("int4", "gate_up", 28672, 4096): {
+        "block_n": 16,
+        "num_warps": 1,
+        "programs_per_sm": 8,
+        "stats_one_pass": True,
+    },
+    ("int4", "add_norm", 4096, 14336): {
+        "block_n": 8,
+        "num_warps": 1,
+        "split_k": 4,
+        "early_epilogue": True,
+    },
 }
 BUILTIN_TABLE: tuple[FusedEntry, ...] = tuple(_entries("H100", 132, {**_H100_INT8, **_H100_INT4}))
 
