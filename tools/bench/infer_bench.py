@@ -148,10 +148,8 @@ def parse_args() -> argparse.Namespace:
         choices=["on", "off", "basic"],
         help="quant.weight.decode_pdl, the fused quantized decode GEMVs' (decode_fusion on "
         'int8/int4) programmatic dependent launch (sm_90+): on ("l2_partial": the weights\' '
-        "L2 prefetch, whole or in part, and attention letting the output projection start "
-        "early), off (false), basic (true: only weights that fit the L2 budget whole are "
-        "prefetched, attention does not launch the output projection early); default: the "
-        'config\'s ("auto")',
+        "L2 prefetch, whole or in part), off (false), basic (true: only weights that fit the "
+        'L2 budget whole are prefetched); default: the config\'s ("auto")',
     )
     parser.add_argument(
         "--quant-decode-table",

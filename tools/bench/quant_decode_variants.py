@@ -12,8 +12,7 @@ of ``--repeats`` calls a round after a warm-up; the older difference measure (``
 - ``bf16``: the bf16 engine (library defaults), the baseline of the speed-ups;
 - ``pdl=on|l2_partial|off``: ``quant.weight.decode_pdl``'s launch mode (default: the config's);
 - ``early`` / ``noearly``: decode_attention lets the next kernel (the output projection)
-  launch at once (the fused decoder's ``quant_attention_trigger``; default: what the config's
-  ``decode_pdl`` gives, on with ``l2_partial``);
+  launch at once (the fused decoder's ``quant_attention_trigger``; default: the library's);
 - ``attnpdl`` / ``noattnpdl``: decode_attention itself launched with programmatic dependent
   launch (the fused decoder's ``quant_attention_pdl``; default: the library's);
 - ``table=PATH``: the launch table at PATH (``quant_decode_bench.py --table-out``) as the user
@@ -49,7 +48,6 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 from infer_bench import build_model, copy_bandwidth, timed_generate
 
 from slipstream.inference import init_inference
-from slipstream.inference.fused_quant_decode import attention_launch
 from slipstream.kernels.ops.quant_matmul import fused_gemv, fused_table
 
 # The projections as fused_quant_decode launches them: part -> (fusion, out, in), the shapes
@@ -176,6 +174,10 @@ def main() -> None:
         quant = {"weight": {"num_bits": bits, "group_size": 128, "compute_dtype": "bf16"}}
         engines[False] = init_inference(model, {"dtype": "int8", "quant": quant, **common})
     default_pdl = engines[False].fused.quant_pdl if False in engines else None
+    default_attention = (False, False)
+    if False in engines:
+        fused = engines[False].fused
+        default_attention = (fused.quant_attention_pdl, fused.quant_attention_trigger)
     if False in engines:  # the served model's shapes
         block = engines[False].fused.blocks[0]
         for part, attr in (("qkv", "qkv"), ("out", "out"), ("gate_up", "up"), ("down", "down")):
@@ -215,14 +217,12 @@ def main() -> None:
             engine = engines[variant.bf16]
             table = [] if variant.bf16 else install(variant, args.weights, device)
             if not variant.bf16:
-                mode = variant.pdl or default_pdl
-                engine.fused.quant_pdl = mode
-                attention_pdl, trigger = attention_launch(mode)
+                engine.fused.quant_pdl = variant.pdl or default_pdl
                 engine.fused.quant_attention_pdl = (
-                    attention_pdl if variant.attention_pdl is None else variant.attention_pdl
+                    default_attention[0] if variant.attention_pdl is None else variant.attention_pdl
                 )
                 engine.fused.quant_attention_trigger = (
-                    trigger if variant.early is None else variant.early
+                    default_attention[1] if variant.early is None else variant.early
                 )
             engine._runner.buckets.clear()  # recaptured with this variant's launches
             gc.collect()

@@ -256,10 +256,11 @@ def test_fused_quantized_decode_equals_unfused(monkeypatch: pytest.MonkeyPatch) 
         calls.update(gated=0, norm_in=0, add_norm=0, qkv=0)
         launches.clear()
         attention_pdl.clear()
-        # attention with programmatic dependent launch too: with the GEMVs' only; its trigger
-        # for the output projection: the config's, with l2_partial
-        assert fused.fused.quant_attention_trigger == (pdl == "l2_partial")
+        # attention's launch options (PDL, the trigger for the output projection): off by
+        # default, and they reach attention only with the GEMVs' PDL on
+        assert not fused.fused.quant_attention_trigger and not fused.fused.quant_attention_pdl
         fused.fused.quant_attention_pdl = bits == 4 or pdl == "l2_partial"
+        fused.fused.quant_attention_trigger = bits == 4 or pdl == "l2_partial"
         tokens = fused.generate(ids, **KWARGS)
         assert launches == {{False: "off", "auto": "on"}.get(pdl, pdl)}, (pdl, launches)
         partial = pdl == "l2_partial"

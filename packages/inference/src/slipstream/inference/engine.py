@@ -154,11 +154,6 @@ class InferenceEngine(nn.Module):
             )
             # the fused quantized decode step's launches (fused_quant_decode reads it)
             fused.quant_pdl = weight.pdl_mode
-            from slipstream.inference.fused_quant_decode import attention_launch
-
-            fused.quant_attention_pdl, fused.quant_attention_trigger = attention_launch(
-                weight.pdl_mode
-            )
             if weight.decode_gemv_table is not None:
                 _install_quant_table(weight.decode_gemv_table)
         if config.use_triton:

@@ -40,26 +40,12 @@ from slipstream.kernels.ops import (
 )
 from slipstream.kernels.ops.quant_matmul import quant_decode_gemv, quant_decode_qkv
 
-__all__ = [
-    "FUSABLE_FORMATS",
-    "attention_launch",
-    "fusable_quantized",
-    "has_fused_quantized",
-    "quant_decode_forward",
-]
+__all__ = ["FUSABLE_FORMATS", "fusable_quantized", "has_fused_quantized", "quant_decode_forward"]
 
 # The code formats the fused quantized step takes (packed layout); "auto" turns it on for
 # int8 and int4 only (the measured ones), ``decode_fusion: true`` for fp8 too.
 FUSABLE_FORMATS = ("int8", "int4", "fp8_e4m3")
 AUTO_FORMATS = ("int8", "int4")
-
-
-def attention_launch(pdl_mode: str) -> tuple[bool, bool]:
-    """``decode_attention``'s launch options ``(pdl, trigger)`` in the fused quantized step
-    for the GEMVs' ``quant.weight.decode_pdl`` mode (``fused_gemv.PDL_MODES``): plain
-    launches with "off" and "on"; with "l2_partial" attention lets the output projection
-    launch at once (``trigger``), so that its weight streams into L2 while attention runs."""
-    return False, pdl_mode == "l2_partial"
 
 
 # The state handed from one projection to the next RMSNorm:
