@@ -54,3 +54,6 @@ def test_triton_matches_reference(triton_device: torch.device) -> None:
                 )
                 assert got.dtype == dtype
                 torch.testing.assert_close(got.float(), expected, rtol=tol, atol=tol)
+            for loop in (True, False):  # trigger: the next kernel may launch at once (sm_90+)
+                got = kernel(query, key, value, mask, 0.2, loop=loop, trigger=True)
+                torch.testing.assert_close(got.float(), expected, rtol=tol, atol=tol)

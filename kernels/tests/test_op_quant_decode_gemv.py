@@ -6,6 +6,7 @@ f16x2 path too)."""
 
 from __future__ import annotations
 
+import dataclasses
 import importlib
 
 import pytest
@@ -239,6 +240,12 @@ for target, half2 in (("sm_90", True), ("sm_80", True), ("gfx942", False)):
         spec = dataclasses.replace(spec, constexprs={**spec.constexprs, **extra})
         result = compile_spec(spec, target)
         print(target, spec.name, "split2", result.ok, result.error[-300:].replace(chr(10), " "))
+    # the epilogue's inputs loaded before the K loop, the norm's partial sums in one load
+    for spec in aot_specs(half2)[1:3]:
+        extra = {"EARLY_EPILOGUE": True, "STATS": 1024, "GDC": target == "sm_90"}
+        spec = dataclasses.replace(spec, constexprs={**spec.constexprs, **extra})
+        result = compile_spec(spec, target)
+        print(target, spec.name, "early", result.ok, result.error[-300:].replace(chr(10), " "))
 """
 
 
@@ -246,7 +253,8 @@ for target, half2 in (("sm_90", True), ("sm_80", True), ("gfx942", False)):
 def test_fused_gemv_builds_for_nvidia_and_amd(tmp_path) -> None:
     """The fused kernel's PTX (f16x2 with the scaled activations, grid dependency control, the
     bulk L2 prefetch) assembles for sm_90 and sm_80; the portable path builds for gfx942; and
-    the split-K variants (workspace atomics, the last split's epilogue) for all three."""
+    the split-K variants (workspace atomics, the last split's epilogue) and the early epilogue
+    loads with the one-pass norm statistics for all three."""
     import os
     import subprocess
     import sys
@@ -268,4 +276,61 @@ def test_fused_gemv_builds_for_nvidia_and_amd(tmp_path) -> None:
     )
     assert done.returncode == 0, done.stderr[-3000:]
     lines = done.stdout.splitlines()
-    assert len(lines) == 24 and all(" True " in f"{line} " for line in lines), done.stdout
+    assert len(lines) == 30 and all(" True " in f"{line} " for line in lines), done.stdout
+
+
+def test_one_pass_stats_and_early_epilogue(triton_device: torch.device) -> None:
+    """``stats_one_pass`` (the norm's partial sums in one load: 600 of them here, three passes
+    otherwise) equals the reference; ``early_epilogue`` (the epilogue's inputs loaded before
+    the K loop) changes no bit of the QKV's queries and cache rows nor of the add + norm
+    epilogue's outputs, alone and split in two K ranges (QKV: in a persistent grid)."""
+    from slipstream.kernels.ops.quant_matmul.fused_gemv import fused_quant_gemv, fused_quant_qkv
+    from slipstream.kernels.ops.quant_matmul.fused_table import FusedGemvConfig as C
+    from slipstream.kernels.ops.quant_matmul.reference import quant_decode_qkv
+
+    heads, kv_heads, head_dim = 2, 1, 16
+    words, scales = _packed("int4", (heads + 2 * kv_heads) * head_dim, 2048)
+    words, scales = words.to(triton_device), scales.to(triton_device)
+    gen = _SEED(11)
+    x = (10 * torch.randn(1, 1, 2048, generator=gen)).to(triton_device)
+    parts = torch.rand(1, 600, generator=gen).to(triton_device) + 0.5
+    stats = parts / parts.sum() * 2048 * 100
+    angles = torch.rand(1, 1, head_dim // 2, generator=gen).to(triton_device) * 6
+    slot = torch.tensor([3], device=triton_device)
+
+    def qkv(config: C | None) -> tuple[torch.Tensor, ...]:
+        caches = [torch.zeros(1, kv_heads, 4, head_dim, device=triton_device) for _ in "kv"]
+        fn = quant_decode_qkv if config is None else fused_quant_qkv
+        extra = {} if config is None else {"config": config}
+        args = (x, words, scales, "int4", 128, None, stats, 1e-6, angles.cos(), angles.sin())
+        out = fn(*args, *caches, slot, heads, kv_heads, **extra)
+        return out, *caches
+
+    want = qkv(None)
+    plain = qkv(C(block_n=2, stats_one_pass=True))
+    for got, expected in zip(plain, want, strict=True):
+        scale = expected.abs().max().item()
+        torch.testing.assert_close(got, expected, rtol=2e-5, atol=2e-5 * scale)
+    for config, late in (
+        (C(block_n=2, stats_one_pass=True), plain),
+        (C(block_n=2, stats_one_pass=True, split_k=2, programs_per_sm=1), None),
+    ):
+        late = late or qkv(config)
+        early = qkv(dataclasses.replace(config, early_epilogue=True))
+        for got, expected in zip(early, late, strict=True):
+            torch.testing.assert_close(got, expected, rtol=0, atol=0)
+    # the add + norm epilogue (output / down projections)
+    out_words, out_scales = _packed("int4", 24, 2048, seed=12)
+    out_words, out_scales = out_words.to(triton_device), out_scales.to(triton_device)
+    row = x.reshape(1, -1)
+    residual = torch.randn(1, 24, generator=gen).to(triton_device)
+    weight = torch.randn(24, generator=gen).to(triton_device)
+    args = (row, out_words, out_scales, "int4", 128)
+    kwargs = {"residual": residual, "norm_weight": weight}
+    for config in (C(block_n=4), C(block_n=4, split_k=2)):
+        late = fused_quant_gemv(*args, **kwargs, config=config)
+        early = fused_quant_gemv(
+            *args, **kwargs, config=dataclasses.replace(config, early_epilogue=True)
+        )
+        for a, b in zip(early, late, strict=True):
+            torch.testing.assert_close(a, b, rtol=0, atol=0)

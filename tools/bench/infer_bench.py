@@ -5,8 +5,12 @@ A Llama-3-8B-shaped model (hidden 4096, 32 layers, 32 heads, 8 KV heads, FFN 143
 (no EOS, so every run produces the same count), for each ``--batch``. In one process:
 
 - the copy bandwidth of the device (``dst.copy_(src)`` of 1 GiB, read + write bytes / time);
-- Slipstream (kernel injection, CUDA-graph decode): decode tokens/s from two ``generate`` runs
-  (``new`` and 1 new tokens: the difference is ``new - 1`` decode steps), the bandwidth-limit
+- Slipstream (kernel injection, CUDA-graph decode): decode tokens/s from the decode steps of
+  ``generate`` runs of ``new`` tokens, timed on the device's clock from the first decode step
+  to the end (the best of ``--repeats`` after a warm-up; the older measure, ``generate`` of
+  ``new`` minus ``generate`` of 1 token over ``new - 1`` steps, is reported beside it as
+  ``decode_step_ms_by_difference``: it also carries the prefill's call-to-call variation,
+  tens of ms for quantized weights), the bandwidth-limit
   fraction (decode steps/s × bytes read per step ÷ copy bandwidth; the bytes are every weight but
   the embedding table, plus the KV cache attended), and prefill TFLOP/s (forward over the prompt);
 - Hugging Face ``generate`` eager (dynamic cache) and with a static cache, whose decode steps
@@ -104,7 +108,9 @@ def parse_args() -> argparse.Namespace:
     )
     parser.add_argument("--skip-hf-eager", action="store_true")
     parser.add_argument("--skip-hf-compiled", action="store_true")
-    parser.add_argument("--repeats", type=int, default=3, help="timed runs; the best is kept")
+    parser.add_argument(
+        "--repeats", type=int, default=3, help="timed runs after a warm-up; the best is kept"
+    )
     parser.add_argument(
         "--gemv-table",
         default=None,
@@ -142,10 +148,8 @@ def parse_args() -> argparse.Namespace:
         choices=["on", "off", "basic"],
         help="quant.weight.decode_pdl, the fused quantized decode GEMVs' (decode_fusion on "
         'int8/int4) programmatic dependent launch (sm_90+): on ("l2_partial": the weights\' '
-        "L2 prefetch, whole or in part, and attention letting the output projection start "
-        "early), off (false), basic (true: only weights that fit the L2 budget whole are "
-        "prefetched, attention does not launch the output projection early); default: the "
-        'config\'s ("auto")',
+        "L2 prefetch, whole or in part), off (false), basic (true: only weights that fit the "
+        'L2 budget whole are prefetched); default: the config\'s ("auto")',
     )
     parser.add_argument(
         "--quant-decode-table",
@@ -252,6 +256,53 @@ def best_time(fn: Callable[[], Any], device: torch.device, repeats: int) -> floa
     return min(times)
 
 
+def _mark(device: torch.device) -> Any:
+    """A point on the device's clock: a recorded CUDA event, or the host clock elsewhere."""
+    if device.type == "cuda":
+        event = torch.cuda.Event(enable_timing=True)
+        event.record()
+        return event
+    return time.perf_counter()
+
+
+def timed_generate(
+    engine: Any, run: Callable[[], Any], device: torch.device
+) -> tuple[float, float]:
+    """One call of ``run`` (an ``engine.generate``): its wall seconds, and the seconds per
+    decode step on the device's clock, from the start of the first decode step to the end of
+    ``generate`` (a CUDA event is recorded as the first decode step is called; each step is
+    the CUDA-graph replay and the sampling of the next token), so that the prefill, which
+    varies from call to call far more than a decode step (the quantized prefill dequantizes
+    every weight), is not in it. 0 without decode steps."""
+    runner = engine._runner
+    inner = runner.decode
+    start: list[Any] = []
+    steps = 0
+
+    def decode(*step_args: Any) -> Any:
+        nonlocal steps
+        if not start:
+            start.append(_mark(device))
+        steps += 1
+        return inner(*step_args)
+
+    runner.decode = decode  # generate reads the runner's decode at each call
+    try:
+        sync(device)
+        began = time.perf_counter()
+        run()
+        end = _mark(device)
+        sync(device)
+        wall = time.perf_counter() - began
+    finally:
+        del runner.decode  # the class's method again
+    if not steps:
+        return wall, 0.0
+    if device.type == "cuda":
+        return wall, start[0].elapsed_time(end) / 1e3 / steps
+    return wall, (end - start[0]) / steps
+
+
 def copy_bandwidth(device: torch.device) -> float:
     """Bytes/s of a device-to-device copy of 1 GiB (64 MiB on CPU), read plus write."""
     size = (1 << 30) if device.type == "cuda" else (64 << 20)
@@ -331,9 +382,32 @@ def bench_batch(
             ids, attention_mask=mask, max_new_tokens=new, do_sample=False, eos_token_id=None
         )
 
-    full = best_time(lambda: ours(args.new_tokens), device, args.repeats)
-    first = best_time(lambda: ours(1), device, args.repeats)
-    step = (full - first) / max(args.new_tokens - 1, 1)
+    # Each generate is timed whole (wall clock) and its decode steps alone (device clock, see
+    # timed_generate); the first call of each length is the warm-up (its times are listed in
+    # the decode_timing row, not used).
+    full_calls = [
+        timed_generate(engine, lambda: ours(args.new_tokens), device)
+        for _ in range(1 + args.repeats)
+    ]
+    first_calls = [timed_generate(engine, lambda: ours(1), device) for _ in range(1 + args.repeats)]
+    full = min(wall for wall, _ in full_calls[1:])
+    first = min(wall for wall, _ in first_calls[1:])
+    # The step by difference (generate of `new` minus generate of 1, over `new - 1` steps, the
+    # bests of each), as this bench measured it before: it carries the prefill's variation.
+    step_difference = (full - first) / max(args.new_tokens - 1, 1)
+    event_steps = [per_step for _, per_step in full_calls[1:]]
+    step = min(event_steps) if args.new_tokens > 1 else step_difference
+    emit(
+        result="decode_timing",
+        weights=args.weights,
+        batch=batch,
+        step_ms_per_call=[round(s * 1e3, 4) for _, s in full_calls],
+        full_ms_per_call=[round(w * 1e3, 2) for w, _ in full_calls],
+        first_ms_per_call=[round(w * 1e3, 2) for w, _ in first_calls],
+        step_ms_median=round(sorted(event_steps)[len(event_steps) // 2] * 1e3, 4),
+        step_ms_by_difference=round(step_difference * 1e3, 4),
+        note="per_call lists start with the warm-up call",
+    )
     kv_bytes = (
         2 * spec.num_layers * batch * engine.fused.blocks[0].kv_heads * max_len * spec.head_dim
     ) * dtype.itemsize
@@ -361,6 +435,7 @@ def bench_batch(
         result="slipstream",
         decode_tokens_per_s=round(batch / step, 1),
         decode_step_ms=round(step * 1e3, 3),
+        decode_step_ms_by_difference=round(step_difference * 1e3, 3),
         bandwidth_fraction=round(fraction, 3),
         end_to_end_tokens_per_s=round(batch * args.new_tokens / full, 1),
         prefill_tflops=round(prefill_flops / prefill / 1e12, 2),
@@ -607,12 +682,8 @@ def serve(
             )
         emit(result="gemv_table", path=args.gemv_table, entries=len(table))
     if args.quant_pdl is not None and args.weights != "native":
-        from slipstream.kernels.ops.decode_attention import triton as attention_triton
-
         pdl = {"on": "l2_partial", "basic": True, "off": False}[args.quant_pdl]
         config["quant"]["weight"]["decode_pdl"] = pdl
-        # (decode_attention's early trigger is still a module flag)
-        attention_triton.LAUNCH_DEPENDENTS_EARLY = args.quant_pdl == "on"
     started = time.perf_counter()
     engine = init_inference(model, config)
     emit(result="phase", phase="init_inference", seconds=round(time.perf_counter() - started, 2))

@@ -64,12 +64,21 @@ STATS = 1024  # partial sums of squares the norm prologue reads (the producer's 
 
 
 def candidates(
-    fusion: str, k: int, fmt: str, smoke: bool = False, quick: bool = False
+    fusion: str,
+    k: int,
+    fmt: str,
+    smoke: bool = False,
+    quick: bool = False,
+    pipelined: bool = False,
+    fields: dict[str, Any] | None = None,
 ) -> list[Any]:
     """The launches tried: rows per program x warps (f16x2, prefetch), then without prefetch,
     the fp32 unpacking, 1 and 3 stages, Triton's pipelining instead of the prefetch (3-4
     stages), split-K for the shapes with few blocks, persistent grids of 2-16 programs per
-    SM. ``quick``: about 14 of them (rows x warps, pipelining, split-K or persistent grids)."""
+    SM. ``quick``: about 14 of them (rows x warps, pipelining, split-K or persistent grids).
+    ``pipelined``: also Triton's pipelining at 4-16 rows x 1-2 warps x 3-5 stages (with split-K
+    2 for the shapes with few blocks). ``fields``: set on every candidate (e.g.
+    ``stats_one_pass``)."""
     from slipstream.kernels.ops.quant_matmul.fused_gemv import fused_config_supported
     from slipstream.kernels.ops.quant_matmul.fused_table import FusedGemvConfig as C
 
@@ -100,7 +109,18 @@ def candidates(
             found += [C(bn, w, split_k=s) for bn in (4, 8, 16) for w in (1, 2) for s in (2, 4)]
         found += [C(4, 1, programs_per_sm=p) for p in (4, 8, 16)]
         found += [C(8, 1, programs_per_sm=8), C(8, 2, programs_per_sm=8)]
-    return [c for c in found if fused_config_supported(fmt, 128, k, fusion, c)]
+    if pipelined and not smoke:
+        found += [
+            C(bn, w, prefetch=False, num_stages=st, split_k=split)
+            for bn in (4, 8, 16)
+            for w in (1, 2)
+            for st in (3, 4, 5)
+            for split in ((1, 2) if few_blocks else (1,))
+        ]
+    if fields:
+        found = [dataclasses.replace(c, **fields) for c in found]
+    unique = list(dict.fromkeys(found))
+    return [c for c in unique if fused_config_supported(fmt, 128, k, fusion, c)]
 
 
 class Inputs:
@@ -222,7 +242,8 @@ def precompile(
     workers = args.compile_workers
     for n, k, fusion in shapes.values():
         launches = [
-            dataclasses.asdict(c) for c in candidates(fusion, k, fmt, args.smoke, args.quick)
+            dataclasses.asdict(c)
+            for c in candidates(fusion, k, fmt, args.smoke, args.quick, args.pipelined, args.fields)
         ]
         for part in range(workers):
             if launches[part::workers]:
@@ -272,7 +293,15 @@ def bench_shape(
         current_s = timed(current)
         for config in [
             current,
-            *candidates(inputs.fusion, inputs.k, inputs.fmt, args.smoke, args.quick),
+            *candidates(
+                inputs.fusion,
+                inputs.k,
+                inputs.fmt,
+                args.smoke,
+                args.quick,
+                args.pipelined,
+                args.fields,
+            ),
         ]:
             if any(config == seen for _, seen, _ in tried):
                 continue
@@ -324,6 +353,21 @@ def bench_shape(
     return summary
 
 
+def _fields(text: str) -> dict[str, Any]:
+    """``--fields``: ``name=value`` pairs (true / false / integers)."""
+    from slipstream.kernels.ops.quant_matmul.fused_table import FusedGemvConfig
+
+    known = {field.name for field in dataclasses.fields(FusedGemvConfig)}
+    found: dict[str, Any] = {}
+    for pair in filter(None, text.split(",")):
+        name, _, raw = pair.partition("=")
+        if name not in known or not raw:
+            raise argparse.ArgumentTypeError(f"{pair!r}: NAME=VALUE with NAME in {sorted(known)}")
+        low = raw.lower()
+        found[name] = low == "true" if low in ("true", "false") else int(raw)
+    return found
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--format", choices=["int4", "int8"], nargs="+", default=["int4", "int8"])
@@ -344,6 +388,18 @@ def main() -> None:
     parser.add_argument("--verbose", action="store_true", help="one line per launch timed")
     parser.add_argument("--smoke", action="store_true", help="tiny shapes on the CPU")
     parser.add_argument("--quick", action="store_true", help="about 14 launches a shape")
+    parser.add_argument(
+        "--pipelined",
+        action="store_true",
+        help="also Triton's pipelining at 4-16 rows x 1-2 warps x 3-5 stages (split-K 2 too)",
+    )
+    parser.add_argument(
+        "--fields",
+        type=_fields,
+        default=None,
+        metavar="K=V,...",
+        help="FusedGemvConfig fields set on every candidate (e.g. stats_one_pass=true)",
+    )
     args = parser.parse_args()
     from slipstream.kernels.ops.quant_matmul.fused_table import FusedEntry, fused_table_json
 

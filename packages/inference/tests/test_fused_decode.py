@@ -223,8 +223,16 @@ def test_fused_quantized_decode_equals_unfused(monkeypatch: pytest.MonkeyPatch) 
         launches.add(kwargs["pdl"])
         return original_qkv(*args, **kwargs)
 
+    attention_pdl: set[tuple[bool, bool]] = set()  # decode_attention's pdl, trigger
+    original_attention = quant_module.decode_attention
+
+    def attention(*args: Any, **kwargs: Any) -> Any:
+        attention_pdl.add((kwargs["pdl"], kwargs["trigger"]))
+        return original_attention(*args, **kwargs)
+
     monkeypatch.setattr(quant_module, "quant_decode_gemv", counting)
     monkeypatch.setattr(quant_module, "quant_decode_qkv", counting_qkv)
+    monkeypatch.setattr(quant_module, "decode_attention", attention)
     model = _packable_llama()
     ids = torch.randint(3, 96, (1, 7), generator=torch.Generator().manual_seed(0))
     cuda = torch.device("cuda")  # "auto" reads only the device type
@@ -247,8 +255,16 @@ def test_fused_quantized_decode_equals_unfused(monkeypatch: pytest.MonkeyPatch) 
         plain.fused.decode_fusion = frozenset()
         calls.update(gated=0, norm_in=0, add_norm=0, qkv=0)
         launches.clear()
+        attention_pdl.clear()
+        # attention's launch options (PDL, the trigger for the output projection): off by
+        # default, and they reach attention only with the GEMVs' PDL on
+        assert not fused.fused.quant_attention_trigger and not fused.fused.quant_attention_pdl
+        fused.fused.quant_attention_pdl = bits == 4 or pdl == "l2_partial"
+        fused.fused.quant_attention_trigger = bits == 4 or pdl == "l2_partial"
         tokens = fused.generate(ids, **KWARGS)
         assert launches == {{False: "off", "auto": "on"}.get(pdl, pdl)}, (pdl, launches)
+        partial = pdl == "l2_partial"
+        assert attention_pdl == {(partial, partial)}, (pdl, attention_pdl)
         layers = len(fused.fused.blocks)
         # 5 decode steps: per block QKV (1/rms, rotary and cache write), gate/up (gated,
         # 1/rms), out and down (add + norm epilogue), the quantized head's 1/rms; the last

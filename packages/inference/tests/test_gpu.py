@@ -221,13 +221,11 @@ def test_zero_inference_on_gpu_equals_resident() -> None:
 
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
 @pytest.mark.parametrize("bits", [4, 8])
-def test_fused_quantized_decode_on_gpu(bits: int, monkeypatch: pytest.MonkeyPatch) -> None:
+def test_fused_quantized_decode_on_gpu(bits: int) -> None:
     """decode_fusion on packed int4 / int8 weights with shapes the fused Triton kernels take
     (hidden 1024): the captured step equals its eager run (with and without programmatic
     dependent launch), and its logits stay near the unfused quantized step's."""
     import transformers
-
-    from slipstream.kernels.ops.decode_attention import triton as attention_triton
 
     config_hf = transformers.LlamaConfig(
         vocab_size=96,
@@ -257,15 +255,16 @@ def test_fused_quantized_decode_on_gpu(bits: int, monkeypatch: pytest.MonkeyPatc
     kwargs = {"max_new_tokens": 12, "do_sample": False, "eos_token_id": None, "pad_token_id": 0}
     outputs = []
     for graph, pdl in ((False, False), (True, False), (True, True), (True, "l2_partial")):
-        # (attention's early trigger is still a module flag of decode_attention's)
-        monkeypatch.setattr(attention_triton, "LAUNCH_DEPENDENTS_EARLY", pdl is not False)
         pdl_config = {**config, "quant": {"weight": {**weight, "decode_pdl": pdl}}}
         engine = init_inference(model, pdl_config, enable_cuda_graph=graph, max_out_tokens=32)
         assert engine.fused is not None and len(engine.fused.decode_fusion) == 6  # auto: all
         assert engine.fused.quant_pdl == {False: "off", True: "on"}.get(pdl, pdl)
+        # l2_partial: attention launched with PDL too and triggering the output projection
+        # (the bench's options; no config value sets them)
+        engine.fused.quant_attention_pdl = pdl == "l2_partial"
+        engine.fused.quant_attention_trigger = pdl == "l2_partial"
         outputs.append(engine.generate(ids, **kwargs))
     assert all(torch.equal(outputs[0], other) for other in outputs[1:])
-    monkeypatch.setattr(attention_triton, "LAUNCH_DEPENDENTS_EARLY", False)
     config["quant"]["weight"]["decode_pdl"] = False
     steps = []
     for fusion in (True, False):

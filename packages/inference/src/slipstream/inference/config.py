@@ -150,7 +150,9 @@ class WeightQuantConfig(ConfigBlock):
     # each may start while the kernel before it finishes, its weights streaming into L2 before
     # it waits for its inputs. "auto" / true: on, with the L2 prefetch of weights that fit
     # 12 MiB whole (measured on an H200: the 8B int4 step 2.0%, int8 5.2% faster than false);
-    # "l2_partial": also the first part of every row of larger weights; false: plain launches.
+    # "l2_partial": also the first part of every row of larger weights, and decode_attention
+    # lets the output projection launch at once (its weight streams into L2 during attention);
+    # false: plain launches.
     decode_pdl: bool | Literal["auto", "l2_partial"] = dataclasses.field(
         default="auto", metadata={"allow_auto": True}
     )

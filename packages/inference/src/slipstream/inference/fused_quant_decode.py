@@ -47,6 +47,7 @@ __all__ = ["FUSABLE_FORMATS", "fusable_quantized", "has_fused_quantized", "quant
 FUSABLE_FORMATS = ("int8", "int4", "fp8_e4m3")
 AUTO_FORMATS = ("int8", "int4")
 
+
 # The state handed from one projection to the next RMSNorm:
 #   ("pending", x, pending): the residual stream is x + pending (pending None: x alone);
 #   ("normed", total, u, stats): the residual stream is total, u = total * norm weight of
@@ -199,13 +200,16 @@ def _cached_attention(
     q: torch.Tensor,
     cache: tuple[torch.Tensor, torch.Tensor],
     mask: torch.Tensor,
+    pdl: bool = False,
+    trigger: bool = False,
 ) -> torch.Tensor:
-    """``FusedBlock._attend``'s split-K attention over the cache from rotated queries."""
+    """``FusedBlock._attend``'s split-K attention over the cache from rotated queries
+    (``pdl``, ``trigger``: decode_attention's launch options)."""
     batch, heads, length, head_dim = q.shape
     keys, values = cache[0][:, :, : mask.shape[-1]], cache[1][:, :, : mask.shape[-1]]
     if heads > block.kv_heads:  # the GQA group's query heads as rows of their KV head
         q = q.reshape(batch, block.kv_heads, (heads // block.kv_heads) * length, head_dim)
-    out = decode_attention(q, keys, values, mask, block.spec.scale)
+    out = decode_attention(q, keys, values, mask, block.spec.scale, pdl=pdl, trigger=trigger)
     return out.reshape(batch, heads, length, head_dim).transpose(1, 2).reshape(batch, length, -1)
 
 
@@ -221,6 +225,8 @@ def quant_decode_forward(
     quantized projections (``fused_decode.decode_forward`` hands over to this)."""
     parts = model.decode_fusion
     pdl = model.quant_pdl
+    attention_pdl = pdl != "off" and model.quant_attention_pdl
+    trigger = pdl != "off" and model.quant_attention_trigger
     blocks = list(model.blocks)
     state: _State = ("pending", x, None)
     for index, block in enumerate(blocks):
@@ -236,7 +242,7 @@ def quant_decode_forward(
             # rotary_kv_write in the QKV projection's epilogue, then decode_attention
             x, u, stats = _normed(state, block.input_norm)
             q = _rotary_qkv(block, u, stats, rotary, layer_cache, slots, pdl)
-            attn = _cached_attention(block, q, layer_cache, mask)
+            attn = _cached_attention(block, q, layer_cache, mask, attention_pdl, trigger)
         else:
             x, qkv = _consume(state, block.input_norm, block.qkv, "qkv" in parts, pdl=pdl)
             attn = block._attend(qkv, rotary, layer_cache, slots, mask, "attention" in parts)

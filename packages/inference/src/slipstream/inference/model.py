@@ -402,6 +402,15 @@ class FusedDecoder(nn.Module):
         # The fused quantized decode GEMVs' programmatic dependent launch option (set by
         # init_inference from quant.weight.decode_pdl; fused_quant_decode passes it on).
         self.quant_pdl: str = "on"
+        # decode_attention's launch options in the fused quantized step (when quant_pdl is not
+        # "off"): launched with programmatic dependent launch itself (it starts while the QKV
+        # GEMV finishes), and letting the output projection launch at once (``trigger``: that
+        # projection prefetches its weight while attention runs). Both measured slower on an
+        # H100 (8B int4: attention PDL 2.816 against 2.635 ms with the rule's launches; the
+        # trigger 2.669 against 2.414 with the built-in ones), so no config value turns them on;
+        # tools/bench/quant_decode_variants.py sets them ("attnpdl", "early").
+        self.quant_attention_pdl = False
+        self.quant_attention_trigger = False
         # The parts that single-token decode steps run through the decode kernels
         # (fused_decode.decode_forward; set by fused_decode.enable_decode_fusion); empty: none.
         self.decode_fusion: frozenset[str] = frozenset()

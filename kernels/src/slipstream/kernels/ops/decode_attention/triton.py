@@ -34,11 +34,6 @@ __all__ = ["LOOP_MAX_SLOTS", "decode_attention", "default_block_s"]
 
 MAX_ROWS = 64  # query rows per KV head (GQA group x tokens) the kernel takes
 MERGE_IN_SPLIT = True  # one launch: the last chunk program of each head merges the chunks
-# NVIDIA sm_90+: every program lets the next kernel launch early (griddepcontrol); only a kernel
-# launched with programmatic dependent launch (the fused quantized output projection, with
-# the quant.weight.decode_pdl key) uses it, to prefetch its weights while attention runs. Off with
-# it (infer_bench.py --quant-pdl sets both).
-LAUNCH_DEPENDENTS_EARLY = False
 
 try:
     from triton.language.extra.cuda import gdc_launch_dependents, gdc_wait
@@ -116,7 +111,7 @@ def decode_attention_split_kernel(
     HEAD_DIM: tl.constexpr,
     IEEE: tl.constexpr,
     MERGE: tl.constexpr,
-    TRIGGER: tl.constexpr = False,  # LAUNCH_DEPENDENTS_EARLY
+    TRIGGER: tl.constexpr = False,  # decode_attention's trigger: launch dependents at once
     GDC: tl.constexpr = False,
 ):
     """One chunk of ``BLOCK_S`` slots of one (batch, KV head): partial softmax statistics.
@@ -291,7 +286,7 @@ def decode_attention_loop_kernel(
     IEEE: tl.constexpr,
     STAGES: tl.constexpr = 3,
     GDC: tl.constexpr = False,
-    TRIGGER: tl.constexpr = False,  # LAUNCH_DEPENDENTS_EARLY, as in the split form
+    TRIGGER: tl.constexpr = False,  # as in the split form
 ):
     """One program per (batch, KV head) walks the cache in ``BLOCK_S`` chunks with the online
     softmax (the chunks' loads pipelined ``STAGES`` deep) and stores the output rows: no
@@ -375,13 +370,17 @@ def decode_attention(
     merge: bool = MERGE_IN_SPLIT,
     pdl: bool = False,
     loop: bool | None = None,
+    trigger: bool = False,
 ) -> torch.Tensor:
     """See :func:`slipstream.kernels.ops.decode_attention.reference.decode_attention`.
     ``loop``: one program per KV head walking the chunks (None: for caches of at most
     :data:`LOOP_MAX_SLOTS` slots when ``block_s`` is not given); else the split form.
     ``merge``: one launch (the last chunk program of each head merges) instead of two.
     ``pdl`` (with ``merge``; sm_90+): launched with programmatic dependent launch, letting the
-    next kernel start at once. Head
+    next kernel start at once. ``trigger`` (NVIDIA sm_90+): every program lets the next kernel
+    launch at once (``griddepcontrol.launch_dependents``) even without ``pdl``; only a kernel
+    launched with programmatic dependent launch (the fused quantized output projection) starts
+    early, to prefetch its weight while attention runs. Head
     sizes that are not a power of two in [16, 256], more than ``MAX_ROWS`` rows per KV head, a
     mask that does not broadcast as ``(batch, 1 or kv_heads, rows, slots)`` or autograd: the
     reference."""
@@ -438,7 +437,7 @@ def decode_attention(
             HEAD_DIM=head_dim,
             IEEE=query.dtype == torch.float32,
             GDC=gdc,
-            TRIGGER=_trigger(query.device),
+            TRIGGER=trigger and pdl_supported(query.device),
             num_warps=4,
             **({"launch_pdl": True} if gdc else {}),
         )
@@ -484,7 +483,7 @@ def decode_attention(
         HEAD_DIM=head_dim,
         IEEE=query.dtype == torch.float32,
         MERGE=merge,
-        TRIGGER=_trigger(query.device),
+        TRIGGER=trigger and pdl_supported(query.device),
         GDC=gdc,
         num_warps=4,
         **({"launch_pdl": True} if gdc else {}),
@@ -520,15 +519,6 @@ def _counters(device: torch.device, count: int) -> torch.Tensor:
         found = torch.zeros(max(count, 256), device=device, dtype=torch.int32)
         _COUNTERS[device] = found
     return found
-
-
-def _trigger(device: torch.device) -> bool:
-    return (
-        LAUNCH_DEPENDENTS_EARLY
-        and device.type == "cuda"
-        and torch.version.hip is None
-        and torch.cuda.get_device_capability(device) >= (9, 0)
-    )
 
 
 def aot_specs() -> list[AotSpec]:

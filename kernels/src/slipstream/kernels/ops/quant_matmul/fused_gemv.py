@@ -35,6 +35,7 @@ from slipstream.kernels.ops.quant_matmul.fused_table import FusedGemvConfig, loo
 from slipstream.kernels.ops.quant_matmul.gemv import (
     GEMV_FORMAT_CODES,
     GemvConfig,
+    _fp32_step_sums,
     _half2_quad_dot,
     _half2_quad_sums,
     _multiprocessors,
@@ -199,9 +200,6 @@ def _tile(
     x_type = x_row.dtype.element_ty
     PER: tl.constexpr = 8 if FORMAT == 1 else 4  # fields per word
     PACK: tl.constexpr = 16 * PER
-    BITS: tl.constexpr = 32 // PER
-    LOW: tl.constexpr = 20 // BITS
-    OFFSET: tl.constexpr = 8 if FORMAT == 1 else 128
     if HALF2:
         xpairs = pairs + k0 // 2 + g * (PACK // 2) + jj
         quad_scale, _s1, _s2, _s3 = _split4(scale)
@@ -217,46 +215,34 @@ def _tile(
             sums = _half2_quad_sums(words, xpairs, FORMAT, x_type == tl.bfloat16)
         acc_quads += sums * quad_scale
     else:
-        if FORMAT == 1:
-            words = words ^ -2004318072  # 0x88888888: two's complement -> offset binary
-        elif FORMAT == 0:
-            words = words ^ -2139062144  # 0x80808080
-        high = words >> (BITS * (PER - LOW))
-        t = tl.zeros((BLOCK_N, GPS, 16), dtype=tl.float32)
-        for p in tl.static_range(PER // 2):
-            if x_type == tl.float32:
-                base = x_row + k0 + g * PACK + 32 * p + 2 * jj
-                x_lo = tl.load(base)
-                x_hi = tl.load(base + 1)
-            else:
-                xp = tl.load(pairs + k0 // 2 + g * (PACK // 2) + 16 * p + jj)
-                if x_type == tl.bfloat16:
-                    x_lo = (xp << 16).to(tl.float32, bitcast=True)
-                    x_hi = (xp & -65536).to(tl.float32, bitcast=True)
-                else:
-                    x_lo = xp.to(tl.int16).to(tl.float16, bitcast=True).to(tl.float32)
-                    x_hi = (xp >> 16).to(tl.int16).to(tl.float16, bitcast=True)
-                    x_hi = x_hi.to(tl.float32)
-            for b in tl.static_range(2):
-                f = 2 * p + b
-                if FORMAT == 2:
-                    byte = (words >> (8 * f)) & 255
-                    if NATIVE_FP8:
-                        fp8 = byte.to(tl.uint8).to(tl.float8e4nv, bitcast=True)
-                        value = fp8.to(tl.float32)
-                    else:
-                        half = ((byte & 0x7F) << 7) | ((byte & 0x80) << 8)
-                        value = half.to(tl.int16).to(tl.float16, bitcast=True)
-                        value = value.to(tl.float32)
-                else:
-                    at = BITS * f if f < LOW else BITS * (f - PER + LOW)
-                    src = words if f < LOW else high
-                    field = src & (((1 << BITS) - 1) << at)
-                    value = (field | ((150 - at) << 23)).to(tl.float32, bitcast=True)
-                    value = value - ((1 << (23 - at)) + OFFSET)
-                t += value * (x_lo if b == 0 else x_hi)
+        t = _fp32_step_sums(words, x_row, pairs, k0, g, jj, FORMAT, BLOCK_N, GPS, NATIVE_FP8)
         acc3 += t * scale
     return acc3, acc_quads
+
+
+@triton.jit
+def _rope_inputs(
+    cos_ptr,
+    sin_ptr,
+    slot_ptr,
+    pid_m,
+    blk,
+    N,
+    heads,
+    kv_heads,
+    BLOCK_N: tl.constexpr,
+    HEAD_DIM: tl.constexpr,
+):
+    """The QKV epilogue's inputs for block ``blk`` (``early_epilogue``): cos and sin of its
+    rotary pairs (1 and 0 for values and past the end, which are not rotated) and the cache
+    slot."""
+    HALF: tl.constexpr = HEAD_DIM // 2
+    pr = blk * (BLOCK_N // 2) + tl.arange(0, BLOCK_N // 2)
+    turn = (pr < N // 2) & (pr // HALF < heads + kv_heads)
+    fi = pr % HALF
+    c = tl.load(cos_ptr + pid_m * HALF + fi, mask=turn, other=1.0).to(tl.float32)
+    sn = tl.load(sin_ptr + pid_m * HALF + fi, mask=turn, other=0.0).to(tl.float32)
+    return c, sn, tl.load(slot_ptr).to(tl.int64)
 
 
 @triton.jit
@@ -310,6 +296,7 @@ def fused_gemv_kernel(
     SPLIT_K: tl.constexpr = 1,  # K ranges per block, one program each (program_id 2)
     PERSISTENT: tl.constexpr = True,  # programs may walk several blocks (False: one each)
     TWO_STEP: tl.constexpr = False,  # PREFETCH: the two-step loop (FusedGemvConfig.two_step)
+    EARLY_EPILOGUE: tl.constexpr = False,  # the epilogue's inputs loaded before the K loop
 ):
     """One activation row per program ``(row, p)``; see the module docstring for the pieces."""
     if GDC:
@@ -379,6 +366,15 @@ def fused_gemv_kernel(
         code_tile = code_rows + word
         acc3 = tl.zeros((BLOCK_N, GPS, 16), dtype=tl.float32)
         acc_quads = tl.zeros((BLOCK_N, GPS, 4), dtype=tl.float32)
+        if EARLY_EPILOGUE:  # in flight during the K loop (they are read after the wait)
+            if ROPE:
+                early_c, early_s, early_slot = _rope_inputs(
+                    cos_ptr, sin_ptr, slot_ptr, pid_m, blk, N, heads, kv_heads, BLOCK_N, HEAD_DIM
+                )
+            elif ADD_NORM:
+                early_row = pid_m.to(tl.int64) * N
+                early_res = tl.load(res_ptr + early_row + cols, mask=col_ok, other=0.0)
+                early_nw = tl.load(nw_ptr + cols, mask=col_ok, other=0.0)
         if PREFETCH and TWO_STEP:
             # Two steps an iteration, each tile loaded one step ahead of its use: the second
             # step's tile while the first computes, the next iteration's first tile while the
@@ -476,15 +472,21 @@ def fused_gemv_kernel(
                 fi = pr % HALF
                 is_q = head < heads
                 is_v = head >= heads + kv_heads
-                turn = ok & (head < heads + kv_heads)
-                c = tl.load(cos_ptr + pid_m * HALF + fi, mask=turn, other=1.0).to(tl.float32)
-                sn = tl.load(sin_ptr + pid_m * HALF + fi, mask=turn, other=0.0).to(tl.float32)
+                if EARLY_EPILOGUE:
+                    c, sn = early_c, early_s
+                else:
+                    turn = ok & (head < heads + kv_heads)
+                    c = tl.load(cos_ptr + pid_m * HALF + fi, mask=turn, other=1.0).to(tl.float32)
+                    sn = tl.load(sin_ptr + pid_m * HALF + fi, mask=turn, other=0.0).to(tl.float32)
                 lo = (first * c - second * sn).to(out_type)
                 hi = (second * c + first * sn).to(out_type)
                 q_at = out_row + head * HEAD_DIM + fi
                 tl.store(q_at, lo, mask=ok & is_q)
                 tl.store(q_at + HALF, hi, mask=ok & is_q)
-                slot = tl.load(slot_ptr).to(tl.int64)
+                if EARLY_EPILOGUE:
+                    slot = early_slot
+                else:
+                    slot = tl.load(slot_ptr).to(tl.int64)
                 kv = tl.where(is_v, head - heads - kv_heads, head - heads)
                 at = pid_m.to(tl.int64) * cache_sb + kv * cache_sh + slot * cache_ss + fi
                 k_ok = ok & (head >= heads) & ~is_v
@@ -503,12 +505,18 @@ def fused_gemv_kernel(
             elif ADD_NORM:
                 y = acc.to(out_type).to(tl.float32)
                 row_n = pid_m.to(tl.int64) * N
-                res = tl.load(res_ptr + row_n + cols, mask=col_ok, other=0.0).to(tl.float32)
+                if EARLY_EPILOGUE:
+                    res = early_res.to(tl.float32)
+                else:
+                    res = tl.load(res_ptr + row_n + cols, mask=col_ok, other=0.0).to(tl.float32)
                 total = (y + res).to(total_ptr.dtype.element_ty)
                 tl.store(total_ptr + row_n + cols, total, mask=col_ok)
                 tf = tl.where(col_ok, total.to(tl.float32), 0.0)
                 tl.store(stats_out_ptr + pid_m * n_blocks + blk, tl.sum(tf * tf, axis=0))
-                nw = tl.load(nw_ptr + cols, mask=col_ok, other=0.0).to(tl.float32)
+                if EARLY_EPILOGUE:
+                    nw = early_nw.to(tl.float32)
+                else:
+                    nw = tl.load(nw_ptr + cols, mask=col_ok, other=0.0).to(tl.float32)
                 tl.store(out_row + cols, (tf * nw).to(out_type), mask=col_ok)
             else:
                 tl.store(out_row + cols, acc.to(out_type), mask=col_ok)
@@ -965,13 +973,16 @@ def _launch(
         NORM_IN=stats is not None,
         GATED=gated,
         ADD_NORM=residual is not None,
-        STATS=_stats_block(stats.shape[1] if stats is not None else 0, config.two_step),
+        STATS=_stats_block(
+            stats.shape[1] if stats is not None else 0, config.two_step or config.stats_one_pass
+        ),
         num_warps=config.num_warps,
         num_stages=config.num_stages,
         L2_PREFETCH=prefetch > 0,
         SPLIT_K=split,
         PERSISTENT=persistent,
         TWO_STEP=config.two_step,
+        EARLY_EPILOGUE=config.early_epilogue,
         ROPE=rope is not None,
         HEAD_DIM=rope_shape[2],
         **pdl,
@@ -1035,6 +1046,7 @@ def aot_specs(half2: bool = False) -> list[AotSpec]:
                 "SPLIT_K",
                 "PERSISTENT",
                 "TWO_STEP",
+                "EARLY_EPILOGUE",
             )
         },
     }
@@ -1065,6 +1077,7 @@ def aot_specs(half2: bool = False) -> list[AotSpec]:
                 "SPLIT_K": 1,
                 "PERSISTENT": False,
                 "TWO_STEP": False,
+                "EARLY_EPILOGUE": False,
             }
             name = (
                 f"quant_matmul.fused_gemv[{format}xbf16,norm={norm_in},gated={gated},"

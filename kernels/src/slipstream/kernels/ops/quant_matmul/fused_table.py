@@ -57,7 +57,8 @@ class FusedGemvConfig:
     the current one's math (``prefetch``), ``split_k`` K ranges per block (the last to finish
     adds the fp32 sums and runs the epilogue), ``programs_per_sm`` (0: one program per
     block, a persistent grid for an LM head's many blocks; N: a persistent grid of N per SM)
-    and ``two_step`` (the prefetching loop's variant, see below)."""
+    ``two_step`` (the prefetching loop's variant), ``stats_one_pass`` and ``early_epilogue``
+    (where the prologue's and epilogue's small loads are issued; see below)."""
 
     block_n: int = 4
     num_warps: int = 1
@@ -72,6 +73,15 @@ class FusedGemvConfig:
     # step with it and the table below ran 3.709 ms against 3.785 without (call B1); the int4
     # step with it and that sweep's int4 launches 2.780 against 2.577, so it is off by default.
     two_step: bool = False
+    # The norm prologue's partial sums (one per program of the producing GEMV: 1024 for an 8B
+    # model's output or down projection at 4 rows a program) read in one load, a single L2
+    # round trip after the wait for the producer, instead of passes of 256 one after another
+    # (four round trips on the first tile's critical path). two_step implies it.
+    stats_one_pass: bool = False
+    # The epilogue's inputs (QKV: the rotary tables and the cache slot; add_norm: the residual
+    # and the next norm's weight) loaded before the K loop, their latency hidden behind it,
+    # instead of after it on the way to the stores.
+    early_epilogue: bool = False
 
 
 class FusedTableError(ValueError):
@@ -115,9 +125,7 @@ def _entries(
 # step with them: 3.709 ms a step against 3.785 with the rule in call B1, 1.58x bf16's 5.876 ms
 # in the same process). Stand-alone, against the rule with two_step: qkv 16.26 -> 12.41 us,
 # output 8.98 -> 8.53, gate/up 47.87 -> 46.42; down kept the rule's tile (26.68 us, 0.76 of the
-# copy bandwidth). The int4 launches that sweep found (split-K QKV, 8 x 2-warp output, pipelined
-# gate/up) were faster alone but the int4 step with them ran 2.780 ms against B1's 2.577 ms, so
-# int4 keeps the rule (B1's launches). No H200 entries: nothing was measured there.
+# copy bandwidth). No H200 entries: nothing was measured there.
 _H100_INT8: dict[tuple[str, str, int, int], dict[str, Any]] = {
     ("int8", "qkv", 6144, 4096): {"block_n": 8, "num_warps": 2, "two_step": True},
     ("int8", "add_norm", 4096, 4096): {"block_n": 8, "num_warps": 2, "two_step": True},
@@ -130,7 +138,37 @@ _H100_INT8: dict[tuple[str, str, int, int], dict[str, Any]] = {
     },
     ("int8", "add_norm", 4096, 14336): {"block_n": 4, "num_warps": 2, "two_step": True},
 }
-BUILTIN_TABLE: tuple[FusedEntry, ...] = tuple(_entries("H100", 132, _H100_INT8))
+# H100 SXM, int4: the launches of call B1 of 2026-11-26 11:29 (quant_decode_bench.py --quick,
+# then the 8B step with them in tools/bench/quant_decode_variants.py, interleaved rounds in one
+# process beside bf16): 2.394 ms a step against 2.635 with the rule (bf16 5.712 ms); each alone
+# on top of the rule: QKV 2.533, output 2.575, gate/up 2.610, down 2.545 ms. With the prologue /
+# epilogue fields (call B2, 11:57): 2.356 ms against 2.414 without them (bf16 5.709 ms: 2.42x),
+# QKV's alone 2.384, output's and down's 2.399, gate/up's 2.414. (Call B2 of the evening before
+# had measured an earlier sweep's int4 launches slower, 2.780 against 2.577 ms, from the
+# difference of two generate calls in separate runs, which moves by 0.1-0.3 ms from run to run;
+# the device-clock timing above repeats to 0.01-0.03 ms.)
+_H100_INT4: dict[tuple[str, str, int, int], dict[str, Any]] = {
+    ("int4", "qkv", 6144, 4096): {
+        "block_n": 8,
+        "num_warps": 2,
+        "stats_one_pass": True,
+        "early_epilogue": True,
+    },
+    ("int4", "add_norm", 4096, 4096): {"block_n": 4, "num_warps": 2, "early_epilogue": True},
+    ("int4", "gate_up", 28672, 4096): {
+        "block_n": 16,
+        "num_warps": 1,
+        "programs_per_sm": 8,
+        "stats_one_pass": True,
+    },
+    ("int4", "add_norm", 4096, 14336): {
+        "block_n": 8,
+        "num_warps": 1,
+        "split_k": 4,
+        "early_epilogue": True,
+    },
+}
+BUILTIN_TABLE: tuple[FusedEntry, ...] = tuple(_entries("H100", 132, {**_H100_INT8, **_H100_INT4}))
 
 _user_table: tuple[FusedEntry, ...] = ()
 

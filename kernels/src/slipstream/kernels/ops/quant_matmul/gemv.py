@@ -391,6 +391,74 @@ def _half2_quad_dot(words, xa, xb, xc, xd, FORMAT: tl.constexpr):
 
 
 @triton.jit
+def _fp32_step_sums(
+    words,
+    x_row,
+    pairs,
+    k0,
+    g,
+    jj,
+    FORMAT: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+    GPS: tl.constexpr,
+    NATIVE_FP8: tl.constexpr,
+):
+    """One K step's products on the fp32 path (no f16x2): the packed ``words`` ``(BLOCK_N,
+    GPS, 16)`` unpacked exactly to fp32 and multiplied by the activations at ``k0``, summed
+    per word (the caller scales by the group's scale). Shared by :func:`gemv_kernel` and the
+    fused decode GEMV."""
+    x_type = x_row.dtype.element_ty
+    PER: tl.constexpr = 8 if FORMAT == 1 else 4  # fields per word
+    PACK: tl.constexpr = 16 * PER  # input features per packed block
+    BITS: tl.constexpr = 32 // PER
+    LOW: tl.constexpr = 20 // BITS  # fields 0 .. LOW-1 lie below mantissa bit 20 in place
+    OFFSET: tl.constexpr = 8 if FORMAT == 1 else 128
+    if FORMAT == 1:
+        words = words ^ -2004318072  # 0x88888888: two's complement -> offset binary
+    elif FORMAT == 0:
+        words = words ^ -2139062144  # 0x80808080
+    high = words >> (BITS * (PER - LOW))  # the upper fields, down to bits 0 ..
+    t = tl.zeros((BLOCK_N, GPS, 16), dtype=tl.float32)
+    for p in tl.static_range(PER // 2):
+        # elements 32p + 2jj (+1) of each block: the int32 pair 16p + jj
+        if x_type == tl.float32:
+            base = x_row + k0 + g * PACK + 32 * p + 2 * jj
+            x_lo = tl.load(base)
+            x_hi = tl.load(base + 1)
+        else:
+            xp = tl.load(pairs + k0 // 2 + g * (PACK // 2) + 16 * p + jj)
+            if x_type == tl.bfloat16:
+                x_lo = (xp << 16).to(tl.float32, bitcast=True)
+                x_hi = (xp & -65536).to(tl.float32, bitcast=True)
+            else:
+                x_lo = xp.to(tl.int16).to(tl.float16, bitcast=True).to(tl.float32)
+                x_hi = (xp >> 16).to(tl.int16).to(tl.float16, bitcast=True)
+                x_hi = x_hi.to(tl.float32)
+        for b in tl.static_range(2):
+            f = 2 * p + b
+            # the field at bit `at` of `src`, or-ed into the mantissa of 2^(23 - at): one
+            # mantissa unit is 1.0 there, so the float is 2^(23 - at) + u exactly
+            if FORMAT == 2:
+                byte = (words >> (8 * f)) & 255
+                if NATIVE_FP8:
+                    fp8 = byte.to(tl.uint8).to(tl.float8e4nv, bitcast=True)
+                    value = fp8.to(tl.float32)
+                else:  # the e4m3 byte as an fp16 pattern: the value times 2^-8
+                    half = ((byte & 0x7F) << 7) | ((byte & 0x80) << 8)
+                    value = half.to(tl.int16).to(tl.float16, bitcast=True)
+                    value = value.to(tl.float32)
+            else:
+                at = BITS * f if f < LOW else BITS * (f - PER + LOW)
+                src = words if f < LOW else high
+                field = src & (((1 << BITS) - 1) << at)
+                value = (field | ((150 - at) << 23)).to(tl.float32, bitcast=True)
+                # - (2^(23 - at) + offset): the code itself, exactly (Sterbenz)
+                value = value - ((1 << (23 - at)) + OFFSET)
+            t += value * (x_lo if b == 0 else x_hi)
+    return t
+
+
+@triton.jit
 def gemv_kernel(
     x_ptr,
     codes_ptr,
@@ -442,9 +510,6 @@ def gemv_kernel(
         PER: tl.constexpr = 8 if FORMAT == 1 else 4  # fields per word
         PACK: tl.constexpr = 16 * PER  # input features per packed block
         GPS: tl.constexpr = BLOCK_K // PACK  # packed blocks per step
-        BITS: tl.constexpr = 32 // PER
-        LOW: tl.constexpr = 20 // BITS  # fields 0 .. LOW-1 lie below mantissa bit 20 in place
-        OFFSET: tl.constexpr = 8 if FORMAT == 1 else 128
         g = tl.arange(0, GPS)[None, :, None]
         jj = tl.arange(0, 16)[None, None, :]
         word = g * 16 + jj  # (1, GPS, 16): word index within the step
@@ -480,48 +545,9 @@ def gemv_kernel(
                 xpairs = pairs + k0 // 2 + g * (PACK // 2) + jj
                 acc3 += _half2_word_sums(words, xpairs, FORMAT, x_type == tl.bfloat16) * scale
             else:
-                if FORMAT == 1:
-                    words = words ^ -2004318072  # 0x88888888: two's complement -> offset binary
-                elif FORMAT == 0:
-                    words = words ^ -2139062144  # 0x80808080
-                high = words >> (BITS * (PER - LOW))  # the upper fields, down to bits 0 ..
-                t = tl.zeros((BLOCK_N, GPS, 16), dtype=tl.float32)
-                for p in tl.static_range(PER // 2):
-                    # elements 32p + 2jj (+1) of each block: the int32 pair 16p + jj
-                    if x_type == tl.float32:
-                        base = x_row + k0 + g * PACK + 32 * p + 2 * jj
-                        x_lo = tl.load(base)
-                        x_hi = tl.load(base + 1)
-                    else:
-                        xp = tl.load(pairs + k0 // 2 + g * (PACK // 2) + 16 * p + jj)
-                        if x_type == tl.bfloat16:
-                            x_lo = (xp << 16).to(tl.float32, bitcast=True)
-                            x_hi = (xp & -65536).to(tl.float32, bitcast=True)
-                        else:
-                            x_lo = xp.to(tl.int16).to(tl.float16, bitcast=True).to(tl.float32)
-                            x_hi = (xp >> 16).to(tl.int16).to(tl.float16, bitcast=True)
-                            x_hi = x_hi.to(tl.float32)
-                    for b in tl.static_range(2):
-                        f = 2 * p + b
-                        # the field at bit `at` of `src`, or-ed into the mantissa of 2^(23 - at):
-                        # one mantissa unit is 1.0 there, so the float is 2^(23 - at) + u exactly
-                        if FORMAT == 2:
-                            byte = (words >> (8 * f)) & 255
-                            if NATIVE_FP8:
-                                fp8 = byte.to(tl.uint8).to(tl.float8e4nv, bitcast=True)
-                                value = fp8.to(tl.float32)
-                            else:  # the e4m3 byte as an fp16 pattern: the value times 2^-8
-                                half = ((byte & 0x7F) << 7) | ((byte & 0x80) << 8)
-                                value = half.to(tl.int16).to(tl.float16, bitcast=True)
-                                value = value.to(tl.float32)
-                        else:
-                            at = BITS * f if f < LOW else BITS * (f - PER + LOW)
-                            src = words if f < LOW else high
-                            field = src & (((1 << BITS) - 1) << at)
-                            value = (field | ((150 - at) << 23)).to(tl.float32, bitcast=True)
-                            # - (2^(23 - at) + offset): the code itself, exactly (Sterbenz)
-                            value = value - ((1 << (23 - at)) + OFFSET)
-                        t += value * (x_lo if b == 0 else x_hi)
+                t = _fp32_step_sums(
+                    words, x_row, pairs, k0, g, jj, FORMAT, BLOCK_N, GPS, NATIVE_FP8
+                )
                 acc3 += t * scale
         acc = tl.sum(tl.sum(acc3, axis=2), axis=1)
         if FORMAT == 2 and not NATIVE_FP8:

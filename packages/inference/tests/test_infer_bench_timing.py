@@ -1,0 +1,58 @@
+"""tools/bench/infer_bench.py's decode-step timing: the decode steps of one ``generate`` alone
+(the prefill left out), the runner's own ``decode`` restored afterwards."""
+
+from __future__ import annotations
+
+import importlib.util
+import sys
+import time
+from pathlib import Path
+
+import pytest
+import torch
+
+from slipstream.inference import init_inference
+from slipstream.inference.testing import tiny_hf_model
+
+pytest.importorskip("transformers")
+
+SCRIPT = Path(__file__).resolve().parents[3] / "tools" / "bench" / "infer_bench.py"
+
+
+def _load():
+    assert SCRIPT.exists(), f"{SCRIPT} is missing: the bench this test checks moved or was removed"
+    spec = importlib.util.spec_from_file_location("infer_bench", SCRIPT)
+    assert spec is not None and spec.loader is not None
+    module = importlib.util.module_from_spec(spec)
+    sys.modules["infer_bench"] = module
+    spec.loader.exec_module(module)
+    return module
+
+
+def test_timed_generate_times_the_decode_steps_only() -> None:
+    """A prefill made slow (a 0.3 s sleep) moves the wall time, not the per-step time; the
+    step count is ``max_new_tokens - 1``; generate's tokens are unchanged by the timing."""
+    bench = _load()
+    engine = init_inference(tiny_hf_model("llama"), replace_with_kernel_inject=True)
+    runner = engine._runner
+    ids = torch.randint(3, 96, (1, 6), generator=torch.Generator().manual_seed(0))
+    kwargs = {"max_new_tokens": 5, "do_sample": False, "eos_token_id": None}
+    expected = engine.generate(ids, **kwargs)
+    got: list[torch.Tensor] = []
+    cpu = torch.device("cpu")
+    wall, step = bench.timed_generate(
+        engine, lambda: got.append(engine.generate(ids, **kwargs)), cpu
+    )
+    assert torch.equal(got[0], expected) and "decode" not in vars(runner)
+    prefill = runner.prefill
+
+    def slow_prefill(*args):
+        time.sleep(0.3)
+        return prefill(*args)
+
+    runner.prefill = slow_prefill
+    slow_wall, slow_step = bench.timed_generate(engine, lambda: engine.generate(ids, **kwargs), cpu)
+    assert slow_wall > wall + 0.25
+    assert 0 < slow_step < 0.05 and 0 < step < 0.05  # four decode steps of a tiny model
+    # no decode step: zero
+    assert bench.timed_generate(engine, lambda: engine.generate(ids, max_new_tokens=1), cpu)[1] == 0
