@@ -85,6 +85,10 @@ class Timeline:
             if getattr(zero.reducer, attr, None) is not None:
                 self._wrap(zero.reducer, attr, name)
         self._wrap(torch.cuda.Event, "synchronize", "event_wait")
+        self._wrap(offload.OffloadedStep, "_stage", "stage")  # overlap_forward's early upload
+        if getattr(zero.reducer, "before_stepped", None) is not None:
+            self._wrap(zero.reducer, "before_stepped", "check")  # the early norm check (main)
+        self._wrap_kernel()
         original_submit: Callable[..., Any] = offload.StepWorker.submit
         timeline = self
 
@@ -94,15 +98,42 @@ class Timeline:
             def job() -> None:
                 start = time.perf_counter()
                 timeline._add("queued", queued, start)
+                if ready is not None and not ready():
+                    timeline._add("not_ready", start, start)
                 try:
                     run()
                 finally:
-                    timeline._add("job", start, time.perf_counter())
+                    end = time.perf_counter()
+                    timeline._add("job", start, end)
+                    if not worker._jobs:  # nothing queued behind it
+                        timeline._add("queue_empty", end, end)
 
             return original_submit(worker, job, ready)
 
         self._restore.append((offload.StepWorker, "submit", original_submit))
         offload.StepWorker.submit = submit  # type: ignore[method-assign]
+
+    def _wrap_kernel(self) -> None:
+        """Each C++ Adam call ("cpp": the Python call, GIL taken back included) and the OpenMP
+        region inside it ("kernel", from the step's own clock, ending when the call returns)."""
+        from slipstream.offload.host_optimizer import HostOptimizer
+
+        original = HostOptimizer._cpp_adam
+        timeline = self
+
+        def timed(host: Any, *args: Any, **kwargs: Any) -> Any:
+            before = host._kernel[0]
+            start = time.perf_counter()
+            try:
+                return original(host, *args, **kwargs)
+            finally:
+                end = time.perf_counter()
+                wall = host._kernel[0] - before
+                timeline._add("cpp", start, end)
+                timeline._add("kernel", end - wall, end)
+
+        self._restore.append((HostOptimizer, "_cpp_adam", original))
+        HostOptimizer._cpp_adam = timed  # type: ignore[method-assign]
 
     def uninstall(self) -> None:
         for owner, attr, original in reversed(self._restore):
@@ -165,8 +196,52 @@ class Timeline:
                 "total": ms(sum(e - s for _, s, e, _ in forward_publishes)),
             }
         out["main_event_wait"] = total("event_wait", "MainThread")
+        worker = "slipstream-cpu-step"
+        out["worker"] = {
+            "kernel": total("kernel", worker),
+            "cpp_minus_kernel": ms(
+                sum(e - s for n, s, e, t in spans if n == "cpp" and t == worker)
+                - sum(e - s for n, s, e, t in spans if n == "kernel" and t == worker)
+            ),
+            "cpu_step_minus_cpp": ms(
+                sum(e - s for n, s, e, t in spans if n == "cpu_step" and t == worker)
+                - sum(e - s for n, s, e, t in spans if n == "cpp" and t == worker)
+            ),
+            "stage": total("stage", worker),
+            "not_ready_jobs": sum(1 for n, *_ in spans if n == "not_ready"),
+            "idle_queue_empty": ms(self._idle_after(spans, jobs, empty=True)),
+            "idle_queue_nonempty": ms(self._idle_after(spans, jobs, empty=False)),
+        }
+        out["main_kernel"] = total("kernel", "MainThread")
+        out["check"] = total("check")
+        out["jobs_detail"] = self._jobs_detail(spans, jobs)
         out["earlier_step_periods"] = [ms(p) for p in self.periods]
         return out
+
+    @staticmethod
+    def _idle_after(spans: list[Any], jobs: list[Any], empty: bool) -> float:
+        """Worker idle time between jobs, where the queue was (not) empty as the job ended."""
+        ends = {round(s, 9) for n, s, _, _ in spans if n == "queue_empty"}
+        idle = 0.0
+        for a, b in itertools.pairwise(jobs):
+            if (round(a[2], 9) in ends) == empty:
+                idle += b[1] - a[2]
+        return idle
+
+    @staticmethod
+    def _jobs_detail(spans: list[Any], jobs: list[Any]) -> list[list[float]]:
+        """Per job (ms): start, end, its wait for the bucket's copy to the host, its C++
+        kernel time, and the rest (Python, the GIL, the early upload)."""
+        rows = []
+        for _, start, end, thread in jobs:
+
+            def inside(name: str, s0: float = start, e0: float = end, t0: str = thread) -> float:
+                return sum(e - s for n, s, e, t in spans if n == name and t == t0 and s0 <= s <= e0)
+
+            wait, kernel = inside("event_wait"), inside("kernel")
+            rest = (end - start) - wait - kernel
+            rows.append([round(1e3 * x, 1) for x in (start, end, wait, kernel, rest)])
+        return rows
 
     def dump(self, path: Path, rank: int) -> dict[str, Any]:
         """Write the raw spans and the summary to ``path`` (``.rank<r>.json`` appended)."""

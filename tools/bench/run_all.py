@@ -125,6 +125,14 @@ def main(argv: list[str] | None = None) -> int:
     )
     parser.add_argument("--profile-steps", type=int, default=3)
     parser.add_argument(
+        "--timeline",
+        type=Path,
+        default=None,
+        help="train_bench.py --timeline on every CPU-offload run: each rank's host timeline of "
+        "the last timed step to DIR/<spec>.rank<r>.json, and its summary printed "
+        "(offload_timeline.py)",
+    )
+    parser.add_argument(
         "--profile-stack", action="store_true", help="train_bench.py --profile-stack"
     )
     args = parser.parse_args(argv)
@@ -148,6 +156,10 @@ def main(argv: list[str] | None = None) -> int:
                 "--profile-steps", str(args.profile_steps),
                 *(["--profile-stack"] if args.profile_stack else []),
             ]  # fmt: skip
+        if args.timeline is not None and "+cpu" in spec:
+            args.timeline.mkdir(parents=True, exist_ok=True)
+            name = "".join(c if c.isalnum() or c in "._-" else "_" for c in spec)
+            command += ["--timeline", str(args.timeline / name)]
         print("$", " ".join(command), flush=True)
         done = subprocess.run(command, env=env, capture_output=True, text=True)
         lines = [line for line in done.stdout.splitlines() if line.startswith("BENCH ")]
@@ -156,7 +168,11 @@ def main(argv: list[str] | None = None) -> int:
             print(f"FAILED {spec} (exit {done.returncode}):\n{tail}", flush=True)
             rows.append({"impl": spec, "error": tail.strip().splitlines()[-1] if tail else "?"})
             continue
-        profiled = [line for line in done.stdout.splitlines() if line.startswith(("PROFILE", "  "))]
+        profiled = [
+            line
+            for line in done.stdout.splitlines()
+            if line.startswith(("PROFILE", "  ", "TIMELINE"))
+        ]
         if profiled:
             print("\n".join(profiled), flush=True)
         result = json.loads(lines[-1][len("BENCH ") :])

@@ -691,6 +691,7 @@ def main(argv: list[str] | None = None) -> int:
     offload = _offload_of(engine)
     busy = (offload.worker_busy_s, offload.tail_wait_s) if offload is not None else None
     kernel_before = offload.kernel_s if offload is not None else None
+    off_worker_before = getattr(offload, "kernel_off_worker_s", None)
     timeline = None
     if args.timeline is not None and offload is not None:
         from offload_timeline import Timeline
@@ -742,6 +743,11 @@ def main(argv: list[str] | None = None) -> int:
             # Per step, summed over the calls: how long each region waited for its last thread to
             # start (a descheduled or sleeping OpenMP thread starts late).
             cpu_step["cpu_late_start_ms"] = round(1e3 * kernel[3] / args.steps, 1)
+        if off_worker_before is not None:
+            # The part of cpu_kernel_ms run off the worker (so not in cpu_worker_busy_ms): steps
+            # after backward, when a speculative step was discarded or paused (clipping).
+            off = offload.kernel_off_worker_s - off_worker_before
+            cpu_step["cpu_kernel_off_worker_ms"] = round(1e3 * off / args.steps, 1)
     final_loss = float(loss)  # host sync once, after timing
     timed_phases = args.impl in ("slipstream", "deepspeed") and args.phases
     phases = _phase_times(engine, input_ids, labels, sync) if timed_phases else {}

@@ -206,6 +206,10 @@ class StepWorker:
                     return job
         return self._jobs.popleft()
 
+    def is_worker_thread(self) -> bool:
+        """Whether the calling thread is this worker's."""
+        return self._thread is not None and threading.current_thread() is self._thread
+
     def shutdown(self) -> None:
         """Run what is queued, then stop the thread."""
         with self._wake:
@@ -303,6 +307,10 @@ class OffloadedStep:
         self.tail_kept = False
         self._commit_pending: float | None = None  # the factor the kept step assumed
         self.tail_wait_s = 0.0  # seconds forwards (and barriers) waited for the tail
+        # The C++ step's own clock (HostOptimizer.kernel_s[0]) for the calls made off the
+        # worker thread: a step after backward (no speculation, a discarded or paused one).
+        # Benchmarks compare kernel_s with worker_busy_s, which counts the worker alone.
+        self.kernel_off_worker_s = 0.0
         # Set by the ZeRO instance on a GPU: ``stage_upload(indices)`` starts a tail bucket's
         # upload (off the compute stream) and returns what its publish then takes. It runs on
         # the worker as soon as the bucket's job is done, so the upload does not wait for
@@ -598,7 +606,15 @@ class OffloadedStep:
         """Step the offloaded masters at ``indices`` now (``grad_scale`` folded into the
         gradients); those kept on the device step in :meth:`step_device`."""
         chosen = [self.masters.masters[i] for i in indices if self.masters.offloaded[i]]
+        before = None if self._on_worker() else self.host.kernel_s[0]
         self.host.step_params(chosen, grad_scale)
+        if before is not None:
+            self.kernel_off_worker_s += self.host.kernel_s[0] - before
+
+    def _on_worker(self) -> bool:
+        """Whether the calling thread is the CPU step's worker."""
+        pool = self._pool
+        return pool is not None and pool.is_worker_thread()
 
     def step_device(self, grad_scale: float) -> None:
         """Partial offload: step the masters kept on the device that have a gradient, with
@@ -620,7 +636,9 @@ class OffloadedStep:
 
     @property
     def worker_busy_s(self) -> float:
-        """Seconds the CPU step's worker has spent running bucket steps (benchmarks)."""
+        """Seconds the CPU step's worker has spent running bucket steps (benchmarks). Steps
+        taken after backward on the caller's thread are not in it: :attr:`kernel_s` counts
+        every C++ call, :attr:`kernel_off_worker_s` those made off the worker."""
         return self._pool.busy_s if self._pool is not None else 0.0
 
     def take_eager_steps(self) -> int:
@@ -635,7 +653,10 @@ class OffloadedStep:
         before its update, the second after it.
         """
         before, after = self.sub_group_hooks or (None, None)
+        clock = None if self._on_worker() else self.host.kernel_s[0]
         self.host.step(grad_scale=grad_scale, on_sub_group=after, before_sub_group=before)
+        if clock is not None:
+            self.kernel_off_worker_s += self.host.kernel_s[0] - clock
 
     def resident(self) -> Any:
         """A context in which every master and state is in host memory (checkpoints)."""
