@@ -90,28 +90,49 @@ class Timeline:
             self._wrap(zero.reducer, "before_stepped", "check")  # the early norm check (main)
         self._wrap_kernel()
         original_submit: Callable[..., Any] = offload.StepWorker.submit
+        original_execute: Callable[..., Any] = offload.StepWorker._execute
         timeline = self
+        queued_at: dict[int, float] = {}
 
-        def submit(worker: Any, run: Callable[[], None], ready: Any = None) -> Any:
+        def submit(worker: Any, run: Callable[[], None], *args: Any, **kwargs: Any) -> Any:
             queued = time.perf_counter()
+            future = original_submit(worker, run, *args, **kwargs)
+            queued_at[id(future)] = queued
+            return future
 
-            def job() -> None:
-                start = time.perf_counter()
-                timeline._add("queued", queued, start)
-                if ready is not None and not ready():
-                    timeline._add("not_ready", start, start)
-                try:
-                    run()
-                finally:
-                    end = time.perf_counter()
-                    timeline._add("job", start, end)
-                    if not worker._jobs:  # nothing queued behind it
-                        timeline._add("queue_empty", end, end)
-
-            return original_submit(worker, job, ready)
+        def execute(batch: list[Any]) -> None:
+            # One worker call: a job, or several merged ones (merge_bucket_size).
+            start = time.perf_counter()
+            worker = timeline._worker
+            for job in batch:
+                queued = queued_at.pop(id(job[1]), None)
+                if queued is not None:
+                    timeline._add("queued", queued, start)
+            ready = batch[0][2]
+            if ready is not None and not ready():
+                timeline._add("not_ready", start, start)
+            if len(batch) > 1:
+                timeline._add(f"merged{len(batch)}", start, start)
+            try:
+                original_execute(batch)
+            finally:
+                end = time.perf_counter()
+                timeline._add("job", start, end)
+                if worker is not None and not worker._jobs:  # nothing queued behind it
+                    timeline._add("queue_empty", end, end)
 
         self._restore.append((offload.StepWorker, "submit", original_submit))
+        self._restore.append(
+            (offload.StepWorker, "_execute", offload.StepWorker.__dict__["_execute"])
+        )
         offload.StepWorker.submit = submit  # type: ignore[method-assign]
+        offload.StepWorker._execute = staticmethod(execute)  # type: ignore[method-assign,assignment]
+        self._offload = zero.optimizer.offload
+
+    @property
+    def _worker(self) -> Any:
+        offload = getattr(self, "_offload", None)
+        return getattr(offload, "_pool", None)
 
     def _wrap_kernel(self) -> None:
         """Each C++ Adam call ("cpp": the Python call, GIL taken back included) and the OpenMP
@@ -209,6 +230,8 @@ class Timeline:
             ),
             "stage": total("stage", worker),
             "not_ready_jobs": sum(1 for n, *_ in spans if n == "not_ready"),
+            "merged_calls": sum(1 for n, *_ in spans if n.startswith("merged")),
+            "merged_buckets": sum(int(n[6:]) for n, *_ in spans if n.startswith("merged")),
             "idle_queue_empty": ms(self._idle_after(spans, jobs, empty=True)),
             "idle_queue_nonempty": ms(self._idle_after(spans, jobs, empty=False)),
         }

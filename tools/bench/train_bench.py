@@ -184,17 +184,20 @@ def _offload_blocks(args: argparse.Namespace) -> dict[str, Any]:
             args.cpu_schedule,
             args.gil_switch_us is not None,
             args.overlap_bucket_size,
+            args.merge_bucket_size is not None,
         )
         if args.impl == "deepspeed" and any(ours):
             raise SystemExit(
                 "--offload-ratio / --offload-gpu-share / --overlap-forward / --offload-threads "
-                "/ --cpu-schedule / --gil-switch-us / --overlap-bucket-size: "
+                "/ --cpu-schedule / --gil-switch-us / --overlap-bucket-size / --merge-bucket-size: "
                 "slipstream only"
             )
         if args.gil_switch_us is not None:
             blocks["offload_optimizer"]["gil_switch_interval_us"] = args.gil_switch_us
         if args.overlap_bucket_size:
             blocks["offload_optimizer"]["overlap_bucket_size"] = int(args.overlap_bucket_size)
+        if args.merge_bucket_size is not None:
+            blocks["offload_optimizer"]["merge_bucket_size"] = int(args.merge_bucket_size)
         if args.offload_threads:
             blocks["offload_optimizer"]["threads"] = args.offload_threads
         if args.cpu_schedule:
@@ -501,6 +504,13 @@ def main(argv: list[str] | None = None) -> int:
         default=0,
         help="--offload cpu: offload_optimizer.overlap_bucket_size (0: the config default, 1e8)",
     )
+    parser.add_argument(
+        "--merge-bucket-size",
+        type=float,
+        default=None,
+        help="--offload cpu: offload_optimizer.merge_bucket_size (elements per merged C++ call "
+        "of landed buckets; 0: one call per bucket; unset: the config default)",
+    )
     parser.add_argument("--nvme-path", type=Path, default=Path("/tmp/slipstream-nvme"))
     parser.add_argument("--clip", type=float, default=1.0, help="gradient_clipping (0: off)")
     parser.add_argument(
@@ -692,6 +702,7 @@ def main(argv: list[str] | None = None) -> int:
     busy = (offload.worker_busy_s, offload.tail_wait_s) if offload is not None else None
     kernel_before = offload.kernel_s if offload is not None else None
     off_worker_before = getattr(offload, "kernel_off_worker_s", None)
+    calls_before = getattr(offload, "worker_calls", 0)
     timeline = None
     if args.timeline is not None and offload is not None:
         from offload_timeline import Timeline
@@ -730,6 +741,7 @@ def main(argv: list[str] | None = None) -> int:
         # Per timed step: how long the CPU worker stepped buckets (during backward and, with
         # overlap_forward, after step() returned), and how long forwards waited for it.
         cpu_step = {
+            "cpu_worker_calls": round((offload.worker_calls - calls_before) / args.steps, 1),
             "cpu_worker_busy_ms": round(1e3 * (offload.worker_busy_s - busy[0]) / args.steps, 1),
             "forward_wait_ms": round(1e3 * (offload.tail_wait_s - busy[1]) / args.steps, 1),
         }
@@ -794,6 +806,7 @@ def main(argv: list[str] | None = None) -> int:
         + ("+dyn" if args.cpu_schedule == "dynamic" else "")
         + (f"+si{args.gil_switch_us:g}" if args.gil_switch_us is not None else "")
         + (f"+ob{args.overlap_bucket_size:g}" if args.overlap_bucket_size else "")
+        + (f"+mb{args.merge_bucket_size:g}" if args.merge_bucket_size is not None else "")
         + (f"+rb{args.reduce_bucket_size:g}" if args.reduce_bucket_size != 5e8 else "")
         + (f"+ab{args.allgather_bucket_size:g}" if args.allgather_bucket_size != 5e8 else "")
         + ("+pf" if args.publish_during_forward else "")

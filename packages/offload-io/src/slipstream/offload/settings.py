@@ -81,6 +81,11 @@ class OptimizerOffload:
             copied to the GPU and back chunk by chunk by its copy engines
             (:class:`slipstream.offload.gpu_stream.StreamedAdam`). 0.0 (the default): the
             CPU steps everything. The states are then allocated like the masters (pinned).
+        merge_bucket_numel: CPU, ZeRO 1-2 stepping during backward: when the CPU step's
+            worker is behind the gradients, the buckets that have landed and would be stepped
+            next are stepped with the current one in one C++ call, up to this many elements
+            per call (fewer calls: fewer OpenMP wake-ups and returns to Python per step; the
+            same update). 0: one call per bucket.
         gil_switch_interval_us: CPU, ZeRO 1-2 stepping during backward: while the CPU
             step's worker thread runs, Python's switch interval (``sys.setswitchinterval``)
             in microseconds: how long the worker, which needs the GIL around every bucket's
@@ -108,8 +113,14 @@ class OptimizerOffload:
     overlap_bucket_numel: int = 100_000_000
     gpu_share: float = 0.0
     gil_switch_interval_us: float = 0.0
+    merge_bucket_numel: int = 0
 
     def __post_init__(self) -> None:
+        if self.merge_bucket_numel < 0:
+            raise ValueError(
+                f"offload_optimizer.merge_bucket_size={self.merge_bucket_numel} must be >= 0 "
+                "(0: one C++ call per bucket)"
+            )
         if not self.gil_switch_interval_us >= 0.0:
             raise ValueError(
                 f"offload_optimizer.gil_switch_interval_us={self.gil_switch_interval_us} must "
