@@ -35,6 +35,7 @@ def _config(
     ratio: float,
     overlap: bool,
     speculate: bool = True,
+    merge: int = 0,
 ):
     config = {
         "train_micro_batch_size_per_gpu": MICRO,
@@ -55,6 +56,7 @@ def _config(
                 "ratio": ratio,
                 "overlap_forward": overlap,
                 "speculative_step": speculate,
+                "merge_bucket_size": merge,
             },
         },
     }
@@ -65,7 +67,7 @@ def _config(
     return config
 
 
-def _engine(stage, precision, gas, clip, ratio, overlap, speculate=True):
+def _engine(stage, precision, gas, clip, ratio, overlap, speculate=True, merge=0):
     import slipstream
     from slipstream.zero.testing import TinyTransformer
 
@@ -76,7 +78,7 @@ def _engine(stage, precision, gas, clip, ratio, overlap, speculate=True):
     optimizer = torch.optim.AdamW(
         [{"params": decay, "weight_decay": 0.1}, {"params": other, "lr": 0.02}], lr=0.01
     )
-    config = _config(stage, precision, gas, clip, ratio, overlap, speculate)
+    config = _config(stage, precision, gas, clip, ratio, overlap, speculate, merge)
     engine, *_ = slipstream.initialize(model=model, optimizer=optimizer, config=config)
     return engine
 
@@ -92,18 +94,23 @@ def _everything(engine) -> list[torch.Tensor]:
     )
 
 
-def _run(stage, precision, gas, clipping, ratio, overlap, early=False) -> dict:
-    """Train through CLIPS (or without clipping); losses, snapshots, what was deferred and
-    how many deferred buckets were published from an upload staged as their CPU step ended
-    (on a GPU always; on the CPU only with ``early``)."""
+def _run(stage, precision, gas, clipping, ratio, overlap, early=False, merge=0) -> dict:
+    """Train through CLIPS (or without clipping); losses, snapshots, what was deferred, how
+    many deferred buckets were published from an upload staged as their CPU step ended (on a
+    GPU always; on the CPU only with ``early``), and the worker's jobs and calls (``merge``:
+    merge_bucket_size)."""
     from slipstream import comm
     from slipstream.zero.testing import batch_for
 
     world, rank = comm.get_world_size(), comm.get_rank()
     clips = CLIPS if clipping else [0.0] * len(CLIPS)
-    engine = _engine(stage, precision, gas, clips[0], ratio, overlap)
+    engine = _engine(stage, precision, gas, clips[0], ratio, overlap, merge=merge)
     device = next(engine.module.parameters()).device
     offload = engine.zero.optimizer.offload
+    jobs = []
+    reducer = engine.zero.reducer
+    submit = reducer.on_final_bucket  # the worker's submit, as the reducer holds it
+    reducer.on_final_bucket = lambda *args: jobs.append(1) or submit(*args)
     if early:
         offload.stage_upload = engine.zero._stage_upload
     staged = []
@@ -141,11 +148,16 @@ def _run(stage, precision, gas, clipping, ratio, overlap, early=False) -> dict:
         "overlap": offload.overlap_forward,
         "stats": (stats.kept, stats.discarded, stats.paused),
         "staged": sum(staged),
+        "jobs": len(jobs),
+        "calls": offload.worker_calls,
     }
 
 
-def _side_by_side(stage, precision, gas, clipping, ratio, early=False) -> dict:
-    on = _run(stage, precision, gas, clipping, ratio, True, early)
+def _side_by_side(
+    stage, precision, gas, clipping, ratio, early=False, merge=0, overlap_on=True
+) -> dict:
+    """``overlap_on`` (with ``early`` and ``merge``) against the plain run."""
+    on = _run(stage, precision, gas, clipping, ratio, overlap_on, early, merge)
     off = _run(stage, precision, gas, clipping, ratio, False)
     first_difference = None
     for index, (a, b) in enumerate(zip(on["snapshots"], off["snapshots"])):
@@ -160,6 +172,8 @@ def _side_by_side(stage, precision, gas, clipping, ratio, early=False) -> dict:
         "staged": on["staged"],
         "on": (on["overlap"], on["stats"]),
         "off": (off["overlap"], off["stats"]),
+        "jobs": (on["jobs"], off["jobs"]),
+        "calls": (on["calls"], off["calls"]),
     }
 
 
@@ -220,6 +234,45 @@ def test_uploads_staged_as_each_bucket_steps_are_the_same_run(
         assert result["same_losses"]
         assert result["first_difference"] is None, result["first_difference"]
         assert result["staged"] > 0
+
+
+@pytest.mark.parametrize(
+    ("stage", "world", "precision", "gas", "clipping", "overlap", "merge"),
+    [
+        # Every landed bucket in one call, with and without overlap_forward, under clipping
+        # (speculative, discarded, paused) and without (the exact step during backward).
+        (2, 2, "bf16", 1, True, True, 10**9),
+        (2, 2, "fp32", 1, False, False, 10**9),
+        (1, 1, "bf16", 2, True, False, 10**9),
+        # A cap of about two buckets' shards per call.
+        (2, 2, "fp32", 1, True, True, 700),
+    ],
+)
+def test_merged_bucket_steps_are_the_same_run(
+    stage, world, precision, gas, clipping, overlap, merge
+) -> None:
+    # merge_bucket_size: the worker steps the landed buckets it would take next in one C++
+    # call. The update is the same element by element, so the run is the same bit for bit.
+    results = run_distributed(
+        _side_by_side,
+        world,
+        stage,
+        precision,
+        gas,
+        clipping,
+        1.0,
+        False,
+        merge,
+        overlap,
+        timeout=300,
+    )
+    for result in results:
+        assert result["on"][0] == overlap and result["on"][1] == result["off"][1]
+        assert result["same_losses"]
+        assert result["first_difference"] is None, result["first_difference"]
+        (jobs_on, jobs_off), (calls_on, calls_off) = result["jobs"], result["calls"]
+        assert jobs_on == jobs_off > 0 and calls_off == jobs_off  # the same buckets
+        assert 0 < calls_on < jobs_on  # merged: fewer calls
 
 
 def _checkpoint_and_state_dict(tmp: str) -> dict:
