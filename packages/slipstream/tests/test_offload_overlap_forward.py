@@ -473,3 +473,31 @@ def test_overlap_forward_is_the_same_run_bit_for_bit_on_gpus(stage, clipping, ra
         assert result["first_difference"] is None, result["first_difference"]
         assert any(d > 0 for d in result["deferred"])
         assert result["staged"] > 0  # uploads started as the buckets' CPU steps ended
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA/ROCm device")
+@pytest.mark.parametrize(("overlap", "clipping"), [(True, True), (False, False)])
+def test_merged_bucket_steps_are_the_same_run_on_gpus(overlap, clipping) -> None:
+    # Buckets land through pinned memory on a side stream; the worker merges those that have
+    # landed (each one's wait for its copy and hand-over, then one C++ call).
+    world = min(2, torch.cuda.device_count())
+    results = run_distributed(
+        _side_by_side,
+        world,
+        2,
+        "bf16",
+        1,
+        clipping,
+        1.0,
+        False,
+        10**9,
+        overlap,
+        backend="nccl",
+        timeout=300,
+    )
+    for result in results:
+        assert result["on"][0] == overlap and result["on"][1] == result["off"][1]
+        assert result["same_losses"]
+        assert result["first_difference"] is None, result["first_difference"]
+        assert result["jobs"][0] == result["jobs"][1] > 0
