@@ -239,13 +239,12 @@ def test_uploads_staged_as_each_bucket_steps_are_the_same_run(
 @pytest.mark.parametrize(
     ("stage", "world", "precision", "gas", "clipping", "overlap", "merge"),
     [
-        # Every landed bucket in one call, with and without overlap_forward, under clipping
-        # (speculative, discarded, paused) and without (the exact step during backward).
-        (2, 2, "bf16", 1, True, True, 10**9),
+        # Every landed bucket in one call, under clipping (speculative, discarded, paused)
+        # and without (the exact step during backward).
         (2, 2, "fp32", 1, False, False, 10**9),
         (1, 1, "bf16", 2, True, False, 10**9),
-        # A cap of about two buckets' shards per call.
-        (2, 2, "fp32", 1, True, True, 700),
+        # overlap_forward (newest first after backward), a cap of about two buckets' shards.
+        (2, 2, "bf16", 1, True, True, 700),
     ],
 )
 def test_merged_bucket_steps_are_the_same_run(
