@@ -1,6 +1,6 @@
 """Run several training benchmarks side by side and print a markdown table of the results.
 
-Each spec is ``IMPL[:STAGE[+cpu|+nvme][+param|+nvmeparam][+noclip][+bf16comm][+ratioR][+rbN][+abN][+leaf][+bpN][+pf][+tN][+dyn][+ovf][+gsX][+siUS][+obN][+mbN]]@MODEL/MICRO`` (e.g.
+Each spec is ``IMPL[:STAGE[+cpu|+nvme][+param|+nvmeparam][+noclip][+bf16comm][+ratioR][+rbN][+abN][+leaf][+bpN][+pf][+tN][+dyn][+ovf][+gsX][+siUS][+obN][+mbN][+up16]]@MODEL/MICRO`` (e.g.
 ``fsdp2@1.3b/4``, ``slipstream:3@7b/2``, ``slipstream:2+cpu@1.3b/4`` for CPU optimizer
 offload, ``slipstream:3+cpu+nvmeparam@1.3b/2`` with the parameter shards on NVMe,
 ``+bf16comm`` for ``communication_data_type`` bf16, DeepSpeed's default under bf16;
@@ -14,7 +14,8 @@ stage-3 cap; default 64); ``+pf`` for ``publish_during_forward`` (stages 1-2); `
 (formerly ``SLIPSTREAM_OFFLOAD_THREADS=16``), ``+dyn`` for ``cpu_schedule`` dynamic; ``+ovf`` for
 ``offload_optimizer.overlap_forward``; ``+gs0.3`` for ``offload_optimizer.gpu_share`` 0.3; ``+si200`` for
 ``offload_optimizer.gil_switch_interval_us`` 200 (``+si0``: Python's own interval); ``+ob5e7`` for
-``offload_optimizer.overlap_bucket_size`` 5e7; ``+mb2e8`` for ``offload_optimizer.merge_bucket_size`` 2e8; ``deepspeed:2+cpu@7b/2`` runs DeepSpeed, when
+``offload_optimizer.overlap_bucket_size`` 5e7; ``+mb2e8`` for ``offload_optimizer.merge_bucket_size`` 2e8; ``+up16`` for
+``offload_optimizer.upload_model_dtype``; ``deepspeed:2+cpu@7b/2`` runs DeepSpeed, when
 installed, on the same config); every
 run is a fresh ``torchrun`` of train_bench.py on ``--gpus`` processes, one after the other on
 the same machine, so the rows compare like with like.
@@ -59,6 +60,8 @@ def _parse(spec: str) -> list[str]:
             args += ["--overlap-forward"]
         elif extra == "dyn":
             args += ["--cpu-schedule", "dynamic"]
+        elif extra == "up16":
+            args += ["--upload-model-dtype"]
         elif extra.startswith("mb"):
             args += ["--merge-bucket-size", extra.removeprefix("mb")]
         elif extra.startswith("ob"):

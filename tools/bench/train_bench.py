@@ -185,11 +185,13 @@ def _offload_blocks(args: argparse.Namespace) -> dict[str, Any]:
             args.gil_switch_us is not None,
             args.overlap_bucket_size,
             args.merge_bucket_size is not None,
+            args.upload_model_dtype,
         )
         if args.impl == "deepspeed" and any(ours):
             raise SystemExit(
                 "--offload-ratio / --offload-gpu-share / --overlap-forward / --offload-threads "
-                "/ --cpu-schedule / --gil-switch-us / --overlap-bucket-size / --merge-bucket-size: "
+                "/ --cpu-schedule / --gil-switch-us / --overlap-bucket-size / --merge-bucket-size "
+                "/ --upload-model-dtype: "
                 "slipstream only"
             )
         if args.gil_switch_us is not None:
@@ -198,6 +200,8 @@ def _offload_blocks(args: argparse.Namespace) -> dict[str, Any]:
             blocks["offload_optimizer"]["overlap_bucket_size"] = int(args.overlap_bucket_size)
         if args.merge_bucket_size is not None:
             blocks["offload_optimizer"]["merge_bucket_size"] = int(args.merge_bucket_size)
+        if args.upload_model_dtype:
+            blocks["offload_optimizer"]["upload_model_dtype"] = True
         if args.offload_threads:
             blocks["offload_optimizer"]["threads"] = args.offload_threads
         if args.cpu_schedule:
@@ -511,6 +515,12 @@ def main(argv: list[str] | None = None) -> int:
         help="--offload cpu: offload_optimizer.merge_bucket_size (elements per merged C++ call "
         "of landed buckets; 0: one call per bucket; unset: the config default)",
     )
+    parser.add_argument(
+        "--upload-model-dtype",
+        action="store_true",
+        help="--offload cpu: offload_optimizer.upload_model_dtype (upload a bf16 copy the CPU "
+        "step writes instead of the fp32 master)",
+    )
     parser.add_argument("--nvme-path", type=Path, default=Path("/tmp/slipstream-nvme"))
     parser.add_argument("--clip", type=float, default=1.0, help="gradient_clipping (0: off)")
     parser.add_argument(
@@ -807,6 +817,7 @@ def main(argv: list[str] | None = None) -> int:
         + (f"+si{args.gil_switch_us:g}" if args.gil_switch_us is not None else "")
         + (f"+ob{args.overlap_bucket_size:g}" if args.overlap_bucket_size else "")
         + (f"+mb{args.merge_bucket_size:g}" if args.merge_bucket_size is not None else "")
+        + ("+up16" if args.upload_model_dtype else "")
         + (f"+rb{args.reduce_bucket_size:g}" if args.reduce_bucket_size != 5e8 else "")
         + (f"+ab{args.allgather_bucket_size:g}" if args.allgather_bucket_size != 5e8 else "")
         + ("+pf" if args.publish_during_forward else "")

@@ -36,6 +36,7 @@ def _config(
     overlap: bool,
     speculate: bool = True,
     merge: int = 0,
+    upload: bool = False,
 ):
     config = {
         "train_micro_batch_size_per_gpu": MICRO,
@@ -57,6 +58,7 @@ def _config(
                 "overlap_forward": overlap,
                 "speculative_step": speculate,
                 "merge_bucket_size": merge,
+                "upload_model_dtype": upload,
             },
         },
     }
@@ -67,7 +69,7 @@ def _config(
     return config
 
 
-def _engine(stage, precision, gas, clip, ratio, overlap, speculate=True, merge=0):
+def _engine(stage, precision, gas, clip, ratio, overlap, speculate=True, merge=0, upload=False):
     import slipstream
     from slipstream.zero.testing import TinyTransformer
 
@@ -78,7 +80,7 @@ def _engine(stage, precision, gas, clip, ratio, overlap, speculate=True, merge=0
     optimizer = torch.optim.AdamW(
         [{"params": decay, "weight_decay": 0.1}, {"params": other, "lr": 0.02}], lr=0.01
     )
-    config = _config(stage, precision, gas, clip, ratio, overlap, speculate, merge)
+    config = _config(stage, precision, gas, clip, ratio, overlap, speculate, merge, upload)
     engine, *_ = slipstream.initialize(model=model, optimizer=optimizer, config=config)
     return engine
 
@@ -94,7 +96,9 @@ def _everything(engine) -> list[torch.Tensor]:
     )
 
 
-def _run(stage, precision, gas, clipping, ratio, overlap, early=False, merge=0) -> dict:
+def _run(
+    stage, precision, gas, clipping, ratio, overlap, early=False, merge=0, upload=False
+) -> dict:
     """Train through CLIPS (or without clipping); losses, snapshots, what was deferred, how
     many deferred buckets were published from an upload staged as their CPU step ended (on a
     GPU always; on the CPU only with ``early``), and the worker's jobs and calls (``merge``:
@@ -104,7 +108,7 @@ def _run(stage, precision, gas, clipping, ratio, overlap, early=False, merge=0) 
 
     world, rank = comm.get_world_size(), comm.get_rank()
     clips = CLIPS if clipping else [0.0] * len(CLIPS)
-    engine = _engine(stage, precision, gas, clips[0], ratio, overlap, merge=merge)
+    engine = _engine(stage, precision, gas, clips[0], ratio, overlap, merge=merge, upload=upload)
     device = next(engine.module.parameters()).device
     offload = engine.zero.optimizer.offload
     jobs = []
@@ -150,14 +154,15 @@ def _run(stage, precision, gas, clipping, ratio, overlap, early=False, merge=0) 
         "staged": sum(staged),
         "jobs": len(jobs),
         "calls": offload.worker_calls,
+        "staging": engine.zero._staging is not None,
     }
 
 
 def _side_by_side(
-    stage, precision, gas, clipping, ratio, early=False, merge=0, overlap_on=True
+    stage, precision, gas, clipping, ratio, early=False, merge=0, overlap_on=True, upload=False
 ) -> dict:
-    """``overlap_on`` (with ``early`` and ``merge``) against the plain run."""
-    on = _run(stage, precision, gas, clipping, ratio, overlap_on, early, merge)
+    """``overlap_on`` (with ``early``, ``merge`` and ``upload``) against the plain run."""
+    on = _run(stage, precision, gas, clipping, ratio, overlap_on, early, merge, upload)
     off = _run(stage, precision, gas, clipping, ratio, False)
     first_difference = None
     for index, (a, b) in enumerate(zip(on["snapshots"], off["snapshots"])):
@@ -174,6 +179,7 @@ def _side_by_side(
         "off": (off["overlap"], off["stats"]),
         "jobs": (on["jobs"], off["jobs"]),
         "calls": (on["calls"], off["calls"]),
+        "staging": (on["staging"], off["staging"]),
     }
 
 
@@ -500,3 +506,63 @@ def test_merged_bucket_steps_are_the_same_run_on_gpus(overlap, clipping) -> None
         assert result["same_losses"]
         assert result["first_difference"] is None, result["first_difference"]
         assert result["jobs"][0] == result["jobs"][1] > 0
+
+
+@pytest.mark.parametrize(
+    ("stage", "world", "precision", "gas", "clipping", "overlap"),
+    [
+        (2, 2, "bf16", 1, True, True),  # speculative (kept, discarded, paused), overlap_forward
+        (1, 2, "bf16", 2, False, False),  # the exact step during backward, accumulation
+        (2, 1, "fp16", 1, True, True),  # fp16: an overflow-free run with loss scaling
+    ],
+)
+def test_model_dtype_uploads_are_the_same_run(stage, world, precision, gas, clipping, overlap):
+    # upload_model_dtype: the CPU step writes each updated master rounded to the model's dtype
+    # into a staging buffer (as the device's cast would round it), and that is published.
+    results = run_distributed(
+        _side_by_side,
+        world,
+        stage,
+        precision,
+        gas,
+        clipping,
+        1.0,
+        True,  # early uploads (packed on the worker) on the CPU too
+        0,
+        overlap,
+        True,
+        timeout=300,
+    )
+    for result in results:
+        assert result["staging"] == (True, False)
+        assert result["on"][1] == result["off"][1]
+        assert result["same_losses"]
+        assert result["first_difference"] is None, result["first_difference"]
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA/ROCm device")
+@pytest.mark.parametrize(("overlap", "clipping"), [(True, True), (False, False)])
+def test_model_dtype_uploads_are_the_same_run_on_gpus(overlap, clipping) -> None:
+    # The bf16 copies the C++ step writes are uploaded (pinned, early on a side stream with
+    # overlap_forward) instead of the fp32 masters the GPU would cast: the same weights.
+    world = min(2, torch.cuda.device_count())
+    results = run_distributed(
+        _side_by_side,
+        world,
+        2,
+        "bf16",
+        1,
+        clipping,
+        1.0,
+        False,
+        0,
+        overlap,
+        True,
+        backend="nccl",
+        timeout=300,
+    )
+    for result in results:
+        assert result["staging"] == (True, False)
+        assert result["same_losses"]
+        assert result["first_difference"] is None, result["first_difference"]

@@ -157,6 +157,7 @@ def offload_settings(config: SlipstreamConfig) -> tuple[Any, Any]:
             gpu_share=optimizer.gpu_share,
             gil_switch_interval_us=optimizer.gil_switch_interval_us,
             merge_bucket_numel=int(optimizer.merge_bucket_size),
+            upload_model_dtype=optimizer.upload_model_dtype and optimizer.device == "cpu",
         )
     param_settings = None
     if param is not None:

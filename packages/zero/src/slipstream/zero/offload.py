@@ -558,8 +558,10 @@ class OffloadedStep:
             return True
         self.drain()  # jobs still running: done before their updates are discarded or kept
         kept = grad_scale == assumed and not cancelled and self.host.commit_speculation(assumed)
-        if not kept:
-            self.host.discard_speculation()
+        if not kept and self.host.discard_speculation() and self.host.copies:
+            # The model-dtype copies hold the discarded values: the masters' again, for a
+            # skipped step's republish (a step taken now rewrites them anyway).
+            self.host.refresh_copies()
         self.speculation.record(kept, cancelled)
         return kept
 
