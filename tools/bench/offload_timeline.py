@@ -7,6 +7,10 @@ each bucket's launch (reduce-scatter + copy to the host) and each publish (uploa
 of a stepped bucket) with ``time.perf_counter`` stamps. Only the host side is seen: a stamp
 says when the host issued or finished waiting for something, not when the GPU ran it.
 
+The summary's ``worker`` block splits the worker's calls (``jobs_detail``: start, end, the wait for
+the bucket's copy to the host, the C++ kernel from the step's own clock, the rest) and its idle
+time, with the queue empty (waiting for the next bucket to be launched) or not.
+
 It is a benchmark instrument, not a library feature: it patches private methods of
 ``slipstream.zero`` for the process it runs in, and costs a few microseconds per event.
 """
