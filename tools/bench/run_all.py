@@ -1,6 +1,6 @@
 """Run several training benchmarks side by side and print a markdown table of the results.
 
-Each spec is ``IMPL[:STAGE[+cpu|+nvme][+param|+nvmeparam][+noclip][+bf16comm][+ratioR][+rbN][+abN][+leaf][+bpN][+pf][+tN][+dyn][+ovf][+gsX][+siUS][+obN]]@MODEL/MICRO`` (e.g.
+Each spec is ``IMPL[:STAGE[+cpu|+nvme][+param|+nvmeparam][+noclip][+bf16comm][+ratioR][+rbN][+abN][+leaf][+bpN][+pf][+tN][+dyn][+ovf][+gsX][+siUS][+obN][+mbN][+up16]]@MODEL/MICRO`` (e.g.
 ``fsdp2@1.3b/4``, ``slipstream:3@7b/2``, ``slipstream:2+cpu@1.3b/4`` for CPU optimizer
 offload, ``slipstream:3+cpu+nvmeparam@1.3b/2`` with the parameter shards on NVMe,
 ``+bf16comm`` for ``communication_data_type`` bf16, DeepSpeed's default under bf16;
@@ -14,7 +14,8 @@ stage-3 cap; default 64); ``+pf`` for ``publish_during_forward`` (stages 1-2); `
 (formerly ``SLIPSTREAM_OFFLOAD_THREADS=16``), ``+dyn`` for ``cpu_schedule`` dynamic; ``+ovf`` for
 ``offload_optimizer.overlap_forward``; ``+gs0.3`` for ``offload_optimizer.gpu_share`` 0.3; ``+si200`` for
 ``offload_optimizer.gil_switch_interval_us`` 200 (``+si0``: Python's own interval); ``+ob5e7`` for
-``offload_optimizer.overlap_bucket_size`` 5e7; ``deepspeed:2+cpu@7b/2`` runs DeepSpeed, when
+``offload_optimizer.overlap_bucket_size`` 5e7; ``+mb2e8`` for ``offload_optimizer.merge_bucket_size`` 2e8; ``+up16`` for
+``offload_optimizer.upload_model_dtype``; ``deepspeed:2+cpu@7b/2`` runs DeepSpeed, when
 installed, on the same config); every
 run is a fresh ``torchrun`` of train_bench.py on ``--gpus`` processes, one after the other on
 the same machine, so the rows compare like with like.
@@ -59,6 +60,10 @@ def _parse(spec: str) -> list[str]:
             args += ["--overlap-forward"]
         elif extra == "dyn":
             args += ["--cpu-schedule", "dynamic"]
+        elif extra == "up16":
+            args += ["--upload-model-dtype"]
+        elif extra.startswith("mb"):
+            args += ["--merge-bucket-size", extra.removeprefix("mb")]
         elif extra.startswith("ob"):
             args += ["--overlap-bucket-size", extra.removeprefix("ob")]
         elif extra.startswith("si"):
@@ -125,6 +130,14 @@ def main(argv: list[str] | None = None) -> int:
     )
     parser.add_argument("--profile-steps", type=int, default=3)
     parser.add_argument(
+        "--timeline",
+        type=Path,
+        default=None,
+        help="train_bench.py --timeline on every CPU-offload run: each rank's host timeline of "
+        "the last timed step to DIR/<spec>.rank<r>.json, and its summary printed "
+        "(offload_timeline.py)",
+    )
+    parser.add_argument(
         "--profile-stack", action="store_true", help="train_bench.py --profile-stack"
     )
     args = parser.parse_args(argv)
@@ -148,6 +161,10 @@ def main(argv: list[str] | None = None) -> int:
                 "--profile-steps", str(args.profile_steps),
                 *(["--profile-stack"] if args.profile_stack else []),
             ]  # fmt: skip
+        if args.timeline is not None and "+cpu" in spec:
+            args.timeline.mkdir(parents=True, exist_ok=True)
+            name = "".join(c if c.isalnum() or c in "._-" else "_" for c in spec)
+            command += ["--timeline", str(args.timeline / name)]
         print("$", " ".join(command), flush=True)
         done = subprocess.run(command, env=env, capture_output=True, text=True)
         lines = [line for line in done.stdout.splitlines() if line.startswith("BENCH ")]
@@ -156,7 +173,11 @@ def main(argv: list[str] | None = None) -> int:
             print(f"FAILED {spec} (exit {done.returncode}):\n{tail}", flush=True)
             rows.append({"impl": spec, "error": tail.strip().splitlines()[-1] if tail else "?"})
             continue
-        profiled = [line for line in done.stdout.splitlines() if line.startswith(("PROFILE", "  "))]
+        profiled = [
+            line
+            for line in done.stdout.splitlines()
+            if line.startswith(("PROFILE", "  ", "TIMELINE"))
+        ]
         if profiled:
             print("\n".join(profiled), flush=True)
         result = json.loads(lines[-1][len("BENCH ") :])

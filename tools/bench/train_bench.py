@@ -184,17 +184,24 @@ def _offload_blocks(args: argparse.Namespace) -> dict[str, Any]:
             args.cpu_schedule,
             args.gil_switch_us is not None,
             args.overlap_bucket_size,
+            args.merge_bucket_size is not None,
+            args.upload_model_dtype,
         )
         if args.impl == "deepspeed" and any(ours):
             raise SystemExit(
                 "--offload-ratio / --offload-gpu-share / --overlap-forward / --offload-threads "
-                "/ --cpu-schedule / --gil-switch-us / --overlap-bucket-size: "
+                "/ --cpu-schedule / --gil-switch-us / --overlap-bucket-size / --merge-bucket-size "
+                "/ --upload-model-dtype: "
                 "slipstream only"
             )
         if args.gil_switch_us is not None:
             blocks["offload_optimizer"]["gil_switch_interval_us"] = args.gil_switch_us
         if args.overlap_bucket_size:
             blocks["offload_optimizer"]["overlap_bucket_size"] = int(args.overlap_bucket_size)
+        if args.merge_bucket_size is not None:
+            blocks["offload_optimizer"]["merge_bucket_size"] = int(args.merge_bucket_size)
+        if args.upload_model_dtype:
+            blocks["offload_optimizer"]["upload_model_dtype"] = True
         if args.offload_threads:
             blocks["offload_optimizer"]["threads"] = args.offload_threads
         if args.cpu_schedule:
@@ -501,6 +508,19 @@ def main(argv: list[str] | None = None) -> int:
         default=0,
         help="--offload cpu: offload_optimizer.overlap_bucket_size (0: the config default, 1e8)",
     )
+    parser.add_argument(
+        "--merge-bucket-size",
+        type=float,
+        default=None,
+        help="--offload cpu: offload_optimizer.merge_bucket_size (elements per merged C++ call "
+        "of landed buckets; 0: one call per bucket; unset: the config default)",
+    )
+    parser.add_argument(
+        "--upload-model-dtype",
+        action="store_true",
+        help="--offload cpu: offload_optimizer.upload_model_dtype (upload a bf16 copy the CPU "
+        "step writes instead of the fp32 master)",
+    )
     parser.add_argument("--nvme-path", type=Path, default=Path("/tmp/slipstream-nvme"))
     parser.add_argument("--clip", type=float, default=1.0, help="gradient_clipping (0: off)")
     parser.add_argument(
@@ -691,6 +711,8 @@ def main(argv: list[str] | None = None) -> int:
     offload = _offload_of(engine)
     busy = (offload.worker_busy_s, offload.tail_wait_s) if offload is not None else None
     kernel_before = offload.kernel_s if offload is not None else None
+    off_worker_before = getattr(offload, "kernel_off_worker_s", None)
+    calls_before = getattr(offload, "worker_calls", 0)
     timeline = None
     if args.timeline is not None and offload is not None:
         from offload_timeline import Timeline
@@ -729,6 +751,7 @@ def main(argv: list[str] | None = None) -> int:
         # Per timed step: how long the CPU worker stepped buckets (during backward and, with
         # overlap_forward, after step() returned), and how long forwards waited for it.
         cpu_step = {
+            "cpu_worker_calls": round((offload.worker_calls - calls_before) / args.steps, 1),
             "cpu_worker_busy_ms": round(1e3 * (offload.worker_busy_s - busy[0]) / args.steps, 1),
             "forward_wait_ms": round(1e3 * (offload.tail_wait_s - busy[1]) / args.steps, 1),
         }
@@ -742,6 +765,11 @@ def main(argv: list[str] | None = None) -> int:
             # Per step, summed over the calls: how long each region waited for its last thread to
             # start (a descheduled or sleeping OpenMP thread starts late).
             cpu_step["cpu_late_start_ms"] = round(1e3 * kernel[3] / args.steps, 1)
+        if off_worker_before is not None:
+            # The part of cpu_kernel_ms run off the worker (so not in cpu_worker_busy_ms): steps
+            # after backward, when a speculative step was discarded or paused (clipping).
+            off = offload.kernel_off_worker_s - off_worker_before
+            cpu_step["cpu_kernel_off_worker_ms"] = round(1e3 * off / args.steps, 1)
     final_loss = float(loss)  # host sync once, after timing
     timed_phases = args.impl in ("slipstream", "deepspeed") and args.phases
     phases = _phase_times(engine, input_ids, labels, sync) if timed_phases else {}
@@ -788,6 +816,8 @@ def main(argv: list[str] | None = None) -> int:
         + ("+dyn" if args.cpu_schedule == "dynamic" else "")
         + (f"+si{args.gil_switch_us:g}" if args.gil_switch_us is not None else "")
         + (f"+ob{args.overlap_bucket_size:g}" if args.overlap_bucket_size else "")
+        + (f"+mb{args.merge_bucket_size:g}" if args.merge_bucket_size is not None else "")
+        + ("+up16" if args.upload_model_dtype else "")
         + (f"+rb{args.reduce_bucket_size:g}" if args.reduce_bucket_size != 5e8 else "")
         + (f"+ab{args.allgather_bucket_size:g}" if args.allgather_bucket_size != 5e8 else "")
         + ("+pf" if args.publish_during_forward else "")

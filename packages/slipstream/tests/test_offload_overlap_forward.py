@@ -35,6 +35,8 @@ def _config(
     ratio: float,
     overlap: bool,
     speculate: bool = True,
+    merge: int = 0,
+    upload: bool = False,
 ):
     config = {
         "train_micro_batch_size_per_gpu": MICRO,
@@ -55,6 +57,8 @@ def _config(
                 "ratio": ratio,
                 "overlap_forward": overlap,
                 "speculative_step": speculate,
+                "merge_bucket_size": merge,
+                "upload_model_dtype": upload,
             },
         },
     }
@@ -65,7 +69,7 @@ def _config(
     return config
 
 
-def _engine(stage, precision, gas, clip, ratio, overlap, speculate=True):
+def _engine(stage, precision, gas, clip, ratio, overlap, speculate=True, merge=0, upload=False):
     import slipstream
     from slipstream.zero.testing import TinyTransformer
 
@@ -76,7 +80,7 @@ def _engine(stage, precision, gas, clip, ratio, overlap, speculate=True):
     optimizer = torch.optim.AdamW(
         [{"params": decay, "weight_decay": 0.1}, {"params": other, "lr": 0.02}], lr=0.01
     )
-    config = _config(stage, precision, gas, clip, ratio, overlap, speculate)
+    config = _config(stage, precision, gas, clip, ratio, overlap, speculate, merge, upload)
     engine, *_ = slipstream.initialize(model=model, optimizer=optimizer, config=config)
     return engine
 
@@ -92,18 +96,25 @@ def _everything(engine) -> list[torch.Tensor]:
     )
 
 
-def _run(stage, precision, gas, clipping, ratio, overlap, early=False) -> dict:
-    """Train through CLIPS (or without clipping); losses, snapshots, what was deferred and
-    how many deferred buckets were published from an upload staged as their CPU step ended
-    (on a GPU always; on the CPU only with ``early``)."""
+def _run(
+    stage, precision, gas, clipping, ratio, overlap, early=False, merge=0, upload=False
+) -> dict:
+    """Train through CLIPS (or without clipping); losses, snapshots, what was deferred, how
+    many deferred buckets were published from an upload staged as their CPU step ended (on a
+    GPU always; on the CPU only with ``early``), and the worker's jobs and calls (``merge``:
+    merge_bucket_size)."""
     from slipstream import comm
     from slipstream.zero.testing import batch_for
 
     world, rank = comm.get_world_size(), comm.get_rank()
     clips = CLIPS if clipping else [0.0] * len(CLIPS)
-    engine = _engine(stage, precision, gas, clips[0], ratio, overlap)
+    engine = _engine(stage, precision, gas, clips[0], ratio, overlap, merge=merge, upload=upload)
     device = next(engine.module.parameters()).device
     offload = engine.zero.optimizer.offload
+    jobs = []
+    reducer = engine.zero.reducer
+    submit = reducer.on_final_bucket  # the worker's submit, as the reducer holds it
+    reducer.on_final_bucket = lambda *args: jobs.append(1) or submit(*args)
     if early:
         offload.stage_upload = engine.zero._stage_upload
     staged = []
@@ -141,11 +152,17 @@ def _run(stage, precision, gas, clipping, ratio, overlap, early=False) -> dict:
         "overlap": offload.overlap_forward,
         "stats": (stats.kept, stats.discarded, stats.paused),
         "staged": sum(staged),
+        "jobs": len(jobs),
+        "calls": offload.worker_calls,
+        "staging": engine.zero._staging is not None,
     }
 
 
-def _side_by_side(stage, precision, gas, clipping, ratio, early=False) -> dict:
-    on = _run(stage, precision, gas, clipping, ratio, True, early)
+def _side_by_side(
+    stage, precision, gas, clipping, ratio, early=False, merge=0, overlap_on=True, upload=False
+) -> dict:
+    """``overlap_on`` (with ``early``, ``merge`` and ``upload``) against the plain run."""
+    on = _run(stage, precision, gas, clipping, ratio, overlap_on, early, merge, upload)
     off = _run(stage, precision, gas, clipping, ratio, False)
     first_difference = None
     for index, (a, b) in enumerate(zip(on["snapshots"], off["snapshots"])):
@@ -160,6 +177,9 @@ def _side_by_side(stage, precision, gas, clipping, ratio, early=False) -> dict:
         "staged": on["staged"],
         "on": (on["overlap"], on["stats"]),
         "off": (off["overlap"], off["stats"]),
+        "jobs": (on["jobs"], off["jobs"]),
+        "calls": (on["calls"], off["calls"]),
+        "staging": (on["staging"], off["staging"]),
     }
 
 
@@ -220,6 +240,44 @@ def test_uploads_staged_as_each_bucket_steps_are_the_same_run(
         assert result["same_losses"]
         assert result["first_difference"] is None, result["first_difference"]
         assert result["staged"] > 0
+
+
+@pytest.mark.parametrize(
+    ("stage", "world", "precision", "gas", "clipping", "overlap", "merge"),
+    [
+        # Every landed bucket in one call, under clipping (speculative, discarded, paused)
+        # and without (the exact step during backward).
+        (2, 2, "fp32", 1, False, False, 10**9),
+        (1, 1, "bf16", 2, True, False, 10**9),
+        # overlap_forward (newest first after backward), a cap of about two buckets' shards.
+        (2, 2, "bf16", 1, True, True, 700),
+    ],
+)
+def test_merged_bucket_steps_are_the_same_run(
+    stage, world, precision, gas, clipping, overlap, merge
+) -> None:
+    # merge_bucket_size: the worker steps the landed buckets it would take next in one C++
+    # call. The update is the same element by element, so the run is the same bit for bit.
+    results = run_distributed(
+        _side_by_side,
+        world,
+        stage,
+        precision,
+        gas,
+        clipping,
+        1.0,
+        False,
+        merge,
+        overlap,
+        timeout=300,
+    )
+    for result in results:
+        assert result["on"][0] == overlap and result["on"][1] == result["off"][1]
+        assert result["same_losses"]
+        assert result["first_difference"] is None, result["first_difference"]
+        (jobs_on, jobs_off), (calls_on, calls_off) = result["jobs"], result["calls"]
+        assert jobs_on == jobs_off > 0 and calls_off == jobs_off  # the same buckets
+        assert 0 < calls_on < jobs_on  # merged: fewer calls
 
 
 def _checkpoint_and_state_dict(tmp: str) -> dict:
@@ -420,3 +478,91 @@ def test_overlap_forward_is_the_same_run_bit_for_bit_on_gpus(stage, clipping, ra
         assert result["first_difference"] is None, result["first_difference"]
         assert any(d > 0 for d in result["deferred"])
         assert result["staged"] > 0  # uploads started as the buckets' CPU steps ended
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA/ROCm device")
+@pytest.mark.parametrize(("overlap", "clipping"), [(True, True), (False, False)])
+def test_merged_bucket_steps_are_the_same_run_on_gpus(overlap, clipping) -> None:
+    # Buckets land through pinned memory on a side stream; the worker merges those that have
+    # landed (each one's wait for its copy and hand-over, then one C++ call).
+    world = min(2, torch.cuda.device_count())
+    results = run_distributed(
+        _side_by_side,
+        world,
+        2,
+        "bf16",
+        1,
+        clipping,
+        1.0,
+        False,
+        10**9,
+        overlap,
+        backend="nccl",
+        timeout=300,
+    )
+    for result in results:
+        assert result["on"][0] == overlap and result["on"][1] == result["off"][1]
+        assert result["same_losses"]
+        assert result["first_difference"] is None, result["first_difference"]
+        assert result["jobs"][0] == result["jobs"][1] > 0
+
+
+@pytest.mark.parametrize(
+    ("stage", "world", "precision", "gas", "clipping", "overlap"),
+    [
+        (2, 2, "bf16", 1, True, True),  # speculative (kept, discarded, paused), overlap_forward
+        (1, 2, "bf16", 2, False, False),  # the exact step during backward, accumulation
+        (2, 1, "fp16", 1, True, True),  # fp16: an overflow-free run with loss scaling
+    ],
+)
+def test_model_dtype_uploads_are_the_same_run(stage, world, precision, gas, clipping, overlap):
+    # upload_model_dtype: the CPU step writes each updated master rounded to the model's dtype
+    # into a staging buffer (as the device's cast would round it), and that is published.
+    results = run_distributed(
+        _side_by_side,
+        world,
+        stage,
+        precision,
+        gas,
+        clipping,
+        1.0,
+        True,  # early uploads (packed on the worker) on the CPU too
+        0,
+        overlap,
+        True,
+        timeout=300,
+    )
+    for result in results:
+        assert result["staging"] == (True, False)
+        assert result["on"][1] == result["off"][1]
+        assert result["same_losses"]
+        assert result["first_difference"] is None, result["first_difference"]
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA/ROCm device")
+@pytest.mark.parametrize(("overlap", "clipping"), [(True, True), (False, False)])
+def test_model_dtype_uploads_are_the_same_run_on_gpus(overlap, clipping) -> None:
+    # The bf16 copies the C++ step writes are uploaded (pinned, early on a side stream with
+    # overlap_forward) instead of the fp32 masters the GPU would cast: the same weights.
+    world = min(2, torch.cuda.device_count())
+    results = run_distributed(
+        _side_by_side,
+        world,
+        2,
+        "bf16",
+        1,
+        clipping,
+        1.0,
+        False,
+        0,
+        overlap,
+        True,
+        backend="nccl",
+        timeout=300,
+    )
+    for result in results:
+        assert result["staging"] == (True, False)
+        assert result["same_losses"]
+        assert result["first_difference"] is None, result["first_difference"]

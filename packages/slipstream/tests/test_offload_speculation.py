@@ -120,6 +120,10 @@ def _run(
         "streamed_on": (
             offload.host._streamed.device.type if offload.host._streamed is not None else None
         ),
+        # The C++ step's clock: every call, and those made off the worker thread.
+        "kernel_s": offload.kernel_s[0],
+        "kernel_off_worker_s": offload.kernel_off_worker_s,
+        "worker_busy_s": offload.worker_busy_s,
     }
 
 
@@ -138,7 +142,17 @@ def _side_by_side(
         if len(a) != len(b) or not all(torch.equal(x, y) for x, y in zip(a, b)):
             first_difference = step
             break
-    keys = ("speculative", "eager", "stats", "norm", "skipped", "scales")
+    keys = (
+        "speculative",
+        "eager",
+        "stats",
+        "norm",
+        "skipped",
+        "scales",
+        "kernel_s",
+        "kernel_off_worker_s",
+        "worker_busy_s",
+    )
     return {
         "on": {k: on[k] for k in keys},
         "off": {k: off[k] for k in keys},
@@ -171,6 +185,11 @@ def test_speculative_step_is_the_step_bit_for_bit(stage, world, precision, gas, 
         # The last step's norm came from the end-of-backward check's reduction: the same.
         assert result["on"]["norm"] == result["off"]["norm"]
         assert result["first_difference"] is None, result["first_difference"]
+        # The clocks: without speculation every C++ step runs after backward, off the worker;
+        # with it, the discarded and the paused steps do, the speculative ones on the worker.
+        on, off = result["on"], result["off"]
+        assert off["kernel_s"] > 0 and off["kernel_off_worker_s"] == off["kernel_s"]
+        assert 0 < on["kernel_off_worker_s"] < on["kernel_s"] and on["worker_busy_s"] > 0
 
 
 # fp16: kept twice, discarded twice under clipping (which pauses one step), an overflow at

@@ -96,3 +96,69 @@ def test_switch_interval_holds_while_the_worker_runs_and_is_restored() -> None:
     untouched.submit(lambda: seen.append(sys.getswitchinterval())).result(timeout=10)
     untouched.shutdown()
     assert seen[-1] == pytest.approx(before)
+
+
+def _merge_run(lifo: bool, cap: int, landed: dict[int, bool], fail: bool = False):
+    """Jobs 1-5 (10 elements each; job 4 steps with another function) queued behind a job
+    that holds the worker; what each call stepped, in order, and the Futures."""
+    from slipstream.zero.offload import BucketPart
+
+    worker = StepWorker(lifo=lifo, merge_numel=cap)
+    gate, started = threading.Event(), threading.Event()
+    calls: list[list[int]] = []
+    prepared: list[int] = []
+
+    def step(indices: list[int]) -> None:
+        if fail and len(indices) > 1:
+            raise ValueError("merged step failed")
+        calls.append(list(indices))
+
+    def other(indices: list[int]) -> None:
+        calls.append([-i for i in indices])
+
+    def first() -> None:
+        started.set()
+        gate.wait()
+
+    futures = [worker.submit(first)]
+    assert started.wait(timeout=10)
+    for n in range(1, 6):
+        how = other if n == 4 else step
+        part = BucketPart(lambda n=n: prepared.append(n), how, [n], 10)
+        futures.append(
+            worker.submit(
+                lambda n=n, how=how: (prepared.append(n), how([n])), lambda n=n: landed[n], part
+            )
+        )
+    gate.set()
+    worker.shutdown()
+    return calls, prepared, futures, worker.calls
+
+
+def test_merged_jobs_share_one_step_call() -> None:
+    # merge_bucket_size: the job taken next brings the jobs that would follow it while they
+    # have landed, share its step function and keep within the element cap; each one's
+    # prepare runs, then one step over all their indices.
+    every = {n: True for n in range(1, 6)}
+    calls, prepared, futures, count = _merge_run(False, 25, dict(every))
+    # 1+2 (3 would pass 25 elements), 3 (4 steps otherwise), 4, 5.
+    assert calls == [[1, 2], [3], [-4], [5]] and prepared == [1, 2, 3, 4, 5]
+    assert all(f.done() and f.exception() is None for f in futures) and count == 5
+    # Oldest first: a job that has not landed ends the merge (it is taken next, as before).
+    calls, *_ = _merge_run(False, 100, {**every, 2: False})
+    assert calls == [[1], [2, 3], [-4], [5]]
+    # Newest landed first (overlap_forward after backward): 5, then down from 3.
+    calls, *_ = _merge_run(True, 100, dict(every))
+    assert calls == [[5], [-4], [3, 2, 1]]
+    # Off (0): one call per job, whatever has landed.
+    calls, *_ = _merge_run(False, 0, dict(every))
+    assert calls == [[1], [2], [3], [-4], [5]]
+
+
+def test_a_merged_call_that_fails_fails_each_of_its_jobs() -> None:
+    calls, _, futures, _ = _merge_run(False, 100, {n: True for n in range(1, 6)}, fail=True)
+    for merged in futures[1:4]:  # jobs 1-3 shared the call
+        with pytest.raises(ValueError, match="merged step failed"):
+            merged.result(timeout=10)
+    assert futures[4].exception() is None and futures[5].exception() is None
+    assert calls == [[-4], [5]]

@@ -81,6 +81,14 @@ class OptimizerOffload:
             copied to the GPU and back chunk by chunk by its copy engines
             (:class:`slipstream.offload.gpu_stream.StreamedAdam`). 0.0 (the default): the
             CPU steps everything. The states are then allocated like the masters (pinned).
+        upload_model_dtype: CPU, ZeRO 1-2 with a 16-bit model: the CPU step also writes each
+            updated master in the model's dtype into a pinned staging buffer, and the
+            all-gather uploads that (2 bytes per element instead of the fp32 master's 4).
+        merge_bucket_numel: CPU, ZeRO 1-2 stepping during backward: when the CPU step's
+            worker is behind the gradients, the buckets that have landed and would be stepped
+            next are stepped with the current one in one C++ call, up to this many elements
+            per call (fewer calls: fewer OpenMP wake-ups and returns to Python per step; the
+            same update). 0: one call per bucket.
         gil_switch_interval_us: CPU, ZeRO 1-2 stepping during backward: while the CPU
             step's worker thread runs, Python's switch interval (``sys.setswitchinterval``)
             in microseconds: how long the worker, which needs the GIL around every bucket's
@@ -108,8 +116,15 @@ class OptimizerOffload:
     overlap_bucket_numel: int = 100_000_000
     gpu_share: float = 0.0
     gil_switch_interval_us: float = 0.0
+    merge_bucket_numel: int = 0
+    upload_model_dtype: bool = False
 
     def __post_init__(self) -> None:
+        if self.merge_bucket_numel < 0:
+            raise ValueError(
+                f"offload_optimizer.merge_bucket_size={self.merge_bucket_numel} must be >= 0 "
+                "(0: one C++ call per bucket)"
+            )
         if not self.gil_switch_interval_us >= 0.0:
             raise ValueError(
                 f"offload_optimizer.gil_switch_interval_us={self.gil_switch_interval_us} must "
@@ -142,7 +157,7 @@ class OptimizerOffload:
                 f"offload_optimizer.ratio={self.ratio} (partial offload) needs device='cpu'; "
                 "NVMe offload swaps every state (set ratio to 1.0)"
             )
-        for name in ("overlap_step", "speculative_step"):
+        for name in ("overlap_step", "speculative_step", "upload_model_dtype"):
             if getattr(self, name) and self.device != "cpu":
                 raise ValueError(
                     f"offload_optimizer {name} needs device='cpu' (NVMe steps whole sub-groups)"

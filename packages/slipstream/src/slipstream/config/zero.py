@@ -59,7 +59,9 @@ class OffloadOptimizerConfig(ConfigBlock):
     bucket as its CPU step ends; ``threads`` (0: chosen from the cores and
     ``cpuadam_cores_perc``) and ``cpu_schedule`` (``"static"`` or ``"dynamic"``) of the
     CPU step; ``gpu_share`` (0.0): the share of each step's elements that the GPU steps
-    instead of the CPU (states streamed from and back to host memory).
+    instead of the CPU (states streamed from and back to host memory); ``merge_bucket_size``
+    (0): landed buckets stepped in one C++ call, up to this many elements;
+    ``upload_model_dtype`` (off): upload a model-dtype copy the CPU step writes, not the fp32.
     """
 
     device: OffloadDevice = "none"
@@ -89,6 +91,12 @@ class OffloadOptimizerConfig(ConfigBlock):
     # A Slipstream addition (docs/offload.md, "The worker and the GIL"): Python's switch
     # interval while the CPU step's worker runs, in microseconds (0: Python's own).
     gil_switch_interval_us: float = dataclasses.field(default=0.0, metadata={"ge": 0.0})
+    # A Slipstream addition (docs/offload.md, "Merged bucket steps"): landed buckets the CPU
+    # worker would step next share one C++ call, up to this many elements (0: one per bucket).
+    merge_bucket_size: int = _ge0(0)
+    # A Slipstream addition (docs/offload.md, "What the all-gather uploads"): the CPU step
+    # writes a model-dtype copy of each updated master, which is uploaded instead of the fp32.
+    upload_model_dtype: bool = False
 
 
 @dataclasses.dataclass(kw_only=True)

@@ -156,6 +156,8 @@ def offload_settings(config: SlipstreamConfig) -> tuple[Any, Any]:
             overlap_bucket_numel=max(1, int(optimizer.overlap_bucket_size)),
             gpu_share=optimizer.gpu_share,
             gil_switch_interval_us=optimizer.gil_switch_interval_us,
+            merge_bucket_numel=int(optimizer.merge_bucket_size),
+            upload_model_dtype=optimizer.upload_model_dtype and optimizer.device == "cpu",
         )
     param_settings = None
     if param is not None:

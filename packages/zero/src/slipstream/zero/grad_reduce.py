@@ -81,6 +81,10 @@ def plan_buckets(
     return buckets
 
 
+def _nothing() -> None:
+    """A bucket reduced without a GPU is in the master grads already: nothing to prepare."""
+
+
 @dataclass(slots=True)
 class _Bucket:
     """Parameters whose gradients travel in one reduce-scatter."""
@@ -114,9 +118,11 @@ class EagerBucketStep:
     """Optimizer offload with a CPU step during backward: what the reducer calls per bucket
     of the last reduction before a step (``final``), given at construction.
 
-    ``submit(run[, ready])`` queues ``run`` (hand the landed bucket to the master grads,
+    ``submit(run, ready, part)`` queues ``run`` (hand the landed bucket to the master grads,
     then step those masters) on the CPU step's worker and returns its Future; ``ready``
-    (with a GPU) says whether the bucket's copy to the host is done. ``step_indices`` steps
+    (with a GPU; None without) says whether the bucket's copy to the host is done; ``part``
+    is ``run`` in pieces (:class:`slipstream.zero.offload.BucketPart`), so that the worker
+    can step several landed buckets in one call. ``step_indices`` steps
     a bucket's masters (the exact or the speculative step). ``on_stepped(indices)`` is
     called in :meth:`GradientReduceScatter.finish`, in bucket order, as each bucket's step
     completes (the stage publishes those parameters while later buckets still step).
@@ -489,16 +495,27 @@ class GradientReduceScatter:
             indices, offsets = list(bucket.indices), list(bucket.offsets)
             owned = self._owned(bucket, target)
 
-            def run() -> None:
+            def prepare() -> None:
                 # synchronize() gives the GIL up and takes it back, which costs up to Python's
                 # switch interval while another thread runs Python; a landed bucket needs
                 # neither (query() keeps the GIL).
                 if not event.query():
                     event.synchronize()
                 self._hand_over_slices(indices, offsets, target, owned)
+
+            def run() -> None:
+                prepare()
                 self._step_now(indices)
 
-            bucket.job = self.on_final_bucket(run, event.query)
+            bucket.job = self.on_final_bucket(
+                run, event.query, self._part(prepare, indices, bucket.shard_numel)
+            )
+
+    def _part(self, prepare: Callable[[], None], indices: list[int], numel: int) -> Any:
+        """The job in pieces (the stage's worker may step it in one call with others)."""
+        from slipstream.zero.offload import BucketPart
+
+        return BucketPart(prepare, self._step_now, list(indices), numel)
 
     def _step_now(self, indices: list[int]) -> None:
         assert self.step_indices is not None, "an eager offload step needs step_indices"
@@ -594,8 +611,18 @@ class GradientReduceScatter:
             if self.before_stepped is not None and first_reduction:
                 self.before_stepped(squares)
             assert self.on_final_bucket is not None
-            for indices in deferred:
-                self._stepped(indices, self.on_final_bucket(partial(self._step_now, indices)))
+            jobs = [
+                self.on_final_bucket(
+                    partial(self._step_now, indices),
+                    None,
+                    self._part(
+                        _nothing, indices, sum(self.masters.specs[i].shard_numel for i in indices)
+                    ),
+                )
+                for indices in deferred
+            ]  # all queued before the first is waited for: the worker may merge them
+            for indices, job in zip(deferred, jobs):
+                self._stepped(indices, job)
         if norms is not None:
             self._record_squares(norms)
         if self._to_host:

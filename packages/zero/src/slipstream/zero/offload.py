@@ -23,6 +23,7 @@ from collections import deque
 from collections.abc import Callable, Sequence
 from concurrent.futures import Future
 from contextlib import nullcontext
+from dataclasses import dataclass
 from functools import partial
 from typing import TYPE_CHECKING, Any
 
@@ -36,6 +37,7 @@ if TYPE_CHECKING:
     from slipstream.offload.settings import OptimizerOffload
 
 __all__ = [
+    "BucketPart",
     "OffloadedStep",
     "SpeculationStats",
     "offloaded_flags",
@@ -125,6 +127,26 @@ class _StagingFailed:
         self.error = error
 
 
+@dataclass(frozen=True, slots=True)
+class BucketPart:
+    """A bucket's CPU step as a job that can share one C++ call with other buckets' jobs.
+
+    ``prepare()`` makes the bucket ready to step (waits for its copy to the host, hands it to
+    the master gradients); ``step(indices)`` steps the masters at ``indices``. Jobs whose
+    ``step`` is the same run as ``prepare()`` of each, then one ``step`` over all their
+    indices: the same update, element by element, as one call per bucket (the C++ step treats
+    every parameter on its own), with one OpenMP region and one return to Python.
+    """
+
+    prepare: Callable[[], None]
+    step: Callable[[list[int]], None]
+    indices: list[int]
+    numel: int
+
+
+_Job = tuple[Callable[[], None], Future[None], Callable[[], bool] | None, BucketPart | None]
+
+
 class StepWorker:
     """The thread that runs the CPU step's jobs (a landed bucket's hand-over and step), one at
     a time: oldest first, or newest *landed* first while ``lifo`` is set.
@@ -136,34 +158,45 @@ class StepWorker:
     (its bucket's copy to the host is done) is taken newest first only once ready; while no
     queued job is ready, the oldest is taken, the one that lands first, so the worker never
     waits for one bucket while another has arrived.
+
+    ``merge_numel`` > 0 (``offload_optimizer.merge_bucket_size``): a job submitted with a
+    :class:`BucketPart` takes with it the jobs that would be taken next, in the same order,
+    while they have landed, share its ``step`` and keep the elements within ``merge_numel``:
+    when the worker is behind the gradients, consecutive buckets step in one C++ call.
     """
 
-    def __init__(self, lifo: bool = False, switch_interval_s: float = 0.0) -> None:
+    def __init__(
+        self, lifo: bool = False, switch_interval_s: float = 0.0, merge_numel: int = 0
+    ) -> None:
         self.lifo = lifo
+        self.merge_numel = merge_numel
         # offload_optimizer.gil_switch_interval_us: Python's switch interval while the thread
         # runs (0: left alone), and the one it replaced (restored at shutdown).
         self.switch_interval_s = switch_interval_s
         self._previous_switch: float | None = None
-        self._jobs: deque[tuple[Callable[[], None], Future[None], Callable[[], bool] | None]] = (
-            deque()
-        )
+        self._jobs: deque[_Job] = deque()
         self._wake = threading.Condition()
         self._thread: threading.Thread | None = None
         self._closed = False
         self.busy_s = 0.0  # seconds spent running jobs (benchmarks read it)
+        self.calls = 0  # how many times the worker ran jobs (merged ones count once)
         # Stop the thread before the interpreter (and the OpenMP runtime) shuts down.
         atexit.register(_shutdown_if_alive, weakref.ref(self))
 
     def submit(
-        self, run: Callable[[], None], ready: Callable[[], bool] | None = None
+        self,
+        run: Callable[[], None],
+        ready: Callable[[], bool] | None = None,
+        part: BucketPart | None = None,
     ) -> Future[None]:
         """Queue ``run``; its Future re-raises what it raised. ``ready`` (optional) says
-        whether ``run`` can start without waiting (see the class docstring)."""
+        whether ``run`` can start without waiting (see the class docstring); ``part``
+        (optional) is ``run`` in pieces, so that it can share a call with other jobs."""
         future: Future[None] = Future()
         with self._wake:
             if self._closed:
                 raise RuntimeError("the CPU optimizer step's worker was shut down")
-            self._jobs.append((run, future, ready))
+            self._jobs.append((run, future, ready, part))
             if self._thread is None:
                 if self.switch_interval_s > 0:
                     self._previous_switch = sys.getswitchinterval()
@@ -182,29 +215,80 @@ class StepWorker:
                     self._wake.wait()
                 if not self._jobs:
                     return  # shut down, nothing left
-                run, future, _ = self._take()
-            if not future.set_running_or_notify_cancel():
+                batch = self._take()
+            live = [job for job in batch if job[1].set_running_or_notify_cancel()]
+            if not live:
                 continue
             began = time.perf_counter()
             try:
-                run()
-            except BaseException as exc:  # handed to whoever waits on the Future
-                future.set_exception(exc)
-            else:
-                future.set_result(None)
+                self._execute(live)
             finally:
                 self.busy_s += time.perf_counter() - began
+                self.calls += 1
 
-    def _take(self) -> tuple[Callable[[], None], Future[None], Callable[[], bool] | None]:
-        """The next job (the lock is held): see the class docstring."""
-        if self.lifo:
-            for position in range(len(self._jobs) - 1, -1, -1):
+    @staticmethod
+    def _execute(batch: list[_Job]) -> None:
+        """Run one job, or merged ones (each one's ``prepare``, then one ``step``); what it
+        raised goes to every Future of the batch."""
+        try:
+            if len(batch) == 1:
+                batch[0][0]()
+            else:
+                parts = [job[3] for job in batch]
+                for part in parts:
+                    assert part is not None
+                    part.prepare()
+                first = parts[0]
+                assert first is not None
+                first.step([i for part in parts if part is not None for i in part.indices])
+        except BaseException as exc:  # handed to whoever waits on the Futures
+            for job in batch:
+                job[1].set_exception(exc)
+        else:
+            for job in batch:
+                job[1].set_result(None)
+
+    def _position(self, landed_only: bool) -> int | None:
+        """Where the next job is in the queue (the lock is held): see the class docstring.
+        ``landed_only``: only a job that is ready (a merge never waits)."""
+        if self.lifo or landed_only:
+            order = range(len(self._jobs) - 1, -1, -1) if self.lifo else range(len(self._jobs))
+            for position in order:
                 ready = self._jobs[position][2]
                 if ready is None or ready():
-                    job = self._jobs[position]
-                    del self._jobs[position]
-                    return job
-        return self._jobs.popleft()
+                    return position
+                if not self.lifo:
+                    return None  # oldest first: the next one has not landed
+            if landed_only:
+                return None
+        return 0
+
+    def _take(self) -> list[_Job]:
+        """The next job, and the jobs merged with it (the lock is held)."""
+        position = self._position(landed_only=False)
+        assert position is not None
+        job = self._jobs[position]
+        del self._jobs[position]
+        batch = [job]
+        part = job[3]
+        if part is None or self.merge_numel <= 0:
+            return batch
+        total = part.numel
+        while self._jobs:
+            position = self._position(landed_only=True)
+            if position is None:
+                break
+            other = self._jobs[position][3]
+            if other is None or other.step != part.step or total + other.numel > self.merge_numel:
+                break
+            batch.append(self._jobs[position])
+            del self._jobs[position]
+            total += other.numel
+        return batch
+
+    def is_worker_thread(self) -> bool:
+        """Whether the calling thread is this worker's."""
+        return self._thread is not None and threading.current_thread() is self._thread
 
     def shutdown(self) -> None:
         """Run what is queued, then stop the thread."""
@@ -303,6 +387,10 @@ class OffloadedStep:
         self.tail_kept = False
         self._commit_pending: float | None = None  # the factor the kept step assumed
         self.tail_wait_s = 0.0  # seconds forwards (and barriers) waited for the tail
+        # The C++ step's own clock (HostOptimizer.kernel_s[0]) for the calls made off the
+        # worker thread: a step after backward (no speculation, a discarded or paused one).
+        # Benchmarks compare kernel_s with worker_busy_s, which counts the worker alone.
+        self.kernel_off_worker_s = 0.0
         # Set by the ZeRO instance on a GPU: ``stage_upload(indices)`` starts a tail bucket's
         # upload (off the compute stream) and returns what its publish then takes. It runs on
         # the worker as soon as the bucket's job is done, so the upload does not wait for
@@ -470,8 +558,10 @@ class OffloadedStep:
             return True
         self.drain()  # jobs still running: done before their updates are discarded or kept
         kept = grad_scale == assumed and not cancelled and self.host.commit_speculation(assumed)
-        if not kept:
-            self.host.discard_speculation()
+        if not kept and self.host.discard_speculation() and self.host.copies:
+            # The model-dtype copies hold the discarded values: the masters' again, for a
+            # skipped step's republish (a step taken now rewrites them anyway).
+            self.host.refresh_copies()
         self.speculation.record(kept, cancelled)
         return kept
 
@@ -485,14 +575,26 @@ class OffloadedStep:
         return True
 
     def submit(
-        self, run: Callable[[], None], ready: Callable[[], bool] | None = None
+        self,
+        run: Callable[[], None],
+        ready: Callable[[], bool] | None = None,
+        part: BucketPart | None = None,
     ) -> Future[None]:
         """Queue ``run`` (a bucket's hand-over and step) on the CPU step's worker; ``ready``:
-        whether the bucket has landed on the host (:class:`StepWorker`)."""
+        whether the bucket has landed on the host; ``part``: ``run`` in pieces, so that it can
+        share a C++ call with the buckets queued after it (:class:`StepWorker`)."""
         if self._pool is None:
-            self._pool = StepWorker(switch_interval_s=self.offload.gil_switch_interval_us * 1e-6)
+            self._pool = StepWorker(
+                switch_interval_s=self.offload.gil_switch_interval_us * 1e-6,
+                merge_numel=self.offload.merge_bucket_numel,
+            )
         self._eager_steps += 1
-        return self._pool.submit(run, ready)
+        return self._pool.submit(run, ready, part)
+
+    @property
+    def worker_calls(self) -> int:
+        """How many times the worker ran jobs (buckets stepped in one call count once)."""
+        return self._pool.calls if self._pool is not None else 0
 
     # ------------------------------------------------------------------ overlap_forward
     def enable_overlap_forward(self) -> str:
@@ -598,7 +700,15 @@ class OffloadedStep:
         """Step the offloaded masters at ``indices`` now (``grad_scale`` folded into the
         gradients); those kept on the device step in :meth:`step_device`."""
         chosen = [self.masters.masters[i] for i in indices if self.masters.offloaded[i]]
+        before = None if self._on_worker() else self.host.kernel_s[0]
         self.host.step_params(chosen, grad_scale)
+        if before is not None:
+            self.kernel_off_worker_s += self.host.kernel_s[0] - before
+
+    def _on_worker(self) -> bool:
+        """Whether the calling thread is the CPU step's worker."""
+        pool = self._pool
+        return pool is not None and pool.is_worker_thread()
 
     def step_device(self, grad_scale: float) -> None:
         """Partial offload: step the masters kept on the device that have a gradient, with
@@ -620,7 +730,9 @@ class OffloadedStep:
 
     @property
     def worker_busy_s(self) -> float:
-        """Seconds the CPU step's worker has spent running bucket steps (benchmarks)."""
+        """Seconds the CPU step's worker has spent running bucket steps (benchmarks). Steps
+        taken after backward on the caller's thread are not in it: :attr:`kernel_s` counts
+        every C++ call, :attr:`kernel_off_worker_s` those made off the worker."""
         return self._pool.busy_s if self._pool is not None else 0.0
 
     def take_eager_steps(self) -> int:
@@ -635,7 +747,10 @@ class OffloadedStep:
         before its update, the second after it.
         """
         before, after = self.sub_group_hooks or (None, None)
+        clock = None if self._on_worker() else self.host.kernel_s[0]
         self.host.step(grad_scale=grad_scale, on_sub_group=after, before_sub_group=before)
+        if clock is not None:
+            self.kernel_off_worker_s += self.host.kernel_s[0] - clock
 
     def resident(self) -> Any:
         """A context in which every master and state is in host memory (checkpoints)."""

@@ -75,11 +75,17 @@ def pack_bucket(
     sources: list[torch.Tensor] = []
     for i in indices:
         shard = shards[i].detach().reshape(-1)
+        piece = send[offset : offset + shard.numel()]
+        offset += shard.numel()
+        if shard.device != device and shard.dtype == dtype:
+            # Already in the model's dtype (staged copies): straight into the send buffer,
+            # no device temporary and no cast.
+            piece.copy_(shard, non_blocking=True)
+            continue
         if shard.device != device:
             shard = shard.to(device, non_blocking=True)
-        into.append(send[offset : offset + shard.numel()])
+        into.append(piece)
         sources.append(shard)
-        offset += shard.numel()
     if into:
         # One multi-tensor copy (cast) for the bucket instead of one kernel per parameter
         # ([Note: cast copies] in grad_reduce.py).

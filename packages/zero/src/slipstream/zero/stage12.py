@@ -134,8 +134,15 @@ class ShardedOptimizerStates(GradientPathMixin):
             # that the upload reads (docs/offload.md, "What the all-gather uploads"). NVMe
             # swaps the masters out after the step, before the all-gather, so it stages
             # copies. A master kept on the device (partial offload) publishes itself.
+            # upload_model_dtype: the CPU step writes the copies too (2 more bytes per element
+            # for bf16) and the upload moves half the bytes: the copy engines, which share the
+            # host memory with the CPU step, then hold the next forward up less
+            # (overlap_forward; docs/offload.md).
             copies: dict[int, torch.Tensor] = {}
-            if offload.device == "nvme":
+            staged = offload.device == "nvme" or (
+                offload.upload_model_dtype and any(p.dtype.itemsize < 4 for p in self.params)
+            )
+            if staged:
                 self._staging = [
                     self.masters.host_empty(m.shape, p.dtype) if out else m
                     for m, p, out in zip(self.masters.masters, self.params, self.masters.offloaded)
@@ -376,7 +383,7 @@ class ShardedOptimizerStates(GradientPathMixin):
         offload = self.settings.offload_optimizer
         early = offload is not None and offload.early_upload
         on_gpu = bool(self.params) and self.params[0].device.type == "cuda"
-        if early and on_gpu and self._staging is None:
+        if early and on_gpu:
             step.stage_upload = self._stage_upload
         position = {id(p): i for i, p in enumerate(self.params)}
         for sub in module.modules():
