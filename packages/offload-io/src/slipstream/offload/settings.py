@@ -69,6 +69,14 @@ class OptimizerOffload:
         cpu_schedule: how those threads share a step's elements: ``"static"`` (one
             contiguous share each) or ``"dynamic"`` (16 Ki-element chunks handed out in
             turn; better when other threads of the process share the cores).
+        cpu_streaming_stores: the C++ Adam/AdamW step writes every result (master, both
+            moments, the model-dtype copies), in place too, with full-width non-temporal
+            stores, 512 elements at a time through L1 buffers: no output line is read before
+            it is written and no dirty line is left in the caches. False: the earlier kernel
+            (in place with ordinary stores, out of place with 16-byte non-temporal stores).
+            The same values, bit for bit, either way.
+        cpu_prefetch: with ``cpu_streaming_stores``, software-prefetch each block's inputs
+            this many elements ahead (0: the hardware prefetchers only).
         early_upload: ZeRO 1-2 with ``overlap_forward`` on a GPU: upload each deferred
             bucket's updated shards on a side stream as soon as its CPU step ends, instead
             of from the forward hook that needs them.
@@ -104,6 +112,8 @@ class OptimizerOffload:
     ratio: float = 1.0
     threads: int = 0
     cpu_schedule: Literal["static", "dynamic"] = "static"
+    cpu_streaming_stores: bool = False
+    cpu_prefetch: int = 0
     early_upload: bool = True
     overlap_bucket_numel: int = 100_000_000
     gpu_share: float = 0.0
@@ -130,6 +140,10 @@ class OptimizerOffload:
         if self.cpu_schedule not in ("static", "dynamic"):
             raise ValueError(
                 f"offload_optimizer.cpu_schedule={self.cpu_schedule!r}: use 'static' or 'dynamic'"
+            )
+        if self.cpu_prefetch < 0:
+            raise ValueError(
+                f"offload_optimizer.cpu_prefetch={self.cpu_prefetch} must be >= 0 elements (0: off)"
             )
         if self.overlap_bucket_numel < 1:
             raise ValueError(

@@ -83,6 +83,10 @@ class OffloadOptimizerConfig(ConfigBlock):
     early_upload: bool = True
     threads: int = _ge0(0)
     cpu_schedule: Literal["static", "dynamic"] = "static"
+    # Slipstream additions (docs/offload.md, "How the CPU step moves memory"): the C++ Adam's
+    # stores and prefetch; the same values either way.
+    cpu_streaming_stores: bool = False
+    cpu_prefetch: int = _ge0(0)
     # A Slipstream addition (docs/offload.md, "gpu_share"): the share of each CPU step's
     # elements stepped on the GPU instead, their states streamed from and back to host memory.
     gpu_share: float = dataclasses.field(default=0.0, metadata={"ge": 0.0, "le": 1.0})
