@@ -325,6 +325,7 @@ SLIPSTREAM_INLINE void prefetch_lines(const void* base, int64_t bytes) {
 }
 
 constexpr int64_t kOutBlock = 512;  // elements per block of the blocked paths (2 KiB of fp32)
+constexpr int64_t kPrefetchPiece = 64;  // elements per prefetch step of adam_span_stream
 
 // The streaming step (AdamArgs::stream), in place or out of place: a block at a time into L1
 // buffers, then every result (the param, both moments and the model-dtype copy) leaves with
@@ -348,26 +349,35 @@ SLIPSTREAM_INLINE void adam_span_stream(const Span& s, const AdamArgs& a) {
   const int64_t ahead = a.prefetch;
   for (int64_t start = 0; start < s.length; start += kOutBlock) {
     const int64_t n = std::min(kOutBlock, s.length - start);
-    if (ahead > 0 && start + ahead < s.length) {
-      const int64_t from = start + ahead;
-      const int64_t count = std::min(kOutBlock, s.length - from);
-      prefetch_lines(s.param + from, count * 4);
-      prefetch_lines(s.state1 + from, count * 4);
-      prefetch_lines(s.state2 + from, count * 4);
-      prefetch_lines(grad + from, count * static_cast<int64_t>(sizeof(Storage<G>)));
-    }
-    {  // the loop of adam_span_out, word for word (the same code, so the same roundings)
-      const float* __restrict p = s.param + start;
-      const float* __restrict m = s.state1 + start;
-      const float* __restrict v = s.state2 + start;
-      const Storage<G>* __restrict g = grad + start;
+    // With prefetch, the block is updated 64 elements (a line of each fp32 stream x 4) at a
+    // time, each piece after the prefetches of the piece `ahead` elements further on: the
+    // prefetches go out evenly instead of in one burst that fills the line-fill buffers.
+    const int64_t piece = ahead > 0 ? kPrefetchPiece : n;
+    for (int64_t at = 0; at < n; at += piece) {
+      const int64_t count = std::min(piece, n - at);
+      const int64_t from = start + at + ahead;
+      if (ahead > 0 && from < s.length) {
+        const int64_t lines = std::min(count, s.length - from);
+        prefetch_lines(s.param + from, lines * 4);
+        prefetch_lines(s.state1 + from, lines * 4);
+        prefetch_lines(s.state2 + from, lines * 4);
+        prefetch_lines(grad + from, lines * static_cast<int64_t>(sizeof(Storage<G>)));
+      }
+      // The loop of adam_span_out, word for word (the same code, so the same roundings).
+      const float* __restrict p = s.param + start + at;
+      const float* __restrict m = s.state1 + start + at;
+      const float* __restrict v = s.state2 + start + at;
+      const Storage<G>* __restrict g = grad + start + at;
+      float* __restrict wp = wb + at;
+      float* __restrict mp = mb + at;
+      float* __restrict vp = vb + at;
 #pragma omp simd
-      for (int64_t i = 0; i < n; ++i) {
+      for (int64_t i = 0; i < count; ++i) {
         float w = p[i], mi = m[i], vi = v[i];
         adam_element(k, load<G>(g, i), w, mi, vi);
-        mb[i] = mi;
-        vb[i] = vi;
-        wb[i] = w;
+        mp[i] = mi;
+        vp[i] = vi;
+        wp[i] = w;
       }
     }  // in place, the stores below overwrite what p, m and v pointed at: after their scope
     stream_bytes<W>(po + start, wb, n * 4);
