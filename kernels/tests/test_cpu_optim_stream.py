@@ -1,9 +1,10 @@
-"""The C++ Adam's streaming step (``stream=True``) and memory probes: same bits as the earlier kernel.
+"""The C++ Adam's store paths (``stores=``) and memory probes: the same bits as the earlier kernel.
 
-``stream`` changes only how the step moves memory (blocked through L1 buffers, every result
-written with non-temporal stores, optional prefetch), never what it computes: every path must
-equal ``stream=False`` bit for bit, on every ISA the CPU has, in place and out of place, for
-every gradient and copy dtype, AdamW and L2 mode, at unaligned offsets and odd lengths.
+``stores="stream"`` (blocked through L1 buffers, every result written with non-temporal stores,
+optional prefetch) and ``stores="cached"`` (ordinary stores straight into the outputs) change
+only how the step moves memory, never what it computes: every path must equal the earlier
+kernel (``stores="mixed"``) bit for bit, on every ISA the CPU has, in place and out of place,
+for every gradient and copy dtype, AdamW and L2 mode, at unaligned offsets and odd lengths.
 """
 
 from __future__ import annotations
@@ -72,14 +73,15 @@ def _step(cpu_optim, state, copy_dtype, out_of_place: bool, adam_w: bool, **memo
 
 @pytest.mark.parametrize("adam_w", [True, False])
 @pytest.mark.parametrize("grad_dtype", [torch.float32, torch.bfloat16, torch.float16])
-def test_streaming_step_is_the_earlier_kernel_bit_for_bit(
+def test_store_paths_are_the_earlier_kernel_bit_for_bit(
     cpu_optim, monkeypatch, adam_w: bool, grad_dtype: torch.dtype
 ) -> None:
     memories = [
-        dict(stream=True),
-        dict(stream=True, store_bytes=16, prefetch=700),
-        dict(stream=True, store_bytes=32, prefetch=512),
-        dict(stream=True, store_bytes=64, prefetch=3),
+        dict(stores="cached"),
+        dict(stores="stream"),
+        dict(stores="stream", store_bytes=16, prefetch=700),
+        dict(stores="stream", store_bytes=32, prefetch=512),
+        dict(stores="stream", store_bytes=64, prefetch=3),
     ]
     for isa in cpu_optim.supported_isas():
         monkeypatch.setenv("SLIPSTREAM_CPU_ISA", isa)
@@ -98,10 +100,11 @@ def test_streaming_step_is_the_earlier_kernel_bit_for_bit(
                     assert all(torch.equal(a, b) for a, b in zip(now, inputs)), where
 
 
-def test_streaming_step_writes_nothing_outside_its_views(cpu_optim) -> None:
+@pytest.mark.parametrize("stores", ["stream", "cached"])
+def test_store_paths_write_nothing_outside_their_views(cpu_optim, stores: str) -> None:
     # The non-temporal stores cover whole 16/32/64-byte pieces: the bytes around each view
     # (the rest of its buffer) must stay as they were.
-    for store_bytes in (0, 16, 32, 64):
+    for store_bytes in (0, 16, 32, 64) if stores == "stream" else (0,):
         buffers = [torch.full((40_100,), 7.0) for _ in range(6)]
         views = [b[3 : 3 + 40_000] for b in buffers]
         param, m, v, pout, mout, vout = views
@@ -110,7 +113,7 @@ def test_streaming_step_writes_nothing_outside_its_views(cpu_optim) -> None:
         copy_buffer = torch.full((40_100,), 7.0, dtype=torch.bfloat16)
         copy = copy_buffer[3 : 3 + 40_000]
         cpu_optim.adam([param], [grad], [m], [v], adam_w_mode=True, step=1,
-                       param_copies=[copy], out=([pout], [mout], [vout]), stream=True,
+                       param_copies=[copy], out=([pout], [mout], [vout]), stores=stores,
                        store_bytes=store_bytes, **OPTIONS)  # fmt: skip
         for buffer in [*buffers, copy_buffer.float()]:
             assert bool((buffer[:3] == 7.0).all()) and bool((buffer[40_003:40_005] == 7.0).all())
@@ -135,10 +138,13 @@ def test_memory_probes_move_what_they_say(cpu_optim) -> None:
 def test_memory_options_are_checked(cpu_optim) -> None:
     param, grad, m, v = (torch.randn(64).abs() for _ in range(4))
     with pytest.raises(ValueError, match="store_bytes=8"):
-        cpu_optim.adam([param], [grad], [m], [v], adam_w_mode=True, step=1, stream=True,
+        cpu_optim.adam([param], [grad], [m], [v], adam_w_mode=True, step=1, stores="stream",
                        store_bytes=8, **OPTIONS)  # fmt: skip
     with pytest.raises(ValueError, match="prefetch=-1"):
-        cpu_optim.adam([param], [grad], [m], [v], adam_w_mode=True, step=1, stream=True,
+        cpu_optim.adam([param], [grad], [m], [v], adam_w_mode=True, step=1, stores="stream",
                        prefetch=-1, **OPTIONS)  # fmt: skip
+    with pytest.raises(ValueError, match="stores='fast'"):
+        cpu_optim.adam([param], [grad], [m], [v], adam_w_mode=True, step=1, stores="fast",
+                       **OPTIONS)  # fmt: skip
     with pytest.raises(ValueError, match="mode='sum'"):
         cpu_optim.memory_probe("sum", [param], [grad], [m], [v])

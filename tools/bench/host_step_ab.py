@@ -14,8 +14,9 @@ from round to round), first with rank 0 alone and then with all ranks at once. A
   (26 B): what the host's memory gives a step of this shape;
 - ``PLACE``: ``oop`` (out of place into the second set, the speculative step of training),
   ``ip`` (in place);
-- modifiers: ``old`` (the earlier kernel: ``stream=False``), ``ntB`` (the streaming kernel with
-  B-byte non-temporal stores, 0 = the widest), ``pfN`` (prefetch N elements ahead), ``dyn``
+- modifiers: ``old`` (the earlier kernel: ``stores="mixed"``), ``cached`` (``stores="cached"``:
+  ordinary stores straight into the outputs), ``ntB`` (``stores="stream"`` with B-byte
+  non-temporal stores, 0 = the widest), ``pfN`` (prefetch N elements ahead), ``dyn``
   (dynamic schedule), ``tN`` (N OpenMP threads instead of ``--threads``).
 
     PYTHONPATH=kernels/src python3 tools/bench/host_step_ab.py --processes 2 --threads 16 \\
@@ -66,7 +67,7 @@ def _parse(variant: str, threads: int) -> dict[str, Any]:
     spec: dict[str, Any] = {
         "kind": kind,
         "oop": place == "oop",
-        "stream": kind != "adam",
+        "stores": "mixed" if kind == "adam" else "stream",
         "store_bytes": 0,
         "prefetch": 0,
         "schedule": "static",
@@ -74,9 +75,11 @@ def _parse(variant: str, threads: int) -> dict[str, Any]:
     }
     for mod in mods:
         if mod == "old":
-            spec["stream"] = False
+            spec["stores"] = "mixed"
+        elif mod == "cached":
+            spec["stores"] = "cached"
         elif mod.startswith("nt"):
-            spec["stream"], spec["store_bytes"] = True, int(mod[2:])
+            spec["stores"], spec["store_bytes"] = "stream", int(mod[2:])
         elif mod.startswith("pf"):
             spec["prefetch"] = int(mod[2:])
         elif mod == "dyn":
@@ -119,7 +122,7 @@ def _worker(rank: int, args: argparse.Namespace, barrier: Any, results: Any) -> 
             cpu_optim.adam(
                 params, grads, exp_avgs, exp_avg_sqs, lr=1e-4, beta1=0.9, beta2=0.95,
                 eps=1e-8, weight_decay=0.1, adam_w_mode=True, bias_correction=True,
-                step=step, out=out, schedule=spec["schedule"], stream=spec["stream"],
+                step=step, out=out, schedule=spec["schedule"], stores=spec["stores"],
                 store_bytes=spec["store_bytes"], prefetch=spec["prefetch"],
             )  # fmt: skip
         else:

@@ -184,13 +184,13 @@ def _offload_blocks(args: argparse.Namespace) -> dict[str, Any]:
             args.cpu_schedule,
             args.gil_switch_us is not None,
             args.overlap_bucket_size,
-            args.cpu_stream is not None,
+            args.cpu_stores is not None,
             args.cpu_prefetch is not None,
         )
         if args.impl == "deepspeed" and any(ours):
             raise SystemExit(
                 "--offload-ratio / --offload-gpu-share / --overlap-forward / --offload-threads "
-                "/ --cpu-schedule / --gil-switch-us / --overlap-bucket-size / --cpu-stream "
+                "/ --cpu-schedule / --gil-switch-us / --overlap-bucket-size / --cpu-stores "
                 "/ --cpu-prefetch: slipstream only"
             )
         if args.gil_switch_us is not None:
@@ -201,8 +201,8 @@ def _offload_blocks(args: argparse.Namespace) -> dict[str, Any]:
             blocks["offload_optimizer"]["threads"] = args.offload_threads
         if args.cpu_schedule:
             blocks["offload_optimizer"]["cpu_schedule"] = args.cpu_schedule
-        if args.cpu_stream is not None:
-            blocks["offload_optimizer"]["cpu_streaming_stores"] = args.cpu_stream == "on"
+        if args.cpu_stores is not None:
+            blocks["offload_optimizer"]["cpu_stores"] = args.cpu_stores
         if args.cpu_prefetch is not None:
             blocks["offload_optimizer"]["cpu_prefetch"] = args.cpu_prefetch
         if args.offload_ratio != 1.0:
@@ -495,10 +495,10 @@ def main(argv: list[str] | None = None) -> int:
         help="--offload cpu: offload_optimizer.cpu_schedule",
     )
     parser.add_argument(
-        "--cpu-stream",
-        choices=["on", "off"],
+        "--cpu-stores",
+        choices=["mixed", "stream", "cached"],
         default=None,
-        help="--offload cpu: offload_optimizer.cpu_streaming_stores (default: the config's)",
+        help="--offload cpu: offload_optimizer.cpu_stores (default: the config's)",
     )
     parser.add_argument(
         "--cpu-prefetch",
@@ -804,7 +804,7 @@ def main(argv: list[str] | None = None) -> int:
         + ("+ovf" if args.overlap_forward else "")
         + (f"+t{args.offload_threads}" if args.offload_threads else "")
         + ("+dyn" if args.cpu_schedule == "dynamic" else "")
-        + ({"on": "+nt", "off": "+ntoff"}[args.cpu_stream] if args.cpu_stream else "")
+        + (f"+st{args.cpu_stores}" if args.cpu_stores else "")
         + (f"+cpf{args.cpu_prefetch}" if args.cpu_prefetch is not None else "")
         + (f"+si{args.gil_switch_us:g}" if args.gil_switch_us is not None else "")
         + (f"+ob{args.overlap_bucket_size:g}" if args.overlap_bucket_size else "")

@@ -297,10 +297,15 @@ class _Recording:
 
 
 @pytest.mark.parametrize(
-    "memory", [{"cpu_streaming_stores": True}, {"cpu_streaming_stores": True, "cpu_prefetch": 1024}]
+    "memory",
+    [
+        {"cpu_stores": "cached"},
+        {"cpu_stores": "stream"},
+        {"cpu_stores": "stream", "cpu_prefetch": 1024},
+    ],
 )
 def test_memory_settings_change_no_bit(memory: dict) -> None:
-    """offload_optimizer.cpu_streaming_stores / cpu_prefetch reach the C++ Adam and change how
+    """offload_optimizer.cpu_stores / cpu_prefetch reach the C++ Adam and change how
     it moves memory only: steps and committed speculations equal the default's bit for bit."""
     hosts = []
     for settings in (OptimizerOffload(), OptimizerOffload(**memory)):
@@ -322,10 +327,12 @@ def test_memory_settings_change_no_bit(memory: dict) -> None:
         default.step()
         assert _same(_snapshot(default), _snapshot(chosen)), step
     calls = recording.calls
-    assert calls and all(k["stream"] is True for k in calls)
+    assert calls and all(k["stores"] == memory["cpu_stores"] for k in calls)
     assert all(k["prefetch"] == memory.get("cpu_prefetch", 0) for k in calls)
     with pytest.raises(ValueError, match="cpu_prefetch=-1"):
         OptimizerOffload(cpu_prefetch=-1)
+    with pytest.raises(ValueError, match="cpu_stores='fast'"):
+        OptimizerOffload(cpu_stores="fast")  # type: ignore[arg-type]
 
 
 @pytest.mark.parametrize("name", ["adam-groups", "adagrad", "lion"])

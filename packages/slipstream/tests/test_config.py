@@ -425,11 +425,11 @@ def test_cpu_step_memory_keys_reach_the_offload_settings() -> None:
 
     block = {
         "stage": 2,
-        "offload_optimizer": {"device": "cpu", "cpu_streaming_stores": True, "cpu_prefetch": 2048},
+        "offload_optimizer": {"device": "cpu", "cpu_stores": "stream", "cpu_prefetch": 2048},
     }
     settings = zero_settings(load({"zero_optimization": block}))
     assert settings.offload_optimizer is not None
-    assert settings.offload_optimizer.cpu_streaming_stores is True
+    assert settings.offload_optimizer.cpu_stores == "stream"
     assert settings.offload_optimizer.cpu_prefetch == 2048
     block["offload_optimizer"]["cpu_prefetch"] = -1
     with pytest.raises(ConfigError) as info:

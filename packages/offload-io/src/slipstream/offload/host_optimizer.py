@@ -441,7 +441,7 @@ class HostOptimizer:
             grad_scale=hyper.grad_scale,
             out=out,
             schedule=self.settings.cpu_schedule,
-            stream=self.settings.cpu_streaming_stores,
+            stores=self.settings.cpu_stores,
             prefetch=self.settings.cpu_prefetch,
         )
         stats = self._ops.last_step_stats()

@@ -69,13 +69,13 @@ class OptimizerOffload:
         cpu_schedule: how those threads share a step's elements: ``"static"`` (one
             contiguous share each) or ``"dynamic"`` (16 Ki-element chunks handed out in
             turn; better when other threads of the process share the cores).
-        cpu_streaming_stores: the C++ Adam/AdamW step writes every result (master, both
-            moments, the model-dtype copies), in place too, with full-width non-temporal
-            stores, 512 elements at a time through L1 buffers: no output line is read before
-            it is written and no dirty line is left in the caches. False: the earlier kernel
-            (in place with ordinary stores, out of place with 16-byte non-temporal stores).
-            The same values, bit for bit, either way.
-        cpu_prefetch: with ``cpu_streaming_stores``, software-prefetch each block's inputs
+        cpu_stores: how the C++ Adam/AdamW step writes its results (the same values, bit for
+            bit, whatever is chosen): ``"mixed"`` (the earlier kernel: in place with ordinary
+            stores, out of place with 16-byte non-temporal stores), ``"stream"`` (every
+            result, in place too, with full-line non-temporal stores, 512 elements at a time
+            through L1 buffers) or ``"cached"`` (ordinary stores straight from the element
+            loop, out of place too).
+        cpu_prefetch: with ``cpu_stores="stream"``, software-prefetch each block's inputs
             this many elements ahead (0: the hardware prefetchers only).
         early_upload: ZeRO 1-2 with ``overlap_forward`` on a GPU: upload each deferred
             bucket's updated shards on a side stream as soon as its CPU step ends, instead
@@ -112,7 +112,7 @@ class OptimizerOffload:
     ratio: float = 1.0
     threads: int = 0
     cpu_schedule: Literal["static", "dynamic"] = "static"
-    cpu_streaming_stores: bool = False
+    cpu_stores: Literal["mixed", "stream", "cached"] = "mixed"
     cpu_prefetch: int = 0
     early_upload: bool = True
     overlap_bucket_numel: int = 100_000_000
@@ -140,6 +140,11 @@ class OptimizerOffload:
         if self.cpu_schedule not in ("static", "dynamic"):
             raise ValueError(
                 f"offload_optimizer.cpu_schedule={self.cpu_schedule!r}: use 'static' or 'dynamic'"
+            )
+        if self.cpu_stores not in ("mixed", "stream", "cached"):
+            raise ValueError(
+                f"offload_optimizer.cpu_stores={self.cpu_stores!r}: use 'mixed', 'stream' or "
+                "'cached'"
             )
         if self.cpu_prefetch < 0:
             raise ValueError(

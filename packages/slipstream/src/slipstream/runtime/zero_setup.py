@@ -152,7 +152,7 @@ def offload_settings(config: SlipstreamConfig) -> tuple[Any, Any]:
             ratio=optimizer.ratio,
             threads=optimizer.threads,
             cpu_schedule=optimizer.cpu_schedule,
-            cpu_streaming_stores=optimizer.cpu_streaming_stores,
+            cpu_stores=optimizer.cpu_stores,
             cpu_prefetch=optimizer.cpu_prefetch,
             early_upload=optimizer.early_upload,
             overlap_bucket_numel=max(1, int(optimizer.overlap_bucket_size)),

@@ -23,7 +23,10 @@ ISA_ENV = "SLIPSTREAM_CPU_ISA"
 # a descheduled thread does not hold the step up when other threads of the process share the
 # cores). Callers take it from their typed settings (offload_optimizer.cpu_schedule).
 SCHEDULES = ("static", "dynamic")
-# Widths of the streaming step's non-temporal stores (``adam(stream=True, store_bytes=...)``):
+# How the Adam step writes its results (``adam(stores=...)``; the same values either way):
+# "mixed" (the earlier kernel), "stream" (non-temporal, blocked) or "cached" (ordinary stores).
+STORES = ("mixed", "stream", "cached")
+# Widths of the streaming step's non-temporal stores (``adam(stores="stream", store_bytes=...)``):
 # 0 is the widest the vector path has (64 bytes, a whole cache line, with AVX-512).
 STORE_BYTES = (0, 16, 32, 64)
 PROBES = ("read", "copy", "write")
@@ -115,7 +118,7 @@ def adam(
     out: tuple[Sequence[torch.Tensor], Sequence[torch.Tensor], Sequence[torch.Tensor]]
     | None = None,
     schedule: str = "static",
-    stream: bool = False,
+    stores: str = "mixed",
     store_bytes: int = 0,
     prefetch: int = 0,
 ) -> None:
@@ -133,15 +136,18 @@ def adam(
     ``schedule``: how the OpenMP threads share the elements, ``"static"`` or ``"dynamic"``
     (see :data:`SCHEDULES`); the same values either way.
 
-    How the step moves memory (the same values, bit for bit, whatever is chosen):
-    ``stream=True`` updates 512 elements at a time into L1 buffers and writes every result
-    (param, both moments, the ``param_copies``), in place too, with non-temporal stores of
-    ``store_bytes`` each (0: the widest the vector path has, a whole 64-byte line with AVX-512;
-    16, 32 or 64): no output line is read before it is written, and an in-place step leaves no
-    dirty lines in the caches. ``prefetch`` (elements, with ``stream``; 0: off) prefetches each
-    block's inputs that far ahead. ``stream=False`` is the earlier kernel: in place with
-    ordinary stores, out of place with 16-byte non-temporal stores.
+    How the step writes memory (the same values, bit for bit, whatever is chosen), ``stores``:
+    ``"mixed"`` (the earlier kernel): in place with ordinary stores, out of place with 16-byte
+    non-temporal stores through 512-element L1 buffers. ``"stream"``: 512 elements at a time
+    into L1 buffers, every result (param, both moments, the ``param_copies``; in place too)
+    written with non-temporal stores of ``store_bytes`` each (0: the widest the vector path
+    has, a whole 64-byte line with AVX-512; 16, 32 or 64), each block's inputs prefetched
+    ``prefetch`` elements ahead (0: off). ``"cached"``: ordinary stores straight from the
+    element loop, out of place too (CPUs that see whole lines written need not read them
+    first; the lines go back to memory through the caches, as an in-place step's do).
     """
+    if stores not in STORES:
+        raise ValueError(f"stores={stores!r} is not one of {', '.join(STORES)}")
     if store_bytes not in STORE_BYTES:
         raise ValueError(f"store_bytes={store_bytes!r} is not one of {STORE_BYTES}")
     if prefetch < 0:
@@ -167,7 +173,7 @@ def adam(
         _isa(),
         _schedule(schedule),
         *outputs,
-        bool(stream),
+        stores,
         int(store_bytes),
         int(prefetch),
     )
@@ -191,7 +197,7 @@ def memory_probe(
     ``mode``: ``"read"`` reads params, both states and the gradients (14 bytes per element
     with bf16 gradients) and writes nothing; ``"copy"`` also writes three fp32 results
     (``out``, or over the inputs) with non-temporal stores of ``store_bytes`` as
-    ``adam(stream=True)`` does (26 bytes; the values written are not an Adam step);
+    ``adam(stores="stream")`` does (26 bytes; the values written are not an Adam step);
     ``"write"`` only writes them (12 bytes). Returns the sum ``"read"`` took, else 0.
     """
     if mode not in PROBES:

@@ -176,6 +176,8 @@ SLIPSTREAM_INLINE void copy_span(const float* __restrict p, Storage<C>* __restri
   }
 }
 
+enum Stores : int { kMixed = 0, kStream = 1, kCached = 2 };
+
 struct AdamArgs {
   float beta1, beta2, eps, weight_decay, step_size, inv_sqrt_bc2, decay_factor;
   bool adam_w;
@@ -183,11 +185,12 @@ struct AdamArgs {
   // 1 - beta computed in double and rounded once, as torch does: 1.0f - float(0.999) is
   // 1.3e-5 away from float(0.001), which shifts every second moment by that much.
   float one_minus_beta1, one_minus_beta2;
-  // How the step moves memory (never what it computes; see adam_span_stream): stream the
-  // results (in place too) block by block with non-temporal stores of store_bytes each (0:
-  // the widest the ISA has), and prefetch each block's inputs prefetch elements ahead (0:
-  // none, the hardware prefetchers only). stream = false: adam_span / adam_span_out.
-  bool stream = false;
+  // How the step moves memory (never what it computes): kMixed, the earlier kernel (adam_span
+  // in place, adam_span_out out of place); kStream (adam_span_stream): every result block by
+  // block with non-temporal stores of store_bytes each (0: the widest the ISA has), each
+  // block's inputs prefetched prefetch elements ahead (0: none); kCached (adam_span_cached):
+  // every result with ordinary stores straight from the element loop, out of place too.
+  int stores = 0;
   int store_bytes = 0;
   int64_t prefetch = 0;
 };
@@ -327,7 +330,7 @@ SLIPSTREAM_INLINE void prefetch_lines(const void* base, int64_t bytes) {
 constexpr int64_t kOutBlock = 512;  // elements per block of the blocked paths (2 KiB of fp32)
 constexpr int64_t kPrefetchPiece = 64;  // elements per prefetch step of adam_span_stream
 
-// The streaming step (AdamArgs::stream), in place or out of place: a block at a time into L1
+// The streaming step (AdamArgs::stores == kStream), in place or out of place: a block at a time into L1
 // buffers, then every result (the param, both moments and the model-dtype copy) leaves with
 // non-temporal stores of W floats. Per element the CPU then moves exactly what the step needs
 // through memory: the inputs once (14 B with a bf16 gradient) and the outputs once (12 B, plus
@@ -408,6 +411,33 @@ SLIPSTREAM_INLINE void adam_span_stream8(const Span& s, const AdamArgs& a) {
 template <Kind G, Kind C>
 SLIPSTREAM_INLINE void adam_span_stream16(const Span& s, const AdamArgs& a) {
   adam_span_stream<G, C, 16>(s, a);
+}
+
+// AdamArgs::stores == kCached: ordinary stores straight from the element loop into the outputs
+// (out of place; in place this is adam_span). Each output line is written whole by the
+// loop's vector stores, one after the next, which CPUs that detect full-line writes can take
+// without reading the line first; the written lines go back to memory through the caches, as
+// an in-place step's do.
+template <Kind G, Kind C>
+SLIPSTREAM_INLINE void adam_span_cached(const Span& s, const AdamArgs& a) {
+  const float* __restrict p = s.param;
+  const float* __restrict m = s.state1;
+  const float* __restrict v = s.state2;
+  float* __restrict po = s.param_out;
+  float* __restrict mo = s.state1_out;
+  float* __restrict vo = s.state2_out;
+  const Storage<G>* __restrict grad = static_cast<const Storage<G>*>(s.grad);
+  Storage<C>* __restrict copy = static_cast<Storage<C>*>(s.copy);
+  const AdamScalars k = scalars_of(a);
+#pragma omp simd
+  for (int64_t i = 0; i < s.length; ++i) {
+    float w = p[i], mi = m[i], vi = v[i];
+    adam_element(k, load<G>(grad, i), w, mi, vi);
+    mo[i] = mi;
+    vo[i] = vi;
+    po[i] = w;
+  }
+  copy_span<C>(po, copy, s.length);
 }
 
 template <Kind G, Kind C>
@@ -586,7 +616,7 @@ SLIPSTREAM_INLINE void lion_span(const Span& s, const LionArgs& a) {
     _Pragma("omp parallel num_threads(step_threads())") {                                     \
       const double begin = seconds_since(origin);                                             \
       _Pragma("omp for schedule(runtime) nowait") for (int64_t k = 0; k < count; ++k) {       \
-        if (a.stream) {                                                                       \
+        if (a.stores == kStream) {                                                            \
           const int width = stream_width(a.store_bytes, WIDEST);                              \
           if constexpr (WIDEST >= 16) {                                                       \
             if (width == 16) SLIPSTREAM_DISPATCH(adam_span_stream16, spans[k], a);            \
@@ -595,6 +625,8 @@ SLIPSTREAM_INLINE void lion_span(const Span& s, const LionArgs& a) {
             if (width == 8) SLIPSTREAM_DISPATCH(adam_span_stream8, spans[k], a);              \
           }                                                                                   \
           if (width == 4) SLIPSTREAM_DISPATCH(adam_span_stream4, spans[k], a);                \
+        } else if (spans[k].param_out != nullptr && a.stores == kCached) {                    \
+          SLIPSTREAM_DISPATCH(adam_span_cached, spans[k], a);                                 \
         } else if (spans[k].param_out != nullptr) {                                           \
           SLIPSTREAM_DISPATCH(adam_span_out, spans[k], a);                                    \
         } else {                                                                              \
@@ -850,7 +882,7 @@ std::string adam_step(const std::vector<at::Tensor>& params, const std::vector<a
                       const std::string& isa, const std::string& schedule,
                       const std::vector<at::Tensor>& params_out,
                       const std::vector<at::Tensor>& exp_avgs_out,
-                      const std::vector<at::Tensor>& exp_avg_sqs_out, bool stream,
+                      const std::vector<at::Tensor>& exp_avg_sqs_out, const std::string& stores,
                       int64_t store_bytes, int64_t prefetch) {
   TORCH_CHECK(step >= 1, "adam: step must be >= 1 (the step being taken), got ", step);
   check_memory_options(store_bytes, prefetch);
@@ -869,7 +901,9 @@ std::string adam_step(const std::vector<at::Tensor>& params, const std::vector<a
              static_cast<float>(1.0 - lr * weight_decay), adam_w_mode,
              static_cast<float>(grad_scale),  static_cast<float>(1.0 - beta1),
              static_cast<float>(1.0 - beta2)};
-  a.stream = stream;
+  TORCH_CHECK(stores == "mixed" || stores == "stream" || stores == "cached",
+              "CPU optimizer stores must be 'mixed', 'stream' or 'cached', got '", stores, "'");
+  a.stores = stores == "stream" ? kStream : (stores == "cached" ? kCached : kMixed);
   a.store_bytes = static_cast<int>(store_bytes);
   a.prefetch = prefetch;
   apply_schedule(schedule);
