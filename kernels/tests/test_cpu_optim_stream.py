@@ -78,6 +78,7 @@ def test_store_paths_are_the_earlier_kernel_bit_for_bit(
 ) -> None:
     memories = [
         dict(stores="cached"),
+        dict(stores="stream_out"),
         dict(stores="stream"),
         dict(stores="stream", store_bytes=16, prefetch=700),
         dict(stores="stream", store_bytes=32, prefetch=512),

@@ -76,8 +76,8 @@ def _parse(variant: str, threads: int) -> dict[str, Any]:
     for mod in mods:
         if mod == "old":
             spec["stores"] = "mixed"
-        elif mod == "cached":
-            spec["stores"] = "cached"
+        elif mod in ("cached", "stream_out"):
+            spec["stores"] = mod
         elif mod.startswith("nt"):
             spec["stores"], spec["store_bytes"] = "stream", int(mod[2:])
         elif mod.startswith("pf"):

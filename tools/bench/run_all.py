@@ -11,7 +11,7 @@ stage-3 cap; default 64); ``+pf`` for ``publish_during_forward`` (stages 1-2); `
 ``publish_transport`` copy_engine (stages 1-2); ``+tail5e7`` for ``reduce_bucket_tail_size`` 5e7
 (stages 1-2); ``+ctas8`` for ``reduce_scatter_max_ctas`` 8 (stages 1-2); ``+avg`` for
 ``average_in_reduce_scatter`` (stages 1-2); ``+t16`` for ``offload_optimizer.threads`` 16
-(formerly ``SLIPSTREAM_OFFLOAD_THREADS=16``), ``+dyn`` for ``cpu_schedule`` dynamic; ``+stcached`` / ``+ststream`` / ``+stmixed`` for
+(formerly ``SLIPSTREAM_OFFLOAD_THREADS=16``), ``+dyn`` / ``+static`` for ``cpu_schedule`` dynamic (the default) / static; ``+stmixed`` / ``+ststream`` / ``+stcached`` / ``+ststream_out`` for
 ``offload_optimizer.cpu_stores``; ``+cpf2048`` for ``cpu_prefetch`` 2048; ``+ovf`` for
 ``offload_optimizer.overlap_forward``; ``+gs0.3`` for ``offload_optimizer.gpu_share`` 0.3; ``+si200`` for
 ``offload_optimizer.gil_switch_interval_us`` 200 (``+si0``: Python's own interval); ``+ob5e7`` for
@@ -60,7 +60,9 @@ def _parse(spec: str) -> list[str]:
             args += ["--overlap-forward"]
         elif extra == "dyn":
             args += ["--cpu-schedule", "dynamic"]
-        elif extra in ("stmixed", "ststream", "stcached"):
+        elif extra == "static":
+            args += ["--cpu-schedule", "static"]
+        elif extra in ("ststream_out", "stmixed", "ststream", "stcached"):
             args += ["--cpu-stores", extra.removeprefix("st")]
         elif extra.startswith("cpf"):
             args += ["--cpu-prefetch", extra.removeprefix("cpf")]

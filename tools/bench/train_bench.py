@@ -496,7 +496,7 @@ def main(argv: list[str] | None = None) -> int:
     )
     parser.add_argument(
         "--cpu-stores",
-        choices=["mixed", "stream", "cached"],
+        choices=["stream_out", "mixed", "stream", "cached"],
         default=None,
         help="--offload cpu: offload_optimizer.cpu_stores (default: the config's)",
     )
@@ -803,7 +803,7 @@ def main(argv: list[str] | None = None) -> int:
         + (f"+gs{args.offload_gpu_share:g}" if args.offload_gpu_share else "")
         + ("+ovf" if args.overlap_forward else "")
         + (f"+t{args.offload_threads}" if args.offload_threads else "")
-        + ("+dyn" if args.cpu_schedule == "dynamic" else "")
+        + ({"dynamic": "+dyn", "static": "+static"}.get(args.cpu_schedule or "", ""))
         + (f"+st{args.cpu_stores}" if args.cpu_stores else "")
         + (f"+cpf{args.cpu_prefetch}" if args.cpu_prefetch is not None else "")
         + (f"+si{args.gil_switch_us:g}" if args.gil_switch_us is not None else "")

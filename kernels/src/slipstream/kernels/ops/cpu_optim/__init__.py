@@ -24,8 +24,9 @@ ISA_ENV = "SLIPSTREAM_CPU_ISA"
 # cores). Callers take it from their typed settings (offload_optimizer.cpu_schedule).
 SCHEDULES = ("static", "dynamic")
 # How the Adam step writes its results (``adam(stores=...)``; the same values either way):
-# "mixed" (the earlier kernel), "stream" (non-temporal, blocked) or "cached" (ordinary stores).
-STORES = ("mixed", "stream", "cached")
+# "stream_out" (non-temporal full lines out of place, ordinary stores in place), "mixed" (the
+# earlier kernel), "stream" (non-temporal everywhere) or "cached" (ordinary stores everywhere).
+STORES = ("stream_out", "mixed", "stream", "cached")
 # Widths of the streaming step's non-temporal stores (``adam(stores="stream", store_bytes=...)``):
 # 0 is the widest the vector path has (64 bytes, a whole cache line, with AVX-512).
 STORE_BYTES = (0, 16, 32, 64)
@@ -137,8 +138,10 @@ def adam(
     (see :data:`SCHEDULES`); the same values either way.
 
     How the step writes memory (the same values, bit for bit, whatever is chosen), ``stores``:
-    ``"mixed"`` (the earlier kernel): in place with ordinary stores, out of place with 16-byte
-    non-temporal stores through 512-element L1 buffers. ``"stream"``: 512 elements at a time
+    ``"mixed"`` (the earlier kernel, the default of this function): in place with ordinary
+    stores, out of place with 16-byte non-temporal stores through 512-element L1 buffers.
+    ``"stream_out"``: out of place as ``"stream"``, in place as ``"mixed"`` (CPU offload's
+    default, ``offload_optimizer.cpu_stores``: the fastest measured on 2x H100 hosts). ``"stream"``: 512 elements at a time
     into L1 buffers, every result (param, both moments, the ``param_copies``; in place too)
     written with non-temporal stores of ``store_bytes`` each (0: the widest the vector path
     has, a whole 64-byte line with AVX-512; 16, 32 or 64), each block's inputs prefetched

@@ -176,7 +176,7 @@ SLIPSTREAM_INLINE void copy_span(const float* __restrict p, Storage<C>* __restri
   }
 }
 
-enum Stores : int { kMixed = 0, kStream = 1, kCached = 2 };
+enum Stores : int { kMixed = 0, kStream = 1, kCached = 2, kStreamOut = 3 };
 
 struct AdamArgs {
   float beta1, beta2, eps, weight_decay, step_size, inv_sqrt_bc2, decay_factor;
@@ -189,7 +189,8 @@ struct AdamArgs {
   // in place, adam_span_out out of place); kStream (adam_span_stream): every result block by
   // block with non-temporal stores of store_bytes each (0: the widest the ISA has), each
   // block's inputs prefetched prefetch elements ahead (0: none); kCached (adam_span_cached):
-  // every result with ordinary stores straight from the element loop, out of place too.
+  // every result with ordinary stores straight from the element loop, out of place too;
+  // kStreamOut: adam_span_stream out of place, adam_span in place.
   int stores = 0;
   int store_bytes = 0;
   int64_t prefetch = 0;
@@ -616,7 +617,7 @@ SLIPSTREAM_INLINE void lion_span(const Span& s, const LionArgs& a) {
     _Pragma("omp parallel num_threads(step_threads())") {                                     \
       const double begin = seconds_since(origin);                                             \
       _Pragma("omp for schedule(runtime) nowait") for (int64_t k = 0; k < count; ++k) {       \
-        if (a.stores == kStream) {                                                            \
+        if (a.stores == kStream || (a.stores == kStreamOut && spans[k].param_out != nullptr)) { \
           const int width = stream_width(a.store_bytes, WIDEST);                              \
           if constexpr (WIDEST >= 16) {                                                       \
             if (width == 16) SLIPSTREAM_DISPATCH(adam_span_stream16, spans[k], a);            \
@@ -901,9 +902,14 @@ std::string adam_step(const std::vector<at::Tensor>& params, const std::vector<a
              static_cast<float>(1.0 - lr * weight_decay), adam_w_mode,
              static_cast<float>(grad_scale),  static_cast<float>(1.0 - beta1),
              static_cast<float>(1.0 - beta2)};
-  TORCH_CHECK(stores == "mixed" || stores == "stream" || stores == "cached",
-              "CPU optimizer stores must be 'mixed', 'stream' or 'cached', got '", stores, "'");
-  a.stores = stores == "stream" ? kStream : (stores == "cached" ? kCached : kMixed);
+  TORCH_CHECK(stores == "mixed" || stores == "stream" || stores == "cached" ||
+                  stores == "stream_out",
+              "CPU optimizer stores must be 'stream_out', 'mixed', 'stream' or 'cached', got '",
+              stores, "'");
+  a.stores = stores == "stream"       ? kStream
+             : stores == "cached"     ? kCached
+             : stores == "stream_out" ? kStreamOut
+                                      : kMixed;
   a.store_bytes = static_cast<int>(store_bytes);
   a.prefetch = prefetch;
   apply_schedule(schedule);
