@@ -16,7 +16,8 @@ from round to round), first with rank 0 alone and then with all ranks at once. A
   ``ip`` (in place);
 - modifiers: ``old`` (the earlier kernel: ``stores="mixed"``), ``cached`` (``stores="cached"``:
   ordinary stores straight into the outputs), ``ntB`` (``stores="stream"`` with B-byte
-  non-temporal stores, 0 = the widest), ``pfN`` (prefetch N elements ahead), ``dyn``
+  non-temporal stores, 0 = the widest), ``stream_out`` (``stores="stream_out"``, CPU offload's
+  default), ``pfN`` (prefetch N elements ahead), ``dyn``
   (dynamic schedule), ``tN`` (N OpenMP threads instead of ``--threads``).
 
     PYTHONPATH=kernels/src python3 tools/bench/host_step_ab.py --processes 2 --threads 16 \\
@@ -39,23 +40,17 @@ from typing import Any
 DEFAULT_VARIANTS = (
     "adam/oop/old",
     "adam/oop/old/dyn",
-    "adam/oop/nt16",
-    "adam/oop/nt32",
-    "adam/oop/nt64",
-    "adam/oop/nt64/dyn",
-    "adam/oop/nt64/pf256",
-    "adam/oop/nt64/pf1024",
-    "adam/oop/nt64/pf4096",
-    "adam/oop/nt64/t14",
+    "adam/oop/stream_out/dyn",
+    "adam/oop/nt16/dyn",
+    "adam/oop/nt64/pf1024/dyn",
+    "adam/oop/cached/dyn",
     "adam/ip/old",
-    "adam/ip/nt64",
-    "adam/ip/nt64/pf1024",
+    "adam/ip/old/dyn",
+    "adam/ip/stream_out/dyn",
+    "adam/ip/nt64/dyn",
     "read/ip",
     "write/oop/nt64",
-    "write/oop/nt16",
     "copy/oop/nt64",
-    "copy/oop/nt16",
-    "copy/ip/nt64",
 )
 BYTES = {"adam": 26, "read": 14, "write": 12, "copy": 26}
 
