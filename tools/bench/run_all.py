@@ -1,6 +1,6 @@
 """Run several training benchmarks side by side and print a markdown table of the results.
 
-Each spec is ``IMPL[:STAGE[+cpu|+nvme][+param|+nvmeparam][+noclip][+bf16comm][+ratioR][+rbN][+abN][+leaf][+bpN][+pf][+tN][+dyn][+ovf][+gsX][+siUS][+obN][+mbN][+up16]]@MODEL/MICRO`` (e.g.
+Each spec is ``IMPL[:STAGE[+cpu|+nvme][+param|+nvmeparam][+noclip][+bf16comm][+ratioR][+rbN][+abN][+leaf][+bpN][+pf][+tN][+dyn][+static][+stS][+cpfN][+ovf][+gsX][+siUS][+obN][+mbN][+up16]]@MODEL/MICRO`` (e.g.
 ``fsdp2@1.3b/4``, ``slipstream:3@7b/2``, ``slipstream:2+cpu@1.3b/4`` for CPU optimizer
 offload, ``slipstream:3+cpu+nvmeparam@1.3b/2`` with the parameter shards on NVMe,
 ``+bf16comm`` for ``communication_data_type`` bf16, DeepSpeed's default under bf16;
@@ -11,7 +11,8 @@ stage-3 cap; default 64); ``+pf`` for ``publish_during_forward`` (stages 1-2); `
 ``publish_transport`` copy_engine (stages 1-2); ``+tail5e7`` for ``reduce_bucket_tail_size`` 5e7
 (stages 1-2); ``+ctas8`` for ``reduce_scatter_max_ctas`` 8 (stages 1-2); ``+avg`` for
 ``average_in_reduce_scatter`` (stages 1-2); ``+t16`` for ``offload_optimizer.threads`` 16
-(formerly ``SLIPSTREAM_OFFLOAD_THREADS=16``), ``+dyn`` for ``cpu_schedule`` dynamic; ``+ovf`` for
+(formerly ``SLIPSTREAM_OFFLOAD_THREADS=16``), ``+dyn`` / ``+static`` for ``cpu_schedule`` dynamic (the default) / static; ``+stmixed`` / ``+ststream`` / ``+stcached`` / ``+ststream_out`` for
+``offload_optimizer.cpu_stores``; ``+cpf2048`` for ``cpu_prefetch`` 2048; ``+ovf`` for
 ``offload_optimizer.overlap_forward``; ``+gs0.3`` for ``offload_optimizer.gpu_share`` 0.3; ``+si200`` for
 ``offload_optimizer.gil_switch_interval_us`` 200 (``+si0``: Python's own interval); ``+ob5e7`` for
 ``offload_optimizer.overlap_bucket_size`` 5e7; ``+mb2e8`` for ``offload_optimizer.merge_bucket_size`` 2e8; ``+up16`` for
@@ -64,6 +65,12 @@ def _parse(spec: str) -> list[str]:
             args += ["--upload-model-dtype"]
         elif extra.startswith("mb"):
             args += ["--merge-bucket-size", extra.removeprefix("mb")]
+        elif extra == "static":
+            args += ["--cpu-schedule", "static"]
+        elif extra in ("ststream_out", "stmixed", "ststream", "stcached"):
+            args += ["--cpu-stores", extra.removeprefix("st")]
+        elif extra.startswith("cpf"):
+            args += ["--cpu-prefetch", extra.removeprefix("cpf")]
         elif extra.startswith("ob"):
             args += ["--overlap-bucket-size", extra.removeprefix("ob")]
         elif extra.startswith("si"):

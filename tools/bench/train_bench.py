@@ -186,13 +186,14 @@ def _offload_blocks(args: argparse.Namespace) -> dict[str, Any]:
             args.overlap_bucket_size,
             args.merge_bucket_size is not None,
             args.upload_model_dtype,
+            args.cpu_stores is not None,
+            args.cpu_prefetch is not None,
         )
         if args.impl == "deepspeed" and any(ours):
             raise SystemExit(
                 "--offload-ratio / --offload-gpu-share / --overlap-forward / --offload-threads "
                 "/ --cpu-schedule / --gil-switch-us / --overlap-bucket-size / --merge-bucket-size "
-                "/ --upload-model-dtype: "
-                "slipstream only"
+                "/ --upload-model-dtype / --cpu-stores / --cpu-prefetch: slipstream only"
             )
         if args.gil_switch_us is not None:
             blocks["offload_optimizer"]["gil_switch_interval_us"] = args.gil_switch_us
@@ -206,6 +207,10 @@ def _offload_blocks(args: argparse.Namespace) -> dict[str, Any]:
             blocks["offload_optimizer"]["threads"] = args.offload_threads
         if args.cpu_schedule:
             blocks["offload_optimizer"]["cpu_schedule"] = args.cpu_schedule
+        if args.cpu_stores is not None:
+            blocks["offload_optimizer"]["cpu_stores"] = args.cpu_stores
+        if args.cpu_prefetch is not None:
+            blocks["offload_optimizer"]["cpu_prefetch"] = args.cpu_prefetch
         if args.offload_ratio != 1.0:
             blocks["offload_optimizer"]["ratio"] = args.offload_ratio
         if args.offload_gpu_share:
@@ -494,6 +499,18 @@ def main(argv: list[str] | None = None) -> int:
         choices=["static", "dynamic"],
         default=None,
         help="--offload cpu: offload_optimizer.cpu_schedule",
+    )
+    parser.add_argument(
+        "--cpu-stores",
+        choices=["stream_out", "mixed", "stream", "cached"],
+        default=None,
+        help="--offload cpu: offload_optimizer.cpu_stores (default: the config's)",
+    )
+    parser.add_argument(
+        "--cpu-prefetch",
+        type=int,
+        default=None,
+        help="--offload cpu: offload_optimizer.cpu_prefetch, elements (default: the config's)",
     )
     parser.add_argument(
         "--gil-switch-us",
@@ -813,7 +830,9 @@ def main(argv: list[str] | None = None) -> int:
         + (f"+gs{args.offload_gpu_share:g}" if args.offload_gpu_share else "")
         + ("+ovf" if args.overlap_forward else "")
         + (f"+t{args.offload_threads}" if args.offload_threads else "")
-        + ("+dyn" if args.cpu_schedule == "dynamic" else "")
+        + ({"dynamic": "+dyn", "static": "+static"}.get(args.cpu_schedule or "", ""))
+        + (f"+st{args.cpu_stores}" if args.cpu_stores else "")
+        + (f"+cpf{args.cpu_prefetch}" if args.cpu_prefetch is not None else "")
         + (f"+si{args.gil_switch_us:g}" if args.gil_switch_us is not None else "")
         + (f"+ob{args.overlap_bucket_size:g}" if args.overlap_bucket_size else "")
         + (f"+mb{args.merge_bucket_size:g}" if args.merge_bucket_size is not None else "")

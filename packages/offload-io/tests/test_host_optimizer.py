@@ -282,6 +282,59 @@ def _scheduler_moves_on(host: HostOptimizer) -> None:
             group["betas"] = (0.5, 0.5)
 
 
+class _Recording:
+    """The C++ ops with each Adam call's keyword arguments recorded."""
+
+    def __init__(self, ops: object) -> None:
+        self.ops, self.calls = ops, []
+
+    def __getattr__(self, name: str) -> object:
+        return getattr(self.ops, name)
+
+    def adam(self, *args: object, **kwargs: object) -> None:
+        self.calls.append(kwargs)
+        self.ops.adam(*args, **kwargs)  # type: ignore[attr-defined]
+
+
+@pytest.mark.parametrize(
+    "memory",
+    [
+        {"cpu_stores": "cached"},
+        {"cpu_stores": "stream"},
+        {"cpu_stores": "stream", "cpu_prefetch": 1024},
+    ],
+)
+def test_memory_settings_change_no_bit(memory: dict) -> None:
+    """offload_optimizer.cpu_stores / cpu_prefetch reach the C++ Adam and change how
+    it moves memory only: steps and committed speculations equal the default's bit for bit."""
+    hosts = []
+    for settings in (OptimizerOffload(), OptimizerOffload(**memory)):
+        params = _params(3)
+        copies = {id(p): torch.empty(p.shape, dtype=torch.bfloat16) for p in params}
+        optimizer = FACTORIES["adam-groups"](params)
+        hosts.append(HostOptimizer(optimizer, settings, copies=copies, announce=False))
+    default, chosen = hosts
+    recording = _Recording(chosen._ops)
+    chosen._ops = recording
+    for step in range(3):
+        for host in hosts:
+            _grads(_all_params(host), step)
+        if step == 1:  # a speculative step, committed
+            chosen.speculate_params(_all_params(chosen))
+            assert chosen.commit_speculation(1.0)
+        else:
+            chosen.step()
+        default.step()
+        assert _same(_snapshot(default), _snapshot(chosen)), step
+    calls = recording.calls
+    assert calls and all(k["stores"] == memory["cpu_stores"] for k in calls)
+    assert all(k["prefetch"] == memory.get("cpu_prefetch", 0) for k in calls)
+    with pytest.raises(ValueError, match="cpu_prefetch=-1"):
+        OptimizerOffload(cpu_prefetch=-1)
+    with pytest.raises(ValueError, match="cpu_stores='fast'"):
+        OptimizerOffload(cpu_stores="fast")  # type: ignore[arg-type]
+
+
 @pytest.mark.parametrize("name", ["adam-groups", "adagrad", "lion"])
 def test_frozen_hyperparameters_outlast_a_scheduler(name: str) -> None:
     """overlap_forward: steps taken after freeze_hyperparameters() use the groups' settings

@@ -419,6 +419,24 @@ def test_partial_offload_ratio_reaches_the_offload_settings() -> None:
     assert settings.offload_optimizer.ratio == 0.25
 
 
+def test_cpu_step_memory_keys_reach_the_offload_settings() -> None:
+    pytest.importorskip("slipstream.offload")
+    from slipstream.runtime.zero_setup import zero_settings
+
+    block = {
+        "stage": 2,
+        "offload_optimizer": {"device": "cpu", "cpu_stores": "stream", "cpu_prefetch": 2048},
+    }
+    settings = zero_settings(load({"zero_optimization": block}))
+    assert settings.offload_optimizer is not None
+    assert settings.offload_optimizer.cpu_stores == "stream"
+    assert settings.offload_optimizer.cpu_prefetch == 2048
+    block["offload_optimizer"]["cpu_prefetch"] = -1
+    with pytest.raises(ConfigError) as info:
+        load({"zero_optimization": block})
+    assert info.value.path == "zero_optimization.offload_optimizer.cpu_prefetch"
+
+
 def test_offload_blocks_and_the_deprecated_switches_are_read() -> None:
     config = load({"zero_optimization": {"stage": 2, "cpu_offload": True}})
     block = config.zero_optimization.optimizer_offload()

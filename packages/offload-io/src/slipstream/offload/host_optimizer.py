@@ -441,6 +441,8 @@ class HostOptimizer:
             grad_scale=hyper.grad_scale,
             out=out,
             schedule=self.settings.cpu_schedule,
+            stores=self.settings.cpu_stores,
+            prefetch=self.settings.cpu_prefetch,
         )
         stats = self._ops.last_step_stats()
         if stats is not None:

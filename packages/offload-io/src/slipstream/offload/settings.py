@@ -69,6 +69,15 @@ class OptimizerOffload:
         cpu_schedule: how those threads share a step's elements: ``"static"`` (one
             contiguous share each) or ``"dynamic"`` (16 Ki-element chunks handed out in
             turn; better when other threads of the process share the cores).
+        cpu_stores: how the C++ Adam/AdamW step writes its results (the same values, bit for
+            bit, whatever is chosen): ``"stream_out"`` (the default: an out-of-place step,
+            the speculative one, writes with full-line non-temporal stores, 512 elements at a
+            time through L1 buffers; an in-place step with ordinary stores), ``"mixed"`` (the
+            earlier kernel: out of place with 16-byte non-temporal stores), ``"stream"``
+            (non-temporal stores in place too) or ``"cached"`` (ordinary stores straight from
+            the element loop, out of place too).
+        cpu_prefetch: where the step streams (see ``cpu_stores``), software-prefetch each block's inputs
+            this many elements ahead (0: the hardware prefetchers only).
         early_upload: ZeRO 1-2 with ``overlap_forward`` on a GPU: upload each deferred
             bucket's updated shards on a side stream as soon as its CPU step ends, instead
             of from the forward hook that needs them.
@@ -111,7 +120,9 @@ class OptimizerOffload:
     speculative_step: bool = False
     ratio: float = 1.0
     threads: int = 0
-    cpu_schedule: Literal["static", "dynamic"] = "static"
+    cpu_schedule: Literal["static", "dynamic"] = "dynamic"
+    cpu_stores: Literal["stream_out", "mixed", "stream", "cached"] = "stream_out"
+    cpu_prefetch: int = 0
     early_upload: bool = True
     overlap_bucket_numel: int = 100_000_000
     gpu_share: float = 0.0
@@ -145,6 +156,15 @@ class OptimizerOffload:
         if self.cpu_schedule not in ("static", "dynamic"):
             raise ValueError(
                 f"offload_optimizer.cpu_schedule={self.cpu_schedule!r}: use 'static' or 'dynamic'"
+            )
+        if self.cpu_stores not in ("stream_out", "mixed", "stream", "cached"):
+            raise ValueError(
+                f"offload_optimizer.cpu_stores={self.cpu_stores!r}: use 'stream_out', 'mixed', "
+                "'stream' or 'cached'"
+            )
+        if self.cpu_prefetch < 0:
+            raise ValueError(
+                f"offload_optimizer.cpu_prefetch={self.cpu_prefetch} must be >= 0 elements (0: off)"
             )
         if self.overlap_bucket_numel < 1:
             raise ValueError(

@@ -84,7 +84,11 @@ class OffloadOptimizerConfig(ConfigBlock):
     overlap_bucket_size: int = dataclasses.field(default=100_000_000, metadata={"ge": 1})
     early_upload: bool = True
     threads: int = _ge0(0)
-    cpu_schedule: Literal["static", "dynamic"] = "static"
+    cpu_schedule: Literal["static", "dynamic"] = "dynamic"
+    # Slipstream additions (docs/offload.md, "How the CPU step moves memory"): the C++ Adam's
+    # stores and prefetch; the same values either way.
+    cpu_stores: Literal["stream_out", "mixed", "stream", "cached"] = "stream_out"
+    cpu_prefetch: int = _ge0(0)
     # A Slipstream addition (docs/offload.md, "gpu_share"): the share of each CPU step's
     # elements stepped on the GPU instead, their states streamed from and back to host memory.
     gpu_share: float = dataclasses.field(default=0.0, metadata={"ge": 0.0, "le": 1.0})

@@ -152,6 +152,8 @@ def offload_settings(config: SlipstreamConfig) -> tuple[Any, Any]:
             ratio=optimizer.ratio,
             threads=optimizer.threads,
             cpu_schedule=optimizer.cpu_schedule,
+            cpu_stores=optimizer.cpu_stores,
+            cpu_prefetch=optimizer.cpu_prefetch,
             early_upload=optimizer.early_upload,
             overlap_bucket_numel=max(1, int(optimizer.overlap_bucket_size)),
             gpu_share=optimizer.gpu_share,

@@ -23,6 +23,14 @@ ISA_ENV = "SLIPSTREAM_CPU_ISA"
 # a descheduled thread does not hold the step up when other threads of the process share the
 # cores). Callers take it from their typed settings (offload_optimizer.cpu_schedule).
 SCHEDULES = ("static", "dynamic")
+# How the Adam step writes its results (``adam(stores=...)``; the same values either way):
+# "stream_out" (non-temporal full lines out of place, ordinary stores in place), "mixed" (the
+# earlier kernel), "stream" (non-temporal everywhere) or "cached" (ordinary stores everywhere).
+STORES = ("stream_out", "mixed", "stream", "cached")
+# Widths of the streaming step's non-temporal stores (``adam(stores="stream", store_bytes=...)``):
+# 0 is the widest the vector path has (64 bytes, a whole cache line, with AVX-512).
+STORE_BYTES = (0, 16, 32, 64)
+PROBES = ("read", "copy", "write")
 
 
 def _extension() -> ModuleType:
@@ -111,6 +119,9 @@ def adam(
     out: tuple[Sequence[torch.Tensor], Sequence[torch.Tensor], Sequence[torch.Tensor]]
     | None = None,
     schedule: str = "static",
+    stores: str = "mixed",
+    store_bytes: int = 0,
+    prefetch: int = 0,
 ) -> None:
     """C++ Adam/AdamW with the semantics of :func:`slipstream.kernels.ops.adam.reference.adam`.
 
@@ -125,7 +136,25 @@ def adam(
 
     ``schedule``: how the OpenMP threads share the elements, ``"static"`` or ``"dynamic"``
     (see :data:`SCHEDULES`); the same values either way.
+
+    How the step writes memory (the same values, bit for bit, whatever is chosen), ``stores``:
+    ``"mixed"`` (the earlier kernel, the default of this function): in place with ordinary
+    stores, out of place with 16-byte non-temporal stores through 512-element L1 buffers.
+    ``"stream_out"``: out of place as ``"stream"``, in place as ``"mixed"`` (CPU offload's
+    default, ``offload_optimizer.cpu_stores``: the fastest measured on 2x H100 hosts). ``"stream"``: 512 elements at a time
+    into L1 buffers, every result (param, both moments, the ``param_copies``; in place too)
+    written with non-temporal stores of ``store_bytes`` each (0: the widest the vector path
+    has, a whole 64-byte line with AVX-512; 16, 32 or 64), each block's inputs prefetched
+    ``prefetch`` elements ahead (0: off). ``"cached"``: ordinary stores straight from the
+    element loop, out of place too (CPUs that see whole lines written need not read them
+    first; the lines go back to memory through the caches, as an in-place step's do).
     """
+    if stores not in STORES:
+        raise ValueError(f"stores={stores!r} is not one of {', '.join(STORES)}")
+    if store_bytes not in STORE_BYTES:
+        raise ValueError(f"store_bytes={store_bytes!r} is not one of {STORE_BYTES}")
+    if prefetch < 0:
+        raise ValueError(f"prefetch={prefetch!r} must be >= 0 elements (0: off)")
     outputs: tuple[list[torch.Tensor], list[torch.Tensor], list[torch.Tensor]] = ([], [], [])
     if out is not None:
         outputs = (list(out[0]), list(out[1]), list(out[2]))
@@ -147,6 +176,52 @@ def adam(
         _isa(),
         _schedule(schedule),
         *outputs,
+        stores,
+        int(store_bytes),
+        int(prefetch),
+    )
+
+
+def memory_probe(
+    mode: str,
+    params: Sequence[torch.Tensor],
+    grads: Sequence[torch.Tensor],
+    exp_avgs: Sequence[torch.Tensor],
+    exp_avg_sqs: Sequence[torch.Tensor],
+    *,
+    out: tuple[Sequence[torch.Tensor], Sequence[torch.Tensor], Sequence[torch.Tensor]]
+    | None = None,
+    store_bytes: int = 0,
+    schedule: str = "static",
+) -> float:
+    """Adam's memory traffic without its arithmetic, over :func:`adam`'s tensors, with the
+    same threads: what the host's memory gives a step of this shape (benchmarks).
+
+    ``mode``: ``"read"`` reads params, both states and the gradients (14 bytes per element
+    with bf16 gradients) and writes nothing; ``"copy"`` also writes three fp32 results
+    (``out``, or over the inputs) with non-temporal stores of ``store_bytes`` as
+    ``adam(stores="stream")`` does (26 bytes; the values written are not an Adam step);
+    ``"write"`` only writes them (12 bytes). Returns the sum ``"read"`` took, else 0.
+    """
+    if mode not in PROBES:
+        raise ValueError(f"mode={mode!r} is not one of {', '.join(PROBES)}")
+    if store_bytes not in STORE_BYTES:
+        raise ValueError(f"store_bytes={store_bytes!r} is not one of {STORE_BYTES}")
+    outputs: tuple[list[torch.Tensor], list[torch.Tensor], list[torch.Tensor]] = ([], [], [])
+    if out is not None:
+        outputs = (list(out[0]), list(out[1]), list(out[2]))
+    return float(
+        _extension().memory_probe(
+            mode,
+            list(params),
+            list(grads),
+            list(exp_avgs),
+            list(exp_avg_sqs),
+            *outputs,
+            int(store_bytes),
+            _isa(),
+            _schedule(schedule),
+        )
     )
 
 

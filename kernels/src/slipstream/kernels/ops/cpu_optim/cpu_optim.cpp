@@ -176,6 +176,8 @@ SLIPSTREAM_INLINE void copy_span(const float* __restrict p, Storage<C>* __restri
   }
 }
 
+enum Stores : int { kMixed = 0, kStream = 1, kCached = 2, kStreamOut = 3 };
+
 struct AdamArgs {
   float beta1, beta2, eps, weight_decay, step_size, inv_sqrt_bc2, decay_factor;
   bool adam_w;
@@ -183,7 +185,49 @@ struct AdamArgs {
   // 1 - beta computed in double and rounded once, as torch does: 1.0f - float(0.999) is
   // 1.3e-5 away from float(0.001), which shifts every second moment by that much.
   float one_minus_beta1, one_minus_beta2;
+  // How the step moves memory (never what it computes): kMixed, the earlier kernel (adam_span
+  // in place, adam_span_out out of place); kStream (adam_span_stream): every result block by
+  // block with non-temporal stores of store_bytes each (0: the widest the ISA has), each
+  // block's inputs prefetched prefetch elements ahead (0: none); kCached (adam_span_cached):
+  // every result with ordinary stores straight from the element loop, out of place too;
+  // kStreamOut: adam_span_stream out of place, adam_span in place.
+  int stores = 0;
+  int store_bytes = 0;
+  int64_t prefetch = 0;
 };
+
+// AdamArgs' scalars as local values for one element loop. Every Adam loop reads them from
+// here, not from the AdamArgs reference: a load through the reference inside the loop is one
+// the vectoriser must prove loop-invariant, and where the loop is inlined into a large runner
+// it can fail to, leaving the loop scalar (several times slower, and with other roundings:
+// the vector loop fuses the multiply-adds its own way).
+struct AdamScalars {
+  float beta1, beta2, eps, weight_decay, step_size, inv_sqrt_bc2, decay_factor, grad_scale;
+  float one_minus_beta1, one_minus_beta2;
+  bool adam_w;
+};
+
+inline AdamScalars scalars_of(const AdamArgs& a) {
+  return AdamScalars{a.beta1,           a.beta2,        a.eps,
+                     a.weight_decay,    a.step_size,    a.inv_sqrt_bc2,
+                     a.decay_factor,    a.grad_scale,   a.one_minus_beta1,
+                     a.one_minus_beta2, a.adam_w};
+}
+
+// One element of Adam/AdamW: the gradient as read (widened), the master, both moments in;
+// the new values out through w, m, v. Every Adam path uses exactly these expressions.
+SLIPSTREAM_INLINE void adam_element(const AdamScalars& k, float raw_grad, float& w, float& m,
+                                    float& v) {
+  float g = raw_grad * k.grad_scale;
+  if (!k.adam_w) g += k.weight_decay * w;  // L2 mode: the moments see the decay
+  float mi = k.beta1 * m + k.one_minus_beta1 * g;
+  float vi = k.beta2 * v + k.one_minus_beta2 * g * g;
+  float denom = std::sqrt(vi) * k.inv_sqrt_bc2 + k.eps;
+  if (k.adam_w) w *= k.decay_factor;
+  w -= k.step_size * (mi / denom);
+  m = mi;
+  v = vi;
+}
 
 struct AdagradArgs {
   float lr, eps, weight_decay;
@@ -236,6 +280,167 @@ SLIPSTREAM_INLINE void store_fence() {
 #endif
 }
 
+// Non-temporal stores of W floats (16, 8 or 4: one 64-byte line, 32 or 16 bytes) from src to a
+// dst aligned to W * 4 bytes. Inline assembly, not intrinsics: this template is inlined into the
+// per-ISA runners, and an AVX/AVX-512 intrinsic called from a function compiled for the
+// baseline ISA does not compile (GCC: "target specific option mismatch"); the assembly takes
+// its register from the runner's ISA after inlining.
+template <int W>
+SLIPSTREAM_INLINE void stream_vector(char* dst, const char* src) {
+#ifdef SLIPSTREAM_HAS_STREAM_STORES
+  typedef float Vector __attribute__((vector_size(W * 4), aligned(4)));
+  Vector value;
+  std::memcpy(&value, src, sizeof(value));
+  if constexpr (W == 16) {
+    asm volatile("vmovntps %1, %0" : "=m"(*reinterpret_cast<Vector*>(dst)) : "v"(value));
+  } else if constexpr (W == 8) {
+    asm volatile("vmovntps %1, %0" : "=m"(*reinterpret_cast<Vector*>(dst)) : "x"(value));
+  } else {
+    asm volatile("movntps %1, %0" : "=m"(*reinterpret_cast<Vector*>(dst)) : "x"(value));
+  }
+#else
+  std::memcpy(dst, src, W * 4);
+#endif
+}
+
+// Writes bytes from src (in L1) to dst: plain stores up to dst's first W * 4-byte boundary and
+// after its last, non-temporal stores of W * 4 bytes in between (whole 64-byte lines with
+// W = 16: the line goes to memory in one write, with no read-for-ownership and no partial
+// write-combining flush). Callers fence once per span (store_fence).
+template <int W>
+SLIPSTREAM_INLINE void stream_bytes(void* dst_, const void* src_, int64_t bytes) {
+  char* dst = static_cast<char*>(dst_);
+  const char* src = static_cast<const char*>(src_);
+  constexpr int64_t kWidth = W * 4;
+  int64_t head = static_cast<int64_t>((-reinterpret_cast<uintptr_t>(dst)) & (kWidth - 1));
+  if (head > bytes) head = bytes;
+  std::memcpy(dst, src, static_cast<size_t>(head));
+  int64_t i = head;
+  for (; i + kWidth <= bytes; i += kWidth) stream_vector<W>(dst + i, src + i);
+  std::memcpy(dst + i, src + i, static_cast<size_t>(bytes - i));
+}
+
+// Software prefetch of n elements of a 4-byte (fp32) or 2-byte (bf16/fp16) stream, one
+// prefetch per 64-byte line, into L1 (the hardware prefetchers stop at 4 KiB page boundaries;
+// these do not).
+SLIPSTREAM_INLINE void prefetch_lines(const void* base, int64_t bytes) {
+  const char* p = static_cast<const char*>(base);
+  for (int64_t i = 0; i < bytes; i += 64) __builtin_prefetch(p + i, 0, 3);
+}
+
+constexpr int64_t kOutBlock = 512;  // elements per block of the blocked paths (2 KiB of fp32)
+constexpr int64_t kPrefetchPiece = 64;  // elements per prefetch step of adam_span_stream
+
+// The streaming step (AdamArgs::stores == kStream), in place or out of place: a block at a time into L1
+// buffers, then every result (the param, both moments and the model-dtype copy) leaves with
+// non-temporal stores of W floats. Per element the CPU then moves exactly what the step needs
+// through memory: the inputs once (14 B with a bf16 gradient) and the outputs once (12 B, plus
+// 2 for a bf16 copy), with no read-for-ownership of any output line and, in place, no dirty
+// line left to write back later from the caches. AdamArgs::prefetch issues the inputs' loads
+// that many elements ahead.
+template <Kind G, Kind C, int W>
+SLIPSTREAM_INLINE void adam_span_stream(const Span& s, const AdamArgs& a) {
+  alignas(64) float wb[kOutBlock];
+  alignas(64) float mb[kOutBlock];
+  alignas(64) float vb[kOutBlock];
+  alignas(64) Storage<C> cb[C == Kind::kNone ? 1 : kOutBlock];
+  const Storage<G>* grad = static_cast<const Storage<G>*>(s.grad);
+  float* po = s.param_out != nullptr ? s.param_out : s.param;
+  float* mo = s.state1_out != nullptr ? s.state1_out : s.state1;
+  float* vo = s.state2_out != nullptr ? s.state2_out : s.state2;
+  Storage<C>* copy = static_cast<Storage<C>*>(s.copy);
+  const AdamScalars k = scalars_of(a);
+  const int64_t ahead = a.prefetch;
+  for (int64_t start = 0; start < s.length; start += kOutBlock) {
+    const int64_t n = std::min(kOutBlock, s.length - start);
+    // With prefetch, the block is updated 64 elements (a line of each fp32 stream x 4) at a
+    // time, each piece after the prefetches of the piece `ahead` elements further on: the
+    // prefetches go out evenly instead of in one burst that fills the line-fill buffers.
+    const int64_t piece = ahead > 0 ? kPrefetchPiece : n;
+    for (int64_t at = 0; at < n; at += piece) {
+      const int64_t count = std::min(piece, n - at);
+      const int64_t from = start + at + ahead;
+      if (ahead > 0 && from < s.length) {
+        const int64_t lines = std::min(count, s.length - from);
+        prefetch_lines(s.param + from, lines * 4);
+        prefetch_lines(s.state1 + from, lines * 4);
+        prefetch_lines(s.state2 + from, lines * 4);
+        prefetch_lines(grad + from, lines * static_cast<int64_t>(sizeof(Storage<G>)));
+      }
+      // The loop of adam_span_out, word for word (the same code, so the same roundings).
+      const float* __restrict p = s.param + start + at;
+      const float* __restrict m = s.state1 + start + at;
+      const float* __restrict v = s.state2 + start + at;
+      const Storage<G>* __restrict g = grad + start + at;
+      float* __restrict wp = wb + at;
+      float* __restrict mp = mb + at;
+      float* __restrict vp = vb + at;
+#pragma omp simd
+      for (int64_t i = 0; i < count; ++i) {
+        float w = p[i], mi = m[i], vi = v[i];
+        adam_element(k, load<G>(g, i), w, mi, vi);
+        mp[i] = mi;
+        vp[i] = vi;
+        wp[i] = w;
+      }
+    }  // in place, the stores below overwrite what p, m and v pointed at: after their scope
+    stream_bytes<W>(po + start, wb, n * 4);
+    stream_bytes<W>(mo + start, mb, n * 4);
+    stream_bytes<W>(vo + start, vb, n * 4);
+    if constexpr (C != Kind::kNone) {
+      copy_span<C>(wb, cb, n);
+      stream_bytes<W>(copy + start, cb, n * static_cast<int64_t>(sizeof(Storage<C>)));
+    }
+  }
+  store_fence();
+}
+
+// The store width (in floats) a runner whose widest is `widest` uses for store_bytes (0: widest).
+inline int stream_width(int store_bytes, int widest) {
+  const int wanted = store_bytes == 0 ? widest : store_bytes / 4;
+  return std::min(wanted, widest);
+}
+
+template <Kind G, Kind C>
+SLIPSTREAM_INLINE void adam_span_stream4(const Span& s, const AdamArgs& a) {
+  adam_span_stream<G, C, 4>(s, a);
+}
+template <Kind G, Kind C>
+SLIPSTREAM_INLINE void adam_span_stream8(const Span& s, const AdamArgs& a) {
+  adam_span_stream<G, C, 8>(s, a);
+}
+template <Kind G, Kind C>
+SLIPSTREAM_INLINE void adam_span_stream16(const Span& s, const AdamArgs& a) {
+  adam_span_stream<G, C, 16>(s, a);
+}
+
+// AdamArgs::stores == kCached: ordinary stores straight from the element loop into the outputs
+// (out of place; in place this is adam_span). Each output line is written whole by the
+// loop's vector stores, one after the next, which CPUs that detect full-line writes can take
+// without reading the line first; the written lines go back to memory through the caches, as
+// an in-place step's do.
+template <Kind G, Kind C>
+SLIPSTREAM_INLINE void adam_span_cached(const Span& s, const AdamArgs& a) {
+  const float* __restrict p = s.param;
+  const float* __restrict m = s.state1;
+  const float* __restrict v = s.state2;
+  float* __restrict po = s.param_out;
+  float* __restrict mo = s.state1_out;
+  float* __restrict vo = s.state2_out;
+  const Storage<G>* __restrict grad = static_cast<const Storage<G>*>(s.grad);
+  Storage<C>* __restrict copy = static_cast<Storage<C>*>(s.copy);
+  const AdamScalars k = scalars_of(a);
+#pragma omp simd
+  for (int64_t i = 0; i < s.length; ++i) {
+    float w = p[i], mi = m[i], vi = v[i];
+    adam_element(k, load<G>(grad, i), w, mi, vi);
+    mo[i] = mi;
+    vo[i] = vi;
+    po[i] = w;
+  }
+  copy_span<C>(po, copy, s.length);
+}
+
 template <Kind G, Kind C>
 SLIPSTREAM_INLINE void adam_span(const Span& s, const AdamArgs& a) {
   float* __restrict p = s.param;
@@ -243,16 +448,11 @@ SLIPSTREAM_INLINE void adam_span(const Span& s, const AdamArgs& a) {
   float* __restrict v = s.state2;
   const Storage<G>* __restrict grad = static_cast<const Storage<G>*>(s.grad);
   Storage<C>* __restrict copy = static_cast<Storage<C>*>(s.copy);
+  const AdamScalars k = scalars_of(a);
 #pragma omp simd
   for (int64_t i = 0; i < s.length; ++i) {
-    float g = load<G>(grad, i) * a.grad_scale;
-    float w = p[i];
-    if (!a.adam_w) g += a.weight_decay * w;  // L2 mode: the moments see the decay
-    float mi = a.beta1 * m[i] + a.one_minus_beta1 * g;
-    float vi = a.beta2 * v[i] + a.one_minus_beta2 * g * g;
-    float denom = std::sqrt(vi) * a.inv_sqrt_bc2 + a.eps;
-    if (a.adam_w) w *= a.decay_factor;
-    w -= a.step_size * (mi / denom);
+    float w = p[i], mi = m[i], vi = v[i];
+    adam_element(k, load<G>(grad, i), w, mi, vi);
     m[i] = mi;
     v[i] = vi;
     p[i] = w;
@@ -262,7 +462,6 @@ SLIPSTREAM_INLINE void adam_span(const Span& s, const AdamArgs& a) {
 
 // Out of place: the same arithmetic as adam_span, a block at a time into L1 buffers that are
 // then streamed to the outputs (the element loop stays one the compiler vectorises).
-constexpr int64_t kOutBlock = 512;
 
 template <Kind G, Kind C>
 SLIPSTREAM_INLINE void adam_span_out(const Span& s, const AdamArgs& a) {
@@ -271,6 +470,7 @@ SLIPSTREAM_INLINE void adam_span_out(const Span& s, const AdamArgs& a) {
   alignas(64) float vb[kOutBlock];
   const Storage<G>* grad_base = static_cast<const Storage<G>*>(s.grad);
   Storage<C>* copy_base = static_cast<Storage<C>*>(s.copy);
+  const AdamScalars k = scalars_of(a);
   for (int64_t start = 0; start < s.length; start += kOutBlock) {
     const int64_t n = std::min(kOutBlock, s.length - start);
     const float* __restrict p = s.param + start;
@@ -279,14 +479,8 @@ SLIPSTREAM_INLINE void adam_span_out(const Span& s, const AdamArgs& a) {
     const Storage<G>* __restrict grad = grad_base + start;
 #pragma omp simd
     for (int64_t i = 0; i < n; ++i) {
-      float g = load<G>(grad, i) * a.grad_scale;
-      float w = p[i];
-      if (!a.adam_w) g += a.weight_decay * w;
-      float mi = a.beta1 * m[i] + a.one_minus_beta1 * g;
-      float vi = a.beta2 * v[i] + a.one_minus_beta2 * g * g;
-      float denom = std::sqrt(vi) * a.inv_sqrt_bc2 + a.eps;
-      if (a.adam_w) w *= a.decay_factor;
-      w -= a.step_size * (mi / denom);
+      float w = p[i], mi = m[i], vi = v[i];
+      adam_element(k, load<G>(grad, i), w, mi, vi);
       mb[i] = mi;
       vb[i] = vi;
       wb[i] = w;
@@ -297,6 +491,64 @@ SLIPSTREAM_INLINE void adam_span_out(const Span& s, const AdamArgs& a) {
     if constexpr (C != Kind::kNone) copy_span<C>(wb, copy_base + start, n);
   }
   store_fence();
+}
+
+// Memory probes (memory_probe): Adam's data movement without its arithmetic, to measure what
+// the host's memory gives a step of this shape. kRead reads param, both states and the gradient
+// (14 B per element with bf16 gradients) and writes nothing; kCopy also writes three fp32
+// outputs as adam_span_stream does (out of place, or over the inputs); kWrite only writes them.
+enum class Probe : int { kRead = 0, kCopy = 1, kWrite = 2 };
+
+template <Kind G, int W>
+SLIPSTREAM_INLINE float probe_span(const Span& s, Probe mode) {
+  const Storage<G>* grad = static_cast<const Storage<G>*>(s.grad);
+  if (mode == Probe::kRead) {
+    const float* __restrict p = s.param;
+    const float* __restrict m = s.state1;
+    const float* __restrict v = s.state2;
+    float acc = 0.0f;
+#pragma omp simd reduction(+ : acc)
+    for (int64_t i = 0; i < s.length; ++i) acc += p[i] + m[i] + v[i] + load<G>(grad, i);
+    return acc;
+  }
+  alignas(64) float wb[kOutBlock];
+  alignas(64) float mb[kOutBlock];
+  alignas(64) float vb[kOutBlock];
+  if (mode == Probe::kWrite) {
+    for (int64_t i = 0; i < kOutBlock; ++i) wb[i] = mb[i] = vb[i] = 0.0f;
+  }
+  float* po = s.param_out != nullptr ? s.param_out : s.param;
+  float* mo = s.state1_out != nullptr ? s.state1_out : s.state1;
+  float* vo = s.state2_out != nullptr ? s.state2_out : s.state2;
+  for (int64_t start = 0; start < s.length; start += kOutBlock) {
+    const int64_t n = std::min(kOutBlock, s.length - start);
+    if (mode == Probe::kCopy) {
+      const float* __restrict p = s.param + start;
+      const float* __restrict m = s.state1 + start;
+      const float* __restrict v = s.state2 + start;
+      const Storage<G>* __restrict g = grad + start;
+#pragma omp simd
+      for (int64_t i = 0; i < n; ++i) {
+        wb[i] = p[i] + load<G>(g, i);
+        mb[i] = m[i];
+        vb[i] = v[i];
+      }
+    }
+    stream_bytes<W>(po + start, wb, n * 4);
+    stream_bytes<W>(mo + start, mb, n * 4);
+    stream_bytes<W>(vo + start, vb, n * 4);
+  }
+  store_fence();
+  return 0.0f;
+}
+
+template <int W>
+SLIPSTREAM_INLINE float probe_dispatch(const Span& s, Probe mode) {
+  switch (s.grad_kind) {
+    case Kind::kF32: return probe_span<Kind::kF32, W>(s, mode);
+    case Kind::kBF16: return probe_span<Kind::kBF16, W>(s, mode);
+    default: return probe_span<Kind::kF16, W>(s, mode);
+  }
 }
 
 template <Kind G, Kind C>
@@ -356,7 +608,8 @@ SLIPSTREAM_INLINE void lion_span(const Span& s, const LionArgs& a) {
   } while (0)
 
 // The parallel loop over every span, compiled once per ISA by the macro below.
-#define SLIPSTREAM_DEFINE_RUNNERS(SUFFIX, ATTRIBUTE)                                          \
+// WIDEST: the widest non-temporal store of the ISA, in floats (16: AVX-512, 8: AVX2, 4: SSE2).
+#define SLIPSTREAM_DEFINE_RUNNERS(SUFFIX, ATTRIBUTE, WIDEST)                                  \
   ATTRIBUTE void adam_run_##SUFFIX(const std::vector<Span>& spans, const AdamArgs& a,         \
                                    StepStats& stats) {                                        \
     const int64_t count = static_cast<int64_t>(spans.size());                                 \
@@ -364,7 +617,18 @@ SLIPSTREAM_INLINE void lion_span(const Span& s, const LionArgs& a) {
     _Pragma("omp parallel num_threads(step_threads())") {                                     \
       const double begin = seconds_since(origin);                                             \
       _Pragma("omp for schedule(runtime) nowait") for (int64_t k = 0; k < count; ++k) {       \
-        if (spans[k].param_out != nullptr) {                                                  \
+        if (a.stores == kStream || (a.stores == kStreamOut && spans[k].param_out != nullptr)) { \
+          const int width = stream_width(a.store_bytes, WIDEST);                              \
+          if constexpr (WIDEST >= 16) {                                                       \
+            if (width == 16) SLIPSTREAM_DISPATCH(adam_span_stream16, spans[k], a);            \
+          }                                                                                   \
+          if constexpr (WIDEST >= 8) {                                                        \
+            if (width == 8) SLIPSTREAM_DISPATCH(adam_span_stream8, spans[k], a);              \
+          }                                                                                   \
+          if (width == 4) SLIPSTREAM_DISPATCH(adam_span_stream4, spans[k], a);                \
+        } else if (spans[k].param_out != nullptr && a.stores == kCached) {                    \
+          SLIPSTREAM_DISPATCH(adam_span_cached, spans[k], a);                                 \
+        } else if (spans[k].param_out != nullptr) {                                           \
           SLIPSTREAM_DISPATCH(adam_span_out, spans[k], a);                                    \
         } else {                                                                              \
           SLIPSTREAM_DISPATCH(adam_span, spans[k], a);                                        \
@@ -377,6 +641,25 @@ SLIPSTREAM_INLINE void lion_span(const Span& s, const LionArgs& a) {
       }                                                                                       \
     }                                                                                         \
     stats.wall = seconds_since(origin);                                                       \
+  }                                                                                           \
+  ATTRIBUTE double probe_run_##SUFFIX(const std::vector<Span>& spans, Probe mode,              \
+                                     int store_bytes) {                                       \
+    const int64_t count = static_cast<int64_t>(spans.size());                                 \
+    const int width = stream_width(store_bytes, WIDEST);                                      \
+    double total = 0.0;                                                                       \
+    _Pragma("omp parallel for schedule(runtime) reduction(+ : total) num_threads(step_threads())") \
+    for (int64_t k = 0; k < count; ++k) {                                                     \
+      float part = 0.0f;                                                                      \
+      if constexpr (WIDEST >= 16) {                                                           \
+        if (width == 16) part = probe_dispatch<16>(spans[k], mode);                           \
+      }                                                                                       \
+      if constexpr (WIDEST >= 8) {                                                            \
+        if (width == 8) part = probe_dispatch<8>(spans[k], mode);                             \
+      }                                                                                       \
+      if (width == 4) part = probe_dispatch<4>(spans[k], mode);                               \
+      total += part;                                                                          \
+    }                                                                                         \
+    return total;                                                                             \
   }                                                                                           \
   ATTRIBUTE void adagrad_run_##SUFFIX(const std::vector<Span>& spans, const AdagradArgs& a) { \
     const int64_t count = static_cast<int64_t>(spans.size());                                 \
@@ -391,12 +674,13 @@ SLIPSTREAM_INLINE void lion_span(const Span& s, const LionArgs& a) {
     }                                                                                         \
   }
 
-SLIPSTREAM_DEFINE_RUNNERS(generic, )
+SLIPSTREAM_DEFINE_RUNNERS(generic, , 4)
 #if defined(__x86_64__) && (defined(__GNUC__) || defined(__clang__))
 #define SLIPSTREAM_HAS_X86_CLONES 1
-SLIPSTREAM_DEFINE_RUNNERS(avx2, __attribute__((target("avx2,fma,f16c"))))
+SLIPSTREAM_DEFINE_RUNNERS(avx2, __attribute__((target("avx2,fma,f16c"))), 8)
 SLIPSTREAM_DEFINE_RUNNERS(avx512,
-                          __attribute__((target("avx512f,avx512bw,avx512vl,avx512dq,fma,f16c"))))
+                          __attribute__((target("avx512f,avx512bw,avx512vl,avx512dq,fma,f16c"))),
+                          16)
 #endif
 
 std::vector<std::string> supported_isas() {
@@ -549,7 +833,46 @@ void set_outputs(std::vector<Span>& spans, const std::vector<at::Tensor>& params
   }
 }
 
+void check_memory_options(int64_t store_bytes, int64_t prefetch) {
+  TORCH_CHECK(store_bytes == 0 || store_bytes == 16 || store_bytes == 32 || store_bytes == 64,
+              "CPU optimizer store_bytes must be 0 (the widest the ISA has), 16, 32 or 64, got ",
+              store_bytes);
+  TORCH_CHECK(prefetch >= 0, "CPU optimizer prefetch must be >= 0 elements (0: off), got ",
+              prefetch);
+}
+
 }  // namespace
+
+// Adam's memory traffic without its arithmetic, over Adam's own argument lists (see Probe):
+// "read", "copy" or "write"; outputs as adam_step's out lists (empty: in place). Returns the
+// sum that "read" took (so that the reads cannot be left out), else 0.
+double memory_probe(const std::string& mode, const std::vector<at::Tensor>& params,
+                    const std::vector<at::Tensor>& grads,
+                    const std::vector<at::Tensor>& exp_avgs,
+                    const std::vector<at::Tensor>& exp_avg_sqs,
+                    const std::vector<at::Tensor>& params_out,
+                    const std::vector<at::Tensor>& exp_avgs_out,
+                    const std::vector<at::Tensor>& exp_avg_sqs_out, int64_t store_bytes,
+                    const std::string& isa, const std::string& schedule) {
+  TORCH_CHECK(mode == "read" || mode == "copy" || mode == "write",
+              "memory_probe mode must be 'read', 'copy' or 'write', got '", mode, "'");
+  check_memory_options(store_bytes, 0);
+  const Probe probe = mode == "read" ? Probe::kRead : (mode == "copy" ? Probe::kCopy : Probe::kWrite);
+  const std::string chosen = resolve_isa(isa);
+  auto spans = make_spans(params, grads, exp_avgs, &exp_avg_sqs, {});
+  if (!params_out.empty() || !exp_avgs_out.empty() || !exp_avg_sqs_out.empty()) {
+    set_outputs(spans, params, grads, exp_avgs, exp_avg_sqs, {}, params_out, exp_avgs_out,
+                exp_avg_sqs_out);
+  }
+  apply_schedule(schedule);
+  const int bytes = static_cast<int>(store_bytes);
+  pybind11::gil_scoped_release no_gil;
+#ifdef SLIPSTREAM_HAS_X86_CLONES
+  if (chosen == "avx512") return probe_run_avx512(spans, probe, bytes);
+  if (chosen == "avx2") return probe_run_avx2(spans, probe, bytes);
+#endif
+  return probe_run_generic(spans, probe, bytes);
+}
 
 std::string adam_step(const std::vector<at::Tensor>& params, const std::vector<at::Tensor>& grads,
                       const std::vector<at::Tensor>& exp_avgs,
@@ -560,8 +883,10 @@ std::string adam_step(const std::vector<at::Tensor>& params, const std::vector<a
                       const std::string& isa, const std::string& schedule,
                       const std::vector<at::Tensor>& params_out,
                       const std::vector<at::Tensor>& exp_avgs_out,
-                      const std::vector<at::Tensor>& exp_avg_sqs_out) {
+                      const std::vector<at::Tensor>& exp_avg_sqs_out, const std::string& stores,
+                      int64_t store_bytes, int64_t prefetch) {
   TORCH_CHECK(step >= 1, "adam: step must be >= 1 (the step being taken), got ", step);
+  check_memory_options(store_bytes, prefetch);
   const std::string chosen = resolve_isa(isa);
   auto spans = make_spans(params, grads, exp_avgs, &exp_avg_sqs, copies);
   if (!params_out.empty() || !exp_avgs_out.empty() || !exp_avg_sqs_out.empty()) {
@@ -577,6 +902,16 @@ std::string adam_step(const std::vector<at::Tensor>& params, const std::vector<a
              static_cast<float>(1.0 - lr * weight_decay), adam_w_mode,
              static_cast<float>(grad_scale),  static_cast<float>(1.0 - beta1),
              static_cast<float>(1.0 - beta2)};
+  TORCH_CHECK(stores == "mixed" || stores == "stream" || stores == "cached" ||
+                  stores == "stream_out",
+              "CPU optimizer stores must be 'stream_out', 'mixed', 'stream' or 'cached', got '",
+              stores, "'");
+  a.stores = stores == "stream"       ? kStream
+             : stores == "cached"     ? kCached
+             : stores == "stream_out" ? kStreamOut
+                                      : kMixed;
+  a.store_bytes = static_cast<int>(store_bytes);
+  a.prefetch = prefetch;
   apply_schedule(schedule);
   StepStats& stats = g_stats;
   const size_t team = static_cast<size_t>(std::max(1, step_threads()));
@@ -690,6 +1025,8 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
         "Adam/AdamW step over lists of CPU tensors (in place, or into the *_out lists); "
         "returns the ISA used");
   m.def("adagrad_step", &adagrad_step, "Adagrad step over lists of CPU tensors");
+  m.def("memory_probe", &memory_probe,
+        "Adam's memory traffic without its arithmetic ('read', 'copy' or 'write'; benchmarks)");
   m.def("lion_step", &lion_step, "Lion step over lists of CPU tensors");
   m.def("supported_isas", &supported_isas, "ISAs usable on this CPU, best first");
   m.def("max_threads", &max_threads, "OpenMP threads a step called from this thread uses");
