@@ -480,34 +480,6 @@ def test_overlap_forward_is_the_same_run_bit_for_bit_on_gpus(stage, clipping, ra
         assert result["staged"] > 0  # uploads started as the buckets' CPU steps ended
 
 
-@pytest.mark.gpu
-@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA/ROCm device")
-@pytest.mark.parametrize(("overlap", "clipping"), [(True, True), (False, False)])
-def test_merged_bucket_steps_are_the_same_run_on_gpus(overlap, clipping) -> None:
-    # Buckets land through pinned memory on a side stream; the worker merges those that have
-    # landed (each one's wait for its copy and hand-over, then one C++ call).
-    world = min(2, torch.cuda.device_count())
-    results = run_distributed(
-        _side_by_side,
-        world,
-        2,
-        "bf16",
-        1,
-        clipping,
-        1.0,
-        False,
-        10**9,
-        overlap,
-        backend="nccl",
-        timeout=300,
-    )
-    for result in results:
-        assert result["on"][0] == overlap and result["on"][1] == result["off"][1]
-        assert result["same_losses"]
-        assert result["first_difference"] is None, result["first_difference"]
-        assert result["jobs"][0] == result["jobs"][1] > 0
-
-
 @pytest.mark.parametrize(
     ("stage", "world", "precision", "gas", "clipping", "overlap"),
     [
@@ -542,10 +514,16 @@ def test_model_dtype_uploads_are_the_same_run(stage, world, precision, gas, clip
 
 @pytest.mark.gpu
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA/ROCm device")
+@pytest.mark.parametrize("case", ["merged", "model_dtype"])
 @pytest.mark.parametrize(("overlap", "clipping"), [(True, True), (False, False)])
-def test_model_dtype_uploads_are_the_same_run_on_gpus(overlap, clipping) -> None:
-    # The bf16 copies the C++ step writes are uploaded (pinned, early on a side stream with
-    # overlap_forward) instead of the fp32 masters the GPU would cast: the same weights.
+def test_merged_steps_and_model_dtype_uploads_are_the_same_run_on_gpus(
+    case, overlap, clipping
+) -> None:
+    # Buckets land through pinned memory on a side stream. "merged": the worker merges those
+    # that have landed (each one's wait for its copy and hand-over, then one C++ call).
+    # "model_dtype": the bf16 copies the C++ step writes are uploaded (pinned, early on a side
+    # stream with overlap_forward) instead of the fp32 masters the GPU would cast.
+    merged = case == "merged"
     world = min(2, torch.cuda.device_count())
     results = run_distributed(
         _side_by_side,
@@ -556,13 +534,17 @@ def test_model_dtype_uploads_are_the_same_run_on_gpus(overlap, clipping) -> None
         clipping,
         1.0,
         False,
-        0,
+        10**9 if merged else 0,
         overlap,
-        True,
+        not merged,
         backend="nccl",
         timeout=300,
     )
     for result in results:
-        assert result["staging"] == (True, False)
         assert result["same_losses"]
         assert result["first_difference"] is None, result["first_difference"]
+        if merged:
+            assert result["on"][0] == overlap and result["on"][1] == result["off"][1]
+            assert result["jobs"][0] == result["jobs"][1] > 0
+        else:
+            assert result["staging"] == (True, False)
