@@ -47,6 +47,19 @@ def fresh_accelerator(monkeypatch: pytest.MonkeyPatch) -> Iterator[None]:
     set_accelerator(None)
 
 
+@pytest.fixture(scope="module")
+def cpu_optim():
+    """The built CPU optimizer extension (built into the cache on first use, ~1-3 minutes);
+    skipped only where no C++ compiler exists (CI has one, so there it always runs)."""
+    from slipstream.kernels.build_ops import compiler_path
+
+    if compiler_path() is None:
+        pytest.skip("no C++ compiler to build the CPU optimizers")
+    from slipstream.kernels.ops import cpu_optim
+
+    return cpu_optim
+
+
 @pytest.fixture(params=["cpu", _CUDA])
 def triton_device(request: pytest.FixtureRequest) -> torch.device:
     """Triton kernel tests: the CPU under TRITON_INTERPRET=1, and the GPU under ``-m gpu``."""

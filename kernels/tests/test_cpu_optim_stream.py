@@ -21,17 +21,6 @@ SHAPES = [(1,), (7, 3), (513,), (40_000,), (16_384 + 515,)]
 OPTIONS = dict(lr=1e-2, beta1=0.9, beta2=0.99, eps=1e-8, weight_decay=0.1, bias_correction=True)
 
 
-@pytest.fixture(scope="module")
-def cpu_optim():
-    from slipstream.kernels.build_ops import compiler_path
-
-    if compiler_path() is None:
-        pytest.skip("no C++ compiler to build the CPU optimizers")
-    from slipstream.kernels.ops import cpu_optim
-
-    return cpu_optim
-
-
 def _views(generator: torch.Generator, offset: int, dtype=torch.float32) -> list[torch.Tensor]:
     out = []
     for shape in SHAPES:

@@ -348,18 +348,6 @@ def test_triton_optimizers_refuse_states_of_different_dtypes(triton_device) -> N
 
 
 # -- C++ CPU optimizers --------------------------------------------------------------------
-@pytest.fixture(scope="module")
-def cpu_optim():
-    """The built CPU optimizer extension (built into the cache on first use, ~1-3 minutes)."""
-    from slipstream.kernels.build_ops import compiler_path
-
-    if compiler_path() is None:
-        pytest.skip("no C++ compiler to build the CPU optimizers")
-    from slipstream.kernels.ops import cpu_optim
-
-    return cpu_optim
-
-
 def _isas(cpu_optim) -> list[str]:
     return cpu_optim.supported_isas()
 
