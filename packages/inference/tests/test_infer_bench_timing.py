@@ -3,10 +3,7 @@
 
 from __future__ import annotations
 
-import importlib.util
-import sys
 import time
-from pathlib import Path
 
 import pytest
 import torch
@@ -16,24 +13,12 @@ from slipstream.inference.testing import tiny_hf_model
 
 pytest.importorskip("transformers")
 
-SCRIPT = Path(__file__).resolve().parents[3] / "tools" / "bench" / "infer_bench.py"
 
-
-def _load():
-    assert SCRIPT.exists(), f"{SCRIPT} is missing: the bench this test checks moved or was removed"
-    spec = importlib.util.spec_from_file_location("infer_bench", SCRIPT)
-    assert spec is not None and spec.loader is not None
-    module = importlib.util.module_from_spec(spec)
-    sys.modules["infer_bench"] = module
-    spec.loader.exec_module(module)
-    return module
-
-
-def test_timed_generate_times_the_decode_steps_only() -> None:
+def test_timed_generate_times_the_decode_steps_only(bench_script) -> None:
     """A prefill made slow (a 1 s sleep) moves the wall time, not the per-step time (were the
     prefill in it, each of the four steps would take >= 0.25 s); generate's tokens are unchanged
     by the timing. No bound here compares two timings, so a loaded CI machine cannot fail it."""
-    bench = _load()
+    bench = bench_script("infer_bench")
     engine = init_inference(tiny_hf_model("llama"), replace_with_kernel_inject=True)
     runner = engine._runner
     ids = torch.randint(3, 96, (1, 6), generator=torch.Generator().manual_seed(0))

@@ -3,32 +3,17 @@ the corpus file, and one short end-to-end run of the harness."""
 
 from __future__ import annotations
 
-import importlib.util
 import itertools
 import json
-import sys
 from pathlib import Path
 
 import pytest
 
-BENCH = Path(__file__).resolve().parents[3] / "tools" / "bench"
 
-
-def _load(name: str):
-    script = BENCH / f"{name}.py"
-    assert script.exists(), f"{script} is missing: the bench this test checks moved or was removed"
-    spec = importlib.util.spec_from_file_location(name, script)
-    assert spec is not None and spec.loader is not None
-    module = importlib.util.module_from_spec(spec)
-    sys.modules[name] = module
-    spec.loader.exec_module(module)
-    return module
-
-
-def test_consumed_tokens_follow_megatron_deepspeed() -> None:
+def test_consumed_tokens_follow_megatron_deepspeed(bench_script) -> None:
     """Megatron-DeepSpeed counts rows x the curriculum length, layer-averaged over the random-LTD
     layers' kept tokens when they keep fewer than the length (integer division)."""
-    bench = _load("data_efficiency_bench")
+    bench = bench_script("data_efficiency_bench")
     args = bench.parse_args(["--preset", "smoke"])  # tiny: 4 layers, 2 of them dropping
     # truncation: 4 rows of 80 tokens, random-LTD keeps 32 -> (80*2 + 32*2)//4 = 56
     assert bench._consumed_tokens(args, 80, 32) == 4 * 56
@@ -49,7 +34,7 @@ def test_consumed_tokens_follow_megatron_deepspeed() -> None:
     assert bench._tokens_read(args, 128) == 4 * 128  # full length: the batch as it is
 
 
-def test_reshape_mode_gives_the_model_megatron_deepspeeds_rows() -> None:
+def test_reshape_mode_gives_the_model_megatron_deepspeeds_rows(bench_script) -> None:
     """Through the engine: the legacy curriculum hands the model curriculum_seqlen, and the
     reshaping model's layers receive exactly reshape_batch(text, c + 1)'s inputs and labels;
     training steps see one row count per length, the rows the token clock counts."""
@@ -58,7 +43,7 @@ def test_reshape_mode_gives_the_model_megatron_deepspeeds_rows() -> None:
     import slipstream
     from slipstream.data import reshape_batch
 
-    bench = _load("data_efficiency_bench")
+    bench = bench_script("data_efficiency_bench")
     args = bench.parse_args(["--preset", "smoke", "--curriculum-mode", "reshape"])
     torch.manual_seed(0)
     model = bench._model(args, True)
@@ -88,7 +73,7 @@ def test_reshape_mode_gives_the_model_megatron_deepspeeds_rows() -> None:
     engine.destroy()
 
 
-def test_vocabulary_rarity_sampling_draws_common_windows_first(tmp_path) -> None:
+def test_vocabulary_rarity_sampling_draws_common_windows_first(tmp_path, bench_script) -> None:
     """--data-sampling voc: DataAnalyzer indexes DeepSpeed's vocabulary rarity of every window
     and the engine's difficulty loader (data_efficiency.data_sampling, percentile from 1)
     draws the first batches from the windows of the most common bytes only, every window
@@ -97,7 +82,7 @@ def test_vocabulary_rarity_sampling_draws_common_windows_first(tmp_path) -> None
 
     import slipstream
 
-    bench = _load("data_efficiency_bench")
+    bench = bench_script("data_efficiency_bench")
     args = bench.parse_args(["--preset", "smoke", "--data-sampling", "voc", "--ds-min", "10"])
     windows = torch.randint(0, 8, (200, args.seq + 1))  # common bytes
     rare = torch.arange(0, 200, 5)
@@ -123,8 +108,8 @@ def test_vocabulary_rarity_sampling_draws_common_windows_first(tmp_path) -> None
     assert set(later.tolist()) & set(rare.tolist())  # past the schedule: every window
 
 
-def test_troff_to_text() -> None:
-    corpus = _load("make_text_corpus")
+def test_troff_to_text(bench_script) -> None:
+    corpus = bench_script("make_text_corpus")
     page = (
         '.\\" a comment\n.TH CAT 1\n.SH NAME\ncat \\- concatenate files\n.SH SYNOPSIS\n'
         ".B cat\n[\\fIOPTION\\fR]... [\\fIFILE\\fR]...\n.IP \\(bu 2\nfirst item\n.PP\nplain\n"
@@ -135,10 +120,10 @@ def test_troff_to_text() -> None:
     )
 
 
-def test_harness_end_to_end_with_a_corpus_file(tmp_path) -> None:
+def test_harness_end_to_end_with_a_corpus_file(tmp_path, bench_script) -> None:
     """One baseline LR, one truncating-curriculum + random-LTD run on DeepSpeed's clock at 0.7x,
     the curriculum alone, controls at both LRs, read from a NUL-joined corpus file."""
-    bench = _load("data_efficiency_bench")
+    bench = bench_script("data_efficiency_bench")
     text = Path(bench.__file__).read_bytes() + Path(json.__file__).read_bytes()
     docs = [b"%d\n" % i + text[i : i + 3000] for i in range(0, len(text), 300)]
     corpus = tmp_path / "corpus.bin"

@@ -2,33 +2,18 @@
 
 from __future__ import annotations
 
-import importlib.util
 import json
-import sys
-from pathlib import Path
 
 import pytest
 
 pytest.importorskip("transformers")
 
-SCRIPT = Path(__file__).resolve().parents[4] / "tools" / "bench" / "serve_bench.py"
 
-
-def _load():
-    assert SCRIPT.exists(), f"{SCRIPT} is missing: the bench this test checks moved or was removed"
-    spec = importlib.util.spec_from_file_location("serve_bench", SCRIPT)
-    assert spec is not None and spec.loader is not None
-    module = importlib.util.module_from_spec(spec)
-    sys.modules["serve_bench"] = module  # its dataclasses look their module up
-    spec.loader.exec_module(module)
-    return module
-
-
-def test_static_and_in_process_backends(tmp_path) -> None:
+def test_static_and_in_process_backends(tmp_path, bench_script) -> None:
     """Static batches of 3 over 7 requests all at once: every request's own output length is
     counted, later batches wait (TTFT p99 above p50), per-step ITL is measured; the in-process
     engine on the same workload with the probe and the timeline."""
-    bench = _load()
+    bench = bench_script("serve_bench")
     out = tmp_path / "runs.jsonl"
     argv = ["--model", "tiny", "--device", "cpu", "--num-requests", "7", "--rate", "inf",
             "--prompt-len", "8:24", "--output-len", "4:9", "--static-batch", "3",
