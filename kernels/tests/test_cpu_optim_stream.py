@@ -1,7 +1,7 @@
 """The C++ Adam's store paths (``stores=``) and memory probes: the same bits as the earlier kernel.
 
 ``stores="stream"`` (blocked through L1 buffers, every result written with non-temporal stores,
-optional prefetch) and ``stores="cached"`` (ordinary stores straight into the outputs) change
+optional prefetch) and ``stores="stream_out"`` (that out of place, ordinary stores in place) change
 only how the step moves memory, never what it computes: every path must equal the earlier
 kernel (``stores="mixed"``) bit for bit, on every ISA the CPU has, in place and out of place,
 for every gradient and copy dtype, AdamW and L2 mode, at unaligned offsets and odd lengths.
@@ -66,7 +66,6 @@ def test_store_paths_are_the_earlier_kernel_bit_for_bit(
     cpu_optim, monkeypatch, adam_w: bool, grad_dtype: torch.dtype
 ) -> None:
     memories = [
-        dict(stores="cached"),
         dict(stores="stream_out"),
         dict(stores="stream"),
         dict(stores="stream", store_bytes=16, prefetch=700),
@@ -90,7 +89,7 @@ def test_store_paths_are_the_earlier_kernel_bit_for_bit(
                     assert all(torch.equal(a, b) for a, b in zip(now, inputs)), where
 
 
-@pytest.mark.parametrize("stores", ["stream", "cached"])
+@pytest.mark.parametrize("stores", ["stream", "stream_out"])
 def test_store_paths_write_nothing_outside_their_views(cpu_optim, stores: str) -> None:
     # The non-temporal stores cover whole 16/32/64-byte pieces: the bytes around each view
     # (the rest of its buffer) must stay as they were.

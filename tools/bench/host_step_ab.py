@@ -14,8 +14,7 @@ from round to round), first with rank 0 alone and then with all ranks at once. A
   (26 B): what the host's memory gives a step of this shape;
 - ``PLACE``: ``oop`` (out of place into the second set, the speculative step of training),
   ``ip`` (in place);
-- modifiers: ``old`` (the earlier kernel: ``stores="mixed"``), ``cached`` (``stores="cached"``:
-  ordinary stores straight into the outputs), ``ntB`` (``stores="stream"`` with B-byte
+- modifiers: ``old`` (the earlier kernel: ``stores="mixed"``), ``ntB`` (``stores="stream"`` with B-byte
   non-temporal stores, 0 = the widest), ``stream_out`` (``stores="stream_out"``, CPU offload's
   default), ``pfN`` (prefetch N elements ahead), ``dyn``
   (dynamic schedule), ``tN`` (N OpenMP threads instead of ``--threads``).
@@ -43,7 +42,6 @@ DEFAULT_VARIANTS = (
     "adam/oop/stream_out/dyn",
     "adam/oop/nt16/dyn",
     "adam/oop/nt64/pf1024/dyn",
-    "adam/oop/cached/dyn",
     "adam/ip/old",
     "adam/ip/old/dyn",
     "adam/ip/stream_out/dyn",
@@ -71,7 +69,7 @@ def _parse(variant: str, threads: int) -> dict[str, Any]:
     for mod in mods:
         if mod == "old":
             spec["stores"] = "mixed"
-        elif mod in ("cached", "stream_out"):
+        elif mod == "stream_out":
             spec["stores"] = mod
         elif mod.startswith("nt"):
             spec["stores"], spec["store_bytes"] = "stream", int(mod[2:])

@@ -502,7 +502,7 @@ def main(argv: list[str] | None = None) -> int:
     )
     parser.add_argument(
         "--cpu-stores",
-        choices=["stream_out", "mixed", "stream", "cached"],
+        choices=["stream_out", "mixed", "stream"],
         default=None,
         help="--offload cpu: offload_optimizer.cpu_stores (default: the config's)",
     )

@@ -299,7 +299,7 @@ class _Recording:
 @pytest.mark.parametrize(
     "memory",
     [
-        {"cpu_stores": "cached"},
+        {"cpu_stores": "mixed"},
         {"cpu_stores": "stream"},
         {"cpu_stores": "stream", "cpu_prefetch": 1024},
     ],

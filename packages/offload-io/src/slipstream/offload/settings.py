@@ -73,9 +73,8 @@ class OptimizerOffload:
             bit, whatever is chosen): ``"stream_out"`` (the default: an out-of-place step,
             the speculative one, writes with full-line non-temporal stores, 512 elements at a
             time through L1 buffers; an in-place step with ordinary stores), ``"mixed"`` (the
-            earlier kernel: out of place with 16-byte non-temporal stores), ``"stream"``
-            (non-temporal stores in place too) or ``"cached"`` (ordinary stores straight from
-            the element loop, out of place too).
+            earlier kernel: out of place with 16-byte non-temporal stores) or ``"stream"``
+            (non-temporal stores in place too).
         cpu_prefetch: where the step streams (see ``cpu_stores``), software-prefetch each block's inputs
             this many elements ahead (0: the hardware prefetchers only).
         early_upload: ZeRO 1-2 with ``overlap_forward`` on a GPU: upload each deferred
@@ -121,7 +120,7 @@ class OptimizerOffload:
     ratio: float = 1.0
     threads: int = 0
     cpu_schedule: Literal["static", "dynamic"] = "dynamic"
-    cpu_stores: Literal["stream_out", "mixed", "stream", "cached"] = "stream_out"
+    cpu_stores: Literal["stream_out", "mixed", "stream"] = "stream_out"
     cpu_prefetch: int = 0
     early_upload: bool = True
     overlap_bucket_numel: int = 100_000_000
@@ -157,10 +156,10 @@ class OptimizerOffload:
             raise ValueError(
                 f"offload_optimizer.cpu_schedule={self.cpu_schedule!r}: use 'static' or 'dynamic'"
             )
-        if self.cpu_stores not in ("stream_out", "mixed", "stream", "cached"):
+        if self.cpu_stores not in ("stream_out", "mixed", "stream"):
             raise ValueError(
-                f"offload_optimizer.cpu_stores={self.cpu_stores!r}: use 'stream_out', 'mixed', "
-                "'stream' or 'cached'"
+                f"offload_optimizer.cpu_stores={self.cpu_stores!r}: use 'stream_out', 'mixed' "
+                "or 'stream'"
             )
         if self.cpu_prefetch < 0:
             raise ValueError(

@@ -87,7 +87,7 @@ class OffloadOptimizerConfig(ConfigBlock):
     cpu_schedule: Literal["static", "dynamic"] = "dynamic"
     # Slipstream additions (docs/offload.md, "How the CPU step moves memory"): the C++ Adam's
     # stores and prefetch; the same values either way.
-    cpu_stores: Literal["stream_out", "mixed", "stream", "cached"] = "stream_out"
+    cpu_stores: Literal["stream_out", "mixed", "stream"] = "stream_out"
     cpu_prefetch: int = _ge0(0)
     # A Slipstream addition (docs/offload.md, "gpu_share"): the share of each CPU step's
     # elements stepped on the GPU instead, their states streamed from and back to host memory.

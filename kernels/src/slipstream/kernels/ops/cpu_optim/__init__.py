@@ -25,8 +25,9 @@ ISA_ENV = "SLIPSTREAM_CPU_ISA"
 SCHEDULES = ("static", "dynamic")
 # How the Adam step writes its results (``adam(stores=...)``; the same values either way):
 # "stream_out" (non-temporal full lines out of place, ordinary stores in place), "mixed" (the
-# earlier kernel), "stream" (non-temporal everywhere) or "cached" (ordinary stores everywhere).
-STORES = ("stream_out", "mixed", "stream", "cached")
+# earlier kernel) or "stream" (non-temporal everywhere). (Ordinary stores out of place were
+# 20-30% slower on every host measured and were removed: docs/offload.md.)
+STORES = ("stream_out", "mixed", "stream")
 # Widths of the streaming step's non-temporal stores (``adam(stores="stream", store_bytes=...)``):
 # 0 is the widest the vector path has (64 bytes, a whole cache line, with AVX-512).
 STORE_BYTES = (0, 16, 32, 64)
@@ -145,9 +146,7 @@ def adam(
     into L1 buffers, every result (param, both moments, the ``param_copies``; in place too)
     written with non-temporal stores of ``store_bytes`` each (0: the widest the vector path
     has, a whole 64-byte line with AVX-512; 16, 32 or 64), each block's inputs prefetched
-    ``prefetch`` elements ahead (0: off). ``"cached"``: ordinary stores straight from the
-    element loop, out of place too (CPUs that see whole lines written need not read them
-    first; the lines go back to memory through the caches, as an in-place step's do).
+    ``prefetch`` elements ahead (0: off).
     """
     if stores not in STORES:
         raise ValueError(f"stores={stores!r} is not one of {', '.join(STORES)}")

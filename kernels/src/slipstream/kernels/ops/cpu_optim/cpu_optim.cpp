@@ -176,7 +176,7 @@ SLIPSTREAM_INLINE void copy_span(const float* __restrict p, Storage<C>* __restri
   }
 }
 
-enum Stores : int { kMixed = 0, kStream = 1, kCached = 2, kStreamOut = 3 };
+enum Stores : int { kMixed = 0, kStream = 1, kStreamOut = 3 };
 
 struct AdamArgs {
   float beta1, beta2, eps, weight_decay, step_size, inv_sqrt_bc2, decay_factor;
@@ -188,9 +188,7 @@ struct AdamArgs {
   // How the step moves memory (never what it computes): kMixed, the earlier kernel (adam_span
   // in place, adam_span_out out of place); kStream (adam_span_stream): every result block by
   // block with non-temporal stores of store_bytes each (0: the widest the ISA has), each
-  // block's inputs prefetched prefetch elements ahead (0: none); kCached (adam_span_cached):
-  // every result with ordinary stores straight from the element loop, out of place too;
-  // kStreamOut: adam_span_stream out of place, adam_span in place.
+  // block's inputs prefetched prefetch elements ahead (0: none); kStreamOut: adam_span_stream out of place, adam_span in place.
   int stores = 0;
   int store_bytes = 0;
   int64_t prefetch = 0;
@@ -414,33 +412,6 @@ SLIPSTREAM_INLINE void adam_span_stream16(const Span& s, const AdamArgs& a) {
   adam_span_stream<G, C, 16>(s, a);
 }
 
-// AdamArgs::stores == kCached: ordinary stores straight from the element loop into the outputs
-// (out of place; in place this is adam_span). Each output line is written whole by the
-// loop's vector stores, one after the next, which CPUs that detect full-line writes can take
-// without reading the line first; the written lines go back to memory through the caches, as
-// an in-place step's do.
-template <Kind G, Kind C>
-SLIPSTREAM_INLINE void adam_span_cached(const Span& s, const AdamArgs& a) {
-  const float* __restrict p = s.param;
-  const float* __restrict m = s.state1;
-  const float* __restrict v = s.state2;
-  float* __restrict po = s.param_out;
-  float* __restrict mo = s.state1_out;
-  float* __restrict vo = s.state2_out;
-  const Storage<G>* __restrict grad = static_cast<const Storage<G>*>(s.grad);
-  Storage<C>* __restrict copy = static_cast<Storage<C>*>(s.copy);
-  const AdamScalars k = scalars_of(a);
-#pragma omp simd
-  for (int64_t i = 0; i < s.length; ++i) {
-    float w = p[i], mi = m[i], vi = v[i];
-    adam_element(k, load<G>(grad, i), w, mi, vi);
-    mo[i] = mi;
-    vo[i] = vi;
-    po[i] = w;
-  }
-  copy_span<C>(po, copy, s.length);
-}
-
 template <Kind G, Kind C>
 SLIPSTREAM_INLINE void adam_span(const Span& s, const AdamArgs& a) {
   float* __restrict p = s.param;
@@ -626,8 +597,6 @@ SLIPSTREAM_INLINE void lion_span(const Span& s, const LionArgs& a) {
             if (width == 8) SLIPSTREAM_DISPATCH(adam_span_stream8, spans[k], a);              \
           }                                                                                   \
           if (width == 4) SLIPSTREAM_DISPATCH(adam_span_stream4, spans[k], a);                \
-        } else if (spans[k].param_out != nullptr && a.stores == kCached) {                    \
-          SLIPSTREAM_DISPATCH(adam_span_cached, spans[k], a);                                 \
         } else if (spans[k].param_out != nullptr) {                                           \
           SLIPSTREAM_DISPATCH(adam_span_out, spans[k], a);                                    \
         } else {                                                                              \
@@ -902,12 +871,10 @@ std::string adam_step(const std::vector<at::Tensor>& params, const std::vector<a
              static_cast<float>(1.0 - lr * weight_decay), adam_w_mode,
              static_cast<float>(grad_scale),  static_cast<float>(1.0 - beta1),
              static_cast<float>(1.0 - beta2)};
-  TORCH_CHECK(stores == "mixed" || stores == "stream" || stores == "cached" ||
-                  stores == "stream_out",
-              "CPU optimizer stores must be 'stream_out', 'mixed', 'stream' or 'cached', got '",
-              stores, "'");
+  TORCH_CHECK(stores == "mixed" || stores == "stream" || stores == "stream_out",
+              "CPU optimizer stores must be 'stream_out', 'mixed' or 'stream', got '", stores,
+              "'");
   a.stores = stores == "stream"       ? kStream
-             : stores == "cached"     ? kCached
              : stores == "stream_out" ? kStreamOut
                                       : kMixed;
   a.store_bytes = static_cast<int>(store_bytes);
