@@ -264,7 +264,24 @@ class ShardedOptimizerStates(GradientPathMixin):
             streams = step.streams and self._staging is None
             if streams:
                 dtypes = {p.dtype for p in self.params}
-                step.keep_for_publish(dtypes.pop() if len(dtypes) == 1 else torch.float32)
+                keep_dtype = dtypes.pop() if len(dtypes) == 1 else torch.float32
+                step.keep_for_publish(keep_dtype)
+                if self.group.rank == 0:
+                    share = step.host.gpu_share
+                    shard = sum(s.shard_numel for s in self.specs)
+                    logger.info(
+                        "offload_optimizer.gpu_share %g: the streamed share of each bucket "
+                        "reads its reduced gradient on the device (each bucket's reduction "
+                        "held until its step) and is published from there (up to %.2f GiB of "
+                        "new values held on the device until each bucket's publish)",
+                        share,
+                        shard * share * keep_dtype.itemsize / 2**30,
+                    )
+            elif step.streams and offload.device == "cpu" and self.group.rank == 0:
+                logger.warning(
+                    "offload_optimizer.gpu_share has no effect with upload_model_dtype: the "
+                    "CPU step writes every element's model-dtype copy"
+                )
             eager = EagerBucketStep(
                 submit=step.submit,
                 step_indices=step.eager_indices if step.eager else step.speculate_indices,
