@@ -277,7 +277,7 @@ class ShardedOptimizerStates(GradientPathMixin):
                         share,
                         shard * share * keep_dtype.itemsize / 2**30,
                     )
-            elif step.streams and offload.device == "cpu" and self.group.rank == 0:
+            elif step.streams and self._staging is not None and self.group.rank == 0:
                 logger.warning(
                     "offload_optimizer.gpu_share has no effect with upload_model_dtype: the "
                     "CPU step writes every element's model-dtype copy"
