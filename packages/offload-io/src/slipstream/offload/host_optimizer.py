@@ -28,6 +28,7 @@ from __future__ import annotations
 import logging
 import threading
 from collections.abc import Callable, Mapping, Sequence
+from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass
 from typing import Any, Protocol
 
@@ -229,6 +230,10 @@ class HostOptimizer:
         self.gpu_share = 0.0
         self._streamed: StreamedAdam | None = None
         self._streaming = threading.Lock()
+        # Queues the streamed share (a few torch calls per chunk, each holding the GIL) while
+        # the calling thread runs the C++ share, which releases the GIL: queued first on the
+        # calling thread, the C++ share would start only once every chunk is queued.
+        self._enqueuer: ThreadPoolExecutor | None = None
         # gpu_share in training (ZeRO-Offload, stages 1-2): gradients the caller lends on the
         # device (``id(param)`` -> the whole flat gradient there, equal to the host one), which
         # the streamed share reads instead of the host copy; and, with ``keep_dtype`` set, the
@@ -429,16 +434,29 @@ class HostOptimizer:
         gpu_out = (gpu[4], gpu[5], gpu[6]) if out is not None else None
         cpu_out = (cpu[4], cpu[5], cpu[6]) if out is not None else None
         with self._streaming:  # one call at a time uses the streamer's buffers and streams
+            queued: Future[list[torch.Tensor]] | None = None
+            kept: list[torch.Tensor] = []
             if gpu[0]:
-                kept = streamed.enqueue(gpu[0], gpu[1], gpu[2], gpu[3], hyper, gpu_out, keep_dtype)
-                with self._keeping:
-                    for (key, split), values in zip(streamed_ids, kept):
-                        self._kept[key] = (split, values)
+                args = (gpu[0], gpu[1], gpu[2], gpu[3], hyper, gpu_out, keep_dtype)
+                if cpu[0]:
+                    # Queued beside the C++ share (the slices are disjoint); see _enqueuer.
+                    if self._enqueuer is None:
+                        self._enqueuer = ThreadPoolExecutor(1, "slipstream-gpu-share")
+                    queued = self._enqueuer.submit(streamed.enqueue, *args)
+                else:
+                    kept = streamed.enqueue(*args)
             try:
                 if cpu[0]:
                     self._cpp_adam(cpu[0], cpu[1], cpu[2], cpu[3], hyper, None, cpu_out)
             finally:
-                streamed.wait()
+                try:
+                    if queued is not None:
+                        kept = queued.result()  # raises what the queueing raised
+                finally:
+                    streamed.wait()
+            with self._keeping:
+                for (key, split), values in zip(streamed_ids, kept):
+                    self._kept[key] = (split, values)
 
     def _cpp_adam(
         self,
