@@ -71,9 +71,8 @@ class StreamedAdam:
         buffers = self._slots[slot]
         if key not in buffers:
             # Allocated on this class's own stream: an allocation on the caller's stream (the
-            # training's compute stream, from the CPU step's worker thread) may get memory
-            # that kernels still queued there use, and these buffers are written on the
-            # copy-in stream at once.
+            # training's compute stream, from the worker thread) may get memory that kernels
+            # still queued there use, and these buffers are written on other streams at once.
             with self._own_stream(0):
                 buffers[key] = torch.empty(self.chunk_numel, dtype=dtype, device=self.device)
         return buffers[key]
@@ -92,15 +91,20 @@ class StreamedAdam:
         hyper: AdamHyper,
         out: tuple[Sequence[torch.Tensor], Sequence[torch.Tensor], Sequence[torch.Tensor]]
         | None = None,
-    ) -> None:
+        keep_dtype: torch.dtype | None = None,
+    ) -> list[torch.Tensor]:
         """Queue the step of every (1-D, contiguous, host) tensor of the lists; with ``out``,
-        the new values go there and the inputs stay as they were. On a GPU this returns as soon
-        as the work is queued: :meth:`wait` before reading the results or touching the inputs."""
+        the new values go there and the inputs stay as they were. A gradient may also be on
+        ``device`` already (it is then read there, not from host memory). With ``keep_dtype``,
+        returns for each tensor its new values cast to that dtype on ``device``, where they
+        were computed (a publish then uploads nothing for those elements; allocated on this
+        class's step stream: a consumer on another stream must ``record_stream`` them); else
+        an empty list. On a GPU this returns as soon as the work is queued: :meth:`wait`
+        before reading the results or touching the inputs."""
         if self.cuda:
             with torch.cuda.device(self.device):
-                self._enqueue(params, grads, exp_avgs, exp_avg_sqs, hyper, out)
-        else:
-            self._enqueue(params, grads, exp_avgs, exp_avg_sqs, hyper, out)
+                return self._enqueue(params, grads, exp_avgs, exp_avg_sqs, hyper, out, keep_dtype)
+        return self._enqueue(params, grads, exp_avgs, exp_avg_sqs, hyper, out, keep_dtype)
 
     def _enqueue(
         self,
@@ -110,32 +114,49 @@ class StreamedAdam:
         exp_avg_sqs: Sequence[torch.Tensor],
         hyper: AdamHyper,
         out: tuple[Sequence[torch.Tensor], Sequence[torch.Tensor], Sequence[torch.Tensor]] | None,
-    ) -> None:
+        keep_dtype: torch.dtype | None = None,
+    ) -> list[torch.Tensor]:
         if self.cuda and not self._streams:
             self._streams = [torch.cuda.Stream(self.device) for _ in range(3)]
         if self._step is None:
-            # Written only on the step's stream (fill_ below), and allocated there (see
-            # _buffer).
+            # Written only on the step's stream (fill_ below), and allocated there.
             with self._own_stream(1):
                 self._step = torch.empty((), dtype=torch.float32, device=self.device)
+        kept_all: list[torch.Tensor] = []
         outs = out if out is not None else (params, exp_avgs, exp_avg_sqs)
         fused = torch._fused_adamw_ if hyper.adam_w_mode else torch._fused_adam_
         for index, param in enumerate(params):
             sources = (param, exp_avgs[index], exp_avg_sqs[index])
             targets = (outs[0][index], outs[1][index], outs[2][index])
             grad = grads[index]
+            kept = None
+            if keep_dtype is not None:
+                with self._own_stream(1):  # written there; see _buffer
+                    kept = torch.empty(param.numel(), dtype=keep_dtype, device=self.device)
+                kept_all.append(kept)
             for start in range(0, param.numel(), self.chunk_numel):
                 n = min(self.chunk_numel, param.numel() - start)
                 slot = self._next
                 self._next = (self._next + 1) % len(self._slots)
                 p, m, v, g = (self._buffer(slot, k, torch.float32)[:n] for k in "pmvg")
-                landed = self._buffer(slot, "landed", grad.dtype)[:n]
+                # A gradient already on the device is read where it is (it is complete:
+                # the caller waited for it on the host); a host one is copied in first.
+                on_device = grad.device.type == self.device.type and (
+                    self.device.index is None or grad.device.index == self.device.index
+                )
+                landed = (
+                    grad[start : start + n]
+                    if on_device
+                    else self._buffer(slot, "landed", grad.dtype)[:n]
+                )
                 h2d, calc, d2h = self._streams or (None, None, None)
                 with torch.cuda.stream(h2d) if h2d is not None else nullcontext():
                     if h2d is not None and self._free[slot] is not None:
                         h2d.wait_event(self._free[slot])
-                    for dst, src in zip((p, m, v, landed), (*sources, grad)):
+                    for dst, src in zip((p, m, v), sources):
                         dst.copy_(src[start : start + n], non_blocking=True)
+                    if not on_device:
+                        landed.copy_(grad[start : start + n], non_blocking=True)
                     loaded = _record(h2d)
                 with torch.cuda.stream(calc) if calc is not None else nullcontext():
                     if calc is not None:
@@ -149,6 +170,8 @@ class StreamedAdam:
                         beta2=hyper.beta2, weight_decay=hyper.weight_decay, eps=hyper.eps,
                         amsgrad=False, maximize=False,
                     )  # fmt: skip
+                    if kept is not None:
+                        kept[start : start + n].copy_(p)  # cast as a publish would
                     stepped = _record(calc)
                 with torch.cuda.stream(d2h) if d2h is not None else nullcontext():
                     if d2h is not None:
@@ -156,6 +179,7 @@ class StreamedAdam:
                     for dst, src in zip(targets, (p, m, v)):
                         dst[start : start + n].copy_(src, non_blocking=True)
                     self._free[slot] = _record(d2h)
+        return kept_all
 
     def wait(self) -> None:
         """Block until every queued chunk is back in host memory."""

@@ -28,6 +28,7 @@ from __future__ import annotations
 import logging
 import threading
 from collections.abc import Callable, Mapping, Sequence
+from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass
 from typing import Any, Protocol
 
@@ -229,6 +230,20 @@ class HostOptimizer:
         self.gpu_share = 0.0
         self._streamed: StreamedAdam | None = None
         self._streaming = threading.Lock()
+        # Queues the streamed share (a few torch calls per chunk, each holding the GIL) while
+        # the calling thread runs the C++ share, which releases the GIL: queued first on the
+        # calling thread, the C++ share would start only once every chunk is queued.
+        self._enqueuer: ThreadPoolExecutor | None = None
+        # gpu_share in training (ZeRO-Offload, stages 1-2): gradients the caller lends on the
+        # device (``id(param)`` -> the whole flat gradient there, equal to the host one), which
+        # the streamed share reads instead of the host copy; and, with ``keep_dtype`` set, the
+        # streamed share's new values cast to it, kept on the device for the publish
+        # (``id(param)`` -> (first streamed element, values)): those elements then need neither
+        # a gradient read from host memory nor an upload of the new master.
+        self.device_grads: dict[int, torch.Tensor] = {}
+        self.keep_dtype: torch.dtype | None = None
+        self._kept: dict[int, tuple[int, torch.Tensor]] = {}
+        self._keeping = threading.Lock()
         if settings.gpu_share > 0 and device is not None:
             why = ""
             if self.kernel != "adam":
@@ -314,8 +329,11 @@ class HostOptimizer:
         if swapper is not None:
             swapper.finish()
 
-    def step_params(self, params: Sequence[torch.Tensor], grad_scale: float = 1.0) -> None:
-        """Update ``params`` (a subset of the optimizer's) that have a gradient."""
+    def step_params(
+        self, params: Sequence[torch.Tensor], grad_scale: float = 1.0, keep: bool = False
+    ) -> None:
+        """Update ``params`` (a subset of the optimizer's) that have a gradient; ``keep``:
+        keep the streamed share's new values on the device (:meth:`take_kept`)."""
         by_group: dict[int, list[torch.Tensor]] = {}
         for param in params:
             if self._grad_of(param) is not None:
@@ -326,7 +344,7 @@ class HostOptimizer:
         for group_index, members in by_group.items():
             group = self._group(group_index)
             if self.kernel == "adam":
-                self._adam(group, members, grad_scale)
+                self._adam(group, members, grad_scale, keep)
             elif self.kernel == "adagrad":
                 self._adagrad(group, members, grad_scale)
             else:
@@ -380,10 +398,13 @@ class HostOptimizer:
         hyper: AdamHyper,
         copies: list[torch.Tensor] | None,
         out: tuple[list[torch.Tensor], list[torch.Tensor], list[torch.Tensor]] | None = None,
+        keep: bool = False,
     ) -> None:
         """One Adam/AdamW call: the C++ step over everything, or (``gpu_share``) the last
         ``gpu_share`` of each tensor's elements streamed through the device while the C++
-        step takes the rest at the same time."""
+        step takes the rest at the same time (reading a lent device gradient where there is
+        one; with ``keep`` and ``keep_dtype``, keeping the streamed new values on the device:
+        :meth:`take_kept`)."""
         grads = self._grads(params)
         streamed = self._streamed
         if streamed is None or copies is not None:
@@ -394,6 +415,8 @@ class HostOptimizer:
             lists += list(out)
         cpu: list[list[torch.Tensor]] = [[] for _ in lists]
         gpu: list[list[torch.Tensor]] = [[] for _ in lists]
+        streamed_ids: list[tuple[int, int]] = []  # (id(param), first streamed element)
+        keep_dtype = self.keep_dtype if keep else None
         for index, param in enumerate(params):
             numel = param.numel()
             split = numel - round(numel * self.gpu_share)
@@ -403,16 +426,37 @@ class HostOptimizer:
                     cpu[column].append(flat[:split])
                 if split < numel:
                     gpu[column].append(flat[split:])
+            if split < numel:
+                lent = self.device_grads.get(id(param))
+                if lent is not None:
+                    gpu[1][-1] = lent.view(-1)[split:]
+                streamed_ids.append((id(param), split))
         gpu_out = (gpu[4], gpu[5], gpu[6]) if out is not None else None
         cpu_out = (cpu[4], cpu[5], cpu[6]) if out is not None else None
         with self._streaming:  # one call at a time uses the streamer's buffers and streams
+            queued: Future[list[torch.Tensor]] | None = None
+            kept: list[torch.Tensor] = []
             if gpu[0]:
-                streamed.enqueue(gpu[0], gpu[1], gpu[2], gpu[3], hyper, gpu_out)
+                args = (gpu[0], gpu[1], gpu[2], gpu[3], hyper, gpu_out, keep_dtype)
+                if cpu[0]:
+                    # Queued beside the C++ share (the slices are disjoint); see _enqueuer.
+                    if self._enqueuer is None:
+                        self._enqueuer = ThreadPoolExecutor(1, "slipstream-gpu-share")
+                    queued = self._enqueuer.submit(streamed.enqueue, *args)
+                else:
+                    kept = streamed.enqueue(*args)
             try:
                 if cpu[0]:
                     self._cpp_adam(cpu[0], cpu[1], cpu[2], cpu[3], hyper, None, cpu_out)
             finally:
-                streamed.wait()
+                try:
+                    if queued is not None:
+                        kept = queued.result()  # raises what the queueing raised
+                finally:
+                    streamed.wait()
+            with self._keeping:
+                for (key, split), values in zip(streamed_ids, kept):
+                    self._kept[key] = (split, values)
 
     def _cpp_adam(
         self,
@@ -482,11 +526,14 @@ class HostOptimizer:
         )
 
     @torch.no_grad()
-    def speculate_params(self, params: Sequence[torch.Tensor], grad_scale: float = 1.0) -> None:
+    def speculate_params(
+        self, params: Sequence[torch.Tensor], grad_scale: float = 1.0, keep: bool = False
+    ) -> None:
         """Take ``params``' Adam update out of place: masters, states and step counts stay as
         they are; the new values wait in spare buffers for :meth:`commit_speculation` (the
         model-dtype ``copies`` are written with them, as in :meth:`step_params`, so after a
-        discard they hold the speculative values until stepped again or refreshed)."""
+        discard they hold the speculative values until stepped again or refreshed). ``keep``:
+        as in :meth:`step_params`."""
         if not self.can_speculate:
             raise RuntimeError(
                 f"speculative steps need the C++ Adam/AdamW and no NVMe swapper ({self.description})"
@@ -518,6 +565,7 @@ class HostOptimizer:
                         [_flat(t.exp_avg) for t in taken],
                         [_flat(t.exp_avg_sq) for t in taken],
                     ),
+                    keep=keep,
                 )
 
     def speculative_value(self, param: torch.Tensor) -> torch.Tensor | None:
@@ -559,6 +607,7 @@ class HostOptimizer:
             entry["exp_avg"], entry["exp_avg_sq"] = taken.exp_avg, taken.exp_avg_sq
             entry["step"] += 1
             self._spares[id(param)] = old
+        self.drop_kept()  # everything kept was published before the step was settled
         return True
 
     def discard_speculation(self) -> bool:
@@ -566,7 +615,20 @@ class HostOptimizer:
         model-dtype copies did: :meth:`refresh_copies`). Returns whether any were pending."""
         pending = bool(self._speculated)
         self._speculated = {}
+        self.drop_kept()
         return pending
+
+    def take_kept(self, param: torch.Tensor) -> tuple[int, torch.Tensor] | None:
+        """The streamed share's new values of ``param`` kept on the device by its last step
+        with ``keep`` (first streamed element, values in ``keep_dtype``), handed over once;
+        None if there are none."""
+        with self._keeping:
+            return self._kept.pop(id(param), None)
+
+    def drop_kept(self) -> None:
+        """Forget every kept value nobody took (a step discarded or called off)."""
+        with self._keeping:
+            self._kept.clear()
 
     def refresh_copies(self) -> None:
         """Rewrite every model-dtype copy from its master (after a discarded speculation)."""
@@ -612,7 +674,9 @@ class HostOptimizer:
             grads.append(grad if grad.is_contiguous() else grad.contiguous())
         return grads
 
-    def _adam(self, group: dict[str, Any], members: list[torch.Tensor], scale: float) -> None:
+    def _adam(
+        self, group: dict[str, Any], members: list[torch.Tensor], scale: float, keep: bool = False
+    ) -> None:
         state = self.optimizer.state
         by_step: dict[float, list[torch.Tensor]] = {}
         for param in members:
@@ -641,6 +705,7 @@ class HostOptimizer:
                     [state[p]["exp_avg_sq"] for p in params],
                     hyper,
                     copies,
+                    keep=keep,
                 )
 
     def _adagrad(self, group: dict[str, Any], members: list[torch.Tensor], scale: float) -> None:

@@ -129,12 +129,18 @@ class EagerBucketStep:
     ``before_stepped(squares)``, if given, is called in ``finish`` once every bucket's sum of
     squares exists and before it waits for the steps (a speculative step may be called off
     there); only for a first reduction since zero_grad.
+    ``lend_grads(indices, offsets, reduced)``, if given, is called on the worker before a
+    bucket steps, when its landed gradients are the whole master grads (a first reduction):
+    ``reduced`` is the bucket's reduced output on the device, equal to what landed on the
+    host, which the step may read instead (gpu_share); ``lend_grads(indices, offsets, None)``
+    after the step takes them back (the device buffer is freed once no one holds it).
     """
 
     submit: Callable[..., Any]
     step_indices: Callable[[list[int]], None]
     on_stepped: Callable[[list[int]], None]
     before_stepped: Callable[[list[torch.Tensor]], None] | None = None
+    lend_grads: Callable[[list[int], list[int], torch.Tensor | None], None] | None = None
 
 
 class GradientReduceScatter:
@@ -241,6 +247,7 @@ class GradientReduceScatter:
         self.before_stepped: Callable[[list[torch.Tensor]], None] | None = (
             eager.before_stepped if eager else None
         )
+        self.lend_grads = eager.lend_grads if eager else None
         # ``defer_job(indices, job)`` (overlap_forward, switched on by the stage's
         # overlap_forward()): finish() leaves each eager bucket's step running and hands it
         # over (in bucket order) instead of waiting for it and calling on_bucket_stepped; the
@@ -494,6 +501,10 @@ class GradientReduceScatter:
         if self.on_final_bucket is not None and self.final:
             indices, offsets = list(bucket.indices), list(bucket.offsets)
             owned = self._owned(bucket, target)
+            # A first reduction's device output equals what lands (gpu_share reads it there);
+            # held by this job until its step is done.
+            lend = self.lend_grads if owned and bucket.first else None
+            reduced = [output] if lend is not None else []
 
             def prepare() -> None:
                 # synchronize() gives the GIL up and takes it back, which costs up to Python's
@@ -505,17 +516,36 @@ class GradientReduceScatter:
 
             def run() -> None:
                 prepare()
-                self._step_now(indices)
+                self._step_lending(indices, offsets, reduced, lend)
 
-            bucket.job = self.on_final_bucket(
-                run, event.query, self._part(prepare, indices, bucket.shard_numel)
-            )
+            # A bucket whose device gradients are lent steps in a call of its own (merged
+            # steps would need every merged bucket's lent and taken back around one call).
+            part = None if lend is not None else self._part(prepare, indices, bucket.shard_numel)
+            bucket.job = self.on_final_bucket(run, event.query, part)
 
     def _part(self, prepare: Callable[[], None], indices: list[int], numel: int) -> Any:
         """The job in pieces (the stage's worker may step it in one call with others)."""
         from slipstream.zero.offload import BucketPart
 
         return BucketPart(prepare, self._step_now, list(indices), numel)
+
+    def _step_lending(
+        self,
+        indices: list[int],
+        offsets: list[int],
+        reduced: list[torch.Tensor],
+        lend: Callable[[list[int], list[int], torch.Tensor | None], None] | None,
+    ) -> None:
+        """Step a bucket, its device output (``reduced``: [output] or []) lent for the step
+        and let go after it (the list is emptied: the job no longer holds the buffer)."""
+        if lend is None or not reduced:
+            self._step_now(indices)
+            return
+        lend(indices, offsets, reduced.pop())
+        try:
+            self._step_now(indices)
+        finally:
+            lend(indices, offsets, None)
 
     def _step_now(self, indices: list[int]) -> None:
         assert self.step_indices is not None, "an eager offload step needs step_indices"
@@ -567,7 +597,8 @@ class GradientReduceScatter:
             # below: later work on the current stream must not reuse them before the side
             # stream has read them (post-scale, squares, copy to the host).
             torch.cuda.current_stream(self._side.device).wait_stream(self._side)
-        deferred: list[list[int]] = []  # eager steps of buckets reduced here (no GPU)
+        # Eager steps of buckets reduced here (no GPU): indices, offsets, lent output, lend.
+        deferred: list[tuple[list[int], list[int], list[torch.Tensor], Any]] = []
         for bucket in self._buckets:
             if bucket.job is not None:  # offload, eager: handed over and stepping already
                 self._stepped(list(bucket.indices), bucket.job)
@@ -597,7 +628,10 @@ class GradientReduceScatter:
                 target.copy_(output)
                 self._hand_over(bucket, target)
                 if self.on_final_bucket is not None and self.final:
-                    deferred.append(list(bucket.indices))
+                    lend = self.lend_grads if self._owned(bucket, target) and bucket.first else None
+                    deferred.append(
+                        (list(bucket.indices), list(bucket.offsets), [output] if lend else [], lend)
+                    )
             bucket.buffer = bucket.output = bucket.work = None
             bucket.target = bucket.copied = bucket.squares = bucket.job = None
             bucket.scaled = False
@@ -613,15 +647,17 @@ class GradientReduceScatter:
             assert self.on_final_bucket is not None
             jobs = [
                 self.on_final_bucket(
-                    partial(self._step_now, indices),
+                    partial(self._step_lending, indices, offsets, reduced, lend),
                     None,
-                    self._part(
+                    None
+                    if lend is not None
+                    else self._part(
                         _nothing, indices, sum(self.masters.specs[i].shard_numel for i in indices)
                     ),
                 )
-                for indices in deferred
+                for indices, offsets, reduced, lend in deferred
             ]  # all queued before the first is waited for: the worker may merge them
-            for indices, job in zip(deferred, jobs):
+            for (indices, *_), job in zip(deferred, jobs):
                 self._stepped(indices, job)
         if norms is not None:
             self._record_squares(norms)

@@ -531,7 +531,55 @@ class OffloadedStep:
         and nothing overflowed (nothing, once the speculative step has been called off)."""
         if not self.cancelled:
             chosen = [self.masters.masters[i] for i in indices if self.masters.offloaded[i]]
-            self.host.speculate_params(chosen, self.speculation_scale)
+            if self.streams:
+                self.host.speculate_params(chosen, self.speculation_scale, keep=True)
+            else:
+                self.host.speculate_params(chosen, self.speculation_scale)
+
+    # ------------------------------------------------------------------ gpu_share in training
+    @property
+    def streams(self) -> bool:
+        """Whether ``gpu_share`` is in effect: a share of each bucket's elements steps on the
+        device, reading the bucket's lent device gradients (:meth:`lend_grads`) and keeping
+        its new values there for the publish (:meth:`take_kept`)."""
+        return self.host.gpu_share > 0
+
+    def keep_for_publish(self, dtype: torch.dtype) -> None:
+        """Keep the streamed share's new values on the device, cast to ``dtype`` (the model's),
+        for the publish of buckets stepped during backward."""
+        self.host.keep_dtype = dtype
+
+    def lend_grads(
+        self, indices: list[int], offsets: list[int], reduced: torch.Tensor | None
+    ) -> None:
+        """A bucket's reduced gradients on the device (equal to the host ones), for the
+        streamed share of its step to read there; None takes them back."""
+        lent = self.host.device_grads
+        for index, offset in zip(indices, offsets):
+            if not self.masters.offloaded[index]:
+                continue
+            master = self.masters.masters[index]
+            if reduced is None:
+                lent.pop(id(master), None)
+            else:
+                n = self.masters.specs[index].shard_numel
+                lent[id(master)] = reduced[offset : offset + n]
+
+    def take_kept(self, index: int) -> tuple[int, torch.Tensor] | None:
+        """Master ``index``'s new values kept on the device by its step during backward (the
+        first element they start at, and the values in the model's dtype), handed over once."""
+        if not self.masters.offloaded[index]:
+            return None
+        return self.host.take_kept(self.masters.masters[index])
+
+    def eager_indices(self, indices: list[int]) -> None:
+        """``overlap_step``: step the offloaded masters at ``indices`` now, during backward
+        (the streamed share's values kept for the publish)."""
+        if not self.streams:
+            self.step_indices(indices)
+            return
+        chosen = [self.masters.masters[i] for i in indices if self.masters.offloaded[i]]
+        self.host.step_params(chosen, 1.0, keep=True)
 
     def cancel_speculation(self) -> None:
         """Call off the current speculative step (the norm needs clipping): buckets not yet

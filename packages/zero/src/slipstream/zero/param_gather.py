@@ -62,32 +62,44 @@ def gather_bucket(
 
 @torch.no_grad()
 def pack_bucket(
-    shards: Sequence[torch.Tensor], params: Sequence[torch.Tensor], indices: Sequence[int]
+    shards: Sequence[torch.Tensor | Sequence[torch.Tensor]],
+    params: Sequence[torch.Tensor],
+    indices: Sequence[int],
 ) -> torch.Tensor:
     """The send buffer of :func:`gather_bucket`: ``shards[i]`` for ``i`` in ``indices``,
     concatenated on the parameters' device in their dtype (host shards uploaded on the
-    current stream, then cast there)."""
+    current stream, then cast there). A shard may also be given as a sequence of 1-D
+    pieces, in order (part of it in host memory, part already on the device)."""
     dtype = params[indices[0]].dtype
     device = params[indices[0]].device
-    send = torch.empty(sum(shards[i].numel() for i in indices), dtype=dtype, device=device)
+    pieces: list[list[torch.Tensor]] = []
+    for i in indices:
+        shard = shards[i]
+        parts = [shard] if isinstance(shard, torch.Tensor) else list(shard)
+        pieces.append([part.detach().reshape(-1) for part in parts])
+    send = torch.empty(sum(p.numel() for ps in pieces for p in ps), dtype=dtype, device=device)
     offset = 0
     into: list[torch.Tensor] = []
     sources: list[torch.Tensor] = []
-    for i in indices:
-        shard = shards[i].detach().reshape(-1)
-        piece = send[offset : offset + shard.numel()]
-        offset += shard.numel()
-        if shard.device != device and shard.dtype == dtype:
-            # Already in the model's dtype (staged copies): straight into the send buffer,
-            # no device temporary and no cast.
-            piece.copy_(shard, non_blocking=True)
-            continue
-        if shard.device != device:
-            shard = shard.to(device, non_blocking=True)
-        into.append(piece)
-        sources.append(shard)
+    for shard_pieces in pieces:
+        for piece in shard_pieces:
+            target = send[offset : offset + piece.numel()]
+            offset += piece.numel()
+            if piece.device != device and piece.dtype == dtype:
+                # Already in the model's dtype (staged copies): straight into the send
+                # buffer, no device temporary and no cast.
+                target.copy_(piece, non_blocking=True)
+                continue
+            if piece.device != device:
+                piece = piece.to(device, non_blocking=True)
+            elif piece.is_cuda and len(shard_pieces) > 1:
+                # Kept on the device by gpu_share's step, allocated on its stream: not
+                # reused before this copy (on the current stream) has read it.
+                piece.record_stream(torch.cuda.current_stream(device))
+            into.append(target)
+            sources.append(piece)
     if into:
-        # One multi-tensor copy (cast) for the bucket instead of one kernel per parameter
+        # One multi-tensor copy (cast) for the bucket instead of one kernel per piece
         # ([Note: cast copies] in grad_reduce.py).
         torch._foreach_copy_(into, sources)
     return send

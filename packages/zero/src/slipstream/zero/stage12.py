@@ -257,11 +257,37 @@ class ShardedOptimizerStates(GradientPathMixin):
             # masters step on the CPU worker as it lands, and are published (upload +
             # all-gather) as soon as finish() sees that step done, while the worker steps the
             # buckets after it. A discarded speculative step is stepped and published again.
+            # gpu_share: the streamed share of each bucket reads the bucket's gradients where
+            # they were reduced and keeps its new values on the device for the publish, so
+            # those elements need no host read of the gradient and no upload (8 of the 32
+            # host bytes per element of the CPU step; docs/offload.md).
+            streams = step.streams and self._staging is None
+            if streams:
+                dtypes = {p.dtype for p in self.params}
+                keep_dtype = dtypes.pop() if len(dtypes) == 1 else torch.float32
+                step.keep_for_publish(keep_dtype)
+                if self.group.rank == 0:
+                    share = step.host.gpu_share
+                    shard = sum(s.shard_numel for s in self.specs)
+                    logger.info(
+                        "offload_optimizer.gpu_share %g: the streamed share of each bucket "
+                        "reads its reduced gradient on the device (each bucket's reduction "
+                        "held until its step) and is published from there (up to %.2f GiB of "
+                        "new values held on the device until each bucket's publish)",
+                        share,
+                        shard * share * keep_dtype.itemsize / 2**30,
+                    )
+            elif step.streams and self._staging is not None and self.group.rank == 0:
+                logger.warning(
+                    "offload_optimizer.gpu_share has no effect with upload_model_dtype: the "
+                    "CPU step writes every element's model-dtype copy"
+                )
             eager = EagerBucketStep(
                 submit=step.submit,
-                step_indices=step.step_indices if step.eager else step.speculate_indices,
+                step_indices=step.eager_indices if step.eager else step.speculate_indices,
                 on_stepped=self._publish_stepped,
                 before_stepped=self._check_speculation if step.speculative else None,
+                lend_grads=step.lend_grads if streams else None,
             )
         reduce_group = self.group
         self.reduce_ctas_fallback = ""  # why reduce_scatter_max_ctas fell back ("" if not)
@@ -649,15 +675,23 @@ class ShardedOptimizerStates(GradientPathMixin):
         gather_packed(send, self.params, self.specs, self.group, indices)
         self._eager_published = True
 
-    def _stepped_sources(self, indices: list[int]) -> Sequence[torch.Tensor]:
-        """What a bucket stepped during backward publishes."""
-        shards = self._publish_sources
+    def _stepped_sources(self, indices: list[int]) -> Sequence[Any]:
+        """What a bucket stepped during backward publishes: per parameter a tensor, or the
+        pieces that make it up (gpu_share: the host part and the part kept on the device)."""
+        shards: Sequence[Any] = self._publish_sources
         step = self._offload_step
         if self._staging is None and step is not None and step.speculative:
             # CPU offload: the speculative step's new masters are in spare buffers.
             shards = list(shards)
             for i in indices:
                 shards[i] = step.speculative_value(i)
+        if self._staging is None and step is not None and step.streams:
+            shards = list(shards)
+            for i in indices:
+                kept = step.take_kept(i)
+                if kept is not None:
+                    split, values = kept
+                    shards[i] = (shards[i].view(-1)[:split], values)
         return shards
 
     def _stage_upload(self, indices: list[int]) -> tuple[torch.Tensor, Any]:
