@@ -79,10 +79,11 @@ def test_kernel_matches_reference(
 
 
 def test_split_k_and_persistent_launches(triton_device: torch.device) -> None:
-    """Launch-table knobs: K cut in two ranges (the last to finish adds the sums and runs the
-    epilogue, leaving the workspace zero for the next launch), a persistent grid of one
-    program per SM walking two blocks each, and the two-step loop (one step too many or not)
-    equal the reference (fp32 on the CPU)."""
+    """Launch-table knobs: K cut in two or three ranges (the last to finish adds the ranges'
+    sums in range order and runs the epilogue, leaving the workspace zero for the next launch;
+    a second launch gives the same bits), a persistent grid of one program per SM walking two
+    blocks each, and the two-step loop (one step too many or not) equal the reference (fp32 on
+    the CPU)."""
     from slipstream.kernels.ops.quant_matmul import fused_gemv
     from slipstream.kernels.ops.quant_matmul.fused_table import FusedGemvConfig
 
@@ -101,10 +102,15 @@ def test_split_k_and_persistent_launches(triton_device: torch.device) -> None:
         FusedGemvConfig(block_n=4),
         FusedGemvConfig(block_n=4, two_step=True),
         FusedGemvConfig(block_n=4, split_k=2, two_step=True),
+        FusedGemvConfig(block_n=4, split_k=3),  # one step each: the splits' order matters
     ):
         got = fused_gemv.fused_quant_gemv(x, words, scales, "int4", 128, config=config)[0]
         torch.testing.assert_close(got, want, rtol=2e-5, atol=2e-5 * want.abs().max().item())
-    held = [t for key, t in fused_gemv._SCRATCH.items() if key[0] == triton_device]
+        # the splits' sums are added in split order, whichever finishes last: the same bits
+        again = fused_gemv.fused_quant_gemv(x, words, scales, "int4", 128, config=config)[0]
+        torch.testing.assert_close(again, got, rtol=0, atol=0)
+    # (the scratch is keyed by the tensors' device, cuda:0, not the fixture's bare "cuda")
+    held = [t for key, t in fused_gemv._SCRATCH.items() if key[0].type == triton_device.type]
     assert held and all(t.count_nonzero() == 0 for pair in held for t in pair)
     with pytest.raises(ValueError, match="split_k"):
         _kernel_matches_reference(triton_device, "int4", FusedGemvConfig(split_k=64), quick=True)

@@ -145,6 +145,13 @@ class WeightQuantConfig(ConfigBlock):
     # dtype): at batch 1 the bf16 head of a Llama-3-8B is a quarter of an int4 step's bytes,
     # so this is a speed / accuracy trade the user opts into (docs/inference.md).
     lm_head: bool = False
+    # The dtype the group scales are stored in. "fp16" (GPTQ's and AWQ's): half the scale bytes
+    # of fp32 (an int4 weight at group 128 stores 0.516 bytes, not 0.531), each scale rounded up
+    # to the next fp16 value and the codes computed from it (no code clips; every weight stays
+    # within half a step); a scale above fp16's 65504 (a group's largest |weight| above
+    # 65504 * 7 for int4) is an error naming the layer. "bf16": fp32's range, 8 significant
+    # bits; "fp32": the scales as computed (docs/inference.md).
+    scale_dtype: Literal["fp16", "bf16", "fp32"] = "fp16"
     # Programmatic dependent launch of the fused quantized decode GEMVs (decode_fusion on a
     # packed int8 / int4 / fp8 model; NVIDIA sm_90+, elsewhere plain launches, same results):
     # each may start while the kernel before it finishes, its weights streaming into L2 before
@@ -176,6 +183,11 @@ class WeightQuantConfig(ConfigBlock):
         if self.gemv_layout == "auto":
             return self.code_format in ("int4", "int8", "fp8_e4m3")
         return bool(self.gemv_layout)
+
+    @property
+    def scale_torch_dtype(self) -> torch.dtype:
+        """``scale_dtype`` as a torch dtype."""
+        return TORCH_DTYPES[self.scale_dtype]
 
     @property
     def code_format(self) -> str:
