@@ -185,7 +185,7 @@ def quantize_decoder(
             )
             raise ValueError(f"quantizing {where}: {error}{hint}") from error
 
-    for index, block in enumerate(model.blocks):  # type: ignore[union-attr]
+    for index, block in enumerate(model.blocks):  # type: ignore[union-attr,arg-type]
         for name in _QUANTIZED:
             linear = getattr(block, name, None)
             if isinstance(linear, nn.Linear):
