@@ -343,7 +343,8 @@ def test_one_pass_stats_and_early_epilogue(triton_device: torch.device) -> None:
 
 
 @pytest.mark.parametrize(
-    ("fmt", "scale_dtype"), [("int4", "fp16"), ("int8", "fp16"), ("int4", "bf16")]
+    ("fmt", "scale_dtype"),
+    [("int4", "fp16"), ("int8", "fp16"), ("int4", "bf16"), ("fp8_e4m3", "fp16")],
 )
 def test_16bit_scales_in_every_kernel(
     triton_device: torch.device, fmt: str, scale_dtype: str
