@@ -763,7 +763,9 @@ def launch_gemv(
     split = config.split_k
     blocks = triton.cdiv(out_features, config.block_n)
     scratch = (
-        _fixup_scratch(x.device, split * rows * out_features, rows * blocks) if split > 1 else None
+        _fixup_scratch(x.device, split * rows * out_features, rows * blocks, on_cpu=True)
+        if split > 1
+        else None
     )
     out = (
         torch.empty(rows, out_features, device=x.device, dtype=x.dtype)
@@ -811,15 +813,19 @@ FIXUP_SPLIT_K = True  # False: split-K sums with atomics into a zeroed fp32 outp
 
 
 def _fixup_scratch(
-    device: torch.device, values: int, counters: int
+    device: torch.device, values: int, counters: int, on_cpu: bool = False
 ) -> tuple[torch.Tensor, torch.Tensor] | None:
     """The zeroed workspace and counters for a split, grown outside CUDA-graph capture only
-    (None while capturing without a large enough one: the zero-fill path runs instead)."""
+    (None while capturing without a large enough one: the zero-fill path runs instead).
+    ``on_cpu``: also on the CPU (the interpreter; :func:`gemv_kernel`'s fixup exchanges int32
+    bits, which it runs, but ``decode_gemv``'s float exchange it does not)."""
     if not FIXUP_SPLIT_K:
         return None
     # (the CPU interpreter runs the programs one after another: the last split is the last
     # program, and the sum's order is the splits' either way)
     cuda = device.type == "cuda"
+    if not cuda and not on_cpu:
+        return None
     key = (device, torch.cuda.current_stream(device).stream_id if cuda else 0)
     held = _SCRATCH.get(key)
     if held is not None and held[0].numel() >= values and held[1].numel() >= counters:
