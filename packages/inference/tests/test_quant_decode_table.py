@@ -3,6 +3,7 @@ launch table file and launch option, installed by init_inference; bad values are
 
 from __future__ import annotations
 
+import dataclasses
 import json
 from collections.abc import Iterator
 from pathlib import Path
@@ -40,7 +41,11 @@ def test_table_key_installs_the_launches(tmp_path: Path) -> None:
     assert fused_table.lookup_fused("int4", "gate_up", 28672, 4096, H200) is None
     engine = init_inference(tiny_hf_model("llama"), _settings(decode_gemv_table=str(path)))
     assert engine.config.quant.weight.decode_gemv_table == str(path)
-    assert engine.fused is not None and engine.fused.quant_pdl == "on"  # "auto"
+    # "auto": the partial L2 prefetch for int4, the whole-weight one for int8 / fp8
+    assert engine.fused is not None and engine.fused.quant_pdl == "l2_partial"
+    weight = engine.config.quant.weight
+    assert dataclasses.replace(weight, num_bits=8).pdl_mode == "on"
+    assert dataclasses.replace(weight, decode_pdl=True).pdl_mode == "on"
     found = fused_table.lookup_fused("int4", "gate_up", 28672, 4096, H200)
     assert found == (fused_table.FusedGemvConfig(**launch), "user")
     # the built-in entries: H100 int8 (call B2) and int4 (call B1 of 11:29; QKV and down from

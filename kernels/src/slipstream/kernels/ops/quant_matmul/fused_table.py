@@ -153,7 +153,9 @@ _H100_INT8: dict[tuple[str, str, int, int], dict[str, Any]] = {
 # 4 / 1 warp, two_step), down 14.74 -> 13.76 (split_k 4 -> one K range, 4 rows, 2 warps,
 # two_step); output and gate/up kept theirs (the sweep's best within 0.4%). The 8B step with the
 # two in quant_decode_variants.py (one process, interleaved rounds): 2.342 ms against 2.389 with
-# the launches before (bf16 5.714 ms: 2.44x against 2.39x).
+# the launches before (bf16 5.714 ms: 2.44x against 2.39x). The output projection's two_step:
+# call S5 (one process, on top of those): 2.3417 ms against 2.3478 (best; medians 2.3463 /
+# 2.3488), with decode_pdl "auto" then "on".
 _H100_INT4: dict[tuple[str, str, int, int], dict[str, Any]] = {
     ("int4", "qkv", 6144, 4096): {
         "block_n": 4,
@@ -162,7 +164,12 @@ _H100_INT4: dict[tuple[str, str, int, int], dict[str, Any]] = {
         "stats_one_pass": True,
         "early_epilogue": True,
     },
-    ("int4", "add_norm", 4096, 4096): {"block_n": 4, "num_warps": 2, "early_epilogue": True},
+    ("int4", "add_norm", 4096, 4096): {
+        "block_n": 4,
+        "num_warps": 2,
+        "two_step": True,
+        "early_epilogue": True,
+    },
     ("int4", "gate_up", 28672, 4096): {
         "block_n": 16,
         "num_warps": 1,
