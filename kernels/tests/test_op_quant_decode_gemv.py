@@ -79,10 +79,11 @@ def test_kernel_matches_reference(
 
 
 def test_split_k_and_persistent_launches(triton_device: torch.device) -> None:
-    """Launch-table knobs: K cut in two ranges (the last to finish adds the sums and runs the
-    epilogue, leaving the workspace zero for the next launch), a persistent grid of one
-    program per SM walking two blocks each, and the two-step loop (one step too many or not)
-    equal the reference (fp32 on the CPU)."""
+    """Launch-table knobs: K cut in two or three ranges (the last to finish adds the ranges'
+    sums in range order and runs the epilogue, leaving the workspace zero for the next launch;
+    a second launch gives the same bits), a persistent grid of one program per SM walking two
+    blocks each, and the two-step loop (one step too many or not) equal the reference (fp32 on
+    the CPU)."""
     from slipstream.kernels.ops.quant_matmul import fused_gemv
     from slipstream.kernels.ops.quant_matmul.fused_table import FusedGemvConfig
 
@@ -101,10 +102,15 @@ def test_split_k_and_persistent_launches(triton_device: torch.device) -> None:
         FusedGemvConfig(block_n=4),
         FusedGemvConfig(block_n=4, two_step=True),
         FusedGemvConfig(block_n=4, split_k=2, two_step=True),
+        FusedGemvConfig(block_n=4, split_k=3),  # one step each: the splits' order matters
     ):
         got = fused_gemv.fused_quant_gemv(x, words, scales, "int4", 128, config=config)[0]
         torch.testing.assert_close(got, want, rtol=2e-5, atol=2e-5 * want.abs().max().item())
-    held = [t for key, t in fused_gemv._SCRATCH.items() if key[0] == triton_device]
+        # the splits' sums are added in split order, whichever finishes last: the same bits
+        again = fused_gemv.fused_quant_gemv(x, words, scales, "int4", 128, config=config)[0]
+        torch.testing.assert_close(again, got, rtol=0, atol=0)
+    # (the scratch is keyed by the tensors' device, cuda:0, not the fixture's bare "cuda")
+    held = [t for key, t in fused_gemv._SCRATCH.items() if key[0].type == triton_device.type]
     assert held and all(t.count_nonzero() == 0 for pair in held for t in pair)
     with pytest.raises(ValueError, match="split_k"):
         _kernel_matches_reference(triton_device, "int4", FusedGemvConfig(split_k=64), quick=True)
@@ -334,3 +340,71 @@ def test_one_pass_stats_and_early_epilogue(triton_device: torch.device) -> None:
         )
         for a, b in zip(early, late, strict=True):
             torch.testing.assert_close(a, b, rtol=0, atol=0)
+
+
+@pytest.mark.parametrize(
+    ("fmt", "scale_dtype"),
+    [("int4", "fp16"), ("int8", "fp16"), ("int4", "bf16"), ("fp8_e4m3", "fp16")],
+)
+def test_16bit_scales_in_every_kernel(
+    triton_device: torch.device, fmt: str, scale_dtype: str
+) -> None:
+    """Scales stored in fp16 / bf16 (``quantize(scale_dtype=)``, ``quant.weight.scale_dtype``):
+    the fused decode GEMV (plain, norm + SiLU * up, add + norm), the packed GEMV, the tile
+    kernel and prefill's dequantization read them as the reference does (the same fp32
+    products of the stored scales)."""
+    from slipstream.kernels.ops.quant_matmul import quant_matmul
+    from slipstream.kernels.ops.quant_matmul.fused_gemv import fused_quant_gemv
+    from slipstream.kernels.ops.quant_matmul.gemv import GemvConfig, dequantize_packed, launch_gemv
+    from slipstream.kernels.ops.quant_matmul.reference import dequantize_weight
+
+    dtype = {"fp16": torch.float16, "bf16": torch.bfloat16}[scale_dtype]
+    out_features, in_features = 24, _IN[fmt]
+    w = torch.randn(out_features, in_features, generator=_SEED(3))
+    q = quantize(w, fmt, 128, scale_dtype=dtype)
+    assert q.scales.dtype == dtype
+    codes = q.data.reshape(out_features, -1).to(triton_device)
+    words = pack_gemv(codes, fmt, 128, in_features)
+    scales = q.scales.reshape(out_features, -1).to(triton_device)
+    weight = dequantize_weight(codes, scales, fmt, 128, in_features, torch.float32)
+    gen = _SEED(6)
+    x = torch.randn(1, in_features, generator=gen).to(triton_device)
+    stats = torch.full((1, 3), in_features / 3.0, device=triton_device)
+    residual = torch.randn(1, out_features, generator=gen).to(triton_device)
+    norm_weight = torch.randn(out_features, generator=gen).to(triton_device)
+    for kwargs in (
+        {},
+        {"stats": stats, "eps": 1e-6, "gated": True},
+        {"residual": residual, "norm_weight": norm_weight},
+    ):
+        got = fused_quant_gemv(x, words, scales, fmt, 128, **kwargs)
+        want = reference(x, words, scales, fmt, 128, **kwargs)
+        for a, b in zip(got[:2], want[:2], strict=True):
+            if b is not None:
+                assert a is not None
+                tol = 2e-5 * b.abs().max().item()
+                torch.testing.assert_close(a, b, rtol=2e-5, atol=tol)
+    expected = x @ weight.t()
+    tol = 2e-5 * expected.abs().max().item()
+    for config in (GemvConfig(block_n=4), GemvConfig(block_n=4, split_k=2, prefetch=True)):
+        got = launch_gemv(x, words, scales, fmt, 128, None, config)
+        torch.testing.assert_close(got, expected, rtol=2e-5, atol=tol)
+    torch.testing.assert_close(
+        quant_matmul(x, codes, scales, fmt, 128), expected, rtol=2e-5, atol=tol
+    )
+    torch.testing.assert_close(
+        dequantize_packed(words, scales, fmt, 128, in_features, torch.float32),
+        weight,
+        rtol=0,
+        atol=0,
+    )
+    if triton_device.type == "cuda":  # the f16x2 path with 16-bit scales
+        xb = x.to(torch.bfloat16)
+        want_b = (xb.float() @ weight.t()).to(torch.bfloat16)
+        for config in (GemvConfig(block_n=4, half2=True, prefetch=True, quads=True),):
+            got = launch_gemv(xb, words, scales, fmt, 128, None, config)
+            torch.testing.assert_close(
+                got.float(), want_b.float(), rtol=1e-2, atol=1e-2 * tol / 2e-5
+            )
+        got = fused_quant_gemv(xb, words, scales, fmt, 128)[0]
+        torch.testing.assert_close(got.float(), want_b.float(), rtol=1e-2, atol=1e-2 * tol / 2e-5)

@@ -86,3 +86,41 @@ def test_triton_codes_match_reference_bit_for_bit(triton_device, format, dtype, 
     # interpreter's truncation of the final fp32 -> half rounding (one unit in the last place).
     tolerance = {"rtol": 0, "atol": 0} if dtype == torch.float32 else {"rtol": 2**-7, "atol": 0}
     torch.testing.assert_close(restored, expected, **tolerance)
+
+
+@pytest.mark.parametrize("format", FORMATS)
+@pytest.mark.parametrize("scale_dtype", [torch.float16, torch.bfloat16])
+def test_16bit_scales_round_up_and_codes_follow_them(format, scale_dtype) -> None:
+    """``scale_dtype``: each fp32 scale rounded up to the next 16-bit value (never below: no
+    code clips; a scale under fp16's smallest subnormal becomes that subnormal, never 0), the
+    codes are the fp32 encoding with the stored scale, nbytes counts 2-byte scales, and a scale
+    beyond fp16's range is an error."""
+    x = _input("cpu")
+    x[1, :16] *= 1e-9  # a group whose fp16 scale would underflow
+    wide = quantize(x, format, group_size=16)
+    q = quantize(x, format, group_size=16, scale_dtype=scale_dtype)
+    assert q.scales.dtype == scale_dtype and q.scales.shape == wide.scales.shape
+    stored = q.scales.float()
+    assert bool((stored >= wide.scales).all()) and bool((stored > 0).all())
+    # at most one step of the 16-bit dtype above (fp16: 2^-10 relative, or 2^-24 subnormal)
+    rel = 2.0**-10 if scale_dtype == torch.float16 else 2.0**-7
+    assert bool((stored <= wide.scales * (1 + rel) + 2.0**-24).all())
+    # the codes: quantize's encoding of the same values with the stored scale, bit for bit
+    groups = torch.nn.functional.pad(x.reshape(-1), (0, (-x.numel()) % 16)).view(-1, 16)
+    from slipstream.kernels.ops.quantize.reference import encode
+
+    expected = encode(groups.float(), stored, format)
+    assert torch.equal(q.data.view(torch.uint8), expected.view(torch.uint8))
+    restored = dequantize(q).reshape(-1)
+    if format != "fp8_e4m3":
+        step = stored.repeat_interleave(16)[: x.numel()]
+        assert bool(((restored - x.reshape(-1)).abs() <= step / 2 + 1e-7).all())
+    assert q.nbytes == q.data.numel() * q.data.element_size() + 2 * q.scales.numel()
+    big = torch.full((16,), 1e9)
+    if scale_dtype == torch.float16:
+        with pytest.raises(ValueError, match=r"exceeds torch\.float16.s largest value"):
+            quantize(big, format, 16, scale_dtype=scale_dtype)
+    else:
+        assert torch.isfinite(quantize(big, format, 16, scale_dtype=scale_dtype).scales).all()
+    with pytest.raises(ValueError, match="scale_dtype"):
+        quantize(x, format, 16, scale_dtype=torch.float64)

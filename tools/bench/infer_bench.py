@@ -159,6 +159,13 @@ def parse_args() -> argparse.Namespace:
         "GPU and shape, from quant_decode_bench.py --table-out, ahead of the built-in table",
     )
     parser.add_argument(
+        "--scale-dtype",
+        default=None,
+        choices=["fp16", "bf16", "fp32"],
+        help="quant.weight.scale_dtype: the dtype of the quantized weights' group scales "
+        "(default: the config's, fp16)",
+    )
+    parser.add_argument(
         "--lm-head",
         action="store_true",
         help="quant.weight.lm_head: quantize the LM head too (default: kept in the compute dtype)",
@@ -448,6 +455,7 @@ def bench_batch(
         decode_fusion=",".join(sorted(engine.fused.decode_fusion)) or "off",
         gemv_layout=args.gemv_layout,
         lm_head_quantized=args.lm_head,
+        scale_dtype=_scale_dtype(engine),
         quant_decode_pdl=engine.fused.quant_pdl if args.weights != "native" else None,
         quant_decode_table=args.quant_decode_table,
         gemv_table=args.gemv_table,
@@ -664,6 +672,8 @@ def serve(
                 "decode_gemv_table": args.quant_decode_table,
             }
         }
+        if args.scale_dtype is not None:
+            config["quant"]["weight"]["scale_dtype"] = args.scale_dtype
     if args.attention_block_s:
         from slipstream.kernels.ops.decode_attention import triton as attention_module
 
@@ -767,6 +777,15 @@ def serve(
     if reducer is not None and reducer.norm_state is not None:
         # Set when a wait of Slipstream's TP kernel gave up (then the sums were wrong).
         emit(result="tp_kernel_check", wait_gave_up=int(reducer.norm_state.error.item()))
+
+
+def _scale_dtype(engine: Any) -> str | None:
+    """The dtype of the quantized linears' group scales (None: no quantized linear)."""
+    for module in engine.fused.modules():
+        scales = getattr(module, "scales", None)
+        if hasattr(module, "codes") and isinstance(scales, torch.Tensor):
+            return str(scales.dtype).removeprefix("torch.")
+    return None
 
 
 def dequantized_difference(engine: Any, ids: torch.Tensor) -> float:

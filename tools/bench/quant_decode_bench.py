@@ -61,6 +61,8 @@ SMOKE_SHAPES = {
 }
 SMOKE_HEADS = (2, 1, 16)
 STATS = 1024  # partial sums of squares the norm prologue reads (the producer's blocks)
+# the group scales' dtype (--scale-dtype), set by main
+SCALE_DTYPE: list[torch.dtype] = [torch.float16]
 
 
 def candidates(
@@ -135,7 +137,8 @@ class Inputs:
         dtype = torch.bfloat16 if device.type == "cuda" else torch.float32
         self.fmt, self.n, self.k, self.fusion, self.device = fmt, n, k, fusion, device
         per_word = PER_WORD[fmt]
-        self.weight_bytes = n * k * 4 // per_word + n * (k // 128) * 4
+        scale_size = torch.empty((), dtype=SCALE_DTYPE[0]).element_size()
+        self.weight_bytes = n * k * 4 // per_word + n * (k // 128) * scale_size
         copies = max(1, math.ceil(span_mib * 2**20 / self.weight_bytes))
         generator = torch.Generator(device=device).manual_seed(0)
 
@@ -149,7 +152,9 @@ class Inputs:
                     -(2**31), 2**31 - 1, (n, k // per_word), device=device,
                     dtype=torch.int32, generator=generator,
                 ),
-                (rand(n, k // 128).abs() + 0.5) * (0.02 if fmt == "int8" else 0.2) / k**0.5,
+                ((rand(n, k // 128).abs() + 0.5) * (0.02 if fmt == "int8" else 0.2) / k**0.5).to(
+                    SCALE_DTYPE[0]
+                ),
             )
             for _ in range(copies)
         ]  # fmt: skip
@@ -371,6 +376,12 @@ def _fields(text: str) -> dict[str, Any]:
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--format", choices=["int4", "int8"], nargs="+", default=["int4", "int8"])
+    parser.add_argument(
+        "--scale-dtype",
+        choices=["fp16", "bf16", "fp32"],
+        default="fp16",
+        help="the group scales' dtype (quant.weight.scale_dtype; default fp16, the library's)",
+    )
     parser.add_argument("--shapes", nargs="+", default=None, help="a subset of the shape names")
     parser.add_argument("--span-mib", type=int, default=512)
     parser.add_argument("--replays", type=int, default=20)
@@ -401,6 +412,9 @@ def main() -> None:
         help="FusedGemvConfig fields set on every candidate (e.g. stats_one_pass=true)",
     )
     args = parser.parse_args()
+    SCALE_DTYPE[0] = {"fp16": torch.float16, "bf16": torch.bfloat16, "fp32": torch.float32}[
+        args.scale_dtype
+    ]
     from slipstream.kernels.ops.quant_matmul.fused_table import FusedEntry, fused_table_json
 
     device = torch.device("cpu" if args.smoke else "cuda")

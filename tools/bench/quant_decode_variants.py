@@ -19,6 +19,9 @@ of ``--repeats`` calls a round after a warm-up; the older difference measure (``
   table; ``parts=qkv+out``: only those parts' entries of it;
 - ``rule``: every part at the rule's launch (``fused_gemv._default_config``), ahead of the
   built-in table;
+- ``scales=fp32|fp16|bf16``: the quantized linears' group scales cast to that dtype for the
+  variant (the engine quantizes with ``--scale-dtype``; a cast from fp16 to fp32 is exact, so
+  the tokens stay the same: the variant times the scale bytes alone);
 - ``PART:FIELD=VALUE``: that ``FusedGemvConfig`` field changed for PART (qkv, out, gate_up,
   down) on top of the launch the other settings give it.
 
@@ -52,6 +55,7 @@ from slipstream.kernels.ops.quant_matmul import fused_gemv, fused_table
 
 # The projections as fused_quant_decode launches them: part -> (fusion, out, in), the shapes
 # of the model served (set by main; the 8B Llama's here)
+SCALE_DTYPES = {"fp32": torch.float32, "fp16": torch.float16, "bf16": torch.bfloat16}
 PARTS = {
     "qkv": ("qkv", 6144, 4096),
     "out": ("add_norm", 4096, 4096),
@@ -72,6 +76,7 @@ class Variant:
     table: str | None = None
     parts: tuple[str, ...] = tuple(PARTS)
     rule: bool = False
+    scales: str | None = None
     changes: dict[str, dict[str, Any]] = dataclasses.field(default_factory=dict)
 
 
@@ -96,13 +101,15 @@ def parse_variant(text: str) -> Variant:
             variant.parts = tuple(value.split("+"))
         elif setting == "rule":
             variant.rule = True
+        elif key == "scales" and value in SCALE_DTYPES:
+            variant.scales = value
         else:
             part, _, assignment = setting.partition(":")
             field, _, raw = assignment.partition("=")
             if part not in PARTS or field not in fields or not raw:
                 raise SystemExit(
                     f"variant {text!r}: {setting!r} is not bf16, pdl=MODE, early, noearly, "
-                    f"table=PATH, parts=P+Q, rule or PART:FIELD=VALUE (PART in {sorted(PARTS)}, "
+                    f"table=PATH, parts=P+Q, rule, scales=DTYPE or PART:FIELD=VALUE (PART in {sorted(PARTS)}, "
                     f"FIELD in {sorted(fields)})"
                 )
             low = raw.lower()
@@ -146,6 +153,12 @@ def main() -> None:
     parser.add_argument("variants", nargs="+", help="NAME=SETTINGS (see the module docstring)")
     parser.add_argument("--weights", choices=["int4", "int8"], default="int4")
     parser.add_argument("--preset", default="llama3-8b")
+    parser.add_argument(
+        "--scale-dtype",
+        choices=sorted(SCALE_DTYPES),
+        default=None,
+        help="quant.weight.scale_dtype of the quantized engine (default: the config's)",
+    )
     parser.add_argument("--layers", type=int, default=0, help="override the preset's layers")
     parser.add_argument("--prompt", type=int, default=128)
     parser.add_argument("--new-tokens", type=int, default=64)
@@ -171,7 +184,11 @@ def main() -> None:
         engines[True] = init_inference(model, {"dtype": "bf16", **common})
     if not all(v.bf16 for v in variants):
         bits = 4 if args.weights == "int4" else 8
-        quant = {"weight": {"num_bits": bits, "group_size": 128, "compute_dtype": "bf16"}}
+        quant: dict[str, Any] = {
+            "weight": {"num_bits": bits, "group_size": 128, "compute_dtype": "bf16"}
+        }
+        if args.scale_dtype is not None:
+            quant["weight"]["scale_dtype"] = args.scale_dtype
         engines[False] = init_inference(model, {"dtype": "int8", "quant": quant, **common})
     default_pdl = engines[False].fused.quant_pdl if False in engines else None
     default_attention = (False, False)
@@ -190,6 +207,24 @@ def main() -> None:
             except fused_table.FusedTableError as error:
                 print(json.dumps({"result": "skipped", "variant": variant.name, "why": str(error)}))
                 variants.remove(variant)
+    # the quantized linears' scales as quantized (a scales= variant swaps in a cast copy)
+    held_scales = {
+        module: module.scales
+        for module in (engines[False].fused.modules() if False in engines else ())
+        if hasattr(module, "codes") and isinstance(getattr(module, "scales", None), torch.Tensor)
+    }
+
+    def use_scales(dtype_name: str | None) -> None:
+        for module, scales in held_scales.items():
+            module.scales = scales if dtype_name is None else scales.to(SCALE_DTYPES[dtype_name])
+
+    def scale_change(variant: Variant) -> int:
+        """Bytes the variant's scales= adds to the quantized weights (0: none)."""
+        if variant.bf16 or variant.scales is None:
+            return 0
+        size = torch.empty((), dtype=SCALE_DTYPES[variant.scales]).element_size()
+        return sum(s.numel() * (size - s.element_size()) for s in held_scales.values())
+
     weight_bytes: dict[bool, int] = {}
     for is_bf16, engine in engines.items():
         weight_bytes[is_bf16] = sum(
@@ -217,6 +252,7 @@ def main() -> None:
             engine = engines[variant.bf16]
             table = [] if variant.bf16 else install(variant, args.weights, device)
             if not variant.bf16:
+                use_scales(variant.scales)
                 engine.fused.quant_pdl = variant.pdl or default_pdl
                 engine.fused.quant_attention_pdl = (
                     default_attention[0] if variant.attention_pdl is None else variant.attention_pdl
@@ -251,6 +287,7 @@ def main() -> None:
                 row["user_table"] = table
             print(json.dumps(row), flush=True)
     install(Variant("restore"), args.weights, device)
+    use_scales(None)
     baseline = next((min(steps[v.name]) for v in variants if v.bf16), None)
     base = min(steps[variants[0].name])
     for variant in variants:
@@ -265,7 +302,8 @@ def main() -> None:
             "speedup_vs_bf16": round(baseline / best, 3) if baseline else None,
             "vs_first": round(base / best, 4),
             "bandwidth_fraction": round(
-                (weight_bytes[variant.bf16] + kv_bytes) / best / bandwidth, 4
+                (weight_bytes[variant.bf16] + scale_change(variant) + kv_bytes) / best / bandwidth,
+                4,
             ),
             "settings": {
                 key: value

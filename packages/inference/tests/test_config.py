@@ -52,6 +52,7 @@ def test_json_file(tmp_path) -> None:
         ({"zero": {"offload_param": {"device": "cpu"}}}, "zero.stage"),
         ({"zero": {"stage": 2}}, "stages 1 and 2 shard optimizer states"),
         ({"quant": {"weight": {"num_bits": 3}}}, "quant.weight.num_bits"),
+        ({"quant": {"weight": {"scale_dtype": "fp8"}}}, "quant.weight.scale_dtype"),
         ({"enable_cuda_graph": "yes"}, "enable_cuda_graph"),
         ({"zero": {"stage": 3, "offload_param": {"device": "nvme"}}}, "offload_param.nvme_path"),
     ],

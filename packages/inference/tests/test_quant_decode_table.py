@@ -3,6 +3,7 @@ launch table file and launch option, installed by init_inference; bad values are
 
 from __future__ import annotations
 
+import dataclasses
 import json
 from collections.abc import Iterator
 from pathlib import Path
@@ -40,17 +41,21 @@ def test_table_key_installs_the_launches(tmp_path: Path) -> None:
     assert fused_table.lookup_fused("int4", "gate_up", 28672, 4096, H200) is None
     engine = init_inference(tiny_hf_model("llama"), _settings(decode_gemv_table=str(path)))
     assert engine.config.quant.weight.decode_gemv_table == str(path)
-    assert engine.fused is not None and engine.fused.quant_pdl == "on"  # "auto"
+    # "auto": the partial L2 prefetch for int4, the whole-weight one for int8 / fp8
+    assert engine.fused is not None and engine.fused.quant_pdl == "l2_partial"
+    weight = engine.config.quant.weight
+    assert dataclasses.replace(weight, num_bits=8).pdl_mode == "on"
+    assert dataclasses.replace(weight, decode_pdl=True).pdl_mode == "on"
     found = fused_table.lookup_fused("int4", "gate_up", 28672, 4096, H200)
     assert found == (fused_table.FusedGemvConfig(**launch), "user")
-    # the built-in entries: H100 int8 (call B2) and int4 (call B1 of 11:29), nothing for
-    # other GPUs
+    # the built-in entries: H100 int8 (call B2) and int4 (call B1 of 11:29; QKV and down from
+    # call S4 with fp16 scales), nothing for other GPUs
     h100 = ("NVIDIA H100 80GB HBM3", 132)
     found = fused_table.lookup_fused("int8", "qkv", 6144, 4096, h100)
     assert found is not None and found[1] == "builtin" and found[0].two_step
     found = fused_table.lookup_fused("int4", "add_norm", 4096, 14336, h100)
-    assert found is not None and found[1] == "builtin" and found[0].split_k == 4
-    assert found[0].early_epilogue
+    assert found is not None and found[1] == "builtin" and found[0].split_k == 1
+    assert found[0].early_epilogue and found[0].two_step and found[0].num_warps == 2
     found = fused_table.lookup_fused("int4", "qkv", 6144, 4096, h100)
     assert found is not None and found[0].stats_one_pass and found[0].early_epilogue
     # other GPUs (an H100 with another SM count), formats and shapes: no entry (the rule)

@@ -139,8 +139,9 @@ def load_checkpoint(model: nn.Module, config: Any) -> None:
     """Load ``config.checkpoint_path``: Hugging Face safetensors, or the compressed export.
 
     For a compressed export, ``config`` is set to serve the export's weights quantized:
-    ``dtype`` int8 with ``quant.weight.num_bits``/``group_size`` from the export and the
-    compute dtype of the configured ``dtype``. A config that asks for other bits raises.
+    ``dtype`` int8 with ``quant.weight.num_bits``/``group_size`` from the export, its fp32
+    scales (``quant.weight.scale_dtype`` fp32: the export's exact values) and the compute dtype
+    of the configured ``dtype``. A config that asks for other bits raises.
     """
     path = config.checkpoint_path
     if not is_compressed_checkpoint(path):
@@ -163,8 +164,12 @@ def load_checkpoint(model: nn.Module, config: Any) -> None:
         config.quant.enabled = weight.enabled = True
     weight.num_bits = bits
     weight.group_size = group_size
+    # the export's scales are fp32: re-quantizing with them reproduces its codes exactly, a
+    # 16-bit scale would move the trained values by up to a scale rounding
+    weight.scale_dtype = "fp32"
     logger.info(
-        "serving the compressed checkpoint %s with %d-bit weights in groups of %d",
+        "serving the compressed checkpoint %s with %d-bit weights in groups of %d (fp32 scales, "
+        "the export's)",
         path,
         bits,
         group_size,

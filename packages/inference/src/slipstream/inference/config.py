@@ -145,14 +145,22 @@ class WeightQuantConfig(ConfigBlock):
     # dtype): at batch 1 the bf16 head of a Llama-3-8B is a quarter of an int4 step's bytes,
     # so this is a speed / accuracy trade the user opts into (docs/inference.md).
     lm_head: bool = False
+    # The dtype the group scales are stored in. "fp16" (GPTQ's and AWQ's): half the scale bytes
+    # of fp32 (an int4 weight at group 128 stores 0.516 bytes, not 0.531), each scale rounded up
+    # to the next fp16 value and the codes computed from it (no code clips; every weight stays
+    # within half a step); a scale above fp16's 65504 (a group's largest |weight| above
+    # 65504 * 7 for int4) is an error naming the layer. "bf16": fp32's range, 8 significant
+    # bits; "fp32": the scales as computed (docs/inference.md).
+    scale_dtype: Literal["fp16", "bf16", "fp32"] = "fp16"
     # Programmatic dependent launch of the fused quantized decode GEMVs (decode_fusion on a
     # packed int8 / int4 / fp8 model; NVIDIA sm_90+, elsewhere plain launches, same results):
     # each may start while the kernel before it finishes, its weights streaming into L2 before
-    # it waits for its inputs. "auto" / true: on, with the L2 prefetch of weights that fit
-    # 12 MiB whole (measured on an H200: the 8B int4 step 2.0%, int8 5.2% faster than false);
-    # "l2_partial": also the first part of every row of larger weights, and decode_attention
-    # lets the output projection launch at once (its weight streams into L2 during attention);
-    # false: plain launches.
+    # it waits for its inputs. true: on, with the L2 prefetch of weights that fit 12 MiB whole
+    # (measured on an H200: the 8B int4 step 2.0%, int8 5.2% faster than false);
+    # "l2_partial": also the first part of every row of larger weights (gate/up, down);
+    # "auto": "l2_partial" for int4 (H100, call S5 of branch q6, one process: the 8B int4 step
+    # 2.337 ms against 2.348 with true, now that down runs one K range, which the L2 prefetch
+    # covers), true for int8 / fp8; false: plain launches.
     decode_pdl: bool | Literal["auto", "l2_partial"] = dataclasses.field(
         default="auto", metadata={"allow_auto": True}
     )
@@ -168,7 +176,11 @@ class WeightQuantConfig(ConfigBlock):
         """``decode_pdl`` as the kernels' launch option (``quant_matmul.fused_gemv.PDL_MODES``)."""
         if self.decode_pdl is False:
             return "off"
-        return "l2_partial" if self.decode_pdl == "l2_partial" else "on"
+        if self.decode_pdl == "l2_partial" or (
+            self.decode_pdl == "auto" and self.code_format == "int4"
+        ):
+            return "l2_partial"
+        return "on"
 
     @property
     def packed_gemv(self) -> bool:
@@ -176,6 +188,11 @@ class WeightQuantConfig(ConfigBlock):
         if self.gemv_layout == "auto":
             return self.code_format in ("int4", "int8", "fp8_e4m3")
         return bool(self.gemv_layout)
+
+    @property
+    def scale_torch_dtype(self) -> torch.dtype:
+        """``scale_dtype`` as a torch dtype."""
+        return TORCH_DTYPES[self.scale_dtype]
 
     @property
     def code_format(self) -> str:

@@ -151,6 +151,7 @@ class InferenceEngine(nn.Module):
                 format=weight.code_format,
                 gemv_layout=weight.packed_gemv,
                 lm_head=weight.lm_head,
+                scale_dtype=weight.scale_torch_dtype,
             )
             # the fused quantized decode step's launches (fused_quant_decode reads it)
             fused.quant_pdl = weight.pdl_mode

@@ -423,9 +423,10 @@ class FusedDecoder(nn.Module):
             return None
         # fp32 angles, as Hugging Face computes them; (batch, tokens, 1, rotary_dim / 2).
         angles = positions[..., None].float() * self.inv_freq
-        return (angles.cos() * self.rotary_scaling)[:, :, None], (
-            angles.sin() * self.rotary_scaling
-        )[:, :, None]
+        cos, sin = angles.cos(), angles.sin()
+        if self.rotary_scaling != 1.0:  # (x * 1.0 is x: two launches fewer a decode step)
+            cos, sin = cos * self.rotary_scaling, sin * self.rotary_scaling
+        return cos[:, :, None], sin[:, :, None]
 
     def forward(
         self,

@@ -12,6 +12,7 @@ from slipstream.kernels.ops.quant_matmul import (
     quant_matmul_packed,
     unpack_gemv,
 )
+from slipstream.kernels.ops.quantize import SCALE_DTYPES
 
 __all__ = ["WeightOnlyLinear", "quantize_decoder", "weight_bytes_per_parameter"]
 
@@ -25,7 +26,9 @@ _QUANTIZED = ("qkv", "out", "up", "down")
 
 class WeightOnlyLinear(nn.Module):
     """``nn.Linear`` whose weight is stored as group-wise int8, packed int4 or fp8 (e4m3) codes
-    plus fp32 scales.
+    plus scales in ``scale_dtype`` (``quant.weight.scale_dtype``; fp16 by default, each rounded
+    up from the fp32 absmax / qmax and the codes computed from the stored scale; the kernels
+    multiply in fp32).
 
     Groups run along each row (``group_size`` consecutive input features share a scale; -1: one
     group per row, i.e. per-channel scales), so a group never straddles two output rows, and the
@@ -48,6 +51,7 @@ class WeightOnlyLinear(nn.Module):
         *,
         format: str | None = None,
         gemv_layout: bool = False,
+        scale_dtype: torch.dtype = torch.float32,
     ) -> None:
         super().__init__()
         if format is None:
@@ -67,7 +71,11 @@ class WeightOnlyLinear(nn.Module):
                 f"quant.weight.group_size {group_size}; choose a group size that divides it "
                 "(or -1 for one scale per output row)"
             )
-        q = quantize(linear.weight.detach(), format, group_size)
+        if scale_dtype not in SCALE_DTYPES:
+            raise ValueError(
+                f"WeightOnlyLinear: scale_dtype must be one of {SCALE_DTYPES}, got {scale_dtype}"
+            )
+        q = quantize(linear.weight.detach(), format, group_size, scale_dtype)
         self.format, self.group_size = q.format, group_size
         self.shape, self.dtype = q.shape, q.dtype
         self.codes: torch.Tensor
@@ -81,6 +89,25 @@ class WeightOnlyLinear(nn.Module):
         self.register_buffer("scales", q.scales.reshape(out_features, -1))
         self.bias = linear.bias
         self.in_features, self.out_features = in_features, out_features
+
+    def _load_from_state_dict(  # type: ignore[no-untyped-def]
+        self, state_dict, prefix, local_metadata, strict, missing_keys, unexpected_keys, errors
+    ) -> None:
+        """Refuse scales that this module's dtype cannot hold exactly (the codes were computed
+        for the stored scales: a rounded scale would silently change every weight of its group)."""
+        incoming = state_dict.get(prefix + "scales")
+        if isinstance(incoming, torch.Tensor) and incoming.dtype != self.scales.dtype:
+            cast = incoming.to(self.scales.dtype)
+            if not torch.equal(cast.to(incoming.dtype), incoming):
+                raise ValueError(
+                    f"{prefix}scales: the state dict holds {incoming.dtype} scales that "
+                    f"{self.scales.dtype} cannot hold exactly; quantize with "
+                    f"quant.weight.scale_dtype matching the checkpoint's scales"
+                )
+            state_dict = {**state_dict, prefix + "scales": cast}
+        super()._load_from_state_dict(
+            state_dict, prefix, local_metadata, strict, missing_keys, unexpected_keys, errors
+        )
 
     def _codes(self) -> torch.Tensor:
         if self.packed:
@@ -122,7 +149,8 @@ class WeightOnlyLinear(nn.Module):
     def extra_repr(self) -> str:
         return (
             f"in_features={self.in_features}, out_features={self.out_features}, "
-            f"format={self.format}, group_size={self.group_size}, packed={self.packed}"
+            f"format={self.format}, group_size={self.group_size}, packed={self.packed}, "
+            f"scale_dtype={self.scales.dtype}"
         )
 
 
@@ -134,24 +162,34 @@ def quantize_decoder(
     format: str | None = None,
     gemv_layout: bool = False,
     lm_head: bool = False,
+    scale_dtype: torch.dtype = torch.float32,
 ) -> nn.Module:
     """Replace every block linear of a FusedDecoder (QKV, output, up, down) in place.
 
     ``format`` (``"int8"``, ``"int4"``, ``"fp8_e4m3"``) overrides ``bits``; ``group_size`` -1
     gives per-channel scales; ``gemv_layout`` as in :class:`WeightOnlyLinear`; ``lm_head``
     (``quant.weight.lm_head``) quantizes the LM head the same way (a tied embedding keeps its
-    own weight: only the head's copy is quantized).
+    own weight: only the head's copy is quantized); ``scale_dtype`` (``quant.weight.scale_dtype``)
+    the dtype the scales are stored in (ValueError naming the layer when a scale does not fit).
     """
 
-    def quantized(linear: nn.Linear) -> WeightOnlyLinear:
+    def quantized(linear: nn.Linear, where: str) -> WeightOnlyLinear:
         size = group_size if group_size == -1 else min(group_size, linear.in_features)
-        return WeightOnlyLinear(linear, bits, size, format=format, gemv_layout=gemv_layout)
+        try:
+            return WeightOnlyLinear(
+                linear, bits, size, format=format, gemv_layout=gemv_layout, scale_dtype=scale_dtype
+            )
+        except ValueError as error:
+            hint = (
+                " (quant.weight.scale_dtype: bf16 or fp32)" if "largest value" in str(error) else ""
+            )
+            raise ValueError(f"quantizing {where}: {error}{hint}") from error
 
-    for block in model.blocks:  # type: ignore[union-attr]
+    for index, block in enumerate(model.blocks):  # type: ignore[union-attr,arg-type]
         for name in _QUANTIZED:
             linear = getattr(block, name, None)
             if isinstance(linear, nn.Linear):
-                setattr(block, name, quantized(linear))
+                setattr(block, name, quantized(linear, f"blocks.{index}.{name}"))
     if lm_head:
         head = getattr(model, "head", None)
         if not isinstance(head, nn.Linear):
@@ -159,7 +197,7 @@ def quantize_decoder(
                 f"quant.weight.lm_head=true needs the decoder's head to be a plain linear, got "
                 f"{type(head).__name__}; set quant.weight.lm_head to false"
             )
-        model.head = quantized(head)  # type: ignore[assignment]
+        model.head = quantized(head, "head")  # type: ignore[assignment]
     return model
 
 
@@ -170,7 +208,7 @@ def weight_bytes_per_parameter(module: nn.Module) -> float:
     for sub in module.modules():
         if isinstance(sub, WeightOnlyLinear):
             codes, scales = sub.codes, sub.scales
-            stored += codes.numel() * codes.element_size() + scales.numel() * 4
+            stored += codes.numel() * codes.element_size() + scales.numel() * scales.element_size()
             params += sub.in_features * sub.out_features
         for tensor in sub.parameters(recurse=False):
             stored += tensor.numel() * tensor.element_size()

@@ -21,8 +21,12 @@ no kernel between its projections but the attention's:
   computes gate rows ``j`` and up rows ``I + j`` of the same ``block_n / 2`` features ``j`` and
   writes ``silu(gate) * up`` (``I`` outputs, rounded as ``gated_activation`` rounds).
 
-No split-K (the epilogues need a program's whole rows; the Llama shapes' table entries are
-split 1 anyway) and one program per activation row, for a few rows.
+Split-K (``FusedGemvConfig.split_k``) cuts a block's K range in parts, one program each: every
+part leaves its fp32 sums in its own slice of a workspace, and the last part to arrive (an
+arrival counter) adds the slices in part order, so the result is the same bits whichever part
+finishes last, and runs the epilogue (which needs the block's whole rows). Scales are read in
+their stored dtype (fp32, fp16 or bf16: ``quant.weight.scale_dtype``) and multiply in fp32. One
+program per activation row, for a few rows.
 """
 
 from __future__ import annotations
@@ -213,10 +217,10 @@ def _tile(
             sums = _half2_quad_dot(words, xa, xb, xc, xd, FORMAT)
         else:
             sums = _half2_quad_sums(words, xpairs, FORMAT, x_type == tl.bfloat16)
-        acc_quads += sums * quad_scale
+        acc_quads += sums * quad_scale.to(tl.float32)
     else:
         t = _fp32_step_sums(words, x_row, pairs, k0, g, jj, FORMAT, BLOCK_N, GPS, NATIVE_FP8)
-        acc3 += t * scale
+        acc3 += t * scale.to(tl.float32)
     return acc3, acc_quads
 
 
@@ -275,7 +279,7 @@ def fused_gemv_kernel(
     cache_sb,
     cache_sh,
     cache_ss,
-    ws_ptr,  # SPLIT_K > 1: fp32 (rows, N) partial sums, zero at rest
+    ws_ptr,  # SPLIT_K > 1: fp32 (SPLIT_K, rows, N) partial sums, zero at rest
     count_ptr,  # SPLIT_K > 1: int32 arrival counters per (row, block), zero at rest
     FORMAT: tl.constexpr,  # 0 int8, 1 int4, 2 fp8 e4m3 (packed words)
     GROUP: tl.constexpr,
@@ -445,17 +449,26 @@ def fused_gemv_kernel(
             acc = acc * (rstd / xscale)
         done = True
         if SPLIT_K > 1:
-            # every split adds its fp32 sums into the workspace; the last to arrive takes the
-            # total (leaving the workspace zero) and runs the epilogue for the block
-            ws = ws_ptr + pid_m.to(tl.int64) * N + cols
-            tl.atomic_add(ws, acc, mask=col_ok, sem="relaxed")
+            # every split leaves its fp32 sums in its own slice of the workspace; the last to
+            # arrive adds the slices in split order (the same bits whichever split finishes
+            # last), leaving them zero, and runs the epilogue for the block
+            # (the sums' bits exchanged as int32: the same 32-bit exchange, and the CPU
+            # interpreter has no float exchange)
+            rows_m = tl.num_programs(0)
+            ws_bits = ws_ptr.to(tl.pointer_type(tl.int32), bitcast=True)
+            ws = ws_bits + (tl.program_id(2) * rows_m + pid_m).to(tl.int64) * N + cols
+            tl.atomic_xchg(ws, acc.to(tl.int32, bitcast=True), mask=col_ok, sem="relaxed")
             tl.debug_barrier()
             counter = count_ptr + pid_m * n_blocks + blk
             arrived = tl.atomic_add(counter, 1, sem="acq_rel")
             done = arrived == SPLIT_K - 1
-            if done:  # (an atomic read: the other splits' sums are in L2, not in our L1)
-                acc = tl.atomic_add(ws, tl.zeros_like(acc), mask=col_ok, sem="relaxed")
-                tl.store(ws, tl.zeros_like(acc), mask=col_ok)
+            if done:  # (atomic reads: the other splits' sums are in L2, not in our L1)
+                acc = tl.zeros_like(acc)
+                zero_bits = tl.zeros_like(acc).to(tl.int32, bitcast=True)
+                for k_part in tl.static_range(SPLIT_K):
+                    part = ws_bits + (k_part * rows_m + pid_m).to(tl.int64) * N + cols
+                    bits = tl.atomic_xchg(part, zero_bits, mask=col_ok, sem="relaxed")
+                    acc += bits.to(tl.float32, bitcast=True)
                 tl.store(counter, 0)
         if done:
             if HAS_BIAS:
@@ -478,8 +491,11 @@ def fused_gemv_kernel(
                     turn = ok & (head < heads + kv_heads)
                     c = tl.load(cos_ptr + pid_m * HALF + fi, mask=turn, other=1.0).to(tl.float32)
                     sn = tl.load(sin_ptr + pid_m * HALF + fi, mask=turn, other=0.0).to(tl.float32)
-                lo = (first * c - second * sn).to(out_type)
-                hi = (second * c + first * sn).to(out_type)
+                # explicit fmas: every build rounds the same way (a plain a * b - c * d leaves
+                # the contraction to the compiler, which may fuse either product, or neither,
+                # differently in two specialisations: an ulp apart in fp32)
+                lo = tl.fma(first, c, -(second * sn)).to(out_type)
+                hi = tl.fma(second, c, first * sn).to(out_type)
                 q_at = out_row + head * HEAD_DIM + fi
                 tl.store(q_at, lo, mask=ok & is_q)
                 tl.store(q_at + HALF, hi, mask=ok & is_q)
@@ -869,8 +885,9 @@ def _grid_programs(blocks: int, device: torch.device, programs_per_sm: int = 0) 
     return triton.cdiv(blocks, per_program)
 
 
-# Split-K scratch per (device, stream): an fp32 workspace and arrival counters that the kernel
-# leaves zeroed (a CUDA graph captured on the stream of its warm-up replays them as they are).
+# Split-K scratch per (device, stream): an fp32 workspace (a slice per split: the sums are added
+# in split order, so a launch's result does not depend on which split finishes last) and arrival
+# counters that the kernel leaves zeroed (a CUDA graph captured on the stream of its warm-up replays them as they are).
 _SCRATCH: dict[tuple[torch.device, int], tuple[torch.Tensor, torch.Tensor]] = {}
 
 
@@ -926,7 +943,7 @@ def _launch(
     split = config.split_k
     scratch = None
     if split > 1:
-        scratch = _split_scratch(flat.device, grid[0] * out_features, grid[0] * blocks)
+        scratch = _split_scratch(flat.device, split * grid[0] * out_features, grid[0] * blocks)
         if scratch is None:
             split = 1
         else:
@@ -996,7 +1013,7 @@ def aot_specs(half2: bool = False) -> list[AotSpec]:
     signature = {
         "x_ptr": "*bf16",
         "codes_ptr": "*i32",
-        "scales_ptr": "*fp32",
+        "scales_ptr": "*fp16",  # quant.weight.scale_dtype's default
         "bias_ptr": "*bf16",
         "out_ptr": "*bf16",
         "stats_ptr": "*fp32",

@@ -147,14 +147,29 @@ _H100_INT8: dict[tuple[str, str, int, int], dict[str, Any]] = {
 # had measured an earlier sweep's int4 launches slower, 2.780 against 2.577 ms, from the
 # difference of two generate calls in separate runs, which moves by 0.1-0.3 ms from run to run;
 # the device-clock timing above repeats to 0.01-0.03 ms.)
+# QKV and down re-swept with fp16 scales (quant.weight.scale_dtype's default) in call S4 of
+# 2026-11-26 14:31 (branch q6: quant_decode_bench.py --quick --format int4 --fields
+# stats_one_pass=true,early_epilogue=true): QKV 10.10 -> 8.19 us a call (block_n 8 / 2 warps ->
+# 4 / 1 warp, two_step), down 14.74 -> 13.76 (split_k 4 -> one K range, 4 rows, 2 warps,
+# two_step); output and gate/up kept theirs (the sweep's best within 0.4%). The 8B step with the
+# two in quant_decode_variants.py (one process, interleaved rounds): 2.342 ms against 2.389 with
+# the launches before (bf16 5.714 ms: 2.44x against 2.39x). The output projection's two_step:
+# call S5 (one process, on top of those): 2.3417 ms against 2.3478 (best; medians 2.3463 /
+# 2.3488), with decode_pdl "auto" then "on".
 _H100_INT4: dict[tuple[str, str, int, int], dict[str, Any]] = {
     ("int4", "qkv", 6144, 4096): {
-        "block_n": 8,
-        "num_warps": 2,
+        "block_n": 4,
+        "num_warps": 1,
+        "two_step": True,
         "stats_one_pass": True,
         "early_epilogue": True,
     },
-    ("int4", "add_norm", 4096, 4096): {"block_n": 4, "num_warps": 2, "early_epilogue": True},
+    ("int4", "add_norm", 4096, 4096): {
+        "block_n": 4,
+        "num_warps": 2,
+        "two_step": True,
+        "early_epilogue": True,
+    },
     ("int4", "gate_up", 28672, 4096): {
         "block_n": 16,
         "num_warps": 1,
@@ -162,9 +177,10 @@ _H100_INT4: dict[tuple[str, str, int, int], dict[str, Any]] = {
         "stats_one_pass": True,
     },
     ("int4", "add_norm", 4096, 14336): {
-        "block_n": 8,
-        "num_warps": 1,
-        "split_k": 4,
+        "block_n": 4,
+        "num_warps": 2,
+        "two_step": True,
+        "stats_one_pass": True,
         "early_epilogue": True,
     },
 }

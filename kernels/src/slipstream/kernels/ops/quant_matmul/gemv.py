@@ -30,8 +30,10 @@ instructions per int4 weight on NVIDIA (``half2``), three elsewhere, and no layo
 - **Prefetch** (``prefetch``): the next step's codes and scales are loaded before the current
   step's math; no load is masked (rows past N re-read row N - 1, the prefetch past the last
   step re-reads it).
-- **Tiles.** A program owns ``block_n`` output rows of one activation row and a K range (split-K
-  sums with fp32 atomics). A step covers ``8 * num_warps`` packed blocks, so that a step's
+- **Tiles.** A program owns ``block_n`` output rows of one activation row and a K range (split-K:
+  each split leaves its fp32 sums in a workspace slice, the last to arrive adds them in split
+  order, so the result does not depend on the arrival order; without that workspace, while a
+  CUDA graph is captured, fp32 atomics into a zeroed output). A step covers ``8 * num_warps`` packed blocks, so that a step's
   activations fill exactly four int32 per thread (what keeps the two layouts equal).
 
 Dense weights (``format="dense"``, the activation dtype) take the same tiling with 8 bf16 per
@@ -465,7 +467,7 @@ def gemv_kernel(
     scales_ptr,
     bias_ptr,
     out_ptr,
-    ws_ptr,  # FIXUP: fp32 (rows, N) partial sums, zero at rest
+    ws_ptr,  # FIXUP: fp32 (SPLIT_K, rows, N) partial sums, zero at rest
     count_ptr,  # FIXUP: int32 arrival counters, one per (row, column block), zero at rest
     N,
     K,
@@ -540,15 +542,16 @@ def gemv_kernel(
                 xpairs = pairs + k0 // 2 + g * (PACK // 2) + jj
                 quad_scale, _s1, _s2, _s3 = _split4(scale)
                 sums = _half2_quad_sums(words, xpairs, FORMAT, x_type == tl.bfloat16)
-                acc_quads += sums * quad_scale
+                acc_quads += sums * quad_scale.to(tl.float32)
             elif HALF2:
                 xpairs = pairs + k0 // 2 + g * (PACK // 2) + jj
-                acc3 += _half2_word_sums(words, xpairs, FORMAT, x_type == tl.bfloat16) * scale
+                sums = _half2_word_sums(words, xpairs, FORMAT, x_type == tl.bfloat16)
+                acc3 += sums * scale.to(tl.float32)
             else:
                 t = _fp32_step_sums(
                     words, x_row, pairs, k0, g, jj, FORMAT, BLOCK_N, GPS, NATIVE_FP8
                 )
-                acc3 += t * scale
+                acc3 += t * scale.to(tl.float32)
         acc = tl.sum(tl.sum(acc3, axis=2), axis=1)
         if FORMAT == 2 and not NATIVE_FP8:
             acc = acc * 256.0
@@ -563,15 +566,23 @@ def gemv_kernel(
     if SPLIT_K == 1:
         tl.store(out_ptrs, acc.to(out_ptr.dtype.element_ty), mask=col_ok)
     elif FIXUP:
-        # Every split adds into the workspace; the last to arrive takes the sum (resetting the
-        # workspace to zero in the same atomic) and writes the output in its dtype.
-        ws_ptrs = ws_ptr + pid_m.to(tl.int64) * N + cols
-        tl.atomic_add(ws_ptrs, acc, mask=col_ok, sem="relaxed")
+        # Every split leaves its sums in its own slice of the workspace (as int32 bits); the
+        # last to arrive adds the slices in split order (the same bits whichever split finishes
+        # last), zeroing them, and writes the output in its dtype.
+        rows_m = tl.num_programs(0)
+        ws_bits = ws_ptr.to(tl.pointer_type(tl.int32), bitcast=True)
+        ws_ptrs = ws_bits + (pid_k * rows_m + pid_m).to(tl.int64) * N + cols
+        tl.atomic_xchg(ws_ptrs, acc.to(tl.int32, bitcast=True), mask=col_ok, sem="relaxed")
         tl.debug_barrier()
         counter = count_ptr + pid_m * tl.num_programs(1) + pid_n
         arrived = tl.atomic_add(counter, 1, sem="acq_rel")
         if arrived == SPLIT_K - 1:
-            total = tl.atomic_xchg(ws_ptrs, tl.zeros_like(acc), mask=col_ok, sem="relaxed")
+            total = tl.zeros_like(acc)
+            zero_bits = tl.zeros_like(acc).to(tl.int32, bitcast=True)
+            for k_part in tl.static_range(SPLIT_K):
+                part = ws_bits + (k_part * rows_m + pid_m).to(tl.int64) * N + cols
+                bits = tl.atomic_xchg(part, zero_bits, mask=col_ok, sem="relaxed")
+                total += bits.to(tl.float32, bitcast=True)
             tl.store(out_ptrs, total.to(out_ptr.dtype.element_ty), mask=col_ok)
             tl.atomic_xchg(counter, 0, sem="relaxed")
     else:
@@ -619,7 +630,7 @@ def dequantize_packed_kernel(
     )
     tl.store(
         out_ptr + rows64 * K + block * PACK + e,
-        (value * scale).to(out_ptr.dtype.element_ty),
+        (value * scale.to(tl.float32)).to(out_ptr.dtype.element_ty),
         mask=col_ok[:, None],
     )
 
@@ -751,7 +762,11 @@ def launch_gemv(
     rows = flat.shape[0]
     split = config.split_k
     blocks = triton.cdiv(out_features, config.block_n)
-    scratch = _fixup_scratch(x.device, rows * out_features, rows * blocks) if split > 1 else None
+    scratch = (
+        _fixup_scratch(x.device, split * rows * out_features, rows * blocks, on_cpu=True)
+        if split > 1
+        else None
+    )
     out = (
         torch.empty(rows, out_features, device=x.device, dtype=x.dtype)
         if split == 1 or scratch is not None
@@ -790,24 +805,32 @@ def launch_gemv(
     return out.reshape(*x.shape[:-1], out_features)
 
 
-# Split-K scratch per (device, stream): an fp32 workspace and arrival counters that the kernel
-# leaves zeroed, so a split GEMV needs no zero-fill or cast launches (a CUDA graph replays them).
+# Split-K scratch per (device, stream): an fp32 workspace (a slice per split) and arrival
+# counters that the kernel leaves zeroed, so a split GEMV needs no zero-fill or cast launches
+# (a CUDA graph replays them).
 _SCRATCH: dict[tuple[torch.device, int], tuple[torch.Tensor, torch.Tensor]] = {}
 FIXUP_SPLIT_K = True  # False: split-K sums with atomics into a zeroed fp32 output, then casts
 
 
 def _fixup_scratch(
-    device: torch.device, values: int, counters: int
+    device: torch.device, values: int, counters: int, on_cpu: bool = False
 ) -> tuple[torch.Tensor, torch.Tensor] | None:
     """The zeroed workspace and counters for a split, grown outside CUDA-graph capture only
-    (None while capturing without a large enough one: the zero-fill path runs instead)."""
-    if not FIXUP_SPLIT_K or device.type != "cuda":
-        return None  # the interpreter's atomics do not model the arrival order
-    key = (device, torch.cuda.current_stream(device).stream_id)
+    (None while capturing without a large enough one: the zero-fill path runs instead).
+    ``on_cpu``: also on the CPU (the interpreter; :func:`gemv_kernel`'s fixup exchanges int32
+    bits, which it runs, but ``decode_gemv``'s float exchange it does not)."""
+    if not FIXUP_SPLIT_K:
+        return None
+    # (the CPU interpreter runs the programs one after another: the last split is the last
+    # program, and the sum's order is the splits' either way)
+    cuda = device.type == "cuda"
+    if not cuda and not on_cpu:
+        return None
+    key = (device, torch.cuda.current_stream(device).stream_id if cuda else 0)
     held = _SCRATCH.get(key)
     if held is not None and held[0].numel() >= values and held[1].numel() >= counters:
         return held
-    if torch.cuda.is_current_stream_capturing():
+    if cuda and torch.cuda.is_current_stream_capturing():
         return None
     size = max(values, 1 << 20)
     held = (

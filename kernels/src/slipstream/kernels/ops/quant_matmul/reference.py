@@ -5,7 +5,7 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
-from slipstream.kernels.ops.quantize.reference import FORMATS, dequantize
+from slipstream.kernels.ops.quantize.reference import FORMATS, SCALE_DTYPES, dequantize
 
 __all__ = [
     "check_weight",
@@ -24,11 +24,17 @@ def check_weight(
 
     The layout is :func:`slipstream.kernels.ops.quantize`'s applied to an ``(out, in)`` weight
     whose rows are a whole number of groups: ``codes`` is ``(out, in)`` (int8, float8_e4m3fn) or
-    ``(out, in // 2)`` (uint8, int4 pairs), ``scales`` fp32 with ``out * in // group_size``
-    elements (row-major ``(out, in // group_size)``).
+    ``(out, in // 2)`` (uint8, int4 pairs), ``scales`` fp32, fp16 or bf16 (``quantize``'s
+    ``scale_dtype``; the kernels multiply in fp32) with ``out * in // group_size`` elements
+    (row-major ``(out, in // group_size)``).
     """
     if format not in FORMATS:
         raise ValueError(f"quant_matmul: format must be one of {FORMATS}, got {format!r}")
+    if scales.dtype not in SCALE_DTYPES:
+        raise ValueError(
+            f"quant_matmul: scales must be one of {SCALE_DTYPES}, got {scales.dtype}; "
+            "quantize with scale_dtype"
+        )
     if group_size < 1 or in_features % group_size:
         raise ValueError(
             f"quant_matmul: in_features {in_features} is not a multiple of group_size "

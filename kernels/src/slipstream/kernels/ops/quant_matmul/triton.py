@@ -117,6 +117,7 @@ def quant_matmul_kernel(
         k0 = step * BLOCK_K
         if FORMAT != 3:
             scale = tl.load(scales_ptr + col_offsets * groups + k0 // GROUP, mask=col_ok, other=0.0)
+            scale = scale.to(tl.float32)  # fp32, fp16 or bf16 scales
         if FORMAT == 1:
             j = tl.arange(0, BLOCK_K // 2)
             packed = tl.load(
@@ -205,6 +206,7 @@ def dequantize_rows_kernel(
     col_ok = cols < N
     rows64 = cols.to(tl.int64)
     scale = tl.load(scales_ptr + rows64 * (K // GROUP) + k0 // GROUP, mask=col_ok, other=0.0)
+    scale = scale.to(tl.float32)
     k = tl.arange(0, BLOCK_K)
     if FORMAT == 1:
         j = tl.arange(0, BLOCK_K // 2)
