@@ -44,6 +44,7 @@ from slipstream.kernels.ops.quant_matmul.gemv import (
     _half2_quad_sums,
     _multiprocessors,
     _split4,
+    _split_k_sum,
     gemv_block_k,
     gemv_default_config,
     gemv_supports,
@@ -449,27 +450,12 @@ def fused_gemv_kernel(
             acc = acc * (rstd / xscale)
         done = True
         if SPLIT_K > 1:
-            # every split leaves its fp32 sums in its own slice of the workspace; the last to
-            # arrive adds the slices in split order (the same bits whichever split finishes
-            # last), leaving them zero, and runs the epilogue for the block
-            # (the sums' bits exchanged as int32: the same 32-bit exchange, and the CPU
-            # interpreter has no float exchange)
-            rows_m = tl.num_programs(0)
-            ws_bits = ws_ptr.to(tl.pointer_type(tl.int32), bitcast=True)
-            ws = ws_bits + (tl.program_id(2) * rows_m + pid_m).to(tl.int64) * N + cols
-            tl.atomic_xchg(ws, acc.to(tl.int32, bitcast=True), mask=col_ok, sem="relaxed")
-            tl.debug_barrier()
+            # the splits' sums added in a fixed order by the last to arrive (_split_k_sum),
+            # which runs the epilogue for the block
             counter = count_ptr + pid_m * n_blocks + blk
-            arrived = tl.atomic_add(counter, 1, sem="acq_rel")
-            done = arrived == SPLIT_K - 1
-            if done:  # (atomic reads: the other splits' sums are in L2, not in our L1)
-                acc = tl.zeros_like(acc)
-                zero_bits = tl.zeros_like(acc).to(tl.int32, bitcast=True)
-                for k_part in tl.static_range(SPLIT_K):
-                    part = ws_bits + (k_part * rows_m + pid_m).to(tl.int64) * N + cols
-                    bits = tl.atomic_xchg(part, zero_bits, mask=col_ok, sem="relaxed")
-                    acc += bits.to(tl.float32, bitcast=True)
-                tl.store(counter, 0)
+            acc, done = _split_k_sum(
+                acc, ws_ptr, counter, tl.program_id(2), pid_m, N, cols, col_ok, SPLIT_K
+            )
         if done:
             if HAS_BIAS:
                 acc += tl.load(bias_ptr + cols).to(tl.float32)

@@ -393,6 +393,33 @@ def _half2_quad_dot(words, xa, xb, xc, xd, FORMAT: tl.constexpr):
 
 
 @triton.jit
+def _split_k_sum(acc, ws_ptr, counter, pid_k, pid_m, N, cols, col_ok, SPLIT_K: tl.constexpr):
+    """Split-K's sum in a fixed order: this split leaves its fp32 sums ``acc`` (program row
+    ``pid_m``, columns ``cols``) in its own slice of the workspace ``ws_ptr`` (as int32 bits:
+    the CPU interpreter has no float exchange) and counts itself in ``counter``; the last split
+    to arrive adds every slice in split order (the same bits whichever split finishes last),
+    leaving the slices and the counter zero for the next launch. Returns (the sum over the
+    splits, meaningful only to the last, and whether this program is the last). The other
+    splits' sums are read with atomic exchanges: they are in L2, not in this SM's L1."""
+    rows_m = tl.num_programs(0)
+    ws_bits = ws_ptr.to(tl.pointer_type(tl.int32), bitcast=True)
+    own = ws_bits + (pid_k * rows_m + pid_m).to(tl.int64) * N + cols
+    tl.atomic_xchg(own, acc.to(tl.int32, bitcast=True), mask=col_ok, sem="relaxed")
+    tl.debug_barrier()
+    arrived = tl.atomic_add(counter, 1, sem="acq_rel")
+    last = arrived == SPLIT_K - 1
+    total = tl.zeros_like(acc)
+    if last:
+        zero_bits = tl.zeros_like(acc).to(tl.int32, bitcast=True)
+        for k_part in tl.static_range(SPLIT_K):
+            part = ws_bits + (k_part * rows_m + pid_m).to(tl.int64) * N + cols
+            bits = tl.atomic_xchg(part, zero_bits, mask=col_ok, sem="relaxed")
+            total += bits.to(tl.float32, bitcast=True)
+        tl.atomic_xchg(counter, 0, sem="relaxed")
+    return total, last
+
+
+@triton.jit
 def _fp32_step_sums(
     words,
     x_row,
@@ -566,25 +593,12 @@ def gemv_kernel(
     if SPLIT_K == 1:
         tl.store(out_ptrs, acc.to(out_ptr.dtype.element_ty), mask=col_ok)
     elif FIXUP:
-        # Every split leaves its sums in its own slice of the workspace (as int32 bits); the
-        # last to arrive adds the slices in split order (the same bits whichever split finishes
-        # last), zeroing them, and writes the output in its dtype.
-        rows_m = tl.num_programs(0)
-        ws_bits = ws_ptr.to(tl.pointer_type(tl.int32), bitcast=True)
-        ws_ptrs = ws_bits + (pid_k * rows_m + pid_m).to(tl.int64) * N + cols
-        tl.atomic_xchg(ws_ptrs, acc.to(tl.int32, bitcast=True), mask=col_ok, sem="relaxed")
-        tl.debug_barrier()
+        # the splits' sums added in a fixed order by the last to arrive (_split_k_sum), which
+        # writes the output in its dtype
         counter = count_ptr + pid_m * tl.num_programs(1) + pid_n
-        arrived = tl.atomic_add(counter, 1, sem="acq_rel")
-        if arrived == SPLIT_K - 1:
-            total = tl.zeros_like(acc)
-            zero_bits = tl.zeros_like(acc).to(tl.int32, bitcast=True)
-            for k_part in tl.static_range(SPLIT_K):
-                part = ws_bits + (k_part * rows_m + pid_m).to(tl.int64) * N + cols
-                bits = tl.atomic_xchg(part, zero_bits, mask=col_ok, sem="relaxed")
-                total += bits.to(tl.float32, bitcast=True)
+        total, last = _split_k_sum(acc, ws_ptr, counter, pid_k, pid_m, N, cols, col_ok, SPLIT_K)
+        if last:
             tl.store(out_ptrs, total.to(out_ptr.dtype.element_ty), mask=col_ok)
-            tl.atomic_xchg(counter, 0, sem="relaxed")
     else:
         tl.atomic_add(out_ptrs, acc, mask=col_ok)
 
