@@ -29,7 +29,7 @@ def _run(stage: int, gas: int, land_low: bool, speculate: bool, device: str, tmp
     import slipstream
     from slipstream import comm
     from slipstream.zero.offload import OffloadedStep
-    from slipstream.zero.testing import TinyTransformer, batch_for
+    from slipstream.zero.testing import TinyTransformer, batch_for, two_group_params
 
     # The switch under test: whether the stage may let bf16 reductions land in bf16.
     OffloadedStep.reads_low_precision_grads = property(  # type: ignore[method-assign]
@@ -38,11 +38,7 @@ def _run(stage: int, gas: int, land_low: bool, speculate: bool, device: str, tmp
     world, rank = comm.get_world_size(), comm.get_rank()
     torch.manual_seed(0)
     model = TinyTransformer(unused=True)
-    decay = [p for p in model.parameters() if p.dim() >= 2]
-    other = [p for p in model.parameters() if p.dim() < 2]
-    optimizer = torch.optim.AdamW(
-        [{"params": decay, "weight_decay": 0.1}, {"params": other, "lr": 0.02}], lr=0.01
-    )
+    optimizer = torch.optim.AdamW(two_group_params(model), lr=0.01)
     offload: dict = {
         "device": device,
         "pin_memory": torch.cuda.is_available(),

@@ -71,15 +71,11 @@ def _config(
 
 def _engine(stage, precision, gas, clip, ratio, overlap, speculate=True, merge=0, upload=False):
     import slipstream
-    from slipstream.zero.testing import TinyTransformer
+    from slipstream.zero.testing import TinyTransformer, two_group_params
 
     torch.manual_seed(0)
     model = TinyTransformer(unused=True)  # a parameter no forward reaches, too
-    decay = [p for p in model.parameters() if p.dim() >= 2]
-    other = [p for p in model.parameters() if p.dim() < 2]
-    optimizer = torch.optim.AdamW(
-        [{"params": decay, "weight_decay": 0.1}, {"params": other, "lr": 0.02}], lr=0.01
-    )
+    optimizer = torch.optim.AdamW(two_group_params(model), lr=0.01)
     config = _config(stage, precision, gas, clip, ratio, overlap, speculate, merge, upload)
     engine, *_ = slipstream.initialize(model=model, optimizer=optimizer, config=config)
     return engine

@@ -44,16 +44,12 @@ def _run(
     that share of each CPU step's elements steps on the device, streamed."""
     import slipstream
     from slipstream import comm
-    from slipstream.zero.testing import TinyTransformer, batch_for
+    from slipstream.zero.testing import TinyTransformer, batch_for, two_group_params
 
     world, rank = comm.get_world_size(), comm.get_rank()
     torch.manual_seed(0)
     model = TinyTransformer(unused=True)  # a parameter without a gradient, too
-    decay = [p for p in model.parameters() if p.dim() >= 2]
-    other = [p for p in model.parameters() if p.dim() < 2]
-    optimizer = torch.optim.AdamW(
-        [{"params": decay, "weight_decay": 0.1}, {"params": other, "lr": 0.02}], lr=0.01
-    )
+    optimizer = torch.optim.AdamW(two_group_params(model), lr=0.01)
     config = {
         "train_micro_batch_size_per_gpu": MICRO,
         "gradient_accumulation_steps": gas,

@@ -6,7 +6,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-__all__ = ["TinyTransformer", "batch_for", "param_bytes"]
+__all__ = ["TinyTransformer", "batch_for", "param_bytes", "two_group_params"]
 
 
 class _Block(nn.Module):
@@ -73,3 +73,11 @@ def param_bytes(tensors: list[torch.Tensor]) -> int:
         storage = t.untyped_storage()
         seen[storage.data_ptr() or id(storage)] = storage.nbytes()
     return sum(seen.values())
+
+
+def two_group_params(model: nn.Module) -> list[dict]:
+    """Two optimizer parameter groups of every tensor of ``model`` (frozen ones too), as the
+    offload tests use them: the matrices with weight decay 0.1, the rest (norms) at lr 0.02."""
+    decay = [p for p in model.parameters() if p.dim() >= 2]
+    other = [p for p in model.parameters() if p.dim() < 2]
+    return [{"params": decay, "weight_decay": 0.1}, {"params": other, "lr": 0.02}]
