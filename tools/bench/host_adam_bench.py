@@ -25,10 +25,11 @@ from __future__ import annotations
 
 import argparse
 import json
-import multiprocessing as mp
 import statistics
 import time
 from typing import Any
+
+from host_workers import run_host_workers
 
 
 def _worker(rank: int, args: argparse.Namespace, barrier: Any, results: Any) -> None:
@@ -71,20 +72,7 @@ def main() -> None:
     parser.add_argument("--copy", choices=["bf16", "none", "into-grad"], default="bf16")
     parser.add_argument("--steps", type=int, default=5, help="timed steps (5, after 1 warm-up)")
     args = parser.parse_args()
-    context = mp.get_context("spawn")
-    barrier = context.Barrier(args.processes)
-    results = context.Queue()
-    workers = [
-        context.Process(target=_worker, args=(rank, args, barrier, results))
-        for rank in range(args.processes)
-    ]
-    for worker in workers:
-        worker.start()
-    gathered = dict(results.get() for _ in workers)
-    for worker in workers:
-        worker.join()
-        if worker.exitcode != 0:
-            raise SystemExit(f"a worker exited with code {worker.exitcode}")
+    gathered = dict(run_host_workers(_worker, args, args.processes))
     medians = []
     for rank in sorted(gathered):
         times = gathered[rank]

@@ -31,10 +31,11 @@ from __future__ import annotations
 
 import argparse
 import json
-import multiprocessing as mp
 import statistics
 import time
 from typing import Any
+
+from host_workers import run_host_workers
 
 DEFAULT_VARIANTS = (
     "adam/oop/old",
@@ -153,18 +154,7 @@ def main() -> None:
     args.variants = [v for v in args.variants.split(",") if v]
     for v in args.variants:
         _parse(v, args.threads)
-    context = mp.get_context("spawn")
-    barrier = context.Barrier(args.processes)
-    results = context.Queue()
-    procs = [
-        context.Process(target=_worker, args=(r, args, barrier, results))
-        for r in range(args.processes)
-    ]
-    for p in procs:
-        p.start()
-    gathered = dict(results.get() for _ in procs)
-    for p in procs:
-        p.join()
+    gathered = dict(run_host_workers(_worker, args, args.processes))
     numel = int(args.params)
     rows = []
     for ranks in sorted({1, args.processes}):
