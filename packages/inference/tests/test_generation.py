@@ -6,7 +6,12 @@ import pytest
 import torch
 
 from slipstream.inference import init_inference
-from slipstream.inference.generation import GenerationSettings, StopStrings, process_logits
+from slipstream.inference.generation import (
+    GenerationSettings,
+    StopStrings,
+    process_logits,
+    select_tokens,
+)
 from slipstream.inference.testing import tiny_hf_model
 
 transformers = pytest.importorskip("transformers")
@@ -35,6 +40,22 @@ def test_processors_equal_hf() -> None:
     ):
         expected = processor(sequences, expected)
     assert torch.equal(process_logits(scores, sequences, 0, settings), expected)
+
+
+def test_greedy_without_processors_keeps_the_logits() -> None:
+    """Plain greedy search takes the argmax of the logits as they come (no fp32 copy of the
+    vocabulary); a processor turns them into fp32 scores first, as Hugging Face does."""
+    logits = torch.randn(2, 40, dtype=torch.bfloat16)
+    sequences = torch.zeros(2, 3, dtype=torch.long)
+    assert process_logits(logits, sequences, 0, GenerationSettings()) is logits
+    banned = GenerationSettings(min_new_tokens=2, eos_token_id=[5])
+    scores = process_logits(logits, sequences, 0, banned)
+    assert scores.dtype == torch.float32 and scores[:, 5].eq(-float("inf")).all()
+    assert torch.equal(scores[:, :5], logits[:, :5].float())
+    assert process_logits(logits, sequences, 2, banned) is logits  # minimum reached
+    penalty = GenerationSettings(repetition_penalty=1.2)
+    assert process_logits(logits, sequences, 0, penalty).dtype == torch.float32
+    assert torch.equal(select_tokens(logits, GenerationSettings()), logits.float().argmax(-1))
 
 
 def test_sampling_with_penalty_and_min_tokens() -> None:

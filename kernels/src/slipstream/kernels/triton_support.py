@@ -92,6 +92,24 @@ def pdl_supported(device: torch.device) -> bool:
     return _sm90(device.index if device.index is not None else torch.cuda.current_device())
 
 
+# Arrival counters of kernels whose last program of a group finishes the group's work, per
+# (owner, device), grown on demand. Every launch leaves its counters at 0 (the finishing program
+# resets its own), so one zeroed buffer serves every later call and stays at a fixed address for
+# CUDA-graph replays. Calls on one device run in stream order; each owner has its own buffer, so
+# kernels of two ops that may overlap (programmatic dependent launch) never share a counter.
+_ARRIVAL_COUNTERS: dict[tuple[str, torch.device], torch.Tensor] = {}
+
+
+def arrival_counters(owner: str, device: torch.device, count: int) -> torch.Tensor:
+    """At least ``count`` zeroed ``int32`` arrival counters of ``owner`` (an op's name) on
+    ``device``, left at 0 by every launch that uses them."""
+    found = _ARRIVAL_COUNTERS.get((owner, device))
+    if found is None or found.numel() < count:
+        found = torch.zeros(max(count, 256), device=device, dtype=torch.int32)
+        _ARRIVAL_COUNTERS[(owner, device)] = found
+    return found
+
+
 def next_power_of_2(value: int) -> int:
     """The smallest power of two >= ``value`` (1 for ``value <= 1``)."""
     return 1 if value <= 1 else 1 << (int(value) - 1).bit_length()

@@ -12,6 +12,7 @@ from __future__ import annotations
 from slipstream.kernels.ops.adagrad import adagrad
 from slipstream.kernels.ops.adam import adam
 from slipstream.kernels.ops.add_rms_norm import add_rms_norm
+from slipstream.kernels.ops.argmax import argmax
 from slipstream.kernels.ops.cross_entropy import cross_entropy
 from slipstream.kernels.ops.decode_attention import decode_attention
 from slipstream.kernels.ops.decode_gemv import (
@@ -38,6 +39,7 @@ __all__ = [
     "adagrad",
     "adam",
     "add_rms_norm",
+    "argmax",
     "causal_keep_mask",
     "cross_entropy",
     "decode_attention",

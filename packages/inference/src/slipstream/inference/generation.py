@@ -8,10 +8,11 @@ from typing import Any
 
 import torch
 
+from slipstream.kernels.ops import argmax
+
 __all__ = [
     "GenerationSettings",
     "StopStrings",
-    "chunked_argmax",
     "generate_tokens",
     "process_logits",
     "select_tokens",
@@ -105,13 +106,20 @@ class GenerationSettings:
 
 
 def process_logits(
-    scores: torch.Tensor, sequences: torch.Tensor, generated: int, settings: GenerationSettings
+    logits: torch.Tensor, sequences: torch.Tensor, generated: int, settings: GenerationSettings
 ) -> torch.Tensor:
-    """Apply Hugging Face's processors in its order to fp32 ``scores`` ``(batch, vocab)``.
+    """Apply Hugging Face's processors in its order to ``logits`` ``(batch, vocab)``, in fp32
+    as Hugging Face computes them.
 
     Repetition penalty (over every token of ``sequences``, prompt and padding included, as HF
     does), the minimum-length EOS ban, then, when sampling, temperature, top-k and top-p.
+    Greedy search with none of them returns ``logits`` as given, in their dtype: no fp32 copy
+    of the vocabulary, since the argmax of the logits is the argmax of their fp32 copy.
     """
+    ban = generated < settings.min_new_tokens and bool(settings.eos_token_id)
+    if not (settings.do_sample or settings.repetition_penalty != 1.0 or ban):
+        return logits
+    scores = logits.float()
     if settings.repetition_penalty != 1.0:
         picked = scores.gather(1, sequences)
         picked = torch.where(
@@ -120,7 +128,7 @@ def process_logits(
             picked / settings.repetition_penalty,
         )
         scores = scores.scatter(1, sequences, picked)
-    if generated < settings.min_new_tokens and settings.eos_token_id:
+    if ban:
         scores = scores.clone()
         scores[:, settings.eos_token_id] = -float("inf")
     if not settings.do_sample:
@@ -143,35 +151,16 @@ def process_logits(
 def select_tokens(
     scores: torch.Tensor, settings: GenerationSettings, generator: torch.Generator | None = None
 ) -> torch.Tensor:
-    """The next token per row: argmax, or a draw from ``softmax(scores)`` when sampling."""
+    """The next token per row: argmax, or a draw from ``softmax(scores)`` when sampling.
+
+    The argmax is ``slipstream.kernels.ops.argmax``: one launch on a GPU (a single-row
+    ``torch.argmax`` over a 128K vocabulary was one 27 us reduction on an H200, and the
+    two-pass torch form that replaced it five kernels), ``torch.argmax`` on the CPU; the same
+    index either way (first on ties)."""
     if settings.do_sample:
         probs = scores.softmax(dim=-1)
         return torch.multinomial(probs, 1, generator=generator).squeeze(1)
-    vocab = scores.shape[-1]
-    if scores.is_cuda and vocab > ARGMAX_CHUNK:
-        # A chunk dividing the vocabulary when one does (128256 = 501 x 256): no padded copy.
-        chunk = next((c for c in (1024, 512, 256, 128) if vocab % c == 0), ARGMAX_CHUNK)
-        return chunked_argmax(scores, chunk)
-    return scores.argmax(dim=-1)
-
-
-# A single-row argmax over a 128K vocabulary ran in one 27 us reduction on an H200 (a decode
-# step's largest kernel after the GEMVs and attention); chunks of this many logits reduce in
-# parallel first.
-ARGMAX_CHUNK = 1024
-
-
-def chunked_argmax(scores: torch.Tensor, chunk: int = ARGMAX_CHUNK) -> torch.Tensor:
-    """``scores.argmax(dim=-1)`` for ``(batch, vocab)`` scores in two parallel passes: the
-    maximum of each chunk of ``chunk`` logits, then the first chunk holding the row's maximum
-    and the first index of it there, so ties resolve to the lowest index as ``argmax`` does."""
-    batch, vocab = scores.shape
-    pad = (-vocab) % chunk
-    if pad:
-        scores = torch.nn.functional.pad(scores, (0, pad), value=-float("inf"))
-    values, inner = scores.view(batch, -1, chunk).max(dim=-1)
-    block = values.argmax(dim=-1, keepdim=True)
-    return (block * chunk + inner.gather(-1, block)).squeeze(-1)
+    return argmax(scores)
 
 
 class StopStrings:
@@ -242,7 +231,7 @@ def generate_tokens(
     next_position = positions[:, -1] + 1
     slot = input_ids.shape[1]
     for step in range(settings.max_new_tokens):
-        scores = process_logits(logits.float(), sequences, step, settings)
+        scores = process_logits(logits, sequences, step, settings)
         tokens = select_tokens(scores, settings, generator)
         if eos.numel():
             tokens = torch.where(unfinished, tokens, settings.pad_token_id or 0)
