@@ -152,6 +152,7 @@ class InferenceEngine(nn.Module):
                 gemv_layout=weight.packed_gemv,
                 lm_head=weight.lm_head,
                 scale_dtype=weight.scale_torch_dtype,
+                head_format=weight.head_format,
             )
             # the fused quantized decode step's launches (fused_quant_decode reads it)
             fused.quant_pdl = weight.pdl_mode
