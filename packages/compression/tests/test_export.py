@@ -158,7 +158,9 @@ def test_export_with_a_wider_lm_head_is_served_at_both_widths(tmp_path: Path) ->
 
     def fresh() -> Any:
         hf_config = transformers.AutoConfig.from_pretrained(tmp_path)
-        built = transformers.AutoModelForCausalLM.from_config(hf_config, attn_implementation="eager")
+        built = transformers.AutoModelForCausalLM.from_config(
+            hf_config, attn_implementation="eager"
+        )
         return built.eval()
 
     settings = {"dtype": "fp32", "replace_with_kernel_inject": True, "checkpoint": str(tmp_path)}
@@ -174,7 +176,7 @@ def test_export_with_a_wider_lm_head_is_served_at_both_widths(tmp_path: Path) ->
         served = engine(ids).logits
     torch.testing.assert_close(served, expected, rtol=1e-4, atol=1e-4)
     weight = {"lm_head": True, "lm_head_bits": 4}
-    with pytest.raises(ValueError, match="8-bit LM head behind 4-bit blocks.*lm_head_bits = 4"):
+    with pytest.raises(ValueError, match=r"8-bit LM head behind 4-bit blocks.*lm_head_bits = 4"):
         init_inference(
             fresh(), {**settings, "dtype": "int8"}, quant={"weight": {**weight, "num_bits": 4}}
         )

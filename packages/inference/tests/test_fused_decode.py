@@ -189,7 +189,6 @@ def _tp_world(model: Any, ids: torch.Tensor, quantized: tuple[Any, torch.Tensor]
 def test_fused_decode_under_tensor_parallelism() -> None:
     from slipstream.comm.testing import run_distributed
     from slipstream.inference import from_hf
-
     from slipstream.inference.quantize import quantize_decoder
 
     fp32 = from_hf(tiny_hf_model("llama"))

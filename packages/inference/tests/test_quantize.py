@@ -237,7 +237,9 @@ def _dequantized_copy(model: nn.Module) -> nn.Module:
     for module in list(reference.modules()):
         for name, child in list(module.named_children()):
             if isinstance(child, WeightOnlyLinear):
-                plain = nn.Linear(child.in_features, child.out_features, bias=child.bias is not None)
+                plain = nn.Linear(
+                    child.in_features, child.out_features, bias=child.bias is not None
+                )
                 plain.weight = nn.Parameter(child.dequantized_weight(torch.float32))
                 if child.bias is not None:
                     plain.bias = child.bias
