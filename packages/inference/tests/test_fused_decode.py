@@ -140,28 +140,8 @@ def test_chunked_argmax_equals_argmax() -> None:
     assert chunked_argmax(scores, 64)[1].item() == 90
 
 
-def _quantized_tp(model: Any, ids: torch.Tensor, expected: torch.Tensor) -> None:
-    """int4 blocks with an int8 vocab-parallel head (quant.weight.lm_head_bits), sharded
-    then quantized as init_inference orders it: the logits of the single-rank quantized model
-    (row groups lie inside each rank's slice, so every rank holds the same codes)."""
-    from slipstream.inference.quantize import WeightOnlyLinear, quantize_decoder
-    from slipstream.inference.tensor_parallel import shard_decoder
-
-    sharded = shard_decoder(copy.deepcopy(model), None)
-    quantize_decoder(sharded, 4, 16, lm_head=True, head_format="int8")
-    head = sharded.head
-    assert isinstance(head, WeightOnlyLinear) and head.format == "int8"
-    assert head.out_features == model.spec.vocab_size // 2
-    assert sharded.blocks[0].out.format == "int4"
-    length = ids.shape[1]
-    with torch.no_grad():
-        slots = torch.arange(length)
-        logits = sharded(ids, slots[None], torch.ones_like(ids, dtype=torch.bool), slots)
-    torch.testing.assert_close(logits, expected, rtol=1e-4, atol=1e-4)
-
-
-def _tp_world(model: Any, ids: torch.Tensor, quantized: tuple[Any, torch.Tensor]) -> None:
-    _quantized_tp(quantized[0], ids, quantized[1])
+def _tp_world(model: Any, ids: torch.Tensor) -> None:
+    import copy
 
     from slipstream.inference.runner import StaticCacheRunner
     from slipstream.inference.tensor_parallel import shard_decoder
@@ -198,7 +178,33 @@ def test_fused_decode_under_tensor_parallelism() -> None:
     slots = torch.arange(ids.shape[1])
     with torch.no_grad():
         expected = single(ids, slots[None], torch.ones_like(ids, dtype=torch.bool), slots)
-    run_distributed(_tp_world, 2, model, ids, (fp32, expected))
+    run_distributed(_tp_worlds, 2, model, ids, (fp32, expected))
+
+
+def _quantized_tp(model: Any, ids: torch.Tensor, expected: torch.Tensor) -> None:
+    """int4 blocks with an int8 vocab-parallel head (quant.weight.lm_head_bits), sharded
+    then quantized as init_inference orders it: the logits of the single-rank quantized model
+    (row groups lie inside each rank's slice, so every rank holds the same codes)."""
+    from slipstream.inference.quantize import WeightOnlyLinear, quantize_decoder
+    from slipstream.inference.tensor_parallel import shard_decoder
+
+    sharded = shard_decoder(copy.deepcopy(model), None)
+    quantize_decoder(sharded, 4, 16, lm_head=True, head_format="int8")
+    head = sharded.head
+    assert isinstance(head, WeightOnlyLinear) and head.format == "int8"
+    assert head.out_features == model.spec.vocab_size // 2
+    assert sharded.blocks[0].out.format == "int4"
+    length = ids.shape[1]
+    with torch.no_grad():
+        slots = torch.arange(length)
+        logits = sharded(ids, slots[None], torch.ones_like(ids, dtype=torch.bool), slots)
+    torch.testing.assert_close(logits, expected, rtol=1e-4, atol=1e-4)
+
+
+def _tp_worlds(model: Any, ids: torch.Tensor, quantized: tuple[Any, torch.Tensor]) -> None:
+    """One spawned world for both tensor-parallel checks."""
+    _tp_world(model, ids)
+    _quantized_tp(quantized[0], ids, quantized[1])
 
 
 def _packable_llama() -> Any:
