@@ -3,7 +3,8 @@
 Trains a small Llama (Hugging Face ``LlamaForCausalLM``, random init) on a synthetic corpus with
 learnable structure (a random first-order Markov chain: each token has a few likely
 successors), then serves it through ``init_inference`` with int8 and int4 weights (group 128),
-with and without the head quantized, and prints one JSON line per arm: held-out perplexity, its
+with and without the head quantized (at the blocks' width, and int4 blocks with an 8-bit head:
+``quant.weight.lm_head_bits``), and prints one JSON line per arm: held-out perplexity, its
 change against the unquantized model, the share of positions whose greedy next token equals the
 unquantized model's, and the max |logit| difference. Accuracy does not depend on the device (the
 GPU kernels compute the same dequantized weights within fp32 rounding); it trains and serves on
@@ -116,22 +117,25 @@ def main() -> None:
     exact = init_inference(model, dtype=torch.float32, replace_with_kernel_inject=True)
     base, base_logits = perplexity_and_logits(lambda ids: exact(ids).logits, held_out)
     emit(arm="fp32", perplexity=round(base, 4))
-    for bits in (8, 4):
-        for head in (False, True):
-            weight = {"num_bits": bits, "group_size": 128, "compute_dtype": "fp32", "lm_head": head}
-            engine = init_inference(
-                model, dtype="int8", replace_with_kernel_inject=True, quant={"weight": weight}
-            )
-            ppl, logits = perplexity_and_logits(lambda ids, e=engine: e(ids).logits, held_out)
-            agree = (logits.argmax(-1) == base_logits.argmax(-1)).float().mean().item()
-            emit(
-                arm=f"int{bits}" + (f" + int{bits} lm_head" if head else ""),
-                perplexity=round(ppl, 4),
-                change_vs_fp32=f"{(ppl / base - 1) * 100:+.2f}%",
-                top1_agreement_vs_fp32=round(agree, 4),
-                logits_max_abs_diff_vs_fp32=round((logits - base_logits).abs().max().item(), 4),
-                logits_max_abs_fp32=round(base_logits.abs().max().item(), 4),
-            )
+    # (blocks' bits, head's bits; None: the head stays fp32): the last arm is int4 blocks
+    # with an 8-bit head (quant.weight.lm_head_bits)
+    for bits, head in ((8, None), (8, 8), (4, None), (4, 4), (4, 8)):
+        weight: dict[str, Any] = {"num_bits": bits, "group_size": 128, "compute_dtype": "fp32"}
+        if head is not None:
+            weight.update(lm_head=True, lm_head_bits=head)
+        engine = init_inference(
+            model, dtype="int8", replace_with_kernel_inject=True, quant={"weight": weight}
+        )
+        ppl, logits = perplexity_and_logits(lambda ids, e=engine: e(ids).logits, held_out)
+        agree = (logits.argmax(-1) == base_logits.argmax(-1)).float().mean().item()
+        emit(
+            arm=f"int{bits}" + (f" + int{head} lm_head" if head else ""),
+            perplexity=round(ppl, 4),
+            change_vs_fp32=f"{(ppl / base - 1) * 100:+.2f}%",
+            top1_agreement_vs_fp32=round(agree, 4),
+            logits_max_abs_diff_vs_fp32=round((logits - base_logits).abs().max().item(), 4),
+            logits_max_abs_fp32=round(base_logits.abs().max().item(), 4),
+        )
 
 
 if __name__ == "__main__":

@@ -26,7 +26,8 @@ Tensor parallelism (Slipstream only; per-GPU bandwidth fraction of each rank's s
 by side on one 2-GPU machine in one invocation: ``--tp-compare 2 --batch 1``.
 Per-kernel breakdown of a decode step: ``--profile 16`` (the GEMVs also per part and shape).
 Quantized beside bf16 in one process (one model, each mode served in turn):
-``--weights native int4 int8 int4-head int8-head --batch 1`` (``-head``: LM head quantized too).
+``--weights native int4 int8 int4-head int8-head --batch 1`` (``-head``: LM head quantized too;
+``int4-head8``: int4 blocks with an 8-bit LM head, ``quant.weight.lm_head_bits`` 8).
 """
 
 from __future__ import annotations
@@ -77,11 +78,21 @@ def parse_args() -> argparse.Namespace:
     parser.add_argument("--device", choices=["auto", "cpu"], default="auto")
     parser.add_argument(
         "--weights",
-        choices=["native", "int8", "int4", "fp8", "int8-head", "int4-head", "fp8-head"],
+        choices=[
+            "native",
+            "int8",
+            "int4",
+            "fp8",
+            "int8-head",
+            "int4-head",
+            "fp8-head",
+            "int4-head8",
+        ],
         nargs="+",
         default=["native"],
         help="weights to serve; several: each in turn from the same model, in one process "
-        "(-head: the LM head quantized too, as --lm-head)",
+        "(-head: the LM head quantized too, as --lm-head; int4-head8: int4 blocks with an "
+        "8-bit head, quant.weight.lm_head_bits 8)",
     )
     parser.add_argument(
         "--group-size", type=int, default=128, help="int8/int4/fp8 weight groups (-1: per row)"
@@ -455,6 +466,7 @@ def bench_batch(
         decode_fusion=",".join(sorted(engine.fused.decode_fusion)) or "off",
         gemv_layout=args.gemv_layout,
         lm_head_quantized=args.lm_head,
+        lm_head_bits=args.lm_head_bits,
         scale_dtype=_scale_dtype(engine),
         quant_decode_pdl=engine.fused.quant_pdl if args.weights != "native" else None,
         quant_decode_table=args.quant_decode_table,
@@ -605,8 +617,10 @@ def main() -> None:
     weight_modes, lm_head = args.weights, args.lm_head
     for index, mode in enumerate(weight_modes):
         # one model, each --weights mode served and timed in turn (same process and GPU)
-        args.weights = mode.removesuffix("-head")
-        args.lm_head = lm_head or mode.endswith("-head")
+        args.weights, _, head_bits = mode.partition("-head")
+        args.lm_head = lm_head or mode.endswith("-head") or bool(head_bits)
+        args.lm_head_bits = int(head_bits) if head_bits else None  # int4-head8: 8
+        common["weights_mode"] = mode  # the --weights entry each result line belongs to
         if index:
             _free(device)
         serve(args, model, device, world, common, bandwidth)
@@ -672,6 +686,8 @@ def serve(
                 "decode_gemv_table": args.quant_decode_table,
             }
         }
+        if args.lm_head_bits is not None:
+            config["quant"]["weight"]["lm_head_bits"] = args.lm_head_bits
         if args.scale_dtype is not None:
             config["quant"]["weight"]["scale_dtype"] = args.scale_dtype
     if args.attention_block_s:
@@ -763,6 +779,9 @@ def serve(
         params_non_embedding=params,
         weight_bytes_read_per_step=weight_bytes,
         bytes_per_parameter=round(weight_bytes * world / params, 3),  # this rank: 1/world
+        # the LM head at its own width (quant.weight.lm_head / lm_head_bits; this rank's slice)
+        lm_head_bytes=_linear_info(fused.head)[0],
+        lm_head_format=_linear_info(fused.head)[2],
         weights=args.weights,
         **common,
     )

@@ -130,3 +130,53 @@ def test_export_is_served_by_init_inference(
     with torch.no_grad():
         served = engine(ids).logits
     torch.testing.assert_close(served, expected, rtol=1e-4, atol=1e-4)
+
+
+def test_export_with_a_wider_lm_head_is_served_at_both_widths(tmp_path: Path) -> None:
+    """int4 blocks with an 8-bit LM head: init_inference serves the head at its own width
+    (quant.weight.lm_head_bits, set from the export), every served code standing for the
+    trained value; a config asking for another head width is refused by name."""
+    transformers = pytest.importorskip("transformers")
+    from slipstream.inference import init_inference
+    from slipstream.inference.quantize import WeightOnlyLinear
+    from slipstream.inference.testing import tiny_hf_model
+
+    model = tiny_hf_model("llama")
+    ids = torch.randint(3, 96, (2, 10))
+    config = _llama_config(4)
+    groups = config["compression_training"]["weight_quantization"]["different_groups"]
+    groups["wq2"] = {"params": {"start_bits": 8, "target_bits": 8}, "modules": ["lm_head"]}
+    init_compression(model, config)
+    redundancy_clean(model, config)
+    with torch.no_grad():
+        expected = model(ids).logits
+    save_compressed(model, tmp_path)
+    with safe_open(str(tmp_path / "model.safetensors"), framework="pt") as handle:
+        header = json.loads(handle.metadata()["quantized"])
+    assert header["lm_head.weight"]["bits"] == 8
+    assert header["model.layers.0.mlp.up_proj.weight"]["bits"] == 4
+
+    def fresh() -> Any:
+        hf_config = transformers.AutoConfig.from_pretrained(tmp_path)
+        built = transformers.AutoModelForCausalLM.from_config(
+            hf_config, attn_implementation="eager"
+        )
+        return built.eval()
+
+    settings = {"dtype": "fp32", "replace_with_kernel_inject": True, "checkpoint": str(tmp_path)}
+    engine = init_inference(fresh(), settings)
+    assert engine.fused is not None
+    head, up = engine.fused.head, engine.fused.blocks[0].up
+    assert isinstance(head, WeightOnlyLinear) and head.format == "int8"
+    assert isinstance(up, WeightOnlyLinear) and up.format == "int4"
+    torch.testing.assert_close(
+        head.dequantized_weight(torch.float32), model.lm_head.weight, rtol=0, atol=1e-6
+    )
+    with torch.no_grad():
+        served = engine(ids).logits
+    torch.testing.assert_close(served, expected, rtol=1e-4, atol=1e-4)
+    weight = {"lm_head": True, "lm_head_bits": 4}
+    with pytest.raises(ValueError, match=r"8-bit LM head behind 4-bit blocks.*lm_head_bits = 4"):
+        init_inference(
+            fresh(), {**settings, "dtype": "int8"}, quant={"weight": {**weight, "num_bits": 4}}
+        )

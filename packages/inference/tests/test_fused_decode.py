@@ -3,6 +3,7 @@ references, so bit for bit), and it turns itself off for models it cannot run.""
 
 from __future__ import annotations
 
+import copy
 from typing import Any
 
 import pytest
@@ -156,10 +157,42 @@ def _tp_world(model: Any, ids: torch.Tensor) -> None:
 def test_fused_decode_under_tensor_parallelism() -> None:
     from slipstream.comm.testing import run_distributed
     from slipstream.inference import from_hf
+    from slipstream.inference.quantize import quantize_decoder
 
-    model = from_hf(tiny_hf_model("llama")).to(torch.bfloat16)
+    fp32 = from_hf(tiny_hf_model("llama"))
+    model = copy.deepcopy(fp32).to(torch.bfloat16)
     ids = torch.randint(3, 96, (1, 6), generator=torch.Generator().manual_seed(2))
-    run_distributed(_tp_world, 2, model, ids)
+    single = quantize_decoder(copy.deepcopy(fp32), 4, 16, lm_head=True, head_format="int8")
+    slots = torch.arange(ids.shape[1])
+    with torch.no_grad():
+        expected = single(ids, slots[None], torch.ones_like(ids, dtype=torch.bool), slots)
+    run_distributed(_tp_worlds, 2, model, ids, (fp32, expected))
+
+
+def _quantized_tp(model: Any, ids: torch.Tensor, expected: torch.Tensor) -> None:
+    """int4 blocks with an int8 vocab-parallel head (quant.weight.lm_head_bits), sharded
+    then quantized as init_inference orders it: the logits of the single-rank quantized model
+    (row groups lie inside each rank's slice, so every rank holds the same codes)."""
+    from slipstream.inference.quantize import WeightOnlyLinear, quantize_decoder
+    from slipstream.inference.tensor_parallel import shard_decoder
+
+    sharded = shard_decoder(copy.deepcopy(model), None)
+    quantize_decoder(sharded, 4, 16, lm_head=True, head_format="int8")
+    head = sharded.head
+    assert isinstance(head, WeightOnlyLinear) and head.format == "int8"
+    assert head.out_features == model.spec.vocab_size // 2
+    assert sharded.blocks[0].out.format == "int4"
+    length = ids.shape[1]
+    with torch.no_grad():
+        slots = torch.arange(length)
+        logits = sharded(ids, slots[None], torch.ones_like(ids, dtype=torch.bool), slots)
+    torch.testing.assert_close(logits, expected, rtol=1e-4, atol=1e-4)
+
+
+def _tp_worlds(model: Any, ids: torch.Tensor, quantized: tuple[Any, torch.Tensor]) -> None:
+    """One spawned world for both tensor-parallel checks."""
+    _tp_world(model, ids)
+    _quantized_tp(quantized[0], ids, quantized[1])
 
 
 def _packable_llama() -> Any:
@@ -199,7 +232,10 @@ def test_fused_quantized_decode_equals_unfused(monkeypatch: pytest.MonkeyPatch) 
     launches: set[str] = set()  # the pdl launch options the kernels were given
     original, original_qkv = quant_module.quant_decode_gemv, quant_module.quant_decode_qkv
 
+    formats: set[str] = set()  # the weight formats the fused GEMVs were given
+
     def counting(*args: Any, **kwargs: Any) -> Any:
+        formats.add(args[3])
         calls["gated"] += bool(args[8])
         calls["norm_in"] += args[6] is not None
         calls["add_norm"] += args[9] is not None
@@ -225,14 +261,17 @@ def test_fused_quantized_decode_equals_unfused(monkeypatch: pytest.MonkeyPatch) 
     ids = torch.randint(3, 96, (1, 7), generator=torch.Generator().manual_seed(0))
     cuda = torch.device("cuda")  # "auto" reads only the device type
     # (quant.weight.decode_pdl: each case hands the kernels its launch option)
+    # (int4 blocks with an int8 head: quant.weight.lm_head_bits, the head's own format)
     cases = (
-        (4, "int", False, False),
-        (8, "int", True, "l2_partial"),
-        (8, "fp8_e4m3", True, "auto"),
+        (4, "int", False, False, None),
+        (8, "int", True, "l2_partial", None),
+        (8, "fp8_e4m3", True, "auto", None),
+        (4, "int", True, "l2_partial", 8),
     )
-    for bits, fmt, lm_head, pdl in cases:
+    for bits, fmt, lm_head, pdl, head_bits in cases:
         quant = {"weight": {"num_bits": bits, "group_size": 128, "compute_dtype": "bf16"}}
         quant["weight"].update(format=fmt, lm_head=lm_head, decode_pdl=pdl)
+        quant["weight"].update(lm_head_bits=head_bits)
         settings = {"dtype": "int8", "replace_with_kernel_inject": True, "max_out_tokens": 32}
         fused = init_inference(model, settings, quant=quant, decode_fusion=True)
         plain = init_inference(model, settings, quant=quant, decode_fusion=False)
@@ -242,6 +281,7 @@ def test_fused_quantized_decode_equals_unfused(monkeypatch: pytest.MonkeyPatch) 
         assert plain.fused is not None
         plain.fused.decode_fusion = frozenset()
         calls.update(gated=0, norm_in=0, add_norm=0, qkv=0)
+        formats.clear()
         launches.clear()
         attention_pdl.clear()
         # attention's launch options (PDL, the trigger for the output projection): off by
@@ -251,6 +291,12 @@ def test_fused_quantized_decode_equals_unfused(monkeypatch: pytest.MonkeyPatch) 
         fused.fused.quant_attention_trigger = bits == 4 or pdl == "l2_partial"
         tokens = fused.generate(ids, **KWARGS)
         assert launches == {{False: "off", "auto": "on"}.get(pdl, pdl)}, (pdl, launches)
+        # the blocks' GEMVs run their format, a quantized head its own (lm_head_bits)
+        want = {fused.fused.blocks[0].out.format}
+        if lm_head:
+            want.add(fused.fused.head.format)
+        assert formats == want, (formats, want)
+        assert head_bits is None or fused.fused.head.format == f"int{head_bits}"
         partial = pdl == "l2_partial"
         assert attention_pdl == {(partial, partial)}, (pdl, attention_pdl)
         layers = len(fused.fused.blocks)

@@ -220,11 +220,13 @@ def test_zero_inference_on_gpu_equals_resident() -> None:
 
 
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
-@pytest.mark.parametrize("bits", [4, 8])
-def test_fused_quantized_decode_on_gpu(bits: int) -> None:
+@pytest.mark.parametrize("bits,head_bits", [(4, None), (8, None), (4, 8)])
+def test_fused_quantized_decode_on_gpu(bits: int, head_bits: int | None) -> None:
     """decode_fusion on packed int4 / int8 weights with shapes the fused Triton kernels take
     (hidden 1024): the captured step equals its eager run (with and without programmatic
-    dependent launch), and its logits stay near the unfused quantized step's."""
+    dependent launch), and its logits stay near the unfused quantized step's. ``head_bits``:
+    the LM head quantized at its own width (quant.weight.lm_head_bits: int4 blocks, int8
+    head), its fused GEMV in the step too."""
     import transformers
 
     config_hf = transformers.LlamaConfig(
@@ -247,6 +249,8 @@ def test_fused_quantized_decode_on_gpu(bits: int) -> None:
     model = model.cuda()
     ids = torch.randint(3, 96, (1, 9), device="cuda")
     weight = {"num_bits": bits, "group_size": 128, "compute_dtype": "bf16"}
+    if head_bits is not None:
+        weight.update(lm_head=True, lm_head_bits=head_bits)
     config: dict = {
         "dtype": "int8",
         "replace_with_kernel_inject": True,
@@ -259,6 +263,8 @@ def test_fused_quantized_decode_on_gpu(bits: int) -> None:
         engine = init_inference(model, pdl_config, enable_cuda_graph=graph, max_out_tokens=32)
         assert engine.fused is not None and len(engine.fused.decode_fusion) == 6  # auto: all
         assert engine.fused.quant_pdl == {False: "off", True: "on"}.get(pdl, pdl)
+        head_format = getattr(engine.fused.head, "format", None)
+        assert head_format == (None if head_bits is None else f"int{head_bits}")
         # l2_partial: attention launched with PDL too and triggering the output projection
         # (the bench's options; no config value sets them)
         engine.fused.quant_attention_pdl = pdl == "l2_partial"

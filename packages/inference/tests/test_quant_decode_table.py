@@ -91,3 +91,16 @@ def test_bad_table_and_pdl_values_are_named(tmp_path: Path) -> None:
         init_inference(model, _settings(decode_pdl="sometimes"))
     engine = init_inference(model, _settings(decode_pdl=False))
     assert engine.fused is not None and engine.fused.quant_pdl == "off"
+
+
+def test_the_8b_head_has_a_launch_at_either_width() -> None:
+    """An int8 LM head behind int4 blocks (quant.weight.lm_head_bits) launches its fused
+    norm-prologue GEMV with the unfused sweep's tile for the 8B head shape, as an int4 one."""
+    from slipstream.kernels.ops.quant_matmul.gemv import GEMV_TABLE
+
+    for fmt in ("int8", "int4"):
+        config = fused_config(fmt, "norm", 128256, 4096, 128, torch.device("cpu"))
+        swept = GEMV_TABLE[(fmt, 128256, 4096)]
+        assert config is not None, fmt
+        assert (config.block_n, config.num_warps) == (swept.block_n, swept.num_warps), fmt
+        assert config.prefetch  # the norm prologue's statistics load behind the first tile

@@ -228,6 +228,88 @@ def test_lm_head_key_quantizes_the_head_within_its_bound() -> None:
         init_inference(model, dtype="int8", quant={"weight": {"lm_head": "yes"}})
 
 
+def _dequantized_copy(model: nn.Module) -> nn.Module:
+    """A copy of a fused model whose quantized linears are plain linears holding their
+    dequantized weights."""
+    import copy
+
+    reference = copy.deepcopy(model)
+    for module in list(reference.modules()):
+        for name, child in list(module.named_children()):
+            if isinstance(child, WeightOnlyLinear):
+                plain = nn.Linear(
+                    child.in_features, child.out_features, bias=child.bias is not None
+                )
+                plain.weight = nn.Parameter(child.dequantized_weight(torch.float32))
+                if child.bias is not None:
+                    plain.bias = child.bias
+                setattr(module, name, plain)
+    return reference
+
+
+def test_lm_head_bits_serves_an_int8_head_behind_int4_blocks() -> None:
+    """quant.weight.lm_head_bits: int4 blocks with an int8 head equal the model holding their
+    dequantized weights; the head's error is int8's, its bytes int8's; its state dict loads
+    back into the same layout and is refused by an int4 head; bad keys are named."""
+    model = tiny_hf_model("llama")
+    ids = torch.randint(3, 96, (2, 12), generator=torch.Generator().manual_seed(1))
+    weight = {"num_bits": 4, "group_size": 32, "compute_dtype": "fp32"}
+    settings = {"dtype": "int8", "replace_with_kernel_inject": True}
+
+    def serve(**head: object) -> object:
+        return init_inference(model, settings, quant={"weight": {**weight, **head}})
+
+    mixed = serve(lm_head=True, lm_head_bits=8)
+    dense_head = serve()
+    int4_head = serve(lm_head=True)
+    assert mixed.fused is not None and dense_head.fused is not None and int4_head.fused is not None
+    head = mixed.fused.head
+    assert isinstance(head, WeightOnlyLinear) and head.format == "int8"
+    assert mixed.fused.blocks[0].qkv.format == "int4" and int4_head.fused.head.format == "int4"
+    logits = mixed(ids).logits
+    slots = torch.arange(ids.shape[1])
+    with torch.no_grad():
+        want = _dequantized_copy(mixed.fused)(
+            ids, slots[None], torch.ones_like(ids, dtype=torch.bool), slots
+        )
+    torch.testing.assert_close(logits, want, rtol=1e-5, atol=1e-5)
+    # the same int4 blocks feed every head: the head's own error is int8's (int4's for lm_head
+    # with the blocks' width) against the exact head
+    exact = dense_head(ids).logits
+    for engine, bits in ((mixed, 8), (int4_head, 4)):
+        error = ((engine(ids).logits - exact).norm() / exact.norm()).item()
+        assert error < OUTPUT_BOUND[bits], (bits, error)
+    # memory per parameter: the head at its own width (codes + fp16 scale per 32 weights)
+    assert weight_bytes_per_parameter(head) == pytest.approx(1 + 2 / 32)
+    assert weight_bytes_per_parameter(mixed.fused.blocks[0].qkv) == pytest.approx(0.5 + 2 / 32)
+    sizes = [weight_bytes_per_parameter(e.fused) for e in (int4_head, mixed, dense_head)]
+    assert sizes == sorted(sizes) and len(set(sizes)) == 3, sizes
+    assert mixed.generate(ids, max_new_tokens=3).shape == (2, 15)
+    # load_state_dict: the same layout round-trips; an int4 head refuses int8 codes by name
+    state = mixed.fused.state_dict()
+    other = init_inference(
+        tiny_hf_model("llama", seed=1),
+        settings,
+        quant={"weight": {**weight, "lm_head": True, "lm_head_bits": 8}},
+    )
+    assert other.fused is not None
+    other.fused.load_state_dict(state)
+    torch.testing.assert_close(other(ids).logits, logits, rtol=0, atol=0)
+    with pytest.raises(ValueError, match=r"head\.codes: .* int4 codes .* lm_head_bits"):
+        int4_head.fused.load_state_dict(state)
+    errors = (
+        ({"lm_head_bits": 8}, "lm_head_bits = 8 needs quant.weight.lm_head = true"),
+        ({"lm_head": True, "lm_head_bits": 6}, "lm_head_bits = 6 .* one of 8, 4 or null"),
+        (
+            {"lm_head": True, "lm_head_bits": 8, "num_bits": 8, "format": "fp8_e4m3"},
+            "lm_head_bits = 8 .* null with format fp8_e4m3",
+        ),
+    )
+    for head_keys, message in errors:
+        with pytest.raises(ValueError, match=f"quant.weight.{message}"):
+            serve(**head_keys)
+
+
 # the relative gap between a 16-bit scale and the next one up: fp16 keeps 10 fraction bits,
 # bf16 7 (a normal scale; the smallest ones below are subnormal in fp16 and gain 2^-24 at most)
 SCALE_STEP = {torch.float16: 2.0**-10, torch.bfloat16: 2.0**-7}

@@ -13,14 +13,17 @@ from slipstream.kernels.config_schema import NotImplementedFeatureError
 pytest.importorskip("transformers")
 
 
-@pytest.mark.parametrize("weights", ["fp32", "int8"])
+@pytest.mark.parametrize("weights", ["fp32", "int8", "int4-head8"])
 def test_streamed_equals_resident(weights: str) -> None:
     model = tiny_hf_model("llama", layers=3)
+    weight: dict = {"group_size": 32, "compute_dtype": "fp32"}
+    if weights == "int4-head8":  # int4 blocks streamed, the resident head int8 (lm_head_bits)
+        weight.update(num_bits=4, lm_head=True, lm_head_bits=8)
     config = {
-        "dtype": weights,
+        "dtype": "int8" if weights == "int4-head8" else weights,
         "replace_with_kernel_inject": True,
         "max_out_tokens": 32,
-        "quant": {"weight": {"group_size": 32, "compute_dtype": "fp32"}},
+        "quant": {"weight": weight},
     }
     resident = init_inference(model, config)
     offload = {"stage": 3, "offload_param": {"device": "cpu", "pin_memory": True}}

@@ -69,9 +69,10 @@ def load_compressed(model: nn.Module, path: str | Path) -> dict[str, Any]:
     """Copy the export at ``path`` into ``model`` (unpacked); returns its quantization.
 
     The model must have the export's shapes (build it from the export's ``config.json``:
-    pruned sizes are there). Returns ``{"bits": ..., "group_size": ...}`` for serving, with
-    None where the export has no packed weight, or raises ValueError when its packed weights
-    do not share one serving bit width and group size.
+    pruned sizes are there). Returns ``{"bits": ..., "group_size": ..., "head_bits": ...}`` for
+    serving, with None where the export has no packed weight (``head_bits``: the LM head's
+    width where it differs from the blocks', else None), or raises ValueError when its packed
+    weights other than the head do not share one serving bit width, or not one group size.
     """
     metadata = _metadata(path)
     if metadata.get("version") not in _VERSIONS:
@@ -123,16 +124,37 @@ def load_compressed(model: nn.Module, path: str | Path) -> dict[str, Any]:
             f"compressed checkpoint {str(path)!r} lacks weights of this model: "
             f"{', '.join(missing[:8])}"
         )
-    bits = {_SERVED_BITS.get(entry["format"]) for entry in header.values()}
+    # The LM head may have its own width (quant.weight.lm_head_bits); every other packed
+    # weight shares one, and all one group size.
+    head_key = _head_key(model)
+    head = header.get(head_key) if head_key is not None else None
+    bits = {_SERVED_BITS.get(e["format"]) for name, e in header.items() if name != head_key}
+    head_bits = None if head is None else _SERVED_BITS.get(head["format"])
     sizes = {int(entry["group_size"]) for entry in header.values()}
-    if None in bits or len(bits) > 1 or len(sizes) > 1:
+    if None in bits or len(bits) > 1 or len(sizes) > 1 or (head and head_bits is None):
         raise ValueError(
             f"compressed checkpoint {str(path)!r} mixes packed formats/group sizes "
             f"{sorted({(e['format'], e['group_size']) for e in header.values()})}; the "
             "inference kernels serve one bit width (int8, or int4 for int4/ternary/binary) "
-            "and one group size per model"
+            "for the blocks, the LM head's own (int8 or int4), and one group size per model"
         )
-    return {"bits": next(iter(bits), None), "group_size": next(iter(sizes), None)}
+    body_bits = next(iter(bits), None)
+    if body_bits is None or head_bits == body_bits:
+        # a head alone, or at the blocks' width: served dense with its exact values
+        head_bits = None
+    return {"bits": body_bits, "group_size": next(iter(sizes), None), "head_bits": head_bits}
+
+
+def _head_key(model: nn.Module) -> str | None:
+    """The state-dict name of ``model``'s output embedding weight (None: none found)."""
+    getter = getattr(model, "get_output_embeddings", None)
+    head = getter() if callable(getter) else None
+    if head is None:
+        return None
+    for name, module in model.named_modules():
+        if module is head:
+            return f"{name}.weight" if name else "weight"
+    return None
 
 
 def load_checkpoint(model: nn.Module, config: Any) -> None:
@@ -141,7 +163,9 @@ def load_checkpoint(model: nn.Module, config: Any) -> None:
     For a compressed export, ``config`` is set to serve the export's weights quantized:
     ``dtype`` int8 with ``quant.weight.num_bits``/``group_size`` from the export, its fp32
     scales (``quant.weight.scale_dtype`` fp32: the export's exact values) and the compute dtype
-    of the configured ``dtype``. A config that asks for other bits raises.
+    of the configured ``dtype``; an LM head packed at another width than the blocks is served
+    quantized at its own (``quant.weight.lm_head`` true, ``lm_head_bits`` the export's). A
+    config that asks for other bits raises.
     """
     path = config.checkpoint_path
     if not is_compressed_checkpoint(path):
@@ -164,13 +188,25 @@ def load_checkpoint(model: nn.Module, config: Any) -> None:
         config.quant.enabled = weight.enabled = True
     weight.num_bits = bits
     weight.group_size = group_size
+    head_bits = served["head_bits"]
+    if head_bits is not None:
+        # the export's head at its own width: served quantized at it (exact, as the blocks)
+        if weight.lm_head_bits not in (None, head_bits) or weight.format != "int":
+            raise ValueError(
+                f"init_inference: the compressed checkpoint {str(path)!r} holds a {head_bits}-bit "
+                f"LM head behind {bits}-bit blocks, but quant.weight asks for "
+                f"lm_head_bits = {weight.lm_head_bits}, format = {weight.format!r}; drop "
+                "those keys (the export's widths are used)"
+            )
+        weight.lm_head, weight.lm_head_bits = True, head_bits
     # the export's scales are fp32: re-quantizing with them reproduces its codes exactly, a
     # 16-bit scale would move the trained values by up to a scale rounding
     weight.scale_dtype = "fp32"
     logger.info(
-        "serving the compressed checkpoint %s with %d-bit weights in groups of %d (fp32 scales, "
-        "the export's)",
+        "serving the compressed checkpoint %s with %d-bit weights%s in groups of %d (fp32 "
+        "scales, the export's)",
         path,
         bits,
+        "" if head_bits is None else f" and a {head_bits}-bit LM head",
         group_size,
     )

@@ -145,6 +145,15 @@ class WeightQuantConfig(ConfigBlock):
     # dtype): at batch 1 the bf16 head of a Llama-3-8B is a quarter of an int4 step's bytes,
     # so this is a speed / accuracy trade the user opts into (docs/inference.md).
     lm_head: bool = False
+    # The LM head's own bit width when lm_head is true: null (the blocks' num_bits), 8 or 4.
+    # int4 blocks with an 8-bit head is llama.cpp's choice of keeping the output projection
+    # wider than the body: an 8B Llama's head is 0.53 GB at int8 against 0.27 at int4 and
+    # 1.05 in bf16, and on the trained model of tools/bench/head_quant_accuracy.py an int8
+    # head cost +0.01% perplexity against +0.55% for an int4 one; on an H100 the 8B int4 step
+    # took 2.185 ms with it, 2.338 with the bf16 head, 2.110 with an int4 one (call F,
+    # docs/inference.md). The head's groups are the blocks' (group_size, scale_dtype); with
+    # format fp8_e4m3 the head is fp8 like the blocks and this key must stay null.
+    lm_head_bits: Literal[8, 4] | None = None
     # The dtype the group scales are stored in. "fp16" (GPTQ's and AWQ's): half the scale bytes
     # of fp32 (an int4 weight at group 128 stores 0.516 bytes, not 0.531), each scale rounded up
     # to the next fp16 value and the codes computed from it (no code clips; every weight stays
@@ -199,6 +208,16 @@ class WeightQuantConfig(ConfigBlock):
         """The ``slipstream.kernels`` quantize format: ``int8``, ``int4`` or ``fp8_e4m3``."""
         return "fp8_e4m3" if self.format == "fp8_e4m3" else f"int{self.num_bits}"
 
+    @property
+    def head_format(self) -> str | None:
+        """The LM head's quantize format (None: ``lm_head`` off, the head stays dense):
+        ``lm_head_bits``' width, else the blocks' :attr:`code_format`."""
+        if not self.lm_head:
+            return None
+        if self.format == "fp8_e4m3" or self.lm_head_bits is None:
+            return self.code_format
+        return f"int{self.lm_head_bits}"
+
     def validate(self, path: str) -> None:
         if self.group_size != -1 and self.group_size < 2:
             config_fail(
@@ -211,6 +230,21 @@ class WeightQuantConfig(ConfigBlock):
                 key_path(path, "num_bits"),
                 self.num_bits,
                 "8 with format fp8_e4m3 (fp8 codes are 8 bits); use format int for 4-bit",
+            )
+        if self.lm_head_bits is not None and not self.lm_head:
+            raise ConfigError(
+                f"{key_path(path, 'lm_head_bits')} = {self.lm_head_bits} needs "
+                f"{key_path(path, 'lm_head')} = true (without it the LM head stays in the "
+                "compute dtype); set lm_head to true or drop lm_head_bits",
+                key_path(path, "lm_head_bits"),
+            )
+        if self.lm_head_bits is not None and self.format == "fp8_e4m3":
+            config_fail(
+                key_path(path, "lm_head_bits"),
+                self.lm_head_bits,
+                "null with format fp8_e4m3 (lm_head: true quantizes the head to fp8 like the "
+                "blocks; lm_head_bits sets an integer head's width behind integer blocks, "
+                "format int)",
             )
         if self.q_type != "symmetric":
             not_implemented(

@@ -141,7 +141,7 @@ class InferenceEngine(nn.Module):
 
             shard_decoder(fused, _tp_group(config))
         if config.weight_bits is not None:
-            from slipstream.inference.quantize import quantize_decoder
+            from slipstream.inference.quantize import quantize_decoder, weight_bytes_per_parameter
 
             weight = config.quant.weight
             quantize_decoder(
@@ -152,6 +152,17 @@ class InferenceEngine(nn.Module):
                 gemv_layout=weight.packed_gemv,
                 lm_head=weight.lm_head,
                 scale_dtype=weight.scale_torch_dtype,
+                head_format=weight.head_format,
+            )
+            # memory per parameter, the head counted at its own width (quant.weight.lm_head_bits)
+            logger.info(
+                "quant.weight: %s blocks, LM head %s; %.3f bytes per weight parameter (the "
+                "blocks %.3f, the head %.3f)",
+                weight.code_format,
+                weight.head_format or "dense",
+                weight_bytes_per_parameter(fused),
+                weight_bytes_per_parameter(fused.blocks),
+                weight_bytes_per_parameter(fused.head),
             )
             # the fused quantized decode step's launches (fused_quant_decode reads it)
             fused.quant_pdl = weight.pdl_mode

@@ -93,8 +93,22 @@ class WeightOnlyLinear(nn.Module):
     def _load_from_state_dict(  # type: ignore[no-untyped-def]
         self, state_dict, prefix, local_metadata, strict, missing_keys, unexpected_keys, errors
     ) -> None:
-        """Refuse scales that this module's dtype cannot hold exactly (the codes were computed
-        for the stored scales: a rounded scale would silently change every weight of its group)."""
+        """Refuse codes of another format or layout (an int4 state dict into an int8 layer:
+        a mixed-width model's head and blocks each load only codes of their own width) and
+        scales that this module's dtype cannot hold exactly (the codes were computed for the
+        stored scales: a rounded scale would silently change every weight of its group)."""
+        codes = state_dict.get(prefix + "codes")
+        if isinstance(codes, torch.Tensor) and (
+            codes.dtype != self.codes.dtype or codes.shape != self.codes.shape
+        ):
+            layout = "packed " if self.packed else ""
+            raise ValueError(
+                f"{prefix}codes: the state dict holds {codes.dtype} codes of shape "
+                f"{tuple(codes.shape)}, this layer stores {layout}{self.format} codes as "
+                f"{self.codes.dtype} {tuple(self.codes.shape)}: the state dict was quantized "
+                "with another width, format or layout; quantize with the state dict's "
+                "quant.weight.num_bits / lm_head_bits / format / gemv_layout"
+            )
         incoming = state_dict.get(prefix + "scales")
         if isinstance(incoming, torch.Tensor) and incoming.dtype != self.scales.dtype:
             cast = incoming.to(self.scales.dtype)
@@ -163,21 +177,25 @@ def quantize_decoder(
     gemv_layout: bool = False,
     lm_head: bool = False,
     scale_dtype: torch.dtype = torch.float32,
+    head_format: str | None = None,
 ) -> nn.Module:
     """Replace every block linear of a FusedDecoder (QKV, output, up, down) in place.
 
     ``format`` (``"int8"``, ``"int4"``, ``"fp8_e4m3"``) overrides ``bits``; ``group_size`` -1
     gives per-channel scales; ``gemv_layout`` as in :class:`WeightOnlyLinear`; ``lm_head``
     (``quant.weight.lm_head``) quantizes the LM head the same way (a tied embedding keeps its
-    own weight: only the head's copy is quantized); ``scale_dtype`` (``quant.weight.scale_dtype``)
-    the dtype the scales are stored in (ValueError naming the layer when a scale does not fit).
+    own weight: only the head's copy is quantized); ``head_format`` (``"int8"``, ``"int4"``,
+    ``"fp8_e4m3"``; ``quant.weight.lm_head_bits``) the head's own format with ``lm_head`` (None:
+    the blocks'), in the blocks' group size and layout; ``scale_dtype``
+    (``quant.weight.scale_dtype``) the dtype the scales are stored in (ValueError naming the
+    layer when a scale does not fit).
     """
 
-    def quantized(linear: nn.Linear, where: str) -> WeightOnlyLinear:
+    def quantized(linear: nn.Linear, where: str, fmt: str | None = format) -> WeightOnlyLinear:
         size = group_size if group_size == -1 else min(group_size, linear.in_features)
         try:
             return WeightOnlyLinear(
-                linear, bits, size, format=format, gemv_layout=gemv_layout, scale_dtype=scale_dtype
+                linear, bits, size, format=fmt, gemv_layout=gemv_layout, scale_dtype=scale_dtype
             )
         except ValueError as error:
             hint = (
@@ -190,6 +208,11 @@ def quantize_decoder(
             linear = getattr(block, name, None)
             if isinstance(linear, nn.Linear):
                 setattr(block, name, quantized(linear, f"blocks.{index}.{name}"))
+    if head_format is not None and not lm_head:
+        raise ValueError(
+            f"quantize_decoder: head_format={head_format!r} needs lm_head=True "
+            "(quant.weight.lm_head_bits needs quant.weight.lm_head: true)"
+        )
     if lm_head:
         head = getattr(model, "head", None)
         if not isinstance(head, nn.Linear):
@@ -197,7 +220,7 @@ def quantize_decoder(
                 f"quant.weight.lm_head=true needs the decoder's head to be a plain linear, got "
                 f"{type(head).__name__}; set quant.weight.lm_head to false"
             )
-        model.head = quantized(head, "head")  # type: ignore[assignment]
+        model.head = quantized(head, "head", head_format or format)  # type: ignore[assignment]
     return model
 
 

@@ -120,7 +120,10 @@ def _entries(
 
 
 # Llama-3-8B shapes: qkv 6144x4096, output 4096x4096 (add_norm), gate/up 28672x4096,
-# down 4096x14336 (add_norm), LM head 128256x4096 (norm, when quantized).
+# down 4096x14336 (add_norm), LM head 128256x4096 (norm, when quantized). A quantized head, at
+# the blocks' width or its own (an int8 head behind int4 blocks: quant.weight.lm_head_bits), has
+# no entry yet: it takes the rule, gemv.GEMV_TABLE's tile for its format and shape (the unfused
+# sweep's: int4 1 warp, int8 4 warps, 4 rows a program; 0.99 / 1.04 of the copy bandwidth).
 # H100 SXM (132 SMs), int8: the launches of call B2 (quant_decode_bench.py --quick, then the 8B
 # step with them: 3.709 ms a step against 3.785 with the rule in call B1, 1.58x bf16's 5.876 ms
 # in the same process). Stand-alone, against the rule with two_step: qkv 16.26 -> 12.41 us,
