@@ -82,6 +82,10 @@ class FusedGemvConfig:
     # and the next norm's weight) loaded before the K loop, their latency hidden behind it,
     # instead of after it on the way to the stores.
     early_epilogue: bool = False
+    # With prefetch and the f16x2 unpacking: each K step's activations loaded a step ahead
+    # with its weight tile, not when the step's math needs them (an L2 round trip on the
+    # critical path of every step otherwise; the activations are the previous kernel's output).
+    x_ahead: bool = False
 
 
 class FusedTableError(ValueError):
