@@ -408,3 +408,42 @@ def test_16bit_scales_in_every_kernel(
             )
         got = fused_quant_gemv(xb, words, scales, fmt, 128)[0]
         torch.testing.assert_close(got.float(), want_b.float(), rtol=1e-2, atol=1e-2 * tol / 2e-5)
+
+
+@pytest.mark.gpu
+def test_x_ahead_changes_no_bit() -> None:
+    """``x_ahead`` (each K step's activations loaded a step ahead, f16x2 path) changes no bit
+    of the output: int4 and int8, with and without the norm prologue, two-step and one-step
+    loops, a persistent grid, and the add + norm epilogue."""
+    if not torch.cuda.is_available():
+        pytest.skip("needs a GPU")
+    import dataclasses
+
+    from slipstream.kernels.ops.quant_matmul.fused_gemv import fused_quant_gemv
+    from slipstream.kernels.ops.quant_matmul.fused_table import FusedGemvConfig as C
+
+    gen = _SEED(19)
+    for fmt in ("int4", "int8"):
+        words, scales = _packed(fmt, 512, 4096)
+        words, scales = words.cuda(), scales.to("cuda", torch.float16)
+        x = torch.randn(1, 4096, generator=gen).to("cuda", torch.bfloat16)
+        stats = (torch.rand(1, 64, generator=gen) * 100).cuda()
+        residual = torch.randn(1, 512, generator=gen).to("cuda", torch.bfloat16)
+        norm_weight = torch.randn(512, generator=gen).to("cuda", torch.bfloat16)
+        launches = (
+            C(),
+            C(two_step=True, num_warps=2),
+            C(block_n=8, programs_per_sm=1),
+            C(two_step=True, programs_per_sm=1),
+        )
+        for base in launches:
+            hinted = dataclasses.replace(base, x_ahead=True)
+            for kwargs in (
+                {},
+                {"stats": stats, "eps": 1e-5},
+                {"residual": residual, "norm_weight": norm_weight},
+            ):
+                want = fused_quant_gemv(x, words, scales, fmt, 128, config=base, **kwargs)
+                got = fused_quant_gemv(x, words, scales, fmt, 128, config=hinted, **kwargs)
+                for a, b in zip(got, want, strict=True):
+                    assert (a is None and b is None) or torch.equal(a, b), (fmt, base, kwargs)

@@ -45,6 +45,7 @@ from slipstream.kernels.ops.quant_matmul.gemv import (
     _multiprocessors,
     _split4,
     _split_k_sum,
+    _x_half2,
     gemv_block_k,
     gemv_default_config,
     gemv_supports,
@@ -182,6 +183,41 @@ def _block_rows(
 
 
 @triton.jit
+def _x_step(pairs, k0, g, jj, FORMAT: tl.constexpr, PACK: tl.constexpr):
+    """The activation pairs (int32, two 16-bit values each) of the K step at ``k0`` that
+    :func:`_tile` loads for its f16x2 path: int4 reads four runs of 16, int8 two."""
+    xpairs = pairs + k0 // 2 + g * (PACK // 2) + jj
+    if FORMAT == 1:
+        return tl.load(xpairs), tl.load(xpairs + 16), tl.load(xpairs + 32), tl.load(xpairs + 48)
+    else:
+        low = tl.load(xpairs)
+        high = tl.load(xpairs + 16)
+        return low, high, low, high
+
+
+@triton.jit
+def _tile_loaded(
+    acc_quads, words, scale, x0, x1, x2, x3, xscale,
+    FORMAT: tl.constexpr, NORM_IN: tl.constexpr, X_BF16: tl.constexpr,
+):  # fmt: skip
+    """:func:`_tile`'s f16x2 path with the step's activations already loaded
+    (:func:`_x_step`, a step ahead: ``x_ahead``): the same products, the same bits."""
+    quad_scale, _s1, _s2, _s3 = _split4(scale)
+    if FORMAT == 1:
+        lo_a, hi_a, lo_c, hi_c = x0, x2, x1, x3
+    else:
+        lo_a, hi_a, lo_c, hi_c = x0, x1, x0, x1
+    if NORM_IN and X_BF16:
+        xa, xb = _x_half2_scaled(lo_a, hi_a, xscale)
+        xc, xd = _x_half2_scaled(lo_c, hi_c, xscale)
+    else:
+        xa, xb = _x_half2(lo_a, hi_a, X_BF16)
+        xc, xd = _x_half2(lo_c, hi_c, X_BF16)
+    sums = _half2_quad_dot(words, xa, xb, xc, xd, FORMAT)
+    return acc_quads + sums * quad_scale.to(tl.float32)
+
+
+@triton.jit
 def _tile(
     acc3,
     acc_quads,
@@ -302,6 +338,7 @@ def fused_gemv_kernel(
     PERSISTENT: tl.constexpr = True,  # programs may walk several blocks (False: one each)
     TWO_STEP: tl.constexpr = False,  # PREFETCH: the two-step loop (FusedGemvConfig.two_step)
     EARLY_EPILOGUE: tl.constexpr = False,  # the epilogue's inputs loaded before the K loop
+    X_AHEAD: tl.constexpr = False,  # HALF2 + PREFETCH: each step's activations a step ahead
 ):
     """One activation row per program ``(row, p)``; see the module docstring for the pieces."""
     if GDC:
@@ -380,6 +417,8 @@ def fused_gemv_kernel(
                 early_row = pid_m.to(tl.int64) * N
                 early_res = tl.load(res_ptr + early_row + cols, mask=col_ok, other=0.0)
                 early_nw = tl.load(nw_ptr + cols, mask=col_ok, other=0.0)
+        if X_AHEAD:  # the first step's activations (the K loop loads the next ones ahead)
+            nx0, nx1, nx2, nx3 = _x_step(pairs, k_first * BLOCK_K, g, jj, FORMAT, PACK)
         if PREFETCH and TWO_STEP:
             # Two steps an iteration, each tile loaded one step ahead of its use: the second
             # step's tile while the first computes, the next iteration's first tile while the
@@ -389,18 +428,33 @@ def fused_gemv_kernel(
                 second = tl.minimum(step + 1, k_last - 1)
                 words = tl.load(code_tile + second * (BLOCK_K // PER))
                 scale = tl.load(scale_rows + (second * BLOCK_K + g * PACK) // GROUP)
-                acc3, acc_quads = _tile(
-                    acc3, acc_quads, next_words, next_scale, step * BLOCK_K, x_row, pairs,
-                    g, jj, xscale, FORMAT, BLOCK_N, GPS, NATIVE_FP8, HALF2, NORM_IN,
-                )  # fmt: skip
+                if X_AHEAD:
+                    sx0, sx1, sx2, sx3 = _x_step(pairs, second * BLOCK_K, g, jj, FORMAT, PACK)
+                    acc_quads = _tile_loaded(
+                        acc_quads, next_words, next_scale, nx0, nx1, nx2, nx3, xscale,
+                        FORMAT, NORM_IN, x_type == tl.bfloat16,
+                    )  # fmt: skip
+                else:
+                    acc3, acc_quads = _tile(
+                        acc3, acc_quads, next_words, next_scale, step * BLOCK_K, x_row, pairs,
+                        g, jj, xscale, FORMAT, BLOCK_N, GPS, NATIVE_FP8, HALF2, NORM_IN,
+                    )  # fmt: skip
                 ahead = tl.minimum(step + 2, k_last - 1)
                 next_words = tl.load(code_tile + ahead * (BLOCK_K // PER))
                 next_scale = tl.load(scale_rows + (ahead * BLOCK_K + g * PACK) // GROUP)
+                if X_AHEAD:
+                    nx0, nx1, nx2, nx3 = _x_step(pairs, ahead * BLOCK_K, g, jj, FORMAT, PACK)
                 if step + 1 < k_last:
-                    acc3, acc_quads = _tile(
-                        acc3, acc_quads, words, scale, second * BLOCK_K, x_row, pairs,
-                        g, jj, xscale, FORMAT, BLOCK_N, GPS, NATIVE_FP8, HALF2, NORM_IN,
-                    )  # fmt: skip
+                    if X_AHEAD:
+                        acc_quads = _tile_loaded(
+                            acc_quads, words, scale, sx0, sx1, sx2, sx3, xscale,
+                            FORMAT, NORM_IN, x_type == tl.bfloat16,
+                        )  # fmt: skip
+                    else:
+                        acc3, acc_quads = _tile(
+                            acc3, acc_quads, words, scale, second * BLOCK_K, x_row, pairs,
+                            g, jj, xscale, FORMAT, BLOCK_N, GPS, NATIVE_FP8, HALF2, NORM_IN,
+                        )  # fmt: skip
             if PERSISTENT:  # the next block's first tile, in flight during the epilogue
                 next_rows = following.to(tl.int64)[:, None, None]
                 next_words = tl.load(
@@ -418,6 +472,8 @@ def fused_gemv_kernel(
                 if PREFETCH:
                     words = next_words
                     scale = next_scale
+                    if X_AHEAD:
+                        cx0, cx1, cx2, cx3 = nx0, nx1, nx2, nx3
                     # the next step's tile, or after the last step the next block's first tile
                     # (its rows gathered again each step: fewer registers than TWO_STEP's
                     # tile pointers, more instructions)
@@ -433,13 +489,21 @@ def fused_gemv_kernel(
                         + (ahead * BLOCK_K + g * PACK) // GROUP
                         + jj * 0
                     )
+                    if X_AHEAD:
+                        nx0, nx1, nx2, nx3 = _x_step(pairs, ahead * BLOCK_K, g, jj, FORMAT, PACK)
                 else:
                     words = tl.load(code_tile + step * (BLOCK_K // PER))
                     scale = tl.load(scale_rows + (k0 + g * PACK) // GROUP)
-                acc3, acc_quads = _tile(
-                    acc3, acc_quads, words, scale, k0, x_row, pairs, g, jj, xscale,
-                    FORMAT, BLOCK_N, GPS, NATIVE_FP8, HALF2, NORM_IN,
-                )  # fmt: skip
+                if X_AHEAD:
+                    acc_quads = _tile_loaded(
+                        acc_quads, words, scale, cx0, cx1, cx2, cx3, xscale,
+                        FORMAT, NORM_IN, x_type == tl.bfloat16,
+                    )  # fmt: skip
+                else:
+                    acc3, acc_quads = _tile(
+                        acc3, acc_quads, words, scale, k0, x_row, pairs, g, jj, xscale,
+                        FORMAT, BLOCK_N, GPS, NATIVE_FP8, HALF2, NORM_IN,
+                    )  # fmt: skip
         if HALF2:
             acc = tl.sum(tl.sum(acc_quads, axis=2), axis=1) * (128.0 if FORMAT == 1 else 1024.0)
         else:
@@ -936,6 +1000,7 @@ def _launch(
             prefetch = 0  # the L2 prefetch covers the start of each row: one K range's
     programs = _grid_programs(blocks, flat.device, config.programs_per_sm)
     persistent = programs < blocks
+    half2 = config.half2 and half2_supported(format, flat)
     fused_gemv_kernel[(grid[0], programs, split)](
         flat,
         words,
@@ -971,7 +1036,7 @@ def _launch(
         BLOCK_N=config.block_n,
         BLOCK_K=gemv_block_k(format, config.num_warps),
         NATIVE_FP8=format == "fp8_e4m3" and _native_fp8(flat.device),
-        HALF2=config.half2 and half2_supported(format, flat),
+        HALF2=half2,
         PREFETCH=config.prefetch,
         NORM_IN=stats is not None,
         GATED=gated,
@@ -986,6 +1051,7 @@ def _launch(
         PERSISTENT=persistent,
         TWO_STEP=config.two_step,
         EARLY_EPILOGUE=config.early_epilogue,
+        X_AHEAD=config.x_ahead and config.prefetch and half2,
         ROPE=rope is not None,
         HEAD_DIM=rope_shape[2],
         **pdl,
@@ -1050,6 +1116,7 @@ def aot_specs(half2: bool = False) -> list[AotSpec]:
                 "PERSISTENT",
                 "TWO_STEP",
                 "EARLY_EPILOGUE",
+                "X_AHEAD",
             )
         },
     }
@@ -1081,6 +1148,7 @@ def aot_specs(half2: bool = False) -> list[AotSpec]:
                 "PERSISTENT": False,
                 "TWO_STEP": False,
                 "EARLY_EPILOGUE": False,
+                "X_AHEAD": False,
             }
             name = (
                 f"quant_matmul.fused_gemv[{format}xbf16,norm={norm_in},gated={gated},"

@@ -82,6 +82,10 @@ class FusedGemvConfig:
     # and the next norm's weight) loaded before the K loop, their latency hidden behind it,
     # instead of after it on the way to the stores.
     early_epilogue: bool = False
+    # With prefetch and the f16x2 unpacking: each K step's activations loaded a step ahead
+    # with its weight tile, not when the step's math needs them (an L2 round trip on the
+    # critical path of every step otherwise; the activations are the previous kernel's output).
+    x_ahead: bool = False
 
 
 class FusedTableError(ValueError):
@@ -159,6 +163,12 @@ _H100_INT8: dict[tuple[str, str, int, int], dict[str, Any]] = {
 # the launches before (bf16 5.714 ms: 2.44x against 2.39x). The output projection's two_step:
 # call S5 (one process, on top of those): 2.3417 ms against 2.3478 (best; medians 2.3463 /
 # 2.3488), with decode_pdl "auto" then "on".
+# QKV's x_ahead (its activations loaded a step ahead: the QKV weight is in L2 from the PDL
+# prefetch, so each step's L2 round trip for the activations was the loop's critical path):
+# evening call I of 2026-11-26 (quant_decode_variants.py, 3 rounds, one process): 2.2858 ms
+# against 2.3199 (bf16 5.6871); call J: 2.2907 against 2.3185 (bf16 5.6862). On the output,
+# gate/up and down projections it was slower (call I: 2.3384, 2.3483, 2.4607 ms; all four
+# 2.4842), and on int8 neutral (call J: QKV 3.3868, output 3.3837 against 3.3886 ms).
 _H100_INT4: dict[tuple[str, str, int, int], dict[str, Any]] = {
     ("int4", "qkv", 6144, 4096): {
         "block_n": 4,
@@ -166,6 +176,7 @@ _H100_INT4: dict[tuple[str, str, int, int], dict[str, Any]] = {
         "two_step": True,
         "stats_one_pass": True,
         "early_epilogue": True,
+        "x_ahead": True,
     },
     ("int4", "add_norm", 4096, 4096): {
         "block_n": 4,
