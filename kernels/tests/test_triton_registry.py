@@ -16,6 +16,7 @@ from slipstream.kernels.triton_support import triton_probe
 TRITON_OPS = {
     "adam",
     "add_rms_norm",
+    "argmax",
     "cross_entropy",
     "decode_attention",
     "decode_gemv",
