@@ -55,6 +55,7 @@ KERNEL_MODULES = (
     "slipstream.kernels.ops.moe_gemv.triton",
     "slipstream.kernels.ops.decode_gemv.triton",
     "slipstream.kernels.ops.decode_attention.triton",
+    "slipstream.kernels.ops.decode_inputs.triton",
 )
 
 _BINARY_KINDS = ("cubin", "hsaco")
