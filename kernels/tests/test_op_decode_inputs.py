@@ -22,7 +22,7 @@ def _tables(length: int, half: int) -> tuple[torch.Tensor, torch.Tensor]:
 
 def _inputs(device: torch.device, dtype: torch.dtype, learned: bool, slot: int = 17):
     generator = torch.Generator().manual_seed(0)
-    ids = torch.tensor([[7], [41]])
+    ids = torch.tensor([[1, 7], [2, 41]])[:, 1:]  # a strided view, as a prompt's last column
     pads = torch.tensor([0, 5])  # row 1 is left-padded: its first five slots hold no token
     positions = (slot - pads)[:, None]
     key_valid = torch.zeros(2, KEYS, dtype=torch.bool)

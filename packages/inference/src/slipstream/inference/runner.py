@@ -37,7 +37,11 @@ class StaticCacheRunner:
     (gpt-fast's idea, done with a raw ``torch.cuda.CUDAGraph`` rather than ``torch.compile``)
     and every later step is one replay: inputs are copied into static buffers, the slot is a
     device tensor, and attention covers all ``max_len`` slots under the key-valid mask, so that
-    shapes never change. A capture that fails logs one warning and that batch size runs eagerly.
+    shapes never change; the step marks its slot valid inside the graph. A capture that fails
+    logs one warning and that batch size runs eagerly.
+
+    ``prefill`` and ``decode`` return fp32 logits, as Hugging Face's ``generate`` hands them to
+    its logits processors (the graph's output is copied out by that one conversion).
     """
 
     def __init__(self, model: FusedDecoder, max_len: int, *, cuda_graph: bool) -> None:
@@ -45,6 +49,9 @@ class StaticCacheRunner:
         self.max_len = max_len
         self.cuda_graph = cuda_graph
         self.buckets: dict[int, _Bucket] = {}
+        # Decode steps compute their first block's inputs in one decode_inputs launch, with the
+        # rotary cos/sin of every slot's position computed once here.
+        model.build_decode_tables(max_len)
 
     def captured(self, batch: int) -> bool:
         """Whether batch size ``batch`` decodes by replaying a captured CUDA graph."""
@@ -74,7 +81,7 @@ class StaticCacheRunner:
     def prefill(
         self, input_ids: torch.Tensor, positions: torch.Tensor, key_valid: torch.Tensor
     ) -> torch.Tensor:
-        """Fill the cache with the prompts; returns the last token's logits ``(batch, vocab)``."""
+        """Fill the cache with the prompts; returns the last token's fp32 logits ``(batch, vocab)``."""
         batch, length = input_ids.shape
         self._check_length(length)
         bucket = self._bucket(batch)
@@ -84,14 +91,14 @@ class StaticCacheRunner:
         logits = self.model(
             input_ids, positions, bucket.key_valid[:, :length], slots, bucket.cache, last_only=True
         )
-        return logits[:, -1]
+        return logits[:, -1].float()
 
     @torch.no_grad()
     def decode(self, tokens: torch.Tensor, positions: torch.Tensor, slot: int) -> torch.Tensor:
-        """One token per row at cache ``slot``; returns logits ``(batch, vocab)``."""
+        """One token per row at cache ``slot`` (``positions`` below ``max_len``); returns fp32
+        logits ``(batch, vocab)``."""
         self._check_length(slot + 1)
         bucket = self._bucket(tokens.shape[0])
-        bucket.key_valid[:, slot] = True
         if self.cuda_graph and tokens.is_cuda and not bucket.graph_failed:
             if bucket.graph is None:
                 self._capture(bucket, tokens, positions, slot)
@@ -101,8 +108,11 @@ class StaticCacheRunner:
                 bucket.tokens.copy_(tokens[:, None])
                 bucket.positions.copy_(positions[:, None])
                 bucket.slot.fill_(slot)
-                bucket.graph.replay()
-                return bucket.logits.clone()
+                bucket.graph.replay()  # marks key_valid[:, slot] itself (mark_valid)
+                # A copy the next replay cannot overwrite, in fp32 for the logits processors.
+                logits = bucket.logits
+                return logits.float() if logits.dtype != torch.float32 else logits.clone()
+        bucket.key_valid[:, slot] = True
         slots = torch.tensor([slot], device=tokens.device)
         # Eager steps attend over a width rounded up to EAGER_WIDTH slots (the later ones are
         # masked: not yet valid, and after this slot): attention backends that plan per shape
@@ -115,13 +125,18 @@ class StaticCacheRunner:
             slots,
             bucket.cache,
         )
-        return logits[:, -1]
+        return logits[:, -1].float()
 
     def _graph_step(self, bucket: _Bucket) -> torch.Tensor:
         assert bucket.tokens is not None and bucket.positions is not None
         assert bucket.slot is not None
         logits = self.model(
-            bucket.tokens, bucket.positions, bucket.key_valid, bucket.slot, bucket.cache
+            bucket.tokens,
+            bucket.positions,
+            bucket.key_valid,
+            bucket.slot,
+            bucket.cache,
+            mark_valid=True,
         )
         return logits[:, -1]
 

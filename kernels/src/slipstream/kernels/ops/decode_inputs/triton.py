@@ -161,8 +161,8 @@ def decode_inputs(
     block_k = max(16, min(BLOCK_KEYS, next_power_of_2(keys)))
     grid = (batch, triton.cdiv(keys, block_k))
     decode_inputs_kernel[grid](
-        input_ids.reshape(batch),
-        positions.reshape(batch),
+        input_ids.reshape(batch).contiguous(),  # no copy for a (batch, 1) tensor of its own
+        positions.reshape(batch).contiguous(),
         key_valid.view(torch.uint8),
         slots,
         embed_weight,
