@@ -80,36 +80,65 @@ def test_reference_is_the_decoder_prologue() -> None:
     [(False, None, 4, True), (False, 6, 2, True), (True, None, 1, False), (False, None, 1, True)],
 )
 def test_triton_matches_reference_exactly(
-    triton_device: torch.device, learned: bool, window: int | None, group: int, rotary: bool
+    triton_device: torch.device,
+    learned: bool,
+    window: int | None,
+    group: int,
+    rotary: bool,
+    monkeypatch: pytest.MonkeyPatch,
 ) -> None:
+    from slipstream.kernels.ops.decode_inputs import triton as triton_module
     from slipstream.kernels.ops.decode_inputs.triton import decode_inputs as kernel
+
+    if window is not None:  # three mask chunks a row: six programs arrive on the counter
+        monkeypatch.setattr(triton_module, "BLOCK_KEYS", 16)
 
     dtypes = [torch.float32, torch.float16, torch.bfloat16]
     for dtype in dtypes:
         args = list(_inputs(triton_device, dtype, learned))
         if not rotary:
             args[6] = args[7] = None
-        valid = args[2]
-        expected_valid = valid.clone()
+        args[1] = args[1].contiguous()  # positions advance in place with next_slot
         offset = 2 if learned else 0
-        for mark in (False, True):
-            expected = reference(
-                *args[:2],
-                expected_valid,
-                *args[3:6],
-                offset,
-                *args[6:],
-                window,
-                group,
-                mark_valid=mark,
-            )
-            got = kernel(*args[:6], offset, *args[6:], window, group, mark_valid=mark)
-            for a, b in zip(got, expected, strict=True):
-                assert (a is None) == (b is None)
-                if a is not None:
-                    assert a.dtype == b.dtype and a.shape == b.shape
-                    assert torch.equal(a, b), (dtype, mark)
-            assert torch.equal(valid, expected_valid)
+        for mark, advance in ((False, False), (True, False), (True, True)):
+            # advance: the slot comes from next_slot (17) into slots (0 here), then positions
+            # and next_slot step by one; twice, so the kernel's arrival counter is reused
+            mine = [a if a is None else a.clone() for a in args]
+            theirs = [a if a is None else a.clone() for a in args]
+            if advance:
+                mine[3], theirs[3] = torch.zeros_like(args[3]), torch.zeros_like(args[3])
+            nexts = [args[3].clone() if advance else None for _ in range(2)]
+            for _ in range(2 if advance else 1):
+                expected = reference(
+                    *theirs[:6],
+                    offset,
+                    *theirs[6:],
+                    window,
+                    group,
+                    mark_valid=mark,
+                    next_slot=nexts[0],
+                )
+                got = kernel(
+                    *mine[:6],
+                    offset,
+                    *mine[6:],
+                    window,
+                    group,
+                    mark_valid=mark,
+                    next_slot=nexts[1],
+                )
+                for a, b in zip(got, expected, strict=True):
+                    assert (a is None) == (b is None)
+                    if a is not None:
+                        assert a.dtype == b.dtype and a.shape == b.shape
+                        assert torch.equal(a, b), (dtype, mark, advance)
+                for a, b in zip(mine[:4], theirs[:4], strict=True):  # ids, positions, valid, slots
+                    assert torch.equal(a, b), (dtype, mark, advance)
+                if advance:
+                    assert torch.equal(nexts[0], nexts[1])
+            if advance:
+                assert int(nexts[1]) == int(args[3]) + 2 and int(mine[3]) == int(args[3]) + 1
+                assert torch.equal(mine[1], args[1] + 2)
 
 
 def test_dispatch_on_cpu_is_the_reference() -> None:

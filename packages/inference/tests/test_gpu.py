@@ -318,7 +318,8 @@ def test_decode_prologue_on_gpu(family: str, dtype: str) -> None:
     """The decode step's prologue in one ``decode_inputs`` kernel: its x, rotary cos/sin and
     additive mask equal the torch ops' bit for bit, and the logits of prefill + five decode
     steps (batch 2, left padding; graph-captured and eager) equal, bit for bit, those of the
-    same steps with the torch prologue; the graph marks its slots valid itself."""
+    same steps with the torch prologue; the graph marks its slots valid itself and advances
+    its positions and slot (steps called with positions=None) as the explicit ones do."""
     from slipstream.inference.runner import StaticCacheRunner
 
     model = _prologue_model(family)
@@ -367,7 +368,10 @@ def test_decode_prologue_on_gpu(family: str, dtype: str) -> None:
                 position = positions[:, -1] + 1
                 for step in range(5):
                     tokens = logits[-1].argmax(-1)
-                    logits.append(runner.decode(tokens, position + step, 9 + step))
+                    # positions None: the step after the runner's own (advanced on the device
+                    # by a replay); the torch-prologue runs pass them every step
+                    given = position + step if step == 0 or not prologue else None
+                    logits.append(runner.decode(tokens, given, 9 + step))
             assert runner.captured(2) == graph
             assert logits[-1].dtype == torch.float32
             key_valid = runner.buckets[2].key_valid

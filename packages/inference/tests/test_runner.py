@@ -30,12 +30,15 @@ def test_full_cache_width_step_equals_eager_decode(family: str) -> None:
     bucket.cache.keys.normal_()
     bucket.cache.values.normal_()
 
-    def graph_step(tokens: torch.Tensor, positions: torch.Tensor, slot: int) -> torch.Tensor:
-        bucket.key_valid[:, slot] = True
+    def graph_step(tokens: torch.Tensor, positions: torch.Tensor | None, slot: int) -> torch.Tensor:
+        # positions None: the buffer the previous step advanced; the slot as the runner keeps it
         bucket.tokens = tokens[:, None].clone()
-        bucket.positions = positions[:, None].clone()
-        bucket.slot = torch.tensor([slot])
-        return static._graph_step(bucket)
+        if positions is not None:
+            bucket.positions = positions[:, None].clone()
+        bucket.slot, bucket.next_slot = torch.tensor([-1]), torch.tensor([slot])
+        logits = static._graph_step(bucket)
+        assert int(bucket.slot) == slot and int(bucket.next_slot) == slot + 1
+        return logits
 
     tokens = generate_tokens(static.prefill, graph_step, ids, mask, settings)
     assert torch.equal(tokens, expected)
@@ -71,12 +74,16 @@ def _steps(
     position, slot = positions[:, -1] + 1, ids.shape[1]
     for _ in range(4):
         tokens = logits[-1].argmax(-1)
-        if graph:
-            bucket.tokens, bucket.positions = tokens[:, None].clone(), position[:, None].clone()
-            bucket.slot = torch.tensor([slot])
+        if graph:  # the captured step advances positions and the slot itself
+            bucket.tokens = tokens[:, None].clone()
+            if bucket.positions is None:
+                bucket.positions = position[:, None].clone()
+                bucket.slot, bucket.next_slot = torch.tensor([-1]), torch.tensor([slot])
             logits.append(runner._graph_step(bucket).float())
-        else:
-            logits.append(runner.decode(tokens, position, slot))
+            assert int(bucket.slot) == slot and int(bucket.next_slot) == slot + 1
+            assert torch.equal(bucket.positions[:, 0], position + 1)
+        else:  # positions from the second step on: the runner's own (None)
+            logits.append(runner.decode(tokens, position if slot == ids.shape[1] else None, slot))
         position, slot = position + 1, slot + 1
     return [*logits, bucket.key_valid.clone()]
 

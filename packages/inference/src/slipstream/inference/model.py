@@ -462,6 +462,7 @@ class FusedDecoder(nn.Module):
         slots: torch.Tensor,
         group: int,
         mark_valid: bool,
+        next_slot: torch.Tensor | None = None,
     ) -> tuple[torch.Tensor, tuple[torch.Tensor, torch.Tensor] | None, torch.Tensor] | None:
         """``(x, rotary, mask)`` of a single-token step through ``decode_inputs``; None where it
         does not apply (more tokens, no tables for these slots, a vocab-parallel embedding)."""
@@ -496,6 +497,7 @@ class FusedDecoder(nn.Module):
             self.spec.sliding_window,
             group,
             mark_valid=mark_valid,
+            next_slot=next_slot,
         )
         rotary = None if cos is None or sin is None else (cos, sin)
         return x, rotary, mask
@@ -509,6 +511,7 @@ class FusedDecoder(nn.Module):
         cache: KVCache | None = None,
         last_only: bool = False,
         mark_valid: bool = False,
+        next_slot: torch.Tensor | None = None,
     ) -> torch.Tensor:
         """Logits for ``input_ids`` ``(batch, tokens)`` (only the last token's if ``last_only``).
 
@@ -520,6 +523,9 @@ class FusedDecoder(nn.Module):
             cache: the KV cache; None attends only to the tokens given (``slots`` = 0..n-1).
             mark_valid: set ``key_valid[:, slots]`` True first, on the device (a CUDA-graph
                 decode step: then the runner launches nothing for it before the replay).
+            next_slot: ``(1,)`` (a CUDA-graph decode step): the step's slot is read from it into
+                ``slots``, and it and ``positions`` advance by one on the device, so that the
+                next replay needs no new positions or slot copied in.
         """
         first = self.blocks[0]
         assert isinstance(first, FusedBlock)
@@ -528,11 +534,15 @@ class FusedDecoder(nn.Module):
         prologue = (
             None
             if cache is None
-            else self._decode_inputs(input_ids, positions, key_valid, slots, group, mark_valid)
+            else self._decode_inputs(
+                input_ids, positions, key_valid, slots, group, mark_valid, next_slot
+            )
         )
         if prologue is not None:  # a single-token step: one decode_inputs launch for all this
             x, rotary, mask = prologue
         else:
+            if next_slot is not None:
+                slots.copy_(next_slot)
             if mark_valid:
                 key_valid.index_fill_(1, slots, True)
             x = self.embed(input_ids)
@@ -547,6 +557,9 @@ class FusedDecoder(nn.Module):
             mask = torch.zeros(mask.shape, dtype=x.dtype, device=x.device).masked_fill_(
                 ~mask, float("-inf")
             )
+            if next_slot is not None:  # this step's positions and slot are read: advance them
+                positions.add_(1)
+                next_slot.add_(1)
         if self.decode_fusion and input_ids.numel() == 1 and self.layer_hook is None:
             from slipstream.inference.fused_decode import decode_forward
 

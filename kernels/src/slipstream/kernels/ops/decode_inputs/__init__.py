@@ -35,6 +35,7 @@ def decode_inputs(
     group: int,
     *,
     mark_valid: bool = False,
+    next_slot: torch.Tensor | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor | None, torch.Tensor | None, torch.Tensor]:
     """Run the best ``decode_inputs`` backend: ``(x, cos, sin, mask)`` of a one-token step.
 
@@ -61,4 +62,5 @@ def decode_inputs(
         sliding_window,
         group,
         mark_valid=mark_valid,
+        next_slot=next_slot,
     )

@@ -16,6 +16,7 @@ def check_shapes(
     cos_table: torch.Tensor | None,
     sin_table: torch.Tensor | None,
     group: int,
+    next_slot: torch.Tensor | None = None,
 ) -> None:
     """Validate the arguments of :func:`decode_inputs`."""
     batch = input_ids.shape[0]
@@ -63,6 +64,14 @@ def check_shapes(
         )
     if group < 1:
         raise ValueError(f"decode_inputs: group must be >= 1, got {group}")
+    if next_slot is not None and (
+        next_slot.shape != (1,) or not positions.is_contiguous() or next_slot.dtype != slots.dtype
+    ):
+        raise ValueError(
+            f"decode_inputs: next_slot must be ({slots.dtype}) of shape (1,) and positions "
+            f"contiguous (both advance in place), got {next_slot.dtype} "
+            f"{tuple(next_slot.shape)} and positions strides {positions.stride()}"
+        )
 
 
 def decode_inputs(
@@ -78,6 +87,7 @@ def decode_inputs(
     sliding_window: int | None,
     group: int,
     mark_valid: bool = False,
+    next_slot: torch.Tensor | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor | None, torch.Tensor | None, torch.Tensor]:
     """The inputs of a single-token decode step's first block, as a decoder computes them.
 
@@ -93,6 +103,9 @@ def decode_inputs(
             cos/sin of position ``p`` (None: no rotary).
         sliding_window: keys more than this many slots before the query are masked (None: all).
         group: query heads per KV head; the mask's rows are repeated this many times.
+        next_slot: ``(1,)``, for a step replayed from a CUDA graph step after step: the slot is
+            read from it and written to ``slots``, then ``positions`` and ``next_slot`` each
+            advance by one in place (the next step's), so nothing is copied in before a replay.
 
     Returns ``(x, cos, sin, mask)``: ``x`` ``(batch, 1, hidden)`` (embedding plus learned
     position, rounded to the embedding's dtype as torch adds them), ``cos``/``sin`` fp32
@@ -111,7 +124,10 @@ def decode_inputs(
         cos_table,
         sin_table,
         group,
+        next_slot,
     )
+    if next_slot is not None:
+        slots.copy_(next_slot)
     if mark_valid:
         key_valid.index_fill_(1, slots, True)
     x = F.embedding(input_ids, embed_weight)
@@ -129,4 +145,7 @@ def decode_inputs(
     if group > 1:
         allowed = allowed[:, :, None].expand(-1, -1, group, -1, -1).flatten(2, 3)
     mask = torch.zeros(allowed.shape, dtype=x.dtype, device=x.device)
+    if next_slot is not None:  # after every read of this step's positions and slot
+        positions.add_(1)
+        next_slot.add_(1)
     return x, cos, sin, mask.masked_fill_(~allowed, float("-inf"))

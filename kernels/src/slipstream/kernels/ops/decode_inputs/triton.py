@@ -29,6 +29,8 @@ def decode_inputs_kernel(
     positions_ptr,
     valid_ptr,
     slots_ptr,
+    next_slot_ptr,
+    counter_ptr,
     embed_ptr,
     position_weight_ptr,
     cos_table_ptr,
@@ -50,15 +52,22 @@ def decode_inputs_kernel(
     BF16: tl.constexpr,
     WINDOW: tl.constexpr,
     MARK: tl.constexpr,
+    ADVANCE: tl.constexpr,
     BLOCK_H: tl.constexpr,
     BLOCK_R: tl.constexpr,
     BLOCK_K: tl.constexpr,
 ):
     """Program ``(b, j)``: mask chunk ``j`` of row ``b``; ``j == 0`` also the row's embedding,
-    rotary cos/sin and (``MARK``) its key-valid flag at the query's slot."""
+    rotary cos/sin and (``MARK``) its key-valid flag at the query's slot. ``ADVANCE``: the slot
+    is read from ``next_slot`` and written to ``slots``; each row's program ``j == 0`` adds one
+    to its position once it has read it, and the last program to arrive (an arrival counter,
+    left at 0) adds one to ``next_slot``, after every program has read it."""
     b = tl.program_id(0)
     j = tl.program_id(1)
-    slot = tl.load(slots_ptr)
+    if ADVANCE:
+        slot = tl.load(next_slot_ptr)
+    else:
+        slot = tl.load(slots_ptr)
     k = j * BLOCK_K + tl.arange(0, BLOCK_K)
     inside = k < keys
     valid = tl.load(valid_ptr + b.to(tl.int64) * stride_valid + k, mask=inside, other=0)
@@ -74,6 +83,10 @@ def decode_inputs_kernel(
     if j == 0:
         token = tl.load(ids_ptr + b).to(tl.int64)
         position = tl.load(positions_ptr + b).to(tl.int64)
+        if ADVANCE:
+            tl.store(positions_ptr + b, position + 1)
+            if b == 0:
+                tl.store(slots_ptr, slot)
         if MARK:
             tl.store(valid_ptr + b.to(tl.int64) * stride_valid + slot, 1)
         out = x_ptr + b.to(tl.int64) * HIDDEN
@@ -99,6 +112,12 @@ def decode_inputs_kernel(
             s = tl.load(sin_table_ptr + position * HALF + r, mask=use, other=0.0)
             tl.store(cos_ptr + b * HALF + r, c, mask=use)
             tl.store(sin_ptr + b * HALF + r, s, mask=use)
+    if ADVANCE:
+        tl.debug_barrier()  # every thread of this program has read next_slot (release below)
+        arrived = tl.atomic_add(counter_ptr, 1, sem="acq_rel")
+        if arrived == tl.num_programs(0) * tl.num_programs(1) - 1:
+            tl.store(next_slot_ptr, slot + 1)
+            tl.atomic_xchg(counter_ptr, 0)
 
 
 def decode_inputs(
@@ -114,6 +133,7 @@ def decode_inputs(
     sliding_window: int | None,
     group: int,
     mark_valid: bool = False,
+    next_slot: torch.Tensor | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor | None, torch.Tensor | None, torch.Tensor]:
     """See :func:`slipstream.kernels.ops.decode_inputs.reference.decode_inputs`.
 
@@ -125,6 +145,7 @@ def decode_inputs(
         positions,
         key_valid,
         slots,
+        next_slot,
         embed_weight,
         position_weight,
         cos_table,
@@ -140,6 +161,7 @@ def decode_inputs(
         cos_table,
         sin_table,
         group,
+        next_slot,
     )
     if key_valid.stride(1) != 1:
         raise ValueError("decode_inputs (triton): key_valid needs a unit stride along the keys")
@@ -162,9 +184,13 @@ def decode_inputs(
     grid = (batch, triton.cdiv(keys, block_k))
     decode_inputs_kernel[grid](
         input_ids.reshape(batch).contiguous(),  # no copy for a (batch, 1) tensor of its own
-        positions.reshape(batch).contiguous(),
+        positions.reshape(batch)
+        if next_slot is not None
+        else positions.reshape(batch).contiguous(),
         key_valid.view(torch.uint8),
         slots,
+        next_slot if next_slot is not None else slots,
+        _counter(device) if next_slot is not None else slots,
         embed_weight,
         position_weight if position_weight is not None else embed_weight,
         cos_table if cos_table is not None else mask,
@@ -186,11 +212,24 @@ def decode_inputs(
         BF16=dtype == torch.bfloat16,
         WINDOW=sliding_window is not None,
         MARK=mark_valid,
+        ADVANCE=next_slot is not None,
         BLOCK_H=max(16, min(BLOCK_HIDDEN, next_power_of_2(hidden))),
         BLOCK_R=max(16, next_power_of_2(half)),
         BLOCK_K=block_k,
     )
     return x, cos, sin, mask
+
+
+# The arrival counter of ``next_slot`` steps, one per device: every launch leaves it at 0, so
+# it stays zeroed at a fixed address for CUDA-graph replays (launches on a device run in order).
+_COUNTERS: dict[torch.device, torch.Tensor] = {}
+
+
+def _counter(device: torch.device) -> torch.Tensor:
+    found = _COUNTERS.get(device)
+    if found is None:
+        found = _COUNTERS[device] = torch.zeros(1, device=device, dtype=torch.int32)
+    return found
 
 
 def aot_specs() -> list[AotSpec]:
@@ -212,6 +251,8 @@ def aot_specs() -> list[AotSpec]:
                         "positions_ptr": "*i64",
                         "valid_ptr": "*u8",
                         "slots_ptr": "*i64",
+                        "next_slot_ptr": "*i64",
+                        "counter_ptr": "*i32",
                         "embed_ptr": f"*{dtype}",
                         "position_weight_ptr": f"*{dtype}",
                         "cos_table_ptr": "*fp32",
@@ -233,6 +274,7 @@ def aot_specs() -> list[AotSpec]:
                         "BF16": "constexpr",
                         "WINDOW": "constexpr",
                         "MARK": "constexpr",
+                        "ADVANCE": "constexpr",
                         "BLOCK_H": "constexpr",
                         "BLOCK_R": "constexpr",
                         "BLOCK_K": "constexpr",
@@ -245,6 +287,7 @@ def aot_specs() -> list[AotSpec]:
                         "BF16": dtype == "bf16",
                         "WINDOW": window,
                         "MARK": True,
+                        "ADVANCE": True,
                         "BLOCK_H": min(BLOCK_HIDDEN, next_power_of_2(hidden)),
                         "BLOCK_R": 64,
                         "BLOCK_K": BLOCK_KEYS,
