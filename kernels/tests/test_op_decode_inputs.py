@@ -10,6 +10,7 @@ import torch.nn.functional as F
 
 from slipstream.kernels.ops import decode_inputs
 from slipstream.kernels.ops.decode_inputs.reference import decode_inputs as reference
+from slipstream.kernels.ops.rms_norm.reference import rms_norm
 
 VOCAB, HIDDEN, KEYS, HALF = 50, 24, 40, 4
 
@@ -53,8 +54,12 @@ def test_reference_is_the_decoder_prologue() -> None:
         torch.device("cpu"), torch.bfloat16, learned=True
     )
     before = valid.clone()
-    x, cos, sin, mask = reference(ids, positions, valid, slots, embed, pos_w, 2, cos_t, sin_t, 6, 3)
+    norm_w = torch.randn(HIDDEN, generator=torch.Generator().manual_seed(1)).to(torch.bfloat16)
+    x, cos, sin, mask, normed = reference(
+        ids, positions, valid, slots, embed, pos_w, 2, cos_t, sin_t, 6, 3, norm_weight=norm_w
+    )
     assert torch.equal(valid, before)  # mark_valid off: key_valid untouched
+    assert normed is not None and torch.equal(normed, rms_norm(x, norm_w, 1e-6))
     assert torch.equal(x, F.embedding(ids, embed) + F.embedding(positions + 2, pos_w))
     inv_freq = 1.0 / (10000.0 ** (torch.arange(0, 2 * HALF, 2, dtype=torch.float64) / (2 * HALF)))
     angles = positions[..., None].float() * inv_freq.float()
@@ -127,7 +132,8 @@ def test_triton_matches_reference_exactly(
                     mark_valid=mark,
                     next_slot=nexts[1],
                 )
-                for a, b in zip(got, expected, strict=True):
+                assert got[4] is None and expected[4] is None
+                for a, b in zip(got[:4], expected[:4], strict=True):
                     assert (a is None) == (b is None)
                     if a is not None:
                         assert a.dtype == b.dtype and a.shape == b.shape
@@ -145,4 +151,30 @@ def test_dispatch_on_cpu_is_the_reference() -> None:
     args = _inputs(torch.device("cpu"), torch.float32, learned=False)
     got = decode_inputs(*args[:6], 0, *args[6:], None, 2)
     expected = reference(*args[:6], 0, *args[6:], None, 2)
-    assert all(torch.equal(a, b) for a, b in zip(got, expected, strict=True))  # type: ignore[arg-type]
+    assert got[4] is None and expected[4] is None
+    assert all(torch.equal(a, b) for a, b in zip(got[:4], expected[:4], strict=True))  # type: ignore[arg-type]
+
+
+@pytest.mark.parametrize("batch", [1, 2])
+def test_first_norm_is_rms_norms_own(triton_device: torch.device, batch: int) -> None:
+    """With the first block's RMSNorm: at batch 1 it runs in the launch (rms_norm's own code
+    inlined, one row a program), at batch 2 (rms_norm packs two rows of 24 a program) as the
+    rms_norm op's launch; either way the Triton rms_norm's bits."""
+    from slipstream.kernels.ops.decode_inputs.triton import decode_inputs as kernel
+    from slipstream.kernels.ops.rms_norm.triton import rms_norm as triton_rms_norm
+
+    for dtype in (torch.float32, torch.bfloat16):
+        args = [
+            a[:batch] if a is not None and i < 3 else a
+            for i, a in enumerate(_inputs(triton_device, dtype, False))
+        ]
+        weight = torch.randn(HIDDEN, generator=torch.Generator().manual_seed(1)).to(
+            triton_device, dtype
+        )
+        got = kernel(*args[:6], 0, *args[6:], None, 2, norm_weight=weight, norm_eps=1e-5)
+        expected = reference(*args[:6], 0, *args[6:], None, 2, norm_weight=weight, norm_eps=1e-5)
+        assert all(torch.equal(a, b) for a, b in zip(got[:4], expected[:4], strict=True))  # type: ignore[arg-type]
+        assert got[4] is not None and expected[4] is not None
+        assert torch.equal(got[4], triton_rms_norm(got[0], weight, 1e-5)), (batch, dtype)
+        tol = 1e-5 if dtype == torch.float32 else 2e-2  # the interpreter's bf16 casts truncate
+        torch.testing.assert_close(got[4], expected[4], rtol=tol, atol=tol)

@@ -357,6 +357,16 @@ def test_decode_prologue_on_gpu(family: str, dtype: str) -> None:
         seen = seen[:, :, None].expand(-1, -1, group, -1, -1).flatten(2, 3)
         additive = torch.zeros(seen.shape, dtype=x.dtype, device="cuda")
         assert torch.equal(got[2], additive.masked_fill_(~seen, float("-inf")))
+        # int4: the first block's RMSNorm too, at batch 2 as its own launch, at batch 1 inside
+        # the kernel (rms_norm's code inlined): the rms_norm op's bits either way
+        assert (got[3] is not None) == (dtype == "int4")
+        for rows in (2, 1):
+            one = fused._decode_inputs(
+                step_ids[:rows], step_pos[:rows], valid[:rows].clone(), slot, group, False
+            )
+            assert one is not None
+            if one[3] is not None:
+                assert torch.equal(one[3], fused.blocks[0].input_norm(one[0])), rows
     # 2. Whole steps: the kernel's prologue against the torch one, graph and eager.
     runs = []
     for prologue in (True, False):

@@ -463,9 +463,19 @@ class FusedDecoder(nn.Module):
         group: int,
         mark_valid: bool,
         next_slot: torch.Tensor | None = None,
-    ) -> tuple[torch.Tensor, tuple[torch.Tensor, torch.Tensor] | None, torch.Tensor] | None:
-        """``(x, rotary, mask)`` of a single-token step through ``decode_inputs``; None where it
-        does not apply (more tokens, no tables for these slots, a vocab-parallel embedding)."""
+    ) -> (
+        tuple[
+            torch.Tensor,
+            tuple[torch.Tensor, torch.Tensor] | None,
+            torch.Tensor,
+            torch.Tensor | None,
+        ]
+        | None
+    ):
+        """``(x, rotary, mask, normed)`` of a single-token step through ``decode_inputs``
+        (``normed``: the first block's input RMSNorm of ``x``, where the fused quantized step
+        takes it; else None); None where it does not apply (more tokens, no tables for these
+        slots, a vocab-parallel embedding)."""
         if not self.decode_prologue or input_ids.shape[1] != 1 or slots.shape != (1,):
             return None
         if type(self.embed) is not nn.Embedding:  # e.g. tensor parallelism's vocab shards
@@ -484,7 +494,14 @@ class FusedDecoder(nn.Module):
         ):
             return None
         cos_table, sin_table = (None, None) if tables is None else tables
-        x, cos, sin, mask = decode_inputs(
+        norm = None
+        if self.decode_fusion and self.layer_hook is None:
+            from slipstream.inference.fused_quant_decode import first_norm_folds
+
+            first = self.blocks[0]
+            assert isinstance(first, FusedBlock)
+            norm = first.input_norm if first_norm_folds(self) else None
+        x, cos, sin, mask, normed = decode_inputs(
             input_ids,
             positions,
             key_valid,
@@ -498,9 +515,11 @@ class FusedDecoder(nn.Module):
             group,
             mark_valid=mark_valid,
             next_slot=next_slot,
+            norm_weight=None if norm is None else norm.weight,
+            norm_eps=1e-6 if norm is None else norm.eps,
         )
         rotary = None if cos is None or sin is None else (cos, sin)
-        return x, rotary, mask
+        return x, rotary, mask, normed
 
     def forward(
         self,
@@ -538,8 +557,9 @@ class FusedDecoder(nn.Module):
                 input_ids, positions, key_valid, slots, group, mark_valid, next_slot
             )
         )
+        normed = None
         if prologue is not None:  # a single-token step: one decode_inputs launch for all this
-            x, rotary, mask = prologue
+            x, rotary, mask, normed = prologue
         else:
             if next_slot is not None:
                 slots.copy_(next_slot)
@@ -563,7 +583,7 @@ class FusedDecoder(nn.Module):
         if self.decode_fusion and input_ids.numel() == 1 and self.layer_hook is None:
             from slipstream.inference.fused_decode import decode_forward
 
-            return decode_forward(self, x, rotary, cache, slots, mask)
+            return decode_forward(self, x, rotary, cache, slots, mask, normed)
         # Each block's last residual add runs in the next norm's kernel (add + norm fused).
         pending: torch.Tensor | None = None
         for index, block in enumerate(self.blocks):

@@ -36,14 +36,19 @@ def decode_inputs(
     *,
     mark_valid: bool = False,
     next_slot: torch.Tensor | None = None,
-) -> tuple[torch.Tensor, torch.Tensor | None, torch.Tensor | None, torch.Tensor]:
-    """Run the best ``decode_inputs`` backend: ``(x, cos, sin, mask)`` of a one-token step.
+    norm_weight: torch.Tensor | None = None,
+    norm_eps: float = 1e-6,
+) -> tuple[
+    torch.Tensor, torch.Tensor | None, torch.Tensor | None, torch.Tensor, torch.Tensor | None
+]:
+    """Run the best ``decode_inputs`` backend: ``(x, cos, sin, mask, normed)`` of a one-token
+    step.
 
     See :func:`slipstream.kernels.ops.decode_inputs.reference.decode_inputs`.
 
     >>> ids, valid = torch.tensor([[3]]), torch.tensor([[True, True, False]])
     >>> table = torch.zeros(4, 2)
-    >>> x, cos, sin, mask = decode_inputs(ids, torch.tensor([[1]]), valid, torch.tensor([1]),
+    >>> x, cos, sin, mask, _ = decode_inputs(ids, torch.tensor([[1]]), valid, torch.tensor([1]),
     ...                                   torch.randn(8, 4), None, 0, table, table, None, 2)
     >>> mask.shape
     torch.Size([1, 1, 2, 3])
@@ -63,4 +68,6 @@ def decode_inputs(
         group,
         mark_valid=mark_valid,
         next_slot=next_slot,
+        norm_weight=norm_weight,
+        norm_eps=norm_eps,
     )

@@ -5,6 +5,8 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
+from slipstream.kernels.ops.rms_norm.reference import rms_norm
+
 
 def check_shapes(
     input_ids: torch.Tensor,
@@ -17,6 +19,7 @@ def check_shapes(
     sin_table: torch.Tensor | None,
     group: int,
     next_slot: torch.Tensor | None = None,
+    norm_weight: torch.Tensor | None = None,
 ) -> None:
     """Validate the arguments of :func:`decode_inputs`."""
     batch = input_ids.shape[0]
@@ -64,6 +67,11 @@ def check_shapes(
         )
     if group < 1:
         raise ValueError(f"decode_inputs: group must be >= 1, got {group}")
+    if norm_weight is not None and norm_weight.shape != embed_weight.shape[1:]:
+        raise ValueError(
+            f"decode_inputs: norm_weight must be ({embed_weight.shape[1]},), got "
+            f"{tuple(norm_weight.shape)}"
+        )
     if next_slot is not None and (
         next_slot.shape != (1,) or not positions.is_contiguous() or next_slot.dtype != slots.dtype
     ):
@@ -88,7 +96,11 @@ def decode_inputs(
     group: int,
     mark_valid: bool = False,
     next_slot: torch.Tensor | None = None,
-) -> tuple[torch.Tensor, torch.Tensor | None, torch.Tensor | None, torch.Tensor]:
+    norm_weight: torch.Tensor | None = None,
+    norm_eps: float = 1e-6,
+) -> tuple[
+    torch.Tensor, torch.Tensor | None, torch.Tensor | None, torch.Tensor, torch.Tensor | None
+]:
     """The inputs of a single-token decode step's first block, as a decoder computes them.
 
     Args:
@@ -106,13 +118,16 @@ def decode_inputs(
         next_slot: ``(1,)``, for a step replayed from a CUDA graph step after step: the slot is
             read from it and written to ``slots``, then ``positions`` and ``next_slot`` each
             advance by one in place (the next step's), so nothing is copied in before a replay.
+        norm_weight, norm_eps: the first block's RMSNorm, applied to ``x`` as the ``rms_norm``
+            op does (None: not applied).
 
-    Returns ``(x, cos, sin, mask)``: ``x`` ``(batch, 1, hidden)`` (embedding plus learned
+    Returns ``(x, cos, sin, mask, normed)``: ``x`` ``(batch, 1, hidden)`` (embedding plus learned
     position, rounded to the embedding's dtype as torch adds them), ``cos``/``sin`` fp32
     ``(batch, 1, 1, rotary_dim / 2)`` (None without tables) and the additive mask
     ``(batch, 1, group, keys)`` (0 where the query sees the key, ``-inf`` elsewhere, in the
     embedding's dtype): a query at slot ``q`` sees the valid keys at ``k <= q`` (within the
-    window) and always itself.
+    window) and always itself; ``normed`` is ``rms_norm(x, norm_weight, norm_eps)`` (None
+    without ``norm_weight``).
     """
     check_shapes(
         input_ids,
@@ -125,6 +140,7 @@ def decode_inputs(
         sin_table,
         group,
         next_slot,
+        norm_weight,
     )
     if next_slot is not None:
         slots.copy_(next_slot)
@@ -148,4 +164,5 @@ def decode_inputs(
     if next_slot is not None:  # after every read of this step's positions and slot
         positions.add_(1)
         next_slot.add_(1)
-    return x, cos, sin, mask.masked_fill_(~allowed, float("-inf"))
+    normed = None if norm_weight is None else rms_norm(x, norm_weight, norm_eps)
+    return x, cos, sin, mask.masked_fill_(~allowed, float("-inf")), normed

@@ -15,6 +15,12 @@ import triton
 import triton.language as tl
 
 from slipstream.kernels.ops.decode_inputs.reference import check_shapes
+from slipstream.kernels.ops.rms_norm.triton import (
+    MAX_FUSED_COLS,
+    rms_norm_forward_kernel,
+    row_tile,
+)
+from slipstream.kernels.ops.rms_norm.triton import rms_norm as triton_rms_norm
 from slipstream.kernels.triton_support import AotSpec, check_kernel_device, next_power_of_2
 
 # Mask slots one program writes (per query row of the group).
@@ -39,12 +45,18 @@ def decode_inputs_kernel(
     cos_ptr,
     sin_ptr,
     mask_ptr,
+    norm_weight_ptr,
+    normed_ptr,
+    rstd_ptr,
     keys,
     stride_valid,
     stride_embed,
     stride_position,
     window,
     position_offset,
+    batch,
+    n_cols,
+    eps,
     HIDDEN: tl.constexpr,
     HALF: tl.constexpr,  # rotary_dim // 2; 0: no rotary
     GROUP: tl.constexpr,
@@ -53,6 +65,8 @@ def decode_inputs_kernel(
     WINDOW: tl.constexpr,
     MARK: tl.constexpr,
     ADVANCE: tl.constexpr,
+    NORM: tl.constexpr,
+    NORM_BLOCK: tl.constexpr,
     BLOCK_H: tl.constexpr,
     BLOCK_R: tl.constexpr,
     BLOCK_K: tl.constexpr,
@@ -61,7 +75,10 @@ def decode_inputs_kernel(
     rotary cos/sin and (``MARK``) its key-valid flag at the query's slot. ``ADVANCE``: the slot
     is read from ``next_slot`` and written to ``slots``; each row's program ``j == 0`` adds one
     to its position once it has read it, and the last program to arrive (an arrival counter,
-    left at 0) adds one to ``next_slot``, after every program has read it."""
+    left at 0) adds one to ``next_slot``, after every program has read it. ``NORM``: program
+    ``(b, 0)`` then runs ``rms_norm_forward_kernel``'s own code (inlined, one row a program, the
+    launch's warps as rms_norm's launch has them: the same reduction, the same bits) on the
+    row it has just written."""
     b = tl.program_id(0)
     j = tl.program_id(1)
     if ADVANCE:
@@ -112,6 +129,22 @@ def decode_inputs_kernel(
             s = tl.load(sin_table_ptr + position * HALF + r, mask=use, other=0.0)
             tl.store(cos_ptr + b * HALF + r, c, mask=use)
             tl.store(sin_ptr + b * HALF + r, s, mask=use)
+        if NORM:
+            tl.debug_barrier()  # the row's stores above are visible to every thread
+            rms_norm_forward_kernel(
+                x_ptr,
+                norm_weight_ptr,
+                normed_ptr,
+                rstd_ptr,
+                n_cols,
+                n_cols,
+                batch,
+                n_cols,
+                eps,
+                HAS_WEIGHT=True,
+                ROWS=1,
+                BLOCK=NORM_BLOCK,
+            )
     if ADVANCE:
         tl.debug_barrier()  # every thread of this program has read next_slot (release below)
         arrived = tl.atomic_add(counter_ptr, 1, sem="acq_rel")
@@ -134,10 +167,16 @@ def decode_inputs(
     group: int,
     mark_valid: bool = False,
     next_slot: torch.Tensor | None = None,
-) -> tuple[torch.Tensor, torch.Tensor | None, torch.Tensor | None, torch.Tensor]:
+    norm_weight: torch.Tensor | None = None,
+    norm_eps: float = 1e-6,
+) -> tuple[
+    torch.Tensor, torch.Tensor | None, torch.Tensor | None, torch.Tensor, torch.Tensor | None
+]:
     """See :func:`slipstream.kernels.ops.decode_inputs.reference.decode_inputs`.
 
     The tables must cover every position given (positions are not range-checked on the GPU).
+    The RMSNorm joins the launch where ``rms_norm``'s launch holds one row a program
+    (batch 1, or rows of 2048 features or more); otherwise it is the ``rms_norm`` op's launch.
     """
     check_kernel_device(
         "decode_inputs",
@@ -162,6 +201,7 @@ def decode_inputs(
         sin_table,
         group,
         next_slot,
+        norm_weight,
     )
     if key_valid.stride(1) != 1:
         raise ValueError("decode_inputs (triton): key_valid needs a unit stride along the keys")
@@ -180,6 +220,12 @@ def decode_inputs(
         cos_table, sin_table = cos_table.contiguous(), sin_table.contiguous()
         cos = torch.empty(batch, 1, 1, half, device=device, dtype=torch.float32)
         sin = torch.empty_like(cos)
+    rows, norm_block, norm_warps = row_tile(batch, hidden)
+    fold = norm_weight is not None and rows == 1 and hidden <= MAX_FUSED_COLS
+    normed = torch.empty_like(x) if fold else None
+    rstd = torch.empty(batch, device=device, dtype=torch.float32) if fold else None
+    if fold and norm_weight is not None and not norm_weight.is_contiguous():
+        norm_weight = norm_weight.contiguous()
     block_k = max(16, min(BLOCK_KEYS, next_power_of_2(keys)))
     grid = (batch, triton.cdiv(keys, block_k))
     decode_inputs_kernel[grid](
@@ -199,12 +245,18 @@ def decode_inputs(
         cos if cos is not None else mask,
         sin if sin is not None else mask,
         mask,
+        norm_weight if fold else mask,
+        normed if normed is not None else mask,
+        rstd if rstd is not None else mask,
         keys,
         key_valid.stride(0),
         embed_weight.stride(0),
         position_weight.stride(0) if position_weight is not None else 0,
         sliding_window or 0,
         position_offset,
+        batch,
+        hidden,
+        float(norm_eps),
         HIDDEN=hidden,
         HALF=half,
         GROUP=group,
@@ -213,11 +265,17 @@ def decode_inputs(
         WINDOW=sliding_window is not None,
         MARK=mark_valid,
         ADVANCE=next_slot is not None,
+        NORM=fold,
+        NORM_BLOCK=norm_block,
         BLOCK_H=max(16, min(BLOCK_HIDDEN, next_power_of_2(hidden))),
         BLOCK_R=max(16, next_power_of_2(half)),
         BLOCK_K=block_k,
+        # rms_norm's warps where its code runs here: the same layout, the same reduction order
+        num_warps=norm_warps if fold else 4,
     )
-    return x, cos, sin, mask
+    if norm_weight is not None and normed is None:
+        normed = triton_rms_norm(x, norm_weight, norm_eps)
+    return x, cos, sin, mask, normed
 
 
 # The arrival counter of ``next_slot`` steps, one per device: every launch leaves it at 0, so
@@ -261,12 +319,18 @@ def aot_specs() -> list[AotSpec]:
                         "cos_ptr": "*fp32",
                         "sin_ptr": "*fp32",
                         "mask_ptr": f"*{dtype}",
+                        "norm_weight_ptr": f"*{dtype}",
+                        "normed_ptr": f"*{dtype}",
+                        "rstd_ptr": "*fp32",
                         "keys": "i32",
                         "stride_valid": "i32",
                         "stride_embed": "i32",
                         "stride_position": "i32",
                         "window": "i32",
                         "position_offset": "i32",
+                        "batch": "i32",
+                        "n_cols": "i32",
+                        "eps": "fp32",
                         "HIDDEN": "constexpr",
                         "HALF": "constexpr",
                         "GROUP": "constexpr",
@@ -275,6 +339,8 @@ def aot_specs() -> list[AotSpec]:
                         "WINDOW": "constexpr",
                         "MARK": "constexpr",
                         "ADVANCE": "constexpr",
+                        "NORM": "constexpr",
+                        "NORM_BLOCK": "constexpr",
                         "BLOCK_H": "constexpr",
                         "BLOCK_R": "constexpr",
                         "BLOCK_K": "constexpr",
@@ -288,6 +354,8 @@ def aot_specs() -> list[AotSpec]:
                         "WINDOW": window,
                         "MARK": True,
                         "ADVANCE": True,
+                        "NORM": not learned,
+                        "NORM_BLOCK": next_power_of_2(hidden),
                         "BLOCK_H": min(BLOCK_HIDDEN, next_power_of_2(hidden)),
                         "BLOCK_R": 64,
                         "BLOCK_K": BLOCK_KEYS,
