@@ -27,6 +27,9 @@ from slipstream.kernels.triton_support import AotSpec, check_kernel_device, next
 BLOCK_KEYS = 1024
 # Hidden features the embedding gather moves per step of its loop.
 BLOCK_HIDDEN = 2048
+# Whether the first block's RMSNorm runs in this launch where it can (rms_norm_forward_kernel's
+# code inlined, one row a program, rms_norm's warps); False: always the rms_norm op's launch.
+FOLD_NORM = True
 
 
 @triton.jit
@@ -221,7 +224,7 @@ def decode_inputs(
         cos = torch.empty(batch, 1, 1, half, device=device, dtype=torch.float32)
         sin = torch.empty_like(cos)
     rows, norm_block, norm_warps = row_tile(batch, hidden)
-    fold = norm_weight is not None and rows == 1 and hidden <= MAX_FUSED_COLS
+    fold = FOLD_NORM and norm_weight is not None and rows == 1 and hidden <= MAX_FUSED_COLS
     normed = torch.empty_like(x) if fold else None
     rstd = torch.empty(batch, device=device, dtype=torch.float32) if fold else None
     if fold and norm_weight is not None and not norm_weight.is_contiguous():
