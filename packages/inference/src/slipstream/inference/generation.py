@@ -243,13 +243,20 @@ def generate_tokens(
     logits = prefill(input_ids, positions, mask.bool())
     next_position: torch.Tensor | None = positions[:, -1] + 1
     slot = input_ids.shape[1]
+    # Without a repetition penalty or stop strings nothing reads the sequences inside the loop:
+    # the new tokens are joined once at the end instead of by a torch.cat every step.
+    deferred = settings.repetition_penalty == 1.0 and stop is None
+    new_tokens: list[torch.Tensor] = []
     for step in range(settings.max_new_tokens):
         scores = process_logits(logits.float(), sequences, step, settings)
         tokens = select_tokens(scores, settings, generator)
         if eos.numel():
             tokens = torch.where(unfinished, tokens, settings.pad_token_id or 0)
             unfinished = unfinished & ~torch.isin(tokens, eos)
-        sequences = torch.cat([sequences, tokens[:, None]], dim=-1)
+        if deferred:
+            new_tokens.append(tokens)
+        else:
+            sequences = torch.cat([sequences, tokens[:, None]], dim=-1)
         if stop is not None:
             unfinished = unfinished & ~stop(sequences)
         # One host sync per token: stopping early on EOS needs the flag on the host.
@@ -259,4 +266,6 @@ def generate_tokens(
         logits = decode(tokens, next_position, slot)
         next_position = None  # the next step's: this one's plus one, kept by decode
         slot += 1
+    if new_tokens:
+        sequences = torch.cat([sequences, torch.stack(new_tokens, dim=-1)], dim=-1)
     return sequences
