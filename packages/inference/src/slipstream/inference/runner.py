@@ -104,12 +104,20 @@ class StaticCacheRunner:
 
     @torch.no_grad()
     def decode(
-        self, tokens: torch.Tensor, positions: torch.Tensor | None, slot: int
+        self,
+        tokens: torch.Tensor,
+        positions: torch.Tensor | None,
+        slot: int,
+        *,
+        copy: bool = True,
     ) -> torch.Tensor:
         """One token per row at cache ``slot``; returns fp32 logits ``(batch, vocab)``.
 
         ``positions`` ``(batch,)`` are the tokens' position ids (below ``max_len``), or None
         for the previous decode step's (of this batch size, since its prefill) plus one.
+        ``copy=False``: the logits in the model's dtype, a replayed step's being the graph's
+        output buffer itself, which the next decode step of this batch size overwrites (for a
+        caller done with them by then, as ``generate``: no copy per step).
         """
         self._check_length(slot + 1)
         batch = tokens.shape[0]
@@ -133,6 +141,8 @@ class StaticCacheRunner:
                 bucket.advanced, bucket.device_slot = True, slot + 1
                 # A copy the next replay cannot overwrite, in fp32 for the logits processors.
                 logits = bucket.logits
+                if not copy:
+                    return logits
                 return logits.float() if logits.dtype != torch.float32 else logits.clone()
         bucket.advanced = False
         bucket.key_valid[:, slot] = True
@@ -149,7 +159,7 @@ class StaticCacheRunner:
             bucket.cache,
         )
         bucket.next_positions = positions + 1
-        return logits[:, -1].float()
+        return logits[:, -1].float() if copy else logits[:, -1]
 
     def _next_positions(self, bucket: _Bucket) -> torch.Tensor:
         """The positions a ``decode(positions=None)`` step of ``bucket`` continues from."""
