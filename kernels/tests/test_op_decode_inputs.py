@@ -165,15 +165,29 @@ def test_first_norm_is_rms_norms_own(triton_device: torch.device, batch: int) ->
 
     for dtype in (torch.float32, torch.bfloat16):
         args = [
-            a[:batch] if a is not None and i < 3 else a
+            a[:batch].contiguous() if a is not None and i < 3 else a
             for i, a in enumerate(_inputs(triton_device, dtype, False))
         ]
         weight = torch.randn(HIDDEN, generator=torch.Generator().manual_seed(1)).to(
             triton_device, dtype
         )
-        got = kernel(*args[:6], 0, *args[6:], None, 2, norm_weight=weight, norm_eps=1e-5)
-        expected = reference(*args[:6], 0, *args[6:], None, 2, norm_weight=weight, norm_eps=1e-5)
+        theirs = [a if a is None else a.clone() for a in args]
+        nexts = [args[3].clone(), args[3].clone()]  # and advancing: batch 1 is one program
+        got = kernel(
+            *args[:6], 0, *args[6:], None, 2, next_slot=nexts[0], norm_weight=weight, norm_eps=1e-5
+        )
+        expected = reference(
+            *theirs[:6],
+            0,
+            *theirs[6:],
+            None,
+            2,
+            next_slot=nexts[1],
+            norm_weight=weight,
+            norm_eps=1e-5,
+        )
         assert all(torch.equal(a, b) for a, b in zip(got[:4], expected[:4], strict=True))  # type: ignore[arg-type]
+        assert torch.equal(nexts[0], nexts[1]) and torch.equal(args[1], theirs[1])
         assert got[4] is not None and expected[4] is not None
         assert torch.equal(got[4], triton_rms_norm(got[0], weight, 1e-5)), (batch, dtype)
         tol = 1e-5 if dtype == torch.float32 else 2e-2  # the interpreter's bf16 casts truncate

@@ -68,6 +68,7 @@ def decode_inputs_kernel(
     WINDOW: tl.constexpr,
     MARK: tl.constexpr,
     ADVANCE: tl.constexpr,
+    SINGLE: tl.constexpr,
     NORM: tl.constexpr,
     NORM_BLOCK: tl.constexpr,
     BLOCK_H: tl.constexpr,
@@ -78,7 +79,8 @@ def decode_inputs_kernel(
     rotary cos/sin and (``MARK``) its key-valid flag at the query's slot. ``ADVANCE``: the slot
     is read from ``next_slot`` and written to ``slots``; each row's program ``j == 0`` adds one
     to its position once it has read it, and the last program to arrive (an arrival counter,
-    left at 0) adds one to ``next_slot``, after every program has read it. ``NORM``: program
+    left at 0; ``SINGLE``, the grid's only program: that one) adds one to ``next_slot``, after
+    every program has read it. ``NORM``: program
     ``(b, 0)`` then runs ``rms_norm_forward_kernel``'s own code (inlined, one row a program, the
     launch's warps as rms_norm's launch has them: the same reduction, the same bits) on the
     row it has just written."""
@@ -150,10 +152,13 @@ def decode_inputs_kernel(
             )
     if ADVANCE:
         tl.debug_barrier()  # every thread of this program has read next_slot (release below)
-        arrived = tl.atomic_add(counter_ptr, 1, sem="acq_rel")
-        if arrived == tl.num_programs(0) * tl.num_programs(1) - 1:
+        if SINGLE:  # the only program (batch 1, one mask chunk): no other reader to wait for
             tl.store(next_slot_ptr, slot + 1)
-            tl.atomic_xchg(counter_ptr, 0)
+        else:
+            arrived = tl.atomic_add(counter_ptr, 1, sem="acq_rel")
+            if arrived == tl.num_programs(0) * tl.num_programs(1) - 1:
+                tl.store(next_slot_ptr, slot + 1)
+                tl.atomic_xchg(counter_ptr, 0)
 
 
 def decode_inputs(
@@ -268,6 +273,7 @@ def decode_inputs(
         WINDOW=sliding_window is not None,
         MARK=mark_valid,
         ADVANCE=next_slot is not None,
+        SINGLE=grid == (1, 1),
         NORM=fold,
         NORM_BLOCK=norm_block,
         BLOCK_H=max(16, min(BLOCK_HIDDEN, next_power_of_2(hidden))),
@@ -342,6 +348,7 @@ def aot_specs() -> list[AotSpec]:
                         "WINDOW": "constexpr",
                         "MARK": "constexpr",
                         "ADVANCE": "constexpr",
+                        "SINGLE": "constexpr",
                         "NORM": "constexpr",
                         "NORM_BLOCK": "constexpr",
                         "BLOCK_H": "constexpr",
@@ -357,6 +364,7 @@ def aot_specs() -> list[AotSpec]:
                         "WINDOW": window,
                         "MARK": True,
                         "ADVANCE": True,
+                        "SINGLE": learned,
                         "NORM": not learned,
                         "NORM_BLOCK": next_power_of_2(hidden),
                         "BLOCK_H": min(BLOCK_HIDDEN, next_power_of_2(hidden)),
