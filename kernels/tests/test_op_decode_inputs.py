@@ -21,7 +21,9 @@ def _tables(length: int, half: int) -> tuple[torch.Tensor, torch.Tensor]:
     return angles.cos(), angles.sin()
 
 
-def _inputs(device: torch.device, dtype: torch.dtype, learned: bool, slot: int = 17):
+def _inputs(
+    device: torch.device, dtype: torch.dtype, learned: bool, slot: int = 17, hidden: int = HIDDEN
+):
     generator = torch.Generator().manual_seed(0)
     ids = torch.tensor([[1, 7], [2, 41]])[:, 1:]  # a strided view, as a prompt's last column
     pads = torch.tensor([0, 5])  # row 1 is left-padded: its first five slots hold no token
@@ -31,8 +33,8 @@ def _inputs(device: torch.device, dtype: torch.dtype, learned: bool, slot: int =
         key_valid[row, pad:slot] = True
     key_valid[1, 3] = True  # stale flags after the slot and inside padding must not leak
     key_valid[0, slot + 4] = True
-    embed = torch.randn(VOCAB, HIDDEN, generator=generator)
-    position_weight = torch.randn(slot + 8, HIDDEN, generator=generator) if learned else None
+    embed = torch.randn(VOCAB, hidden, generator=generator)
+    position_weight = torch.randn(slot + 8, hidden, generator=generator) if learned else None
     cos, sin = _tables(KEYS, HALF)
     move = lambda t: None if t is None else t.to(device)  # noqa: E731
     return (
@@ -159,16 +161,18 @@ def test_dispatch_on_cpu_is_the_reference() -> None:
 def test_first_norm_is_rms_norms_own(triton_device: torch.device, batch: int) -> None:
     """With the first block's RMSNorm: at batch 1 it runs in the launch (rms_norm's own code
     inlined, one row a program), at batch 2 (rms_norm packs two rows of 24 a program) as the
-    rms_norm op's launch; either way the Triton rms_norm's bits."""
+    rms_norm op's launch; either way the Triton rms_norm's bits. On a GPU also at 8B Llama's
+    width (4096: one row a program with 8 warps at batch 1 and 2)."""
     from slipstream.kernels.ops.decode_inputs.triton import decode_inputs as kernel
     from slipstream.kernels.ops.rms_norm.triton import rms_norm as triton_rms_norm
 
-    for dtype in (torch.float32, torch.bfloat16):
+    widths = [HIDDEN] + ([4096] if triton_device.type == "cuda" else [])
+    for dtype, hidden in [(d, h) for d in (torch.float32, torch.bfloat16) for h in widths]:
         args = [
             a[:batch].contiguous() if a is not None and i < 3 else a
-            for i, a in enumerate(_inputs(triton_device, dtype, False))
+            for i, a in enumerate(_inputs(triton_device, dtype, False, hidden=hidden))
         ]
-        weight = torch.randn(HIDDEN, generator=torch.Generator().manual_seed(1)).to(
+        weight = torch.randn(hidden, generator=torch.Generator().manual_seed(1)).to(
             triton_device, dtype
         )
         theirs = [a if a is None else a.clone() for a in args]
@@ -189,6 +193,6 @@ def test_first_norm_is_rms_norms_own(triton_device: torch.device, batch: int) ->
         assert all(torch.equal(a, b) for a, b in zip(got[:4], expected[:4], strict=True))  # type: ignore[arg-type]
         assert torch.equal(nexts[0], nexts[1]) and torch.equal(args[1], theirs[1])
         assert got[4] is not None and expected[4] is not None
-        assert torch.equal(got[4], triton_rms_norm(got[0], weight, 1e-5)), (batch, dtype)
+        assert torch.equal(got[4], triton_rms_norm(got[0], weight, 1e-5)), (batch, dtype, hidden)
         tol = 1e-5 if dtype == torch.float32 else 2e-2  # the interpreter's bf16 casts truncate
         torch.testing.assert_close(got[4], expected[4], rtol=tol, atol=tol)
