@@ -20,6 +20,7 @@ TRITON_OPS = {
     "cross_entropy",
     "decode_attention",
     "decode_gemv",
+    "decode_inputs",
     "dequantize",
     "gated_activation",
     "gated_gemv",

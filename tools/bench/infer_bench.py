@@ -297,12 +297,12 @@ def timed_generate(
     start: list[Any] = []
     steps = 0
 
-    def decode(*step_args: Any) -> Any:
+    def decode(*step_args: Any, **step_kwargs: Any) -> Any:
         nonlocal steps
         if not start:
             start.append(_mark(device))
         steps += 1
-        return inner(*step_args)
+        return inner(*step_args, **step_kwargs)
 
     runner.decode = decode  # generate reads the runner's decode at each call
     try:

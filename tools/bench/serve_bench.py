@@ -725,8 +725,8 @@ def run_static(args: argparse.Namespace, workload: Workload) -> dict:
         mark()
         return out
 
-    def timed_decode(*call: Any) -> Any:
-        out = decode(*call)
+    def timed_decode(*call: Any, **options: Any) -> Any:
+        out = decode(*call, **options)
         mark()
         return out
 

@@ -319,3 +319,39 @@ def test_fused_quantized_decode_equals_unfused(monkeypatch: pytest.MonkeyPatch) 
             logits = fused._runner.decode(ids[:, -1], torch.tensor([7]), 7).float()
             error = (logits - expected).abs().max().item()
             assert error <= 0.02 * expected.abs().max().item(), (bits, fmt, subset, error)
+
+
+def test_decode_prologue_gives_the_fused_quantized_step_its_first_norm(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """Packed int4 with decode fusion: ``decode_inputs`` also computes the first block's input
+    RMSNorm (one launch fewer a step on a GPU), and the steps' logits equal, bit for bit, those
+    of the step-by-step torch prologue with the norm as its own launch."""
+    from slipstream.inference import model as model_module
+    from slipstream.inference.fused_quant_decode import first_norm_folds
+
+    normed: list[bool] = []
+    original = model_module.decode_inputs
+
+    def recording(*args: Any, **kwargs: Any) -> Any:
+        out = original(*args, **kwargs)
+        normed.append(out[4] is not None)
+        return out
+
+    monkeypatch.setattr(model_module, "decode_inputs", recording)
+    quant = {"weight": {"num_bits": 4, "group_size": 128, "compute_dtype": "bf16"}}
+    settings = {"dtype": "int8", "replace_with_kernel_inject": True, "max_out_tokens": 32}
+    engine = init_inference(_packable_llama(), settings, quant=quant, decode_fusion=True)
+    assert engine.fused is not None and engine._runner is not None
+    assert first_norm_folds(engine.fused)
+    ids = torch.randint(3, 96, (1, 7), generator=torch.Generator().manual_seed(0))
+    runs = []
+    for prologue in (True, False):
+        engine.fused.decode_prologue = prologue
+        logits = [engine._runner.prefill(ids, torch.arange(7)[None], ids > 0)]
+        for step in range(3):
+            position = torch.tensor([7 + step]) if step == 0 else None
+            logits.append(engine._runner.decode(logits[-1].argmax(-1), position, 7 + step))
+        runs.append(torch.stack(logits))
+    assert normed == [True] * 3  # the three decode steps of the first run
+    assert torch.equal(runs[0], runs[1])

@@ -283,3 +283,115 @@ def test_fused_quantized_decode_on_gpu(bits: int, head_bits: int | None) -> None
     # largest logit (the CPU references differ by up to 1.3% on this model)
     error = (steps[0].float() - steps[1].float()).abs().max() / steps[1].float().abs().max()
     assert error.item() < 0.04
+
+
+def _prologue_model(family: str) -> torch.nn.Module:
+    if family != "llama-1024":
+        return tiny_hf_model(family).cuda()
+    import transformers
+
+    config = transformers.LlamaConfig(  # shapes the fused quantized kernels take (hidden 1024)
+        vocab_size=96,
+        hidden_size=1024,
+        intermediate_size=2048,
+        num_hidden_layers=2,
+        num_attention_heads=8,
+        num_key_value_heads=2,
+        max_position_embeddings=64,
+        bos_token_id=1,
+        eos_token_id=2,
+        pad_token_id=0,
+    )
+    torch.manual_seed(0)
+    model = transformers.AutoModelForCausalLM.from_config(config).eval()
+    with torch.no_grad():
+        for name, param in model.named_parameters():
+            param.normal_(1.0, 0.1) if "norm" in name else param.normal_(0.0, 0.05)
+    return model.cuda()
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
+@pytest.mark.parametrize(
+    ("family", "dtype"),
+    [
+        ("llama", "bf16"),  # GQA, decode fusion (dense)
+        ("mistral", "fp16"),  # sliding window
+        ("opt", "bf16"),  # learned positions at offset 2
+        ("llama-1024", "int4"),  # the fused int4 decode step
+    ],
+)
+def test_decode_prologue_on_gpu(family: str, dtype: str) -> None:
+    """The decode step's prologue in one ``decode_inputs`` kernel: its x, rotary cos/sin and
+    additive mask equal the torch ops' bit for bit, and the logits of prefill + five decode
+    steps (batch 2, left padding; graph-captured and eager) equal, bit for bit, those of the
+    same steps with the torch prologue; the graph marks its slots valid itself and advances
+    its positions and slot (steps called with positions=None) as the explicit ones do."""
+    from slipstream.inference.runner import StaticCacheRunner
+
+    model = _prologue_model(family)
+    config: dict = {"dtype": torch.bfloat16 if dtype == "bf16" else torch.float16}
+    if dtype == "int4":
+        weight = {"num_bits": 4, "group_size": 128, "compute_dtype": "bf16"}
+        config = {"dtype": "int8", "quant": {"weight": weight}}
+    engine = init_inference(model, config, replace_with_kernel_inject=True, max_out_tokens=32)
+    fused = engine.fused
+    assert fused is not None
+    ids = torch.randint(3, 96, (2, 9), device="cuda")
+    mask = torch.ones_like(ids)
+    mask[1, :4] = 0
+    positions = (mask.cumsum(-1) - 1).masked_fill(mask == 0, 1)
+    # 1. The prologue's tensors against the torch ops (full width, as a graph step has them).
+    valid = torch.zeros(2, 32, dtype=torch.bool, device="cuda")
+    valid[:, :9] = mask.bool()
+    slot = torch.tensor([9], device="cuda")
+    step_ids, step_pos = ids[:, -1:], positions[:, -1:] + 1
+    group = fused.blocks[0].heads // fused.blocks[0].kv_heads
+    with torch.no_grad():
+        got = fused._decode_inputs(step_ids, step_pos, valid.clone(), slot, group, True)
+        assert got is not None
+        x = fused.embed(step_ids)
+        if fused.positions is not None:
+            x = x + fused.positions(step_pos + fused.spec.learned_offset)
+        assert torch.equal(got[0], x)
+        rotary = fused._rotary(step_pos)
+        assert (got[1] is None) == (rotary is None)
+        if rotary is not None and got[1] is not None:
+            assert torch.equal(got[1][0], rotary[0]) and torch.equal(got[1][1], rotary[1])
+        from slipstream.inference.model import attention_mask
+
+        seen = attention_mask(valid, slot, fused.spec.sliding_window)
+        seen = seen[:, :, None].expand(-1, -1, group, -1, -1).flatten(2, 3)
+        additive = torch.zeros(seen.shape, dtype=x.dtype, device="cuda")
+        assert torch.equal(got[2], additive.masked_fill_(~seen, float("-inf")))
+        # int4: the first block's RMSNorm too, at batch 2 as its own launch, at batch 1 inside
+        # the kernel (rms_norm's code inlined): the rms_norm op's bits either way
+        assert (got[3] is not None) == (dtype == "int4")
+        for rows in (2, 1):
+            one = fused._decode_inputs(
+                step_ids[:rows], step_pos[:rows], valid[:rows].clone(), slot, group, False
+            )
+            assert one is not None
+            if one[3] is not None:
+                assert torch.equal(one[3], fused.blocks[0].input_norm(one[0])), rows
+    # 2. Whole steps: the kernel's prologue against the torch one, graph and eager.
+    runs = []
+    for prologue in (True, False):
+        for graph in (True, False):
+            runner = StaticCacheRunner(fused, 32, cuda_graph=graph)
+            fused.decode_prologue = prologue
+            with torch.no_grad():
+                logits = [runner.prefill(ids, positions, mask.bool())]
+                position = positions[:, -1] + 1
+                for step in range(5):
+                    tokens = logits[-1].argmax(-1)
+                    # positions None: the step after the runner's own (advanced on the device
+                    # by a replay); the torch-prologue runs pass them every step
+                    given = position + step if step == 0 or not prologue else None
+                    logits.append(runner.decode(tokens, given, 9 + step))
+            assert runner.captured(2) == graph
+            assert logits[-1].dtype == torch.float32
+            key_valid = runner.buckets[2].key_valid
+            assert key_valid[:, 9:14].all() and not key_valid[:, 14:].any()
+            runs.append(torch.stack(logits))
+    assert torch.equal(runs[0], runs[2]), "graph steps: decode_inputs changed the logits"
+    assert torch.equal(runs[1], runs[3]), "eager steps: decode_inputs changed the logits"

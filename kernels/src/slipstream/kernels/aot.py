@@ -56,6 +56,7 @@ KERNEL_MODULES = (
     "slipstream.kernels.ops.decode_gemv.triton",
     "slipstream.kernels.ops.decode_attention.triton",
     "slipstream.kernels.ops.argmax.triton",
+    "slipstream.kernels.ops.decode_inputs.triton",
 )
 
 _BINARY_KINDS = ("cubin", "hsaco")

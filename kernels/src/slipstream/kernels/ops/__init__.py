@@ -21,6 +21,7 @@ from slipstream.kernels.ops.decode_gemv import (
     norm_gemv,
     norm_gemv_rotary,
 )
+from slipstream.kernels.ops.decode_inputs import decode_inputs
 from slipstream.kernels.ops.gated_activation import gated_activation
 from slipstream.kernels.ops.lamb import lamb
 from slipstream.kernels.ops.layer_norm import layer_norm
@@ -44,6 +45,7 @@ __all__ = [
     "cross_entropy",
     "decode_attention",
     "decode_gemv",
+    "decode_inputs",
     "dequantize",
     "gated_activation",
     "gated_gemv",

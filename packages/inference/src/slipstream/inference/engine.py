@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import dataclasses
+import functools
 import logging
 import os
 from collections.abc import Mapping
@@ -314,7 +315,8 @@ class InferenceEngine(nn.Module):
             )
         return generate_tokens(
             self._runner.prefill,
-            self._runner.decode,
+            # generate reads each step's logits before the next step: no copy out of the graph
+            functools.partial(self._runner.decode, copy=False),
             input_ids,
             attention_mask,
             settings,

@@ -256,13 +256,16 @@ def decode_forward(
     cache: KVCache | None,
     slots: torch.Tensor,
     mask: torch.Tensor,
+    normed: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """The blocks, final norm and head of ``model``'s single-token decode step from the
-    embedded token ``x`` (``FusedDecoder.forward`` calls this when decode fusion is on)."""
+    embedded token ``x`` (``FusedDecoder.forward`` calls this when decode fusion is on);
+    ``normed``: the first block's input RMSNorm of ``x`` where ``decode_inputs`` computed it
+    (the fused quantized step's first QKV takes it; see ``first_norm_folds``)."""
     from slipstream.inference.fused_quant_decode import has_fused_quantized, quant_decode_forward
 
     if has_fused_quantized(model):  # packed int8/int4/fp8 projections: their fused kernels
-        return quant_decode_forward(model, x, rotary, cache, slots, mask)
+        return quant_decode_forward(model, x, rotary, cache, slots, mask, normed)
     parts = model.decode_fusion
     pending: torch.Tensor | None = None
     for index, block in enumerate(model.blocks):

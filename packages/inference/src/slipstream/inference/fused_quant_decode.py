@@ -40,7 +40,13 @@ from slipstream.kernels.ops import (
 )
 from slipstream.kernels.ops.quant_matmul import quant_decode_gemv, quant_decode_qkv
 
-__all__ = ["FUSABLE_FORMATS", "fusable_quantized", "has_fused_quantized", "quant_decode_forward"]
+__all__ = [
+    "FUSABLE_FORMATS",
+    "first_norm_folds",
+    "fusable_quantized",
+    "has_fused_quantized",
+    "quant_decode_forward",
+]
 
 # The code formats the fused quantized step takes (packed layout); "auto" turns it on for
 # int8 and int4 only (the measured ones), ``decode_fusion: true`` for fp8 too.
@@ -50,6 +56,8 @@ AUTO_FORMATS = ("int8", "int4")
 
 # The state handed from one projection to the next RMSNorm:
 #   ("pending", x, pending): the residual stream is x + pending (pending None: x alone);
+#   ("prenormed", x, h): the residual stream is x and h = the next norm of it (the first
+#   block's, from decode_inputs);
 #   ("normed", total, u, stats): the residual stream is total, u = total * norm weight of
 #   the norm it was made for, stats the partial sums of total**2.
 _State = tuple[Any, ...]
@@ -76,6 +84,20 @@ def has_fused_quantized(model: FusedDecoder) -> bool:
         fusable_quantized(getattr(block, name, None), block)
         for block in model.blocks
         for name in ("qkv", "out", "up", "down")
+    )
+
+
+def first_norm_folds(model: FusedDecoder) -> bool:
+    """Whether the first block's input RMSNorm of a fused quantized step can come from
+    ``decode_inputs`` (its QKV projection is a fused quantized one, which takes the normed
+    row; the dense fused GEMVs normalise inside their own launch)."""
+    first = model.blocks[0]
+    return (
+        "qkv" in model.decode_fusion
+        and isinstance(first, FusedBlock)
+        and first.input_norm.kind == "rms"
+        and fusable_quantized(first.qkv, first)
+        and has_fused_quantized(model)
     )
 
 
@@ -112,6 +134,8 @@ def _normed(state: _State, norm: Norm) -> tuple[torch.Tensor, torch.Tensor, torc
     ``rms_norm`` launch, with no statistics left to apply (``stats`` None)."""
     if state[0] == "normed":
         return state[1], state[2], state[3]
+    if state[0] == "prenormed":
+        return state[1], state[2], None
     x, pending = state[1], state[2]
     total, h = (x, norm(x)) if pending is None else norm.add_forward(pending, x)
     return total, h, None
@@ -132,7 +156,7 @@ def _consume(
         total, u, stats = _normed(state, norm)
         return total, _quantized(linear, u, stats=stats, eps=norm.eps, gated=gated, pdl=pdl)[0]
     assert not gated
-    x, residual = (state[1], None) if state[0] == "normed" else (state[1], state[2])
+    x, residual = (state[1], None) if state[0] != "pending" else (state[1], state[2])
     if fused and isinstance(linear, nn.Linear):
         return norm_gemv(x, residual, norm.weight, norm.eps, linear.weight, linear.bias)
     x, h = (x, norm(x)) if residual is None else norm.add_forward(residual, x)
@@ -220,15 +244,17 @@ def quant_decode_forward(
     cache: KVCache | None,
     slots: torch.Tensor,
     mask: torch.Tensor,
+    normed: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """The blocks, final norm and head of a single-token decode step of a model with packed
-    quantized projections (``fused_decode.decode_forward`` hands over to this)."""
+    quantized projections (``fused_decode.decode_forward`` hands over to this); ``normed``:
+    the first block's input RMSNorm of ``x``, computed already (``decode_inputs``)."""
     parts = model.decode_fusion
     pdl = model.quant_pdl
     attention_pdl = pdl != "off" and model.quant_attention_pdl
     trigger = pdl != "off" and model.quant_attention_trigger
     blocks = list(model.blocks)
-    state: _State = ("pending", x, None)
+    state: _State = ("pending", x, None) if normed is None else ("prenormed", x, normed)
     for index, block in enumerate(blocks):
         assert isinstance(block, FusedBlock) and block.post_norm is not None
         layer_cache = None if cache is None else (cache.keys[index], cache.values[index])

@@ -201,7 +201,7 @@ class StopStrings:
 
 def generate_tokens(
     prefill: Callable[[torch.Tensor, torch.Tensor, torch.Tensor], torch.Tensor],
-    decode: Callable[[torch.Tensor, torch.Tensor, int], torch.Tensor],
+    decode: Callable[[torch.Tensor, torch.Tensor | None, int], torch.Tensor],
     input_ids: torch.Tensor,
     attention_mask: torch.Tensor,
     settings: GenerationSettings,
@@ -212,7 +212,9 @@ def generate_tokens(
 
     Args:
         prefill: ``(input_ids, positions, attention_mask) -> last-token logits (batch, vocab)``.
-        decode: ``(tokens (batch,), positions (batch,), slot) -> logits (batch, vocab)``.
+        decode: ``(tokens (batch,), positions (batch,) or None, slot) -> logits (batch,
+            vocab)``; positions None (every step after the first): the previous step's plus
+            one, which the decode keeps itself (a CUDA-graph step advances them on the device).
 
     Positions follow Hugging Face's left-padding rule (``cumsum(mask) - 1``, pads at 1); rows
     that produced an EOS continue with ``pad_token_id`` until every row is done. A row that
@@ -228,15 +230,22 @@ def generate_tokens(
     eos = torch.tensor(settings.eos_token_id, device=input_ids.device, dtype=torch.long)
     unfinished = torch.ones(input_ids.shape[0], dtype=torch.bool, device=input_ids.device)
     logits = prefill(input_ids, positions, mask.bool())
-    next_position = positions[:, -1] + 1
+    next_position: torch.Tensor | None = positions[:, -1] + 1
     slot = input_ids.shape[1]
+    # Without a repetition penalty or stop strings nothing reads the sequences inside the loop:
+    # the new tokens are joined once at the end instead of by a torch.cat every step.
+    deferred = settings.repetition_penalty == 1.0 and stop is None
+    new_tokens: list[torch.Tensor] = []
     for step in range(settings.max_new_tokens):
         scores = process_logits(logits, sequences, step, settings)
         tokens = select_tokens(scores, settings, generator)
         if eos.numel():
             tokens = torch.where(unfinished, tokens, settings.pad_token_id or 0)
             unfinished = unfinished & ~torch.isin(tokens, eos)
-        sequences = torch.cat([sequences, tokens[:, None]], dim=-1)
+        if deferred:
+            new_tokens.append(tokens)
+        else:
+            sequences = torch.cat([sequences, tokens[:, None]], dim=-1)
         if stop is not None:
             unfinished = unfinished & ~stop(sequences)
         # One host sync per token: stopping early on EOS needs the flag on the host.
@@ -244,6 +253,8 @@ def generate_tokens(
         if step + 1 == settings.max_new_tokens or (checks and not bool(unfinished.any())):
             break
         logits = decode(tokens, next_position, slot)
-        next_position = next_position + 1
+        next_position = None  # the next step's: this one's plus one, kept by decode
         slot += 1
+    if new_tokens:
+        sequences = torch.cat([sequences, torch.stack(new_tokens, dim=-1)], dim=-1)
     return sequences

@@ -15,6 +15,7 @@ from torch import nn
 from slipstream.kernels.ops import (
     add_rms_norm,
     decode_attention,
+    decode_inputs,
     gated_activation,
     layer_norm,
     moe_gemv,
@@ -417,6 +418,12 @@ class FusedDecoder(nn.Module):
         # Whether the fused dense decode step launches its kernels with programmatic dependent
         # launch (the ``decode_pdl`` config key; set by fused_decode.enable_decode_fusion).
         self.decode_pdl = False
+        # The rotary cos/sin of positions [0, length), fp32 (length, rotary_dim / 2) each, that
+        # single-token steps gather through ``decode_inputs`` (build_decode_tables); None: those
+        # steps compute their angles. Tables once handed out stay alive (CUDA graphs hold them).
+        self.decode_tables: tuple[torch.Tensor, torch.Tensor] | None = None
+        self._old_tables: list[tuple[torch.Tensor, torch.Tensor]] = []
+        self.decode_prologue = False  # single-token steps run decode_inputs (build_decode_tables)
 
     def _rotary(self, positions: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor] | None:
         if self.spec.position != "rotary":
@@ -428,6 +435,92 @@ class FusedDecoder(nn.Module):
             cos, sin = cos * self.rotary_scaling, sin * self.rotary_scaling
         return cos[:, :, None], sin[:, :, None]
 
+    def build_decode_tables(self, length: int) -> None:
+        """Let single-token steps at cache slots below ``length`` compute their first block's
+        inputs in one ``decode_inputs`` launch (embedding, learned positions, rotary cos/sin,
+        additive mask; on a GPU one Triton kernel instead of about fifteen small ones). The
+        rotary cos/sin of positions ``[0, length)`` are computed here once, by the same torch
+        ops as :meth:`_rotary`, so that the steps gather the same bits. Position ids must stay
+        below ``length`` (they do in ``generate``: a token's position is at most its slot)."""
+        self.decode_prologue = True
+        if self.spec.position != "rotary":
+            return
+        if self.decode_tables is not None:
+            if self.decode_tables[0].shape[0] >= length:
+                return
+            self._old_tables.append(self.decode_tables)
+        positions = torch.arange(length, device=self.inv_freq.device)[None]
+        rotary = self._rotary(positions)
+        assert rotary is not None
+        self.decode_tables = (rotary[0][0, :, 0].contiguous(), rotary[1][0, :, 0].contiguous())
+
+    def _decode_inputs(
+        self,
+        input_ids: torch.Tensor,
+        positions: torch.Tensor,
+        key_valid: torch.Tensor,
+        slots: torch.Tensor,
+        group: int,
+        mark_valid: bool,
+        next_slot: torch.Tensor | None = None,
+    ) -> (
+        tuple[
+            torch.Tensor,
+            tuple[torch.Tensor, torch.Tensor] | None,
+            torch.Tensor,
+            torch.Tensor | None,
+        ]
+        | None
+    ):
+        """``(x, rotary, mask, normed)`` of a single-token step through ``decode_inputs``
+        (``normed``: the first block's input RMSNorm of ``x``, where the fused quantized step
+        takes it; else None); None where it does not apply (more tokens, no tables for these
+        slots, a vocab-parallel embedding)."""
+        if not self.decode_prologue or input_ids.shape[1] != 1 or slots.shape != (1,):
+            return None
+        if type(self.embed) is not nn.Embedding:  # e.g. tensor parallelism's vocab shards
+            return None
+        weight = self.embed.weight
+        tables = self.decode_tables
+        if self.spec.position == "rotary" and (
+            tables is None
+            or tables[0].shape[0] < key_valid.shape[1]
+            or tables[0].device != weight.device
+        ):
+            return None
+        learned = None if self.positions is None else self.positions.weight
+        if learned is not None and (
+            type(self.positions) is not nn.Embedding or learned.dtype != weight.dtype
+        ):
+            return None
+        cos_table, sin_table = (None, None) if tables is None else tables
+        norm = None
+        if self.decode_fusion and self.layer_hook is None:
+            from slipstream.inference.fused_quant_decode import first_norm_folds
+
+            first = self.blocks[0]
+            assert isinstance(first, FusedBlock)
+            norm = first.input_norm if first_norm_folds(self) else None
+        x, cos, sin, mask, normed = decode_inputs(
+            input_ids,
+            positions,
+            key_valid,
+            slots,
+            weight,
+            learned,
+            self.spec.learned_offset,
+            cos_table if self.spec.position == "rotary" else None,
+            sin_table if self.spec.position == "rotary" else None,
+            self.spec.sliding_window,
+            group,
+            mark_valid=mark_valid,
+            next_slot=next_slot,
+            norm_weight=None if norm is None else norm.weight,
+            norm_eps=1e-6 if norm is None else norm.eps,
+        )
+        rotary = None if cos is None or sin is None else (cos, sin)
+        return x, rotary, mask, normed
+
     def forward(
         self,
         input_ids: torch.Tensor,
@@ -436,6 +529,8 @@ class FusedDecoder(nn.Module):
         slots: torch.Tensor,
         cache: KVCache | None = None,
         last_only: bool = False,
+        mark_valid: bool = False,
+        next_slot: torch.Tensor | None = None,
     ) -> torch.Tensor:
         """Logits for ``input_ids`` ``(batch, tokens)`` (only the last token's if ``last_only``).
 
@@ -445,27 +540,50 @@ class FusedDecoder(nn.Module):
                 number of slots attended (the whole cache for a graph-captured decode step).
             slots: ``(tokens,)`` the cache slots the tokens are written to.
             cache: the KV cache; None attends only to the tokens given (``slots`` = 0..n-1).
+            mark_valid: set ``key_valid[:, slots]`` True first, on the device (a CUDA-graph
+                decode step: then the runner launches nothing for it before the replay).
+            next_slot: ``(1,)`` (a CUDA-graph decode step): the step's slot is read from it into
+                ``slots``, and it and ``positions`` advance by one on the device, so that the
+                next replay needs no new positions or slot copied in.
         """
-        x = self.embed(input_ids)
-        if self.positions is not None:
-            x = x + self.positions(positions + self.spec.learned_offset)
-        rotary = self._rotary(positions)
-        mask = attention_mask(key_valid, slots, self.spec.sliding_window)
         first = self.blocks[0]
         assert isinstance(first, FusedBlock)
         previous = first  # the block whose output's partial sum ``pending`` (below) is
         group = first.heads // first.kv_heads
-        if group > 1:  # once per step, not per layer: (batch, 1, group * tokens, keys)
-            mask = mask[:, :, None].expand(-1, -1, group, -1, -1).flatten(2, 3)
-        # An additive mask, built once per step: SDPA would otherwise turn the boolean mask into
-        # one in every layer (extra kernels per layer at decode).
-        mask = torch.zeros(mask.shape, dtype=x.dtype, device=x.device).masked_fill_(
-            ~mask, float("-inf")
+        prologue = (
+            None
+            if cache is None
+            else self._decode_inputs(
+                input_ids, positions, key_valid, slots, group, mark_valid, next_slot
+            )
         )
+        normed = None
+        if prologue is not None:  # a single-token step: one decode_inputs launch for all this
+            x, rotary, mask, normed = prologue
+        else:
+            if next_slot is not None:
+                slots.copy_(next_slot)
+            if mark_valid:
+                key_valid.index_fill_(1, slots, True)
+            x = self.embed(input_ids)
+            if self.positions is not None:
+                x = x + self.positions(positions + self.spec.learned_offset)
+            rotary = self._rotary(positions)
+            mask = attention_mask(key_valid, slots, self.spec.sliding_window)
+            if group > 1:  # once per step, not per layer: (batch, 1, group * tokens, keys)
+                mask = mask[:, :, None].expand(-1, -1, group, -1, -1).flatten(2, 3)
+            # An additive mask, built once per step: SDPA would otherwise turn the boolean mask
+            # into one in every layer (extra kernels per layer at decode).
+            mask = torch.zeros(mask.shape, dtype=x.dtype, device=x.device).masked_fill_(
+                ~mask, float("-inf")
+            )
+            if next_slot is not None:  # this step's positions and slot are read: advance them
+                positions.add_(1)
+                next_slot.add_(1)
         if self.decode_fusion and input_ids.numel() == 1 and self.layer_hook is None:
             from slipstream.inference.fused_decode import decode_forward
 
-            return decode_forward(self, x, rotary, cache, slots, mask)
+            return decode_forward(self, x, rotary, cache, slots, mask, normed)
         # Each block's last residual add runs in the next norm's kernel (add + norm fused).
         pending: torch.Tensor | None = None
         for index, block in enumerate(self.blocks):

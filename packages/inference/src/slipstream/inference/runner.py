@@ -24,10 +24,16 @@ class _Bucket:
     key_valid: torch.Tensor  # (batch, max_len) bool
     graph: torch.cuda.CUDAGraph | None = None
     tokens: torch.Tensor | None = None  # static graph inputs (batch, 1)
-    positions: torch.Tensor | None = None
-    slot: torch.Tensor | None = None  # (1,)
+    positions: torch.Tensor | None = None  # advanced by one on the device by every replay
+    slot: torch.Tensor | None = None  # (1,) the step's slot, which the blocks read
+    next_slot: torch.Tensor | None = None  # (1,) the next step's, advanced by every replay
     logits: torch.Tensor | None = None  # static graph output (batch, vocab)
     graph_failed: bool = False
+    # What the device holds for the next replay: next_slot's value (None: unknown), and whether
+    # ``positions`` holds the last step's plus one (after a replay; not after a prefill).
+    device_slot: int | None = None
+    advanced: bool = False
+    next_positions: torch.Tensor | None = None  # (batch,) after an eager decode step
 
 
 class StaticCacheRunner:
@@ -37,7 +43,13 @@ class StaticCacheRunner:
     (gpt-fast's idea, done with a raw ``torch.cuda.CUDAGraph`` rather than ``torch.compile``)
     and every later step is one replay: inputs are copied into static buffers, the slot is a
     device tensor, and attention covers all ``max_len`` slots under the key-valid mask, so that
-    shapes never change. A capture that fails logs one warning and that batch size runs eagerly.
+    shapes never change; the step marks its slot valid inside the graph. A capture that fails
+    logs one warning and that batch size runs eagerly.
+
+    ``prefill`` and ``decode`` return fp32 logits, as Hugging Face's ``generate`` hands them to
+    its logits processors (the graph's output is copied out by that one conversion). A replay
+    advances the step's positions and slot by one on the device, so that the next step (called
+    with ``positions=None``, at the next slot) needs nothing copied in but its tokens.
     """
 
     def __init__(self, model: FusedDecoder, max_len: int, *, cuda_graph: bool) -> None:
@@ -45,6 +57,9 @@ class StaticCacheRunner:
         self.max_len = max_len
         self.cuda_graph = cuda_graph
         self.buckets: dict[int, _Bucket] = {}
+        # Decode steps compute their first block's inputs in one decode_inputs launch, with the
+        # rotary cos/sin of every slot's position computed once here.
+        model.build_decode_tables(max_len)
 
     def captured(self, batch: int) -> bool:
         """Whether batch size ``batch`` decodes by replaying a captured CUDA graph."""
@@ -74,35 +89,63 @@ class StaticCacheRunner:
     def prefill(
         self, input_ids: torch.Tensor, positions: torch.Tensor, key_valid: torch.Tensor
     ) -> torch.Tensor:
-        """Fill the cache with the prompts; returns the last token's logits ``(batch, vocab)``."""
+        """Fill the cache with the prompts; returns the last token's fp32 logits ``(batch, vocab)``."""
         batch, length = input_ids.shape
         self._check_length(length)
         bucket = self._bucket(batch)
+        bucket.advanced, bucket.next_positions = False, None
         bucket.key_valid.zero_()
         bucket.key_valid[:, :length] = key_valid
         slots = torch.arange(length, device=input_ids.device)
         logits = self.model(
             input_ids, positions, bucket.key_valid[:, :length], slots, bucket.cache, last_only=True
         )
-        return logits[:, -1]
+        return logits[:, -1].float()
 
     @torch.no_grad()
-    def decode(self, tokens: torch.Tensor, positions: torch.Tensor, slot: int) -> torch.Tensor:
-        """One token per row at cache ``slot``; returns logits ``(batch, vocab)``."""
+    def decode(
+        self,
+        tokens: torch.Tensor,
+        positions: torch.Tensor | None,
+        slot: int,
+        *,
+        copy: bool = True,
+    ) -> torch.Tensor:
+        """One token per row at cache ``slot``; returns fp32 logits ``(batch, vocab)``.
+
+        ``positions`` ``(batch,)`` are the tokens' position ids (below ``max_len``), or None
+        for the previous decode step's (of this batch size, since its prefill) plus one.
+        ``copy=False``: the logits in the model's dtype, a replayed step's being the graph's
+        output buffer itself, which the next decode step of this batch size overwrites (for a
+        caller done with them by then, as ``generate``: no copy per step).
+        """
         self._check_length(slot + 1)
-        bucket = self._bucket(tokens.shape[0])
-        bucket.key_valid[:, slot] = True
+        batch = tokens.shape[0]
+        bucket = self._bucket(batch)
+        given = positions
+        if positions is None:
+            positions = self._next_positions(bucket)
         if self.cuda_graph and tokens.is_cuda and not bucket.graph_failed:
             if bucket.graph is None:
                 self._capture(bucket, tokens, positions, slot)
             if bucket.graph is not None:
                 assert bucket.tokens is not None and bucket.positions is not None
-                assert bucket.slot is not None and bucket.logits is not None
+                assert bucket.next_slot is not None and bucket.logits is not None
                 bucket.tokens.copy_(tokens[:, None])
-                bucket.positions.copy_(positions[:, None])
-                bucket.slot.fill_(slot)
+                if given is not None or not bucket.advanced:
+                    bucket.positions.copy_(positions[:, None])
+                if bucket.device_slot != slot:
+                    bucket.next_slot.fill_(slot)
+                # The replay marks key_valid[:, slot] and advances positions and next_slot.
                 bucket.graph.replay()
-                return bucket.logits.clone()
+                bucket.advanced, bucket.device_slot = True, slot + 1
+                # A copy the next replay cannot overwrite, in fp32 for the logits processors.
+                logits = bucket.logits
+                if not copy:
+                    return logits
+                return logits.float() if logits.dtype != torch.float32 else logits.clone()
+        bucket.advanced = False
+        bucket.key_valid[:, slot] = True
         slots = torch.tensor([slot], device=tokens.device)
         # Eager steps attend over a width rounded up to EAGER_WIDTH slots (the later ones are
         # masked: not yet valid, and after this slot): attention backends that plan per shape
@@ -115,13 +158,31 @@ class StaticCacheRunner:
             slots,
             bucket.cache,
         )
-        return logits[:, -1]
+        bucket.next_positions = positions + 1
+        return logits[:, -1].float() if copy else logits[:, -1]
+
+    def _next_positions(self, bucket: _Bucket) -> torch.Tensor:
+        """The positions a ``decode(positions=None)`` step of ``bucket`` continues from."""
+        if bucket.advanced and bucket.positions is not None:
+            return bucket.positions[:, 0]
+        if bucket.next_positions is None:
+            raise ValueError(
+                "decode(positions=None) continues the previous decode step of this batch size; "
+                "the first step after a prefill must pass its positions"
+            )
+        return bucket.next_positions
 
     def _graph_step(self, bucket: _Bucket) -> torch.Tensor:
         assert bucket.tokens is not None and bucket.positions is not None
         assert bucket.slot is not None
         logits = self.model(
-            bucket.tokens, bucket.positions, bucket.key_valid, bucket.slot, bucket.cache
+            bucket.tokens,
+            bucket.positions,
+            bucket.key_valid,
+            bucket.slot,
+            bucket.cache,
+            mark_valid=True,
+            next_slot=bucket.next_slot,
         )
         return logits[:, -1]
 
@@ -138,15 +199,20 @@ class StaticCacheRunner:
         bucket.tokens = tokens[:, None].clone()
         bucket.positions = positions[:, None].clone()
         bucket.slot = torch.tensor([slot], device=tokens.device)
+        bucket.next_slot = bucket.slot.clone()
         try:
             # Warm up on a side stream (lazy inits, Triton compiles) before capturing; the warm-up
-            # writes this step's keys and values, which the captured replay rewrites identically.
+            # writes this step's keys and values, which the captured replay rewrites identically
+            # (each run starts from this step's positions and slot: a run advances them).
             side = torch.cuda.Stream()
             side.wait_stream(torch.cuda.current_stream())
             with torch.cuda.stream(side):
                 for _ in range(2):
+                    bucket.positions.copy_(positions[:, None])
+                    bucket.next_slot.fill_(slot)
                     self._graph_step(bucket)
             torch.cuda.current_stream().wait_stream(side)
+            bucket.advanced, bucket.device_slot = False, None  # decode copies this step's in
             graph = torch.cuda.CUDAGraph()
             # Captured on the warm-up stream: per-stream scratch the warm-up made (the split-K
             # GEMVs' workspace) is found at capture, where it cannot be allocated.
