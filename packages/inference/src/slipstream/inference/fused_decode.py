@@ -245,7 +245,8 @@ def _cached_attention(
     keys, values = cache[0][:, :, : mask.shape[-1]], cache[1][:, :, : mask.shape[-1]]
     if heads > block.kv_heads:  # the GQA group's query heads as rows of their KV head
         q = q.reshape(batch, block.kv_heads, (heads // block.kv_heads) * length, head_dim)
-    out = decode_attention(q, keys, values, mask, block.spec.scale, pdl=pdl)
+    # with PDL the next kernel may launch at once too (what decode_pdl measured)
+    out = decode_attention(q, keys, values, mask, block.spec.scale, pdl=pdl, trigger=pdl)
     return out.reshape(batch, heads, length, head_dim).transpose(1, 2).reshape(batch, length, -1)
 
 

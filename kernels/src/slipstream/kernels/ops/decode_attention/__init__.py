@@ -30,16 +30,19 @@ def decode_attention(
     *,
     pdl: bool = False,
     trigger: bool = False,
+    prefetch: bool = False,
 ) -> torch.Tensor:
     """``softmax(query @ key^T * scale + mask) @ value`` per KV head with the best backend:
     ``query`` ``(batch, kv_heads, rows, head_dim)``, ``key``/``value`` ``(batch, kv_heads,
     slots, head_dim)``, ``mask`` additive, broadcasting to ``(batch, kv_heads, rows, slots)``.
-    ``pdl``: the GPU kernel launches with programmatic dependent launch (sm_90+); ``trigger``:
-    it lets the next kernel launch at once (a kernel launched with programmatic dependent launch
-    then starts while attention runs; sm_90+, a no-op elsewhere).
+    ``pdl``: the GPU kernel launches with programmatic dependent launch (sm_90+: it may start
+    while the previous kernel finishes and waits for it before reading); ``trigger``: it lets
+    the next kernel launch at once (a kernel launched with programmatic dependent launch then
+    starts while attention runs; sm_90+, a no-op elsewhere); ``prefetch`` (with ``pdl``): before
+    it waits, it asks L2 for the cache's keys and values. None of them changes the result.
 
     >>> out = decode_attention(torch.randn(1, 2, 4, 16), torch.randn(1, 2, 8, 16),
     ...                        torch.randn(1, 2, 8, 16), torch.zeros(1, 1, 4, 8), 0.25)
     """
     fn = get_op(OP_NAME, query.device.type, query.dtype)
-    return fn(query, key, value, mask, scale, pdl=pdl, trigger=trigger)  # type: ignore[no-any-return]
+    return fn(query, key, value, mask, scale, pdl=pdl, trigger=trigger, prefetch=prefetch)  # type: ignore[no-any-return]

@@ -117,10 +117,11 @@ def decode_attention_split_kernel(
     """One chunk of ``BLOCK_S`` slots of one (batch, KV head): partial softmax statistics.
     ``MERGE``: the last chunk program of each (batch, KV head) to finish (an arrival counter,
     reset to 0 by that program for the next call) merges them, so one launch does it all.
-    ``GDC`` (launched with programmatic dependent launch): the next kernel may be scheduled at
-    once (the output projection prefetches its weight while attention runs), and every program
-    waits for the previous kernel (which wrote the queries and the cache) before reading."""
-    if TRIGGER or GDC:
+    ``GDC`` (launched with programmatic dependent launch): every program waits for the previous
+    kernel (which wrote the queries and the cache) before reading. ``TRIGGER``: the next kernel
+    may be scheduled at once (a kernel launched with programmatic dependent launch, the output
+    projection, prefetches its weight while attention runs); else only when attention ends."""
+    if TRIGGER:
         gdc_launch_dependents()
     if GDC:
         gdc_wait()
@@ -254,6 +255,46 @@ def decode_attention_combine_kernel(
 
 
 @triton.jit
+def _l2_prefetch_rows(first_row, row_stride, row_bytes, rows):
+    """``cp.async.bulk.prefetch.L2`` of ``row_bytes`` (a multiple of 16) from each of ``rows``
+    rows ``row_stride`` bytes apart from ``first_row`` on (NVIDIA sm_90): thread ``t < rows``
+    of the program requests row ``t``, so each row is asked for once."""
+    return tl.inline_asm_elementwise(
+        """{
+        .reg .pred p;
+        .reg .u32 t;
+        .reg .u64 a, off;
+        mov.u32 t, %tid.x;
+        setp.lt.u32 p, t, $4;
+        mul.wide.u32 off, t, $2;
+        add.u64 a, $1, off;
+        @p cp.async.bulk.prefetch.L2.global [a], $3;
+        mov.u32 $0, 0;
+        }""",
+        "=r,l,r,r,r",
+        [first_row, row_stride, row_bytes, rows],
+        dtype=tl.int32,
+        is_pure=False,
+        pack=1,
+    )
+
+
+@triton.jit
+def _prefetch_cache(
+    base, SLOTS, slot_stride, ROW_BYTES: tl.constexpr, ELEMENT: tl.constexpr, THREADS: tl.constexpr
+):
+    """L2 prefetch of slots ``0 .. SLOTS - 1`` (``ROW_BYTES`` of each, ``slot_stride`` elements
+    of ``ELEMENT`` bytes apart) from ``base``, ``THREADS`` rows a pass."""
+    for start in range(0, SLOTS, THREADS):
+        _l2_prefetch_rows(
+            base + start * slot_stride,
+            slot_stride * ELEMENT,
+            ROW_BYTES,
+            SLOTS - start,
+        )
+
+
+@triton.jit
 def decode_attention_loop_kernel(
     q_ptr,
     k_ptr,
@@ -287,19 +328,43 @@ def decode_attention_loop_kernel(
     STAGES: tl.constexpr = 3,
     GDC: tl.constexpr = False,
     TRIGGER: tl.constexpr = False,  # as in the split form
+    D_SPLIT: tl.constexpr = 1,
+    PREFETCH: tl.constexpr = False,
+    THREADS: tl.constexpr = 128,
+    ELEMENT: tl.constexpr = 2,  # bytes per cache element (PREFETCH)
 ):
     """One program per (batch, KV head) walks the cache in ``BLOCK_S`` chunks with the online
     softmax (the chunks' loads pipelined ``STAGES`` deep) and stores the output rows: no
     partials, no merge. For short caches, where the split form's partial stores, arrival
     counter and merge cost more latency than the serial chunks. ``GDC`` and ``TRIGGER`` as in
-    the split form."""
-    if TRIGGER or GDC:
-        gdc_launch_dependents()
-    if GDC:
-        gdc_wait()
+    the split form. ``D_SPLIT``: the head's output features are cut over that many programs
+    (axis 1), each scoring all keys (the same scores, so the same softmax) but reading and
+    writing ``HEAD_DIM / D_SPLIT`` value features: more SMs each loading fewer bytes.
+    ``PREFETCH`` (with ``GDC``, sm_90; ``THREADS``: the program's threads): before the wait,
+    every program asks L2 for its keys and value features of all ``SLOTS`` slots (a prefetch:
+    L2 is where the QKV kernel's cache write lands, so a slot written after it is still read
+    right), so the loop after the wait reads them from L2 rather than HBM."""
     bh = tl.program_id(0)
     b = (bh // KV_HEADS).to(tl.int64)
     h = (bh % KV_HEADS).to(tl.int64)
+    DV: tl.constexpr = HEAD_DIM // D_SPLIT
+    dv = tl.program_id(1) * DV + tl.arange(0, DV)
+    if TRIGGER:
+        gdc_launch_dependents()
+    if GDC:
+        if PREFETCH:
+            _prefetch_cache(
+                k_ptr + b * k_sb + h * k_sh, SLOTS, k_ss, HEAD_DIM * ELEMENT, ELEMENT, THREADS
+            )
+            _prefetch_cache(
+                v_ptr + b * v_sb + h * v_sh + tl.program_id(1) * DV,
+                SLOTS,
+                v_ss,
+                DV * ELEMENT,
+                ELEMENT,
+                THREADS,
+            )
+        gdc_wait()
     r = tl.arange(0, ROWS_PAD)
     d = tl.arange(0, HEAD_DIM)
     r_ok = r < ROWS
@@ -308,7 +373,7 @@ def decode_attention_loop_kernel(
     )
     best = tl.full((ROWS_PAD,), float("-inf"), dtype=tl.float32)
     total = tl.zeros((ROWS_PAD,), dtype=tl.float32)
-    acc = tl.zeros((ROWS_PAD, HEAD_DIM), dtype=tl.float32)
+    acc = tl.zeros((ROWS_PAD, DV), dtype=tl.float32)
     for start in tl.range(0, SLOTS, BLOCK_S, num_stages=STAGES):
         s = start + tl.arange(0, BLOCK_S)
         s_ok = s < SLOTS
@@ -318,7 +383,7 @@ def decode_attention_loop_kernel(
             other=0.0,
         )
         v = tl.load(
-            v_ptr + b * v_sb + h * v_sh + s[:, None] * v_ss + d[None, :],
+            v_ptr + b * v_sb + h * v_sh + s[:, None] * v_ss + dv[None, :],
             mask=s_ok[:, None],
             other=0.0,
         )
@@ -334,7 +399,7 @@ def decode_attention_loop_kernel(
         best = new
     acc = acc / tl.where(total == 0.0, 1.0, total)[:, None]
     tl.store(
-        out_ptr + b * o_sb + h * o_sh + r[:, None] * o_sr + d[None, :],
+        out_ptr + b * o_sb + h * o_sh + r[:, None] * o_sr + dv[None, :],
         acc.to(out_ptr.dtype.element_ty),
         mask=r_ok[:, None],
     )
@@ -348,6 +413,9 @@ def decode_attention_loop_kernel(
 # call B2, medians the other way: kept at 64); longer caches were not measured: the split form.
 LOOP_MAX_SLOTS = 256
 LOOP_BLOCK_S = 64  # slots per chunk of the loop form
+LOOP_STAGES = 3  # chunks in flight in the loop form
+LOOP_WARPS = 4  # warps per program of the loop form
+LOOP_D_SPLIT = 1  # programs per (batch, KV head) of the loop form, each a slice of head_dim
 
 
 def default_block_s(slots: int, programs_per_chunk: int, device: torch.device) -> int:
@@ -371,19 +439,29 @@ def decode_attention(
     pdl: bool = False,
     loop: bool | None = None,
     trigger: bool = False,
+    prefetch: bool = False,
+    stages: int | None = None,
+    warps: int | None = None,
+    d_split: int | None = None,
 ) -> torch.Tensor:
     """See :func:`slipstream.kernels.ops.decode_attention.reference.decode_attention`.
     ``loop``: one program per KV head walking the chunks (None: for caches of at most
     :data:`LOOP_MAX_SLOTS` slots when ``block_s`` is not given); else the split form.
     ``merge``: one launch (the last chunk program of each head merges) instead of two.
-    ``pdl`` (with ``merge``; sm_90+): launched with programmatic dependent launch, letting the
-    next kernel start at once. ``trigger`` (NVIDIA sm_90+): every program lets the next kernel
-    launch at once (``griddepcontrol.launch_dependents``) even without ``pdl``; only a kernel
-    launched with programmatic dependent launch (the fused quantized output projection) starts
-    early, to prefetch its weight while attention runs. Head
-    sizes that are not a power of two in [16, 256], more than ``MAX_ROWS`` rows per KV head, a
-    mask that does not broadcast as ``(batch, 1 or kv_heads, rows, slots)`` or autograd: the
-    reference."""
+    ``pdl`` (the loop form, or the split form with ``merge``; sm_90+): launched with
+    programmatic dependent launch: its programs may start while the previous kernel finishes
+    and wait for it (``griddepcontrol.wait``) before reading. ``trigger`` (NVIDIA sm_90+):
+    every program lets the next kernel launch at once (``griddepcontrol.launch_dependents``),
+    with or without ``pdl``; only a kernel launched with programmatic dependent launch (the
+    fused quantized output projection) starts early, to prefetch its weight while attention
+    runs (without it, the next kernel launches when attention ends). ``prefetch`` (the loop
+    form with ``pdl``, sm_90+): before the wait each program asks L2 for its keys and values.
+    The loop form's ``block_s`` (default :data:`LOOP_BLOCK_S`), ``stages``
+    (:data:`LOOP_STAGES`), ``warps`` (:data:`LOOP_WARPS`) and ``d_split``
+    (:data:`LOOP_D_SPLIT`: programs per KV head, each ``head_dim / d_split`` output features)
+    change the launch, not the result. Head sizes that are not a power of two in [16, 256],
+    more than ``MAX_ROWS`` rows per KV head, a mask that does not broadcast as ``(batch, 1 or
+    kv_heads, rows, slots)`` or autograd: the reference."""
     check_kernel_device("decode_attention", query, key, value, mask)
     check_shapes(query, key, value)
     batch, kv_heads, rows, head_dim = query.shape
@@ -409,7 +487,14 @@ def decode_attention(
         loop = block_s is None and slots <= LOOP_MAX_SLOTS
     if loop:
         gdc = pdl and pdl_supported(query.device)
-        decode_attention_loop_kernel[(batch * kv_heads,)](
+        warps = warps or LOOP_WARPS
+        d_split = d_split or LOOP_D_SPLIT
+        if d_split < 1 or head_dim % d_split or head_dim // d_split < 16:
+            raise ValueError(
+                f"decode_attention: d_split={d_split} must divide head_dim {head_dim} into "
+                "slices of at least 16 features"
+            )
+        decode_attention_loop_kernel[(batch * kv_heads, d_split)](
             query,
             key,
             value,
@@ -436,9 +521,14 @@ def decode_attention(
             BLOCK_S=block_s or LOOP_BLOCK_S,
             HEAD_DIM=head_dim,
             IEEE=query.dtype == torch.float32,
+            STAGES=stages or LOOP_STAGES,
             GDC=gdc,
             TRIGGER=trigger and pdl_supported(query.device),
-            num_warps=4,
+            D_SPLIT=d_split,
+            PREFETCH=prefetch and gdc,
+            THREADS=32 * warps,
+            ELEMENT=key.element_size(),
+            num_warps=warps,
             **({"launch_pdl": True} if gdc else {}),
         )
         return out
@@ -605,7 +695,9 @@ def aot_specs() -> list[AotSpec]:
         strides = ["q_sb", "q_sh", "q_sr", "k_sb", "k_sh", "k_ss", "v_sb", "v_sh", "v_ss"]
         strides += ["mask_sb", "mask_sh", "mask_sr", "mask_ss", "o_sb", "o_sh", "o_sr"]
         loop_signature.update({name: "i32" for name in strides})
-        for name in ("ROWS_PAD", "BLOCK_S", "HEAD_DIM", "IEEE", "STAGES", "GDC", "TRIGGER"):
+        loop_constexprs = ("ROWS_PAD", "BLOCK_S", "HEAD_DIM", "IEEE", "STAGES", "GDC", "TRIGGER")
+        loop_constexprs += ("D_SPLIT", "PREFETCH", "THREADS", "ELEMENT")
+        for name in loop_constexprs:
             loop_signature[name] = "constexpr"
         specs.append(
             AotSpec(
@@ -620,6 +712,10 @@ def aot_specs() -> list[AotSpec]:
                     "STAGES": 3,
                     "GDC": False,
                     "TRIGGER": False,
+                    "D_SPLIT": 1,
+                    "PREFETCH": False,
+                    "THREADS": 128,
+                    "ELEMENT": 2,
                 },
             )
         )
