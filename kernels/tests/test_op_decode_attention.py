@@ -3,6 +3,7 @@ chunks, a chunk whose keys are all masked, a broadcast mask, strided cache views
 
 from __future__ import annotations
 
+import pytest
 import torch
 import torch.nn.functional as F
 
@@ -57,3 +58,45 @@ def test_triton_matches_reference(triton_device: torch.device) -> None:
             for loop in (True, False):  # trigger: the next kernel may launch at once (sm_90+)
                 got = kernel(query, key, value, mask, 0.2, loop=loop, trigger=True)
                 torch.testing.assert_close(got.float(), expected, rtol=tol, atol=tol)
+
+
+def test_loop_launch_options_match(triton_device: torch.device) -> None:
+    """The loop form's launch options change the launch, not the result: PDL waiting without
+    the trigger, the L2 prefetch and the early load of the first chunk (all but the new slots,
+    loaded again after the wait), pipeline stages — the same bits as the plain loop; warps,
+    head_dim split over programs and one whole-cache chunk — within the dtype's tolerance
+    (exact on the CPU interpreter)."""
+    from slipstream.kernels.ops.decode_attention.reference import decode_attention as reference
+    from slipstream.kernels.ops.decode_attention.triton import decode_attention as kernel
+
+    generator = torch.Generator().manual_seed(1)
+    dtype = torch.bfloat16 if triton_device.type == "cuda" else torch.float32
+    tol = 2e-2 if dtype == torch.bfloat16 else 1e-5
+    exact = triton_device.type == "cpu"
+    with torch.no_grad():
+        query, key, value, mask = _case(triton_device, dtype, generator)
+        expected = reference(query.float(), key.float(), value.float(), mask.float(), 0.2)
+        new = torch.tensor([40], device=triton_device)  # row 0's last valid slot
+        for block_s in (32, 128):
+            plain = kernel(query, key, value, mask, 0.2, loop=True, block_s=block_s)
+            torch.testing.assert_close(plain.float(), expected, rtol=tol, atol=tol)
+            same = [
+                {"pdl": True},
+                {"pdl": True, "prefetch": True, "stages": 2},
+                {"pdl": True, "new_slots": new},
+                {
+                    "pdl": True,
+                    "prefetch": True,
+                    "new_slots": torch.tensor([3, 69], device=new.device),
+                },
+                {"new_slots": new.int(), "stages": 1},
+            ]
+            close = [{"warps": 8}, {"d_split": 2}, {"d_split": 2, "new_slots": new, "pdl": True}]
+            for index, options in enumerate(same + close):
+                got = kernel(query, key, value, mask, 0.2, loop=True, block_s=block_s, **options)
+                if exact or index < len(same):
+                    assert torch.equal(got, plain), (block_s, options)
+                torch.testing.assert_close(got.float(), expected, rtol=tol, atol=tol)
+        for bad in ({"d_split": 3}, {"new_slots": new[None]}, {"new_slots": new.float()}):
+            with pytest.raises(ValueError, match=r"d_split|new_slots"):
+                kernel(query, key, value, mask, 0.2, loop=True, **bad)

@@ -25,8 +25,9 @@ of ``--repeats`` calls a round after a warm-up; the older difference measure (``
 - ``PART:FIELD=VALUE``: that ``FusedGemvConfig`` field changed for PART (qkv, out, gate_up,
   down) on top of the launch the other settings give it;
 - ``attn:FIELD=VALUE``: decode_attention's launch in the quantized step (the bf16 engine's too
-  for the module-level ones): ``pdl``, ``trigger``, ``prefetch`` (true/false: the fused
-  decoder's ``quant_attention_pdl`` / ``_trigger`` / ``_prefetch``), ``block_s``, ``stages``,
+  for the module-level ones): ``pdl``, ``trigger``, ``prefetch``, ``preload`` (true/false:
+  the fused decoder's ``quant_attention_pdl`` / ``_trigger`` / ``_prefetch`` / ``_preload``),
+  ``block_s``, ``stages``,
   ``warps``, ``d_split`` (the loop form's ``LOOP_BLOCK_S`` / ``LOOP_STAGES`` / ``LOOP_WARPS``
   / ``LOOP_D_SPLIT``), ``loop_max_slots`` (0: the split form) and ``split_block_s`` (the split
   form's chunk).
@@ -100,6 +101,7 @@ ATTENTION_FIELDS = {
     "pdl": (True, "quant_attention_pdl"),
     "trigger": (True, "quant_attention_trigger"),
     "prefetch": (True, "quant_attention_prefetch"),
+    "preload": (True, "quant_attention_preload"),
     "block_s": (False, "LOOP_BLOCK_S"),
     "stages": (False, "LOOP_STAGES"),
     "warps": (False, "LOOP_WARPS"),

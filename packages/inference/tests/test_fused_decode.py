@@ -223,11 +223,17 @@ def test_fused_quantized_decode_equals_unfused(monkeypatch: pytest.MonkeyPatch) 
         launches.add(kwargs["pdl"])
         return original_qkv(*args, **kwargs)
 
-    attention_pdl: set[tuple[bool, bool]] = set()  # decode_attention's pdl, trigger
+    # decode_attention's pdl, trigger, prefetch, and whether it was given the new slots
+    attention_pdl: set[tuple[bool, bool, bool, bool]] = set()
     original_attention = quant_module.decode_attention
 
     def attention(*args: Any, **kwargs: Any) -> Any:
-        attention_pdl.add((kwargs["pdl"], kwargs["trigger"]))
+        new_slots = kwargs["new_slots"]
+        if new_slots is not None:  # the slot the QKV epilogue wrote, the last valid one
+            assert new_slots.shape == (1,) and args[3][0, 0, 0, new_slots[0]] == 0
+            assert new_slots[0] + 1 == args[3].shape[-1] or args[3][0, 0, 0, new_slots[0] + 1] < 0
+        key = (kwargs["pdl"], kwargs["trigger"], kwargs["prefetch"], new_slots is not None)
+        attention_pdl.add(key)
         return original_attention(*args, **kwargs)
 
     monkeypatch.setattr(quant_module, "quant_decode_gemv", counting)
@@ -256,15 +262,18 @@ def test_fused_quantized_decode_equals_unfused(monkeypatch: pytest.MonkeyPatch) 
         calls.update(gated=0, norm_in=0, add_norm=0, qkv=0)
         launches.clear()
         attention_pdl.clear()
-        # attention's launch options (PDL, the trigger for the output projection): off by
-        # default, and they reach attention only with the GEMVs' PDL on
-        assert not fused.fused.quant_attention_trigger and not fused.fused.quant_attention_pdl
+        # attention's launch options (PDL, the trigger for the output projection, the L2
+        # prefetch and the early load of the slots QKV does not write): off by default, and
+        # they reach attention only with the GEMVs' PDL on (the last two with attention's PDL)
+        options = ("pdl", "trigger", "prefetch", "preload")
+        assert not any(getattr(fused.fused, f"quant_attention_{o}") for o in options)
         fused.fused.quant_attention_pdl = bits == 4 or pdl == "l2_partial"
         fused.fused.quant_attention_trigger = bits == 4 or pdl == "l2_partial"
+        fused.fused.quant_attention_prefetch = fused.fused.quant_attention_preload = True
         tokens = fused.generate(ids, **KWARGS)
         assert launches == {{False: "off", "auto": "on"}.get(pdl, pdl)}, (pdl, launches)
         partial = pdl == "l2_partial"
-        assert attention_pdl == {(partial, partial)}, (pdl, attention_pdl)
+        assert attention_pdl == {(partial,) * 4}, (pdl, attention_pdl)
         layers = len(fused.fused.blocks)
         # 5 decode steps: per block QKV (1/rms, rotary and cache write), gate/up (gated,
         # 1/rms), out and down (add + norm epilogue), the quantized head's 1/rms; the last

@@ -254,15 +254,19 @@ def test_fused_quantized_decode_on_gpu(bits: int) -> None:
     }
     kwargs = {"max_new_tokens": 12, "do_sample": False, "eos_token_id": None, "pad_token_id": 0}
     outputs = []
-    for graph, pdl in ((False, False), (True, False), (True, True), (True, "l2_partial")):
+    cases = [(False, False, ""), (True, False, ""), (True, True, ""), (True, "l2_partial", "")]
+    # attention launched with PDL too: triggering the output projection; waiting only, with
+    # the L2 prefetch and the early load of the slots QKV does not write (the bench's options)
+    cases += [(True, "l2_partial", "trigger"), (True, "l2_partial", "preload")]
+    for graph, pdl, attention in cases:
         pdl_config = {**config, "quant": {"weight": {**weight, "decode_pdl": pdl}}}
         engine = init_inference(model, pdl_config, enable_cuda_graph=graph, max_out_tokens=32)
         assert engine.fused is not None and len(engine.fused.decode_fusion) == 6  # auto: all
         assert engine.fused.quant_pdl == {False: "off", True: "on"}.get(pdl, pdl)
-        # l2_partial: attention launched with PDL too and triggering the output projection
-        # (the bench's options; no config value sets them)
-        engine.fused.quant_attention_pdl = pdl == "l2_partial"
-        engine.fused.quant_attention_trigger = pdl == "l2_partial"
+        engine.fused.quant_attention_pdl = bool(attention)
+        engine.fused.quant_attention_trigger = attention == "trigger"
+        engine.fused.quant_attention_prefetch = attention == "preload"
+        engine.fused.quant_attention_preload = attention == "preload"
         outputs.append(engine.generate(ids, **kwargs))
     assert all(torch.equal(outputs[0], other) for other in outputs[1:])
     config["quant"]["weight"]["decode_pdl"] = False

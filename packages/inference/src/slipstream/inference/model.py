@@ -406,13 +406,15 @@ class FusedDecoder(nn.Module):
         # "off"): launched with programmatic dependent launch itself (``pdl``: it starts while
         # the QKV GEMV finishes and waits for it), letting the output projection launch at once
         # (``trigger``: that projection prefetches its weight while attention runs), and with
-        # ``pdl`` an L2 prefetch of the cache before the wait (``prefetch``). PDL with the
+        # ``pdl`` an L2 prefetch of the cache before the wait (``prefetch``) or a load of the
+        # first chunk of the slots QKV does not write (``preload``). PDL with the
         # trigger and the trigger alone measured slower on an H100 (8B int4: 2.816 against
         # 2.635 ms with the rule's launches; 2.669 against 2.414 with the built-in ones);
         # tools/bench/quant_decode_variants.py sets them ("attn:pdl=true", ...).
         self.quant_attention_pdl = False
         self.quant_attention_trigger = False
         self.quant_attention_prefetch = False
+        self.quant_attention_preload = False
         # The parts that single-token decode steps run through the decode kernels
         # (fused_decode.decode_forward; set by fused_decode.enable_decode_fusion); empty: none.
         self.decode_fusion: frozenset[str] = frozenset()

@@ -295,6 +295,25 @@ def _prefetch_cache(
 
 
 @triton.jit
+def _online_chunk(
+    q, k, v, mask_ptr, b, h, r, s, r_ok, s_ok, mask_sb, mask_sh, mask_sr, mask_ss, scale,
+    best, total, acc, IEEE: tl.constexpr,
+):  # fmt: skip
+    """One chunk of the online softmax: ``(best, total, acc)`` after the keys ``k`` and values
+    ``v`` of slots ``s``."""
+    scores = _chunk_scores(
+        q, k, mask_ptr, b, h, r, s, r_ok, s_ok, mask_sb, mask_sh, mask_sr, mask_ss, scale, IEEE
+    )
+    new = tl.maximum(best, tl.max(scores, axis=1))
+    new_safe = tl.where(new == float("-inf"), 0.0, new)
+    alpha = tl.exp(best - new_safe)
+    p = tl.exp(scores - new_safe[:, None])
+    total = total * alpha + tl.sum(p, axis=1)
+    acc = acc * alpha[:, None] + _weighted_values(p, v, IEEE)
+    return new, total, acc
+
+
+@triton.jit
 def decode_attention_loop_kernel(
     q_ptr,
     k_ptr,
@@ -321,6 +340,8 @@ def decode_attention_loop_kernel(
     o_sb,
     o_sh,
     o_sr,
+    new_ptr,
+    NEW,
     ROWS_PAD: tl.constexpr,
     BLOCK_S: tl.constexpr,
     HEAD_DIM: tl.constexpr,
@@ -332,6 +353,8 @@ def decode_attention_loop_kernel(
     PREFETCH: tl.constexpr = False,
     THREADS: tl.constexpr = 128,
     ELEMENT: tl.constexpr = 2,  # bytes per cache element (PREFETCH)
+    PRELOAD: tl.constexpr = False,
+    NEW_PAD: tl.constexpr = 2,
 ):
     """One program per (batch, KV head) walks the cache in ``BLOCK_S`` chunks with the online
     softmax (the chunks' loads pipelined ``STAGES`` deep) and stores the output rows: no
@@ -343,30 +366,37 @@ def decode_attention_loop_kernel(
     ``PREFETCH`` (with ``GDC``, sm_90; ``THREADS``: the program's threads): before the wait,
     every program asks L2 for its keys and value features of all ``SLOTS`` slots (a prefetch:
     L2 is where the QKV kernel's cache write lands, so a slot written after it is still read
-    right), so the loop after the wait reads them from L2 rather than HBM."""
+    right), so the loop after the wait reads them from L2 rather than HBM.
+    ``PRELOAD``: the first chunk's keys and values are loaded before the wait, except the
+    ``NEW`` slots listed at ``new_ptr`` (those the previous kernel writes; the list itself must
+    be written before that kernel, as a CUDA graph's static slot input is), which are loaded
+    again after it (from L2: ``.cg``, never a line of this program's own early load)."""
     bh = tl.program_id(0)
     b = (bh // KV_HEADS).to(tl.int64)
     h = (bh % KV_HEADS).to(tl.int64)
     DV: tl.constexpr = HEAD_DIM // D_SPLIT
     dv = tl.program_id(1) * DV + tl.arange(0, DV)
+    d = tl.arange(0, HEAD_DIM)
+    k_head = k_ptr + b * k_sb + h * k_sh
+    v_head = v_ptr + b * v_sb + h * v_sh
     if TRIGGER:
         gdc_launch_dependents()
+    if PRELOAD:  # written by earlier steps: ours to read before the wait
+        s0 = tl.arange(0, BLOCK_S)
+        s0_ok = s0 < SLOTS
+        k0 = tl.load(k_head + s0[:, None] * k_ss + d[None, :], mask=s0_ok[:, None], other=0.0)
+        v0 = tl.load(v_head + s0[:, None] * v_ss + dv[None, :], mask=s0_ok[:, None], other=0.0)
+        n = tl.arange(0, NEW_PAD)
+        written = tl.load(new_ptr + n, mask=n < NEW, other=-1)
+        fresh = tl.max((s0[:, None] == written[None, :]).to(tl.int32), axis=1) > 0
     if GDC:
         if PREFETCH:
+            _prefetch_cache(k_head, SLOTS, k_ss, HEAD_DIM * ELEMENT, ELEMENT, THREADS)
             _prefetch_cache(
-                k_ptr + b * k_sb + h * k_sh, SLOTS, k_ss, HEAD_DIM * ELEMENT, ELEMENT, THREADS
-            )
-            _prefetch_cache(
-                v_ptr + b * v_sb + h * v_sh + tl.program_id(1) * DV,
-                SLOTS,
-                v_ss,
-                DV * ELEMENT,
-                ELEMENT,
-                THREADS,
+                v_head + tl.program_id(1) * DV, SLOTS, v_ss, DV * ELEMENT, ELEMENT, THREADS
             )
         gdc_wait()
     r = tl.arange(0, ROWS_PAD)
-    d = tl.arange(0, HEAD_DIM)
     r_ok = r < ROWS
     q = tl.load(
         q_ptr + b * q_sb + h * q_sh + r[:, None] * q_sr + d[None, :], mask=r_ok[:, None], other=0.0
@@ -374,29 +404,31 @@ def decode_attention_loop_kernel(
     best = tl.full((ROWS_PAD,), float("-inf"), dtype=tl.float32)
     total = tl.zeros((ROWS_PAD,), dtype=tl.float32)
     acc = tl.zeros((ROWS_PAD, DV), dtype=tl.float32)
-    for start in tl.range(0, SLOTS, BLOCK_S, num_stages=STAGES):
+    first = 0
+    if PRELOAD:  # the slots the previous kernel wrote, then the first chunk
+        again = fresh[:, None] & s0_ok[:, None]
+        k_new = tl.load(
+            k_head + s0[:, None] * k_ss + d[None, :], mask=again, other=0.0, cache_modifier=".cg"
+        )
+        v_new = tl.load(
+            v_head + s0[:, None] * v_ss + dv[None, :], mask=again, other=0.0, cache_modifier=".cg"
+        )
+        k0 = tl.where(again, k_new, k0)
+        v0 = tl.where(again, v_new, v0)
+        best, total, acc = _online_chunk(
+            q, k0, v0, mask_ptr, b, h, r, s0, r_ok, s0_ok, mask_sb, mask_sh, mask_sr, mask_ss,
+            scale, best, total, acc, IEEE,
+        )  # fmt: skip
+        first = BLOCK_S
+    for start in tl.range(first, SLOTS, BLOCK_S, num_stages=STAGES):
         s = start + tl.arange(0, BLOCK_S)
         s_ok = s < SLOTS
-        k = tl.load(
-            k_ptr + b * k_sb + h * k_sh + s[:, None] * k_ss + d[None, :],
-            mask=s_ok[:, None],
-            other=0.0,
-        )
-        v = tl.load(
-            v_ptr + b * v_sb + h * v_sh + s[:, None] * v_ss + dv[None, :],
-            mask=s_ok[:, None],
-            other=0.0,
-        )
-        scores = _chunk_scores(
-            q, k, mask_ptr, b, h, r, s, r_ok, s_ok, mask_sb, mask_sh, mask_sr, mask_ss, scale, IEEE
-        )
-        new = tl.maximum(best, tl.max(scores, axis=1))
-        new_safe = tl.where(new == float("-inf"), 0.0, new)
-        alpha = tl.exp(best - new_safe)
-        p = tl.exp(scores - new_safe[:, None])
-        total = total * alpha + tl.sum(p, axis=1)
-        acc = acc * alpha[:, None] + _weighted_values(p, v, IEEE)
-        best = new
+        k = tl.load(k_head + s[:, None] * k_ss + d[None, :], mask=s_ok[:, None], other=0.0)
+        v = tl.load(v_head + s[:, None] * v_ss + dv[None, :], mask=s_ok[:, None], other=0.0)
+        best, total, acc = _online_chunk(
+            q, k, v, mask_ptr, b, h, r, s, r_ok, s_ok, mask_sb, mask_sh, mask_sr, mask_ss, scale,
+            best, total, acc, IEEE,
+        )  # fmt: skip
     acc = acc / tl.where(total == 0.0, 1.0, total)[:, None]
     tl.store(
         out_ptr + b * o_sb + h * o_sh + r[:, None] * o_sr + dv[None, :],
@@ -443,6 +475,7 @@ def decode_attention(
     stages: int | None = None,
     warps: int | None = None,
     d_split: int | None = None,
+    new_slots: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """See :func:`slipstream.kernels.ops.decode_attention.reference.decode_attention`.
     ``loop``: one program per KV head walking the chunks (None: for caches of at most
@@ -459,7 +492,11 @@ def decode_attention(
     The loop form's ``block_s`` (default :data:`LOOP_BLOCK_S`), ``stages``
     (:data:`LOOP_STAGES`), ``warps`` (:data:`LOOP_WARPS`) and ``d_split``
     (:data:`LOOP_D_SPLIT`: programs per KV head, each ``head_dim / d_split`` output features)
-    change the launch, not the result. Head sizes that are not a power of two in [16, 256],
+    change the launch, not the result. ``new_slots`` (the loop form; a 1-D integer tensor
+    on the device, every batch row's new slots): the cache slots the previous kernel writes
+    (the quantized QKV's epilogue); the program loads its first chunk's other keys and values
+    before it waits (with ``pdl``) and those slots after; the list must be written before that
+    previous kernel runs (a CUDA graph's static slot input). Head sizes that are not a power of two in [16, 256],
     more than ``MAX_ROWS`` rows per KV head, a mask that does not broadcast as ``(batch, 1 or
     kv_heads, rows, slots)`` or autograd: the reference."""
     check_kernel_device("decode_attention", query, key, value, mask)
@@ -489,6 +526,13 @@ def decode_attention(
         gdc = pdl and pdl_supported(query.device)
         warps = warps or LOOP_WARPS
         d_split = d_split or LOOP_D_SPLIT
+        if new_slots is not None and (
+            new_slots.dim() != 1 or new_slots.dtype not in (torch.int32, torch.int64)
+        ):
+            raise ValueError(
+                "decode_attention: new_slots must be a 1-D int32/int64 tensor of the slots the "
+                f"previous kernel writes, got {new_slots.dtype} {tuple(new_slots.shape)}"
+            )
         if d_split < 1 or head_dim % d_split or head_dim // d_split < 16:
             raise ValueError(
                 f"decode_attention: d_split={d_split} must divide head_dim {head_dim} into "
@@ -517,6 +561,8 @@ def decode_attention(
             out.stride(0),
             out.stride(1),
             out.stride(2),
+            out if new_slots is None else new_slots,
+            0 if new_slots is None else new_slots.numel(),
             ROWS_PAD=rows_pad,
             BLOCK_S=block_s or LOOP_BLOCK_S,
             HEAD_DIM=head_dim,
@@ -528,6 +574,8 @@ def decode_attention(
             PREFETCH=prefetch and gdc,
             THREADS=32 * warps,
             ELEMENT=key.element_size(),
+            PRELOAD=new_slots is not None,
+            NEW_PAD=next_power_of_2(max(2, 0 if new_slots is None else new_slots.numel())),
             num_warps=warps,
             **({"launch_pdl": True} if gdc else {}),
         )
@@ -695,8 +743,9 @@ def aot_specs() -> list[AotSpec]:
         strides = ["q_sb", "q_sh", "q_sr", "k_sb", "k_sh", "k_ss", "v_sb", "v_sh", "v_ss"]
         strides += ["mask_sb", "mask_sh", "mask_sr", "mask_ss", "o_sb", "o_sh", "o_sr"]
         loop_signature.update({name: "i32" for name in strides})
+        loop_signature.update({"new_ptr": "*i64", "NEW": "i32"})
         loop_constexprs = ("ROWS_PAD", "BLOCK_S", "HEAD_DIM", "IEEE", "STAGES", "GDC", "TRIGGER")
-        loop_constexprs += ("D_SPLIT", "PREFETCH", "THREADS", "ELEMENT")
+        loop_constexprs += ("D_SPLIT", "PREFETCH", "THREADS", "ELEMENT", "PRELOAD", "NEW_PAD")
         for name in loop_constexprs:
             loop_signature[name] = "constexpr"
         specs.append(
@@ -716,6 +765,8 @@ def aot_specs() -> list[AotSpec]:
                     "PREFETCH": False,
                     "THREADS": 128,
                     "ELEMENT": 2,
+                    "PRELOAD": False,
+                    "NEW_PAD": 2,
                 },
             )
         )
