@@ -63,7 +63,8 @@ def test_triton_matches_reference(triton_device: torch.device) -> None:
 def test_loop_launch_options_match(triton_device: torch.device) -> None:
     """The loop form's launch options change the launch, not the result: PDL waiting without
     the trigger, the L2 prefetch and the early load of the first chunk (all but the new slots,
-    loaded again after the wait), pipeline stages — the same bits as the plain loop; warps,
+    loaded again after the wait), the trigger once the early loads are issued or after the
+    wait, pipeline stages — the same bits as the plain loop; warps,
     head_dim split over programs and one whole-cache chunk — within the dtype's tolerance
     (exact on the CPU interpreter)."""
     from slipstream.kernels.ops.decode_attention.reference import decode_attention as reference
@@ -90,6 +91,8 @@ def test_loop_launch_options_match(triton_device: torch.device) -> None:
                     "new_slots": torch.tensor([3, 69], device=new.device),
                 },
                 {"new_slots": new.int(), "stages": 1},
+                {"pdl": True, "prefetch": True, "new_slots": new, "trigger": "issued"},
+                {"pdl": True, "trigger": "waited"},
             ]
             close = [{"warps": 8}, {"d_split": 2}, {"d_split": 2, "new_slots": new, "pdl": True}]
             for index, options in enumerate(same + close):
@@ -97,6 +100,8 @@ def test_loop_launch_options_match(triton_device: torch.device) -> None:
                 if exact or index < len(same):
                     assert torch.equal(got, plain), (block_s, options)
                 torch.testing.assert_close(got.float(), expected, rtol=tol, atol=tol)
-        for bad in ({"d_split": 3}, {"new_slots": new[None]}, {"new_slots": new.float()}):
-            with pytest.raises(ValueError, match=r"d_split|new_slots"):
+        bad_options = [{"d_split": 3}, {"new_slots": new[None]}, {"new_slots": new.float()}]
+        bad_options += [{"trigger": "late"}]
+        for bad in bad_options:
+            with pytest.raises(ValueError, match=r"d_split|new_slots|trigger"):
                 kernel(query, key, value, mask, 0.2, loop=True, **bad)

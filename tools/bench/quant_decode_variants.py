@@ -26,7 +26,8 @@ of ``--repeats`` calls a round after a warm-up; the older difference measure (``
   down) on top of the launch the other settings give it;
 - ``attn:FIELD=VALUE``: decode_attention's launch in the quantized step (the bf16 engine's too
   for the module-level ones): ``pdl``, ``trigger``, ``prefetch``, ``preload`` (true/false:
-  the fused decoder's ``quant_attention_pdl`` / ``_trigger`` / ``_prefetch`` / ``_preload``),
+  the fused decoder's ``quant_attention_pdl`` / ``_trigger`` / ``_prefetch`` / ``_preload``;
+  ``trigger`` also ``issued`` / ``waited``: where the loop form lets the next kernel launch),
   ``block_s``, ``stages``,
   ``warps``, ``d_split`` (the loop form's ``LOOP_BLOCK_S`` / ``LOOP_STAGES`` / ``LOOP_WARPS``
   / ``LOOP_D_SPLIT``), ``loop_max_slots`` (0: the split form) and ``split_block_s`` (the split
@@ -92,7 +93,10 @@ class Variant:
     rule: bool = False
     scales: str | None = None
     changes: dict[str, dict[str, Any]] = dataclasses.field(default_factory=dict)
-    attention: dict[str, int | bool] = dataclasses.field(default_factory=dict)
+    attention: dict[str, int | bool | str] = dataclasses.field(default_factory=dict)
+
+
+TRIGGERS = ("start", "issued", "waited")  # attn:trigger's positions besides true / false
 
 
 # attn:FIELD -> (True: a fused decoder attribute, False: a module-level value of
@@ -162,7 +166,15 @@ def parse_variant(text: str) -> Variant:
                     f"variant {text!r}: {setting!r}: attn:FIELD=VALUE takes FIELD in "
                     f"{sorted(ATTENTION_FIELDS)}"
                 )
-            parsed_attention: int | bool = low == "true" if low in ("true", "false") else int(value)
+            parsed_attention: int | bool | str = (
+                low == "true"
+                if low in ("true", "false")
+                else int(value)
+                if value.isdigit()
+                else value
+            )
+            if field == "trigger" and parsed_attention not in (True, False, *TRIGGERS):
+                raise SystemExit(f"variant {text!r}: attn:trigger takes true, false or {TRIGGERS}")
             variant.attention[field] = parsed_attention
         else:
             part, _, assignment = setting.partition(":")
@@ -210,7 +222,7 @@ def install(variant: Variant, fmt: str, device: torch.device) -> list[dict[str, 
     return list(fused_table.fused_table_json(entries)["entries"])
 
 
-def attention_flags(variant: Variant, defaults: dict[str, bool]) -> dict[str, bool]:
+def attention_flags(variant: Variant, defaults: dict[str, Any]) -> dict[str, Any]:
     """The fused decoder's attention launch flags for ``variant`` (``early`` / ``attnpdl``
     and ``attn:trigger`` / ``attn:pdl`` set the same ones)."""
     flags = dict(defaults)
@@ -220,13 +232,13 @@ def attention_flags(variant: Variant, defaults: dict[str, bool]) -> dict[str, bo
         flags["trigger"] = variant.early
     for field, value in variant.attention.items():
         if ATTENTION_FIELDS[field][0]:
-            flags[field] = bool(value)
+            flags[field] = value if isinstance(value, str) else bool(value)
     return flags
 
 
 def attention_only(
     variants: list[Variant],
-    defaults: dict[str, bool],
+    defaults: dict[str, Any],
     layers: int,
     kv_heads: int,
     rows: int,
@@ -249,6 +261,7 @@ def attention_only(
         layers, 1, kv_heads, rows, head_dim, device=device, generator=generator
     ).to(torch.bfloat16)
     visible = torch.arange(slots, device=device) < slots - 16  # the last 16 slots not yet valid
+    new_slots = torch.tensor([slots - 17], device=device)  # the step's slot, the last valid
     mask = torch.zeros(1, 1, rows, slots, device=device, dtype=torch.bfloat16)
     mask.masked_fill_(~visible, float("-inf"))
     scale = head_dim**-0.5
@@ -258,8 +271,10 @@ def attention_only(
         for variant in chosen[round_index % len(chosen) :] + chosen[: round_index % len(chosen)]:
             install_attention(variant)
             flags = attention_flags(variant, defaults)
+            preload = flags.pop("preload", False)
+            flags["new_slots"] = new_slots if preload else None
 
-            def calls(flags: dict[str, bool] = flags) -> torch.Tensor:
+            def calls(flags: dict[str, Any] = flags) -> torch.Tensor:
                 out = queries[0]
                 for layer in range(layers):  # the output of the last
                     out = decode_attention(
@@ -361,7 +376,7 @@ def main() -> None:
             quant["weight"]["scale_dtype"] = args.scale_dtype
         engines[False] = init_inference(model, {"dtype": "int8", "quant": quant, **common})
     default_pdl = engines[False].fused.quant_pdl if False in engines else None
-    default_attention = {"pdl": False, "trigger": False, "prefetch": False}
+    default_attention: dict[str, Any] = {}
     if False in engines:
         fused = engines[False].fused
         default_attention = {

@@ -412,7 +412,7 @@ class FusedDecoder(nn.Module):
         # 2.635 ms with the rule's launches; 2.669 against 2.414 with the built-in ones);
         # tools/bench/quant_decode_variants.py sets them ("attn:pdl=true", ...).
         self.quant_attention_pdl = False
-        self.quant_attention_trigger = False
+        self.quant_attention_trigger: bool | str = False  # or "issued" / "waited"
         self.quant_attention_prefetch = False
         self.quant_attention_preload = False
         # The parts that single-token decode steps run through the decode kernels

@@ -29,7 +29,7 @@ def decode_attention(
     scale: float,
     *,
     pdl: bool = False,
-    trigger: bool = False,
+    trigger: bool | str = False,
     prefetch: bool = False,
     new_slots: torch.Tensor | None = None,
 ) -> torch.Tensor:
@@ -39,7 +39,8 @@ def decode_attention(
     ``pdl``: the GPU kernel launches with programmatic dependent launch (sm_90+: it may start
     while the previous kernel finishes and waits for it before reading); ``trigger``: it lets
     the next kernel launch at once (a kernel launched with programmatic dependent launch then
-    starts while attention runs; sm_90+, a no-op elsewhere); ``prefetch`` (with ``pdl``): before
+    starts while attention runs; sm_90+, a no-op elsewhere; ``"issued"`` / ``"waited"``: once
+    its early loads are issued / after its wait instead of at its start); ``prefetch`` (with ``pdl``): before
     it waits, it asks L2 for the cache's keys and values; ``new_slots`` (with ``pdl``: a 1-D device tensor,
     written before the previous kernel runs): the cache slots the previous kernel writes, the
     only ones it must read after waiting for that kernel (it loads the others' first chunk

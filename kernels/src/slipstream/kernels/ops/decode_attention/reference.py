@@ -29,7 +29,7 @@ def decode_attention(
     mask: torch.Tensor,
     scale: float,
     pdl: bool = False,
-    trigger: bool = False,
+    trigger: bool | str = False,
     prefetch: bool = False,
     new_slots: torch.Tensor | None = None,
 ) -> torch.Tensor:

@@ -348,7 +348,7 @@ def decode_attention_loop_kernel(
     IEEE: tl.constexpr,
     STAGES: tl.constexpr = 3,
     GDC: tl.constexpr = False,
-    TRIGGER: tl.constexpr = False,  # as in the split form
+    TRIGGER: tl.constexpr = 0,  # TRIGGER_POINTS: where the next kernel may launch
     D_SPLIT: tl.constexpr = 1,
     PREFETCH: tl.constexpr = False,
     THREADS: tl.constexpr = 128,
@@ -359,8 +359,10 @@ def decode_attention_loop_kernel(
     """One program per (batch, KV head) walks the cache in ``BLOCK_S`` chunks with the online
     softmax (the chunks' loads pipelined ``STAGES`` deep) and stores the output rows: no
     partials, no merge. For short caches, where the split form's partial stores, arrival
-    counter and merge cost more latency than the serial chunks. ``GDC`` and ``TRIGGER`` as in
-    the split form. ``D_SPLIT``: the head's output features are cut over that many programs
+    counter and merge cost more latency than the serial chunks. ``GDC`` as in the split form;
+    ``TRIGGER`` (see :data:`TRIGGER_POINTS`): where every program lets the next kernel launch
+    (1: at its start, 2: once its early loads are issued, 3: after its wait; 0: when it ends).
+    ``D_SPLIT``: the head's output features are cut over that many programs
     (axis 1), each scoring all keys (the same scores, so the same softmax) but reading and
     writing ``HEAD_DIM / D_SPLIT`` value features: more SMs each loading fewer bytes.
     ``PREFETCH`` (with ``GDC``, sm_90; ``THREADS``: the program's threads): before the wait,
@@ -379,7 +381,7 @@ def decode_attention_loop_kernel(
     d = tl.arange(0, HEAD_DIM)
     k_head = k_ptr + b * k_sb + h * k_sh
     v_head = v_ptr + b * v_sb + h * v_sh
-    if TRIGGER:
+    if TRIGGER == 1:
         gdc_launch_dependents()
     if PRELOAD:  # written by earlier steps: ours to read before the wait
         s0 = tl.arange(0, BLOCK_S)
@@ -395,7 +397,12 @@ def decode_attention_loop_kernel(
             _prefetch_cache(
                 v_head + tl.program_id(1) * DV, SLOTS, v_ss, DV * ELEMENT, ELEMENT, THREADS
             )
+    if TRIGGER == 2:
+        gdc_launch_dependents()
+    if GDC:
         gdc_wait()
+    if TRIGGER == 3:
+        gdc_launch_dependents()
     r = tl.arange(0, ROWS_PAD)
     r_ok = r < ROWS
     q = tl.load(
@@ -448,6 +455,9 @@ LOOP_BLOCK_S = 64  # slots per chunk of the loop form
 LOOP_STAGES = 3  # chunks in flight in the loop form
 LOOP_WARPS = 4  # warps per program of the loop form
 LOOP_D_SPLIT = 1  # programs per (batch, KV head) of the loop form, each a slice of head_dim
+# decode_attention's ``trigger`` values: where its programs let the next kernel launch (the
+# split form: "start" only)
+TRIGGER_POINTS = {False: 0, True: 1, "start": 1, "issued": 2, "waited": 3}
 
 
 def default_block_s(slots: int, programs_per_chunk: int, device: torch.device) -> int:
@@ -470,7 +480,7 @@ def decode_attention(
     merge: bool = MERGE_IN_SPLIT,
     pdl: bool = False,
     loop: bool | None = None,
-    trigger: bool = False,
+    trigger: bool | str = False,
     prefetch: bool = False,
     stages: int | None = None,
     warps: int | None = None,
@@ -487,7 +497,9 @@ def decode_attention(
     every program lets the next kernel launch at once (``griddepcontrol.launch_dependents``),
     with or without ``pdl``; only a kernel launched with programmatic dependent launch (the
     fused quantized output projection) starts early, to prefetch its weight while attention
-    runs (without it, the next kernel launches when attention ends). ``prefetch`` (the loop
+    runs (without it, the next kernel launches when attention ends); in the loop form
+    ``"issued"`` lets it launch once the early loads (``prefetch``, ``new_slots``) are issued,
+    ``"waited"`` after the wait (True: ``"start"``). ``prefetch`` (the loop
     form with ``pdl``, sm_90+): before the wait each program asks L2 for its keys and values.
     The loop form's ``block_s`` (default :data:`LOOP_BLOCK_S`), ``stages``
     (:data:`LOOP_STAGES`), ``warps`` (:data:`LOOP_WARPS`) and ``d_split``
@@ -520,8 +532,16 @@ def decode_attention(
     mask_strides = [0 if mask.shape[i] == 1 else mask.stride(i) for i in range(4)]
     mask_strides[2:] = [mask.stride(2), mask.stride(3)]
     out = torch.empty(batch, kv_heads, rows, head_dim, device=query.device, dtype=query.dtype)
+    if trigger not in TRIGGER_POINTS or (trigger in ("issued", "waited") and loop is False):
+        raise ValueError(
+            f"decode_attention: trigger={trigger!r}: one of False, True, 'start', 'issued', "
+            "'waited' (the last two: the loop form only)"
+        )
     if loop is None:
         loop = block_s is None and slots <= LOOP_MAX_SLOTS
+    if trigger in ("issued", "waited"):
+        loop = True
+    can_trigger = pdl_supported(query.device)
     if loop:
         gdc = pdl and pdl_supported(query.device)
         warps = warps or LOOP_WARPS
@@ -569,7 +589,7 @@ def decode_attention(
             IEEE=query.dtype == torch.float32,
             STAGES=stages or LOOP_STAGES,
             GDC=gdc,
-            TRIGGER=trigger and pdl_supported(query.device),
+            TRIGGER=TRIGGER_POINTS[trigger] if can_trigger else 0,
             D_SPLIT=d_split,
             PREFETCH=prefetch and gdc,
             THREADS=32 * warps,
@@ -621,7 +641,7 @@ def decode_attention(
         HEAD_DIM=head_dim,
         IEEE=query.dtype == torch.float32,
         MERGE=merge,
-        TRIGGER=trigger and pdl_supported(query.device),
+        TRIGGER=bool(trigger) and can_trigger,
         GDC=gdc,
         num_warps=4,
         **({"launch_pdl": True} if gdc else {}),
@@ -760,7 +780,7 @@ def aot_specs() -> list[AotSpec]:
                     "IEEE": False,
                     "STAGES": 3,
                     "GDC": False,
-                    "TRIGGER": False,
+                    "TRIGGER": 0,
                     "D_SPLIT": 1,
                     "PREFETCH": False,
                     "THREADS": 128,
