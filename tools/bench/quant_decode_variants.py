@@ -33,10 +33,11 @@ of ``--repeats`` calls a round after a warm-up; the older difference measure (``
   / ``LOOP_D_SPLIT``), ``loop_max_slots`` (0: the split form) and ``split_block_s`` (the split
   form's chunk).
 
-``--attention-only`` first times decode_attention alone for every variant with ``attn:``
-settings (and the library's launch): a CUDA graph of one call per layer over that layer's own
-cache (the model's shapes, ``--prompt + --new-tokens`` slots), replayed, microseconds per call
-(without the projections around it, so PDL settings show only their own cost there).
+``--attention-only`` times decode_attention alone instead (no model is built), for every
+variant with ``attn:`` settings and the library's launch: a CUDA graph of one call per layer
+over that layer's own cache (the preset's shapes, ``--prompt + --new-tokens`` slots, the last
+16 masked), replayed, microseconds per call in interleaved rounds. Without the projections
+around it, the PDL settings show only how attention calls overlap each other there.
 
 One JSON line per timing and a summary per variant (best and median ms/step, speed-up over the
 bf16 variant, change against the first variant)::
@@ -62,7 +63,7 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
-from infer_bench import build_model, copy_bandwidth, timed_generate
+from infer_bench import PRESETS, build_model, copy_bandwidth, timed_generate
 
 from slipstream.inference import init_inference
 from slipstream.kernels.ops.decode_attention import triton as attention_triton
@@ -347,7 +348,7 @@ def main() -> None:
     parser.add_argument(
         "--attention-only",
         action="store_true",
-        help="first time decode_attention alone (a graph of one call per layer) per variant",
+        help="only time decode_attention alone (a graph of one call per layer) per variant",
     )
     args = parser.parse_args()
     variants = [parse_variant(text) for text in args.variants]
@@ -357,6 +358,24 @@ def main() -> None:
     bandwidth = copy_bandwidth(device)
     print(json.dumps({"result": "copy_bandwidth", "gb_per_s": round(bandwidth / 1e9, 1)}))
     started = time.perf_counter()
+    if args.attention_only:  # the preset's shapes, no model
+        shape = PRESETS[args.preset]
+        heads, kv_heads = shape["num_attention_heads"], shape["num_key_value_heads"]
+        if not cuda:
+            raise SystemExit("--attention-only times CUDA graphs: it needs a GPU")
+        attention_only(
+            variants,
+            {"pdl": False, "trigger": False, "prefetch": False, "preload": False},
+            args.layers or shape["num_hidden_layers"],
+            kv_heads,
+            heads // kv_heads,
+            shape["hidden_size"] // heads,
+            args.prompt + args.new_tokens,
+            device,
+            args.rounds,
+        )
+        print(json.dumps({"result": "done", "seconds": round(time.perf_counter() - started, 1)}))
+        return
     model = build_model(args.preset, torch.bfloat16, device, args.layers)
     max_len = args.prompt + args.new_tokens
     common = {
@@ -424,19 +443,6 @@ def main() -> None:
     spec = next(iter(engines.values())).fused.spec
     kv_heads = next(iter(engines.values())).fused.blocks[0].kv_heads
     kv_bytes = 2 * spec.num_layers * kv_heads * spec.head_dim * 2 * max_len
-    if args.attention_only and cuda:
-        heads = next(iter(engines.values())).fused.blocks[0].heads
-        attention_only(
-            variants,
-            default_attention,
-            spec.num_layers,
-            kv_heads,
-            heads // kv_heads,
-            spec.head_dim,
-            max_len,
-            device,
-            args.rounds,
-        )
     ids = torch.randint(3, spec.vocab_size, (1, args.prompt), device=device)
     mask = torch.ones_like(ids)
     steps: dict[str, list[float]] = {v.name: [] for v in variants}

@@ -201,7 +201,7 @@ def _cached_attention(
     cache: tuple[torch.Tensor, torch.Tensor],
     mask: torch.Tensor,
     pdl: bool = False,
-    trigger: bool = False,
+    trigger: bool | str = False,
     prefetch: bool = False,
     new_slots: torch.Tensor | None = None,
 ) -> torch.Tensor:

@@ -764,8 +764,8 @@ def aot_specs() -> list[AotSpec]:
         strides += ["mask_sb", "mask_sh", "mask_sr", "mask_ss", "o_sb", "o_sh", "o_sr"]
         loop_signature.update({name: "i32" for name in strides})
         loop_signature.update({"new_ptr": "*i64", "NEW": "i32"})
-        loop_constexprs = ("ROWS_PAD", "BLOCK_S", "HEAD_DIM", "IEEE", "STAGES", "GDC", "TRIGGER")
-        loop_constexprs += ("D_SPLIT", "PREFETCH", "THREADS", "ELEMENT", "PRELOAD", "NEW_PAD")
+        loop_constexprs = ["ROWS_PAD", "BLOCK_S", "HEAD_DIM", "IEEE", "STAGES", "GDC", "TRIGGER"]
+        loop_constexprs += ["D_SPLIT", "PREFETCH", "THREADS", "ELEMENT", "PRELOAD", "NEW_PAD"]
         for name in loop_constexprs:
             loop_signature[name] = "constexpr"
         specs.append(
