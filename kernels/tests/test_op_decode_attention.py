@@ -64,7 +64,7 @@ def test_loop_launch_options_match(triton_device: torch.device) -> None:
     """The loop form's launch options change the launch, not the result: PDL waiting without
     the trigger, the L2 prefetch and the early load of the first chunk (all but the new slots,
     loaded again after the wait), the trigger once the early loads are issued or after the
-    wait, pipeline stages — the same bits as the plain loop; warps,
+    wait, an L2 prefetch of other tensors (the next weights), pipeline stages — the same bits as the plain loop; warps,
     head_dim split over programs and one whole-cache chunk — within the dtype's tolerance
     (exact on the CPU interpreter)."""
     from slipstream.kernels.ops.decode_attention.reference import decode_attention as reference
@@ -92,7 +92,8 @@ def test_loop_launch_options_match(triton_device: torch.device) -> None:
                 },
                 {"new_slots": new.int(), "stages": 1},
                 {"pdl": True, "prefetch": True, "new_slots": new, "trigger": "issued"},
-                {"pdl": True, "trigger": "waited"},
+                {"pdl": True, "trigger": "waited", "weights": (query, mask)},
+                {"pdl": True, "weights": (query,), "weights_when": "early"},
             ]
             close = [{"warps": 8}, {"d_split": 2}, {"d_split": 2, "new_slots": new, "pdl": True}]
             for index, options in enumerate(same + close):
@@ -101,7 +102,8 @@ def test_loop_launch_options_match(triton_device: torch.device) -> None:
                     assert torch.equal(got, plain), (block_s, options)
                 torch.testing.assert_close(got.float(), expected, rtol=tol, atol=tol)
         bad_options = [{"d_split": 3}, {"new_slots": new[None]}, {"new_slots": new.float()}]
-        bad_options += [{"trigger": "late"}]
+        bad_options += [{"trigger": "late"}, {"weights": (query,) * 3}, {"weights_when": "x"}]
+        bad_options += [{"weights": (key.transpose(2, 3),)}]
         for bad in bad_options:
-            with pytest.raises(ValueError, match=r"d_split|new_slots|trigger"):
+            with pytest.raises(ValueError, match=r"d_split|new_slots|trigger|weights"):
                 kernel(query, key, value, mask, 0.2, loop=True, **bad)

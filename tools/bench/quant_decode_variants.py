@@ -28,6 +28,8 @@ of ``--repeats`` calls a round after a warm-up; the older difference measure (``
   for the module-level ones): ``pdl``, ``trigger``, ``prefetch``, ``preload`` (true/false:
   the fused decoder's ``quant_attention_pdl`` / ``_trigger`` / ``_prefetch`` / ``_preload``;
   ``trigger`` also ``issued`` / ``waited``: where the loop form lets the next kernel launch),
+  ``weights`` (``early`` / ``waited``: attention prefetches the output projection's weight
+  into L2 before / after its wait; the fused decoder's ``quant_attention_weights``),
   ``block_s``, ``stages``,
   ``warps``, ``d_split`` (the loop form's ``LOOP_BLOCK_S`` / ``LOOP_STAGES`` / ``LOOP_WARPS``
   / ``LOOP_D_SPLIT``), ``loop_max_slots`` (0: the split form) and ``split_block_s`` (the split
@@ -107,6 +109,7 @@ ATTENTION_FIELDS = {
     "trigger": (True, "quant_attention_trigger"),
     "prefetch": (True, "quant_attention_prefetch"),
     "preload": (True, "quant_attention_preload"),
+    "weights": (True, "quant_attention_weights"),
     "block_s": (False, "LOOP_BLOCK_S"),
     "stages": (False, "LOOP_STAGES"),
     "warps": (False, "LOOP_WARPS"),
@@ -174,6 +177,8 @@ def parse_variant(text: str) -> Variant:
                 if value.isdigit()
                 else value
             )
+            if field == "weights" and parsed_attention not in ("early", "waited"):
+                raise SystemExit(f"variant {text!r}: attn:weights takes early or waited")
             if field == "trigger" and parsed_attention not in (True, False, *TRIGGERS):
                 raise SystemExit(f"variant {text!r}: attn:trigger takes true, false or {TRIGGERS}")
             variant.attention[field] = parsed_attention
@@ -234,6 +239,8 @@ def attention_flags(variant: Variant, defaults: dict[str, Any]) -> dict[str, Any
     for field, value in variant.attention.items():
         if ATTENTION_FIELDS[field][0]:
             flags[field] = value if isinstance(value, str) else bool(value)
+    if flags.get("weights") is False:  # not set: the decoder's None
+        flags["weights"] = None
     return flags
 
 
@@ -263,6 +270,9 @@ def attention_only(
     ).to(torch.bfloat16)
     visible = torch.arange(slots, device=device) < slots - 16  # the last 16 slots not yet valid
     new_slots = torch.tensor([slots - 17], device=device)  # the step's slot, the last valid
+    # attn:weights: each layer's own int4 output projection's codes (hidden x hidden / 2 bytes)
+    hidden = kv_heads * rows * head_dim
+    next_weights = torch.zeros(layers, hidden * hidden // 2, device=device, dtype=torch.uint8)
     mask = torch.zeros(1, 1, rows, slots, device=device, dtype=torch.bfloat16)
     mask.masked_fill_(~visible, float("-inf"))
     scale = head_dim**-0.5
@@ -274,12 +284,22 @@ def attention_only(
             flags = attention_flags(variant, defaults)
             preload = flags.pop("preload", False)
             flags["new_slots"] = new_slots if preload else None
+            when = flags.pop("weights", None)
+            if when:
+                flags["weights_when"] = when
 
             def calls(flags: dict[str, Any] = flags) -> torch.Tensor:
                 out = queries[0]
                 for layer in range(layers):  # the output of the last
+                    weights = (next_weights[layer],) if "weights_when" in flags else ()
                     out = decode_attention(
-                        queries[layer], caches[layer, 0], caches[layer, 1], mask, scale, **flags
+                        queries[layer],
+                        caches[layer, 0],
+                        caches[layer, 1],
+                        mask,
+                        scale,
+                        weights=weights,
+                        **flags,
                     )
                 return out
 

@@ -223,8 +223,9 @@ def test_fused_quantized_decode_equals_unfused(monkeypatch: pytest.MonkeyPatch) 
         launches.add(kwargs["pdl"])
         return original_qkv(*args, **kwargs)
 
-    # decode_attention's pdl, trigger, prefetch, and whether it was given the new slots
-    attention_pdl: set[tuple[bool, bool, bool, bool]] = set()
+    # decode_attention's pdl, trigger, prefetch, whether it was given the new slots and
+    # weights to prefetch
+    attention_pdl: set[tuple[bool, ...]] = set()
     original_attention = quant_module.decode_attention
 
     def attention(*args: Any, **kwargs: Any) -> Any:
@@ -233,6 +234,7 @@ def test_fused_quantized_decode_equals_unfused(monkeypatch: pytest.MonkeyPatch) 
             assert new_slots.shape == (1,) and args[3][0, 0, 0, new_slots[0]] == 0
             assert new_slots[0] + 1 == args[3].shape[-1] or args[3][0, 0, 0, new_slots[0] + 1] < 0
         key = (kwargs["pdl"], kwargs["trigger"], kwargs["prefetch"], new_slots is not None)
+        key += (len(kwargs["weights"]) == 2 and kwargs["weights_when"] == "early",)
         attention_pdl.add(key)
         return original_attention(*args, **kwargs)
 
@@ -263,17 +265,19 @@ def test_fused_quantized_decode_equals_unfused(monkeypatch: pytest.MonkeyPatch) 
         launches.clear()
         attention_pdl.clear()
         # attention's launch options (PDL, the trigger for the output projection, the L2
-        # prefetch and the early load of the slots QKV does not write): off by default, and
-        # they reach attention only with the GEMVs' PDL on (the last two with attention's PDL)
-        options = ("pdl", "trigger", "prefetch", "preload")
+        # prefetch and the early load of the slots QKV does not write, the L2 prefetch of the
+        # output projection's weight): off by default, and they reach attention only with the
+        # GEMVs' PDL on (prefetch and preload with attention's PDL)
+        options = ("pdl", "trigger", "prefetch", "preload", "weights")
         assert not any(getattr(fused.fused, f"quant_attention_{o}") for o in options)
         fused.fused.quant_attention_pdl = bits == 4 or pdl == "l2_partial"
         fused.fused.quant_attention_trigger = bits == 4 or pdl == "l2_partial"
         fused.fused.quant_attention_prefetch = fused.fused.quant_attention_preload = True
+        fused.fused.quant_attention_weights = "early"  # the output projection's codes, scales
         tokens = fused.generate(ids, **KWARGS)
         assert launches == {{False: "off", "auto": "on"}.get(pdl, pdl)}, (pdl, launches)
         partial = pdl == "l2_partial"
-        assert attention_pdl == {(partial,) * 4}, (pdl, attention_pdl)
+        assert attention_pdl == {(partial,) * 4 + (pdl is not False,)}, (pdl, attention_pdl)
         layers = len(fused.fused.blocks)
         # 5 decode steps: per block QKV (1/rms, rotary and cache write), gate/up (gated,
         # 1/rms), out and down (add + norm epilogue), the quantized head's 1/rms; the last

@@ -258,6 +258,7 @@ def test_fused_quantized_decode_on_gpu(bits: int) -> None:
     # attention launched with PDL too: triggering the output projection; waiting only, with
     # the L2 prefetch and the early load of the slots QKV does not write (the bench's options)
     cases += [(True, "l2_partial", "trigger"), (True, "l2_partial", "preload")]
+    cases += [(True, "l2_partial", "all")]  # the preload + the output weight's prefetch too
     for graph, pdl, attention in cases:
         pdl_config = {**config, "quant": {"weight": {**weight, "decode_pdl": pdl}}}
         engine = init_inference(model, pdl_config, enable_cuda_graph=graph, max_out_tokens=32)
@@ -265,8 +266,11 @@ def test_fused_quantized_decode_on_gpu(bits: int) -> None:
         assert engine.fused.quant_pdl == {False: "off", True: "on"}.get(pdl, pdl)
         engine.fused.quant_attention_pdl = bool(attention)
         engine.fused.quant_attention_trigger = attention == "trigger"
-        engine.fused.quant_attention_prefetch = attention == "preload"
-        engine.fused.quant_attention_preload = attention == "preload"
+        engine.fused.quant_attention_prefetch = attention in ("preload", "all")
+        engine.fused.quant_attention_preload = attention in ("preload", "all")
+        if attention == "all":
+            engine.fused.quant_attention_trigger = "issued"
+            engine.fused.quant_attention_weights = "early"
         outputs.append(engine.generate(ids, **kwargs))
     assert all(torch.equal(outputs[0], other) for other in outputs[1:])
     config["quant"]["weight"]["decode_pdl"] = False

@@ -204,13 +204,19 @@ def _cached_attention(
     trigger: bool | str = False,
     prefetch: bool = False,
     new_slots: torch.Tensor | None = None,
+    weights_when: str | None = None,
 ) -> torch.Tensor:
     """``FusedBlock._attend``'s split-K attention over the cache from rotated queries
-    (``pdl``, ``trigger``, ``prefetch``, ``new_slots``: decode_attention's launch options)."""
+    (``pdl``, ``trigger``, ``prefetch``, ``new_slots``: decode_attention's launch options;
+    ``weights_when``: it prefetches the quantized output projection's weight into L2 then)."""
     batch, heads, length, head_dim = q.shape
     keys, values = cache[0][:, :, : mask.shape[-1]], cache[1][:, :, : mask.shape[-1]]
     if heads > block.kv_heads:  # the GQA group's query heads as rows of their KV head
         q = q.reshape(batch, block.kv_heads, (heads // block.kv_heads) * length, head_dim)
+    weights: tuple[torch.Tensor, ...] = ()
+    if weights_when is not None and fusable_quantized(block.out):
+        assert isinstance(block.out, WeightOnlyLinear)
+        weights = (block.out.codes, block.out.scales)
     out = decode_attention(
         q,
         keys,
@@ -221,6 +227,8 @@ def _cached_attention(
         trigger=trigger,
         prefetch=prefetch,
         new_slots=new_slots,
+        weights=weights,
+        weights_when=weights_when or "waited",
     )
     return out.reshape(batch, heads, length, head_dim).transpose(1, 2).reshape(batch, length, -1)
 
@@ -242,6 +250,7 @@ def quant_decode_forward(
     prefetch = attention_pdl and model.quant_attention_prefetch
     # the slots the QKV epilogue writes: attention reads the others before it waits for QKV
     preload = attention_pdl and model.quant_attention_preload
+    weights_when = model.quant_attention_weights if pdl != "off" else None
     blocks = list(model.blocks)
     state: _State = ("pending", x, None)
     for index, block in enumerate(blocks):
@@ -259,7 +268,15 @@ def quant_decode_forward(
             q = _rotary_qkv(block, u, stats, rotary, layer_cache, slots, pdl)
             new_slots = slots.reshape(-1) if preload else None
             attn = _cached_attention(
-                block, q, layer_cache, mask, attention_pdl, trigger, prefetch, new_slots
+                block,
+                q,
+                layer_cache,
+                mask,
+                attention_pdl,
+                trigger,
+                prefetch,
+                new_slots,
+                weights_when,
             )
         else:
             x, qkv = _consume(state, block.input_norm, block.qkv, "qkv" in parts, pdl=pdl)

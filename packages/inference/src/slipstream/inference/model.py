@@ -415,6 +415,9 @@ class FusedDecoder(nn.Module):
         self.quant_attention_trigger: bool | str = False  # or "issued" / "waited"
         self.quant_attention_prefetch = False
         self.quant_attention_preload = False
+        # "early" / "waited": attention's programs prefetch the quantized output projection's
+        # weight into L2 before / after their wait (None: not)
+        self.quant_attention_weights: str | None = None
         # The parts that single-token decode steps run through the decode kernels
         # (fused_decode.decode_forward; set by fused_decode.enable_decode_fusion); empty: none.
         self.decode_fusion: frozenset[str] = frozenset()

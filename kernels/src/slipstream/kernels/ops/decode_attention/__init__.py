@@ -32,6 +32,8 @@ def decode_attention(
     trigger: bool | str = False,
     prefetch: bool = False,
     new_slots: torch.Tensor | None = None,
+    weights: tuple[torch.Tensor, ...] = (),
+    weights_when: str = "waited",
 ) -> torch.Tensor:
     """``softmax(query @ key^T * scale + mask) @ value`` per KV head with the best backend:
     ``query`` ``(batch, kv_heads, rows, head_dim)``, ``key``/``value`` ``(batch, kv_heads,
@@ -44,7 +46,9 @@ def decode_attention(
     it waits, it asks L2 for the cache's keys and values; ``new_slots`` (with ``pdl``: a 1-D device tensor,
     written before the previous kernel runs): the cache slots the previous kernel writes, the
     only ones it must read after waiting for that kernel (it loads the others' first chunk
-    before). None of them changes the result.
+    before); ``weights`` (up to two contiguous tensors, e.g. the next projection's): prefetched
+    into L2 by its programs (sm_90), ``weights_when`` ``"early"`` (before the wait) or
+    ``"waited"``. None of them changes the result.
 
     >>> out = decode_attention(torch.randn(1, 2, 4, 16), torch.randn(1, 2, 8, 16),
     ...                        torch.randn(1, 2, 8, 16), torch.zeros(1, 1, 4, 8), 0.25)
@@ -60,4 +64,6 @@ def decode_attention(
         trigger=trigger,
         prefetch=prefetch,
         new_slots=new_slots,
+        weights=weights,
+        weights_when=weights_when,
     )

@@ -32,10 +32,13 @@ def decode_attention(
     trigger: bool | str = False,
     prefetch: bool = False,
     new_slots: torch.Tensor | None = None,
+    weights: tuple[torch.Tensor, ...] = (),
+    weights_when: str = "waited",
 ) -> torch.Tensor:
     """``softmax(query @ key^T * scale + mask) @ value`` per KV head: ``(batch, kv_heads, rows,
     head_dim)``. ``rows`` are the query heads of one GQA group (times the tokens); ``mask`` is
     additive (0 / -inf) and broadcasts to ``(batch, kv_heads, rows, slots)``. (``pdl``, ``trigger``,
-    ``prefetch`` and ``new_slots``, GPU launch options, change nothing here.)"""
+    ``prefetch``, ``new_slots``, ``weights`` and ``weights_when``, GPU launch options, change
+    nothing here.)"""
     check_shapes(query, key, value)
     return F.scaled_dot_product_attention(query, key, value, attn_mask=mask, scale=scale)

@@ -295,6 +295,20 @@ def _prefetch_cache(
 
 
 @triton.jit
+def _prefetch_bytes(base, nbytes, part, parts, THREADS: tl.constexpr):
+    """L2 prefetch of this program's share (``part`` of ``parts``) of the ``nbytes`` bytes at
+    ``base`` (an int8 pointer), in 4 KiB requests, ``THREADS`` a pass (a tail of less than one
+    request is left out)."""
+    CHUNK: tl.constexpr = 4096
+    chunks = nbytes // CHUNK
+    per = tl.cdiv(chunks, parts)
+    first = part * per
+    mine = tl.maximum(tl.minimum(per, chunks - first), 0)
+    for start in range(0, mine, THREADS):
+        _l2_prefetch_rows(base + (first + start).to(tl.int64) * CHUNK, CHUNK, CHUNK, mine - start)
+
+
+@triton.jit
 def _online_chunk(
     q, k, v, mask_ptr, b, h, r, s, r_ok, s_ok, mask_sb, mask_sh, mask_sr, mask_ss, scale,
     best, total, acc, IEEE: tl.constexpr,
@@ -342,6 +356,10 @@ def decode_attention_loop_kernel(
     o_sr,
     new_ptr,
     NEW,
+    w1_ptr,
+    W1_BYTES,
+    w2_ptr,
+    W2_BYTES,
     ROWS_PAD: tl.constexpr,
     BLOCK_S: tl.constexpr,
     HEAD_DIM: tl.constexpr,
@@ -355,6 +373,7 @@ def decode_attention_loop_kernel(
     ELEMENT: tl.constexpr = 2,  # bytes per cache element (PREFETCH)
     PRELOAD: tl.constexpr = False,
     NEW_PAD: tl.constexpr = 2,
+    WEIGHTS: tl.constexpr = 0,  # WEIGHT_PREFETCH_POINTS: when the next weights are prefetched
 ):
     """One program per (batch, KV head) walks the cache in ``BLOCK_S`` chunks with the online
     softmax (the chunks' loads pipelined ``STAGES`` deep) and stores the output rows: no
@@ -372,7 +391,10 @@ def decode_attention_loop_kernel(
     ``PRELOAD``: the first chunk's keys and values are loaded before the wait, except the
     ``NEW`` slots listed at ``new_ptr`` (those the previous kernel writes; the list itself must
     be written before that kernel, as a CUDA graph's static slot input is), which are loaded
-    again after it (from L2: ``.cg``, never a line of this program's own early load)."""
+    again after it (from L2: ``.cg``, never a line of this program's own early load).
+    ``WEIGHTS`` (sm_90; 1: before the wait, 2: after it): the programs share an L2 prefetch of
+    the ``W1_BYTES`` at ``w1_ptr`` and ``W2_BYTES`` at ``w2_ptr`` (the next kernel's weight,
+    which attention's latency-bound loads leave HBM idle to stream)."""
     bh = tl.program_id(0)
     b = (bh // KV_HEADS).to(tl.int64)
     h = (bh % KV_HEADS).to(tl.int64)
@@ -397,12 +419,20 @@ def decode_attention_loop_kernel(
             _prefetch_cache(
                 v_head + tl.program_id(1) * DV, SLOTS, v_ss, DV * ELEMENT, ELEMENT, THREADS
             )
+    part = bh * D_SPLIT + tl.program_id(1)
+    parts = tl.num_programs(0) * D_SPLIT
+    if WEIGHTS == 1:
+        _prefetch_bytes(w1_ptr, W1_BYTES, part, parts, THREADS)
+        _prefetch_bytes(w2_ptr, W2_BYTES, part, parts, THREADS)
     if TRIGGER == 2:
         gdc_launch_dependents()
     if GDC:
         gdc_wait()
     if TRIGGER == 3:
         gdc_launch_dependents()
+    if WEIGHTS == 2:
+        _prefetch_bytes(w1_ptr, W1_BYTES, part, parts, THREADS)
+        _prefetch_bytes(w2_ptr, W2_BYTES, part, parts, THREADS)
     r = tl.arange(0, ROWS_PAD)
     r_ok = r < ROWS
     q = tl.load(
@@ -458,6 +488,8 @@ LOOP_D_SPLIT = 1  # programs per (batch, KV head) of the loop form, each a slice
 # decode_attention's ``trigger`` values: where its programs let the next kernel launch (the
 # split form: "start" only)
 TRIGGER_POINTS = {False: 0, True: 1, "start": 1, "issued": 2, "waited": 3}
+# decode_attention's ``weights_when`` values: when its programs prefetch ``weights`` into L2
+WEIGHT_PREFETCH_POINTS = {"early": 1, "waited": 2}
 
 
 def default_block_s(slots: int, programs_per_chunk: int, device: torch.device) -> int:
@@ -486,6 +518,8 @@ def decode_attention(
     warps: int | None = None,
     d_split: int | None = None,
     new_slots: torch.Tensor | None = None,
+    weights: tuple[torch.Tensor, ...] = (),
+    weights_when: str = "waited",
 ) -> torch.Tensor:
     """See :func:`slipstream.kernels.ops.decode_attention.reference.decode_attention`.
     ``loop``: one program per KV head walking the chunks (None: for caches of at most
@@ -508,7 +542,10 @@ def decode_attention(
     on the device, every batch row's new slots): the cache slots the previous kernel writes
     (the quantized QKV's epilogue); the program loads its first chunk's other keys and values
     before it waits (with ``pdl``) and those slots after; the list must be written before that
-    previous kernel runs (a CUDA graph's static slot input). Head sizes that are not a power of two in [16, 256],
+    previous kernel runs (a CUDA graph's static slot input). ``weights`` (the loop form,
+    NVIDIA sm_90; up to two contiguous tensors, e.g. the next projection's codes and scales):
+    the programs prefetch their bytes into L2, before their wait (``weights_when="early"``) or
+    after it (``"waited"``). Head sizes that are not a power of two in [16, 256],
     more than ``MAX_ROWS`` rows per KV head, a mask that does not broadcast as ``(batch, 1 or
     kv_heads, rows, slots)`` or autograd: the reference."""
     check_kernel_device("decode_attention", query, key, value, mask)
@@ -537,13 +574,19 @@ def decode_attention(
             f"decode_attention: trigger={trigger!r}: one of False, True, 'start', 'issued', "
             "'waited' (the last two: the loop form only)"
         )
+    if len(weights) > 2 or weights_when not in WEIGHT_PREFETCH_POINTS:
+        raise ValueError(
+            f"decode_attention: weights takes up to two tensors (got {len(weights)}) and "
+            f"weights_when one of {sorted(WEIGHT_PREFETCH_POINTS)} (got {weights_when!r})"
+        )
     if loop is None:
         loop = block_s is None and slots <= LOOP_MAX_SLOTS
-    if trigger in ("issued", "waited"):
+    if trigger in ("issued", "waited") or weights:
         loop = True
     can_trigger = pdl_supported(query.device)
     if loop:
         gdc = pdl and pdl_supported(query.device)
+        weight_args = _weight_args(weights, out)  # checks them on every device
         warps = warps or LOOP_WARPS
         d_split = d_split or LOOP_D_SPLIT
         if new_slots is not None and (
@@ -583,6 +626,7 @@ def decode_attention(
             out.stride(2),
             out if new_slots is None else new_slots,
             0 if new_slots is None else new_slots.numel(),
+            *(weight_args if can_trigger else _weight_args((), out)),
             ROWS_PAD=rows_pad,
             BLOCK_S=block_s or LOOP_BLOCK_S,
             HEAD_DIM=head_dim,
@@ -596,6 +640,7 @@ def decode_attention(
             ELEMENT=key.element_size(),
             PRELOAD=new_slots is not None,
             NEW_PAD=next_power_of_2(max(2, 0 if new_slots is None else new_slots.numel())),
+            WEIGHTS=WEIGHT_PREFETCH_POINTS[weights_when] if weights and can_trigger else 0,
             num_warps=warps,
             **({"launch_pdl": True} if gdc else {}),
         )
@@ -663,6 +708,24 @@ def decode_attention(
             num_warps=4,
         )
     return out
+
+
+def _weight_args(weights: tuple[torch.Tensor, ...], dummy: torch.Tensor) -> list[object]:
+    """``w1_ptr, W1_BYTES, w2_ptr, W2_BYTES`` of the loop kernel: each tensor's storage as
+    bytes (contiguous tensors only; a missing one: 0 bytes)."""
+    found: list[object] = []
+    for index in range(2):
+        if index < len(weights):
+            tensor = weights[index]
+            if not tensor.is_contiguous() or tensor.device != dummy.device:
+                raise ValueError(
+                    "decode_attention: the weights to prefetch must be contiguous tensors on "
+                    f"{dummy.device}, got {tuple(tensor.shape)} on {tensor.device}"
+                )
+            found += [tensor.view(torch.int8), tensor.numel() * tensor.element_size()]
+        else:
+            found += [dummy.view(torch.int8), 0]
+    return found
 
 
 # Arrival counters of the one-launch form, per device, grown on demand; every call leaves them
@@ -764,8 +827,11 @@ def aot_specs() -> list[AotSpec]:
         strides += ["mask_sb", "mask_sh", "mask_sr", "mask_ss", "o_sb", "o_sh", "o_sr"]
         loop_signature.update({name: "i32" for name in strides})
         loop_signature.update({"new_ptr": "*i64", "NEW": "i32"})
+        loop_signature.update({"w1_ptr": "*i8", "W1_BYTES": "i32", "w2_ptr": "*i8"})
+        loop_signature["W2_BYTES"] = "i32"
         loop_constexprs = ["ROWS_PAD", "BLOCK_S", "HEAD_DIM", "IEEE", "STAGES", "GDC", "TRIGGER"]
         loop_constexprs += ["D_SPLIT", "PREFETCH", "THREADS", "ELEMENT", "PRELOAD", "NEW_PAD"]
+        loop_constexprs += ["WEIGHTS"]
         for name in loop_constexprs:
             loop_signature[name] = "constexpr"
         specs.append(
@@ -787,6 +853,7 @@ def aot_specs() -> list[AotSpec]:
                     "ELEMENT": 2,
                     "PRELOAD": False,
                     "NEW_PAD": 2,
+                    "WEIGHTS": 0,
                 },
             )
         )
