@@ -56,8 +56,24 @@ def test_triton_matches_reference(triton_device: torch.device) -> None:
                 assert got.dtype == dtype
                 torch.testing.assert_close(got.float(), expected, rtol=tol, atol=tol)
             for loop in (True, False):  # trigger: the next kernel may launch at once (sm_90+)
-                got = kernel(query, key, value, mask, 0.2, loop=loop, trigger=True)
-                torch.testing.assert_close(got.float(), expected, rtol=tol, atol=tol)
+                for trigger in (True, "issued", "waited"):
+                    got = kernel(query, key, value, mask, 0.2, loop=loop, trigger=trigger)
+                    torch.testing.assert_close(got.float(), expected, rtol=tol, atol=tol)
+            # the split form ignores the loop form's early-load hints
+            plain = kernel(query, key, value, mask, 0.2, block_s=32, pdl=True)
+            hinted = kernel(
+                query,
+                key,
+                value,
+                mask,
+                0.2,
+                block_s=32,
+                pdl=True,
+                prefetch=True,
+                new_slots=torch.tensor([40], device=triton_device),
+                weights=(query,),
+            )
+            assert torch.equal(plain, hinted)
 
 
 def test_loop_launch_options_match(triton_device: torch.device) -> None:

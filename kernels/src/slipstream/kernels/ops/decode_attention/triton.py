@@ -111,7 +111,7 @@ def decode_attention_split_kernel(
     HEAD_DIM: tl.constexpr,
     IEEE: tl.constexpr,
     MERGE: tl.constexpr,
-    TRIGGER: tl.constexpr = False,  # decode_attention's trigger: launch dependents at once
+    TRIGGER: tl.constexpr = 0,  # TRIGGER_POINTS: 1 at the start, 2 or 3 after the wait
     GDC: tl.constexpr = False,
 ):
     """One chunk of ``BLOCK_S`` slots of one (batch, KV head): partial softmax statistics.
@@ -120,11 +120,14 @@ def decode_attention_split_kernel(
     ``GDC`` (launched with programmatic dependent launch): every program waits for the previous
     kernel (which wrote the queries and the cache) before reading. ``TRIGGER``: the next kernel
     may be scheduled at once (a kernel launched with programmatic dependent launch, the output
-    projection, prefetches its weight while attention runs); else only when attention ends."""
-    if TRIGGER:
+    projection, prefetches its weight while attention runs; 2 or 3: after the wait); else
+    only when attention ends."""
+    if TRIGGER == 1:
         gdc_launch_dependents()
     if GDC:
         gdc_wait()
+    if TRIGGER >= 2:
+        gdc_launch_dependents()
     split = tl.program_id(0)
     bh = tl.program_id(1)
     b = (bh // KV_HEADS).to(tl.int64)
@@ -531,10 +534,12 @@ def decode_attention(
     every program lets the next kernel launch at once (``griddepcontrol.launch_dependents``),
     with or without ``pdl``; only a kernel launched with programmatic dependent launch (the
     fused quantized output projection) starts early, to prefetch its weight while attention
-    runs (without it, the next kernel launches when attention ends); in the loop form
-    ``"issued"`` lets it launch once the early loads (``prefetch``, ``new_slots``) are issued,
-    ``"waited"`` after the wait (True: ``"start"``). ``prefetch`` (the loop
-    form with ``pdl``, sm_90+): before the wait each program asks L2 for its keys and values.
+    runs (without it, the next kernel launches when attention ends); ``"issued"`` lets it
+    launch once the early loads (``prefetch``, ``new_slots``, ``weights``) are issued,
+    ``"waited"`` after the wait (True: ``"start"``; the split form, which has no early loads:
+    both after the wait). ``prefetch`` (the loop form with ``pdl``, sm_90+): before the wait
+    each program asks L2 for its keys and values. The split form ignores ``prefetch``,
+    ``new_slots`` and ``weights`` (early-load hints).
     The loop form's ``block_s`` (default :data:`LOOP_BLOCK_S`), ``stages``
     (:data:`LOOP_STAGES`), ``warps`` (:data:`LOOP_WARPS`) and ``d_split``
     (:data:`LOOP_D_SPLIT`: programs per KV head, each ``head_dim / d_split`` output features)
@@ -569,33 +574,31 @@ def decode_attention(
     mask_strides = [0 if mask.shape[i] == 1 else mask.stride(i) for i in range(4)]
     mask_strides[2:] = [mask.stride(2), mask.stride(3)]
     out = torch.empty(batch, kv_heads, rows, head_dim, device=query.device, dtype=query.dtype)
-    if trigger not in TRIGGER_POINTS or (trigger in ("issued", "waited") and loop is False):
+    if trigger not in TRIGGER_POINTS:
         raise ValueError(
             f"decode_attention: trigger={trigger!r}: one of False, True, 'start', 'issued', "
-            "'waited' (the last two: the loop form only)"
+            "'waited'"
         )
     if len(weights) > 2 or weights_when not in WEIGHT_PREFETCH_POINTS:
         raise ValueError(
             f"decode_attention: weights takes up to two tensors (got {len(weights)}) and "
             f"weights_when one of {sorted(WEIGHT_PREFETCH_POINTS)} (got {weights_when!r})"
         )
+    if new_slots is not None and (
+        new_slots.dim() != 1 or new_slots.dtype not in (torch.int32, torch.int64)
+    ):
+        raise ValueError(
+            "decode_attention: new_slots must be a 1-D int32/int64 tensor of the slots the "
+            f"previous kernel writes, got {new_slots.dtype} {tuple(new_slots.shape)}"
+        )
+    weight_args = _weight_args(weights, out)  # checked on every device and form
     if loop is None:
         loop = block_s is None and slots <= LOOP_MAX_SLOTS
-    if trigger in ("issued", "waited") or weights:
-        loop = True
     can_trigger = pdl_supported(query.device)
     if loop:
         gdc = pdl and pdl_supported(query.device)
-        weight_args = _weight_args(weights, out)  # checks them on every device
         warps = warps or LOOP_WARPS
         d_split = d_split or LOOP_D_SPLIT
-        if new_slots is not None and (
-            new_slots.dim() != 1 or new_slots.dtype not in (torch.int32, torch.int64)
-        ):
-            raise ValueError(
-                "decode_attention: new_slots must be a 1-D int32/int64 tensor of the slots the "
-                f"previous kernel writes, got {new_slots.dtype} {tuple(new_slots.shape)}"
-            )
         if d_split < 1 or head_dim % d_split or head_dim // d_split < 16:
             raise ValueError(
                 f"decode_attention: d_split={d_split} must divide head_dim {head_dim} into "
@@ -686,7 +689,7 @@ def decode_attention(
         HEAD_DIM=head_dim,
         IEEE=query.dtype == torch.float32,
         MERGE=merge,
-        TRIGGER=bool(trigger) and can_trigger,
+        TRIGGER=TRIGGER_POINTS[trigger] if can_trigger else 0,
         GDC=gdc,
         num_warps=4,
         **({"launch_pdl": True} if gdc else {}),
@@ -814,7 +817,7 @@ def aot_specs() -> list[AotSpec]:
                     "HEAD_DIM": 128,
                     "IEEE": False,
                     "MERGE": True,
-                    "TRIGGER": False,
+                    "TRIGGER": 0,
                     "GDC": False,
                 },
             )
