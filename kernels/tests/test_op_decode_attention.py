@@ -94,6 +94,7 @@ def test_loop_launch_options_match(triton_device: torch.device) -> None:
         query, key, value, mask = _case(triton_device, dtype, generator)
         expected = reference(query.float(), key.float(), value.float(), mask.float(), 0.2)
         new = torch.tensor([40], device=triton_device)  # row 0's last valid slot
+        spare = torch.zeros(37 * 4096 + 48, device=triton_device, dtype=torch.uint8)  # "weights"
         for block_s in (32, 128):
             plain = kernel(query, key, value, mask, 0.2, loop=True, block_s=block_s)
             torch.testing.assert_close(plain.float(), expected, rtol=tol, atol=tol)
@@ -108,8 +109,8 @@ def test_loop_launch_options_match(triton_device: torch.device) -> None:
                 },
                 {"new_slots": new.int(), "stages": 1},
                 {"pdl": True, "prefetch": True, "new_slots": new, "trigger": "issued"},
-                {"pdl": True, "trigger": "waited", "weights": (query, mask)},
-                {"pdl": True, "weights": (query,), "weights_when": "early"},
+                {"pdl": True, "trigger": "waited", "weights": (spare, mask)},
+                {"pdl": True, "weights": (spare[4096:],), "weights_when": "early"},
             ]
             close = [{"warps": 8}, {"d_split": 2}, {"d_split": 2, "new_slots": new, "pdl": True}]
             for index, options in enumerate(same + close):
