@@ -124,3 +124,16 @@ def test_loop_launch_options_match(triton_device: torch.device) -> None:
         for bad in bad_options:
             with pytest.raises(ValueError, match=r"d_split|new_slots|trigger|weights"):
                 kernel(query, key, value, mask, 0.2, loop=True, **bad)
+
+
+def test_loop_stages_fit_shared_memory() -> None:
+    """The loop form pipelines no deeper than shared memory holds: one stage for a cache of
+    one chunk (nothing to overlap), fewer for big chunks (an H100 refused 256-slot chunks at
+    3 stages: 284 KiB against 227)."""
+    from slipstream.kernels.ops.decode_attention.triton import _loop_stages
+
+    cpu = torch.device("cpu")  # a 100 KiB budget off the GPU
+    assert _loop_stages(3, 256, 192, 128, 1, 2, cpu) == 1
+    assert _loop_stages(3, 64, 192, 128, 1, 2, cpu) == 3  # 2 x 32 KiB in flight
+    assert _loop_stages(3, 128, 400, 128, 1, 2, cpu) == 2  # 2 x 64 KiB would not fit
+    assert _loop_stages(3, 128, 400, 128, 2, 2, cpu) == 2

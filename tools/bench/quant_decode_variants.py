@@ -9,7 +9,9 @@ of ``--repeats`` calls a round after a warm-up; the older difference measure (``
 ``new`` minus ``generate`` of 1) is printed beside it. A variant is ``NAME=SETTINGS``, with
 ``SETTINGS`` comma-separated from:
 
-- ``bf16``: the bf16 engine (library defaults), the baseline of the speed-ups;
+- ``bf16``: the bf16 engine (library defaults; the first such variant is the baseline of the
+  speed-ups); with ``attn:pdl`` / ``attn:prefetch`` the dense step's
+  ``decode_attention_pdl`` / ``decode_attention_prefetch``;
 - ``pdl=on|l2_partial|off``: ``quant.weight.decode_pdl``'s launch mode (default: the config's);
 - ``early`` / ``noearly``: decode_attention lets the next kernel (the output projection)
   launch at once (the fused decoder's ``quant_attention_trigger``; default: the library's);
@@ -195,6 +197,12 @@ def parse_variant(text: str) -> Variant:
             low = raw.lower()
             parsed: Any = low == "true" if low in ("true", "false") else int(raw)
             variant.changes.setdefault(part, {})[field] = parsed
+    quant_only = {"trigger", "preload", "weights"} & set(variant.attention)
+    if variant.bf16 and quant_only:
+        raise SystemExit(
+            f"variant {text!r}: the bf16 step takes attn:pdl, attn:prefetch and the launch "
+            f"shape, not {sorted(quant_only)}"
+        )
     return variant
 
 
@@ -278,8 +286,11 @@ def attention_only(
     scale = head_dim**-0.5
     expected = decode_attention(queries[-1], caches[-1, 0], caches[-1, 1], mask, scale)
     timings: dict[str, list[float]] = {v.name: [] for v in chosen}
+    failed: set[str] = set()
     for round_index in range(rounds):
         for variant in chosen[round_index % len(chosen) :] + chosen[: round_index % len(chosen)]:
+            if variant.name in failed:
+                continue
             install_attention(variant)
             flags = attention_flags(variant, defaults)
             preload = flags.pop("preload", False)
@@ -303,7 +314,13 @@ def attention_only(
                     )
                 return out
 
-            calls()  # compiles
+            try:
+                calls()  # compiles
+            except Exception as error:  # e.g. a launch that does not fit: the others still run
+                failed.add(variant.name)
+                why = f"{type(error).__name__}: {error}"[:400]
+                print(json.dumps({"result": "error", "variant": variant.name, "why": why}))
+                continue
             torch.cuda.synchronize(device)
             graph = torch.cuda.CUDAGraph()
             with torch.cuda.graph(graph):
@@ -335,6 +352,8 @@ def attention_only(
             del graph
     install_attention(Variant("restore"))
     for variant in chosen:
+        if not timings[variant.name]:
+            continue
         print(
             json.dumps(
                 {
@@ -474,20 +493,34 @@ def main() -> None:
             ids, attention_mask=mask, max_new_tokens=new, do_sample=False, eos_token_id=None
         )
 
+    failed: set[str] = set()
     for round_index in range(args.rounds):
         order = variants[round_index % len(variants) :] + variants[: round_index % len(variants)]
         for variant in order:
+            if variant.name in failed:
+                continue
             engine = engines[variant.bf16]
             table = [] if variant.bf16 else install(variant, args.weights, device)
             install_attention(variant)
-            if not variant.bf16:
+            if variant.bf16:  # the dense step's attention options
+                engine.fused.decode_attention_pdl = bool(variant.attention.get("pdl", False))
+                prefetch = bool(variant.attention.get("prefetch", False))
+                engine.fused.decode_attention_prefetch = prefetch
+            else:
                 use_scales(variant.scales)
                 engine.fused.quant_pdl = variant.pdl or default_pdl
                 for field, value in attention_flags(variant, default_attention).items():
                     setattr(engine.fused, ATTENTION_FIELDS[field][1], value)
             engine._runner.buckets.clear()  # recaptured with this variant's launches
             gc.collect()
-            tokens = generate(engine, args.new_tokens)  # capture, compiles: the warm-up
+            try:
+                tokens = generate(engine, args.new_tokens)  # capture, compiles: the warm-up
+            except Exception as error:  # e.g. a launch that does not fit: the others still run
+                failed.add(variant.name)
+                why = f"{type(error).__name__}: {error}"[:400]
+                print(json.dumps({"result": "error", "variant": variant.name, "why": why}))
+                engine._runner.buckets.clear()
+                continue
             same = bool(torch.equal(tokens, reference.setdefault(variant.bf16, tokens)))
             fulls = [
                 timed_generate(engine, lambda e=engine: generate(e, args.new_tokens), device)
@@ -514,6 +547,9 @@ def main() -> None:
     install(Variant("restore"), args.weights, device)
     install_attention(Variant("restore"))
     use_scales(None)
+    variants = [v for v in variants if steps[v.name]]
+    if not variants:
+        raise SystemExit("no variant ran")
     baseline = next((min(steps[v.name]) for v in variants if v.bf16), None)
     base = min(steps[variants[0].name])
     for variant in variants:

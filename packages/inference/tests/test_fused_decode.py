@@ -32,6 +32,14 @@ def test_fused_decode_step_equals_unfused(monkeypatch: pytest.MonkeyPatch) -> No
     # QKV (with rotary_kv_write: norm_gemv_rotary), gate/up and the head
     for name in ("norm_gemv", "norm_gemv_rotary"):
         monkeypatch.setattr(fused_module, name, counting(getattr(fused_module, name)))
+    launches: set[tuple[bool, bool, bool]] = set()  # decode_attention's pdl, trigger, prefetch
+    original_attention = fused_module.decode_attention
+
+    def attention(*args: Any, **kwargs: Any) -> Any:
+        launches.add((kwargs["pdl"], kwargs["trigger"], kwargs["prefetch"]))
+        return original_attention(*args, **kwargs)
+
+    monkeypatch.setattr(fused_module, "decode_attention", attention)
     model = tiny_hf_model("llama")
     ids = torch.randint(3, 96, (1, 7), generator=torch.Generator().manual_seed(0))
     settings = {"dtype": torch.bfloat16, "replace_with_kernel_inject": True, "max_out_tokens": 32}
@@ -46,6 +54,14 @@ def test_fused_decode_step_equals_unfused(monkeypatch: pytest.MonkeyPatch) -> No
     layers = len(fused.fused.blocks)
     # 5 decode steps, each: 2 per block (QKV, gate/up) + the head's; the prefill runs unfused.
     assert calls["norm_gemv"] == 5 * (2 * layers + 1)
+    # attention's launch options: plain by default; the dense step's attention PDL (waiting
+    # only) with its L2 prefetch changes no token
+    assert launches == {(False, False, False)}
+    launches.clear()
+    fused.fused.decode_attention_pdl = fused.fused.decode_attention_prefetch = True
+    assert torch.equal(fused.generate(ids, **KWARGS), expected)
+    assert launches == {(True, False, True)}
+    fused.fused.decode_attention_pdl = fused.fused.decode_attention_prefetch = False
     # The decode step's logits, bit for bit (CPU: the same torch ops in the same order), with
     # every part fused and with some of them (the others through the unfused kernels).
     assert plain._runner is not None and fused._runner is not None

@@ -308,7 +308,7 @@ class FusedBlock(nn.Module):
             # does), so decode reads each cached key once; `mask` comes grouped to match.
             q = q.reshape(batch, kv_heads, (heads // kv_heads) * length, hd)
         if split_attention and cache is not None:
-            out = decode_attention(q, k, v, mask, self.spec.scale, pdl=pdl)
+            out = decode_attention(q, k, v, mask, self.spec.scale, pdl=pdl, trigger=pdl)
         else:
             out = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, scale=self.spec.scale)
         out = out.reshape(batch, heads, length, hd).transpose(1, 2)
@@ -424,6 +424,12 @@ class FusedDecoder(nn.Module):
         # Whether the fused dense decode step launches its kernels with programmatic dependent
         # launch (the ``decode_pdl`` config key; set by fused_decode.enable_decode_fusion).
         self.decode_pdl = False
+        # The dense fused step without decode_pdl: the QKV GEMV and decode_attention alone
+        # launched with programmatic dependent launch (attention waits only; its early loads
+        # overlap the GEMV's end), and attention's L2 prefetch of its cache rows before the
+        # wait (tools/bench/quant_decode_variants.py: bf16,attn:pdl=true,attn:prefetch=true).
+        self.decode_attention_pdl = False
+        self.decode_attention_prefetch = False
 
     def _rotary(self, positions: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor] | None:
         if self.spec.position != "rotary":

@@ -604,6 +604,10 @@ def decode_attention(
                 f"decode_attention: d_split={d_split} must divide head_dim {head_dim} into "
                 "slices of at least 16 features"
             )
+        block_s = block_s or LOOP_BLOCK_S
+        stages = _loop_stages(
+            stages or LOOP_STAGES, block_s, slots, head_dim, d_split, key.element_size(), key.device
+        )
         decode_attention_loop_kernel[(batch * kv_heads, d_split)](
             query,
             key,
@@ -631,10 +635,10 @@ def decode_attention(
             0 if new_slots is None else new_slots.numel(),
             *(weight_args if can_trigger else _weight_args((), out)),
             ROWS_PAD=rows_pad,
-            BLOCK_S=block_s or LOOP_BLOCK_S,
+            BLOCK_S=block_s,
             HEAD_DIM=head_dim,
             IEEE=query.dtype == torch.float32,
-            STAGES=stages or LOOP_STAGES,
+            STAGES=stages,
             GDC=gdc,
             TRIGGER=TRIGGER_POINTS[trigger] if can_trigger else 0,
             D_SPLIT=d_split,
@@ -711,6 +715,30 @@ def decode_attention(
             num_warps=4,
         )
     return out
+
+
+def _loop_stages(
+    stages: int,
+    block_s: int,
+    slots: int,
+    head_dim: int,
+    d_split: int,
+    element: int,
+    device: torch.device,
+) -> int:
+    """The loop form's pipeline depth: 1 when the cache is one chunk (nothing to overlap),
+    else ``stages`` less while the chunks in flight (keys and the program's value features)
+    would not fit in three quarters of the device's shared memory (a launch Triton refuses)."""
+    if block_s >= slots:
+        return 1
+    limit = 100 * 1024
+    if device.type == "cuda":
+        props = torch.cuda.get_device_properties(device)
+        limit = int(getattr(props, "shared_memory_per_block_optin", limit))
+    per_stage = block_s * (head_dim + head_dim // d_split) * element
+    while stages > 1 and (stages - 1) * per_stage > 0.75 * limit:
+        stages -= 1
+    return stages
 
 
 def _weight_args(weights: tuple[torch.Tensor, ...], dummy: torch.Tensor) -> list[object]:
