@@ -137,3 +137,17 @@ def test_loop_stages_fit_shared_memory() -> None:
     assert _loop_stages(3, 64, 192, 128, 1, 2, cpu) == 3  # 2 x 32 KiB in flight
     assert _loop_stages(3, 128, 400, 128, 1, 2, cpu) == 2  # 2 x 64 KiB would not fit
     assert _loop_stages(3, 128, 400, 128, 2, 2, cpu) == 2
+
+
+def test_default_d_split() -> None:
+    """Two programs per KV head only where they fit one per multiprocessor and each half of
+    head_dim keeps 16 features; one off GPUs."""
+    from slipstream.kernels.ops.decode_attention import triton as module
+
+    assert module._default_d_split(8, 128, torch.device("cpu")) == 1
+    if torch.cuda.is_available():
+        cuda = torch.device("cuda")
+        sms = torch.cuda.get_device_properties(0).multi_processor_count
+        assert module._default_d_split(8, 128, cuda) == module.LOOP_D_SPLIT
+        assert module._default_d_split(sms, 128, cuda) == 1  # no SMs to spare
+        assert module._default_d_split(8, 16, cuda) == 1  # 8-feature halves

@@ -407,9 +407,11 @@ class FusedDecoder(nn.Module):
         # the QKV GEMV finishes and waits for it), letting the output projection launch at once
         # (``trigger``: that projection prefetches its weight while attention runs), and with
         # ``pdl`` an L2 prefetch of the cache before the wait (``prefetch``) or a load of the
-        # first chunk of the slots QKV does not write (``preload``). PDL with the
-        # trigger and the trigger alone measured slower on an H100 (8B int4: 2.816 against
-        # 2.635 ms with the rule's launches; 2.669 against 2.414 with the built-in ones);
+        # first chunk of the slots QKV does not write (``preload``), and an L2 prefetch of
+        # the output projection's weight (``weights``: "early" / "waited"). All off: on an
+        # H100 (8B, batch 1) any early launch of the output projection cost ~0.3 ms a step;
+        # pdl + prefetch gained 26 us for int4 but nothing on top of decode_attention's
+        # d_split 2 (the default) and cost 62 us for int8 (calls D2, G; docs/inference.md);
         # tools/bench/quant_decode_variants.py sets them ("attn:pdl=true", ...).
         self.quant_attention_pdl = False
         self.quant_attention_trigger: bool | str = False  # or "issued" / "waited"
@@ -428,6 +430,7 @@ class FusedDecoder(nn.Module):
         # launched with programmatic dependent launch (attention waits only; its early loads
         # overlap the GEMV's end), and attention's L2 prefetch of its cache rows before the
         # wait (tools/bench/quant_decode_variants.py: bf16,attn:pdl=true,attn:prefetch=true).
+        # Off: the 8B bf16 step took 5.839 ms with both against 5.719 (H100, call G).
         self.decode_attention_pdl = False
         self.decode_attention_prefetch = False
 

@@ -12,7 +12,8 @@ all masked contributes nothing (its maximum is ``-inf``, its weight 0).
 For short caches a third form, one program per (batch x KV head) walking the chunks with the
 online softmax (``decode_attention_loop_kernel``), stores the output itself: no partials and no
 merge, whose stores, arrival counter and loads cost more latency than a few serial chunks whose
-loads are pipelined.
+loads are pipelined. Where the GPU has SMs to spare it runs two programs per (batch x KV head),
+each scoring all keys and weighting half of the value features (``LOOP_D_SPLIT``).
 """
 
 from __future__ import annotations
@@ -487,7 +488,15 @@ LOOP_MAX_SLOTS = 256
 LOOP_BLOCK_S = 64  # slots per chunk of the loop form
 LOOP_STAGES = 3  # chunks in flight in the loop form
 LOOP_WARPS = 4  # warps per program of the loop form
-LOOP_D_SPLIT = 1  # programs per (batch, KV head) of the loop form, each a slice of head_dim
+# Programs per (batch, KV head) of the loop form, each a slice of head_dim's value features
+# (every one scores all keys), while the programs stay at most one per multiprocessor (more
+# SMs loading fewer bytes each; never past that: more programs then only re-read the keys),
+# and each slice keeps at least 16 features. At batch 1 of an 8B Llama (8 KV heads, 192
+# slots) on an H100: attention alone 4.58 us a call against 5.34 (a CUDA graph of 32 calls),
+# the int4 step 2.3187 against 2.3410 ms and the bf16 step 5.7093 against 5.7190 (call G,
+# tools/bench/quant_decode_variants.py, one process, 2 interleaved rounds; call D2: int4
+# 2.3190 against 2.3406). 4 was slower (4.80 us; int4 2.3454 with PDL and prefetch).
+LOOP_D_SPLIT = 2
 # decode_attention's ``trigger`` values: where its programs let the next kernel launch (the
 # split form: "start" only)
 TRIGGER_POINTS = {False: 0, True: 1, "start": 1, "issued": 2, "waited": 3}
@@ -541,9 +550,11 @@ def decode_attention(
     each program asks L2 for its keys and values. The split form ignores ``prefetch``,
     ``new_slots`` and ``weights`` (early-load hints).
     The loop form's ``block_s`` (default :data:`LOOP_BLOCK_S`), ``stages``
-    (:data:`LOOP_STAGES`), ``warps`` (:data:`LOOP_WARPS`) and ``d_split``
-    (:data:`LOOP_D_SPLIT`: programs per KV head, each ``head_dim / d_split`` output features)
-    change the launch, not the result. ``new_slots`` (the loop form; a 1-D integer tensor
+    (:data:`LOOP_STAGES`), ``warps`` (:data:`LOOP_WARPS`) and ``d_split`` (programs per KV
+    head, each ``head_dim / d_split`` output features; default :data:`LOOP_D_SPLIT` while the
+    programs fit one per multiprocessor, else 1) change the launch; ``stages`` and ``d_split``
+    not the result (a different ``block_s`` sums in other chunks, ``warps`` lays the dots out
+    differently: the same within rounding). ``new_slots`` (the loop form; a 1-D integer tensor
     on the device, every batch row's new slots): the cache slots the previous kernel writes
     (the quantized QKV's epilogue); the program loads its first chunk's other keys and values
     before it waits (with ``pdl``) and those slots after; the list must be written before that
@@ -598,7 +609,8 @@ def decode_attention(
     if loop:
         gdc = pdl and pdl_supported(query.device)
         warps = warps or LOOP_WARPS
-        d_split = d_split or LOOP_D_SPLIT
+        if d_split is None:
+            d_split = _default_d_split(batch * kv_heads, head_dim, query.device)
         if d_split < 1 or head_dim % d_split or head_dim // d_split < 16:
             raise ValueError(
                 f"decode_attention: d_split={d_split} must divide head_dim {head_dim} into "
@@ -715,6 +727,18 @@ def decode_attention(
             num_warps=4,
         )
     return out
+
+
+def _default_d_split(programs: int, head_dim: int, device: torch.device) -> int:
+    """:data:`LOOP_D_SPLIT` while ``programs`` (batch x KV heads) times it fit one per
+    multiprocessor and each slice of ``head_dim`` keeps 16 features; else 1 (also off GPUs)."""
+    if device.type != "cuda" or LOOP_D_SPLIT <= 1:
+        return 1
+    index = device.index if device.index is not None else torch.cuda.current_device()
+    sms = torch.cuda.get_device_properties(index).multi_processor_count
+    if programs * LOOP_D_SPLIT > sms or head_dim % LOOP_D_SPLIT or head_dim < 16 * LOOP_D_SPLIT:
+        return 1
+    return LOOP_D_SPLIT
 
 
 def _loop_stages(
