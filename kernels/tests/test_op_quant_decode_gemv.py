@@ -289,7 +289,8 @@ def test_one_pass_stats_and_early_epilogue(triton_device: torch.device) -> None:
     """``stats_one_pass`` (the norm's partial sums in one load: 600 of them here, three passes
     otherwise) equals the reference; ``early_epilogue`` (the epilogue's inputs loaded before
     the K loop) changes no bit of the QKV's queries and cache rows nor of the add + norm
-    epilogue's outputs, alone and split in two K ranges (QKV: in a persistent grid)."""
+    epilogue's outputs, alone and split in two K ranges (QKV: in a persistent grid); nor do
+    ``late_trigger`` and ``l2_prefetch`` (launch details of programmatic dependent launch)."""
     from slipstream.kernels.ops.quant_matmul.fused_gemv import fused_quant_gemv, fused_quant_qkv
     from slipstream.kernels.ops.quant_matmul.fused_table import FusedGemvConfig as C
     from slipstream.kernels.ops.quant_matmul.reference import quant_decode_qkv
@@ -339,6 +340,13 @@ def test_one_pass_stats_and_early_epilogue(triton_device: torch.device) -> None:
             *args, **kwargs, config=dataclasses.replace(config, early_epilogue=True)
         )
         for a, b in zip(early, late, strict=True):
+            torch.testing.assert_close(a, b, rtol=0, atol=0)
+    # programmatic dependent launch details (sm_90; plain launches elsewhere): the trigger
+    # after the wait, no L2 prefetch of the weight — the same bits
+    plain = fused_quant_gemv(*args, **kwargs, config=C(block_n=4), pdl="l2_partial")
+    for fields in ({"late_trigger": True}, {"l2_prefetch": False}):
+        got = fused_quant_gemv(*args, **kwargs, config=C(block_n=4, **fields), pdl="l2_partial")
+        for a, b in zip(got, plain, strict=True):
             torch.testing.assert_close(a, b, rtol=0, atol=0)
 
 

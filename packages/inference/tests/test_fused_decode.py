@@ -33,6 +33,14 @@ def test_fused_decode_step_equals_unfused(monkeypatch: pytest.MonkeyPatch) -> No
     # QKV (with rotary_kv_write: norm_gemv_rotary), gate/up and the head
     for name in ("norm_gemv", "norm_gemv_rotary"):
         monkeypatch.setattr(fused_module, name, counting(getattr(fused_module, name)))
+    launches: set[tuple[bool, bool, bool]] = set()  # decode_attention's pdl, trigger, prefetch
+    original_attention = fused_module.decode_attention
+
+    def attention(*args: Any, **kwargs: Any) -> Any:
+        launches.add((kwargs["pdl"], kwargs["trigger"], kwargs["prefetch"]))
+        return original_attention(*args, **kwargs)
+
+    monkeypatch.setattr(fused_module, "decode_attention", attention)
     model = tiny_hf_model("llama")
     ids = torch.randint(3, 96, (1, 7), generator=torch.Generator().manual_seed(0))
     settings = {"dtype": torch.bfloat16, "replace_with_kernel_inject": True, "max_out_tokens": 32}
@@ -47,6 +55,14 @@ def test_fused_decode_step_equals_unfused(monkeypatch: pytest.MonkeyPatch) -> No
     layers = len(fused.fused.blocks)
     # 5 decode steps, each: 2 per block (QKV, gate/up) + the head's; the prefill runs unfused.
     assert calls["norm_gemv"] == 5 * (2 * layers + 1)
+    # attention's launch options: plain by default; the dense step's attention PDL (waiting
+    # only) with its L2 prefetch changes no token
+    assert launches == {(False, False, False)}
+    launches.clear()
+    fused.fused.decode_attention_pdl = fused.fused.decode_attention_prefetch = True
+    assert torch.equal(fused.generate(ids, **KWARGS), expected)
+    assert launches == {(True, False, True)}
+    fused.fused.decode_attention_pdl = fused.fused.decode_attention_prefetch = False
     # The decode step's logits, bit for bit (CPU: the same torch ops in the same order), with
     # every part fused and with some of them (the others through the unfused kernels).
     assert plain._runner is not None and fused._runner is not None
@@ -247,11 +263,19 @@ def test_fused_quantized_decode_equals_unfused(monkeypatch: pytest.MonkeyPatch) 
         launches.add(kwargs["pdl"])
         return original_qkv(*args, **kwargs)
 
-    attention_pdl: set[tuple[bool, bool]] = set()  # decode_attention's pdl, trigger
+    # decode_attention's pdl, trigger, prefetch, whether it was given the new slots and
+    # weights to prefetch
+    attention_pdl: set[tuple[bool, ...]] = set()
     original_attention = quant_module.decode_attention
 
     def attention(*args: Any, **kwargs: Any) -> Any:
-        attention_pdl.add((kwargs["pdl"], kwargs["trigger"]))
+        new_slots = kwargs["new_slots"]
+        if new_slots is not None:  # the slot the QKV epilogue wrote, the last valid one
+            assert new_slots.shape == (1,) and args[3][0, 0, 0, new_slots[0]] == 0
+            assert new_slots[0] + 1 == args[3].shape[-1] or args[3][0, 0, 0, new_slots[0] + 1] < 0
+        key = (kwargs["pdl"], kwargs["trigger"], kwargs["prefetch"], new_slots is not None)
+        key += (len(kwargs["weights"]) == 2 and kwargs["weights_when"] == "early",)
+        attention_pdl.add(key)
         return original_attention(*args, **kwargs)
 
     monkeypatch.setattr(quant_module, "quant_decode_gemv", counting)
@@ -284,11 +308,16 @@ def test_fused_quantized_decode_equals_unfused(monkeypatch: pytest.MonkeyPatch) 
         formats.clear()
         launches.clear()
         attention_pdl.clear()
-        # attention's launch options (PDL, the trigger for the output projection): off by
-        # default, and they reach attention only with the GEMVs' PDL on
-        assert not fused.fused.quant_attention_trigger and not fused.fused.quant_attention_pdl
+        # attention's launch options (PDL, the trigger for the output projection, the L2
+        # prefetch and the early load of the slots QKV does not write, the L2 prefetch of the
+        # output projection's weight): off by default, and they reach attention only with the
+        # GEMVs' PDL on (prefetch and preload with attention's PDL)
+        options = ("pdl", "trigger", "prefetch", "preload", "weights")
+        assert not any(getattr(fused.fused, f"quant_attention_{o}") for o in options)
         fused.fused.quant_attention_pdl = bits == 4 or pdl == "l2_partial"
         fused.fused.quant_attention_trigger = bits == 4 or pdl == "l2_partial"
+        fused.fused.quant_attention_prefetch = fused.fused.quant_attention_preload = True
+        fused.fused.quant_attention_weights = "early"  # the output projection's codes, scales
         tokens = fused.generate(ids, **KWARGS)
         assert launches == {{False: "off", "auto": "on"}.get(pdl, pdl)}, (pdl, launches)
         # the blocks' GEMVs run their format, a quantized head its own (lm_head_bits)
@@ -298,7 +327,7 @@ def test_fused_quantized_decode_equals_unfused(monkeypatch: pytest.MonkeyPatch) 
         assert formats == want, (formats, want)
         assert head_bits is None or fused.fused.head.format == f"int{head_bits}"
         partial = pdl == "l2_partial"
-        assert attention_pdl == {(partial, partial)}, (pdl, attention_pdl)
+        assert attention_pdl == {(partial,) * 4 + (pdl is not False,)}, (pdl, attention_pdl)
         layers = len(fused.fused.blocks)
         # 5 decode steps: per block QKV (1/rms, rotary and cache write), gate/up (gated,
         # 1/rms), out and down (add + norm epilogue), the quantized head's 1/rms; the last

@@ -122,7 +122,8 @@ def test_decode_fusion_on_gpu() -> None:
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
 def test_decode_pdl_changes_no_result(tmp_path) -> None:
     """decode_pdl (programmatic dependent launch of the fused step's kernels) gives the same
-    tokens and logits, bit for bit, as plain launches, eager and captured in a CUDA graph; with
+    tokens and logits, bit for bit, as plain launches, eager and captured in a CUDA graph (so
+    do QKV and attention alone with it and attention's L2 prefetch); with
     a table whose output projection prefetches its weight into L2 and whose QKV folds
     rotary_kv_write into its epilogue, the same logits within bf16 rounding."""
     import json
@@ -148,14 +149,16 @@ def test_decode_pdl_changes_no_result(tmp_path) -> None:
     table.write_text(json.dumps({"entries": [launch | entry for entry in entries]}))
     kwargs = {"max_new_tokens": 12, "do_sample": False, "eos_token_id": None, "pad_token_id": 0}
     outputs, steps = [], []
-    runs = ((False, True, None), (True, False, None), (True, True, str(table)))
-    for pdl, graph, gemv_table in runs:
+    runs = [(False, True, None, False), (True, False, None, False), (True, True, str(table), False)]
+    runs.append((False, True, None, True))  # only QKV and attention with PDL, L2 prefetch
+    for pdl, graph, gemv_table, attention in runs:
         engine = init_inference(
             model,
             {**config, "decode_pdl": pdl, "decode_gemv_table": gemv_table},
             enable_cuda_graph=graph,
         )
         assert engine.fused is not None and engine.fused.decode_pdl == pdl
+        engine.fused.decode_attention_pdl = engine.fused.decode_attention_prefetch = attention
         outputs.append(engine.generate(ids, **kwargs))
         assert engine._runner is not None
         with torch.no_grad():
@@ -165,6 +168,7 @@ def test_decode_pdl_changes_no_result(tmp_path) -> None:
 
     use_launch_table(None)
     assert torch.equal(outputs[0], outputs[1]) and torch.equal(steps[0], steps[1])
+    assert torch.equal(outputs[0], outputs[3]) and torch.equal(steps[0], steps[3])
     error = (steps[2].float() - steps[0].float()).abs().max() / steps[0].float().abs().max()
     assert error.item() < 1e-2
 
@@ -258,17 +262,25 @@ def test_fused_quantized_decode_on_gpu(bits: int, head_bits: int | None) -> None
     }
     kwargs = {"max_new_tokens": 12, "do_sample": False, "eos_token_id": None, "pad_token_id": 0}
     outputs = []
-    for graph, pdl in ((False, False), (True, False), (True, True), (True, "l2_partial")):
+    cases = [(False, False, ""), (True, False, ""), (True, True, ""), (True, "l2_partial", "")]
+    # attention launched with PDL too: triggering the output projection; waiting only, with
+    # the L2 prefetch and the early load of the slots QKV does not write (the bench's options)
+    cases += [(True, "l2_partial", "trigger"), (True, "l2_partial", "preload")]
+    cases += [(True, "l2_partial", "all")]  # the preload + the output weight's prefetch too
+    for graph, pdl, attention in cases:
         pdl_config = {**config, "quant": {"weight": {**weight, "decode_pdl": pdl}}}
         engine = init_inference(model, pdl_config, enable_cuda_graph=graph, max_out_tokens=32)
         assert engine.fused is not None and len(engine.fused.decode_fusion) == 6  # auto: all
         assert engine.fused.quant_pdl == {False: "off", True: "on"}.get(pdl, pdl)
         head_format = getattr(engine.fused.head, "format", None)
         assert head_format == (None if head_bits is None else f"int{head_bits}")
-        # l2_partial: attention launched with PDL too and triggering the output projection
-        # (the bench's options; no config value sets them)
-        engine.fused.quant_attention_pdl = pdl == "l2_partial"
-        engine.fused.quant_attention_trigger = pdl == "l2_partial"
+        engine.fused.quant_attention_pdl = bool(attention)
+        engine.fused.quant_attention_trigger = attention == "trigger"
+        engine.fused.quant_attention_prefetch = attention in ("preload", "all")
+        engine.fused.quant_attention_preload = attention in ("preload", "all")
+        if attention == "all":
+            engine.fused.quant_attention_trigger = "issued"
+            engine.fused.quant_attention_weights = "early"
         outputs.append(engine.generate(ids, **kwargs))
     assert all(torch.equal(outputs[0], other) for other in outputs[1:])
     config["quant"]["weight"]["decode_pdl"] = False

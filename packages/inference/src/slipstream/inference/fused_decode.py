@@ -175,13 +175,18 @@ def decode_block(
     mask: torch.Tensor,
     parts: frozenset[str],
     pdl: bool = False,
+    attention_pdl: bool = False,
+    attention_prefetch: bool = False,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """One block of a single-token decode step, the ``parts`` through the decode kernels:
     ``"qkv"`` and ``"gate_up"`` with the residual add and RMSNorm before them, ``"down"`` with
     SiLU * up, ``"out"`` plain, ``"attention"`` split-K over the cache; the others as the
     unfused step runs them. Takes the previous block's ``(base, pending)`` (``pending`` None
     for the first block; summed over the tensor-parallel group) and returns this block's.
-    ``pdl``: the decode kernels launch with programmatic dependent launch (``decode_pdl``)."""
+    ``pdl``: the decode kernels launch with programmatic dependent launch (``decode_pdl``).
+    ``attention_pdl`` (without ``pdl``): only the QKV GEMV (which then lets attention launch
+    at once) and attention (which waits for it) launch so, attention's early loads
+    (``attention_prefetch``: its cache rows into L2) overlapping the GEMV's end."""
     assert block.post_norm is not None
     norm, post = block.input_norm, block.post_norm
     # PDL launches: None leaves each GEMV's launch to its table; True for all (sm_90+).
@@ -203,9 +208,11 @@ def decode_block(
             slots,
             block.heads,
             block.kv_heads,
-            pdl=gdc,
+            pdl=True if attention_pdl else gdc,
         )
-        attn = _cached_attention(block, q, cache, mask, pdl)
+        attn = _cached_attention(
+            block, q, cache, mask, pdl or attention_pdl, pdl, attention_prefetch
+        )
     else:
         if "qkv" in parts:
             x, qkv = norm_gemv(
@@ -238,14 +245,19 @@ def _cached_attention(
     cache: tuple[torch.Tensor, torch.Tensor],
     mask: torch.Tensor,
     pdl: bool,
+    trigger: bool = False,
+    prefetch: bool = False,
 ) -> torch.Tensor:
     """``FusedBlock._attend``'s split-K attention over the cache from the rotated queries
-    ``(batch, heads, 1, head_dim)``; returns ``(batch, 1, heads * head_dim)``."""
+    ``(batch, heads, 1, head_dim)``; returns ``(batch, 1, heads * head_dim)`` (``pdl``,
+    ``trigger``, ``prefetch``: decode_attention's launch options)."""
     batch, heads, length, head_dim = q.shape
     keys, values = cache[0][:, :, : mask.shape[-1]], cache[1][:, :, : mask.shape[-1]]
     if heads > block.kv_heads:  # the GQA group's query heads as rows of their KV head
         q = q.reshape(batch, block.kv_heads, (heads // block.kv_heads) * length, head_dim)
-    out = decode_attention(q, keys, values, mask, block.spec.scale, pdl=pdl)
+    out = decode_attention(
+        q, keys, values, mask, block.spec.scale, pdl=pdl, trigger=trigger, prefetch=prefetch
+    )
     return out.reshape(batch, heads, length, head_dim).transpose(1, 2).reshape(batch, length, -1)
 
 
@@ -272,7 +284,17 @@ def decode_forward(
         assert isinstance(block, FusedBlock)
         layer_cache = None if cache is None else (cache.keys[index], cache.values[index])
         x, pending = decode_block(
-            block, x, pending, rotary, layer_cache, slots, mask, parts, model.decode_pdl
+            block,
+            x,
+            pending,
+            rotary,
+            layer_cache,
+            slots,
+            mask,
+            parts,
+            model.decode_pdl,
+            model.decode_attention_pdl,
+            model.decode_attention_prefetch,
         )
     norm, head = model.final_norm, model.head
     if "head" in parts:

@@ -225,15 +225,35 @@ def _cached_attention(
     cache: tuple[torch.Tensor, torch.Tensor],
     mask: torch.Tensor,
     pdl: bool = False,
-    trigger: bool = False,
+    trigger: bool | str = False,
+    prefetch: bool = False,
+    new_slots: torch.Tensor | None = None,
+    weights_when: str | None = None,
 ) -> torch.Tensor:
     """``FusedBlock._attend``'s split-K attention over the cache from rotated queries
-    (``pdl``, ``trigger``: decode_attention's launch options)."""
+    (``pdl``, ``trigger``, ``prefetch``, ``new_slots``: decode_attention's launch options;
+    ``weights_when``: it prefetches the quantized output projection's weight into L2 then)."""
     batch, heads, length, head_dim = q.shape
     keys, values = cache[0][:, :, : mask.shape[-1]], cache[1][:, :, : mask.shape[-1]]
     if heads > block.kv_heads:  # the GQA group's query heads as rows of their KV head
         q = q.reshape(batch, block.kv_heads, (heads // block.kv_heads) * length, head_dim)
-    out = decode_attention(q, keys, values, mask, block.spec.scale, pdl=pdl, trigger=trigger)
+    weights: tuple[torch.Tensor, ...] = ()
+    if weights_when is not None and fusable_quantized(block.out):
+        assert isinstance(block.out, WeightOnlyLinear)
+        weights = (block.out.codes, block.out.scales)
+    out = decode_attention(
+        q,
+        keys,
+        values,
+        mask,
+        block.spec.scale,
+        pdl=pdl,
+        trigger=trigger,
+        prefetch=prefetch,
+        new_slots=new_slots,
+        weights=weights,
+        weights_when=weights_when or "waited",
+    )
     return out.reshape(batch, heads, length, head_dim).transpose(1, 2).reshape(batch, length, -1)
 
 
@@ -253,6 +273,10 @@ def quant_decode_forward(
     pdl = model.quant_pdl
     attention_pdl = pdl != "off" and model.quant_attention_pdl
     trigger = pdl != "off" and model.quant_attention_trigger
+    prefetch = attention_pdl and model.quant_attention_prefetch
+    # the slots the QKV epilogue writes: attention reads the others before it waits for QKV
+    preload = attention_pdl and model.quant_attention_preload
+    weights_when = model.quant_attention_weights if pdl != "off" else None
     blocks = list(model.blocks)
     state: _State = ("pending", x, None) if normed is None else ("prenormed", x, normed)
     for index, block in enumerate(blocks):
@@ -268,7 +292,18 @@ def quant_decode_forward(
             # rotary_kv_write in the QKV projection's epilogue, then decode_attention
             x, u, stats = _normed(state, block.input_norm)
             q = _rotary_qkv(block, u, stats, rotary, layer_cache, slots, pdl)
-            attn = _cached_attention(block, q, layer_cache, mask, attention_pdl, trigger)
+            new_slots = slots.reshape(-1) if preload else None
+            attn = _cached_attention(
+                block,
+                q,
+                layer_cache,
+                mask,
+                attention_pdl,
+                trigger,
+                prefetch,
+                new_slots,
+                weights_when,
+            )
         else:
             x, qkv = _consume(state, block.input_norm, block.qkv, "qkv" in parts, pdl=pdl)
             attn = block._attend(qkv, rotary, layer_cache, slots, mask, "attention" in parts)

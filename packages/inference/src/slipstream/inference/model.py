@@ -309,7 +309,7 @@ class FusedBlock(nn.Module):
             # does), so decode reads each cached key once; `mask` comes grouped to match.
             q = q.reshape(batch, kv_heads, (heads // kv_heads) * length, hd)
         if split_attention and cache is not None:
-            out = decode_attention(q, k, v, mask, self.spec.scale, pdl=pdl)
+            out = decode_attention(q, k, v, mask, self.spec.scale, pdl=pdl, trigger=pdl)
         else:
             out = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, scale=self.spec.scale)
         out = out.reshape(batch, heads, length, hd).transpose(1, 2)
@@ -404,14 +404,23 @@ class FusedDecoder(nn.Module):
         # init_inference from quant.weight.decode_pdl; fused_quant_decode passes it on).
         self.quant_pdl: str = "on"
         # decode_attention's launch options in the fused quantized step (when quant_pdl is not
-        # "off"): launched with programmatic dependent launch itself (it starts while the QKV
-        # GEMV finishes), and letting the output projection launch at once (``trigger``: that
-        # projection prefetches its weight while attention runs). Both measured slower on an
-        # H100 (8B int4: attention PDL 2.816 against 2.635 ms with the rule's launches; the
-        # trigger 2.669 against 2.414 with the built-in ones), so no config value turns them on;
-        # tools/bench/quant_decode_variants.py sets them ("attnpdl", "early").
+        # "off"): launched with programmatic dependent launch itself (``pdl``: it starts while
+        # the QKV GEMV finishes and waits for it), letting the output projection launch at once
+        # (``trigger``: that projection prefetches its weight while attention runs), and with
+        # ``pdl`` an L2 prefetch of the cache before the wait (``prefetch``) or a load of the
+        # first chunk of the slots QKV does not write (``preload``), and an L2 prefetch of
+        # the output projection's weight (``weights``: "early" / "waited"). All off: on an
+        # H100 (8B, batch 1) any early launch of the output projection cost ~0.3 ms a step;
+        # pdl + prefetch gained 26 us for int4 but nothing on top of decode_attention's
+        # d_split 2 (the default) and cost 62 us for int8 (calls D2, G; docs/inference.md);
+        # tools/bench/quant_decode_variants.py sets them ("attn:pdl=true", ...).
         self.quant_attention_pdl = False
-        self.quant_attention_trigger = False
+        self.quant_attention_trigger: bool | str = False  # or "issued" / "waited"
+        self.quant_attention_prefetch = False
+        self.quant_attention_preload = False
+        # "early" / "waited": attention's programs prefetch the quantized output projection's
+        # weight into L2 before / after their wait (None: not)
+        self.quant_attention_weights: str | None = None
         # The parts that single-token decode steps run through the decode kernels
         # (fused_decode.decode_forward; set by fused_decode.enable_decode_fusion); empty: none.
         self.decode_fusion: frozenset[str] = frozenset()
@@ -424,6 +433,13 @@ class FusedDecoder(nn.Module):
         self.decode_tables: tuple[torch.Tensor, torch.Tensor] | None = None
         self._old_tables: list[tuple[torch.Tensor, torch.Tensor]] = []
         self.decode_prologue = False  # single-token steps run decode_inputs (build_decode_tables)
+        # The dense fused step without decode_pdl: the QKV GEMV and decode_attention alone
+        # launched with programmatic dependent launch (attention waits only; its early loads
+        # overlap the GEMV's end), and attention's L2 prefetch of its cache rows before the
+        # wait (tools/bench/quant_decode_variants.py: bf16,attn:pdl=true,attn:prefetch=true).
+        # Off: the 8B bf16 step took 5.839 ms with both against 5.719 (H100, call G).
+        self.decode_attention_pdl = False
+        self.decode_attention_prefetch = False
 
     def _rotary(self, positions: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor] | None:
         if self.spec.position != "rotary":

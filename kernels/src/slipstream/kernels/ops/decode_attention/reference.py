@@ -29,11 +29,16 @@ def decode_attention(
     mask: torch.Tensor,
     scale: float,
     pdl: bool = False,
-    trigger: bool = False,
+    trigger: bool | str = False,
+    prefetch: bool = False,
+    new_slots: torch.Tensor | None = None,
+    weights: tuple[torch.Tensor, ...] = (),
+    weights_when: str = "waited",
 ) -> torch.Tensor:
     """``softmax(query @ key^T * scale + mask) @ value`` per KV head: ``(batch, kv_heads, rows,
     head_dim)``. ``rows`` are the query heads of one GQA group (times the tokens); ``mask`` is
-    additive (0 / -inf) and broadcasts to ``(batch, kv_heads, rows, slots)``. (``pdl`` and ``trigger``,
-    GPU launch options, change nothing here.)"""
+    additive (0 / -inf) and broadcasts to ``(batch, kv_heads, rows, slots)``. (``pdl``, ``trigger``,
+    ``prefetch``, ``new_slots``, ``weights`` and ``weights_when``, GPU launch options, change
+    nothing here.)"""
     check_shapes(query, key, value)
     return F.scaled_dot_product_attention(query, key, value, attn_mask=mask, scale=scale)

@@ -339,9 +339,10 @@ def fused_gemv_kernel(
     TWO_STEP: tl.constexpr = False,  # PREFETCH: the two-step loop (FusedGemvConfig.two_step)
     EARLY_EPILOGUE: tl.constexpr = False,  # the epilogue's inputs loaded before the K loop
     X_AHEAD: tl.constexpr = False,  # HALF2 + PREFETCH: each step's activations a step ahead
+    LATE_TRIGGER: tl.constexpr = False,  # GDC: the next kernel may launch after the wait only
 ):
     """One activation row per program ``(row, p)``; see the module docstring for the pieces."""
-    if GDC:
+    if GDC and not LATE_TRIGGER:
         gdc_launch_dependents()  # the next fused GEMV may be scheduled behind this one
     pid_m = tl.program_id(0)
     pid_n = tl.program_id(1)
@@ -382,6 +383,8 @@ def fused_gemv_kernel(
             # bulk L2 prefetch (sm_90): the weight streams while the previous kernel finishes
             _l2_prefetch(codes_ptr + cols.to(tl.int64) * stride_cn, r * 0 + prefetch_bytes)
         gdc_wait()
+        if LATE_TRIGGER:
+            gdc_launch_dependents()
     # the norm's statistics while the first weight tile is in flight
     rstd = 1.0
     xscale = 1.0
@@ -986,7 +989,9 @@ def _launch(
     out_features = words.numel() * PER_WORD[format] // in_features
     pdl = _pdl(flat.device, pdl_mode)
     row_bytes = in_features * 4 // PER_WORD[format]
-    prefetch = _prefetch_bytes(out_features, row_bytes, pdl_mode == "l2_partial") if pdl else 0
+    prefetch = 0
+    if pdl and config.l2_prefetch:
+        prefetch = _prefetch_bytes(out_features, row_bytes, pdl_mode == "l2_partial")
     cos, sin, slots, key_cache, value_cache = rope if rope is not None else (out,) * 5
     cache_strides = key_cache.stride()[:3] if rope is not None else (0, 0, 0)
     blocks = grid[1]
@@ -1052,6 +1057,7 @@ def _launch(
         TWO_STEP=config.two_step,
         EARLY_EPILOGUE=config.early_epilogue,
         X_AHEAD=config.x_ahead and config.prefetch and half2,
+        LATE_TRIGGER=config.late_trigger and bool(pdl),
         ROPE=rope is not None,
         HEAD_DIM=rope_shape[2],
         **pdl,
@@ -1117,6 +1123,7 @@ def aot_specs(half2: bool = False) -> list[AotSpec]:
                 "TWO_STEP",
                 "EARLY_EPILOGUE",
                 "X_AHEAD",
+                "LATE_TRIGGER",
             )
         },
     }
@@ -1149,6 +1156,7 @@ def aot_specs(half2: bool = False) -> list[AotSpec]:
                 "TWO_STEP": False,
                 "EARLY_EPILOGUE": False,
                 "X_AHEAD": False,
+                "LATE_TRIGGER": False,
             }
             name = (
                 f"quant_matmul.fused_gemv[{format}xbf16,norm={norm_in},gated={gated},"

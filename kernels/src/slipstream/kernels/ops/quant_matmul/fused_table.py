@@ -58,7 +58,8 @@ class FusedGemvConfig:
     adds the fp32 sums and runs the epilogue), ``programs_per_sm`` (0: one program per
     block, a persistent grid for an LM head's many blocks; N: a persistent grid of N per SM)
     ``two_step`` (the prefetching loop's variant), ``stats_one_pass`` and ``early_epilogue``
-    (where the prologue's and epilogue's small loads are issued; see below)."""
+    (where the prologue's and epilogue's small loads are issued), ``late_trigger`` and
+    ``l2_prefetch`` (programmatic dependent launch details; see below)."""
 
     block_n: int = 4
     num_warps: int = 1
@@ -86,6 +87,14 @@ class FusedGemvConfig:
     # with its weight tile, not when the step's math needs them (an L2 round trip on the
     # critical path of every step otherwise; the activations are the previous kernel's output).
     x_ahead: bool = False
+    # With programmatic dependent launch: each program lets the next kernel launch only after
+    # its wait for the previous one (griddepcontrol.launch_dependents after .wait), not at its
+    # start, so the next GEMV's programs (and their L2 prefetch) are not scheduled while this
+    # one still waits (e.g. the output projection's, behind decode_attention).
+    late_trigger: bool = False
+    # With programmatic dependent launch: the L2 prefetch of the weight before the wait (as
+    # quant.weight.decode_pdl chooses it); False: none for this launch.
+    l2_prefetch: bool = True
 
 
 class FusedTableError(ValueError):
