@@ -223,17 +223,12 @@ def test_zero_inference_on_gpu_equals_resident() -> None:
     )
 
 
-@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
-@pytest.mark.parametrize("bits,head_bits", [(4, None), (8, None), (4, 8)])
-def test_fused_quantized_decode_on_gpu(bits: int, head_bits: int | None) -> None:
-    """decode_fusion on packed int4 / int8 weights with shapes the fused Triton kernels take
-    (hidden 1024): the captured step equals its eager run (with and without programmatic
-    dependent launch), and its logits stay near the unfused quantized step's. ``head_bits``:
-    the LM head quantized at its own width (quant.weight.lm_head_bits: int4 blocks, int8
-    head), its fused GEMV in the step too."""
+def _llama_1024() -> torch.nn.Module:
+    """A 2-layer random Llama on the GPU with shapes the fused quantized kernels take (hidden
+    1024, GQA 8 / 2), its weights drawn so that int4 / int8 steps stay well conditioned."""
     import transformers
 
-    config_hf = transformers.LlamaConfig(
+    config = transformers.LlamaConfig(
         vocab_size=96,
         hidden_size=1024,
         intermediate_size=2048,
@@ -246,11 +241,22 @@ def test_fused_quantized_decode_on_gpu(bits: int, head_bits: int | None) -> None
         pad_token_id=0,
     )
     torch.manual_seed(0)
-    model = transformers.AutoModelForCausalLM.from_config(config_hf).eval()
+    model = transformers.AutoModelForCausalLM.from_config(config).eval()
     with torch.no_grad():
         for name, param in model.named_parameters():
             param.normal_(1.0, 0.1) if "norm" in name else param.normal_(0.0, 0.05)
-    model = model.cuda()
+    return model.cuda()
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
+@pytest.mark.parametrize("bits,head_bits", [(4, None), (8, None), (4, 8)])
+def test_fused_quantized_decode_on_gpu(bits: int, head_bits: int | None) -> None:
+    """decode_fusion on packed int4 / int8 weights with shapes the fused Triton kernels take
+    (hidden 1024): the captured step equals its eager run (with and without programmatic
+    dependent launch), and its logits stay near the unfused quantized step's. ``head_bits``:
+    the LM head quantized at its own width (quant.weight.lm_head_bits: int4 blocks, int8
+    head), its fused GEMV in the step too."""
+    model = _llama_1024()
     ids = torch.randint(3, 96, (1, 9), device="cuda")
     weight = {"num_bits": bits, "group_size": 128, "compute_dtype": "bf16"}
     if head_bits is not None:
@@ -300,26 +306,7 @@ def test_fused_quantized_decode_on_gpu(bits: int, head_bits: int | None) -> None
 def _prologue_model(family: str) -> torch.nn.Module:
     if family != "llama-1024":
         return tiny_hf_model(family).cuda()
-    import transformers
-
-    config = transformers.LlamaConfig(  # shapes the fused quantized kernels take (hidden 1024)
-        vocab_size=96,
-        hidden_size=1024,
-        intermediate_size=2048,
-        num_hidden_layers=2,
-        num_attention_heads=8,
-        num_key_value_heads=2,
-        max_position_embeddings=64,
-        bos_token_id=1,
-        eos_token_id=2,
-        pad_token_id=0,
-    )
-    torch.manual_seed(0)
-    model = transformers.AutoModelForCausalLM.from_config(config).eval()
-    with torch.no_grad():
-        for name, param in model.named_parameters():
-            param.normal_(1.0, 0.1) if "norm" in name else param.normal_(0.0, 0.05)
-    return model.cuda()
+    return _llama_1024()
 
 
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
