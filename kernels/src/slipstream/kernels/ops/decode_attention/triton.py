@@ -24,8 +24,10 @@ import triton.language as tl
 
 from slipstream.kernels.ops.decode_attention.reference import check_shapes
 from slipstream.kernels.ops.decode_attention.reference import decode_attention as reference
+from slipstream.kernels.ops.decode_gemv.triton import _l2_prefetch_rows
 from slipstream.kernels.triton_support import (
     AotSpec,
+    arrival_counters,
     check_kernel_device,
     next_power_of_2,
     pdl_supported,
@@ -255,31 +257,6 @@ def decode_attention_combine_kernel(
         o_sr,
         ROWS_PAD,
         HEAD_DIM,
-    )
-
-
-@triton.jit
-def _l2_prefetch_rows(first_row, row_stride, row_bytes, rows):
-    """``cp.async.bulk.prefetch.L2`` of ``row_bytes`` (a multiple of 16) from each of ``rows``
-    rows ``row_stride`` bytes apart from ``first_row`` on (NVIDIA sm_90): thread ``t < rows``
-    of the program requests row ``t``, so each row is asked for once."""
-    return tl.inline_asm_elementwise(
-        """{
-        .reg .pred p;
-        .reg .u32 t;
-        .reg .u64 a, off;
-        mov.u32 t, %tid.x;
-        setp.lt.u32 p, t, $4;
-        mul.wide.u32 off, t, $2;
-        add.u64 a, $1, off;
-        @p cp.async.bulk.prefetch.L2.global [a], $3;
-        mov.u32 $0, 0;
-        }""",
-        "=r,l,r,r,r",
-        [first_row, row_stride, row_bytes, rows],
-        dtype=tl.int32,
-        is_pure=False,
-        pack=1,
     )
 
 
@@ -670,7 +647,7 @@ def decode_attention(
     m = torch.empty(partial, device=query.device, dtype=torch.float32)
     l_sum = torch.empty_like(m)
     acc = torch.empty(partial, head_dim, device=query.device, dtype=torch.float32)
-    counter = _counters(query.device, batch * kv_heads) if merge else m
+    counter = arrival_counters("decode_attention", query.device, batch * kv_heads) if merge else m
     gdc = pdl and merge and pdl_supported(query.device)
     decode_attention_split_kernel[(splits, batch * kv_heads)](
         query,
@@ -780,20 +757,6 @@ def _weight_args(weights: tuple[torch.Tensor, ...], dummy: torch.Tensor) -> list
             found += [tensor.view(torch.int8), tensor.numel() * tensor.element_size()]
         else:
             found += [dummy.view(torch.int8), 0]
-    return found
-
-
-# Arrival counters of the one-launch form, per device, grown on demand; every call leaves them
-# at 0 (the merging program resets its own), so one zeroed buffer serves every later call and
-# stays at a fixed address for CUDA-graph replays. Calls on one device run in stream order.
-_COUNTERS: dict[torch.device, torch.Tensor] = {}
-
-
-def _counters(device: torch.device, count: int) -> torch.Tensor:
-    found = _COUNTERS.get(device)
-    if found is None or found.numel() < count:
-        found = torch.zeros(max(count, 256), device=device, dtype=torch.int32)
-        _COUNTERS[device] = found
     return found
 
 

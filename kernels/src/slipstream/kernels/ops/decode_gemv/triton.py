@@ -63,24 +63,25 @@ except ImportError:
 
 
 @triton.jit
-def _l2_prefetch_run(first_row, row_bytes, rows):
-    """``cp.async.bulk.prefetch.L2`` of ``rows`` consecutive weight rows of ``row_bytes`` (a
-    multiple of 16) from ``first_row`` on (NVIDIA sm_90): thread ``t < rows`` of the program
-    requests row ``t``, so each row is asked for once whatever the tensor layouts."""
+def _l2_prefetch_rows(first_row, row_stride, row_bytes, rows):
+    """``cp.async.bulk.prefetch.L2`` of ``row_bytes`` (a multiple of 16) from each of ``rows``
+    rows ``row_stride`` bytes apart from ``first_row`` on (NVIDIA sm_90): thread ``t < rows``
+    of the program requests row ``t``, so each row is asked for once whatever the tensor
+    layouts (decode_attention prefetches its cache rows with it too)."""
     return tl.inline_asm_elementwise(
         """{
         .reg .pred p;
         .reg .u32 t;
         .reg .u64 a, off;
         mov.u32 t, %tid.x;
-        setp.lt.u32 p, t, $3;
+        setp.lt.u32 p, t, $4;
         mul.wide.u32 off, t, $2;
         add.u64 a, $1, off;
-        @p cp.async.bulk.prefetch.L2.global [a], $2;
+        @p cp.async.bulk.prefetch.L2.global [a], $3;
         mov.u32 $0, 0;
         }""",
-        "=r,l,r,r",
-        [first_row, row_bytes, rows],
+        "=r,l,r,r,r",
+        [first_row, row_stride, row_bytes, rows],
         dtype=tl.int32,
         is_pure=False,
         pack=1,
@@ -258,12 +259,14 @@ def decode_gemv_kernel(
                     per_head = HEAD_DIM // BLOCK_N
                     start = (ahead // per_head) * HEAD_DIM + (ahead % per_head) * (BLOCK_N // 2)
                     run = w_ptr + start.to(tl.int64) * K
-                    _l2_prefetch_run(run, row_bytes, BLOCK_N // 2)
-                    _l2_prefetch_run(run + (HEAD_DIM // 2) * K, row_bytes, BLOCK_N // 2)
+                    _l2_prefetch_rows(run, row_bytes, row_bytes, BLOCK_N // 2)
+                    _l2_prefetch_rows(run + (HEAD_DIM // 2) * K, row_bytes, row_bytes, BLOCK_N // 2)
                 else:
                     start = ahead * BLOCK_N
                     rows_left = tl.minimum(N - start, BLOCK_N)
-                    _l2_prefetch_run(w_ptr + start.to(tl.int64) * K, row_bytes, rows_left)
+                    _l2_prefetch_rows(
+                        w_ptr + start.to(tl.int64) * K, row_bytes, row_bytes, rows_left
+                    )
         tl.extra.cuda.gdc_wait()
         if not LATE_TRIGGER:
             tl.extra.cuda.gdc_launch_dependents()

@@ -21,7 +21,12 @@ from slipstream.kernels.ops.rms_norm.triton import (
     row_tile,
 )
 from slipstream.kernels.ops.rms_norm.triton import rms_norm as triton_rms_norm
-from slipstream.kernels.triton_support import AotSpec, check_kernel_device, next_power_of_2
+from slipstream.kernels.triton_support import (
+    AotSpec,
+    arrival_counters,
+    check_kernel_device,
+    next_power_of_2,
+)
 
 # Mask slots one program writes (per query row of the group).
 BLOCK_KEYS = 1024
@@ -244,7 +249,7 @@ def decode_inputs(
         key_valid.view(torch.uint8),
         slots,
         next_slot if next_slot is not None else slots,
-        _counter(device) if next_slot is not None else slots,
+        arrival_counters("decode_inputs", device, 1) if next_slot is not None else slots,
         embed_weight,
         position_weight if position_weight is not None else embed_weight,
         cos_table if cos_table is not None else mask,
@@ -285,18 +290,6 @@ def decode_inputs(
     if norm_weight is not None and normed is None:
         normed = triton_rms_norm(x, norm_weight, norm_eps)
     return x, cos, sin, mask, normed
-
-
-# The arrival counter of ``next_slot`` steps, one per device: every launch leaves it at 0, so
-# it stays zeroed at a fixed address for CUDA-graph replays (launches on a device run in order).
-_COUNTERS: dict[torch.device, torch.Tensor] = {}
-
-
-def _counter(device: torch.device) -> torch.Tensor:
-    found = _COUNTERS.get(device)
-    if found is None:
-        found = _COUNTERS[device] = torch.zeros(1, device=device, dtype=torch.int32)
-    return found
 
 
 def aot_specs() -> list[AotSpec]:
